@@ -1,0 +1,9 @@
+//! drumline-beat: computes when jobs are due and publishes each instance to RabbitMQ.
+//!
+//! - [`scheduler`] — the misfire decision ([`scheduler::plan`], pure) and the beat loop.
+//! - [`publisher`] — confirm-mode publishing, topology on (re)connect.
+//! - [`next`]      — `drumline-beat next`: upcoming instants with DST annotations.
+
+pub mod next;
+pub mod publisher;
+pub mod scheduler;

@@ -1,0 +1,92 @@
+//! `drumline-beat next`: upcoming instants in UTC and local time, with DST annotations, as an
+//! aligned table or (`--json`) as `[{job, utc, local, offset, note}]` (DESIGN §7–8).
+
+use chrono::{DateTime, Offset, SecondsFormat, Utc};
+use drumline_shared::config::Job;
+use drumline_shared::envelope::format_instant;
+use serde::Serialize;
+
+/// One line of `next`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Upcoming {
+    /// Job name.
+    pub job: String,
+    /// RFC 3339 UTC.
+    pub utc: String,
+    /// RFC 3339 with the local offset.
+    pub local: String,
+    /// `+HH:MM`.
+    pub offset: String,
+    /// `gap: shifted from 02:30`, `gap: skipped 02:30`, `fold: first of two`, … or null.
+    pub note: Option<String>,
+}
+
+/// The next `count` occurrences of `job` strictly after `from`, skipped ones included (they are
+/// what a reader of a DST schedule most needs to see).
+pub fn upcoming(job: &Job, from: DateTime<Utc>, count: usize) -> Vec<Upcoming> {
+    let mut out = Vec::with_capacity(count);
+    let mut cursor = from;
+    while out.len() < count {
+        let Some(occ) = job.schedule.next_occurrence_after(cursor) else {
+            break;
+        };
+        let local = occ.at.with_timezone(&job.timezone);
+        let secs = local.offset().fix().local_minus_utc();
+        let sign = if secs < 0 { '-' } else { '+' };
+        out.push(Upcoming {
+            job: job.name.clone(),
+            utc: format_instant(occ.at),
+            local: local.to_rfc3339_opts(SecondsFormat::AutoSi, true),
+            offset: format!(
+                "{sign}{:02}:{:02}",
+                secs.abs() / 3600,
+                secs.abs() % 3600 / 60
+            ),
+            note: occ.note.map(|n| n.to_string()),
+        });
+        cursor = occ.at;
+    }
+    out
+}
+
+/// Renders lines as an aligned table with a header.
+pub fn table(lines: &[Upcoming]) -> String {
+    let headers = ["JOB", "UTC", "LOCAL", "NOTE"];
+    let rows: Vec<[String; 4]> = lines
+        .iter()
+        .map(|l| {
+            [
+                l.job.clone(),
+                l.utc.clone(),
+                l.local.clone(),
+                l.note.clone().unwrap_or_default(),
+            ]
+        })
+        .collect();
+    let mut widths = headers.map(str::len);
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.len());
+        }
+    }
+    let mut out = String::new();
+    let mut push = |cells: [&str; 4]| {
+        let line = format!(
+            "{:<w0$}  {:<w1$}  {:<w2$}  {}",
+            cells[0],
+            cells[1],
+            cells[2],
+            cells[3],
+            w0 = widths[0],
+            w1 = widths[1],
+            w2 = widths[2]
+        );
+        out.push_str(line.trim_end());
+        out.push('\n');
+    };
+    push(headers);
+    for row in &rows {
+        push([&row[0], &row[1], &row[2], &row[3]]);
+    }
+    out
+}

@@ -1,0 +1,813 @@
+//! `drumline.toml` in two steps (DESIGN §6): a raw, deserialised form, then a checked
+//! [`Config`] in which cron strings, durations, zones and task references are already resolved.
+//! A bad config yields one [`ConfigError`] naming the file, the job or task, and the key.
+
+use crate::duration;
+use crate::schedule::{parse_timezone, CronExpr, DstFold, DstGap, Schedule};
+use chrono::{DateTime, Utc};
+use chrono_tz::Tz;
+use serde::Deserialize;
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Env var that overrides `[broker] url`.
+pub const ENV_AMQP_URL: &str = "DRUMLINE_AMQP_URL";
+/// Env var that overrides `[redis] url`.
+pub const ENV_REDIS_URL: &str = "DRUMLINE_REDIS_URL";
+/// Env var naming the config file when `--config` is not given.
+pub const ENV_CONFIG: &str = "DRUMLINE_CONFIG";
+/// Config file used when neither `--config` nor `DRUMLINE_CONFIG` is given.
+pub const DEFAULT_CONFIG_PATH: &str = "drumline.toml";
+
+/// A refused config: where, which key, what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigError {
+    /// The config file.
+    pub file: PathBuf,
+    /// `job "x"`, `task "y"`, `[worker]`, … or nothing for the top level.
+    pub place: Option<String>,
+    /// The offending key, if one.
+    pub key: Option<String>,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.file.display())?;
+        if let Some(place) = &self.place {
+            write!(f, ": {place}")?;
+        }
+        if let Some(key) = &self.key {
+            write!(f, ": key `{key}`")?;
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+/// The checked configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The file it came from.
+    pub path: PathBuf,
+    /// Namespace for every name on the broker and in Redis. Default `drumline`.
+    pub namespace: String,
+    /// AMQP URL; env `DRUMLINE_AMQP_URL` wins. Default `amqp://guest:guest@127.0.0.1:5672/%2f`.
+    pub broker_url: String,
+    /// Redis URL; env `DRUMLINE_REDIS_URL` wins. Default `redis://127.0.0.1:6379/0`.
+    pub redis_url: String,
+    /// `[beat]`.
+    pub beat: BeatConfig,
+    /// `[worker]`.
+    pub worker: WorkerConfig,
+    /// `[[jobs]]`, in file order.
+    pub jobs: Vec<Job>,
+    /// `[tasks.*]`, by name.
+    pub tasks: BTreeMap<String, Task>,
+}
+
+/// `[beat]` settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BeatConfig {
+    /// Leader lease. Default 10 s.
+    pub leader_lease: Duration,
+    /// An instance not published within this of its instant is missed. Default 5 s.
+    pub misfire_threshold: Duration,
+}
+
+/// `[worker]` settings (CLI flags win).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerConfig {
+    /// Tasks run at once, across all queues. Default 4.
+    pub concurrency: usize,
+    /// Logical queues consumed. Default `["default"]`.
+    pub queues: Vec<String>,
+    /// Claim lease, renewed every lease/3. Default 30 s.
+    pub lease: Duration,
+    /// How long in-flight handlers may finish after SIGTERM. Default 30 s.
+    pub shutdown_grace: Duration,
+    /// Retention of `done`/`skipped`/`dead` run states. Default 7 d.
+    pub done_ttl: Duration,
+    /// Message TTL of the `{ns}.dead` queue. Default 7 d.
+    pub dead_ttl: Duration,
+    /// Larger bodies are dead-lettered unread. Default 1 MiB.
+    pub max_message_bytes: usize,
+}
+
+/// What to do when a job's previous instance still runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Overlap {
+    /// Record the instance `skipped` (default).
+    #[default]
+    Skip,
+    /// Wait for the previous instance.
+    Queue,
+    /// Run concurrently.
+    Allow,
+}
+
+/// What the beat does with instances it could not publish in time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Misfire {
+    /// Publish only the latest missed instance (default).
+    #[default]
+    RunOnce,
+    /// Publish the missed instances oldest first (at most `max_catch_up`, the most recent).
+    CatchUp,
+    /// Publish none of them.
+    Skip,
+}
+
+/// One checked `[[jobs]]` entry.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// Unique name; part of every idempotency key.
+    pub name: String,
+    /// The `[tasks.*]` entry it runs.
+    pub task: String,
+    /// When it is due.
+    pub schedule: Schedule,
+    /// The rule as written (`cron "…"` / `every 30s`), for display.
+    pub schedule_text: String,
+    /// Zone the cron is evaluated in. Default UTC.
+    pub timezone: Tz,
+    /// Handed to the task.
+    pub args: serde_json::Value,
+    /// Message deadline relative to `scheduled_for`. Default none.
+    pub expires: Option<Duration>,
+    /// Default `skip`.
+    pub overlap: Overlap,
+    /// Default `run_once`.
+    pub misfire: Misfire,
+    /// Missed instances older than this are never published. Default 1 h.
+    pub misfire_grace: Duration,
+    /// Most missed instances `catch_up` publishes. Default 100.
+    pub max_catch_up: usize,
+    /// Logical queue. Default `default`.
+    pub queue: String,
+}
+
+/// One checked `[tasks.*]` entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Task {
+    /// Its name (the table key).
+    pub name: String,
+    /// Shell executor command (argv, no shell). `None` for tasks served by a Rust handler.
+    pub command: Option<Vec<String>>,
+    /// Kill the run after this long (retryable). Default none.
+    pub timeout: Option<Duration>,
+    /// Retries after the first run: at most `max_retries + 1` runs. Default 5.
+    pub max_retries: u32,
+    /// First retry delay, doubled per attempt. Default 1 s.
+    pub retry_base: Duration,
+    /// Retry delay cap. Default 10 min.
+    pub retry_max: Duration,
+    /// Exit codes that mean "do not retry". Default none.
+    pub permanent_exit_codes: Vec<i32>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw form
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    namespace: Option<String>,
+    #[serde(default)]
+    broker: RawUrl,
+    #[serde(default)]
+    redis: RawUrl,
+    #[serde(default)]
+    beat: RawBeat,
+    #[serde(default)]
+    worker: RawWorker,
+    #[serde(default)]
+    jobs: Vec<toml::Table>,
+    #[serde(default)]
+    tasks: BTreeMap<String, toml::Table>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawUrl {
+    url: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawBeat {
+    leader_lease: Option<String>,
+    misfire_threshold: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawWorker {
+    concurrency: Option<i64>,
+    queues: Option<Vec<String>>,
+    lease: Option<String>,
+    shutdown_grace: Option<String>,
+    done_ttl: Option<String>,
+    dead_ttl: Option<String>,
+    max_message_bytes: Option<i64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawJob {
+    name: String,
+    task: String,
+    cron: Option<String>,
+    every: Option<String>,
+    timezone: Option<String>,
+    args: Option<toml::Value>,
+    expires: Option<String>,
+    overlap: Option<Overlap>,
+    misfire: Option<Misfire>,
+    dst_gap: Option<DstGap>,
+    dst_fold: Option<DstFold>,
+    misfire_grace: Option<String>,
+    max_catch_up: Option<i64>,
+    anchor: Option<String>,
+    queue: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTask {
+    command: Option<Vec<String>>,
+    timeout: Option<String>,
+    max_retries: Option<i64>,
+    retry_base: Option<String>,
+    retry_max: Option<String>,
+    permanent_exit_codes: Option<Vec<i32>>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading and checking
+
+impl Config {
+    /// Reads and checks `path`; env `DRUMLINE_AMQP_URL` / `DRUMLINE_REDIS_URL` win over the file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: path.to_owned(),
+            place: None,
+            key: None,
+            message: format!("cannot read the config file: {e}"),
+        })?;
+        Self::parse(&text, path, |name| std::env::var(name).ok())
+    }
+
+    /// Checks `text` as if read from `path`, with `env` for the overrides (injected for tests).
+    pub fn parse(
+        text: &str,
+        path: &Path,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let fail = Failer { file: path };
+        let raw: RawConfig = toml::from_str(text).map_err(|e| fail.toml(None, e))?;
+
+        let namespace = raw.namespace.unwrap_or_else(|| "drumline".to_owned());
+        check_name(&namespace).map_err(|m| fail.at(None, "namespace", m))?;
+
+        let beat = BeatConfig {
+            leader_lease: fail.duration("[beat]", "leader_lease", &raw.beat.leader_lease, 10)?,
+            misfire_threshold: fail.duration(
+                "[beat]",
+                "misfire_threshold",
+                &raw.beat.misfire_threshold,
+                5,
+            )?,
+        };
+        let w = raw.worker;
+        let concurrency = w.concurrency.unwrap_or(4);
+        if concurrency < 1 {
+            return Err(fail.at(Some("[worker]"), "concurrency", "must be at least 1".into()));
+        }
+        let queues = w.queues.unwrap_or_else(|| vec!["default".to_owned()]);
+        if queues.is_empty() {
+            return Err(fail.at(
+                Some("[worker]"),
+                "queues",
+                "must name at least one queue".into(),
+            ));
+        }
+        for q in &queues {
+            check_name(q).map_err(|m| fail.at(Some("[worker]"), "queues", m))?;
+        }
+        let max_message_bytes = w.max_message_bytes.unwrap_or(1 << 20);
+        if max_message_bytes < 1 {
+            return Err(fail.at(
+                Some("[worker]"),
+                "max_message_bytes",
+                "must be positive".into(),
+            ));
+        }
+        let worker = WorkerConfig {
+            concurrency: concurrency as usize,
+            queues,
+            lease: fail.positive("[worker]", "lease", &w.lease, 30)?,
+            shutdown_grace: fail.duration("[worker]", "shutdown_grace", &w.shutdown_grace, 30)?,
+            done_ttl: fail.positive("[worker]", "done_ttl", &w.done_ttl, 7 * 86400)?,
+            dead_ttl: fail.positive("[worker]", "dead_ttl", &w.dead_ttl, 7 * 86400)?,
+            max_message_bytes: max_message_bytes as usize,
+        };
+        if worker.lease < Duration::from_secs(1) {
+            return Err(fail.at(Some("[worker]"), "lease", "must be at least 1s".into()));
+        }
+
+        let mut tasks = BTreeMap::new();
+        for (name, table) in raw.tasks {
+            let place = format!("task {name:?}");
+            check_name(&name).map_err(|m| fail.at(Some(&place), "name", m))?;
+            let t: RawTask = toml::Value::Table(table)
+                .try_into()
+                .map_err(|e| fail.toml(Some(&place), e))?;
+            tasks.insert(name.clone(), check_task(&fail, &place, name, t)?);
+        }
+
+        let mut jobs = Vec::new();
+        let mut seen = HashSet::new();
+        for (i, table) in raw.jobs.into_iter().enumerate() {
+            let place = match table.get("name").and_then(|n| n.as_str()) {
+                Some(name) => format!("job {name:?}"),
+                None => format!("jobs[{i}]"),
+            };
+            let j: RawJob = toml::Value::Table(table)
+                .try_into()
+                .map_err(|e| fail.toml(Some(&place), e))?;
+            if !seen.insert(j.name.clone()) {
+                return Err(fail.at(
+                    Some(&place),
+                    "name",
+                    "duplicate job name: job names must be unique".into(),
+                ));
+            }
+            jobs.push(check_job(&fail, &place, j, &tasks)?);
+        }
+
+        Ok(Config {
+            path: path.to_owned(),
+            namespace,
+            broker_url: env(ENV_AMQP_URL)
+                .or(raw.broker.url)
+                .unwrap_or_else(|| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned()),
+            redis_url: env(ENV_REDIS_URL)
+                .or(raw.redis.url)
+                .unwrap_or_else(|| "redis://127.0.0.1:6379/0".to_owned()),
+            beat,
+            worker,
+            jobs,
+            tasks,
+        })
+    }
+
+    /// The job named `name`.
+    pub fn job(&self, name: &str) -> Option<&Job> {
+        self.jobs.iter().find(|j| j.name == name)
+    }
+
+    /// Every logical queue anything here publishes to or consumes from.
+    pub fn all_queues(&self) -> Vec<String> {
+        let mut queues: Vec<String> = self.worker.queues.clone();
+        for job in &self.jobs {
+            if !queues.contains(&job.queue) {
+                queues.push(job.queue.clone());
+            }
+        }
+        queues
+    }
+}
+
+/// The config path: `--config` beats `DRUMLINE_CONFIG`, which beats `./drumline.toml`.
+pub fn resolve_path(flag: Option<PathBuf>) -> PathBuf {
+    flag.or_else(|| std::env::var_os(ENV_CONFIG).map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH))
+}
+
+fn check_task(fail: &Failer, place: &str, name: String, t: RawTask) -> Result<Task, ConfigError> {
+    if let Some(cmd) = &t.command {
+        if cmd.is_empty() || cmd[0].is_empty() {
+            return Err(fail.at(
+                Some(place),
+                "command",
+                "must name a program: command = [\"path\", \"arg\", …]".into(),
+            ));
+        }
+    }
+    let max_retries = t.max_retries.unwrap_or(5);
+    if !(0..=1000).contains(&max_retries) {
+        return Err(fail.at(
+            Some(place),
+            "max_retries",
+            "must be between 0 and 1000".into(),
+        ));
+    }
+    let retry_base = fail.positive(place, "retry_base", &t.retry_base, 1)?;
+    let retry_max = fail.positive(place, "retry_max", &t.retry_max, 600)?;
+    if retry_max < retry_base {
+        return Err(fail.at(
+            Some(place),
+            "retry_max",
+            "must not be smaller than retry_base".into(),
+        ));
+    }
+    Ok(Task {
+        name,
+        command: t.command,
+        timeout: match &t.timeout {
+            Some(_) => Some(fail.positive(place, "timeout", &t.timeout, 0)?),
+            None => None,
+        },
+        max_retries: max_retries as u32,
+        retry_base,
+        retry_max,
+        permanent_exit_codes: t.permanent_exit_codes.unwrap_or_default(),
+    })
+}
+
+fn check_job(
+    fail: &Failer,
+    place: &str,
+    j: RawJob,
+    tasks: &BTreeMap<String, Task>,
+) -> Result<Job, ConfigError> {
+    let at = |key: &str, message: String| fail.at(Some(place), key, message);
+    if j.name.is_empty() {
+        return Err(at("name", "must not be empty".into()));
+    }
+    if j.name.contains('@') || j.name.chars().any(char::is_whitespace) {
+        return Err(at(
+            "name",
+            "must not contain '@' or whitespace (it is part of the idempotency key)".into(),
+        ));
+    }
+    if !tasks.contains_key(&j.task) {
+        let known: Vec<&str> = tasks.keys().map(String::as_str).collect();
+        return Err(at(
+            "task",
+            format!(
+                "no task named {:?}; define [tasks.{}] (known tasks: {})",
+                j.task,
+                j.task,
+                if known.is_empty() {
+                    "none".to_owned()
+                } else {
+                    known.join(", ")
+                }
+            ),
+        ));
+    }
+    let timezone = match &j.timezone {
+        Some(name) => parse_timezone(name).map_err(|e| at("timezone", e.to_string()))?,
+        None => chrono_tz::UTC,
+    };
+    let (schedule, schedule_text) = match (&j.cron, &j.every) {
+        (Some(_), Some(_)) => {
+            return Err(at(
+                "cron",
+                "give exactly one of `cron` and `every`, not both".into(),
+            ))
+        }
+        (None, None) => {
+            return Err(at(
+                "cron",
+                "give exactly one of `cron` and `every`; neither is set".into(),
+            ))
+        }
+        (Some(cron), None) => {
+            if j.anchor.is_some() {
+                return Err(at("anchor", "only applies to `every` jobs".into()));
+            }
+            let cron_expr = CronExpr::parse(cron).map_err(|e| at("cron", e.to_string()))?;
+            (
+                Schedule::Cron {
+                    cron: cron_expr,
+                    tz: timezone,
+                    gap: j.dst_gap.unwrap_or_default(),
+                    fold: j.dst_fold.unwrap_or_default(),
+                },
+                format!("cron \"{cron}\""),
+            )
+        }
+        (None, Some(every_text)) => {
+            let every = duration::parse(every_text).map_err(|e| at("every", e))?;
+            if every.is_zero() {
+                return Err(at("every", "must be greater than zero".into()));
+            }
+            let anchor = match &j.anchor {
+                Some(text) => DateTime::parse_from_rfc3339(text)
+                    .map(|t| t.with_timezone(&Utc))
+                    .map_err(|e| {
+                        at("anchor", format!("{text:?} is not an RFC 3339 instant ({e}); write e.g. \"2026-01-01T00:00:00Z\""))
+                    })?,
+                None => DateTime::UNIX_EPOCH,
+            };
+            (
+                Schedule::Every {
+                    every: chrono::Duration::from_std(every)
+                        .map_err(|_| at("every", "is too large".into()))?,
+                    anchor,
+                },
+                format!("every {}", duration::format(every)),
+            )
+        }
+    };
+    let overlap = j.overlap.unwrap_or_default();
+    let misfire = j.misfire.unwrap_or_default();
+    if misfire == Misfire::CatchUp && overlap == Overlap::Skip {
+        return Err(at(
+            "overlap",
+            "misfire = \"catch_up\" with overlap = \"skip\" would drop the caught-up instances; set overlap = \"queue\" or \"allow\"".into(),
+        ));
+    }
+    let max_catch_up = j.max_catch_up.unwrap_or(100);
+    if max_catch_up < 1 {
+        return Err(at("max_catch_up", "must be at least 1".into()));
+    }
+    let queue = j.queue.unwrap_or_else(|| "default".to_owned());
+    check_name(&queue).map_err(|m| at("queue", m))?;
+    let args = match j.args {
+        None => serde_json::json!({}),
+        Some(v) => serde_json::to_value(v).map_err(|e| at("args", e.to_string()))?,
+    };
+    Ok(Job {
+        name: j.name,
+        task: j.task,
+        schedule,
+        schedule_text,
+        timezone,
+        args,
+        expires: match &j.expires {
+            Some(_) => Some(fail.positive(place, "expires", &j.expires, 0)?),
+            None => None,
+        },
+        overlap,
+        misfire,
+        misfire_grace: fail.duration(place, "misfire_grace", &j.misfire_grace, 3600)?,
+        max_catch_up: max_catch_up as usize,
+        queue,
+    })
+}
+
+/// Names that become part of queue names and Redis keys.
+fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_')))
+    {
+        return Err(format!(
+            "{name:?} contains {c:?}; use letters, digits, '-' and '_'"
+        ));
+    }
+    Ok(())
+}
+
+/// Builds errors for one file.
+struct Failer<'a> {
+    file: &'a Path,
+}
+
+impl Failer<'_> {
+    fn at(&self, place: Option<&str>, key: &str, message: String) -> ConfigError {
+        ConfigError {
+            file: self.file.to_owned(),
+            place: place.map(str::to_owned),
+            key: Some(key.to_owned()),
+            message,
+        }
+    }
+
+    /// A toml/serde error; pulls the key out of "unknown field `x`" / "missing field `x`".
+    fn toml(&self, place: Option<&str>, e: toml::de::Error) -> ConfigError {
+        let message = e.message().to_owned();
+        let key = ["unknown field `", "missing field `", "unknown variant `"]
+            .iter()
+            .find_map(|prefix| {
+                let rest = message.strip_prefix(prefix)?;
+                Some(rest[..rest.find('`')?].to_owned())
+            });
+        let key = match (key, message.starts_with("unknown variant")) {
+            // For an enum value the field is what matters; serde does not say which, so
+            // leave it to the message ("unknown variant `x`, expected one of …").
+            (Some(_), true) => None,
+            (k, _) => k,
+        };
+        let message = match e.span() {
+            Some(span) if place.is_none() => format!("{message} (at byte {})", span.start),
+            _ => message,
+        };
+        ConfigError {
+            file: self.file.to_owned(),
+            place: place.map(str::to_owned),
+            key,
+            message,
+        }
+    }
+
+    fn duration(
+        &self,
+        place: &str,
+        key: &str,
+        raw: &Option<String>,
+        default_secs: u64,
+    ) -> Result<Duration, ConfigError> {
+        match raw {
+            None => Ok(Duration::from_secs(default_secs)),
+            Some(text) => duration::parse(text).map_err(|m| self.at(Some(place), key, m)),
+        }
+    }
+
+    fn positive(
+        &self,
+        place: &str,
+        key: &str,
+        raw: &Option<String>,
+        default_secs: u64,
+    ) -> Result<Duration, ConfigError> {
+        let d = self.duration(place, key, raw, default_secs)?;
+        if d.is_zero() {
+            return Err(self.at(Some(place), key, "must be greater than zero".into()));
+        }
+        Ok(d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TASKS: &str = "[tasks.t]\ncommand = [\"/bin/true\"]\n";
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(text, Path::new("/etc/d.toml"), |_| None)
+    }
+
+    fn err(text: &str) -> String {
+        parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_match_the_design() {
+        let c = parse(&format!(
+            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"30s\"\n{TASKS}"
+        ))
+        .unwrap();
+        assert_eq!(c.namespace, "drumline");
+        assert_eq!(c.broker_url, "amqp://guest:guest@127.0.0.1:5672/%2f");
+        assert_eq!(c.redis_url, "redis://127.0.0.1:6379/0");
+        assert_eq!(c.beat.leader_lease, Duration::from_secs(10));
+        assert_eq!(c.beat.misfire_threshold, Duration::from_secs(5));
+        assert_eq!(c.worker.concurrency, 4);
+        assert_eq!(c.worker.queues, vec!["default"]);
+        assert_eq!(c.worker.lease, Duration::from_secs(30));
+        assert_eq!(c.worker.done_ttl, Duration::from_secs(7 * 86400));
+        assert_eq!(c.worker.max_message_bytes, 1 << 20);
+        let j = &c.jobs[0];
+        assert_eq!(
+            (j.overlap, j.misfire, j.max_catch_up),
+            (Overlap::Skip, Misfire::RunOnce, 100)
+        );
+        assert_eq!(j.misfire_grace, Duration::from_secs(3600));
+        assert_eq!(j.queue, "default");
+        assert_eq!(j.schedule_text, "every 30s");
+        let t = &c.tasks["t"];
+        assert_eq!(
+            (t.max_retries, t.retry_base, t.retry_max),
+            (5, Duration::from_secs(1), Duration::from_secs(600))
+        );
+    }
+
+    #[test]
+    fn env_overrides_the_file() {
+        let c = Config::parse(
+            "[broker]\nurl = \"amqp://file\"\n[redis]\nurl = \"redis://file\"\n",
+            Path::new("d.toml"),
+            |name| (name == ENV_REDIS_URL).then(|| "redis://env".to_owned()),
+        )
+        .unwrap();
+        assert_eq!(c.broker_url, "amqp://file");
+        assert_eq!(c.redis_url, "redis://env");
+    }
+
+    #[test]
+    fn unknown_key_names_file_job_and_key() {
+        let e = err(&format!(
+            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"1s\"\nfrequency = 3\n{TASKS}"
+        ));
+        assert!(
+            e.starts_with("/etc/d.toml: job \"j\": key `frequency`: unknown field"),
+            "{e}"
+        );
+        let e = err("[worker]\nconcurency = 3\n");
+        assert!(e.contains("key `concurency`"), "{e}");
+    }
+
+    #[test]
+    fn cron_and_every_exactly_one() {
+        let both = err(&format!(
+            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"1s\"\ncron = \"* * * * *\"\n{TASKS}"
+        ));
+        assert!(
+            both.contains(
+                "job \"j\": key `cron`: give exactly one of `cron` and `every`, not both"
+            ),
+            "{both}"
+        );
+        let neither = err(&format!("[[jobs]]\nname = \"j\"\ntask = \"t\"\n{TASKS}"));
+        assert!(
+            neither.contains("job \"j\"") && neither.contains("neither is set"),
+            "{neither}"
+        );
+    }
+
+    #[test]
+    fn bad_duration_and_zero_every() {
+        let e = err(&format!(
+            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"soon\"\n{TASKS}"
+        ));
+        assert!(
+            e.contains("job \"j\": key `every`: \"soon\" is not a duration"),
+            "{e}"
+        );
+        let e = err(&format!(
+            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"0s\"\n{TASKS}"
+        ));
+        assert!(e.contains("key `every`: must be greater than zero"), "{e}");
+        let e = err("[worker]\nlease = \"forever\"\n");
+        assert!(e.contains("[worker]: key `lease`"), "{e}");
+    }
+
+    #[test]
+    fn missing_task_and_duplicate_names() {
+        let e = err(&format!(
+            "[[jobs]]\nname = \"j\"\ntask = \"nope\"\nevery = \"1s\"\n{TASKS}"
+        ));
+        assert!(
+            e.contains("job \"j\": key `task`: no task named \"nope\""),
+            "{e}"
+        );
+        let e = err(&format!(
+            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"1s\"\n[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"2s\"\n{TASKS}"
+        ));
+        assert!(
+            e.contains("job \"j\": key `name`: duplicate job name"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bad_anchor_and_catch_up_with_skip() {
+        let e = err(&format!(
+            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"1m\"\nanchor = \"yesterday\"\n{TASKS}"
+        ));
+        assert!(
+            e.contains("key `anchor`: \"yesterday\" is not an RFC 3339 instant"),
+            "{e}"
+        );
+        let e = err(&format!(
+            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"1m\"\nmisfire = \"catch_up\"\n{TASKS}"
+        ));
+        assert!(e.contains("key `overlap`"), "{e}");
+        let e = err(&format!("[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"1m\"\nmisfire = \"sometimes\"\n{TASKS}"));
+        assert!(
+            e.contains("job \"j\"") && e.contains("unknown variant `sometimes`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bad_timezone_and_cron_are_named() {
+        let e = err(&format!("[[jobs]]\nname = \"j\"\ntask = \"t\"\ncron = \"0 3 * * *\"\ntimezone = \"Mars/Olympus\"\n{TASKS}"));
+        assert!(
+            e.contains("job \"j\": key `timezone`: unknown time zone"),
+            "{e}"
+        );
+        let e = err(&format!(
+            "[[jobs]]\nname = \"j\"\ntask = \"t\"\ncron = \"0 99 * * *\"\n{TASKS}"
+        ));
+        assert!(e.contains("job \"j\": key `cron`"), "{e}");
+    }
+
+    #[test]
+    fn bad_names_are_refused() {
+        let e = err("namespace = \"a b\"\n");
+        assert!(e.contains("key `namespace`"), "{e}");
+        let e = err(&format!(
+            "[[jobs]]\nname = \"a@b\"\ntask = \"t\"\nevery = \"1s\"\n{TASKS}"
+        ));
+        assert!(e.contains("key `name`"), "{e}");
+    }
+
+    #[test]
+    fn resolves_path_flag_first() {
+        assert_eq!(resolve_path(Some("x.toml".into())), PathBuf::from("x.toml"));
+    }
+}

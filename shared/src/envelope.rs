@@ -1,0 +1,309 @@
+//! The v1 task message (DESIGN §3): the JSON body, the idempotency key, and the AMQP
+//! properties and headers every publisher sets.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::BasicProperties;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// Header: task name.
+pub const H_TASK: &str = "x-drumline-task";
+/// Header: attempt number (0 for the first run).
+pub const H_ATTEMPT: &str = "x-drumline-attempt";
+/// Header: scheduled instant.
+pub const H_SCHEDULED_FOR: &str = "x-drumline-scheduled-for";
+/// Header: the publishing beat's leadership epoch.
+pub const H_EPOCH: &str = "x-drumline-epoch";
+/// Header on dead letters: why.
+pub const H_REASON: &str = "x-drumline-reason";
+/// Header on dead letters: the last error.
+pub const H_ERROR: &str = "x-drumline-error";
+/// Header on dead letters: runs made.
+pub const H_ATTEMPTS: &str = "x-drumline-attempts";
+
+/// The envelope, version 1.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Envelope {
+    /// Format version; always 1.
+    pub v: u32,
+    /// Unique id of this message (not of the instance).
+    pub id: Uuid,
+    /// Idempotency key: `{job}@{scheduled_for}` or the ad-hoc key.
+    pub key: String,
+    /// Task name, resolved by the worker's config.
+    pub task: String,
+    /// Job name; `None` for ad-hoc tasks.
+    pub job: Option<String>,
+    /// Arguments, handed to the handler (shell: on stdin).
+    pub args: serde_json::Value,
+    /// The instant the instance is due.
+    #[serde(with = "rfc3339")]
+    pub scheduled_for: DateTime<Utc>,
+    /// When this copy was published.
+    #[serde(with = "rfc3339")]
+    pub published_at: DateTime<Utc>,
+    /// Deadline after which the instance must not run.
+    #[serde(with = "rfc3339_opt")]
+    pub expires_at: Option<DateTime<Utc>>,
+    /// 0 for the first run, +1 per retry.
+    pub attempt: u32,
+    /// Logical queue (routing key).
+    pub queue: String,
+}
+
+/// Why a body is not a valid envelope.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// Not JSON, or not the v1 shape.
+    #[error("malformed envelope: {0}")]
+    Malformed(#[from] serde_json::Error),
+    /// A version this worker does not speak.
+    #[error("unsupported envelope version {0}")]
+    Version(u32),
+}
+
+/// Formats an instant the way every drumline message and key writes it: RFC 3339, UTC, `Z`,
+/// seconds precision unless there are sub-seconds.
+pub fn format_instant(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::AutoSi, true)
+}
+
+/// The idempotency key of a scheduled instance.
+pub fn instance_key(job: &str, scheduled_for: DateTime<Utc>) -> String {
+    format!("{job}@{}", format_instant(scheduled_for))
+}
+
+impl Envelope {
+    /// A scheduled instance of `job`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scheduled(
+        job: &str,
+        task: &str,
+        queue: &str,
+        args: serde_json::Value,
+        scheduled_for: DateTime<Utc>,
+        expires_at: Option<DateTime<Utc>>,
+        now: DateTime<Utc>,
+    ) -> Self {
+        Self {
+            v: 1,
+            id: Uuid::new_v4(),
+            key: instance_key(job, scheduled_for),
+            task: task.to_owned(),
+            job: Some(job.to_owned()),
+            args,
+            scheduled_for,
+            published_at: now,
+            expires_at,
+            attempt: 0,
+            queue: queue.to_owned(),
+        }
+    }
+
+    /// Decodes a message body.
+    pub fn decode(body: &[u8]) -> Result<Self, DecodeError> {
+        // Look at the version first so a v2 message gets a precise reason.
+        let raw: serde_json::Value = serde_json::from_slice(body)?;
+        if let Some(v) = raw.get("v").and_then(|v| v.as_u64()) {
+            if v != 1 {
+                return Err(DecodeError::Version(v as u32));
+            }
+        }
+        Ok(serde_json::from_value(raw)?)
+    }
+
+    /// Encodes the body.
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("an envelope always serialises")
+    }
+
+    /// True when the deadline has passed at `now`.
+    pub fn is_expired(&self, now: DateTime<Utc>) -> bool {
+        self.expires_at.is_some_and(|at| at <= now)
+    }
+
+    /// AMQP properties: persistent, JSON, `message_id` = key, timestamp, expiration and the
+    /// drumline headers. `epoch` is set by the beat only.
+    pub fn properties(&self, now: DateTime<Utc>, epoch: Option<u64>) -> BasicProperties {
+        let mut headers = FieldTable::default();
+        headers.insert(H_TASK.into(), long_string(&self.task));
+        headers.insert(
+            H_ATTEMPT.into(),
+            AMQPValue::LongLongInt(self.attempt as i64),
+        );
+        headers.insert(
+            H_SCHEDULED_FOR.into(),
+            long_string(&format_instant(self.scheduled_for)),
+        );
+        if let Some(epoch) = epoch {
+            headers.insert(H_EPOCH.into(), AMQPValue::LongLongInt(epoch as i64));
+        }
+        let mut props = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type(ShortString::from("application/json"))
+            .with_message_id(ShortString::from(self.key.clone()))
+            .with_timestamp(now.timestamp().max(0) as u64)
+            .with_headers(headers);
+        if let Some(at) = self.expires_at {
+            let left = (at - now).num_milliseconds().max(1);
+            props = props.with_expiration(ShortString::from(left.to_string()));
+        }
+        props
+    }
+}
+
+/// A header value as an AMQP long string.
+pub fn long_string(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+}
+
+/// Reads a string header, if present.
+pub fn header_str(headers: Option<&FieldTable>, name: &str) -> Option<String> {
+    let value = headers?.inner().get(name)?;
+    match value {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}
+
+/// Reads an integer header, if present.
+pub fn header_int(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
+    match headers?.inner().get(name)? {
+        AMQPValue::LongLongInt(n) => Some(*n),
+        AMQPValue::LongInt(n) => Some(*n as i64),
+        AMQPValue::ShortInt(n) => Some(*n as i64),
+        AMQPValue::LongUInt(n) => Some(*n as i64),
+        _ => None,
+    }
+}
+
+mod rfc3339 {
+    use chrono::{DateTime, Utc};
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&super::format_instant(*t))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DateTime<Utc>, D::Error> {
+        let text = String::deserialize(d)?;
+        DateTime::parse_from_rfc3339(&text)
+            .map(|t| t.with_timezone(&Utc))
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+mod rfc3339_opt {
+    use chrono::{DateTime, Utc};
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(t: &Option<DateTime<Utc>>, s: S) -> Result<S::Ok, S::Error> {
+        match t {
+            Some(t) => s.serialize_str(&super::format_instant(*t)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<DateTime<Utc>>, D::Error> {
+        let text = Option::<String>::deserialize(d)?;
+        text.map(|text| {
+            DateTime::parse_from_rfc3339(&text)
+                .map(|t| t.with_timezone(&Utc))
+                .map_err(serde::de::Error::custom)
+        })
+        .transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    fn at(h: u32, m: u32) -> DateTime<Utc> {
+        Utc.with_ymd_and_hms(2026, 3, 8, h, m, 0).unwrap()
+    }
+
+    #[test]
+    fn key_is_job_at_rfc3339_utc() {
+        assert_eq!(
+            instance_key("nightly-report", at(7, 30)),
+            "nightly-report@2026-03-08T07:30:00Z"
+        );
+    }
+
+    #[test]
+    fn round_trips_through_json() {
+        let env = Envelope::scheduled(
+            "j",
+            "t",
+            "default",
+            serde_json::json!({"region": "eu"}),
+            at(7, 30),
+            Some(at(8, 30)),
+            at(7, 30),
+        );
+        let body = env.encode();
+        let text = String::from_utf8(body.clone()).unwrap();
+        assert!(
+            text.contains("\"scheduled_for\":\"2026-03-08T07:30:00Z\""),
+            "{text}"
+        );
+        assert_eq!(Envelope::decode(&body).unwrap(), env);
+    }
+
+    #[test]
+    fn design_example_decodes() {
+        let body = br#"{"v":1,"id":"6f1c1c1e-7c1a-4c1a-9c1a-1c1a1c1a1c1a","key":"nightly-report@2026-03-08T07:30:00Z","task":"report",
+ "job":"nightly-report","args":{},"scheduled_for":"2026-03-08T07:30:00Z",
+ "published_at":"2026-03-08T07:30:00.012Z","expires_at":null,"attempt":0,"queue":"default"}"#;
+        let env = Envelope::decode(body).unwrap();
+        assert_eq!(env.job.as_deref(), Some("nightly-report"));
+        assert_eq!(env.expires_at, None);
+        assert!(!env.is_expired(at(23, 0)));
+    }
+
+    #[test]
+    fn garbage_and_future_versions_are_refused() {
+        assert!(matches!(
+            Envelope::decode(b"not json"),
+            Err(DecodeError::Malformed(_))
+        ));
+        assert!(matches!(
+            Envelope::decode(b"{\"v\":1}"),
+            Err(DecodeError::Malformed(_))
+        ));
+        assert!(matches!(
+            Envelope::decode(b"{\"v\":2}"),
+            Err(DecodeError::Version(2))
+        ));
+    }
+
+    #[test]
+    fn properties_carry_key_headers_and_expiration() {
+        let env = Envelope::scheduled(
+            "j",
+            "t",
+            "q",
+            serde_json::json!({}),
+            at(7, 30),
+            Some(at(7, 31)),
+            at(7, 30),
+        );
+        let props = env.properties(at(7, 30), Some(3));
+        assert_eq!(props.message_id().as_ref().unwrap().as_str(), env.key);
+        assert_eq!(*props.delivery_mode(), Some(2));
+        assert_eq!(props.expiration().as_ref().unwrap().as_str(), "60000");
+        let headers = props.headers().as_ref();
+        assert_eq!(header_str(headers, H_TASK).as_deref(), Some("t"));
+        assert_eq!(header_int(headers, H_ATTEMPT), Some(0));
+        assert_eq!(header_int(headers, H_EPOCH), Some(3));
+        assert_eq!(
+            header_str(headers, H_SCHEDULED_FOR).as_deref(),
+            Some("2026-03-08T07:30:00Z")
+        );
+    }
+}

@@ -1,0 +1,19 @@
+//! drumline-shared: the pieces the beat and the workers agree on.
+//!
+//! - [`config`]   — `drumline.toml`: raw form, checked form, one clear error per bad key.
+//! - [`envelope`] — the v1 task message body and its AMQP properties/headers.
+//! - [`names`]    — every exchange, queue and Redis key name, derived from the namespace.
+//! - [`schedule`] — pure schedule math: cron in a time zone with DST policies, fixed-rate intervals.
+//! - [`store`]    — Redis state as atomic Lua scripts: claim, renew, complete, release, last instant.
+//! - [`topology`] — declaring the exchanges and queues on RabbitMQ.
+//! - [`duration`] — humantime durations in config and on the command line.
+//! - [`logging`]  — tracing set-up shared by both binaries (`--log-format human|json`).
+
+pub mod config;
+pub mod duration;
+pub mod envelope;
+pub mod logging;
+pub mod names;
+pub mod schedule;
+pub mod store;
+pub mod topology;

@@ -1,0 +1,1935 @@
+//! Schedule math: when is a job due? Pure code, time injected, no I/O.
+//!
+//! Two kinds of rule (DESIGN.md §2):
+//!
+//! - **Cron** ([`CronExpr`]): 5 fields (`min hour dom month dow`, seconds = 0) or 6 fields (leading
+//!   seconds), evaluated on the *wall clock* of an IANA zone, with explicit policies for wall times
+//!   that do not exist ([`DstGap`]) or happen twice ([`DstFold`]).
+//! - **Every**: a fixed rate `anchor + k·every` on the UTC timeline (elapsed time, no DST effect).
+//!
+//! # Ordering contract
+//!
+//! [`Schedule::next_occurrence_after`] yields occurrences in strictly increasing `at` order and
+//! **at most one occurrence per UTC instant**: wall times that collapse onto one instant (every
+//! wall time of a gap under `shift`, plus the wall time right after the gap) are merged into one
+//! occurrence. When a `skip`ped gap marker would share its instant (the transition) with a real
+//! run (the cron also matches the first wall time after the gap), the real run wins and the marker
+//! disappears. Hence [`Schedule::next_after`] may step over skipped occurrences with
+//! `after = occ.at` without ever losing a real one.
+//!
+//! # Why a hand-written cron parser
+//!
+//! We evaluate the field sets ourselves (DST policies), so a crate would only parse. `croner` 4
+//! exposes its bit sets but keeps the `*` flags that decide Vixie's day-of-month/day-of-week OR
+//! private, accepts Quartz extensions (`L`, `W`, `#`, years) we would have to screen out, and its
+//! errors do not name the field; `cron` 0.17 speaks another dialect (mandatory seconds, weekday
+//! 1 = Sunday, no OR); `saffron` 0.1 is UTC-only. So the ~200 lines of parsing live here.
+
+use chrono::{
+    DateTime, Datelike, LocalResult, NaiveDate, NaiveDateTime, NaiveTime, Offset, TimeDelta,
+    TimeZone, Timelike, Utc,
+};
+use chrono_tz::Tz;
+use std::fmt;
+use std::str::FromStr;
+
+/// How far ahead a cron search looks before giving up (`None`). The rarest satisfiable
+/// expression, Feb 29 only, can wait 8 years (2096 → 2104).
+const HORIZON_YEARS: i32 = 10;
+
+/// What to do with a local time that does not exist (spring-forward gap). Default `Shift`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DstGap {
+    /// Run at the first valid instant after the gap (the transition itself).
+    #[default]
+    Shift,
+    /// Do not run.
+    Skip,
+}
+
+/// What to do with a local time that happens twice (fall-back fold). Default `First`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DstFold {
+    /// Run at the earlier of the two instants.
+    #[default]
+    First,
+    /// Run at the later of the two instants.
+    Second,
+    /// Run at both.
+    Both,
+}
+
+/// Why a parse failed; the message names the field and the reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ScheduleError(pub String);
+
+// ---------------------------------------------------------------------------------------------
+// Cron parsing
+// ---------------------------------------------------------------------------------------------
+
+/// A parsed cron expression (5 fields, or 6 with leading seconds).
+///
+/// Syntax per field: `*`, `n`, `a-b`, `*/n`, `a-b/n`, `a/n` (from `a` to the field's maximum),
+/// and comma lists of those. Months accept `JAN`–`DEC`, weekdays `SUN`–`SAT` (case-insensitive);
+/// weekday `0` and `7` are both Sunday, and a weekday range may end in Sunday (`FRI-SUN`).
+/// The macros `@yearly`/`@annually`, `@monthly`, `@weekly`, `@daily`/`@midnight` and `@hourly`
+/// are accepted. Quartz extensions (`?`, `L`, `W`, `#`) are not.
+///
+/// Day semantics are Vixie cron's: when both day-of-month and day-of-week are restricted (neither
+/// field is exactly `*`), a day matches if **either** matches; otherwise both must match.
+/// Consequently `0 0 */1 * MON` means every day (`*/1` is a restriction that happens to cover all
+/// days), which is what Vixie's documentation says and what a literal reading gives.
+///
+/// An expression that can never match (`0 0 30 2 *`) is refused by [`CronExpr::parse`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CronExpr {
+    /// The expression as written (trimmed), for display.
+    text: String,
+    /// Bit `s` set when second `s` matches (0–59).
+    seconds: u64,
+    /// Bit `m` set when minute `m` matches (0–59).
+    minutes: u64,
+    /// Bit `h` set when hour `h` matches (0–23).
+    hours: u32,
+    /// Bit `d` set when day-of-month `d` matches (1–31).
+    days: u32,
+    /// Bit `m` set when month `m` matches (1–12).
+    months: u16,
+    /// Bit `w` set when weekday `w` matches (0 = Sunday … 6).
+    weekdays: u8,
+    /// Day-of-month field was exactly `*`.
+    dom_any: bool,
+    /// Day-of-week field was exactly `*`.
+    dow_any: bool,
+    /// Written with 6 fields.
+    has_seconds: bool,
+    /// For each weekday `w` of the 1st of a month: the days of that month (bit `d`) whose weekday
+    /// is in `weekdays`. Precomputed so a month's matching days are a couple of bit operations.
+    dow_days_by_first: [u32; 7],
+}
+
+/// One cron field's rules.
+struct Field {
+    name: &'static str,
+    min: u32,
+    /// Largest value accepted as written (7 for weekdays: Sunday again).
+    max: u32,
+    /// Largest value `*` and `a/n` expand to (6 for weekdays, so `1/2` does not include Sunday).
+    star_max: u32,
+    names: &'static [&'static str],
+    /// What the kind of name is called in error messages.
+    names_desc: &'static str,
+}
+
+const MONTH_NAMES: [&str; 12] = [
+    "JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC",
+];
+const WEEKDAY_NAMES: [&str; 7] = ["SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT"];
+
+const SECOND: Field = Field {
+    name: "second",
+    min: 0,
+    max: 59,
+    star_max: 59,
+    names: &[],
+    names_desc: "",
+};
+const MINUTE: Field = Field {
+    name: "minute",
+    ..SECOND
+};
+const HOUR: Field = Field {
+    name: "hour",
+    min: 0,
+    max: 23,
+    star_max: 23,
+    names: &[],
+    names_desc: "",
+};
+const DAY_OF_MONTH: Field = Field {
+    name: "day-of-month",
+    min: 1,
+    max: 31,
+    star_max: 31,
+    names: &[],
+    names_desc: "",
+};
+const MONTH: Field = Field {
+    name: "month",
+    min: 1,
+    max: 12,
+    star_max: 12,
+    names: &MONTH_NAMES,
+    names_desc: "month name (JAN-DEC)",
+};
+const DAY_OF_WEEK: Field = Field {
+    name: "day-of-week",
+    min: 0,
+    max: 7,
+    star_max: 6,
+    names: &WEEKDAY_NAMES,
+    names_desc: "weekday name (SUN-SAT)",
+};
+
+impl Field {
+    /// Parses one value: a number in range or (where the field has them) a name.
+    fn value(&self, s: &str) -> Result<u32, String> {
+        if s.is_empty() {
+            return Err("missing value".into());
+        }
+        if s.bytes().all(|b| b.is_ascii_digit()) {
+            return match s.parse::<u32>() {
+                Ok(v) if (self.min..=self.max).contains(&v) => Ok(v),
+                _ => Err(format!("{s} is out of range {}-{}", self.min, self.max)),
+            };
+        }
+        if let Some(i) = self.names.iter().position(|n| n.eq_ignore_ascii_case(s)) {
+            // Month names count from 1, weekday names from 0 (= their index).
+            return Ok(i as u32 + self.min);
+        }
+        if is_quartz(s) {
+            return Err(format!(
+                "{s:?} is Quartz syntax (?, L, W, #), which is not supported"
+            ));
+        }
+        if self.names.is_empty() {
+            Err(format!("{s:?} is not a number"))
+        } else {
+            Err(format!("{s:?} is not a number or {}", self.names_desc))
+        }
+    }
+
+    /// Parses a whole field into a bit set (bit `v` for value `v`).
+    fn parse(&self, text: &str) -> Result<u64, String> {
+        let mut bits = 0u64;
+        for item in text.split(',') {
+            if item.is_empty() {
+                return Err(format!("empty item in list {text:?}"));
+            }
+            let (range, step) = match item.split_once('/') {
+                Some((range, step)) => (range, Some(parse_step(step)?)),
+                None => (item, None),
+            };
+            let (lo, hi) = if range == "*" {
+                (self.min, self.star_max)
+            } else if let Some((a, b)) = range.split_once('-') {
+                let lo = self.value(a)?;
+                let mut hi = self.value(b)?;
+                // `FRI-SUN`: a weekday range may end on Sunday written as 0.
+                if self.max == 7 && hi == 0 && lo > 0 {
+                    hi = 7;
+                }
+                if lo > hi {
+                    return Err(format!(
+                        "range {range} goes backwards (wrap-around is not supported; \
+                         use a list such as {a}-{max},{min}-{b})",
+                        max = self.star_max,
+                        min = self.min
+                    ));
+                }
+                (lo, hi)
+            } else {
+                let v = self.value(range)?;
+                // `a/n` runs from `a` to the end of the field, as in Vixie cron.
+                (
+                    v,
+                    if step.is_some() {
+                        self.star_max.max(v)
+                    } else {
+                        v
+                    },
+                )
+            };
+            for v in (lo..=hi).step_by(step.unwrap_or(1) as usize) {
+                bits |= 1 << v;
+            }
+        }
+        if self.max == 7 && bits & (1 << 7) != 0 {
+            bits = (bits & !(1 << 7)) | 1;
+        }
+        Ok(bits)
+    }
+}
+
+/// `?`, `L`, `LW`, `15W`, `5L`, `5#3`: Quartz extensions, worth a specific message.
+fn is_quartz(s: &str) -> bool {
+    let digits_then = |suffix: char| {
+        s.strip_suffix(suffix)
+            .is_some_and(|head| !head.is_empty() && head.bytes().all(|b| b.is_ascii_digit()))
+    };
+    matches!(s, "?" | "L" | "LW") || s.contains('#') || digits_then('L') || digits_then('W')
+}
+
+fn parse_step(s: &str) -> Result<u32, String> {
+    if s.is_empty() {
+        return Err("missing step after /".into());
+    }
+    if !s.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("step {s:?} is not a number"));
+    }
+    match s.parse::<u32>() {
+        Ok(0) => Err("step 0 is not allowed".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("step {s} is too large")),
+    }
+}
+
+/// Days in a month, February counted in the given year.
+fn days_in_month(year: i32, month: u32) -> u32 {
+    match month {
+        4 | 6 | 9 | 11 => 30,
+        2 if is_leap(year) => 29,
+        2 => 28,
+        _ => 31,
+    }
+}
+
+fn is_leap(year: i32) -> bool {
+    year % 4 == 0 && (year % 100 != 0 || year % 400 == 0)
+}
+
+/// Bits `1..=n` set.
+fn days_up_to(n: u32) -> u32 {
+    ((1u64 << (n + 1)) - 2) as u32
+}
+
+/// Smallest set bit `>= from`, if any.
+fn next_bit(mask: u64, from: u32) -> Option<u32> {
+    if from >= 64 {
+        return None;
+    }
+    let rest = mask & (!0u64 << from);
+    (rest != 0).then(|| rest.trailing_zeros())
+}
+
+impl CronExpr {
+    /// Parses `expr`; errors name the field (`minute`, `hour`, …) and say why.
+    ///
+    /// # Errors
+    ///
+    /// A wrong number of fields, a bad value, range or step in a field, an unknown macro, or an
+    /// expression that can never match.
+    pub fn parse(expr: &str) -> Result<Self, ScheduleError> {
+        let text = expr.trim();
+        let fail = |msg: String| ScheduleError(format!("cron {text:?}: {msg}"));
+        let expanded = match text {
+            "@yearly" | "@annually" => "0 0 1 1 *",
+            "@monthly" => "0 0 1 * *",
+            "@weekly" => "0 0 * * 0",
+            "@daily" | "@midnight" => "0 0 * * *",
+            "@hourly" => "0 * * * *",
+            t if t.starts_with('@') => {
+                return Err(fail(format!(
+                    "unknown macro {t:?} (known: @yearly, @annually, @monthly, @weekly, \
+                     @daily, @midnight, @hourly)"
+                )))
+            }
+            t => t,
+        };
+        let fields: Vec<&str> = expanded.split_whitespace().collect();
+        let (second, rest) = match fields.len() {
+            5 => ("0", &fields[..]),
+            6 => (fields[0], &fields[1..]),
+            n => return Err(fail(format!("expected 5 or 6 fields, got {n}"))),
+        };
+        let field = |spec: &Field, text: &str| {
+            spec.parse(text)
+                .map_err(|why| fail(format!("field {}: {why}", spec.name)))
+        };
+        let seconds = field(&SECOND, second)?;
+        let minutes = field(&MINUTE, rest[0])?;
+        let hours = field(&HOUR, rest[1])? as u32;
+        let days = field(&DAY_OF_MONTH, rest[2])? as u32;
+        let months = field(&MONTH, rest[3])? as u16;
+        let weekdays = field(&DAY_OF_WEEK, rest[4])? as u8;
+
+        let mut dow_days_by_first = [0u32; 7];
+        for (first, mask) in dow_days_by_first.iter_mut().enumerate() {
+            for day in 1..=31u32 {
+                let weekday = (first as u32 + day - 1) % 7;
+                if weekdays & (1 << weekday) != 0 {
+                    *mask |= 1 << day;
+                }
+            }
+        }
+        let cron = CronExpr {
+            text: text.to_string(),
+            seconds,
+            minutes,
+            hours,
+            days,
+            months,
+            weekdays,
+            dom_any: rest[2] == "*",
+            dow_any: rest[4] == "*",
+            has_seconds: fields.len() == 6,
+            dow_days_by_first,
+        };
+        // Only a restricted day-of-month ANDed with the months can be impossible: with a
+        // restricted weekday every month has matching days. February counts with 29 days.
+        if cron.dow_any {
+            let possible = (1..=12u32)
+                .filter(|m| months & (1 << m) != 0)
+                .any(|m| days & days_up_to(days_in_month(2000, m)) != 0);
+            if !possible {
+                return Err(fail(format!(
+                    "never matches: day-of-month {:?} does not occur in month {:?}",
+                    rest[2], rest[3]
+                )));
+            }
+        }
+        Ok(cron)
+    }
+
+    /// The expression as written (trimmed).
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// True when written with 6 fields (leading seconds).
+    pub fn has_seconds(&self) -> bool {
+        self.has_seconds
+    }
+
+    /// True when the wall time `t` matches (its sub-second part must be zero).
+    pub fn matches(&self, t: NaiveDateTime) -> bool {
+        t.nanosecond() == 0
+            && self.seconds & (1 << t.second()) != 0
+            && self.minutes & (1 << t.minute()) != 0
+            && self.hours & (1 << t.hour()) != 0
+            && self.months & (1 << t.month()) != 0
+            && self.day_mask(t.year(), t.month()) & (1 << t.day()) != 0
+    }
+
+    /// The matching days (bit `d`) of a month, dom/dow semantics applied.
+    fn day_mask(&self, year: i32, month: u32) -> u32 {
+        let first = match NaiveDate::from_ymd_opt(year, month, 1) {
+            Some(d) => d.weekday().num_days_from_sunday() as usize,
+            None => return 0,
+        };
+        let by_weekday = self.dow_days_by_first[first];
+        let days = if !self.dom_any && !self.dow_any {
+            self.days | by_weekday
+        } else {
+            // An unrestricted field has every bit set, so AND leaves the other one.
+            self.days & by_weekday
+        };
+        days & days_up_to(days_in_month(year, month))
+    }
+
+    /// The first matching wall time `>= start` (a sub-second `start` rounds up), looking no
+    /// further than the end of `limit_year`. Steps field by field (month → day → hour → minute
+    /// → second), so sparse expressions cost a handful of iterations, not a walk over minutes.
+    fn next_match(&self, start: NaiveDateTime, limit_year: i32) -> Option<NaiveDateTime> {
+        let start = if start.nanosecond() == 0 {
+            start
+        } else {
+            start
+                .with_nanosecond(0)?
+                .checked_add_signed(TimeDelta::seconds(1))?
+        };
+        let (mut y, mut mo, mut d) = (start.year(), start.month(), start.day());
+        let (mut h, mut mi, mut s) = (start.hour(), start.minute(), start.second());
+        loop {
+            if y > limit_year {
+                return None;
+            }
+            match next_bit(u64::from(self.months), mo) {
+                Some(m) if m <= 12 => {
+                    if m != mo {
+                        (mo, d, h, mi, s) = (m, 1, 0, 0, 0);
+                    }
+                }
+                _ => {
+                    (y, mo, d, h, mi, s) = (y + 1, 1, 1, 0, 0, 0);
+                    continue;
+                }
+            }
+            match next_bit(u64::from(self.day_mask(y, mo)), d) {
+                Some(day) => {
+                    if day != d {
+                        (d, h, mi, s) = (day, 0, 0, 0);
+                    }
+                }
+                None => {
+                    (mo, d, h, mi, s) = (mo + 1, 1, 0, 0, 0);
+                    if mo > 12 {
+                        (y, mo) = (y + 1, 1);
+                    }
+                    continue;
+                }
+            }
+            match next_bit(u64::from(self.hours), h) {
+                Some(hour) => {
+                    if hour != h {
+                        (h, mi, s) = (hour, 0, 0);
+                    }
+                }
+                None => {
+                    // Day 32 has no bit in `day_mask`: the next round moves to the next month.
+                    (d, h, mi, s) = (d + 1, 0, 0, 0);
+                    continue;
+                }
+            }
+            match next_bit(self.minutes, mi) {
+                Some(minute) => {
+                    if minute != mi {
+                        (mi, s) = (minute, 0);
+                    }
+                }
+                None => {
+                    (h, mi, s) = (h + 1, 0, 0);
+                    continue;
+                }
+            }
+            match next_bit(self.seconds, s) {
+                Some(second) => s = second,
+                None => {
+                    (mi, s) = (mi + 1, 0);
+                    continue;
+                }
+            }
+            return NaiveDate::from_ymd_opt(y, mo, d)?.and_hms_opt(h, mi, s);
+        }
+    }
+}
+
+impl fmt::Display for CronExpr {
+    /// The expression as written.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl FromStr for CronExpr {
+    type Err = ScheduleError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        CronExpr::parse(s)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Time zones
+// ---------------------------------------------------------------------------------------------
+
+/// Resolves an IANA zone name; an unknown name gets a message suggesting close names.
+///
+/// Suggestions (at most 3): names equal ignoring case, then the closest names by
+/// Damerau-Levenshtein similarity, comparing a name without `/` (`Berlin`) with the last part of
+/// each zone name (`Europe/Berlin`).
+///
+/// # Errors
+///
+/// `name` is not an IANA zone name known to chrono-tz.
+pub fn parse_timezone(name: &str) -> Result<Tz, ScheduleError> {
+    if let Ok(tz) = name.parse::<Tz>() {
+        return Ok(tz);
+    }
+    let suggestions = suggest_timezones(name);
+    let hint = match suggestions.as_slice() {
+        [] => " (expected an IANA name such as \"Europe/Berlin\" or \"UTC\")".to_string(),
+        [one] => format!(" (did you mean {one:?}?)"),
+        [init @ .., last] => {
+            let init: Vec<String> = init.iter().map(|s| format!("{s:?}")).collect();
+            format!(" (did you mean {} or {last:?}?)", init.join(", "))
+        }
+    };
+    Err(ScheduleError(format!("unknown time zone {name:?}{hint}")))
+}
+
+fn suggest_timezones(name: &str) -> Vec<&'static str> {
+    let norm = |s: &str| s.trim().to_ascii_lowercase().replace(' ', "_");
+    let wanted = norm(name);
+    if wanted.is_empty() {
+        return Vec::new();
+    }
+    let mut scored: Vec<(f64, &'static str)> = chrono_tz::TZ_VARIANTS
+        .iter()
+        .map(|tz| {
+            let candidate = tz.name();
+            let lower = candidate.to_ascii_lowercase();
+            let score = if lower == wanted {
+                2.0
+            } else if !wanted.contains('/') {
+                let city = lower.rsplit('/').next().unwrap_or(&lower);
+                strsim::normalized_damerau_levenshtein(&wanted, city)
+            } else {
+                strsim::normalized_damerau_levenshtein(&wanted, &lower)
+            };
+            (score, candidate)
+        })
+        .filter(|(score, _)| *score >= 0.75)
+        .collect();
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(b.1)));
+    scored.into_iter().take(3).map(|(_, name)| name).collect()
+}
+
+/// Seconds east of UTC in force at instant `t` (Unix seconds).
+fn offset_at(tz: Tz, t: i64) -> Option<i64> {
+    let utc = DateTime::from_timestamp(t, 0)?;
+    Some(i64::from(
+        tz.offset_from_utc_datetime(&utc.naive_utc())
+            .fix()
+            .local_minus_utc(),
+    ))
+}
+
+/// For a wall time in a gap, the transition instant that opens the gap and the first valid wall
+/// time after it (the transition seen on the new offset).
+///
+/// Searches the UTC instant where the wall clock `f(t) = t + offset(t)` jumps over `wall`. Offsets
+/// stay within ±36 h, so `f(wall − 36 h) <= wall < f(wall + 36 h)`; the clock crosses a
+/// non-existent wall time only by jumping over it, so the crossing is the gap's transition, of
+/// whatever size (30 min at Lord Howe, 24 h at Apia in 2011). tzdb transitions fall on whole
+/// seconds, so a binary search over seconds is exact.
+fn gap_transition(tz: Tz, wall: NaiveDateTime) -> Option<(DateTime<Utc>, NaiveDateTime)> {
+    let target = wall.and_utc().timestamp();
+    let clock = |t: i64| offset_at(tz, t).map(|off| t + off);
+    let (mut lo, mut hi) = (target - 36 * 3600, target + 36 * 3600);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if clock(mid)? > target {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    let at = DateTime::from_timestamp(hi, 0)?;
+    let after_gap = DateTime::from_timestamp(clock(hi)?, 0)?.naive_utc();
+    Some((at, after_gap))
+}
+
+/// How far before `after`'s wall time a wall time can lie whose *second* instant (after a fold)
+/// is still later than `after`: the size of a fold starting shortly after `after`. Found by
+/// sampling the offset ahead; over-estimating only costs a few extra candidates.
+fn fold_lookback(tz: Tz, after: i64) -> Option<i64> {
+    let now = offset_at(tz, after)?;
+    let mut lowest = now;
+    for ahead in [1800, 3600, 2 * 3600, 3 * 3600, 6 * 3600, 25 * 3600] {
+        lowest = lowest.min(offset_at(tz, after + ahead)?);
+    }
+    Some(now - lowest)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Schedules
+// ---------------------------------------------------------------------------------------------
+
+/// A job's rule.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Schedule {
+    /// Cron evaluated in a time zone with explicit DST policies.
+    Cron {
+        /// The expression.
+        cron: CronExpr,
+        /// The zone whose wall clock the expression reads.
+        tz: Tz,
+        /// Policy for wall times in a spring-forward gap.
+        gap: DstGap,
+        /// Policy for wall times in a fall-back fold.
+        fold: DstFold,
+    },
+    /// Fixed rate: `anchor + k·every`, elapsed time, no DST effect.
+    Every {
+        /// The period; must be positive (a zero or negative one never fires).
+        every: chrono::Duration,
+        /// A point of the timeline (`k = 0`); `k` may be negative.
+        anchor: DateTime<Utc>,
+    },
+}
+
+/// Why an occurrence is special (shown by `drumline-beat next`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Note {
+    /// The wall time `from` fell in a gap and was shifted to the transition.
+    GapShifted {
+        /// The (first) matching wall time inside the gap.
+        from: NaiveTime,
+    },
+    /// The wall time `local` fell in a gap and is not run (`dst_gap = skip`).
+    GapSkipped {
+        /// The (first) matching wall time inside the gap.
+        local: NaiveTime,
+    },
+    /// First of the two instants of a folded wall time.
+    FoldFirst,
+    /// Second of the two instants of a folded wall time.
+    FoldSecond,
+}
+
+impl fmt::Display for Note {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Note::GapShifted { from } => write!(f, "gap: shifted from {}", from.format("%H:%M")),
+            Note::GapSkipped { local } => write!(f, "gap: skipped {}", local.format("%H:%M")),
+            Note::FoldFirst => f.write_str("fold: first of two"),
+            Note::FoldSecond => f.write_str("fold: second of two"),
+        }
+    }
+}
+
+/// One computed occurrence. `skipped` ones are reported (for `next`) but never run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Occurrence {
+    /// The UTC instant (for a skipped one: the gap's transition instant, for ordering).
+    pub at: DateTime<Utc>,
+    /// Annotation, if any.
+    pub note: Option<Note>,
+    /// True when the policy drops this occurrence.
+    pub skipped: bool,
+}
+
+/// Which instant of a folded wall time one monotone pass picks.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    First,
+    Second,
+}
+
+impl Schedule {
+    /// The first instant strictly after `after` at which the job runs (skipped occurrences are
+    /// stepped over). `None` when nothing runs within about ten years.
+    pub fn next_after(&self, after: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let give_up = after.checked_add_signed(TimeDelta::days(366 * i64::from(HORIZON_YEARS)))?;
+        let mut from = after;
+        loop {
+            let occ = self.next_occurrence_after(from)?;
+            if !occ.skipped {
+                return Some(occ.at);
+            }
+            if occ.at > give_up {
+                return None;
+            }
+            // Safe: at most one occurrence per instant, and a real one beats a skipped marker.
+            from = occ.at;
+        }
+    }
+
+    /// The first occurrence strictly after `after`, including skipped ones. Occurrences come in
+    /// strictly increasing `at` order, one per UTC instant (see the module docs).
+    pub fn next_occurrence_after(&self, after: DateTime<Utc>) -> Option<Occurrence> {
+        match self {
+            Schedule::Every { every, anchor } => {
+                let at = next_every(*every, *anchor, after)?;
+                Some(Occurrence {
+                    at,
+                    note: None,
+                    skipped: false,
+                })
+            }
+            Schedule::Cron {
+                cron,
+                tz,
+                gap,
+                fold,
+            } => match fold {
+                DstFold::First => next_cron(cron, *tz, *gap, Pass::First, after),
+                DstFold::Second => next_cron(cron, *tz, *gap, Pass::Second, after),
+                // `Both` is the union of the `First` and `Second` sequences; each is monotone in
+                // wall time, the union is not, so take the earlier of the two answers.
+                DstFold::Both => {
+                    let first = next_cron(cron, *tz, *gap, Pass::First, after);
+                    let second = next_cron(cron, *tz, *gap, Pass::Second, after);
+                    match (first, second) {
+                        (Some(a), Some(b)) => Some(if b.at < a.at { b } else { a }),
+                        (a, b) => a.or(b),
+                    }
+                }
+            },
+        }
+    }
+
+    /// The occurrences after `after`, in order, skipped ones included.
+    pub fn occurrences_after(&self, after: DateTime<Utc>) -> impl Iterator<Item = Occurrence> + '_ {
+        let mut from = after;
+        std::iter::from_fn(move || {
+            let occ = self.next_occurrence_after(from)?;
+            from = occ.at;
+            Some(occ)
+        })
+    }
+
+    /// A one-line description: `cron "0 30 2 * * *" in America/New_York` or `every 30s`.
+    pub fn describe(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Schedule::Cron {
+                cron,
+                tz,
+                gap,
+                fold,
+            } => {
+                write!(f, "cron {:?} in {}", cron.as_str(), tz.name())?;
+                if *gap != DstGap::default() {
+                    f.write_str(", dst_gap = skip")?;
+                }
+                match fold {
+                    DstFold::First => Ok(()),
+                    DstFold::Second => f.write_str(", dst_fold = second"),
+                    DstFold::Both => f.write_str(", dst_fold = both"),
+                }
+            }
+            Schedule::Every { every, anchor } => {
+                write!(f, "every {}", format_duration(*every))?;
+                if anchor.timestamp() != 0 || anchor.timestamp_subsec_nanos() != 0 {
+                    write!(
+                        f,
+                        " from {}",
+                        anchor.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true)
+                    )?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// `1h 30m`, `500ms`, `1d 2h`: humantime-compatible, largest units first.
+fn format_duration(d: TimeDelta) -> String {
+    if d <= TimeDelta::zero() {
+        return format!("{}ms", d.num_milliseconds());
+    }
+    let total = nanos_of_delta(d);
+    let units: [(i128, &str); 7] = [
+        (86_400_000_000_000, "d"),
+        (3_600_000_000_000, "h"),
+        (60_000_000_000, "m"),
+        (1_000_000_000, "s"),
+        (1_000_000, "ms"),
+        (1_000, "us"),
+        (1, "ns"),
+    ];
+    let mut rest = total;
+    let mut parts = Vec::new();
+    for (size, unit) in units {
+        if rest >= size {
+            parts.push(format!("{}{unit}", rest / size));
+            rest %= size;
+        }
+    }
+    parts.join(" ")
+}
+
+fn nanos_of_delta(d: TimeDelta) -> i128 {
+    i128::from(d.num_seconds()) * 1_000_000_000 + i128::from(d.subsec_nanos())
+}
+
+fn nanos_of(t: DateTime<Utc>) -> i128 {
+    i128::from(t.timestamp()) * 1_000_000_000 + i128::from(t.timestamp_subsec_nanos())
+}
+
+/// `anchor + k·every` for the smallest `k` (possibly negative) that lands strictly after
+/// `after`. Exact to the nanosecond (i128 arithmetic), so millisecond periods never drift.
+fn next_every(
+    every: TimeDelta,
+    anchor: DateTime<Utc>,
+    after: DateTime<Utc>,
+) -> Option<DateTime<Utc>> {
+    let step = nanos_of_delta(every);
+    if step <= 0 {
+        return None;
+    }
+    let since = nanos_of(after) - nanos_of(anchor);
+    let k = since.div_euclid(step) + 1;
+    let at = nanos_of(anchor) + k * step;
+    let secs = i64::try_from(at.div_euclid(1_000_000_000)).ok()?;
+    DateTime::from_timestamp(secs, at.rem_euclid(1_000_000_000) as u32)
+}
+
+/// The first occurrence after `after` of a cron read under one fold pass.
+///
+/// Under a single pass the map from matching wall time to instant is non-decreasing (gap wall
+/// times all map to their transition, fold wall times to their first — or second — instant), so
+/// the answer is the first matching wall time, from a suitable start, whose instant is later
+/// than `after`. The start is `after`'s own wall time, except under `Second`, where wall times a
+/// little earlier can still have their second instant ahead (a fold is coming).
+fn next_cron(
+    cron: &CronExpr,
+    tz: Tz,
+    gap: DstGap,
+    pass: Pass,
+    after: DateTime<Utc>,
+) -> Option<Occurrence> {
+    let mut start = after.with_timezone(&tz).naive_local();
+    if pass == Pass::Second {
+        let back = fold_lookback(tz, after.timestamp())?;
+        start = start.checked_sub_signed(TimeDelta::seconds(back))?;
+    }
+    let limit_year = start.year().checked_add(HORIZON_YEARS)?;
+    let mut wall = cron.next_match(start, limit_year)?;
+    loop {
+        let (at, note) = match tz.from_local_datetime(&wall) {
+            LocalResult::Single(at) => (at.with_timezone(&Utc), None),
+            LocalResult::Ambiguous(first, second) => match pass {
+                Pass::First => (first.with_timezone(&Utc), Some(Note::FoldFirst)),
+                Pass::Second => (second.with_timezone(&Utc), Some(Note::FoldSecond)),
+            },
+            LocalResult::None => {
+                let (at, after_gap) = gap_transition(tz, wall)?;
+                if at > after {
+                    return Some(gap_occurrence(cron, gap, wall, at, after_gap));
+                }
+                // The whole gap collapses onto an instant already past: resume after it.
+                wall = cron.next_match(after_gap, limit_year)?;
+                continue;
+            }
+        };
+        if at > after {
+            return Some(Occurrence {
+                at,
+                note,
+                skipped: false,
+            });
+        }
+        wall = cron.next_match(wall.checked_add_signed(TimeDelta::seconds(1))?, limit_year)?;
+    }
+}
+
+/// The single occurrence at a gap's transition `at`: every matching wall time in the gap, the
+/// first being `wall`, plus the wall time right after the gap if it matches too.
+fn gap_occurrence(
+    cron: &CronExpr,
+    gap: DstGap,
+    wall: NaiveDateTime,
+    at: DateTime<Utc>,
+    after_gap: NaiveDateTime,
+) -> Occurrence {
+    match gap {
+        DstGap::Shift => Occurrence {
+            at,
+            note: Some(Note::GapShifted { from: wall.time() }),
+            skipped: false,
+        },
+        // A real run at the transition wins over the skipped marker (one occurrence per instant).
+        DstGap::Skip if cron.matches(after_gap) => Occurrence {
+            at,
+            note: None,
+            skipped: false,
+        },
+        DstGap::Skip => Occurrence {
+            at,
+            note: Some(Note::GapSkipped { local: wall.time() }),
+            skipped: true,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn utc(s: &str) -> DateTime<Utc> {
+        s.parse().unwrap()
+    }
+
+    fn tz(name: &str) -> Tz {
+        parse_timezone(name).unwrap()
+    }
+
+    fn cron(expr: &str, zone: &str, gap: DstGap, fold: DstFold) -> Schedule {
+        Schedule::Cron {
+            cron: CronExpr::parse(expr).unwrap(),
+            tz: tz(zone),
+            gap,
+            fold,
+        }
+    }
+
+    fn occ(at: &str, note: Option<Note>, skipped: bool) -> Occurrence {
+        Occurrence {
+            at: utc(at),
+            note,
+            skipped,
+        }
+    }
+
+    fn hm(h: u32, m: u32) -> NaiveTime {
+        NaiveTime::from_hms_opt(h, m, 0).unwrap()
+    }
+
+    fn take(s: &Schedule, after: &str, n: usize) -> Vec<Occurrence> {
+        s.occurrences_after(utc(after)).take(n).collect()
+    }
+
+    fn runs(s: &Schedule, after: &str, n: usize) -> Vec<DateTime<Utc>> {
+        let mut out = Vec::new();
+        let mut from = utc(after);
+        for _ in 0..n {
+            from = s.next_after(from).unwrap();
+            out.push(from);
+        }
+        out
+    }
+
+    fn err(expr: &str) -> String {
+        CronExpr::parse(expr).unwrap_err().to_string()
+    }
+
+    // --- DST: America/New_York ---------------------------------------------------------------
+
+    #[test]
+    fn new_york_gap_shift_runs_at_the_transition() {
+        let s = cron(
+            "30 2 * * *",
+            "America/New_York",
+            DstGap::Shift,
+            DstFold::First,
+        );
+        let got = take(&s, "2026-03-07T12:00:00Z", 2);
+        assert_eq!(
+            got,
+            [
+                occ(
+                    "2026-03-08T07:00:00Z",
+                    Some(Note::GapShifted { from: hm(2, 30) }),
+                    false
+                ),
+                occ("2026-03-09T06:30:00Z", None, false),
+            ]
+        );
+        assert_eq!(got[0].note.unwrap().to_string(), "gap: shifted from 02:30");
+        let local = got[0].at.with_timezone(&tz("America/New_York"));
+        assert_eq!(local.to_rfc3339(), "2026-03-08T03:00:00-04:00");
+    }
+
+    #[test]
+    fn new_york_gap_skip_reports_but_does_not_run() {
+        let s = cron(
+            "30 2 * * *",
+            "America/New_York",
+            DstGap::Skip,
+            DstFold::First,
+        );
+        assert_eq!(
+            take(&s, "2026-03-07T12:00:00Z", 1),
+            [occ(
+                "2026-03-08T07:00:00Z",
+                Some(Note::GapSkipped { local: hm(2, 30) }),
+                true
+            )]
+        );
+        assert_eq!(
+            s.next_after(utc("2026-03-07T12:00:00Z")),
+            Some(utc("2026-03-09T06:30:00Z"))
+        );
+    }
+
+    #[test]
+    fn new_york_fold_first_second_both() {
+        let first = cron(
+            "30 1 * * *",
+            "America/New_York",
+            DstGap::Shift,
+            DstFold::First,
+        );
+        assert_eq!(
+            take(&first, "2026-10-31T12:00:00Z", 2),
+            [
+                occ("2026-11-01T05:30:00Z", Some(Note::FoldFirst), false),
+                occ("2026-11-02T06:30:00Z", None, false),
+            ]
+        );
+        let second = cron(
+            "30 1 * * *",
+            "America/New_York",
+            DstGap::Shift,
+            DstFold::Second,
+        );
+        assert_eq!(
+            take(&second, "2026-10-31T12:00:00Z", 2),
+            [
+                occ("2026-11-01T06:30:00Z", Some(Note::FoldSecond), false),
+                occ("2026-11-02T06:30:00Z", None, false),
+            ]
+        );
+        let both = cron(
+            "30 1 * * *",
+            "America/New_York",
+            DstGap::Shift,
+            DstFold::Both,
+        );
+        assert_eq!(
+            take(&both, "2026-10-31T12:00:00Z", 3),
+            [
+                occ("2026-11-01T05:30:00Z", Some(Note::FoldFirst), false),
+                occ("2026-11-01T06:30:00Z", Some(Note::FoldSecond), false),
+                occ("2026-11-02T06:30:00Z", None, false),
+            ]
+        );
+    }
+
+    #[test]
+    fn fold_both_interleaves_by_instant_not_wall_time() {
+        // 01:00a 01:30a 01:00b 01:30b: wall order differs from instant order.
+        let s = cron(
+            "*/30 * * * *",
+            "America/New_York",
+            DstGap::Shift,
+            DstFold::Both,
+        );
+        assert_eq!(
+            take(&s, "2026-11-01T04:00:00Z", 6),
+            [
+                occ("2026-11-01T04:30:00Z", None, false),
+                occ("2026-11-01T05:00:00Z", Some(Note::FoldFirst), false),
+                occ("2026-11-01T05:30:00Z", Some(Note::FoldFirst), false),
+                occ("2026-11-01T06:00:00Z", Some(Note::FoldSecond), false),
+                occ("2026-11-01T06:30:00Z", Some(Note::FoldSecond), false),
+                occ("2026-11-01T07:00:00Z", None, false),
+            ]
+        );
+        // Starting inside the fold (first pass) still finds the second pass.
+        let second = cron(
+            "*/30 * * * *",
+            "America/New_York",
+            DstGap::Shift,
+            DstFold::Second,
+        );
+        assert_eq!(
+            second.next_after(utc("2026-11-01T05:10:00Z")),
+            Some(utc("2026-11-01T06:00:00Z"))
+        );
+    }
+
+    #[test]
+    fn every_30_minutes_collapses_in_a_gap() {
+        let shift = cron(
+            "*/30 * * * *",
+            "America/New_York",
+            DstGap::Shift,
+            DstFold::First,
+        );
+        // 02:00, 02:30 (gap) and 03:00 are one 03:00 EDT = 07:00Z instance.
+        assert_eq!(
+            take(&shift, "2026-03-08T06:00:00Z", 3),
+            [
+                occ("2026-03-08T06:30:00Z", None, false),
+                occ(
+                    "2026-03-08T07:00:00Z",
+                    Some(Note::GapShifted { from: hm(2, 0) }),
+                    false
+                ),
+                occ("2026-03-08T07:30:00Z", None, false),
+            ]
+        );
+        // Under skip the 03:00 run shares 07:00Z with the skipped 02:00/02:30: it is not lost.
+        let skip = cron(
+            "*/30 * * * *",
+            "America/New_York",
+            DstGap::Skip,
+            DstFold::First,
+        );
+        assert_eq!(
+            take(&skip, "2026-03-08T06:00:00Z", 3),
+            [
+                occ("2026-03-08T06:30:00Z", None, false),
+                occ("2026-03-08T07:00:00Z", None, false),
+                occ("2026-03-08T07:30:00Z", None, false),
+            ]
+        );
+        assert_eq!(
+            skip.next_after(utc("2026-03-08T06:30:00Z")),
+            Some(utc("2026-03-08T07:00:00Z"))
+        );
+        let hourly_skip = cron(
+            "0 * * * *",
+            "America/New_York",
+            DstGap::Skip,
+            DstFold::First,
+        );
+        assert_eq!(
+            runs(&hourly_skip, "2026-03-08T06:00:00Z", 2),
+            [utc("2026-03-08T07:00:00Z"), utc("2026-03-08T08:00:00Z")]
+        );
+    }
+
+    // --- DST: Europe/London, Australia/Lord_Howe ---------------------------------------------
+
+    #[test]
+    fn london_gap_and_fold() {
+        // 2026-03-29 01:00 GMT -> 02:00 BST at 01:00Z.
+        let shift = cron("30 1 * * *", "Europe/London", DstGap::Shift, DstFold::First);
+        assert_eq!(
+            take(&shift, "2026-03-28T12:00:00Z", 2),
+            [
+                occ(
+                    "2026-03-29T01:00:00Z",
+                    Some(Note::GapShifted { from: hm(1, 30) }),
+                    false
+                ),
+                occ("2026-03-30T00:30:00Z", None, false),
+            ]
+        );
+        let skip = cron("30 1 * * *", "Europe/London", DstGap::Skip, DstFold::First);
+        assert_eq!(
+            runs(&skip, "2026-03-28T12:00:00Z", 1),
+            [utc("2026-03-30T00:30:00Z")]
+        );
+        // 2026-10-25 02:00 BST -> 01:00 GMT at 01:00Z: 01:30 happens at 00:30Z and 01:30Z.
+        let first = cron("30 1 * * *", "Europe/London", DstGap::Shift, DstFold::First);
+        let second = cron(
+            "30 1 * * *",
+            "Europe/London",
+            DstGap::Shift,
+            DstFold::Second,
+        );
+        let both = cron("30 1 * * *", "Europe/London", DstGap::Shift, DstFold::Both);
+        assert_eq!(
+            runs(&first, "2026-10-24T12:00:00Z", 1),
+            [utc("2026-10-25T00:30:00Z")]
+        );
+        assert_eq!(
+            runs(&second, "2026-10-24T12:00:00Z", 1),
+            [utc("2026-10-25T01:30:00Z")]
+        );
+        assert_eq!(
+            runs(&both, "2026-10-24T12:00:00Z", 3),
+            [
+                utc("2026-10-25T00:30:00Z"),
+                utc("2026-10-25T01:30:00Z"),
+                utc("2026-10-26T01:30:00Z")
+            ]
+        );
+    }
+
+    #[test]
+    fn lord_howe_half_hour_gap_and_fold() {
+        // 2026-10-04 02:00 (+10:30) -> 02:30 (+11) at 2026-10-03T15:30Z.
+        let shift = cron(
+            "15 2 * * *",
+            "Australia/Lord_Howe",
+            DstGap::Shift,
+            DstFold::First,
+        );
+        assert_eq!(
+            take(&shift, "2026-10-03T00:00:00Z", 1),
+            [occ(
+                "2026-10-03T15:30:00Z",
+                Some(Note::GapShifted { from: hm(2, 15) }),
+                false
+            )]
+        );
+        // 02:30 exists (the first wall time after the gap): a normal run.
+        let at_end = cron(
+            "30 2 * * *",
+            "Australia/Lord_Howe",
+            DstGap::Skip,
+            DstFold::First,
+        );
+        assert_eq!(
+            take(&at_end, "2026-10-03T00:00:00Z", 1),
+            [occ("2026-10-03T15:30:00Z", None, false)]
+        );
+        let skip = cron(
+            "15 2 * * *",
+            "Australia/Lord_Howe",
+            DstGap::Skip,
+            DstFold::First,
+        );
+        assert_eq!(
+            take(&skip, "2026-10-03T00:00:00Z", 2),
+            [
+                occ(
+                    "2026-10-03T15:30:00Z",
+                    Some(Note::GapSkipped { local: hm(2, 15) }),
+                    true
+                ),
+                occ("2026-10-04T15:15:00Z", None, false),
+            ]
+        );
+        // 2026-04-05 02:00 (+11) -> 01:30 (+10:30) at 2026-04-04T15:00Z; 01:30-02:00 twice.
+        let both = cron(
+            "45 1 * * *",
+            "Australia/Lord_Howe",
+            DstGap::Shift,
+            DstFold::Both,
+        );
+        assert_eq!(
+            take(&both, "2026-04-04T00:00:00Z", 3),
+            [
+                occ("2026-04-04T14:45:00Z", Some(Note::FoldFirst), false),
+                occ("2026-04-04T15:15:00Z", Some(Note::FoldSecond), false),
+                occ("2026-04-05T15:15:00Z", None, false),
+            ]
+        );
+        let before_fold = cron(
+            "15 1 * * *",
+            "Australia/Lord_Howe",
+            DstGap::Shift,
+            DstFold::Both,
+        );
+        assert_eq!(
+            take(&before_fold, "2026-04-04T00:00:00Z", 1),
+            [occ("2026-04-04T14:15:00Z", None, false)]
+        );
+    }
+
+    // --- Odd zones ---------------------------------------------------------------------------
+
+    #[test]
+    fn kolkata_half_hour_offset_without_dst() {
+        let s = cron("30 9 * * *", "Asia/Kolkata", DstGap::Shift, DstFold::First);
+        assert_eq!(
+            runs(&s, "2026-06-01T00:00:00Z", 2),
+            [utc("2026-06-01T04:00:00Z"), utc("2026-06-02T04:00:00Z")]
+        );
+    }
+
+    #[test]
+    fn apia_skipped_a_whole_day_shift_runs_at_next_midnight() {
+        // Local 2011-12-29 23:59:59 -10:00 was followed by 2011-12-31 00:00 +14:00 (10:00Z).
+        let s = cron("0 12 * * *", "Pacific/Apia", DstGap::Shift, DstFold::First);
+        let got = take(&s, "2011-12-29T00:00:00Z", 3);
+        assert_eq!(
+            got,
+            [
+                occ("2011-12-29T22:00:00Z", None, false),
+                occ(
+                    "2011-12-30T10:00:00Z",
+                    Some(Note::GapShifted { from: hm(12, 0) }),
+                    false
+                ),
+                occ("2011-12-30T22:00:00Z", None, false),
+            ]
+        );
+        let apia = tz("Pacific/Apia");
+        assert_eq!(
+            got[1].at.with_timezone(&apia).to_rfc3339(),
+            "2011-12-31T00:00:00+14:00"
+        );
+        assert_eq!(
+            got[2].at.with_timezone(&apia).to_rfc3339(),
+            "2011-12-31T12:00:00+14:00"
+        );
+        let skip = cron("0 12 * * *", "Pacific/Apia", DstGap::Skip, DstFold::First);
+        assert_eq!(
+            runs(&skip, "2011-12-29T00:00:00Z", 2),
+            [utc("2011-12-29T22:00:00Z"), utc("2011-12-30T22:00:00Z")]
+        );
+    }
+
+    #[test]
+    fn gap_transition_is_found_for_any_gap_size() {
+        let wall = |s: &str| NaiveDateTime::parse_from_str(s, "%Y-%m-%d %H:%M").unwrap();
+        let cases = [
+            (
+                "Pacific/Apia",
+                "2011-12-30 12:00",
+                "2011-12-30T10:00:00Z",
+                "2011-12-31 00:00",
+            ),
+            (
+                "Australia/Lord_Howe",
+                "2026-10-04 02:10",
+                "2026-10-03T15:30:00Z",
+                "2026-10-04 02:30",
+            ),
+            (
+                "America/New_York",
+                "2026-03-08 02:59",
+                "2026-03-08T07:00:00Z",
+                "2026-03-08 03:00",
+            ),
+            (
+                "Antarctica/Troll",
+                "2026-03-29 01:30",
+                "2026-03-29T01:00:00Z",
+                "2026-03-29 03:00",
+            ),
+        ];
+        for (zone, inside, at, after_gap) in cases {
+            assert_eq!(
+                gap_transition(tz(zone), wall(inside)),
+                Some((utc(at), wall(after_gap))),
+                "{zone}"
+            );
+        }
+    }
+
+    #[test]
+    fn sao_paulo_before_and_after_abolishing_dst() {
+        // 2018-11-04 00:00 -03 -> 01:00 -02 at 03:00Z: midnight does not exist.
+        let s = cron(
+            "0 0 * * *",
+            "America/Sao_Paulo",
+            DstGap::Shift,
+            DstFold::First,
+        );
+        assert_eq!(
+            take(&s, "2018-11-03T12:00:00Z", 2),
+            [
+                occ(
+                    "2018-11-04T03:00:00Z",
+                    Some(Note::GapShifted { from: hm(0, 0) }),
+                    false
+                ),
+                occ("2018-11-05T02:00:00Z", None, false),
+            ]
+        );
+        // DST abolished in 2019: 2019-11-03 is an ordinary day.
+        assert_eq!(
+            take(&s, "2019-11-02T12:00:00Z", 2),
+            [
+                occ("2019-11-03T03:00:00Z", None, false),
+                occ("2019-11-04T03:00:00Z", None, false),
+            ]
+        );
+        // The last fold, 2019-02-17 00:00 -02 -> 2019-02-16 23:00 -03.
+        let both = cron(
+            "30 23 * * *",
+            "America/Sao_Paulo",
+            DstGap::Shift,
+            DstFold::Both,
+        );
+        assert_eq!(
+            runs(&both, "2019-02-16T12:00:00Z", 2),
+            [utc("2019-02-17T01:30:00Z"), utc("2019-02-17T02:30:00Z")]
+        );
+    }
+
+    // --- Calendar ----------------------------------------------------------------------------
+
+    #[test]
+    fn feb_29_and_the_31st() {
+        let leap = cron("0 0 29 2 *", "UTC", DstGap::Shift, DstFold::First);
+        assert_eq!(
+            runs(&leap, "2025-01-01T00:00:00Z", 2),
+            [utc("2028-02-29T00:00:00Z"), utc("2032-02-29T00:00:00Z")]
+        );
+        // 2100 is not a leap year: 8 years between.
+        assert_eq!(
+            runs(&leap, "2096-03-01T00:00:00Z", 1),
+            [utc("2104-02-29T00:00:00Z")]
+        );
+        let thirty_first = cron("0 12 31 * *", "UTC", DstGap::Shift, DstFold::First);
+        assert_eq!(
+            runs(&thirty_first, "2026-01-31T12:00:00Z", 6),
+            [
+                utc("2026-03-31T12:00:00Z"),
+                utc("2026-05-31T12:00:00Z"),
+                utc("2026-07-31T12:00:00Z"),
+                utc("2026-08-31T12:00:00Z"),
+                utc("2026-10-31T12:00:00Z"),
+                utc("2026-12-31T12:00:00Z"),
+            ]
+        );
+    }
+
+    #[test]
+    fn year_rollover_seconds_and_subsecond_after() {
+        let yearly = cron("@yearly", "UTC", DstGap::Shift, DstFold::First);
+        assert_eq!(
+            runs(&yearly, "2026-12-31T23:59:59Z", 1),
+            [utc("2027-01-01T00:00:00Z")]
+        );
+        let secs = cron("*/20 * * * * *", "UTC", DstGap::Shift, DstFold::First);
+        assert_eq!(
+            runs(&secs, "2026-01-01T00:00:00.500Z", 3),
+            [
+                utc("2026-01-01T00:00:20Z"),
+                utc("2026-01-01T00:00:40Z"),
+                utc("2026-01-01T00:01:00Z")
+            ]
+        );
+        let every_sec = cron("* * * * * *", "UTC", DstGap::Shift, DstFold::First);
+        assert_eq!(
+            runs(&every_sec, "2026-01-01T00:00:00.5Z", 1),
+            [utc("2026-01-01T00:00:01Z")]
+        );
+        // The instant itself is excluded.
+        let daily = cron("0 0 * * *", "UTC", DstGap::Shift, DstFold::First);
+        assert_eq!(
+            runs(&daily, "2026-01-01T00:00:00Z", 1),
+            [utc("2026-01-02T00:00:00Z")]
+        );
+    }
+
+    #[test]
+    fn day_of_month_or_day_of_week_when_both_restricted() {
+        // 2026-02-01 is a Sunday: the 1st OR Mondays.
+        let s = cron("0 0 1 * MON", "UTC", DstGap::Shift, DstFold::First);
+        assert_eq!(
+            runs(&s, "2026-02-01T00:00:00Z", 6),
+            [
+                utc("2026-02-02T00:00:00Z"),
+                utc("2026-02-09T00:00:00Z"),
+                utc("2026-02-16T00:00:00Z"),
+                utc("2026-02-23T00:00:00Z"),
+                utc("2026-03-01T00:00:00Z"),
+                utc("2026-03-02T00:00:00Z"),
+            ]
+        );
+        // Only one restricted: AND (here: weekdays in January only).
+        let weekday_only = CronExpr::parse("0 0 * 1 mon-fri").unwrap();
+        let d = |s: &str| {
+            NaiveDateTime::parse_from_str(&format!("{s} 00:00"), "%Y-%m-%d %H:%M").unwrap()
+        };
+        assert!(weekday_only.matches(d("2026-01-02"))); // Friday
+        assert!(!weekday_only.matches(d("2026-01-03"))); // Saturday
+        assert!(!weekday_only.matches(d("2026-02-02"))); // Monday, February
+        let dom_only = CronExpr::parse("0 0 13 * *").unwrap();
+        assert!(dom_only.matches(d("2026-02-13")));
+        assert!(!dom_only.matches(d("2026-02-14")));
+        // 0 and 7 are both Sunday; FRI-SUN ends on Sunday.
+        let sunday = CronExpr::parse("0 0 * * 7").unwrap();
+        assert_eq!(
+            sunday,
+            CronExpr {
+                text: sunday.text.clone(),
+                ..CronExpr::parse("0 0 * * 0").unwrap()
+            }
+        );
+        let weekend = CronExpr::parse("0 0 * * FRI-SUN").unwrap();
+        assert_eq!(weekend.weekdays, 0b110_0001);
+        assert!(weekend.matches(d("2026-02-01")));
+        // `*/2` in day-of-month is a restriction: ORed with Monday.
+        let odd_days_or_monday = CronExpr::parse("0 0 */2 * 1").unwrap();
+        assert!(odd_days_or_monday.matches(d("2026-02-03")));
+        assert!(odd_days_or_monday.matches(d("2026-02-02")));
+        assert!(!odd_days_or_monday.matches(d("2026-02-04")));
+    }
+
+    #[test]
+    fn field_syntax() {
+        let c = CronExpr::parse(" 5/15  1-10/3 * jan,Mar-may SAT ").unwrap();
+        assert_eq!(c.minutes, (1 << 5) | (1 << 20) | (1 << 35) | (1 << 50));
+        assert_eq!(c.hours, (1 << 1) | (1 << 4) | (1 << 7) | (1 << 10));
+        assert_eq!(c.months, (1 << 1) | (1 << 3) | (1 << 4) | (1 << 5));
+        assert_eq!(c.weekdays, 1 << 6);
+        assert_eq!(c.seconds, 1);
+        assert!(!c.has_seconds());
+        assert_eq!(c.to_string(), "5/15  1-10/3 * jan,Mar-may SAT");
+        let six = CronExpr::parse("0,30 * * * * *").unwrap();
+        assert!(six.has_seconds());
+        assert_eq!(six.seconds, 1 | (1 << 30));
+        // `1/2` in weekdays stops at Saturday, it does not wrap to Sunday (7).
+        assert_eq!(CronExpr::parse("0 0 * * 1/2").unwrap().weekdays, 0b010_1010);
+        assert_eq!(
+            "@daily".parse::<CronExpr>().unwrap().minutes,
+            CronExpr::parse("0 0 * * *").unwrap().minutes
+        );
+    }
+
+    #[test]
+    fn parse_errors_name_field_and_reason() {
+        assert_eq!(
+            err("61 0 * * *"),
+            r#"cron "61 0 * * *": field minute: 61 is out of range 0-59"#
+        );
+        // 5 fields: the second one is the hour; 6 fields: it is the minute.
+        assert_eq!(
+            err("0 61 * * *"),
+            r#"cron "0 61 * * *": field hour: 61 is out of range 0-23"#
+        );
+        assert_eq!(
+            err("0 61 * * * *"),
+            r#"cron "0 61 * * * *": field minute: 61 is out of range 0-59"#
+        );
+        assert_eq!(
+            err("* * * *"),
+            r#"cron "* * * *": expected 5 or 6 fields, got 4"#
+        );
+        assert_eq!(err(""), r#"cron "": expected 5 or 6 fields, got 0"#);
+        assert_eq!(
+            err("* * * * * * *"),
+            r#"cron "* * * * * * *": expected 5 or 6 fields, got 7"#
+        );
+        assert_eq!(
+            err("60 * * * * *"),
+            r#"cron "60 * * * * *": field second: 60 is out of range 0-59"#
+        );
+        assert_eq!(
+            err("0 24 * * *"),
+            r#"cron "0 24 * * *": field hour: 24 is out of range 0-23"#
+        );
+        assert_eq!(
+            err("0 0 0 * *"),
+            r#"cron "0 0 0 * *": field day-of-month: 0 is out of range 1-31"#
+        );
+        assert_eq!(
+            err("0 0 * 13 *"),
+            r#"cron "0 0 * 13 *": field month: 13 is out of range 1-12"#
+        );
+        assert_eq!(
+            err("0 0 * * 8"),
+            r#"cron "0 0 * * 8": field day-of-week: 8 is out of range 0-7"#
+        );
+        assert_eq!(
+            err("0 0 * FOO *"),
+            r#"cron "0 0 * FOO *": field month: "FOO" is not a number or month name (JAN-DEC)"#
+        );
+        assert_eq!(
+            err("0 0 * * MONDAY"),
+            r#"cron "0 0 * * MONDAY": field day-of-week: "MONDAY" is not a number or weekday name (SUN-SAT)"#
+        );
+        assert_eq!(
+            err("0 MON * * *"),
+            r#"cron "0 MON * * *": field hour: "MON" is not a number"#
+        );
+        assert_eq!(
+            err("*/0 * * * *"),
+            r#"cron "*/0 * * * *": field minute: step 0 is not allowed"#
+        );
+        assert_eq!(
+            err("*/x * * * *"),
+            r#"cron "*/x * * * *": field minute: step "x" is not a number"#
+        );
+        assert_eq!(
+            err("1,,2 * * * *"),
+            r#"cron "1,,2 * * * *": field minute: empty item in list "1,,2""#
+        );
+        assert_eq!(
+            err("0 22-2 * * *"),
+            r#"cron "0 22-2 * * *": field hour: range 22-2 goes backwards (wrap-around is not supported; use a list such as 22-23,0-2)"#
+        );
+        assert_eq!(
+            err("0 0 ? * MON"),
+            r#"cron "0 0 ? * MON": field day-of-month: "?" is Quartz syntax (?, L, W, #), which is not supported"#
+        );
+        assert_eq!(
+            err("0 0 30 2 *"),
+            r#"cron "0 0 30 2 *": never matches: day-of-month "30" does not occur in month "2""#
+        );
+        assert!(err("0 0 L * *").contains("Quartz syntax"));
+        assert!(err("0 0 * * 5#3").contains("Quartz syntax"));
+        assert!(err("0 0 * JULY *").contains(r#""JULY" is not a number or month name"#));
+        assert!(err("0 0 31 4,6,9,11 *").contains("never matches"));
+        assert!(err("@reboot").contains("unknown macro"));
+        // Feb 29 is possible; so is the 30th with a weekday restriction (OR).
+        assert!(CronExpr::parse("0 0 29 2 *").is_ok());
+        assert!(CronExpr::parse("0 0 30 2 MON").is_ok());
+        assert!(err("99999999999 * * * *").contains("field minute: 99999999999 is out of range"));
+    }
+
+    // --- Every -------------------------------------------------------------------------------
+
+    #[test]
+    fn every_hour_is_elapsed_time_across_dst() {
+        let s = Schedule::Every {
+            every: TimeDelta::hours(1),
+            anchor: DateTime::UNIX_EPOCH,
+        };
+        let got = runs(&s, "2026-03-08T05:30:00Z", 4);
+        assert_eq!(got[0], utc("2026-03-08T06:00:00Z"));
+        for pair in got.windows(2) {
+            assert_eq!((pair[1] - pair[0]).num_seconds(), 3600);
+        }
+        assert_eq!(
+            s.next_after(utc("2026-03-08T06:00:00Z")),
+            Some(utc("2026-03-08T07:00:00Z"))
+        );
+    }
+
+    #[test]
+    fn every_handles_negative_k_subseconds_and_bad_periods() {
+        let s = Schedule::Every {
+            every: TimeDelta::milliseconds(1500),
+            anchor: utc("2026-01-01T00:00:00.250Z"),
+        };
+        // Before the anchor: k is negative.
+        assert_eq!(
+            s.next_after(utc("2025-12-31T23:59:58Z")),
+            Some(utc("2025-12-31T23:59:58.750Z"))
+        );
+        assert_eq!(
+            s.next_after(utc("2025-12-31T23:59:58.750Z")),
+            Some(utc("2026-01-01T00:00:00.250Z"))
+        );
+        assert_eq!(
+            s.next_after(utc("2026-01-01T00:00:00.250Z")),
+            Some(utc("2026-01-01T00:00:01.750Z"))
+        );
+        // Far from the anchor, no drift: exactly anchor + k * 1.5 s.
+        let far = s.next_after(utc("2036-01-01T00:00:00Z")).unwrap();
+        assert_eq!(
+            (nanos_of(far) - nanos_of(utc("2026-01-01T00:00:00.250Z"))) % 1_500_000_000,
+            0
+        );
+        for every in [TimeDelta::zero(), TimeDelta::seconds(-5)] {
+            let bad = Schedule::Every {
+                every,
+                anchor: DateTime::UNIX_EPOCH,
+            };
+            assert_eq!(bad.next_after(utc("2026-01-01T00:00:00Z")), None);
+        }
+    }
+
+    // --- Time zones and display --------------------------------------------------------------
+
+    #[test]
+    fn timezone_suggestions() {
+        assert_eq!(
+            parse_timezone("Europe/Paris").unwrap(),
+            chrono_tz::Europe::Paris
+        );
+        assert_eq!(
+            parse_timezone("America/New_Yrok").unwrap_err().to_string(),
+            r#"unknown time zone "America/New_Yrok" (did you mean "America/New_York"?)"#
+        );
+        let lower = parse_timezone("america/new_york").unwrap_err().to_string();
+        assert!(
+            lower.starts_with(
+                r#"unknown time zone "america/new_york" (did you mean "America/New_York""#
+            ),
+            "{lower}"
+        );
+        let city = parse_timezone("Berlin").unwrap_err().to_string();
+        assert!(city.contains(r#""Europe/Berlin""#), "{city}");
+        let none = parse_timezone("Nowhere/Qqqqqq").unwrap_err().to_string();
+        assert!(none.contains("expected an IANA name"), "{none}");
+        assert!(suggest_timezones("Europe/Lon").len() <= 3);
+    }
+
+    #[test]
+    fn notes_and_descriptions_display() {
+        assert_eq!(
+            Note::GapShifted { from: hm(2, 30) }.to_string(),
+            "gap: shifted from 02:30"
+        );
+        assert_eq!(
+            Note::GapSkipped { local: hm(2, 30) }.to_string(),
+            "gap: skipped 02:30"
+        );
+        assert_eq!(Note::FoldFirst.to_string(), "fold: first of two");
+        assert_eq!(Note::FoldSecond.to_string(), "fold: second of two");
+        let s = cron(
+            "0 30 2 * * *",
+            "America/New_York",
+            DstGap::Skip,
+            DstFold::Both,
+        );
+        assert_eq!(
+            s.describe(),
+            r#"cron "0 30 2 * * *" in America/New_York, dst_gap = skip, dst_fold = both"#
+        );
+        let every = Schedule::Every {
+            every: TimeDelta::seconds(5430),
+            anchor: DateTime::UNIX_EPOCH,
+        };
+        assert_eq!(every.to_string(), "every 1h 30m 30s");
+        let every = Schedule::Every {
+            every: TimeDelta::milliseconds(500),
+            anchor: utc("2026-01-01T00:00:00Z"),
+        };
+        assert_eq!(every.to_string(), "every 500ms from 2026-01-01T00:00:00Z");
+    }
+
+    #[test]
+    fn nothing_within_the_horizon_is_none() {
+        // The next Feb 29 lies past the end of chrono's calendar.
+        let s = cron("0 0 29 2 *", "UTC", DstGap::Shift, DstFold::First);
+        assert_eq!(s.next_after(DateTime::<Utc>::MAX_UTC), None);
+    }
+
+    // --- Property test against a brute-force walk --------------------------------------------
+
+    mod brute_force {
+        use super::*;
+        use proptest::prelude::*;
+        use std::collections::{BTreeMap, HashMap};
+
+        const ZONES: &[&str] = &[
+            "UTC",
+            "America/New_York",
+            "Europe/London",
+            "Europe/Dublin",
+            "Australia/Lord_Howe",
+            "Asia/Kolkata",
+            "Asia/Kathmandu",
+            "Pacific/Apia",
+            "Pacific/Chatham",
+            "America/Sao_Paulo",
+            "America/St_Johns",
+            "America/Santiago",
+            "Africa/Casablanca",
+            "Antarctica/Troll",
+        ];
+
+        fn field(min: u32, max: u32) -> impl Strategy<Value = String> {
+            let item = prop_oneof![
+                Just("*".to_string()),
+                (min..=max).prop_map(|v| v.to_string()),
+                (min..=max, min..=max).prop_map(|(a, b)| format!("{}-{}", a.min(b), a.max(b))),
+                (1..=max.max(2) / 2).prop_map(|n| format!("*/{n}")),
+                (min..=max, min..=max, 1..=7u32).prop_map(|(a, b, n)| format!(
+                    "{}-{}/{n}",
+                    a.min(b),
+                    a.max(b)
+                )),
+                (min..=max, 1..=15u32).prop_map(|(a, n)| format!("{a}/{n}")),
+            ];
+            prop::collection::vec(item, 1..=3).prop_map(|items| items.join(","))
+        }
+
+        fn expr() -> impl Strategy<Value = String> {
+            (
+                field(0, 59),
+                field(0, 23),
+                prop_oneof![3 => Just("*".to_string()), 1 => field(1, 31)],
+                prop_oneof![3 => Just("*".to_string()), 1 => field(1, 12)],
+                prop_oneof![3 => Just("*".to_string()), 1 => field(0, 7)],
+            )
+                .prop_map(|(mi, h, dom, mo, dow)| format!("{mi} {h} {dom} {mo} {dow}"))
+        }
+
+        /// The first hour (sampled hourly, up to ~400 days) whose offset differs from `t`'s.
+        fn next_offset_change(tz: Tz, t: i64) -> Option<i64> {
+            let now = offset_at(tz, t)?;
+            (1..24 * 400)
+                .map(|h| t + h * 3600)
+                .find(|&u| offset_at(tz, u) != Some(now))
+        }
+
+        /// Expected occurrences in `(from, to]`, by a walk over every minute: UTC minute ->
+        /// wall time gives each wall time's instants (0: gap, 1, 2: fold), gaps come from
+        /// jumps of the wall clock. Value: true when some wall time really runs there.
+        fn brute(s: &Schedule, from: i64, to: i64) -> BTreeMap<i64, bool> {
+            let Schedule::Cron {
+                cron,
+                tz,
+                gap,
+                fold,
+            } = s
+            else {
+                unreachable!()
+            };
+            let scan_start = (from - 3 * 86_400).div_euclid(60) * 60;
+            let mut instants: HashMap<i64, Vec<i64>> = HashMap::new();
+            let mut gaps = Vec::new(); // (first wall in gap, wall after gap, transition)
+            let mut prev_wall = None;
+            let mut t = scan_start;
+            while t <= to + 3 * 86_400 {
+                let wall = t + offset_at(*tz, t).unwrap();
+                instants.entry(wall).or_default().push(t);
+                if let Some(prev) = prev_wall {
+                    if wall - prev > 60 {
+                        gaps.push((prev + 60, wall, t));
+                    }
+                }
+                prev_wall = Some(wall);
+                t += 60;
+            }
+            let mut out: BTreeMap<i64, bool> = BTreeMap::new();
+            let mut wall = (from - 36 * 3600).div_euclid(60) * 60;
+            while wall <= to + 36 * 3600 {
+                let naive = DateTime::from_timestamp(wall, 0).unwrap().naive_utc();
+                if cron.matches(naive) {
+                    let mut at = instants.get(&wall).cloned().unwrap_or_default();
+                    at.sort();
+                    let picked: Vec<(i64, bool)> = match (at.as_slice(), fold) {
+                        ([], _) => {
+                            let &(_, _, transition) = gaps
+                                .iter()
+                                .find(|(lo, hi, _)| (*lo..*hi).contains(&wall))
+                                .expect("a missing wall time lies in a gap");
+                            vec![(transition, *gap == DstGap::Shift)]
+                        }
+                        ([one], _) => vec![(*one, true)],
+                        ([a, _], DstFold::First) => vec![(*a, true)],
+                        ([_, b], DstFold::Second) => vec![(*b, true)],
+                        ([a, b], DstFold::Both) => vec![(*a, true), (*b, true)],
+                        (more, _) => panic!("wall time with {} instants", more.len()),
+                    };
+                    for (at, real) in picked {
+                        *out.entry(at).or_insert(false) |= real;
+                    }
+                }
+                wall += 60;
+            }
+            out.retain(|&at, _| at > from && at <= to);
+            out
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
+
+            #[test]
+            fn agrees_with_minute_walk(
+                expr in expr(),
+                zone in prop::sample::select(ZONES),
+                gap in prop::sample::select(&[DstGap::Shift, DstGap::Skip][..]),
+                fold in prop::sample::select(&[DstFold::First, DstFold::Second, DstFold::Both][..]),
+                start in 946_684_800i64..2_082_758_400,
+                near_transition in any::<bool>(),
+                back in 0i64..36 * 3600,
+            ) {
+                let Ok(cron) = CronExpr::parse(&expr) else { return Ok(()) };
+                let tz: Tz = zone.parse().unwrap();
+                let mut from = start;
+                if near_transition {
+                    if let Some(change) = next_offset_change(tz, start) {
+                        from = change - back;
+                    }
+                }
+                let to = from + 2 * 86_400;
+                let s = Schedule::Cron { cron: cron.clone(), tz, gap, fold };
+                let expected = brute(&s, from, to);
+
+                let mut got = BTreeMap::new();
+                let mut at = DateTime::from_timestamp(from, 0).unwrap();
+                while let Some(occ) = s.next_occurrence_after(at) {
+                    prop_assert!(occ.at > at, "not increasing: {occ:?} after {at}");
+                    if occ.at.timestamp() > to { break; }
+                    let wall = occ.at.with_timezone(&tz).naive_local();
+                    match occ.note {
+                        Some(Note::GapShifted { .. }) | Some(Note::GapSkipped { .. }) => {
+                            let t = occ.at.timestamp();
+                            prop_assert!(offset_at(tz, t - 1) < offset_at(tz, t), "{occ:?} is no gap transition");
+                        }
+                        _ => prop_assert!(cron.matches(wall), "{occ:?} ({wall}) does not match"),
+                    }
+                    prop_assert_eq!(occ.skipped, matches!(occ.note, Some(Note::GapSkipped { .. })));
+                    got.insert(occ.at.timestamp(), !occ.skipped);
+                    at = occ.at;
+                }
+                prop_assert_eq!(&got, &expected, "{} in {} gap={:?} fold={:?} from {}", expr, zone, gap, fold, from);
+
+                let mut real = Vec::new();
+                let mut at = DateTime::from_timestamp(from, 0).unwrap();
+                while let Some(next) = s.next_after(at) {
+                    prop_assert!(next > at);
+                    if next.timestamp() > to { break; }
+                    real.push(next.timestamp());
+                    at = next;
+                }
+                let expected_real: Vec<i64> = expected.iter().filter(|(_, r)| **r).map(|(t, _)| *t).collect();
+                prop_assert_eq!(real, expected_real);
+            }
+        }
+    }
+
+    // --- Benchmark ---------------------------------------------------------------------------
+
+    /// `cargo test --release -- --ignored --nocapture bench_next_after`
+    #[test]
+    #[ignore = "benchmark; run in release with --nocapture"]
+    fn bench_next_after() {
+        const N: u32 = 100_000;
+        for (expr, zone) in [
+            ("0 30 2 * * *", "UTC"),
+            ("0 30 2 * * *", "America/New_York"),
+            ("*/15 * * * *", "America/New_York"),
+            ("0 0 29 2 *", "Europe/London"),
+        ] {
+            let s = cron(expr, zone, DstGap::Shift, DstFold::First);
+            let mut at = utc("2026-01-01T00:00:00Z");
+            let started = std::time::Instant::now();
+            for _ in 0..N {
+                at = std::hint::black_box(s.next_after(at).unwrap());
+                if at.year() > 2200 {
+                    at = utc("2026-01-01T00:00:00Z");
+                }
+            }
+            let ns = started.elapsed().as_nanos() / u128::from(N);
+            println!("next_after {expr:?} in {zone}: {ns} ns/call");
+        }
+    }
+}

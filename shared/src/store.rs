@@ -1,0 +1,313 @@
+//! Redis state (DESIGN §4–5). Every read-modify-write is one Lua script, so two workers (or two
+//! beats) can never interleave inside it. A claim carries a random token (only its holder may
+//! renew, complete or release it) and a fencing token from a monotonic counter (handlers pass it
+//! to the systems they write, which reject writes with an older fence).
+
+use crate::envelope::format_instant;
+use crate::names::Names;
+use chrono::{DateTime, SecondsFormat, Utc};
+use redis::aio::ConnectionManager;
+use redis::{AsyncCommands, Script};
+use serde::{Deserialize, Serialize};
+use std::sync::LazyLock;
+use std::time::Duration;
+
+/// Store errors are connection-level: the worker fails closed on them.
+pub type StoreError = redis::RedisError;
+
+/// Outcome of a claim attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// We hold the lease now.
+    Claimed {
+        /// Fencing token: strictly greater than any earlier claim's in this namespace.
+        fence: u64,
+    },
+    /// The instance already finished (`done`, `skipped` or `dead`): a duplicate delivery.
+    Finished {
+        /// The recorded state.
+        state: String,
+    },
+    /// Another worker holds a live lease; look again after `retry_in`.
+    Busy {
+        /// The lease's remaining time.
+        retry_in: Duration,
+    },
+}
+
+/// One entry of `{ns}:history:{job}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// Idempotency key.
+    pub key: String,
+    /// RFC 3339 UTC.
+    pub scheduled_for: String,
+    /// `done`, `failed`, `dead`, `expired`, `skipped`.
+    pub status: String,
+    /// Attempt number of this run.
+    pub attempt: u32,
+    /// Worker id.
+    pub worker: String,
+    /// RFC 3339 UTC.
+    pub started_at: Option<String>,
+    /// RFC 3339 UTC.
+    pub finished_at: String,
+    /// Error text, if any.
+    pub error: Option<String>,
+}
+
+/// Most run records kept per job.
+pub const HISTORY_LEN: isize = 1000;
+
+// KEYS[1] run key, KEYS[2] fence counter; ARGV token, worker, attempt, lease_ms.
+static CLAIM: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'done' or state == 'skipped' or state == 'dead' then
+  return {'finished', state}
+end
+if state == 'running' then
+  local ttl = redis.call('PTTL', KEYS[1])
+  if ttl > 0 then return {'busy', tostring(ttl)} end
+end
+local fence = redis.call('INCR', KEYS[2])
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'state', 'running', 'token', ARGV[1], 'worker', ARGV[2],
+  'fence', fence, 'attempt', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return {'claimed', tostring(fence)}
+"#,
+    )
+});
+
+// KEYS[1] run key; ARGV token, lease_ms.
+static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
+   and redis.call('HGET', KEYS[1], 'state') == 'running' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"#,
+    )
+});
+
+// KEYS[1] run key; ARGV token, final state, retention_ms.
+static FINISH: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
+   and redis.call('HGET', KEYS[1], 'state') == 'running' then
+  redis.call('HSET', KEYS[1], 'state', ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return 1
+end
+return 0
+"#,
+    )
+});
+
+// KEYS[1] run key; ARGV token.
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"#,
+    )
+});
+
+// KEYS[1] beat last key; ARGV instant (fixed-width RFC 3339, so string order is time order).
+static ADVANCE_LAST: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local cur = redis.call('GET', KEYS[1])
+if cur == false or cur < ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
+"#,
+    )
+});
+
+/// Handle to one namespace's Redis state. Cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    conn: ConnectionManager,
+    names: Names,
+}
+
+impl Store {
+    /// Connects (and keeps reconnecting in the background) to `url`.
+    pub async fn connect(url: &str, names: Names) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url)?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_response_timeout(Some(Duration::from_secs(5)))
+            .set_number_of_retries(1);
+        let conn = ConnectionManager::new_with_config(client, config).await?;
+        Ok(Self { conn, names })
+    }
+
+    /// The names this store uses.
+    pub fn names(&self) -> &Names {
+        &self.names
+    }
+
+    /// A raw connection, for callers that need a command not wrapped here.
+    pub fn connection(&self) -> ConnectionManager {
+        self.conn.clone()
+    }
+
+    /// `PING`: true when Redis answers.
+    pub async fn ping(&self) -> bool {
+        let mut conn = self.conn.clone();
+        redis::cmd("PING")
+            .query_async::<String>(&mut conn)
+            .await
+            .is_ok()
+    }
+
+    /// Tries to claim instance `key` for `lease`.
+    pub async fn claim(
+        &self,
+        key: &str,
+        token: &str,
+        worker: &str,
+        attempt: u32,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        let mut conn = self.conn.clone();
+        let reply: Vec<String> = CLAIM
+            .key(self.names.run_key(key))
+            .key(self.names.fence())
+            .arg(token)
+            .arg(worker)
+            .arg(attempt)
+            .arg(lease.as_millis() as u64)
+            .invoke_async(&mut conn)
+            .await?;
+        let number = |i: usize| {
+            reply
+                .get(i)
+                .and_then(|s| s.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        Ok(match reply.first().map(String::as_str) {
+            Some("claimed") => Claim::Claimed { fence: number(1) },
+            Some("busy") => Claim::Busy {
+                retry_in: Duration::from_millis(number(1)),
+            },
+            _ => Claim::Finished {
+                state: reply.get(1).cloned().unwrap_or_default(),
+            },
+        })
+    }
+
+    /// Extends our lease; `false` means it is no longer ours.
+    pub async fn renew(&self, key: &str, token: &str, lease: Duration) -> Result<bool, StoreError> {
+        let mut conn = self.conn.clone();
+        RENEW
+            .key(self.names.run_key(key))
+            .arg(token)
+            .arg(lease.as_millis() as u64)
+            .invoke_async(&mut conn)
+            .await
+    }
+
+    /// Records the final `state` (`done` or `dead`) kept for `retention`; `false` means the lease
+    /// was no longer ours and nothing was written.
+    pub async fn finish(
+        &self,
+        key: &str,
+        token: &str,
+        state: &str,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut conn = self.conn.clone();
+        FINISH
+            .key(self.names.run_key(key))
+            .arg(token)
+            .arg(state)
+            .arg(retention.as_millis() as u64)
+            .invoke_async(&mut conn)
+            .await
+    }
+
+    /// Gives the claim up (a retry will claim again); `false` if it was not ours.
+    pub async fn release(&self, key: &str, token: &str) -> Result<bool, StoreError> {
+        let mut conn = self.conn.clone();
+        RELEASE
+            .key(self.names.run_key(key))
+            .arg(token)
+            .invoke_async(&mut conn)
+            .await
+    }
+
+    /// The `state` field of an instance, if any.
+    pub async fn run_state(&self, key: &str) -> Result<Option<String>, StoreError> {
+        let mut conn = self.conn.clone();
+        conn.hget(self.names.run_key(key), "state").await
+    }
+
+    /// Appends a run record to the job's capped history; on `done` also sets `last_success`.
+    pub async fn record(&self, job: &str, record: &RunRecord) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let history = self.names.history(job);
+        let json = serde_json::to_string(record).expect("a run record always serialises");
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .lpush(&history, json)
+            .ignore()
+            .ltrim(&history, 0, HISTORY_LEN - 1)
+            .ignore();
+        if record.status == "done" {
+            pipe.set(self.names.last_success(job), &record.finished_at)
+                .ignore();
+        }
+        pipe.query_async::<()>(&mut conn).await
+    }
+
+    /// The last published instant of `job`, if any.
+    pub async fn last_published(&self, job: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
+        let mut conn = self.conn.clone();
+        let text: Option<String> = conn.get(self.names.beat_last(job)).await?;
+        Ok(text.and_then(|t| {
+            DateTime::parse_from_rfc3339(&t)
+                .ok()
+                .map(|t| t.with_timezone(&Utc))
+        }))
+    }
+
+    /// Moves `job`'s last published instant forward to `at` (never backwards).
+    pub async fn advance_last_published(
+        &self,
+        job: &str,
+        at: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let _: i64 = ADVANCE_LAST
+            .key(self.names.beat_last(job))
+            .arg(last_instant_text(at))
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Fixed-width RFC 3339 (milliseconds, `Z`), so Lua can compare instants as strings.
+pub fn last_instant_text(at: DateTime<Utc>) -> String {
+    at.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+/// RFC 3339 UTC for run records.
+pub fn now_text() -> String {
+    format_instant(Utc::now())
+}

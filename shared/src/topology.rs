@@ -1,0 +1,153 @@
+//! Declaring drumline's exchanges and queues (DESIGN §3). Declarations are idempotent, so the
+//! beat and every worker declare what they use at start and after every reconnect.
+
+use crate::names::Names;
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Channel, ExchangeKind};
+use std::time::Duration;
+
+/// How long an idle delay queue outlives its last message's TTL before the broker deletes it.
+const DELAY_QUEUE_IDLE: Duration = Duration::from_secs(60);
+
+/// Why declaring failed, with the fix where we know it.
+#[derive(Debug, thiserror::Error)]
+pub enum TopologyError {
+    /// The broker refused a queue whose arguments differ from an existing one.
+    #[error("queue {queue} exists with different arguments ({source}); delete it in the management UI or with `rabbitmqadmin delete queue name={queue}` (it holds the messages listed there), then start again")]
+    Mismatch {
+        /// The queue.
+        queue: String,
+        /// The broker's answer.
+        source: lapin::Error,
+    },
+    /// Anything else from the broker.
+    #[error(transparent)]
+    Amqp(#[from] lapin::Error),
+}
+
+fn durable() -> QueueDeclareOptions {
+    QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    }
+}
+
+fn exchange_options() -> ExchangeDeclareOptions {
+    ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    }
+}
+
+fn string(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+}
+
+/// Declares the work exchange, the dead-letter exchange and queue (`dead_ttl`), and the work
+/// queues `{ns}.q.{queue}` for `queues`, bound by routing key.
+///
+/// A changed argument (say `dead_ttl`) closes the channel with PRECONDITION_FAILED; callers must
+/// then use a fresh channel. The error says how to fix it.
+pub async fn declare(
+    channel: &Channel,
+    names: &Names,
+    queues: &[String],
+    dead_ttl: Duration,
+) -> Result<(), TopologyError> {
+    channel
+        .exchange_declare(
+            &names.tasks_exchange(),
+            ExchangeKind::Direct,
+            exchange_options(),
+            FieldTable::default(),
+        )
+        .await?;
+    channel
+        .exchange_declare(
+            &names.dead(),
+            ExchangeKind::Fanout,
+            exchange_options(),
+            FieldTable::default(),
+        )
+        .await?;
+    let mut dead_args = FieldTable::default();
+    dead_args.insert(
+        "x-message-ttl".into(),
+        AMQPValue::LongLongInt(dead_ttl.as_millis() as i64),
+    );
+    let dead = names.dead();
+    channel
+        .queue_declare(&dead, durable(), dead_args)
+        .await
+        .map_err(|source| mismatch(&dead, source))?;
+    channel
+        .queue_bind(
+            &dead,
+            &dead,
+            "",
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    for queue in queues {
+        let name = names.work_queue(queue);
+        let mut args = FieldTable::default();
+        args.insert("x-dead-letter-exchange".into(), string(&names.dead()));
+        channel
+            .queue_declare(&name, durable(), args)
+            .await
+            .map_err(|source| mismatch(&name, source))?;
+        channel
+            .queue_bind(
+                &name,
+                &names.tasks_exchange(),
+                queue,
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+    }
+    Ok(())
+}
+
+fn mismatch(queue: &str, source: lapin::Error) -> TopologyError {
+    let text = source.to_string();
+    if text.contains("PRECONDITION_FAILED") || text.contains("inequivalent arg") {
+        TopologyError::Mismatch {
+            queue: queue.to_owned(),
+            source,
+        }
+    } else {
+        TopologyError::Amqp(source)
+    }
+}
+
+/// Declares (or refreshes) the delay queue for `delay` on `queue` and returns its name. Every
+/// message in it waits exactly `delay`, then dead-letters to `{ns}.tasks` with routing key
+/// `queue`. The queue deletes itself once idle for `delay` + 60 s.
+pub async fn declare_delay_queue(
+    channel: &Channel,
+    names: &Names,
+    queue: &str,
+    delay: Duration,
+) -> Result<String, TopologyError> {
+    let name = names.delay_queue(queue, delay);
+    let ms = delay.as_millis().max(1) as i64;
+    let mut args = FieldTable::default();
+    args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ms));
+    args.insert(
+        "x-expires".into(),
+        AMQPValue::LongLongInt(ms + DELAY_QUEUE_IDLE.as_millis() as i64),
+    );
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        string(&names.tasks_exchange()),
+    );
+    args.insert("x-dead-letter-routing-key".into(), string(queue));
+    channel
+        .queue_declare(&name, durable(), args)
+        .await
+        .map_err(|source| mismatch(&name, source))?;
+    Ok(name)
+}

@@ -1,0 +1,140 @@
+//! drumline-worker: consumes task messages, deduplicates through Redis, runs handlers.
+//!
+//! - [`consumer`]  — the broker side: connect, declare, consume, reconnect, shut down in order.
+//! - [`processor`] — one delivery start to finish: decode → expiry → claim → run → record → ack.
+//! - [`lease`]     — the watchdog that renews a claim and cancels a run whose lease is lost.
+//! - [`retry`]     — where a retry is decided: exponential backoff with jitter, exhaustion.
+//! - [`executor`]  — the built-in shell executor (process groups, parent-death signal).
+//! - [`handler`]   — the handler API for Rust users: context in, decision-shaped error out.
+//! - [`stats`]     — counters.
+//!
+//! ```no_run
+//! # async fn demo(config: drumline_shared::config::Config) -> Result<(), drumline_worker::WorkerError> {
+//! use drumline_worker::{HandlerError, TaskContext, Worker};
+//! Worker::new(config)
+//!     .handler("report", |ctx: TaskContext| async move {
+//!         println!("{} (fence {})", ctx.key, ctx.fencing_token);
+//!         Ok::<(), HandlerError>(())
+//!     })
+//!     .run(async { let _ = tokio::signal::ctrl_c().await; })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+pub mod consumer;
+pub mod executor;
+pub mod handler;
+pub mod lease;
+pub mod processor;
+pub mod retry;
+pub mod stats;
+
+pub use handler::{Handler, HandlerError, TaskContext};
+
+use drumline_shared::config::Config;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use tokio::sync::watch;
+
+/// Why a worker stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The config cannot serve (exit code 2).
+    #[error("{0}")]
+    Config(String),
+    /// Anything else (exit code 1).
+    #[error("{0}")]
+    Fatal(String),
+}
+
+/// A worker, configured and ready to [`run`](Worker::run).
+pub struct Worker {
+    config: Config,
+    handlers: HashMap<String, Arc<dyn Handler>>,
+}
+
+impl Worker {
+    /// A worker for `config` (the `[worker]` section gives concurrency and queues).
+    pub fn new(config: Config) -> Self {
+        Self {
+            config,
+            handlers: HashMap::new(),
+        }
+    }
+
+    /// Overrides `[worker] concurrency` (the `--concurrency` flag).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.config.worker.concurrency = n.max(1);
+        self
+    }
+
+    /// Overrides `[worker] queues` (the `--queues` flag).
+    pub fn queues(mut self, queues: Vec<String>) -> Self {
+        self.config.worker.queues = queues;
+        self
+    }
+
+    /// Registers a Rust handler for `task` (it must have a `[tasks.NAME]` entry); it wins over
+    /// the entry's `command`.
+    pub fn handler(mut self, task: &str, handler: impl Handler) -> Self {
+        self.handlers.insert(task.to_owned(), Arc::new(handler));
+        self
+    }
+
+    /// Runs until `shutdown` completes, then stops in order (see [`consumer::run`]).
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<Arc<stats::Stats>, WorkerError> {
+        let handlers = processor::resolve_handlers(&self.config, self.handlers)
+            .map_err(WorkerError::Config)?;
+        consumer::run(Arc::new(self.config), handlers, shutdown).await
+    }
+}
+
+/// Open while Redis answers; closed (fail closed) from the first Redis error until a probe
+/// gets through again. Deliveries wait at the gate, unacked.
+#[derive(Clone)]
+pub struct Gate {
+    tx: Arc<watch::Sender<bool>>,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Self {
+            tx: Arc::new(watch::channel(true).0),
+        }
+    }
+}
+
+impl Gate {
+    /// Closes the gate (idempotent).
+    pub fn close(&self) {
+        self.tx
+            .send_if_modified(|open| std::mem::replace(open, false));
+    }
+
+    /// Opens the gate.
+    pub fn open(&self) {
+        self.tx
+            .send_if_modified(|open| !std::mem::replace(open, true));
+    }
+
+    /// True when open.
+    pub fn is_open(&self) -> bool {
+        *self.tx.borrow()
+    }
+
+    /// Waits until open.
+    pub async fn wait_open(&self) {
+        let mut rx = self.tx.subscribe();
+        let _ = rx.wait_for(|open| *open).await;
+    }
+
+    /// Waits until closed.
+    pub async fn wait_closed(&self) {
+        let mut rx = self.tx.subscribe();
+        let _ = rx.wait_for(|open| !*open).await;
+    }
+}

@@ -1,0 +1,88 @@
+//! `drumline-worker`: parse the command line, set up logging, run the worker until SIGTERM or
+//! SIGINT; map the outcome to an exit code (0 ok, 2 bad usage or config, 1 other).
+
+use clap::Parser;
+use drumline_shared::config::{self, Config};
+use drumline_shared::logging::{self, LogFormat};
+use drumline_worker::{Worker, WorkerError};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Run a drumline worker: consume task messages, run each scheduled instance once.
+#[derive(Parser, Debug)]
+#[command(name = "drumline-worker", version)]
+struct Cli {
+    /// Config file [default: $DRUMLINE_CONFIG, else ./drumline.toml].
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    /// Tasks run at once across all queues (overrides [worker] concurrency).
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// Comma-separated logical queues to consume (overrides [worker] queues).
+    #[arg(long, value_delimiter = ',')]
+    queues: Option<Vec<String>>,
+    /// Log format.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
+    log_format: LogFormat,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    logging::init(cli.log_format);
+    let path = config::resolve_path(cli.config);
+    let config = match Config::load(&path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
+    let result = runtime.block_on(async move {
+        let mut worker = Worker::new(config);
+        if let Some(n) = cli.concurrency {
+            if n == 0 {
+                return Err(WorkerError::Config(
+                    "--concurrency must be at least 1".into(),
+                ));
+            }
+            worker = worker.concurrency(n);
+        }
+        if let Some(queues) = cli.queues {
+            worker = worker.queues(queues);
+        }
+        worker.run(shutdown_signal()).await
+    });
+    match result {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(WorkerError::Config(e)) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+        Err(WorkerError::Fatal(e)) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Completes on the first SIGTERM or SIGINT; a second one exits at once (the broker redelivers
+/// whatever was unacked).
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("cannot install the SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("cannot install the SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::info!("shutting down: finishing in-flight tasks (signal again to exit now)");
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        eprintln!("second signal: exiting now; unacked deliveries go back to the broker");
+        std::process::exit(1);
+    });
+}

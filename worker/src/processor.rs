@@ -1,0 +1,509 @@
+//! One delivery, start to finish (DESIGN §4): decode → expiry → claim → run (with the lease
+//! watchdog) → record → ack. Every path ends in exactly one ack or one requeue; nothing is
+//! requeued that would fail the same way again (those go to `{ns}.dead`).
+
+use crate::handler::{Handler, HandlerError, TaskContext};
+use crate::lease::{self, LeaseLost};
+use crate::retry::{self, Decision};
+use crate::stats::Stats;
+use crate::Gate;
+use chrono::Utc;
+use drumline_shared::config::{Config, Task};
+use drumline_shared::envelope::{self, long_string, Envelope, H_ATTEMPTS, H_ERROR, H_REASON};
+use drumline_shared::names::Names;
+use drumline_shared::store::{now_text, Claim, RunRecord, Store, StoreError};
+use drumline_shared::topology;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
+use lapin::types::AMQPValue;
+use lapin::{BasicProperties, Channel};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn, Instrument};
+
+/// Margin added to a busy lease's remaining time before we look again.
+const BUSY_RECHECK_MARGIN: Duration = Duration::from_millis(250);
+
+/// Everything processing needs that outlives one broker connection.
+pub struct Processor {
+    /// Checked config.
+    pub config: Arc<Config>,
+    /// Names for the namespace.
+    pub names: Names,
+    /// Redis state.
+    pub store: Store,
+    /// Task name → handler.
+    pub handlers: HashMap<String, Arc<dyn Handler>>,
+    /// This worker's id (host:pid:random).
+    pub worker_id: String,
+    /// Counters.
+    pub stats: Arc<Stats>,
+    /// Closed while Redis is unreachable: fail closed.
+    pub gate: Gate,
+    /// Fires when the shutdown grace ran out: in-flight handlers are cancelled.
+    pub abandon: CancellationToken,
+}
+
+/// How a delivery ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Disposition {
+    Ack,
+    /// Back to the broker, to be decided again (by us or another worker).
+    Requeue,
+}
+
+/// Why processing could not reach a decision; the delivery is requeued.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Interrupted {
+    #[error("redis: {0}")]
+    Redis(#[from] StoreError),
+    #[error("broker: {0}")]
+    Broker(#[from] lapin::Error),
+    #[error("topology: {0}")]
+    Topology(#[from] topology::TopologyError),
+}
+
+impl Processor {
+    /// Processes one delivery and acks or requeues it.
+    pub async fn process(self: Arc<Self>, publisher: Channel, delivery: Delivery) {
+        let disposition = match self.decide(&publisher, &delivery).await {
+            Ok(d) => d,
+            Err(Interrupted::Redis(e)) => {
+                error!(error = %e, "redis unreachable: requeueing and pausing (fail closed)");
+                self.gate.close();
+                Disposition::Requeue
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot finish handling a delivery; requeueing");
+                Disposition::Requeue
+            }
+        };
+        let result = match disposition {
+            Disposition::Ack => delivery.acker.ack(BasicAckOptions::default()).await,
+            Disposition::Requeue => {
+                delivery
+                    .acker
+                    .nack(BasicNackOptions {
+                        requeue: true,
+                        ..Default::default()
+                    })
+                    .await
+            }
+        };
+        if let Err(e) = result {
+            // The channel is gone: the broker redelivers, and dedupe makes that harmless.
+            warn!(error = %e, ?disposition, "could not settle delivery; the broker will redeliver it");
+        }
+    }
+
+    async fn decide(
+        &self,
+        publisher: &Channel,
+        delivery: &Delivery,
+    ) -> Result<Disposition, Interrupted> {
+        let body = &delivery.data;
+        let max = self.config.worker.max_message_bytes;
+        if body.len() > max {
+            let error = format!("{} bytes, more than max_message_bytes = {max}", body.len());
+            self.dead_letter(publisher, body, &delivery.properties, "oversize", &error, 0)
+                .await?;
+            return Ok(Disposition::Ack);
+        }
+        let env = match Envelope::decode(body) {
+            Ok(env) => env,
+            Err(e) => {
+                self.dead_letter(
+                    publisher,
+                    body,
+                    &delivery.properties,
+                    "malformed",
+                    &e.to_string(),
+                    0,
+                )
+                .await?;
+                return Ok(Disposition::Ack);
+            }
+        };
+        let span = tracing::info_span!("task", key = %env.key, task = %env.task, attempt = env.attempt, worker = %self.worker_id);
+        self.decide_envelope(publisher, delivery, env)
+            .instrument(span)
+            .await
+    }
+
+    async fn decide_envelope(
+        &self,
+        publisher: &Channel,
+        delivery: &Delivery,
+        env: Envelope,
+    ) -> Result<Disposition, Interrupted> {
+        let (Some(handler), Some(task)) = (
+            self.handlers.get(&env.task),
+            self.config.tasks.get(&env.task),
+        ) else {
+            let error = format!("no task named {:?} in this worker's config", env.task);
+            self.dead_letter_env(publisher, &env, "unknown_task", &error)
+                .await?;
+            return Ok(Disposition::Ack);
+        };
+        let now = Utc::now();
+        if env.is_expired(now) {
+            info!("expired before it could run");
+            self.stats.expired.inc();
+            self.dead_letter_env(
+                publisher,
+                &env,
+                "expired",
+                "expires_at passed before the run",
+            )
+            .await?;
+            self.record(&env, "expired", None, None).await;
+            return Ok(Disposition::Ack);
+        }
+
+        let token = uuid::Uuid::new_v4().to_string();
+        let lease = self.config.worker.lease;
+        let fence = match self
+            .store
+            .claim(&env.key, &token, &self.worker_id, env.attempt, lease)
+            .await?
+        {
+            Claim::Claimed { fence } => fence,
+            Claim::Finished { state } => {
+                info!(state = %state, redelivered = delivery.redelivered, "duplicate delivery: already finished");
+                self.stats.duplicates.inc();
+                return Ok(Disposition::Ack);
+            }
+            Claim::Busy { retry_in } => {
+                // Someone else runs it under a live lease. If they die, the lease expires and
+                // this copy, back from the delay queue, takes over.
+                let delay = retry_in + BUSY_RECHECK_MARGIN;
+                debug!(
+                    delay_ms = delay.as_millis() as u64,
+                    "held under another live lease; re-checking later"
+                );
+                self.stats.busy.inc();
+                self.publish_delayed(publisher, &env, delay).await?;
+                return Ok(Disposition::Ack);
+            }
+        };
+
+        let started_at = now_text();
+        let outcome = self.run(handler.clone(), &env, &token, fence).await;
+        match outcome {
+            RunOutcome::Finished(Ok(())) => {
+                if self.finish_with_retries(&env.key, &token, "done").await? {
+                    info!(fence, "done");
+                    self.stats.succeeded.inc();
+                    self.record(&env, "done", Some(started_at), None).await;
+                    Ok(Disposition::Ack)
+                } else {
+                    warn!(
+                        "succeeded, but the lease was lost before it could be recorded; requeueing"
+                    );
+                    Ok(Disposition::Requeue)
+                }
+            }
+            RunOutcome::Finished(Err(HandlerError::Permanent(error))) => {
+                warn!(error = %error, "permanent failure: dead-lettering");
+                self.fail_dead(publisher, &env, &token, "permanent", &error, started_at)
+                    .await
+            }
+            RunOutcome::Finished(Err(HandlerError::Retryable(error))) => {
+                match retry::decide(task, env.attempt, rand::random::<f64>()) {
+                    Decision::Exhausted => {
+                        warn!(error = %error, "failed; retries exhausted: dead-lettering");
+                        self.fail_dead(
+                            publisher,
+                            &env,
+                            &token,
+                            "retries_exhausted",
+                            &error,
+                            started_at,
+                        )
+                        .await
+                    }
+                    Decision::Retry { delay } => {
+                        warn!(error = %error, delay_ms = delay.as_millis() as u64, "failed; retrying");
+                        self.stats.retried.inc();
+                        self.record(&env, "failed", Some(started_at), Some(error))
+                            .await;
+                        let mut next = env.clone();
+                        next.attempt += 1;
+                        next.id = uuid::Uuid::new_v4();
+                        next.published_at = Utc::now();
+                        // Publish the retry first, then release: if we crash in between, the
+                        // lease expires and the retry (or a redelivery) claims it.
+                        self.publish_delayed(publisher, &next, delay).await?;
+                        self.store.release(&env.key, &token).await?;
+                        Ok(Disposition::Ack)
+                    }
+                }
+            }
+            RunOutcome::LeaseLost(reason) => {
+                warn!(
+                    ?reason,
+                    "lease lost mid-run: result not recorded; requeueing"
+                );
+                if matches!(reason, LeaseLost::Unreachable(_)) {
+                    self.gate.close();
+                }
+                Ok(Disposition::Requeue)
+            }
+            RunOutcome::Abandoned => {
+                warn!("shutdown grace exhausted: abandoned; releasing the claim for redelivery");
+                self.stats.abandoned.inc();
+                let _ = self.store.release(&env.key, &token).await;
+                Ok(Disposition::Requeue)
+            }
+        }
+    }
+
+    async fn run(
+        &self,
+        handler: Arc<dyn Handler>,
+        env: &Envelope,
+        token: &str,
+        fence: u64,
+    ) -> RunOutcome {
+        let cancel = CancellationToken::new();
+        let lost = CancellationToken::new();
+        let stop_watchdog = CancellationToken::new();
+        let watchdog = tokio::spawn(lease::watch(
+            self.store.clone(),
+            env.key.clone(),
+            token.to_owned(),
+            self.config.worker.lease,
+            stop_watchdog.clone(),
+            lost.clone(),
+        ));
+        let ctx = TaskContext {
+            task: env.task.clone(),
+            key: env.key.clone(),
+            job: env.job.clone(),
+            scheduled_for: env.scheduled_for,
+            attempt: env.attempt,
+            fencing_token: fence,
+            args: env.args.clone(),
+            cancel: cancel.clone(),
+        };
+        self.stats.running.add(1);
+        let mut call = handler.call(ctx);
+        let mut reason = None;
+        let result = tokio::select! {
+            r = &mut call => Some(r),
+            _ = lost.cancelled() => { reason = Some(false); None }
+            _ = self.abandon.cancelled() => { reason = Some(true); None }
+        };
+        let result = match result {
+            Some(r) => Some(r),
+            None => {
+                // Tell the handler, then let it wind down (the shell executor kills its group).
+                cancel.cancel();
+                let _ = call.await;
+                None
+            }
+        };
+        self.stats.running.add(-1);
+        stop_watchdog.cancel();
+        let lost_reason = watchdog.await.ok().flatten();
+        match (result, reason, lost_reason) {
+            (_, Some(true), _) => RunOutcome::Abandoned,
+            (_, _, Some(lost)) => RunOutcome::LeaseLost(lost),
+            (Some(r), _, None) => RunOutcome::Finished(r),
+            (None, _, None) => RunOutcome::LeaseLost(LeaseLost::Taken),
+        }
+    }
+
+    /// Marks `key` finished, retrying a Redis blip briefly: a success we fail to record would
+    /// run again once the lease expires.
+    async fn finish_with_retries(
+        &self,
+        key: &str,
+        token: &str,
+        state: &str,
+    ) -> Result<bool, StoreError> {
+        let retention = self.config.worker.done_ttl;
+        let mut delay = Duration::from_millis(100);
+        let mut tries = 0;
+        loop {
+            match self.store.finish(key, token, state, retention).await {
+                Ok(ours) => return Ok(ours),
+                Err(e) if tries < 5 => {
+                    warn!(error = %e, "could not record the result yet; retrying");
+                    tries += 1;
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn fail_dead(
+        &self,
+        publisher: &Channel,
+        env: &Envelope,
+        token: &str,
+        reason: &str,
+        error: &str,
+        started_at: String,
+    ) -> Result<Disposition, Interrupted> {
+        self.dead_letter_env(publisher, env, reason, error).await?;
+        self.finish_with_retries(&env.key, token, "dead").await?;
+        self.record(env, "dead", Some(started_at), Some(error.to_owned()))
+            .await;
+        Ok(Disposition::Ack)
+    }
+
+    async fn record(
+        &self,
+        env: &Envelope,
+        status: &str,
+        started_at: Option<String>,
+        error: Option<String>,
+    ) {
+        let Some(job) = &env.job else { return };
+        let record = RunRecord {
+            key: env.key.clone(),
+            scheduled_for: envelope::format_instant(env.scheduled_for),
+            status: status.to_owned(),
+            attempt: env.attempt,
+            worker: self.worker_id.clone(),
+            started_at,
+            finished_at: now_text(),
+            error,
+        };
+        if let Err(e) = self.store.record(job, &record).await {
+            // History is for people; the run state (already written) is what dedupe relies on.
+            warn!(error = %e, "could not append to the job history");
+        }
+    }
+
+    async fn publish_delayed(
+        &self,
+        publisher: &Channel,
+        env: &Envelope,
+        delay: Duration,
+    ) -> Result<(), Interrupted> {
+        let queue =
+            topology::declare_delay_queue(publisher, &self.names, &env.queue, delay).await?;
+        let props = env.properties(Utc::now(), None);
+        confirm(publisher, "", &queue, &env.encode(), props).await
+    }
+
+    async fn dead_letter_env(
+        &self,
+        publisher: &Channel,
+        env: &Envelope,
+        reason: &str,
+        error: &str,
+    ) -> Result<(), Interrupted> {
+        let props = env.properties(Utc::now(), None);
+        self.dead_letter(
+            publisher,
+            &env.encode(),
+            &props,
+            reason,
+            error,
+            env.attempt + 1,
+        )
+        .await
+    }
+
+    /// Publishes `body` to `{ns}.dead` with the reason headers (DESIGN §3) and waits for the
+    /// confirm. Keeps the original properties, minus any per-message expiration.
+    async fn dead_letter(
+        &self,
+        publisher: &Channel,
+        body: &[u8],
+        props: &BasicProperties,
+        reason: &str,
+        error: &str,
+        attempts: u32,
+    ) -> Result<(), Interrupted> {
+        warn!(reason, error, "dead-lettering");
+        self.stats.dead_lettered.inc();
+        let mut headers = props.headers().clone().unwrap_or_default();
+        headers.insert(H_REASON.into(), long_string(reason));
+        headers.insert(H_ERROR.into(), long_string(error));
+        headers.insert(H_ATTEMPTS.into(), AMQPValue::LongLongInt(attempts as i64));
+        let mut out = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_headers(headers)
+            .with_timestamp(Utc::now().timestamp().max(0) as u64);
+        if let Some(id) = props.message_id() {
+            out = out.with_message_id(id.clone());
+        }
+        if let Some(ct) = props.content_type() {
+            out = out.with_content_type(ct.clone());
+        }
+        confirm(publisher, &self.names.dead(), "", body, out).await
+    }
+}
+
+enum RunOutcome {
+    Finished(Result<(), HandlerError>),
+    LeaseLost(LeaseLost),
+    Abandoned,
+}
+
+/// Publishes and waits for the broker's confirm; a nack is an error.
+pub(crate) async fn confirm(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+) -> Result<(), Interrupted> {
+    let confirmation = channel
+        .basic_publish(
+            exchange,
+            routing_key,
+            BasicPublishOptions::default(),
+            body,
+            props,
+        )
+        .await?
+        .await?;
+    if confirmation.is_nack() {
+        return Err(Interrupted::Broker(lapin::Error::InvalidChannelState(
+            lapin::ChannelState::Error,
+        )));
+    }
+    Ok(())
+}
+
+/// Task-name lookup used by [`crate::Worker`]: every configured task with a `command` gets the
+/// shell executor unless a Rust handler was registered for it.
+pub fn resolve_handlers(
+    config: &Config,
+    mut custom: HashMap<String, Arc<dyn Handler>>,
+) -> Result<HashMap<String, Arc<dyn Handler>>, String> {
+    let mut handlers = HashMap::new();
+    for (name, task) in &config.tasks {
+        let handler: Arc<dyn Handler> = match (custom.remove(name), shell(task)) {
+            (Some(h), _) => h,
+            (None, Some(shell)) => shell,
+            (None, None) => {
+                return Err(format!(
+                    "{}: task {name:?}: key `command`: missing, and no Rust handler is registered for it",
+                    config.path.display()
+                ))
+            }
+        };
+        handlers.insert(name.clone(), handler);
+    }
+    if let Some(name) = custom.keys().next() {
+        return Err(format!(
+            "{}: a handler is registered for task {name:?}, but there is no [tasks.{name}] entry",
+            config.path.display()
+        ));
+    }
+    Ok(handlers)
+}
+
+fn shell(task: &Task) -> Option<Arc<dyn Handler>> {
+    crate::executor::ShellExecutor::for_task(task).map(|e| Arc::new(e) as Arc<dyn Handler>)
+}

@@ -1,0 +1,86 @@
+//! Where a retry is decided (DESIGN §4 step 7): the delay before attempt `n+1` is
+//! `d = min(retry_max, retry_base · 2^n)` plus up to 20 % jitter, never less than `d`.
+
+use drumline_shared::config::Task;
+use std::time::Duration;
+
+/// What to do after a failed run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Publish attempt `attempt + 1` after `delay`.
+    Retry {
+        /// How long to wait.
+        delay: Duration,
+    },
+    /// Retries are used up: dead-letter.
+    Exhausted,
+}
+
+/// Decides what follows a retryable failure of run `attempt` (0-based). `jitter` in `[0, 1)`
+/// is injected so tests are exact.
+pub fn decide(task: &Task, attempt: u32, jitter: f64) -> Decision {
+    if attempt >= task.max_retries {
+        return Decision::Exhausted;
+    }
+    Decision::Retry {
+        delay: backoff(task.retry_base, task.retry_max, attempt, jitter),
+    }
+}
+
+/// `min(max, base·2^attempt)` plus `jitter·20 %` of it, rounded up to whole milliseconds.
+pub fn backoff(base: Duration, max: Duration, attempt: u32, jitter: f64) -> Duration {
+    let factor = 2u32.saturating_pow(attempt.min(31));
+    let d = base.saturating_mul(factor).min(max);
+    let extra = d.mul_f64(0.2 * jitter.clamp(0.0, 1.0));
+    let total = d + extra;
+    // Whole milliseconds, rounded up: the delay queue's TTL is in ms and must not undercut d.
+    Duration::from_millis(total.as_nanos().div_ceil(1_000_000) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(max_retries: u32) -> Task {
+        Task {
+            name: "t".into(),
+            command: None,
+            timeout: None,
+            max_retries,
+            retry_base: Duration::from_secs(1),
+            retry_max: Duration::from_secs(10),
+            permanent_exit_codes: vec![],
+        }
+    }
+
+    #[test]
+    fn doubles_from_base_up_to_max() {
+        let s = |n| backoff(Duration::from_secs(1), Duration::from_secs(10), n, 0.0);
+        assert_eq!(s(0), Duration::from_secs(1));
+        assert_eq!(s(1), Duration::from_secs(2));
+        assert_eq!(s(3), Duration::from_secs(8));
+        assert_eq!(s(4), Duration::from_secs(10));
+        assert_eq!(s(200), Duration::from_secs(10));
+    }
+
+    #[test]
+    fn jitter_adds_at_most_a_fifth_and_never_subtracts() {
+        let base = Duration::from_secs(1);
+        let max = Duration::from_secs(10);
+        assert_eq!(
+            backoff(base, max, 1, 0.999_999_9),
+            Duration::from_millis(2400)
+        );
+        assert_eq!(backoff(base, max, 1, 0.5), Duration::from_millis(2200));
+        assert!(backoff(base, max, 1, -3.0) >= Duration::from_secs(2));
+    }
+
+    #[test]
+    fn max_retries_counts_retries_not_runs() {
+        let t = task(2);
+        assert!(matches!(decide(&t, 0, 0.0), Decision::Retry { .. }));
+        assert!(matches!(decide(&t, 1, 0.0), Decision::Retry { .. }));
+        assert_eq!(decide(&t, 2, 0.0), Decision::Exhausted);
+        assert_eq!(decide(&task(0), 0, 0.0), Decision::Exhausted);
+    }
+}
