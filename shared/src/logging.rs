@@ -2,6 +2,7 @@
 //! machines; `RUST_LOG` filters (default `info,lapin=off`: lapin logs an error on every clean
 //! close, and we log connection trouble ourselves).
 
+use std::io::IsTerminal;
 use tracing_subscriber::EnvFilter;
 
 /// `--log-format`.
@@ -20,7 +21,8 @@ pub fn init(format: LogFormat) {
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,lapin=off"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     match format {
         LogFormat::Human => builder.init(),
         LogFormat::Json => builder.json().init(),

@@ -1,1 +1,403 @@
-//! placeholder
+//! Test support for drumline's end-to-end tests: every test gets its own namespace (so tests
+//! run in parallel on one broker and one Redis), its own scratch directory, the real
+//! `drumline-beat` / `drumline-worker` binaries, and cleanup of everything it declared.
+
+use lapin::options::{
+    BasicPublishOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// The shared broker every test uses (namespaced).
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// The shared Redis every test uses (namespaced).
+pub const REDIS_URL: &str = "redis://127.0.0.1:6379/0";
+
+/// One test's world.
+pub struct TestEnv {
+    /// The namespace: unique per test run.
+    pub ns: String,
+    /// Scratch directory (configs, effect files, process logs).
+    pub dir: PathBuf,
+    /// Extra queue names to delete at the end.
+    extra_queues: Vec<String>,
+}
+
+/// Creates a test's namespace and scratch directory.
+pub fn setup(test: &str) -> TestEnv {
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..8];
+    let ns = format!("t_{test}_{suffix}");
+    let dir = std::env::temp_dir().join("drumline-tests").join(&ns);
+    fs::create_dir_all(&dir).expect("cannot create the test directory");
+    TestEnv {
+        ns,
+        dir,
+        extra_queues: Vec::new(),
+    }
+}
+
+/// Path of a workspace binary (built by `cargo build --bins`, which `scripts/test` runs first).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test-binary>
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --workspace --bins` first (scripts/test does)",
+        path.display()
+    );
+    path
+}
+
+impl TestEnv {
+    /// A path inside the scratch directory.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Writes `drumline.toml` with this test's namespace prepended; returns its path.
+    pub fn config(&self, name: &str, body: &str) -> PathBuf {
+        let path = self.path(name);
+        fs::write(&path, format!("namespace = \"{}\"\n{body}", self.ns)).expect("write config");
+        path
+    }
+
+    /// A shell command (TOML array) that appends `$DRUMLINE_KEY` to `file` after `sleep` s.
+    pub fn append_key_command(&self, file: &str, sleep: f64) -> String {
+        let effect = self.path(file);
+        let script = if sleep > 0.0 {
+            format!(
+                "sleep {sleep}; echo \"$DRUMLINE_KEY\" >> {}",
+                effect.display()
+            )
+        } else {
+            format!("echo \"$DRUMLINE_KEY\" >> {}", effect.display())
+        };
+        format!("[\"/bin/sh\", \"-c\", {}]", toml_string(&script))
+    }
+
+    /// Starts `drumline-beat` with `args` (logs to `<label>.log`).
+    pub fn beat(&self, label: &str, args: &[&str]) -> Proc {
+        self.spawn("drumline-beat", label, args)
+    }
+
+    /// Starts `drumline-worker` with `args` (logs to `<label>.log`).
+    pub fn worker(&self, label: &str, args: &[&str]) -> Proc {
+        self.spawn("drumline-worker", label, args)
+    }
+
+    fn spawn(&self, bin: &str, label: &str, args: &[&str]) -> Proc {
+        let log = self.path(&format!("{label}.log"));
+        let out = File::create(&log).expect("log file");
+        let child = Command::new(binary(bin))
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env_remove("DRUMLINE_CONFIG")
+            .env_remove("DRUMLINE_AMQP_URL")
+            .env_remove("DRUMLINE_REDIS_URL")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("dup"))
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
+        Proc {
+            child: Some(child),
+            label: label.to_owned(),
+            log,
+        }
+    }
+
+    /// Runs a binary to completion (for `check`, `next`, bad configs): (status, stdout, stderr).
+    pub fn run(&self, bin: &str, args: &[&str]) -> (ExitStatus, String, String) {
+        let out = Command::new(binary(bin))
+            .args(args)
+            .env_remove("DRUMLINE_CONFIG")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {bin}: {e}"));
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// Lines of an effect file (empty when it does not exist yet).
+    pub fn lines(&self, file: &str) -> Vec<String> {
+        fs::read_to_string(self.path(file))
+            .map(|t| t.lines().map(str::to_owned).collect())
+            .unwrap_or_default()
+    }
+
+    /// Also delete queue `name` at cleanup.
+    pub fn forget_queue_later(&mut self, name: String) {
+        self.extra_queues.push(name);
+    }
+
+    /// A Redis connection.
+    pub async fn redis(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(REDIS_URL)
+            .expect("redis url")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("redis connection")
+    }
+
+    /// An AMQP connection.
+    pub async fn amqp(&self) -> Connection {
+        Connection::connect(AMQP_URL, ConnectionProperties::default())
+            .await
+            .expect("amqp connection")
+    }
+
+    /// Publishes a raw body to `{ns}.tasks` with routing key `queue` (as a hand-written producer
+    /// would), waiting for the confirm.
+    pub async fn publish_raw(&self, queue: &str, body: &[u8], props: BasicProperties) {
+        let conn = self.amqp().await;
+        let ch = conn.create_channel().await.expect("channel");
+        ch.confirm_select(Default::default())
+            .await
+            .expect("confirm");
+        ch.basic_publish(
+            &format!("{}.tasks", self.ns),
+            queue,
+            BasicPublishOptions::default(),
+            body,
+            props,
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("confirm");
+        let _ = conn.close(200, "bye").await;
+    }
+
+    /// Number of messages ready in queue `name` (passive declare), or `None` if it does not exist.
+    pub async fn queue_len(&self, name: &str) -> Option<u32> {
+        let conn = self.amqp().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let result = ch
+            .queue_declare(
+                name,
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .ok()
+            .map(|q| q.message_count());
+        let _ = conn.close(200, "bye").await;
+        result
+    }
+
+    /// True when exchange `name` exists.
+    pub async fn exchange_exists(&self, name: &str) -> bool {
+        let conn = self.amqp().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let exists = ch
+            .exchange_declare(
+                name,
+                lapin::ExchangeKind::Direct,
+                lapin::options::ExchangeDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .is_ok();
+        let _ = conn.close(200, "bye").await;
+        exists
+    }
+
+    async fn cleanup(ns: String, extra: Vec<String>) {
+        if let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await {
+            let mut queues = vec![format!("{ns}.q.default"), format!("{ns}.dead")];
+            queues.extend(extra);
+            for q in queues {
+                if let Ok(ch) = conn.create_channel().await {
+                    let _ = ch.queue_delete(&q, QueueDeleteOptions::default()).await;
+                }
+            }
+            for x in [format!("{ns}.tasks"), format!("{ns}.dead")] {
+                if let Ok(ch) = conn.create_channel().await {
+                    let _ = ch
+                        .exchange_delete(&x, ExchangeDeleteOptions::default())
+                        .await;
+                }
+            }
+            let _ = conn.close(200, "cleanup").await;
+        }
+        if let Ok(client) = redis::Client::open(REDIS_URL) {
+            if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
+                let keys: Vec<String> = redis::cmd("KEYS")
+                    .arg(format!("{ns}:*"))
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap_or_default();
+                if !keys.is_empty() {
+                    let _: redis::RedisResult<()> =
+                        redis::cmd("DEL").arg(keys).query_async(&mut conn).await;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        // Delete what the test declared; delay queues expire by themselves.
+        let ns = self.ns.clone();
+        let extra = std::mem::take(&mut self.extra_queues);
+        let _ = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+                .block_on(TestEnv::cleanup(ns, extra));
+        })
+        .join();
+    }
+}
+
+/// A running binary; killed (SIGKILL) on drop if still running.
+pub struct Proc {
+    child: Option<Child>,
+    label: String,
+    log: PathBuf,
+}
+
+impl Proc {
+    /// Its pid.
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().expect("running").id() as i32
+    }
+
+    /// Sends `signal` (e.g. `libc::SIGTERM`).
+    pub fn signal(&self, signal: i32) {
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill -{signal} {} failed", self.label);
+    }
+
+    /// kill -9.
+    pub fn kill9(&mut self) -> ExitStatus {
+        self.signal(9);
+        self.wait(Duration::from_secs(10))
+    }
+
+    /// SIGTERM, then wait for the exit.
+    pub fn terminate(&mut self, within: Duration) -> ExitStatus {
+        self.signal(15);
+        self.wait(within)
+    }
+
+    /// Waits for the exit (panics with the log tail after `within`).
+    pub fn wait(&mut self, within: Duration) -> ExitStatus {
+        let child = self.child.as_mut().expect("running");
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                self.child = None;
+                return status;
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "{} did not exit within {within:?}\n{}",
+                    self.label,
+                    self.log_tail(40)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// True while running.
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => c.try_wait().expect("try_wait").is_none(),
+            None => false,
+        }
+    }
+
+    /// The last `n` lines of its log (for failure messages).
+    pub fn log_tail(&self, n: usize) -> String {
+        let text = fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        format!(
+            "--- {} (last {n} lines) ---\n{}",
+            self.label,
+            lines[lines.len().saturating_sub(n)..].join("\n")
+        )
+    }
+
+    /// The whole log.
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Polls `condition` every 100 ms until it holds or `within` passes; returns whether it held.
+pub fn wait_until(within: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Async variant of [`wait_until`].
+pub async fn wait_until_async<F, Fut>(within: Duration, mut condition: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if condition().await {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A TOML basic string literal.
+pub fn toml_string(s: &str) -> String {
+    format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
+}
+
+/// Counts how often each line occurs.
+pub fn counts(lines: &[String]) -> std::collections::BTreeMap<String, usize> {
+    let mut map = std::collections::BTreeMap::new();
+    for l in lines {
+        *map.entry(l.clone()).or_insert(0) += 1;
+    }
+    map
+}

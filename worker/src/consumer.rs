@@ -71,7 +71,9 @@ pub async fn run(
 
     let mut in_flight = JoinSet::new();
     let mut backoff = BACKOFF_MIN;
-    let mut connection: Option<Connection> = None;
+    // Kept open through the drain: acks travel on the consumer channel, and lapin closes a
+    // channel when its last handle is dropped.
+    let mut connection: Option<(Connection, lapin::Channel, lapin::Channel)> = None;
     'connect: while !stop.is_cancelled() {
         let session = tokio::select! {
             s = open_session(&config, &names, &worker_id) => s,
@@ -102,7 +104,7 @@ pub async fn run(
                     for tag in &tags {
                         let _ = consumer_channel.basic_cancel(tag, BasicCancelOptions::default()).await;
                     }
-                    connection = Some(conn);
+                    connection = Some((conn, publisher, consumer_channel));
                     break 'connect;
                 }
                 next = deliveries.next() => match next {
@@ -117,7 +119,7 @@ pub async fn run(
                                     for tag in &tags {
                                         let _ = consumer_channel.basic_cancel(tag, BasicCancelOptions::default()).await;
                                     }
-                                    connection = Some(conn);
+                                    connection = Some((conn, publisher, consumer_channel));
                                     break 'connect;
                                 }
                             }
@@ -140,7 +142,7 @@ pub async fn run(
     }
 
     drain(&config, &processor, &mut in_flight).await;
-    if let Some(conn) = connection {
+    if let Some((conn, _publisher, _consumer_channel)) = connection {
         let _ = conn.close(200, "worker shutting down").await;
     }
     probe.abort();

@@ -1,0 +1,457 @@
+//! The core promise end to end: real beat and worker binaries, real RabbitMQ and Redis, one
+//! namespace per test; effects are lines the shell task appends (one per execution, keyed by
+//! `$DRUMLINE_KEY`), asserted by exact count.
+
+use chrono::{DateTime, Utc};
+use drumline_e2e::{counts, setup, wait_until, wait_until_async, TestEnv};
+use drumline_shared::envelope::Envelope;
+use lapin::options::{BasicAckOptions, BasicGetOptions};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn every_second_config(env: &TestEnv, file: &str) -> std::path::PathBuf {
+    env.config(
+        "drumline.toml",
+        &format!(
+            r#"
+[worker]
+concurrency = 2
+lease = "3s"
+shutdown_grace = "10s"
+
+[[jobs]]
+name = "tick"
+task = "append"
+every = "1s"
+
+[tasks.append]
+command = {}
+"#,
+            env.append_key_command(file, 0.0)
+        ),
+    )
+}
+
+fn instant_of(key: &str) -> DateTime<Utc> {
+    let text = key.split_once('@').expect("job@instant").1;
+    DateTime::parse_from_rfc3339(text)
+        .expect("rfc3339")
+        .with_timezone(&Utc)
+}
+
+/// Every second from the first to the last key is there exactly once.
+fn assert_contiguous_exactly_once(lines: &[String], at_least: usize) {
+    let counts = counts(lines);
+    let doubled: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(doubled.is_empty(), "executed more than once: {doubled:?}");
+    let instants: Vec<DateTime<Utc>> = counts.keys().map(|k| instant_of(k)).collect();
+    assert!(
+        instants.len() >= at_least,
+        "only {} executions: {lines:?}",
+        instants.len()
+    );
+    for pair in instants.windows(2) {
+        assert_eq!(
+            (pair[1] - pair[0]).num_seconds(),
+            1,
+            "missing instants between {} and {}",
+            pair[0],
+            pair[1]
+        );
+    }
+}
+
+/// Reads `name=N` from a process's final summary line.
+fn summary_number(log: &str, name: &str) -> u64 {
+    let needle = format!("{name}=");
+    log.lines()
+        .rev()
+        .find_map(|line| {
+            let rest = &line[line.find(&needle)? + needle.len()..];
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok()
+        })
+        .unwrap_or_else(|| panic!("no {name}= in log:\n{log}"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_beat_three_workers_run_every_instant_exactly_once() {
+    let env = setup("e2e_once");
+    let config = every_second_config(&env, "effects");
+    let cfg = config.to_str().unwrap();
+    let mut workers: Vec<_> = (1..=3)
+        .map(|i| env.worker(&format!("worker-{i}"), &["--config", cfg]))
+        .collect();
+    let mut beat = env.beat("beat", &["--config", cfg]);
+
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() >= 16),
+        "fewer than 16 executions in {WAIT:?}\n{}\n{}",
+        beat.log_tail(20),
+        workers[0].log_tail(20)
+    );
+    assert!(
+        beat.terminate(Duration::from_secs(10)).success(),
+        "{}",
+        beat.log_tail(20)
+    );
+    let published = summary_number(&beat.log(), "published");
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() as u64 >= published),
+        "published {published}, executed {}",
+        env.lines("effects").len()
+    );
+    for w in &mut workers {
+        assert!(
+            w.terminate(Duration::from_secs(20)).success(),
+            "{}",
+            w.log_tail(20)
+        );
+    }
+
+    let lines = env.lines("effects");
+    assert_eq!(
+        lines.len() as u64,
+        published,
+        "every published instance runs once"
+    );
+    assert_contiguous_exactly_once(&lines, 16);
+    // Every instance is recorded done, and the beat persisted its progress.
+    let mut redis = env.redis().await;
+    for key in &lines {
+        let state: Option<String> = redis::cmd("HGET")
+            .arg(format!("{}:run:{key}", env.ns))
+            .arg("state")
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        assert_eq!(state.as_deref(), Some("done"), "{key}");
+    }
+    let last: String = redis::cmd("GET")
+        .arg(format!("{}:beat:last:tick", env.ns))
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let newest = lines.iter().map(|k| instant_of(k)).max().unwrap();
+    assert_eq!(DateTime::parse_from_rfc3339(&last).unwrap(), newest);
+    assert_eq!(
+        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        Some(0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_beats_publish_twice_but_each_instance_runs_once() {
+    let env = setup("e2e_twobeats");
+    let config = every_second_config(&env, "effects");
+    let cfg = config.to_str().unwrap();
+    let mut workers: Vec<_> = (1..=3)
+        .map(|i| env.worker(&format!("worker-{i}"), &["--config", cfg]))
+        .collect();
+    let mut beats = [
+        env.beat("beat-1", &["--config", cfg]),
+        env.beat("beat-2", &["--config", cfg]),
+    ];
+
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() >= 12),
+        "too few executions\n{}",
+        workers[0].log_tail(20)
+    );
+    let mut published = 0;
+    for b in &mut beats {
+        assert!(
+            b.terminate(Duration::from_secs(10)).success(),
+            "{}",
+            b.log_tail(20)
+        );
+        published += summary_number(&b.log(), "published");
+    }
+    // Every delivery ends as a run or as a duplicate (copies that met a live lease come back
+    // from the delay queue first). Wait until all of them are settled.
+    let settled = |workers: &Vec<drumline_e2e::Proc>| -> u64 {
+        workers
+            .iter()
+            .map(|w| {
+                let log = w.log();
+                log.lines()
+                    .filter(|l| {
+                        l.contains("duplicate delivery")
+                            || l.ends_with(" done")
+                            || l.contains("processor: done")
+                    })
+                    .count() as u64
+            })
+            .sum()
+    };
+    assert!(
+        wait_until(WAIT, || settled(&workers) >= published),
+        "published {published}, settled {}",
+        settled(&workers)
+    );
+    let mut duplicates = 0;
+    for w in &mut workers {
+        assert!(
+            w.terminate(Duration::from_secs(20)).success(),
+            "{}",
+            w.log_tail(20)
+        );
+        duplicates += summary_number(&w.log(), "duplicates");
+    }
+
+    let lines = env.lines("effects");
+    assert_contiguous_exactly_once(&lines, 12);
+    assert!(duplicates >= 1, "two beats should have produced duplicates");
+    assert_eq!(
+        duplicates + lines.len() as u64,
+        published,
+        "every delivery is either the one run or an acked, counted duplicate"
+    );
+    assert_eq!(
+        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        Some(0)
+    );
+}
+
+fn adhoc(key: &str, task: &str) -> Envelope {
+    let now = Utc::now();
+    Envelope {
+        v: 1,
+        id: uuid::Uuid::new_v4(),
+        key: key.to_owned(),
+        task: task.to_owned(),
+        job: None,
+        args: serde_json::json!({"n": 1}),
+        scheduled_for: now,
+        published_at: now,
+        expires_at: None,
+        attempt: 0,
+        queue: "default".to_owned(),
+    }
+}
+
+async fn publish(env: &TestEnv, envelope: &Envelope) {
+    env.publish_raw(
+        "default",
+        &envelope.encode(),
+        envelope.properties(Utc::now(), None),
+    )
+    .await;
+}
+
+/// A worker config whose task records its start (with the shell's pid), sleeps, then appends
+/// the key.
+fn slow_task_config(env: &TestEnv, sleep: u32) -> std::path::PathBuf {
+    let script = format!(
+        "echo \"$DRUMLINE_KEY $$\" >> {starts}; sleep {sleep}; echo \"$DRUMLINE_KEY\" >> {effects}",
+        starts = env.path("starts").display(),
+        effects = env.path("effects").display()
+    );
+    env.config(
+        "drumline.toml",
+        &format!(
+            r#"
+[worker]
+concurrency = 1
+lease = "3s"
+shutdown_grace = "20s"
+
+[tasks.slow]
+command = ["/bin/sh", "-c", {}]
+"#,
+            drumline_e2e::toml_string(&script)
+        ),
+    )
+}
+
+fn pid_alive(pid: i32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| s.contains(") Z "))
+            .unwrap_or(true)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_worker_killed_mid_task_is_taken_over_after_its_lease() {
+    let env = setup("e2e_kill9");
+    let config = slow_task_config(&env, 5);
+    let cfg = config.to_str().unwrap();
+    let mut first = env.worker("worker-1", &["--config", cfg]);
+    // Topology exists once the worker consumes.
+    assert!(
+        wait_until_async(WAIT, || async {
+            env.queue_len(&format!("{}.q.default", env.ns))
+                .await
+                .is_some()
+        })
+        .await,
+        "{}",
+        first.log_tail(20)
+    );
+    publish(&env, &adhoc("k-kill", "slow")).await;
+    assert!(
+        wait_until(WAIT, || env.lines("starts").len() == 1),
+        "{}",
+        first.log_tail(20)
+    );
+    let task_pid: i32 = env.lines("starts")[0]
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+
+    first.kill9();
+    // The task process dies with its worker (parent-death signal): no orphan finishes it.
+    assert!(
+        wait_until(Duration::from_secs(5), || !pid_alive(task_pid)),
+        "task {task_pid} outlived its worker"
+    );
+
+    let mut second = env.worker("worker-2", &["--config", cfg]);
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() == 1),
+        "not taken over\n{}",
+        second.log_tail(30)
+    );
+    assert!(second.terminate(Duration::from_secs(30)).success());
+    assert_eq!(
+        env.lines("effects"),
+        vec!["k-kill"],
+        "completed exactly once"
+    );
+    assert_eq!(
+        env.lines("starts").len(),
+        2,
+        "started by the dead worker, then by the other"
+    );
+    let mut redis = env.redis().await;
+    let state: Option<String> = redis::cmd("HGET")
+        .arg(format!("{}:run:k-kill", env.ns))
+        .arg("state")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(state.as_deref(), Some("done"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_lets_the_running_task_finish_then_exits_zero() {
+    let env = setup("e2e_sigterm");
+    let config = slow_task_config(&env, 2);
+    let cfg = config.to_str().unwrap();
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    assert!(
+        wait_until_async(WAIT, || async {
+            env.queue_len(&format!("{}.q.default", env.ns))
+                .await
+                .is_some()
+        })
+        .await,
+        "{}",
+        worker.log_tail(20)
+    );
+    publish(&env, &adhoc("k-term", "slow")).await;
+    assert!(
+        wait_until(WAIT, || env.lines("starts").len() == 1),
+        "{}",
+        worker.log_tail(20)
+    );
+
+    let status = worker.terminate(Duration::from_secs(30));
+    assert!(status.success(), "exit {status:?}\n{}", worker.log_tail(20));
+    assert_eq!(
+        env.lines("effects"),
+        vec!["k-term"],
+        "the in-flight task finished"
+    );
+    let mut redis = env.redis().await;
+    let state: Option<String> = redis::cmd("HGET")
+        .arg(format!("{}:run:k-term", env.ns))
+        .arg("state")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(state.as_deref(), Some("done"));
+    assert_eq!(
+        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        Some(0),
+        "acked before exit"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn poison_messages_are_dead_lettered_and_duplicates_run_once() {
+    let env = setup("e2e_poison");
+    let config = env.config(
+        "drumline.toml",
+        &format!(
+            "[worker]\nconcurrency = 2\n\n[tasks.append]\ncommand = {}\n",
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let cfg = config.to_str().unwrap();
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    let dead = format!("{}.dead", env.ns);
+    assert!(
+        wait_until_async(WAIT, || async {
+            env.queue_len(&format!("{}.q.default", env.ns))
+                .await
+                .is_some()
+        })
+        .await,
+        "{}",
+        worker.log_tail(20)
+    );
+
+    env.publish_raw("default", b"{not json", Default::default())
+        .await;
+    publish(&env, &adhoc("k-unknown", "no-such-task")).await;
+    let valid = adhoc("k-dup", "append");
+    publish(&env, &valid).await;
+    publish(&env, &valid).await;
+
+    assert!(
+        wait_until_async(WAIT, || async { env.queue_len(&dead).await == Some(2) }).await,
+        "dead letters: {:?}\n{}",
+        env.queue_len(&dead).await,
+        worker.log_tail(30)
+    );
+    assert!(wait_until(WAIT, || env.lines("effects").len() == 1));
+    assert!(worker.is_running(), "the worker keeps serving after poison");
+
+    // The dead letters carry their reasons.
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut reasons = Vec::new();
+    while let Some(msg) = ch
+        .basic_get(&dead, BasicGetOptions::default())
+        .await
+        .unwrap()
+    {
+        let headers = msg.delivery.properties.headers().clone();
+        let reason =
+            drumline_shared::envelope::header_str(headers.as_ref(), "x-drumline-reason").unwrap();
+        let error =
+            drumline_shared::envelope::header_str(headers.as_ref(), "x-drumline-error").unwrap();
+        assert!(!error.is_empty());
+        reasons.push(reason);
+        msg.delivery.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    reasons.sort();
+    assert_eq!(reasons, vec!["malformed", "unknown_task"]);
+    let _ = conn.close(200, "bye").await;
+
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    assert_eq!(
+        env.lines("effects"),
+        vec!["k-dup"],
+        "the duplicate ran once"
+    );
+    assert_eq!(summary_number(&worker.log(), "duplicates"), 1);
+    assert_eq!(
+        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        Some(0)
+    );
+}
