@@ -143,7 +143,7 @@ impl Processor {
             self.config.tasks.get(&env.task),
         ) else {
             let error = format!("no task named {:?} in this worker's config", env.task);
-            self.dead_letter_env(publisher, &env, "unknown_task", &error)
+            self.dead_letter_env(publisher, &env, "unknown_task", &error, env.attempt)
                 .await?;
             return Ok(Disposition::Ack);
         };
@@ -156,6 +156,7 @@ impl Processor {
                 &env,
                 "expired",
                 "expires_at passed before the run",
+                env.attempt,
             )
             .await?;
             self.record(&env, "expired", None, None).await;
@@ -350,7 +351,8 @@ impl Processor {
         error: &str,
         started_at: String,
     ) -> Result<Disposition, Interrupted> {
-        self.dead_letter_env(publisher, env, reason, error).await?;
+        self.dead_letter_env(publisher, env, reason, error, env.attempt + 1)
+            .await?;
         self.finish_with_retries(&env.key, token, "dead").await?;
         self.record(env, "dead", Some(started_at), Some(error.to_owned()))
             .await;
@@ -393,23 +395,18 @@ impl Processor {
         confirm(publisher, "", &queue, &env.encode(), props).await
     }
 
+    /// Dead-letters an envelope; `runs` = runs made (the `x-drumline-attempts` header).
     async fn dead_letter_env(
         &self,
         publisher: &Channel,
         env: &Envelope,
         reason: &str,
         error: &str,
+        runs: u32,
     ) -> Result<(), Interrupted> {
         let props = env.properties(Utc::now(), None);
-        self.dead_letter(
-            publisher,
-            &env.encode(),
-            &props,
-            reason,
-            error,
-            env.attempt + 1,
-        )
-        .await
+        self.dead_letter(publisher, &env.encode(), &props, reason, error, runs)
+            .await
     }
 
     /// Publishes `body` to `{ns}.dead` with the reason headers (DESIGN §3) and waits for the

@@ -1,0 +1,212 @@
+//! Failure paths of the worker, end to end: retries through delay queues, exhaustion and
+//! permanent failures to `{ns}.dead`, expired and oversize messages, timeouts that kill the
+//! task's whole process group.
+
+use chrono::Utc;
+use drumline_e2e::{setup, toml_string, wait_until, wait_until_async, TestEnv};
+use drumline_shared::envelope::{header_int, header_str, Envelope};
+use lapin::options::{BasicAckOptions, BasicGetOptions};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn adhoc(key: &str, task: &str) -> Envelope {
+    let now = Utc::now();
+    Envelope {
+        v: 1,
+        id: uuid::Uuid::new_v4(),
+        key: key.to_owned(),
+        task: task.to_owned(),
+        job: None,
+        args: serde_json::json!({}),
+        scheduled_for: now,
+        published_at: now,
+        expires_at: None,
+        attempt: 0,
+        queue: "default".to_owned(),
+    }
+}
+
+async fn publish(env: &TestEnv, envelope: &Envelope) {
+    env.publish_raw(
+        "default",
+        &envelope.encode(),
+        envelope.properties(Utc::now(), None),
+    )
+    .await;
+}
+
+/// Config with tasks whose shell scripts log `KEY ATTEMPT` to `runs` and then behave per task.
+fn config(env: &TestEnv) -> std::path::PathBuf {
+    let runs = env.path("runs");
+    let log = format!(
+        "echo \"$DRUMLINE_KEY $DRUMLINE_ATTEMPT\" >> {}",
+        runs.display()
+    );
+    let task = |name: &str, tail: &str, extra: &str| {
+        format!(
+            "[tasks.{name}]\ncommand = [\"/bin/sh\", \"-c\", {}]\nretry_base = \"200ms\"\nretry_max = \"1s\"\n{extra}\n",
+            toml_string(&format!("{log}; {tail}"))
+        )
+    };
+    let pids = env.path("pids");
+    env.config(
+        "drumline.toml",
+        &format!(
+            "[worker]\nconcurrency = 4\nlease = \"3s\"\nmax_message_bytes = 4096\n\n{}{}{}{}",
+            task(
+                "flaky",
+                "[ \"$DRUMLINE_ATTEMPT\" -ge 2 ]",
+                "max_retries = 5"
+            ),
+            task("broken", "exit 1", "max_retries = 1"),
+            task("refuses", "exit 3", "permanent_exit_codes = [3]"),
+            task(
+                "hangs",
+                &format!("sleep 30 & echo $! >> {}; wait", pids.display()),
+                "timeout = \"1s\"\nmax_retries = 0"
+            ),
+        ),
+    )
+}
+
+async fn dead_letters(env: &TestEnv) -> Vec<(String, String, i64, String)> {
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut out = Vec::new();
+    let dead = format!("{}.dead", env.ns);
+    while let Some(msg) = ch
+        .basic_get(&dead, BasicGetOptions::default())
+        .await
+        .unwrap()
+    {
+        let h = msg.delivery.properties.headers().clone();
+        let key = msg
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.to_string())
+            .unwrap_or_default();
+        out.push((
+            key,
+            header_str(h.as_ref(), "x-drumline-reason").unwrap(),
+            header_int(h.as_ref(), "x-drumline-attempts").unwrap(),
+            header_str(h.as_ref(), "x-drumline-error").unwrap(),
+        ));
+        msg.delivery.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let _ = conn.close(200, "bye").await;
+    out.sort();
+    out
+}
+
+async fn run_state(env: &TestEnv, key: &str) -> Option<String> {
+    let mut redis = env.redis().await;
+    redis::cmd("HGET")
+        .arg(format!("{}:run:{key}", env.ns))
+        .arg("state")
+        .query_async(&mut redis)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retries_exhaustion_permanent_failures_expiry_and_size() {
+    let env = setup("e2e_failures");
+    let cfg = config(&env);
+    let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
+    let dead = format!("{}.dead", env.ns);
+    assert!(
+        wait_until_async(WAIT, || async {
+            env.queue_len(&format!("{}.q.default", env.ns))
+                .await
+                .is_some()
+        })
+        .await,
+        "{}",
+        worker.log_tail(20)
+    );
+
+    publish(&env, &adhoc("k-flaky", "flaky")).await;
+    publish(&env, &adhoc("k-broken", "broken")).await;
+    publish(&env, &adhoc("k-refuses", "refuses")).await;
+    publish(&env, &adhoc("k-hangs", "hangs")).await;
+    let mut expired = adhoc("k-expired", "flaky");
+    expired.expires_at = Some(Utc::now() - chrono::Duration::seconds(1));
+    // Published without an AMQP expiration, so it reaches the worker, which must refuse to run it.
+    env.publish_raw("default", &expired.encode(), Default::default())
+        .await;
+    let mut big = adhoc("k-big", "flaky");
+    big.args = serde_json::json!({ "blob": "x".repeat(5000) });
+    publish(&env, &big).await;
+
+    assert!(
+        wait_until_async(WAIT, || async { env.queue_len(&dead).await == Some(5) }).await,
+        "dead letters: {:?}\n{}",
+        env.queue_len(&dead).await,
+        worker.log_tail(40)
+    );
+    assert!(
+        wait_until_async(WAIT, || async {
+            run_state(&env, "k-flaky").await.as_deref() == Some("done")
+        })
+        .await
+    );
+
+    let letters = dead_letters(&env).await;
+    let summary: Vec<(&str, &str, i64)> = letters
+        .iter()
+        .map(|(k, r, a, _)| (k.as_str(), r.as_str(), *a))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            ("k-big", "oversize", 0),
+            ("k-broken", "retries_exhausted", 2),
+            ("k-expired", "expired", 0),
+            ("k-hangs", "retries_exhausted", 1),
+            ("k-refuses", "permanent", 1),
+        ]
+    );
+    let hang_error = &letters.iter().find(|l| l.0 == "k-hangs").unwrap().3;
+    assert!(hang_error.contains("timed out"), "{hang_error}");
+    assert_eq!(
+        letters.iter().find(|l| l.0 == "k-refuses").unwrap().3,
+        "exit code 3"
+    );
+
+    let mut runs = env.lines("runs");
+    runs.sort();
+    assert_eq!(
+        runs,
+        vec![
+            "k-broken 0",
+            "k-broken 1", // max_retries = 1: two runs
+            "k-flaky 0",
+            "k-flaky 1",
+            "k-flaky 2", // succeeded on the third
+            "k-hangs 0",
+            "k-refuses 0", // permanent: never retried
+        ]
+    );
+    assert_eq!(run_state(&env, "k-broken").await.as_deref(), Some("dead"));
+    assert_eq!(run_state(&env, "k-refuses").await.as_deref(), Some("dead"));
+    assert_eq!(run_state(&env, "k-expired").await, None, "never claimed");
+
+    // The timed-out task's whole process group was killed, background child included.
+    let sleeper: i32 = env.lines("pids")[0].parse().unwrap();
+    assert!(
+        wait_until(Duration::from_secs(5), || !std::path::Path::new(&format!(
+            "/proc/{sleeper}"
+        ))
+        .exists()),
+        "the timed-out task's child {sleeper} survived"
+    );
+
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    assert_eq!(
+        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        Some(0)
+    );
+}
