@@ -33,6 +33,40 @@ pub enum Claim {
         /// The lease's remaining time.
         retry_in: Duration,
     },
+    /// `overlap = "skip"` and the job's previous instance still runs: recorded `skipped`.
+    Skipped {
+        /// Key of the instance that still runs.
+        running: String,
+    },
+    /// `overlap = "queue"` and the job's previous instance still runs; look again after
+    /// `retry_in`.
+    Waiting {
+        /// The running instance's remaining lease.
+        retry_in: Duration,
+        /// Key of the instance that still runs.
+        running: String,
+    },
+}
+
+/// What a claim does about the job's other instances (DESIGN §4 step 4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OverlapMode<'a> {
+    /// No job (ad-hoc) or `overlap = "allow"`: no job lock.
+    Allow,
+    /// `overlap = "skip"` for job `.0`.
+    Skip(&'a str),
+    /// `overlap = "queue"` for job `.0`.
+    Queue(&'a str),
+}
+
+impl OverlapMode<'_> {
+    fn parts(&self) -> (&'static str, Option<&str>) {
+        match self {
+            OverlapMode::Allow => ("allow", None),
+            OverlapMode::Skip(job) => ("skip", Some(job)),
+            OverlapMode::Queue(job) => ("queue", Some(job)),
+        }
+    }
 }
 
 /// One entry of `{ns}:history:{job}`.
@@ -59,7 +93,9 @@ pub struct RunRecord {
 /// Most run records kept per job.
 pub const HISTORY_LEN: isize = 1000;
 
-// KEYS[1] run key, KEYS[2] fence counter; ARGV token, worker, attempt, lease_ms.
+// KEYS[1] run key, KEYS[2] fence counter, KEYS[3] job overlap lock (a hash {key, token});
+// ARGV token, worker, attempt, lease_ms, overlap (skip | queue | allow), retention_ms, run key
+// name as the lock records it. For ad-hoc tasks overlap is `allow` and KEYS[3] is unused.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
@@ -71,23 +107,46 @@ if state == 'running' then
   local ttl = redis.call('PTTL', KEYS[1])
   if ttl > 0 then return {'busy', tostring(ttl)} end
 end
+if ARGV[5] ~= 'allow' then
+  local holder = redis.call('HGET', KEYS[3], 'key')
+  if holder and holder ~= ARGV[7] then
+    if ARGV[5] == 'skip' then
+      redis.call('DEL', KEYS[1])
+      redis.call('HSET', KEYS[1], 'state', 'skipped', 'worker', ARGV[2], 'attempt', ARGV[3],
+        'overlapped', holder)
+      redis.call('PEXPIRE', KEYS[1], ARGV[6])
+      return {'skipped', holder}
+    end
+    local ttl = redis.call('PTTL', KEYS[3])
+    if ttl < 1 then ttl = 1 end
+    return {'waiting', tostring(ttl), holder}
+  end
+end
 local fence = redis.call('INCR', KEYS[2])
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'state', 'running', 'token', ARGV[1], 'worker', ARGV[2],
   'fence', fence, 'attempt', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if ARGV[5] ~= 'allow' then
+  redis.call('DEL', KEYS[3])
+  redis.call('HSET', KEYS[3], 'key', ARGV[7], 'token', ARGV[1])
+  redis.call('PEXPIRE', KEYS[3], ARGV[4])
+end
 return {'claimed', tostring(fence)}
 "#,
     )
 });
 
-// KEYS[1] run key; ARGV token, lease_ms.
+// KEYS[1] run key, KEYS[2] job lock; ARGV token, lease_ms.
 static RENEW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
    and redis.call('HGET', KEYS[1], 'state') == 'running' then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  end
   return 1
 end
 return 0
@@ -95,10 +154,13 @@ return 0
     )
 });
 
-// KEYS[1] run key; ARGV token, final state, retention_ms.
+// KEYS[1] run key, KEYS[2] job lock; ARGV token, final state, retention_ms.
 static FINISH: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
+if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
+  redis.call('DEL', KEYS[2])
+end
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
    and redis.call('HGET', KEYS[1], 'state') == 'running' then
   redis.call('HSET', KEYS[1], 'state', ARGV[2])
@@ -110,10 +172,13 @@ return 0
     )
 });
 
-// KEYS[1] run key; ARGV token.
+// KEYS[1] run key, KEYS[2] job lock; ARGV token.
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
+if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
+  redis.call('DEL', KEYS[2])
+end
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
   redis.call('DEL', KEYS[1])
   return 1
@@ -175,7 +240,8 @@ impl Store {
             .is_ok()
     }
 
-    /// Tries to claim instance `key` for `lease`.
+    /// Tries to claim instance `key` for `lease`. With an overlap mode other than `Allow` the
+    /// claim also takes the job's overlap lock; a `skipped` state is kept for `retention`.
     pub async fn claim(
         &self,
         key: &str,
@@ -183,39 +249,60 @@ impl Store {
         worker: &str,
         attempt: u32,
         lease: Duration,
+        overlap: OverlapMode<'_>,
+        retention: Duration,
     ) -> Result<Claim, StoreError> {
         let mut conn = self.conn.clone();
+        let (mode, job) = overlap.parts();
         let reply: Vec<String> = CLAIM
             .key(self.names.run_key(key))
             .key(self.names.fence())
+            .key(self.job_lock(job))
             .arg(token)
             .arg(worker)
             .arg(attempt)
             .arg(lease.as_millis() as u64)
+            .arg(mode)
+            .arg(retention.as_millis() as u64)
+            .arg(key)
             .invoke_async(&mut conn)
             .await?;
-        let number = |i: usize| {
-            reply
-                .get(i)
-                .and_then(|s| s.parse::<u64>().ok())
-                .unwrap_or(0)
-        };
+        let text = |i: usize| reply.get(i).cloned().unwrap_or_default();
+        let number = |i: usize| text(i).parse::<u64>().unwrap_or(0);
         Ok(match reply.first().map(String::as_str) {
             Some("claimed") => Claim::Claimed { fence: number(1) },
             Some("busy") => Claim::Busy {
                 retry_in: Duration::from_millis(number(1)),
             },
-            _ => Claim::Finished {
-                state: reply.get(1).cloned().unwrap_or_default(),
+            Some("skipped") => Claim::Skipped { running: text(1) },
+            Some("waiting") => Claim::Waiting {
+                retry_in: Duration::from_millis(number(1)),
+                running: text(2),
             },
+            _ => Claim::Finished { state: text(1) },
         })
     }
 
+    /// The overlap lock key for `job`; ad-hoc claims pass a key no script writes to.
+    fn job_lock(&self, job: Option<&str>) -> String {
+        match job {
+            Some(job) => self.names.job_running(job),
+            None => self.names.job_running(""),
+        }
+    }
+
     /// Extends our lease; `false` means it is no longer ours.
-    pub async fn renew(&self, key: &str, token: &str, lease: Duration) -> Result<bool, StoreError> {
+    pub async fn renew(
+        &self,
+        key: &str,
+        job: Option<&str>,
+        token: &str,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
         RENEW
             .key(self.names.run_key(key))
+            .key(self.job_lock(job))
             .arg(token)
             .arg(lease.as_millis() as u64)
             .invoke_async(&mut conn)
@@ -227,6 +314,7 @@ impl Store {
     pub async fn finish(
         &self,
         key: &str,
+        job: Option<&str>,
         token: &str,
         state: &str,
         retention: Duration,
@@ -234,6 +322,7 @@ impl Store {
         let mut conn = self.conn.clone();
         FINISH
             .key(self.names.run_key(key))
+            .key(self.job_lock(job))
             .arg(token)
             .arg(state)
             .arg(retention.as_millis() as u64)
@@ -242,10 +331,16 @@ impl Store {
     }
 
     /// Gives the claim up (a retry will claim again); `false` if it was not ours.
-    pub async fn release(&self, key: &str, token: &str) -> Result<bool, StoreError> {
+    pub async fn release(
+        &self,
+        key: &str,
+        job: Option<&str>,
+        token: &str,
+    ) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
         RELEASE
             .key(self.names.run_key(key))
+            .key(self.job_lock(job))
             .arg(token)
             .invoke_async(&mut conn)
             .await

@@ -66,6 +66,11 @@ pub async fn run(
         stats: Arc::new(Stats::default()),
         gate: Gate::default(),
         abandon: CancellationToken::new(),
+        overlap: config
+            .jobs
+            .iter()
+            .map(|j| (j.name.clone(), j.overlap))
+            .collect(),
     });
     let probe = tokio::spawn(probe_redis(store, processor.gate.clone()));
 

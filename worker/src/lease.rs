@@ -16,11 +16,12 @@ pub enum LeaseLost {
     Unreachable(String),
 }
 
-/// Renews `key` under `token` until `stop` fires. Returns `Some` (and fires `lost`) when the
+/// Renews `key` (and the overlap lock of `job`, if it holds it) under `token` until `stop` fires. Returns `Some` (and fires `lost`) when the
 /// lease is lost; `None` when stopped normally.
 pub async fn watch(
     store: Store,
     key: String,
+    job: Option<String>,
     token: String,
     lease: Duration,
     stop: CancellationToken,
@@ -34,7 +35,8 @@ pub async fn watch(
             _ = stop.cancelled() => return None,
             _ = tokio::time::sleep_until(next) => {}
         }
-        let attempt = tokio::time::timeout(every / 2, store.renew(&key, &token, lease)).await;
+        let attempt =
+            tokio::time::timeout(every / 2, store.renew(&key, job.as_deref(), &token, lease)).await;
         let outcome = match attempt {
             Ok(Ok(true)) => {
                 last_ok = Instant::now();

@@ -8,10 +8,10 @@ use crate::retry::{self, Decision};
 use crate::stats::Stats;
 use crate::Gate;
 use chrono::Utc;
-use drumline_shared::config::{Config, Task};
+use drumline_shared::config::{Config, Overlap, Task};
 use drumline_shared::envelope::{self, long_string, Envelope, H_ATTEMPTS, H_ERROR, H_REASON};
 use drumline_shared::names::Names;
-use drumline_shared::store::{now_text, Claim, RunRecord, Store, StoreError};
+use drumline_shared::store::{now_text, Claim, OverlapMode, RunRecord, Store, StoreError};
 use drumline_shared::topology;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
@@ -44,6 +44,9 @@ pub struct Processor {
     pub gate: Gate,
     /// Fires when the shutdown grace ran out: in-flight handlers are cancelled.
     pub abandon: CancellationToken,
+    /// Job name → overlap policy, from this worker's config. A job the worker's config does not
+    /// list gets DESIGN's default, `skip`.
+    pub overlap: HashMap<String, Overlap>,
 }
 
 /// How a delivery ends.
@@ -66,6 +69,26 @@ pub(crate) enum Interrupted {
 }
 
 impl Processor {
+    /// The overlap rule for `env`'s job; ad-hoc tasks have none.
+    fn overlap<'e>(&self, env: &'e Envelope) -> OverlapMode<'e> {
+        let Some(job) = env.job.as_deref() else {
+            return OverlapMode::Allow;
+        };
+        match self.overlap.get(job).copied().unwrap_or_default() {
+            Overlap::Skip => OverlapMode::Skip(job),
+            Overlap::Queue => OverlapMode::Queue(job),
+            Overlap::Allow => OverlapMode::Allow,
+        }
+    }
+
+    /// The job whose overlap lock a claim of `env` holds, if any.
+    fn lock_job<'e>(&self, env: &'e Envelope) -> Option<&'e str> {
+        match self.overlap(env) {
+            OverlapMode::Allow => None,
+            OverlapMode::Skip(job) | OverlapMode::Queue(job) => Some(job),
+        }
+    }
+
     /// Processes one delivery and acks or requeues it.
     pub async fn process(self: Arc<Self>, publisher: Channel, delivery: Delivery) {
         let disposition = match self.decide(&publisher, &delivery).await {
@@ -167,7 +190,15 @@ impl Processor {
         let lease = self.config.worker.lease;
         let fence = match self
             .store
-            .claim(&env.key, &token, &self.worker_id, env.attempt, lease)
+            .claim(
+                &env.key,
+                &token,
+                &self.worker_id,
+                env.attempt,
+                lease,
+                self.overlap(&env),
+                self.config.worker.done_ttl,
+            )
             .await?
         {
             Claim::Claimed { fence } => fence,
@@ -188,13 +219,33 @@ impl Processor {
                 self.publish_delayed(publisher, &env, delay).await?;
                 return Ok(Disposition::Ack);
             }
+            Claim::Skipped { running } => {
+                info!(running = %running, "skipped: the job's previous instance still runs (overlap = skip)");
+                self.stats.skipped.inc();
+                self.record(
+                    &env,
+                    "skipped",
+                    None,
+                    Some(format!("{running} still running")),
+                )
+                .await;
+                return Ok(Disposition::Ack);
+            }
+            Claim::Waiting { retry_in, running } => {
+                let delay = retry_in + BUSY_RECHECK_MARGIN;
+                debug!(running = %running, delay_ms = delay.as_millis() as u64,
+                       "waiting for the job's previous instance (overlap = queue)");
+                self.stats.busy.inc();
+                self.publish_delayed(publisher, &env, delay).await?;
+                return Ok(Disposition::Ack);
+            }
         };
 
         let started_at = now_text();
         let outcome = self.run(handler.clone(), &env, &token, fence).await;
         match outcome {
             RunOutcome::Finished(Ok(())) => {
-                if self.finish_with_retries(&env.key, &token, "done").await? {
+                if self.finish_with_retries(&env, &token, "done").await? {
                     info!(fence, "done");
                     self.stats.succeeded.inc();
                     self.record(&env, "done", Some(started_at), None).await;
@@ -237,7 +288,9 @@ impl Processor {
                         // Publish the retry first, then release: if we crash in between, the
                         // lease expires and the retry (or a redelivery) claims it.
                         self.publish_delayed(publisher, &next, delay).await?;
-                        self.store.release(&env.key, &token).await?;
+                        self.store
+                            .release(&env.key, self.lock_job(&env), &token)
+                            .await?;
                         Ok(Disposition::Ack)
                     }
                 }
@@ -255,7 +308,10 @@ impl Processor {
             RunOutcome::Abandoned => {
                 warn!("shutdown grace exhausted: abandoned; releasing the claim for redelivery");
                 self.stats.abandoned.inc();
-                let _ = self.store.release(&env.key, &token).await;
+                let _ = self
+                    .store
+                    .release(&env.key, self.lock_job(&env), &token)
+                    .await;
                 Ok(Disposition::Requeue)
             }
         }
@@ -274,6 +330,7 @@ impl Processor {
         let watchdog = tokio::spawn(lease::watch(
             self.store.clone(),
             env.key.clone(),
+            self.lock_job(env).map(str::to_owned),
             token.to_owned(),
             self.config.worker.lease,
             stop_watchdog.clone(),
@@ -321,7 +378,7 @@ impl Processor {
     /// run again once the lease expires.
     async fn finish_with_retries(
         &self,
-        key: &str,
+        env: &Envelope,
         token: &str,
         state: &str,
     ) -> Result<bool, StoreError> {
@@ -329,7 +386,11 @@ impl Processor {
         let mut delay = Duration::from_millis(100);
         let mut tries = 0;
         loop {
-            match self.store.finish(key, token, state, retention).await {
+            match self
+                .store
+                .finish(&env.key, self.lock_job(env), token, state, retention)
+                .await
+            {
                 Ok(ours) => return Ok(ours),
                 Err(e) if tries < 5 => {
                     warn!(error = %e, "could not record the result yet; retrying");
@@ -353,7 +414,7 @@ impl Processor {
     ) -> Result<Disposition, Interrupted> {
         self.dead_letter_env(publisher, env, reason, error, env.attempt + 1)
             .await?;
-        self.finish_with_retries(&env.key, token, "dead").await?;
+        self.finish_with_retries(env, token, "dead").await?;
         self.record(env, "dead", Some(started_at), Some(error.to_owned()))
             .await;
         Ok(Disposition::Ack)

@@ -30,8 +30,11 @@ pub struct Stats {
     pub succeeded: Counter,
     /// Deliveries whose key was already finished (acked, not run).
     pub duplicates: Counter,
-    /// Deliveries held under another worker's live lease (sent to re-check later).
+    /// Deliveries held under another worker's live lease, or waiting for the job's previous
+    /// instance (`overlap = queue`), sent to re-check later.
     pub busy: Counter,
+    /// Instances recorded `skipped` because the job's previous instance still ran.
+    pub skipped: Counter,
     /// Failed runs sent to a delay queue.
     pub retried: Counter,
     /// Messages published to `{ns}.dead`.
@@ -48,10 +51,11 @@ impl Stats {
     /// One line for logs.
     pub fn summary(&self) -> String {
         format!(
-            "succeeded={} duplicates={} busy={} retried={} dead_lettered={} expired={} abandoned={}",
+            "succeeded={} duplicates={} busy={} skipped={} retried={} dead_lettered={} expired={} abandoned={}",
             self.succeeded.get(),
             self.duplicates.get(),
             self.busy.get(),
+            self.skipped.get(),
             self.retried.get(),
             self.dead_lettered.get(),
             self.expired.get(),

@@ -1,0 +1,158 @@
+//! Overlap policies (DESIGN §4 step 4), end to end: a 1 s job whose task takes longer than a
+//! second. `skip` records the overlapping instances `skipped` and never runs two at once;
+//! `queue` runs every instance, one after another.
+
+use drumline_e2e::{setup, toml_string, wait_until, wait_until_async, TestEnv};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn config(env: &TestEnv, overlap: &str) -> std::path::PathBuf {
+    let log = env.path("spans");
+    let script = format!(
+        "echo \"start $DRUMLINE_KEY $(date +%s%N)\" >> {log}; sleep 1.6; echo \"end $DRUMLINE_KEY $(date +%s%N)\" >> {log}",
+        log = log.display()
+    );
+    env.config(
+        "drumline.toml",
+        &format!(
+            r#"
+[worker]
+concurrency = 4
+lease = "3s"
+
+[[jobs]]
+name = "slow"
+task = "slow"
+every = "1s"
+overlap = "{overlap}"
+
+[tasks.slow]
+command = ["/bin/sh", "-c", {}]
+"#,
+            toml_string(&script)
+        ),
+    )
+}
+
+/// (start, end) in ns per key, from the spans file.
+fn spans(env: &TestEnv) -> BTreeMap<String, (u128, Option<u128>)> {
+    let mut out: BTreeMap<String, (u128, Option<u128>)> = BTreeMap::new();
+    for line in env.lines("spans") {
+        let parts: Vec<&str> = line.split(' ').collect();
+        let at: u128 = parts[2].parse().unwrap();
+        match parts[0] {
+            "start" => {
+                assert!(
+                    out.insert(parts[1].to_owned(), (at, None)).is_none(),
+                    "{} started twice",
+                    parts[1]
+                );
+            }
+            _ => out.get_mut(parts[1]).expect("end after start").1 = Some(at),
+        }
+    }
+    out
+}
+
+fn assert_never_two_at_once(spans: &BTreeMap<String, (u128, Option<u128>)>) {
+    let mut intervals: Vec<(u128, u128, &String)> = spans
+        .iter()
+        .map(|(k, (s, e))| (*s, e.expect("finished"), k))
+        .collect();
+    intervals.sort();
+    for pair in intervals.windows(2) {
+        assert!(
+            pair[0].1 <= pair[1].0,
+            "{} and {} overlapped",
+            pair[0].2,
+            pair[1].2
+        );
+    }
+}
+
+async fn state(env: &TestEnv, key: &str) -> Option<String> {
+    let mut redis = env.redis().await;
+    redis::cmd("HGET")
+        .arg(format!("{}:run:{key}", env.ns))
+        .arg("state")
+        .query_async(&mut redis)
+        .await
+        .unwrap()
+}
+
+/// Runs one beat and two workers until `runs` instances have started; returns the published
+/// keys (from the persisted progress and the schedule: every second up to the last).
+async fn run_until(env: &TestEnv, overlap: &str, runs: usize) -> Vec<String> {
+    let cfg = config(env, overlap);
+    let cfg = cfg.to_str().unwrap();
+    let mut workers = [
+        env.worker("w1", &["--config", cfg]),
+        env.worker("w2", &["--config", cfg]),
+    ];
+    let mut beat = env.beat("beat", &["--config", cfg]);
+    assert!(
+        wait_until(WAIT, || spans(env).len() >= runs),
+        "{}",
+        workers[0].log_tail(20)
+    );
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    let keys: Vec<String> = beat
+        .log()
+        .lines()
+        .filter(|l| l.contains(" published "))
+        .filter_map(|l| l.split("key=").nth(1).map(|k| k.trim().to_owned()))
+        .collect();
+    // Let every published instance reach a final state.
+    for key in &keys {
+        let settled = wait_until_async(WAIT, || async {
+            matches!(
+                state(env, key).await.as_deref(),
+                Some("done") | Some("skipped")
+            )
+        })
+        .await;
+        assert!(settled, "{key} never settled\n{}", workers[1].log_tail(20));
+    }
+    for w in &mut workers {
+        assert!(w.terminate(Duration::from_secs(20)).success());
+    }
+    keys
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn overlap_skip_never_runs_two_at_once_and_records_skips() {
+    let env = setup("e2e_overlap_skip");
+    let keys = run_until(&env, "skip", 3).await;
+    let spans = spans(&env);
+    assert_never_two_at_once(&spans);
+    let mut skipped = 0;
+    for key in &keys {
+        match state(&env, key).await.as_deref() {
+            Some("done") => assert!(spans.contains_key(key), "{key} done but never ran"),
+            Some("skipped") => {
+                skipped += 1;
+                assert!(!spans.contains_key(key), "{key} skipped but ran");
+            }
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+    assert!(
+        skipped >= 1,
+        "a 1.6 s task every second must overlap: {keys:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn overlap_queue_runs_every_instance_one_after_another() {
+    let env = setup("e2e_overlap_queue");
+    let keys = run_until(&env, "queue", 3).await;
+    let spans = spans(&env);
+    assert_never_two_at_once(&spans);
+    for key in &keys {
+        assert_eq!(state(&env, key).await.as_deref(), Some("done"), "{key}");
+        assert!(spans.contains_key(key), "{key} never ran");
+    }
+    assert_eq!(spans.len(), keys.len());
+}
