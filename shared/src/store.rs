@@ -48,6 +48,25 @@ pub enum Claim {
     },
 }
 
+/// What a worker asks for when it claims an instance.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimRequest<'a> {
+    /// Idempotency key.
+    pub key: &'a str,
+    /// Our random token: only its holder may renew, finish or release.
+    pub token: &'a str,
+    /// Worker id, recorded for people.
+    pub worker: &'a str,
+    /// Attempt number, recorded for people.
+    pub attempt: u32,
+    /// Lease length.
+    pub lease: Duration,
+    /// The job's overlap rule.
+    pub overlap: OverlapMode<'a>,
+    /// How long a `skipped` state is kept.
+    pub retention: Duration,
+}
+
 /// What a claim does about the job's other instances (DESIGN §4 step 4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OverlapMode<'a> {
@@ -242,16 +261,16 @@ impl Store {
 
     /// Tries to claim instance `key` for `lease`. With an overlap mode other than `Allow` the
     /// claim also takes the job's overlap lock; a `skipped` state is kept for `retention`.
-    pub async fn claim(
-        &self,
-        key: &str,
-        token: &str,
-        worker: &str,
-        attempt: u32,
-        lease: Duration,
-        overlap: OverlapMode<'_>,
-        retention: Duration,
-    ) -> Result<Claim, StoreError> {
+    pub async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        let ClaimRequest {
+            key,
+            token,
+            worker,
+            attempt,
+            lease,
+            overlap,
+            retention,
+        } = *req;
         let mut conn = self.conn.clone();
         let (mode, job) = overlap.parts();
         let reply: Vec<String> = CLAIM

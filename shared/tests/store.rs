@@ -1,0 +1,171 @@
+//! The Redis scripts against the real Redis (own namespace per test, keys deleted after).
+
+use drumline_shared::names::Names;
+use drumline_shared::store::{Claim, ClaimRequest, OverlapMode, Store};
+use std::time::Duration;
+
+const REDIS: &str = "redis://127.0.0.1:6379/0";
+
+async fn store(test: &str) -> Store {
+    let ns = format!(
+        "t_store_{test}_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    Store::connect(REDIS, Names::new(ns)).await.expect("redis")
+}
+
+async fn cleanup(store: &Store) {
+    let mut conn = store.connection();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{}:*", store.names().namespace()))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    if !keys.is_empty() {
+        let _: () = redis::cmd("DEL")
+            .arg(keys)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+}
+
+fn req<'a>(key: &'a str, token: &'a str, overlap: OverlapMode<'a>) -> ClaimRequest<'a> {
+    ClaimRequest {
+        key,
+        token,
+        worker: "w",
+        attempt: 0,
+        lease: Duration::from_secs(5),
+        overlap,
+        retention: Duration::from_secs(60),
+    }
+}
+
+#[tokio::test]
+async fn claim_is_exclusive_and_fences_increase() {
+    let s = store("exclusive").await;
+    let Claim::Claimed { fence: f1 } = s.claim(&req("k1", "a", OverlapMode::Allow)).await.unwrap()
+    else {
+        panic!("first claim must win")
+    };
+    match s.claim(&req("k1", "b", OverlapMode::Allow)).await.unwrap() {
+        Claim::Busy { retry_in } => {
+            assert!(retry_in <= Duration::from_secs(5) && retry_in > Duration::ZERO)
+        }
+        other => panic!("{other:?}"),
+    }
+    // Only the holder may renew, finish or release.
+    assert!(!s
+        .renew("k1", None, "b", Duration::from_secs(5))
+        .await
+        .unwrap());
+    assert!(!s
+        .finish("k1", None, "b", "done", Duration::from_secs(60))
+        .await
+        .unwrap());
+    assert!(!s.release("k1", None, "b").await.unwrap());
+    assert!(s
+        .renew("k1", None, "a", Duration::from_secs(5))
+        .await
+        .unwrap());
+    assert!(s
+        .finish("k1", None, "a", "done", Duration::from_secs(60))
+        .await
+        .unwrap());
+    assert_eq!(
+        s.claim(&req("k1", "c", OverlapMode::Allow)).await.unwrap(),
+        Claim::Finished {
+            state: "done".into()
+        }
+    );
+    // A released claim can be taken again, with a larger fence.
+    let Claim::Claimed { fence: f2 } = s.claim(&req("k2", "a", OverlapMode::Allow)).await.unwrap()
+    else {
+        panic!()
+    };
+    assert!(s.release("k2", None, "a").await.unwrap());
+    let Claim::Claimed { fence: f3 } = s.claim(&req("k2", "b", OverlapMode::Allow)).await.unwrap()
+    else {
+        panic!()
+    };
+    assert!(f1 < f2 && f2 < f3, "{f1} {f2} {f3}");
+    cleanup(&s).await;
+}
+
+#[tokio::test]
+async fn an_expired_lease_can_be_taken_over() {
+    let s = store("expiry").await;
+    let mut short = req("k", "a", OverlapMode::Allow);
+    short.lease = Duration::from_millis(150);
+    assert!(matches!(
+        s.claim(&short).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(matches!(
+        s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    // The old holder's late result is refused.
+    assert!(!s
+        .finish("k", None, "a", "done", Duration::from_secs(60))
+        .await
+        .unwrap());
+    assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("running"));
+    cleanup(&s).await;
+}
+
+#[tokio::test]
+async fn overlap_lock_skips_or_queues_other_instances_of_the_job() {
+    let s = store("overlap").await;
+    assert!(matches!(
+        s.claim(&req("j@1", "a", OverlapMode::Skip("j")))
+            .await
+            .unwrap(),
+        Claim::Claimed { .. }
+    ));
+    assert_eq!(
+        s.claim(&req("j@2", "b", OverlapMode::Skip("j")))
+            .await
+            .unwrap(),
+        Claim::Skipped {
+            running: "j@1".into()
+        }
+    );
+    assert_eq!(
+        s.run_state("j@2").await.unwrap().as_deref(),
+        Some("skipped")
+    );
+    assert!(matches!(
+        s.claim(&req("j@3", "c", OverlapMode::Queue("j")))
+            .await
+            .unwrap(),
+        Claim::Waiting { .. }
+    ));
+    // Finishing frees the job for the next instance.
+    assert!(s
+        .finish("j@1", Some("j"), "a", "done", Duration::from_secs(60))
+        .await
+        .unwrap());
+    assert!(matches!(
+        s.claim(&req("j@3", "c", OverlapMode::Queue("j")))
+            .await
+            .unwrap(),
+        Claim::Claimed { .. }
+    ));
+    cleanup(&s).await;
+}
+
+#[tokio::test]
+async fn last_published_only_moves_forward() {
+    use chrono::{TimeZone, Utc};
+    let s = store("last").await;
+    let t1 = Utc.with_ymd_and_hms(2026, 3, 8, 7, 0, 0).unwrap();
+    let t2 = t1 + chrono::Duration::milliseconds(500);
+    assert_eq!(s.last_published("j").await.unwrap(), None);
+    s.advance_last_published("j", t2).await.unwrap();
+    s.advance_last_published("j", t1).await.unwrap();
+    assert_eq!(s.last_published("j").await.unwrap(), Some(t2));
+    cleanup(&s).await;
+}
