@@ -455,3 +455,66 @@ async fn poison_messages_are_dead_lettered_and_duplicates_run_once() {
         Some(0)
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn when_the_shutdown_grace_runs_out_the_task_is_abandoned_for_redelivery() {
+    let env = setup("e2e_grace");
+    let script = format!(
+        "echo \"$DRUMLINE_KEY $$\" >> {starts}; sleep 30; echo \"$DRUMLINE_KEY\" >> {effects}",
+        starts = env.path("starts").display(),
+        effects = env.path("effects").display()
+    );
+    let config = env.config(
+        "drumline.toml",
+        &format!(
+            "[worker]\nconcurrency = 1\nlease = \"10s\"\nshutdown_grace = \"1s\"\n\n[tasks.slow]\ncommand = [\"/bin/sh\", \"-c\", {}]\n",
+            drumline_e2e::toml_string(&script)
+        ),
+    );
+    let mut worker = env.worker("worker", &["--config", config.to_str().unwrap()]);
+    assert!(
+        wait_until_async(WAIT, || async {
+            env.queue_len(&format!("{}.q.default", env.ns))
+                .await
+                .is_some()
+        })
+        .await,
+        "{}",
+        worker.log_tail(20)
+    );
+    publish(&env, &adhoc("k-grace", "slow")).await;
+    assert!(
+        wait_until(WAIT, || env.lines("starts").len() == 1),
+        "{}",
+        worker.log_tail(20)
+    );
+    let task_pid: i32 = env.lines("starts")[0]
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+
+    let status = worker.terminate(Duration::from_secs(20));
+    assert!(
+        status.success(),
+        "still exits 0: {status:?}\n{}",
+        worker.log_tail(20)
+    );
+    assert!(!pid_alive(task_pid), "the abandoned task was killed");
+    assert!(env.lines("effects").is_empty());
+    // The claim is released and the message is back for another worker.
+    let mut redis = env.redis().await;
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(format!("{}:run:k-grace", env.ns))
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert!(!exists, "claim released");
+    assert_eq!(
+        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        Some(1),
+        "left for redelivery"
+    );
+    assert_eq!(summary_number(&worker.log(), "abandoned"), 1);
+}
