@@ -401,3 +401,124 @@ pub fn counts(lines: &[String]) -> std::collections::BTreeMap<String, usize> {
     }
     map
 }
+
+/// A private RabbitMQ node on free ports, for tests that stop and restart the broker (never
+/// the shared one). Its data directory survives a restart, like a real broker's.
+pub struct PrivateRabbit {
+    /// AMQP port.
+    pub port: u16,
+    dist_port: u16,
+    dir: PathBuf,
+    name: String,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+impl PrivateRabbit {
+    /// Starts a node and waits until it accepts connections.
+    pub fn start(label: &str) -> Self {
+        let dir = std::env::temp_dir().join("drumline-tests").join(format!(
+            "rabbit-{label}-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        ));
+        fs::create_dir_all(dir.join("mnesia")).expect("mkdir");
+        fs::create_dir_all(dir.join("log")).expect("mkdir");
+        fs::write(dir.join("enabled_plugins"), "[].\n").expect("plugins file");
+        let port = free_port();
+        let dist_port = free_port();
+        fs::write(
+            dir.join("rabbitmq.conf"),
+            format!("listeners.tcp.local = 127.0.0.1:{port}\n"),
+        )
+        .expect("conf");
+        // rabbitmq-server drops to the rabbitmq user when started as root.
+        let _ = Command::new("chown")
+            .args(["-R", "rabbitmq:rabbitmq"])
+            .arg(&dir)
+            .status();
+        let rabbit = Self {
+            port,
+            dist_port,
+            name: format!(
+                "drumline_{}@localhost",
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            ),
+            dir,
+        };
+        rabbit.boot();
+        rabbit
+    }
+
+    /// The URL to put in `[broker] url`.
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    fn boot(&self) {
+        let d = &self.dir;
+        let log = File::create(d.join("out.log")).expect("log");
+        Command::new("/usr/sbin/rabbitmq-server")
+            .current_dir(d)
+            .env("RABBITMQ_CONFIG_FILE", d.join("rabbitmq.conf"))
+            .env("RABBITMQ_NODENAME", &self.name)
+            .env("RABBITMQ_NODE_PORT", self.port.to_string())
+            .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
+            .env("RABBITMQ_MNESIA_BASE", d.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", d.join("log"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", d.join("enabled_plugins"))
+            .env("RABBITMQ_PID_FILE", d.join("pid"))
+            .env("RABBITMQ_FEATURE_FLAGS_FILE", d.join("feature_flags"))
+            .env("RABBITMQ_PLUGINS_EXPAND_DIR", d.join("plugins-expand"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("dup"))
+            .stderr(log)
+            .spawn()
+            .expect("rabbitmq-server must be installed (scripts/services installs it)");
+        let up = wait_until(Duration::from_secs(90), || {
+            std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+        });
+        assert!(
+            up,
+            "private RabbitMQ did not start; see {}",
+            d.join("out.log").display()
+        );
+    }
+
+    fn pid(&self) -> Option<String> {
+        fs::read_to_string(self.dir.join("pid"))
+            .ok()
+            .map(|p| p.trim().to_owned())
+    }
+
+    /// Stops the node (SIGTERM: a clean broker shutdown) and waits until its port is closed.
+    pub fn stop(&self) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").arg(&pid).status();
+            let gone = wait_until(Duration::from_secs(60), || {
+                !Path::new(&format!("/proc/{pid}")).exists()
+            });
+            assert!(gone, "private RabbitMQ {pid} did not stop");
+        }
+    }
+
+    /// Stops and starts the node again with the same data.
+    pub fn restart(&self) {
+        self.stop();
+        self.boot();
+    }
+}
+
+impl Drop for PrivateRabbit {
+    fn drop(&mut self) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").args(["-9", &pid]).status();
+        }
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
