@@ -410,6 +410,8 @@ pub struct PrivateRabbit {
     dist_port: u16,
     dir: PathBuf,
     name: String,
+    /// The launcher process (it becomes the node), reaped on stop.
+    child: Option<Child>,
 }
 
 fn free_port() -> u16 {
@@ -442,7 +444,7 @@ impl PrivateRabbit {
             .args(["-R", "rabbitmq:rabbitmq"])
             .arg(&dir)
             .status();
-        let rabbit = Self {
+        let mut rabbit = Self {
             port,
             dist_port,
             name: format!(
@@ -450,6 +452,7 @@ impl PrivateRabbit {
                 &uuid::Uuid::new_v4().simple().to_string()[..8]
             ),
             dir,
+            child: None,
         };
         rabbit.boot();
         rabbit
@@ -460,10 +463,10 @@ impl PrivateRabbit {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
     }
 
-    fn boot(&self) {
+    fn boot(&mut self) {
         let d = &self.dir;
         let log = File::create(d.join("out.log")).expect("log");
-        Command::new("/usr/sbin/rabbitmq-server")
+        let child = Command::new("/usr/sbin/rabbitmq-server")
             .current_dir(d)
             .env("RABBITMQ_CONFIG_FILE", d.join("rabbitmq.conf"))
             .env("RABBITMQ_NODENAME", &self.name)
@@ -480,6 +483,7 @@ impl PrivateRabbit {
             .stderr(log)
             .spawn()
             .expect("rabbitmq-server must be installed (scripts/services installs it)");
+        self.child = Some(child);
         let up = wait_until(Duration::from_secs(90), || {
             std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
         });
@@ -508,7 +512,7 @@ impl PrivateRabbit {
     }
 
     /// Stops and starts the node again with the same data.
-    pub fn restart(&self) {
+    pub fn restart(&mut self) {
         self.stop();
         self.boot();
     }
@@ -518,6 +522,10 @@ impl Drop for PrivateRabbit {
     fn drop(&mut self) {
         if let Some(pid) = self.pid() {
             let _ = Command::new("kill").args(["-9", &pid]).status();
+        }
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
         }
         let _ = fs::remove_dir_all(&self.dir);
     }

@@ -146,7 +146,7 @@ async fn redis_outage_fails_closed_and_resumes() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_broker_restart_loses_nothing_and_doubles_nothing() {
     let env = setup("e2e_broker_restart");
-    let rabbit = drumline_e2e::PrivateRabbit::start("restart");
+    let mut rabbit = drumline_e2e::PrivateRabbit::start("restart");
     let cfg = env.config(
         "drumline.toml",
         &format!(
