@@ -11,7 +11,9 @@ use chrono::Utc;
 use drumline_shared::config::{Config, Overlap, Task};
 use drumline_shared::envelope::{self, long_string, Envelope, H_ATTEMPTS, H_ERROR, H_REASON};
 use drumline_shared::names::Names;
-use drumline_shared::store::{now_text, Claim, OverlapMode, RunRecord, Store, StoreError};
+use drumline_shared::store::{
+    now_text, Claim, ClaimRequest, OverlapMode, RunRecord, Store, StoreError,
+};
 use drumline_shared::topology;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
@@ -190,15 +192,15 @@ impl Processor {
         let lease = self.config.worker.lease;
         let fence = match self
             .store
-            .claim(
-                &env.key,
-                &token,
-                &self.worker_id,
-                env.attempt,
+            .claim(&ClaimRequest {
+                key: &env.key,
+                token: &token,
+                worker: &self.worker_id,
+                attempt: env.attempt,
                 lease,
-                self.overlap(&env),
-                self.config.worker.done_ttl,
-            )
+                overlap: self.overlap(&env),
+                retention: self.config.worker.done_ttl,
+            })
             .await?
         {
             Claim::Claimed { fence } => fence,
