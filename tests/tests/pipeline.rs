@@ -240,11 +240,11 @@ async fn publish(env: &TestEnv, envelope: &Envelope) {
     .await;
 }
 
-/// A worker config whose task records its start (with the shell's pid), sleeps, then appends
-/// the key.
+/// A worker config whose task records its start (with the shell's pid and the pid of its
+/// child, which sleeps), waits for the child, then appends the key.
 fn slow_task_config(env: &TestEnv, sleep: u32) -> std::path::PathBuf {
     let script = format!(
-        "echo \"$DRUMLINE_KEY $$\" >> {starts}; sleep {sleep}; echo \"$DRUMLINE_KEY\" >> {effects}",
+        "sleep {sleep} & echo \"$DRUMLINE_KEY $$ $!\" >> {starts}; wait; echo \"$DRUMLINE_KEY\" >> {effects}",
         starts = env.path("starts").display(),
         effects = env.path("effects").display()
     );
@@ -295,19 +295,23 @@ async fn a_worker_killed_mid_task_is_taken_over_after_its_lease() {
         "{}",
         first.log_tail(20)
     );
-    let task_pid: i32 = env.lines("starts")[0]
+    let start = env.lines("starts")[0].clone();
+    let pids: Vec<i32> = start
         .split(' ')
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
+        .skip(1)
+        .map(|p| p.parse().unwrap())
+        .collect();
+    assert_eq!(pids.len(), 2, "{start}");
 
     first.kill9();
-    // The task process dies with its worker (parent-death signal): no orphan finishes it.
-    assert!(
-        wait_until(Duration::from_secs(5), || !pid_alive(task_pid)),
-        "task {task_pid} outlived its worker"
-    );
+    // The task and its child die with their worker: no orphan finishes the instance. (The
+    // child's own 5 s sleep has more than 2 s left, so only the kill can end it this soon.)
+    for pid in pids {
+        assert!(
+            wait_until(Duration::from_secs(2), || !pid_alive(pid)),
+            "process {pid} of the task outlived its worker"
+        );
+    }
 
     let mut second = env.worker("worker-2", &["--config", cfg]);
     assert!(

@@ -1,12 +1,15 @@
 //! The built-in shell executor (DESIGN §4): `command = ["path", "arg"]`, run without a shell,
 //! the envelope's `args` on stdin, the context in `DRUMLINE_*` variables.
 //!
-//! A task process never outlives its worker. Each task runs in its own process group (so a
-//! timeout or cancellation kills the whole tree), and its first process gets
-//! `PR_SET_PDEATHSIG = SIGKILL`, so a worker killed with `kill -9` takes it along and cannot
-//! leave an orphan that completes the instance a second time. PDEATHSIG fires when the
-//! *spawning thread* exits, and tokio's blocking threads come and go, so every task process is
-//! spawned from one dedicated thread that lives as long as the worker process.
+//! A task process never outlives its worker, children included. Each task runs in its own
+//! process group (so a timeout or cancellation kills the whole tree) under a tiny `/bin/sh`
+//! supervisor ([`SUPERVISOR`]) that leads the group. The supervisor gets
+//! `PR_SET_PDEATHSIG = SIGHUP`: when the worker dies, even by `kill -9`, the kernel sends it
+//! SIGHUP and it kills its whole group with SIGKILL, so no orphan (not even a grandchild) can
+//! complete the instance a second time. A parent-death signal on the task itself would reach
+//! only the first process. PDEATHSIG fires when the *spawning thread* exits, and tokio's
+//! blocking threads come and go, so every task is spawned from one dedicated thread that lives
+//! as long as the worker process.
 
 use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
 use drumline_shared::config::Task;
@@ -22,6 +25,24 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::process::{Child, Command};
 use tokio::sync::oneshot;
+
+/// The supervisor script, run as `/bin/sh -c SUPERVISOR drumline-task COMMAND…`. It starts
+/// the command in the background (stdin passed through explicitly: a background job's stdin
+/// would otherwise be /dev/null), waits for it, and exits with its status. On SIGHUP (the
+/// worker died) it SIGKILLs its process group, itself included. SIGTERM and SIGINT get a no-op
+/// handler so the supervisor outlives a polite stop of the group (the command receives those
+/// signals directly, with default dispositions) and still reports the command's status.
+pub const SUPERVISOR: &str = r#"trap 'kill -KILL 0' HUP
+trap ':' TERM INT
+exec 3<&0
+"$@" <&3 3<&- &
+child=$!
+exec 3<&-
+while :; do
+  wait "$child"
+  status=$?
+  kill -0 "$child" 2>/dev/null || exit "$status"
+done"#;
 
 /// Grace between SIGTERM and SIGKILL when a task is stopped.
 pub const KILL_GRACE: Duration = Duration::from_secs(5);
@@ -45,8 +66,11 @@ impl ShellExecutor {
     }
 
     async fn run(self, ctx: TaskContext) -> Result<(), HandlerError> {
-        let mut cmd = Command::new(&self.command[0]);
-        cmd.args(&self.command[1..])
+        let mut cmd = Command::new("/bin/sh");
+        cmd.arg("-c")
+            .arg(SUPERVISOR)
+            .arg("drumline-task")
+            .args(&self.command)
             .env("DRUMLINE_TASK", &ctx.task)
             .env("DRUMLINE_KEY", &ctx.key)
             .env("DRUMLINE_JOB", ctx.job.as_deref().unwrap_or(""))
@@ -134,7 +158,7 @@ fn set_parent_death_signal(cmd: &mut Command) {
     // async-signal-safe system calls (prctl, getppid); it allocates nothing and takes no lock.
     unsafe {
         cmd.pre_exec(move || {
-            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(io::Error::from)?;
+            nix::sys::prctl::set_pdeathsig(Signal::SIGHUP).map_err(io::Error::from)?;
             // The worker may have died between fork and prctl: then nobody will signal us.
             if nix::unistd::getppid().as_raw() != parent {
                 return Err(io::Error::other("worker exited before the task started"));
