@@ -554,8 +554,9 @@ fn check_job(
     })
 }
 
-/// Names that become part of queue names and Redis keys.
-fn check_name(name: &str) -> Result<(), String> {
+/// Names that become part of queue names and Redis keys (namespace, queues, tasks): letters,
+/// digits, `-` and `_`.
+pub fn check_name(name: &str) -> Result<(), String> {
     if name.is_empty() {
         return Err("must not be empty".into());
     }

@@ -49,6 +49,15 @@ fn main() -> ExitCode {
             worker = worker.concurrency(n);
         }
         if let Some(queues) = cli.queues {
+            for q in &queues {
+                config::check_name(q)
+                    .map_err(|e| WorkerError::Config(format!("--queues: queue {e}")))?;
+            }
+            if queues.is_empty() {
+                return Err(WorkerError::Config(
+                    "--queues: name at least one queue".into(),
+                ));
+            }
             worker = worker.queues(queues);
         }
         worker.run(shutdown_signal()).await

@@ -452,6 +452,7 @@ impl Processor {
         env: &Envelope,
         delay: Duration,
     ) -> Result<(), Interrupted> {
+        let delay = retry::bucket(delay);
         let queue =
             topology::declare_delay_queue(publisher, &self.names, &env.queue, delay).await?;
         let props = env.properties(Utc::now(), None);

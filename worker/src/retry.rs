@@ -37,6 +37,18 @@ pub fn backoff(base: Duration, max: Duration, attempt: u32, jitter: f64) -> Dura
     Duration::from_millis(total.as_nanos().div_ceil(1_000_000) as u64)
 }
 
+/// Rounds a delay *up* to two significant digits of milliseconds (1173 ms → 1200 ms,
+/// 37 412 ms → 38 000 ms). Each distinct delay is its own delay queue; jittered delays would
+/// otherwise create a queue per message. Rounding up keeps "never less than d".
+pub fn bucket(delay: Duration) -> Duration {
+    let ms = delay.as_nanos().div_ceil(1_000_000) as u64;
+    let mut step = 1u64;
+    while ms / step >= 100 {
+        step *= 10;
+    }
+    Duration::from_millis(ms.div_ceil(step) * step)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,6 +85,20 @@ mod tests {
         );
         assert_eq!(backoff(base, max, 1, 0.5), Duration::from_millis(2200));
         assert!(backoff(base, max, 1, -3.0) >= Duration::from_secs(2));
+    }
+
+    #[test]
+    fn buckets_round_up_to_two_significant_digits() {
+        let b = |ms| bucket(Duration::from_millis(ms)).as_millis();
+        assert_eq!(b(0), 0);
+        assert_eq!(b(7), 7);
+        assert_eq!(b(99), 99);
+        assert_eq!(b(101), 110);
+        assert_eq!(b(1173), 1200);
+        assert_eq!(b(1200), 1200);
+        assert_eq!(b(37_412), 38_000);
+        assert_eq!(b(600_000), 600_000);
+        assert_eq!(bucket(Duration::from_micros(1500)).as_millis(), 2);
     }
 
     #[test]
