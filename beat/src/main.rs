@@ -3,9 +3,11 @@
 
 use chrono::{DateTime, Utc};
 use clap::{Parser, Subcommand};
+use drumline_beat::publisher::PublishError;
 use drumline_beat::{next, scheduler};
 use drumline_shared::config::{self, Config};
 use drumline_shared::logging::{self, LogFormat};
+use drumline_shared::topology::TopologyError;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -76,6 +78,8 @@ fn run(config: Config) -> ExitCode {
     let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
     match runtime.block_on(scheduler::run(config, shutdown_signal())) {
         Ok(_) => ExitCode::SUCCESS,
+        // A queue declared with other arguments (say a changed dead_ttl) is a config problem.
+        Err(e @ PublishError::Topology(TopologyError::Mismatch { .. })) => usage_error(e),
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::from(1)
@@ -103,11 +107,26 @@ fn show_next(
         Some(name) => match config.job(name) {
             Some(j) => vec![j],
             None => {
-                let known: Vec<&str> = config.jobs.iter().map(|j| j.name.as_str()).collect();
+                // A config can hold 100,000 jobs: name a few, not all.
+                const SHOWN: usize = 10;
+                let mut known: Vec<&str> = config
+                    .jobs
+                    .iter()
+                    .take(SHOWN)
+                    .map(|j| j.name.as_str())
+                    .collect();
+                let more = format!("… {} more", config.jobs.len().saturating_sub(SHOWN));
+                if config.jobs.len() > SHOWN {
+                    known.push(&more);
+                }
+                let known = if known.is_empty() {
+                    "the config has none".to_owned()
+                } else {
+                    format!("jobs: {}", known.join(", "))
+                };
                 return usage_error(format!(
-                    "{}: no job named {name:?} (jobs: {})",
-                    config.path.display(),
-                    known.join(", ")
+                    "{}: no job named {name:?} ({known})",
+                    config.path.display()
                 ));
             }
         },

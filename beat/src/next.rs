@@ -13,7 +13,7 @@ pub struct Upcoming {
     pub job: String,
     /// RFC 3339 UTC.
     pub utc: String,
-    /// RFC 3339 with the local offset.
+    /// RFC 3339 with the local offset (`+00:00`, never `Z`).
     pub local: String,
     /// `+HH:MM`.
     pub offset: String,
@@ -24,7 +24,7 @@ pub struct Upcoming {
 /// The next `count` occurrences of `job` strictly after `from`, skipped ones included (they are
 /// what a reader of a DST schedule most needs to see).
 pub fn upcoming(job: &Job, from: DateTime<Utc>, count: usize) -> Vec<Upcoming> {
-    let mut out = Vec::with_capacity(count);
+    let mut out = Vec::with_capacity(count.min(1024));
     let mut cursor = from;
     while out.len() < count {
         let Some(occ) = job.schedule.next_occurrence_after(cursor) else {
@@ -36,7 +36,8 @@ pub fn upcoming(job: &Job, from: DateTime<Utc>, count: usize) -> Vec<Upcoming> {
         out.push(Upcoming {
             job: job.name.clone(),
             utc: format_instant(occ.at),
-            local: local.to_rfc3339_opts(SecondsFormat::AutoSi, true),
+            // Never `Z`: a zone at UTC+0 (London in winter) still shows its offset.
+            local: local.to_rfc3339_opts(SecondsFormat::AutoSi, false),
             offset: format!(
                 "{sign}{:02}:{:02}",
                 secs.abs() / 3600,

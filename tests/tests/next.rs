@@ -4,7 +4,7 @@
 
 use drumline_e2e::{setup, TestEnv};
 use serde_json::{json, Value};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 const CONFIG: &str = r#"
 [[jobs]]
@@ -44,14 +44,14 @@ fn with_config(test: &str) -> (TestEnv, PathBuf) {
 }
 
 /// Runs `drumline-beat --config F next ARGS…`: (exit code, stdout, stderr).
-fn next(env: &TestEnv, config: &PathBuf, args: &[&str]) -> (i32, String, String) {
+fn next(env: &TestEnv, config: &Path, args: &[&str]) -> (i32, String, String) {
     let mut all = vec!["--config", config.to_str().expect("utf-8 path"), "next"];
     all.extend_from_slice(args);
     let (status, out, err) = env.run("drumline-beat", &all);
     (status.code().expect("exit code"), out, err)
 }
 
-fn next_json(env: &TestEnv, config: &PathBuf, args: &[&str]) -> Vec<Value> {
+fn next_json(env: &TestEnv, config: &Path, args: &[&str]) -> Vec<Value> {
     let mut all = vec!["--json"];
     all.extend_from_slice(args);
     let (code, out, err) = next(env, config, &all);
