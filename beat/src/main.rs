@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use clap::{Parser, Subcommand};
 use drumline_beat::publisher::PublishError;
-use drumline_beat::{next, scheduler};
+use drumline_beat::{adhoc, next, scheduler, status};
 use drumline_shared::config::{self, Config};
 use drumline_shared::logging::{self, LogFormat};
 use drumline_shared::topology::TopologyError;
@@ -43,6 +43,38 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Publish one ad-hoc task (same envelope and guarantees as a scheduled instance).
+    Publish {
+        /// Task name (a [tasks.NAME] entry).
+        task: String,
+        /// Arguments as a JSON value, handed to the task.
+        #[arg(long, default_value = "{}")]
+        args: String,
+        /// Idempotency key [default: a fresh UUID]; publishing the same key twice runs it once.
+        #[arg(long)]
+        key: Option<String>,
+        /// Due this long after now (e.g. "30s"); waits in a delay queue meanwhile.
+        #[arg(long, value_parser = parse_duration, default_value = "0s")]
+        delay: std::time::Duration,
+        /// Not run after this long past the due instant (e.g. "10m").
+        #[arg(long, value_parser = parse_duration)]
+        expires: Option<std::time::Duration>,
+        /// Logical queue [default: default].
+        #[arg(long)]
+        queue: Option<String>,
+    },
+    /// Per job: schedule, next due, last published, last success/failure, running now, stale.
+    Status {
+        /// Only this job.
+        job: Option<String>,
+        /// Machine-readable output: {leader, jobs: [...]}.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    drumline_shared::duration::parse(text)
 }
 
 fn main() -> ExitCode {
@@ -65,6 +97,29 @@ fn main() -> ExitCode {
             );
             ExitCode::SUCCESS
         }
+        Some(Command::Publish {
+            task,
+            args,
+            key,
+            delay,
+            expires,
+            queue,
+        }) => {
+            let args = match serde_json::from_str(&args) {
+                Ok(a) => a,
+                Err(e) => return usage_error(format!("--args is not JSON: {e}")),
+            };
+            let request = adhoc::Request {
+                task,
+                args,
+                key,
+                delay,
+                expires,
+                queue,
+            };
+            publish(&config, &request)
+        }
+        Some(Command::Status { job, json }) => show_status(&config, job, json),
         Some(Command::Next {
             job,
             count,
@@ -143,6 +198,60 @@ fn show_next(
         );
     } else {
         print!("{}", next::table(&lines));
+    }
+    ExitCode::SUCCESS
+}
+
+fn publish(config: &Config, request: &adhoc::Request) -> ExitCode {
+    let env = match adhoc::envelope(config, request, Utc::now()) {
+        Ok(env) => env,
+        Err(e) => return usage_error(e),
+    };
+    let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
+    match runtime.block_on(adhoc::publish(config, &env, request.delay)) {
+        Ok(()) => {
+            println!(
+                "published {} key={} queue={} due={}",
+                env.task,
+                env.key,
+                env.queue,
+                drumline_shared::envelope::format_instant(env.scheduled_for)
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e @ adhoc::PublishFailed::Topology(TopologyError::Mismatch { .. })) => usage_error(e),
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn show_status(config: &Config, job: Option<String>, json: bool) -> ExitCode {
+    let only = match &job {
+        Some(name) => match config.job(name) {
+            Some(j) => Some(j),
+            None => {
+                return usage_error(format!("{}: no job named {name:?}", config.path.display()))
+            }
+        },
+        None => None,
+    };
+    let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
+    let report = match runtime.block_on(status::read(config, only, Utc::now())) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: redis: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).expect("serialisable")
+        );
+    } else {
+        print!("{}", status::table(&report));
     }
     ExitCode::SUCCESS
 }

@@ -3,7 +3,6 @@
 //! renew, complete or release it) and a fencing token from a monotonic counter (handlers pass it
 //! to the systems they write, which reject writes with an older fence).
 
-use crate::envelope::format_instant;
 use crate::names::Names;
 use chrono::{DateTime, SecondsFormat, Utc};
 use redis::aio::ConnectionManager;
@@ -421,7 +420,7 @@ pub fn last_instant_text(at: DateTime<Utc>) -> String {
     at.to_rfc3339_opts(SecondsFormat::Millis, true)
 }
 
-/// RFC 3339 UTC for run records.
+/// RFC 3339 UTC, milliseconds, for run records.
 pub fn now_text() -> String {
-    format_instant(Utc::now())
+    Utc::now().to_rfc3339_opts(SecondsFormat::Millis, true)
 }

@@ -1,0 +1,137 @@
+//! `drumline-beat publish` and `drumline-beat status` against the real broker, Redis and worker.
+
+use drumline_e2e::{setup, wait_until, wait_until_async};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread")]
+async fn adhoc_publish_runs_once_per_key_and_delayed_tasks_run_too() {
+    let env = setup("e2e_publish");
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[worker]\nlease = \"3s\"\n[tasks.append]\ncommand = {}\n",
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let cfg = cfg.to_str().unwrap();
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    for _ in 0..2 {
+        let (status, stdout, stderr) = env.run(
+            "drumline-beat",
+            &[
+                "--config",
+                cfg,
+                "publish",
+                "append",
+                "--key",
+                "invoice-42",
+                "--args",
+                "{\"n\":1}",
+            ],
+        );
+        assert!(status.success(), "{stderr}");
+        assert!(stdout.contains("key=invoice-42"), "{stdout}");
+    }
+    let (status, stdout, stderr) = env.run(
+        "drumline-beat",
+        &["--config", cfg, "publish", "append", "--delay", "2s"],
+    );
+    assert!(status.success(), "{stderr}");
+    let delayed_key = stdout
+        .split("key=")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .to_owned();
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() == 2),
+        "{:?}\n{}",
+        env.lines("effects"),
+        worker.log_tail(20)
+    );
+    // Both delivered copies of invoice-42 settled: one ran, the other was a duplicate.
+    assert!(wait_until(WAIT, || worker
+        .log()
+        .contains("duplicate delivery")));
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    let mut lines = env.lines("effects");
+    lines.sort();
+    let mut expected = vec!["invoice-42".to_owned(), delayed_key];
+    expected.sort();
+    assert_eq!(lines, expected);
+
+    // Bad requests are usage errors.
+    let (status, _, stderr) = env.run("drumline-beat", &["--config", cfg, "publish", "nope"]);
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("no task named \"nope\""), "{stderr}");
+    let (status, _, stderr) = env.run(
+        "drumline-beat",
+        &["--config", cfg, "publish", "append", "--args", "{oops"],
+    );
+    assert_eq!(status.code(), Some(2), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn status_reports_progress_success_and_staleness() {
+    let env = setup("e2e_status");
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[[jobs]]\nname = \"tick\"\ntask = \"append\"\nevery = \"1s\"\n[[jobs]]\nname = \"never\"\ntask = \"append\"\ncron = \"0 0 1 1 *\"\n[tasks.append]\ncommand = {}\n",
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let cfg = cfg.to_str().unwrap();
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    let mut beat = env.beat("beat", &["--config", cfg]);
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() >= 2),
+        "{}",
+        beat.log_tail(20)
+    );
+
+    let status_json = || {
+        let (status, stdout, stderr) =
+            env.run("drumline-beat", &["--config", cfg, "status", "--json"]);
+        assert!(status.success(), "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
+    };
+    let healthy = wait_until_async(WAIT, || async {
+        let s = status_json();
+        let tick = &s["jobs"][0];
+        tick["job"] == "tick" && tick["last_success"].is_string() && tick["stale"] == false
+    })
+    .await;
+    assert!(healthy, "{}", status_json());
+    let s = status_json();
+    assert!(s["leader"].is_null());
+    let tick = &s["jobs"][0];
+    assert_eq!(tick["schedule"], "every 1s");
+    assert!(tick["next_due"].is_string() && tick["last_published"].is_string());
+    let never = &s["jobs"][1];
+    assert_eq!(never["last_success"], serde_json::Value::Null);
+    assert_eq!(
+        never["stale"], false,
+        "a job that never came due is not stale"
+    );
+
+    // Stop the workers: the job keeps being published but nothing succeeds; after two periods
+    // it is flagged stale.
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    let stale =
+        wait_until_async(WAIT, || async { status_json()["jobs"][0]["stale"] == true }).await;
+    assert!(stale, "{}", status_json());
+    let (status, table, _) = env.run("drumline-beat", &["--config", cfg, "status"]);
+    assert!(status.success());
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("tick") && l.trim_end().ends_with("STALE")),
+        "{table}"
+    );
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+}
