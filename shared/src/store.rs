@@ -206,6 +206,19 @@ return 0
     )
 });
 
+// KEYS[1] run key.
+static CLEAR_DEAD: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('HGET', KEYS[1], 'state') == 'dead' then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"#,
+    )
+});
+
 // KEYS[1] beat last key; ARGV instant (fixed-width RFC 3339, so string order is time order).
 static ADVANCE_LAST: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
@@ -360,6 +373,16 @@ impl Store {
             .key(self.names.run_key(key))
             .key(self.job_lock(job))
             .arg(token)
+            .invoke_async(&mut conn)
+            .await
+    }
+
+    /// Forgets a `dead` run state so a replayed copy can be claimed; any other state is kept
+    /// (a `done` instance stays done: its replayed copy is then a duplicate).
+    pub async fn clear_dead(&self, key: &str) -> Result<bool, StoreError> {
+        let mut conn = self.conn.clone();
+        CLEAR_DEAD
+            .key(self.names.run_key(key))
             .invoke_async(&mut conn)
             .await
     }

@@ -7,6 +7,7 @@
 //! - [`executor`]  — the built-in shell executor (process groups, parent-death signal).
 //! - [`handler`]   — the handler API for Rust users: context in, decision-shaped error out.
 //! - [`stats`]     — counters.
+//! - [`dlq`]       — `dlq list | replay | purge`: the dead letters.
 //!
 //! ```no_run
 //! # async fn demo(config: drumline_shared::config::Config) -> Result<(), drumline_worker::WorkerError> {
@@ -22,6 +23,7 @@
 //! ```
 
 pub mod consumer;
+pub mod dlq;
 pub mod executor;
 pub mod handler;
 pub mod lease;

@@ -1,10 +1,10 @@
 //! `drumline-worker`: parse the command line, set up logging, run the worker until SIGTERM or
 //! SIGINT; map the outcome to an exit code (0 ok, 2 bad usage or config, 1 other).
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use drumline_shared::config::{self, Config};
 use drumline_shared::logging::{self, LogFormat};
-use drumline_worker::{Worker, WorkerError};
+use drumline_worker::{dlq, Worker, WorkerError};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -24,6 +24,38 @@ struct Cli {
     /// Log format.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
     log_format: LogFormat,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// The dead letters in {ns}.dead.
+    Dlq {
+        #[command(subcommand)]
+        action: DlqAction,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum DlqAction {
+    /// List them: key, task, reason, runs made, when, last error.
+    List {
+        /// Machine-readable: [{key, task, job, reason, attempts, error, dead_at}].
+        #[arg(long)]
+        json: bool,
+    },
+    /// Publish fresh copies (attempt 0, no deadline) of the given keys, or of all.
+    Replay {
+        /// Keys to replay.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        keys: Vec<String>,
+        /// Replay every dead letter.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Delete every dead letter.
+    Purge,
 }
 
 fn main() -> ExitCode {
@@ -38,6 +70,9 @@ fn main() -> ExitCode {
         }
     };
     let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
+    if let Some(Command::Dlq { action }) = cli.command {
+        return runtime.block_on(dead_letters(&config, action));
+    }
     let result = runtime.block_on(async move {
         let mut worker = Worker::new(config);
         if let Some(n) = cli.concurrency {
@@ -73,6 +108,62 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+async fn dead_letters(config: &Config, action: DlqAction) -> ExitCode {
+    let result = async {
+        match action {
+            DlqAction::List { json } => {
+                let queue = dlq::DeadQueue::open(config).await?;
+                let letters: Vec<_> = queue.messages.iter().map(dlq::describe).collect();
+                queue.close().await;
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&letters).expect("serialisable")
+                    );
+                } else {
+                    print!("{}", dlq::table(&letters));
+                }
+            }
+            DlqAction::Replay { keys, all: _ } => {
+                let store = drumline_shared::store::Store::connect(
+                    &config.redis_url,
+                    drumline_shared::names::Names::new(config.namespace.clone()),
+                )
+                .await?;
+                let queue = dlq::DeadQueue::open(config).await?;
+                let (replayed, refused) = queue.replay(&store, &keys).await?;
+                queue.close().await;
+                for key in &replayed {
+                    println!("replayed {key}");
+                }
+                for key in &refused {
+                    eprintln!("not replayed (not a task envelope): {key}");
+                }
+                let missing: Vec<&String> = keys
+                    .iter()
+                    .filter(|k| !replayed.contains(k) && !refused.contains(k))
+                    .collect();
+                for key in &missing {
+                    eprintln!("not found in the dead letters: {key}");
+                }
+                if !missing.is_empty() || !refused.is_empty() {
+                    return Ok::<ExitCode, dlq::DlqError>(ExitCode::from(1));
+                }
+            }
+            DlqAction::Purge => {
+                let n = dlq::purge(config).await?;
+                println!("purged {n} dead letters");
+            }
+        }
+        Ok(ExitCode::SUCCESS)
+    }
+    .await;
+    result.unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        ExitCode::from(1)
+    })
 }
 
 /// Completes on the first SIGTERM or SIGINT; a second one exits at once (the broker redelivers

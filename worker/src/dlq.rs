@@ -1,0 +1,268 @@
+//! `drumline-worker dlq list | replay | purge` (DESIGN §7–8): the dead letters in `{ns}.dead`,
+//! both those the worker put there (headers `x-drumline-reason`/`-error`/`-attempts`) and those
+//! the broker dead-lettered because they expired while queued (`x-death`).
+//!
+//! Reading uses `basic.get` without ack: every message read stays unacked on our channel, so
+//! no message is read twice, and whatever is not replayed goes back to the queue when the
+//! channel closes. Replay publishes a fresh copy (attempt 0, no deadline) to `{ns}.tasks` with a
+//! confirm, clears the instance's `dead` state in Redis, and only then acks the dead letter.
+
+use chrono::{DateTime, TimeZone, Utc};
+use drumline_shared::config::Config;
+use drumline_shared::envelope::{
+    format_instant, header_int, header_str, Envelope, H_ATTEMPTS, H_ERROR, H_REASON, H_TASK,
+};
+use drumline_shared::names::Names;
+use drumline_shared::store::Store;
+use drumline_shared::topology;
+use lapin::message::BasicGetMessage;
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection, ConnectionProperties};
+use serde::Serialize;
+
+/// One dead letter, as `dlq list --json` prints it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeadLetter {
+    /// Idempotency key (the message id), if known.
+    pub key: Option<String>,
+    /// Task name, if known.
+    pub task: Option<String>,
+    /// Job name; null for ad-hoc tasks or undecodable bodies.
+    pub job: Option<String>,
+    /// `permanent`, `retries_exhausted`, `expired`, `unknown_task`, `malformed`, `oversize`, or
+    /// the broker's `x-death` reason.
+    pub reason: String,
+    /// Runs made.
+    pub attempts: u32,
+    /// The last error, if any.
+    pub error: Option<String>,
+    /// RFC 3339 UTC, when it was dead-lettered.
+    pub dead_at: Option<String>,
+}
+
+/// Why a dlq command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DlqError {
+    /// Broker trouble.
+    #[error("broker: {0}")]
+    Amqp(#[from] lapin::Error),
+    /// Redis trouble (replay must clear the `dead` state).
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// Topology refused.
+    #[error(transparent)]
+    Topology(#[from] topology::TopologyError),
+    /// The broker did not confirm a replayed copy.
+    #[error("the broker did not accept the replayed copy of {0}")]
+    NotConfirmed(String),
+}
+
+/// Describes one dead-lettered message.
+pub fn describe(message: &BasicGetMessage) -> DeadLetter {
+    let props = &message.delivery.properties;
+    let headers = props.headers().as_ref();
+    let env = Envelope::decode(&message.delivery.data).ok();
+    let death = first_death(headers);
+    let reason = header_str(headers, H_REASON)
+        .or_else(|| death.as_ref().and_then(|d| table_str(d, "reason")))
+        .unwrap_or_else(|| "unknown".into());
+    // A broker-expired message never ran in its last attempt: runs made = its attempt number.
+    let attempts = header_int(headers, H_ATTEMPTS)
+        .map(|a| a.max(0) as u32)
+        .or(env.as_ref().map(|e| e.attempt))
+        .unwrap_or(0);
+    let dead_at = match (header_str(headers, H_REASON), &death) {
+        (Some(_), _) => props
+            .timestamp()
+            .and_then(|t| Utc.timestamp_opt(t as i64, 0).single()),
+        (None, Some(d)) => match d.inner().get("time") {
+            Some(AMQPValue::Timestamp(t)) => Utc.timestamp_opt(*t as i64, 0).single(),
+            _ => None,
+        },
+        _ => None,
+    };
+    DeadLetter {
+        key: props
+            .message_id()
+            .as_ref()
+            .map(|m| m.to_string())
+            .or(env.as_ref().map(|e| e.key.clone())),
+        task: header_str(headers, H_TASK).or(env.as_ref().map(|e| e.task.clone())),
+        job: env.as_ref().and_then(|e| e.job.clone()),
+        reason,
+        attempts,
+        error: header_str(headers, H_ERROR),
+        dead_at: dead_at.map(|t: DateTime<Utc>| format_instant(t)),
+    }
+}
+
+fn first_death(headers: Option<&FieldTable>) -> Option<FieldTable> {
+    match headers?.inner().get("x-death")? {
+        AMQPValue::FieldArray(deaths) => deaths.as_slice().iter().find_map(|d| match d {
+            AMQPValue::FieldTable(t) => Some(t.clone()),
+            _ => None,
+        }),
+        _ => None,
+    }
+}
+
+fn table_str(table: &FieldTable, key: &str) -> Option<String> {
+    header_str(Some(table), key)
+}
+
+/// An open view of `{ns}.dead`: messages read stay unacked until replayed (acked) or returned
+/// (channel closed).
+pub struct DeadQueue {
+    conn: Connection,
+    channel: Channel,
+    names: Names,
+    /// The messages read, in queue order.
+    pub messages: Vec<BasicGetMessage>,
+}
+
+impl DeadQueue {
+    /// Reads every message now in `{ns}.dead` without acking.
+    pub async fn open(config: &Config) -> Result<Self, DlqError> {
+        let names = Names::new(config.namespace.clone());
+        let conn = Connection::connect(&config.broker_url, ConnectionProperties::default()).await?;
+        let channel = conn.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        topology::declare(
+            &channel,
+            &names,
+            &config.worker.queues,
+            config.worker.dead_ttl,
+        )
+        .await?;
+        let mut messages = Vec::new();
+        while let Some(m) = channel
+            .basic_get(&names.dead(), BasicGetOptions { no_ack: false })
+            .await?
+        {
+            messages.push(m);
+        }
+        Ok(Self {
+            conn,
+            channel,
+            names,
+            messages,
+        })
+    }
+
+    /// Replays the messages whose key is in `keys` (all when `keys` is empty); returns the keys
+    /// replayed and the ones that could not be (not an envelope).
+    pub async fn replay(
+        &self,
+        store: &Store,
+        keys: &[String],
+    ) -> Result<(Vec<String>, Vec<String>), DlqError> {
+        let (mut done, mut refused) = (Vec::new(), Vec::new());
+        for m in &self.messages {
+            let info = describe(m);
+            let wanted = keys.is_empty() || info.key.as_ref().is_some_and(|k| keys.contains(k));
+            if !wanted {
+                continue;
+            }
+            let Ok(mut env) = Envelope::decode(&m.delivery.data) else {
+                refused.push(info.key.unwrap_or_else(|| "(no key)".into()));
+                continue;
+            };
+            // A fresh start: retries from zero, and no deadline (it has typically passed).
+            env.id = uuid::Uuid::new_v4();
+            env.attempt = 0;
+            env.expires_at = None;
+            env.published_at = Utc::now();
+            store.clear_dead(&env.key).await?;
+            let confirm = self
+                .channel
+                .basic_publish(
+                    &self.names.tasks_exchange(),
+                    &env.queue,
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    &env.encode(),
+                    env.properties(Utc::now(), None),
+                )
+                .await?
+                .await?;
+            if !matches!(confirm, lapin::publisher_confirm::Confirmation::Ack(None)) {
+                return Err(DlqError::NotConfirmed(env.key));
+            }
+            m.delivery.ack(BasicAckOptions::default()).await?;
+            done.push(env.key);
+        }
+        Ok((done, refused))
+    }
+
+    /// Returns the unreplayed messages to the queue.
+    pub async fn close(self) {
+        let _ = self.channel.close(200, "dlq done").await;
+        let _ = self.conn.close(200, "dlq done").await;
+    }
+}
+
+/// Empties `{ns}.dead`; returns how many messages were removed.
+pub async fn purge(config: &Config) -> Result<u32, DlqError> {
+    let names = Names::new(config.namespace.clone());
+    let conn = Connection::connect(&config.broker_url, ConnectionProperties::default()).await?;
+    let channel = conn.create_channel().await?;
+    topology::declare(
+        &channel,
+        &names,
+        &config.worker.queues,
+        config.worker.dead_ttl,
+    )
+    .await?;
+    let n = channel
+        .queue_purge(&names.dead(), QueuePurgeOptions::default())
+        .await?;
+    let _ = conn.close(200, "purged").await;
+    Ok(n)
+}
+
+/// Renders dead letters as an aligned table.
+pub fn table(letters: &[DeadLetter]) -> String {
+    let headers = ["KEY", "TASK", "REASON", "ATTEMPTS", "DEAD AT", "ERROR"];
+    let dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+    let rows: Vec<[String; 6]> = letters
+        .iter()
+        .map(|d| {
+            [
+                dash(&d.key),
+                dash(&d.task),
+                d.reason.clone(),
+                d.attempts.to_string(),
+                dash(&d.dead_at),
+                dash(&d.error),
+            ]
+        })
+        .collect();
+    let mut widths = headers.map(str::len);
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: Vec<&str>| {
+        let text: Vec<String> = cells
+            .iter()
+            .zip(widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        out.push_str(text.join("  ").trim_end());
+        out.push('\n');
+    };
+    line(headers.to_vec());
+    for row in &rows {
+        line(row.iter().map(String::as_str).collect());
+    }
+    out
+}
