@@ -530,3 +530,54 @@ impl Drop for PrivateRabbit {
         let _ = fs::remove_dir_all(&self.dir);
     }
 }
+
+/// An ad-hoc envelope for `task` with idempotency key `key`, due now, queue `default`.
+pub fn adhoc(key: &str, task: &str) -> drumline_shared::envelope::Envelope {
+    let now = chrono::Utc::now();
+    drumline_shared::envelope::Envelope {
+        v: 1,
+        id: uuid::Uuid::new_v4(),
+        key: key.to_owned(),
+        task: task.to_owned(),
+        job: None,
+        args: serde_json::json!({}),
+        scheduled_for: now,
+        published_at: now,
+        expires_at: None,
+        attempt: 0,
+        queue: "default".to_owned(),
+    }
+}
+
+impl TestEnv {
+    /// Publishes `envelope` the way drumline does (properties and headers included).
+    pub async fn publish(&self, envelope: &drumline_shared::envelope::Envelope) {
+        self.publish_raw(
+            &envelope.queue,
+            &envelope.encode(),
+            envelope.properties(chrono::Utc::now(), None),
+        )
+        .await;
+    }
+
+    /// The `state` field of instance `key` in Redis.
+    pub async fn run_state(&self, key: &str) -> Option<String> {
+        let mut redis = self.redis().await;
+        redis::cmd("HGET")
+            .arg(format!("{}:run:{key}", self.ns))
+            .arg("state")
+            .query_async(&mut redis)
+            .await
+            .expect("redis")
+    }
+
+    /// Waits until `{ns}.q.default` exists, i.e. a worker has declared its topology.
+    pub async fn wait_for_topology(&self, worker: &Proc) {
+        let queue = format!("{}.q.default", self.ns);
+        let declared = wait_until_async(Duration::from_secs(60), || async {
+            self.queue_len(&queue).await.is_some()
+        })
+        .await;
+        assert!(declared, "{queue} never appeared\n{}", worker.log_tail(20));
+    }
+}

@@ -3,38 +3,12 @@
 //! task's whole process group.
 
 use chrono::Utc;
-use drumline_e2e::{setup, toml_string, wait_until, wait_until_async, TestEnv};
-use drumline_shared::envelope::{header_int, header_str, Envelope};
+use drumline_e2e::{adhoc, setup, toml_string, wait_until, wait_until_async, TestEnv};
+use drumline_shared::envelope::{header_int, header_str};
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
-
-fn adhoc(key: &str, task: &str) -> Envelope {
-    let now = Utc::now();
-    Envelope {
-        v: 1,
-        id: uuid::Uuid::new_v4(),
-        key: key.to_owned(),
-        task: task.to_owned(),
-        job: None,
-        args: serde_json::json!({}),
-        scheduled_for: now,
-        published_at: now,
-        expires_at: None,
-        attempt: 0,
-        queue: "default".to_owned(),
-    }
-}
-
-async fn publish(env: &TestEnv, envelope: &Envelope) {
-    env.publish_raw(
-        "default",
-        &envelope.encode(),
-        envelope.properties(Utc::now(), None),
-    )
-    .await;
-}
 
 /// Config with tasks whose shell scripts log `KEY ATTEMPT` to `runs` and then behave per task.
 fn config(env: &TestEnv) -> std::path::PathBuf {
@@ -101,37 +75,18 @@ async fn dead_letters(env: &TestEnv) -> Vec<(String, String, i64, String)> {
     out
 }
 
-async fn run_state(env: &TestEnv, key: &str) -> Option<String> {
-    let mut redis = env.redis().await;
-    redis::cmd("HGET")
-        .arg(format!("{}:run:{key}", env.ns))
-        .arg("state")
-        .query_async(&mut redis)
-        .await
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn retries_exhaustion_permanent_failures_expiry_and_size() {
     let env = setup("e2e_failures");
     let cfg = config(&env);
     let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
     let dead = format!("{}.dead", env.ns);
-    assert!(
-        wait_until_async(WAIT, || async {
-            env.queue_len(&format!("{}.q.default", env.ns))
-                .await
-                .is_some()
-        })
-        .await,
-        "{}",
-        worker.log_tail(20)
-    );
+    env.wait_for_topology(&worker).await;
 
-    publish(&env, &adhoc("k-flaky", "flaky")).await;
-    publish(&env, &adhoc("k-broken", "broken")).await;
-    publish(&env, &adhoc("k-refuses", "refuses")).await;
-    publish(&env, &adhoc("k-hangs", "hangs")).await;
+    env.publish(&adhoc("k-flaky", "flaky")).await;
+    env.publish(&adhoc("k-broken", "broken")).await;
+    env.publish(&adhoc("k-refuses", "refuses")).await;
+    env.publish(&adhoc("k-hangs", "hangs")).await;
     let mut expired = adhoc("k-expired", "flaky");
     expired.expires_at = Some(Utc::now() - chrono::Duration::seconds(1));
     // Published without an AMQP expiration, so it reaches the worker, which must refuse to run it.
@@ -139,7 +94,7 @@ async fn retries_exhaustion_permanent_failures_expiry_and_size() {
         .await;
     let mut big = adhoc("k-big", "flaky");
     big.args = serde_json::json!({ "blob": "x".repeat(5000) });
-    publish(&env, &big).await;
+    env.publish(&big).await;
 
     assert!(
         wait_until_async(WAIT, || async { env.queue_len(&dead).await == Some(5) }).await,
@@ -149,7 +104,7 @@ async fn retries_exhaustion_permanent_failures_expiry_and_size() {
     );
     assert!(
         wait_until_async(WAIT, || async {
-            run_state(&env, "k-flaky").await.as_deref() == Some("done")
+            env.run_state("k-flaky").await.as_deref() == Some("done")
         })
         .await
     );
@@ -190,9 +145,9 @@ async fn retries_exhaustion_permanent_failures_expiry_and_size() {
             "k-refuses 0", // permanent: never retried
         ]
     );
-    assert_eq!(run_state(&env, "k-broken").await.as_deref(), Some("dead"));
-    assert_eq!(run_state(&env, "k-refuses").await.as_deref(), Some("dead"));
-    assert_eq!(run_state(&env, "k-expired").await, None, "never claimed");
+    assert_eq!(env.run_state("k-broken").await.as_deref(), Some("dead"));
+    assert_eq!(env.run_state("k-refuses").await.as_deref(), Some("dead"));
+    assert_eq!(env.run_state("k-expired").await, None, "never claimed");
 
     // The timed-out task's whole process group was killed, background child included.
     let sleeper: i32 = env.lines("pids")[0].parse().unwrap();

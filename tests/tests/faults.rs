@@ -3,8 +3,7 @@
 //! `redis-server` on a free port, never the shared one.
 
 use chrono::Utc;
-use drumline_e2e::{setup, toml_string, wait_until, wait_until_async, TestEnv};
-use drumline_shared::envelope::Envelope;
+use drumline_e2e::{adhoc, setup, toml_string, wait_until};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -59,28 +58,6 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn adhoc(key: &str) -> Envelope {
-    let now = Utc::now();
-    Envelope {
-        v: 1,
-        id: uuid::Uuid::new_v4(),
-        key: key.to_owned(),
-        task: "append".to_owned(),
-        job: None,
-        args: serde_json::json!({}),
-        scheduled_for: now,
-        published_at: now,
-        expires_at: None,
-        attempt: 0,
-        queue: "default".to_owned(),
-    }
-}
-
-async fn publish(env: &TestEnv, e: &Envelope) {
-    env.publish_raw("default", &e.encode(), e.properties(Utc::now(), None))
-        .await;
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_outage_fails_closed_and_resumes() {
     let env = setup("e2e_redis_down");
@@ -95,17 +72,8 @@ async fn redis_outage_fails_closed_and_resumes() {
         ),
     );
     let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
-    assert!(
-        wait_until_async(WAIT, || async {
-            env.queue_len(&format!("{}.q.default", env.ns))
-                .await
-                .is_some()
-        })
-        .await,
-        "{}",
-        worker.log_tail(20)
-    );
-    publish(&env, &adhoc("k-before")).await;
+    env.wait_for_topology(&worker).await;
+    env.publish(&adhoc("k-before", "append")).await;
     assert!(
         wait_until(WAIT, || env.lines("effects").len() == 1),
         "{}",
@@ -113,7 +81,7 @@ async fn redis_outage_fails_closed_and_resumes() {
     );
 
     redis.stop();
-    publish(&env, &adhoc("k-during")).await;
+    env.publish(&adhoc("k-during", "append")).await;
     // While Redis is gone nothing may run: watch for a while (no claim, no run).
     let watch_until = Instant::now() + Duration::from_secs(4);
     while Instant::now() < watch_until {

@@ -72,16 +72,6 @@ fn assert_never_two_at_once(spans: &BTreeMap<String, (u128, Option<u128>)>) {
     }
 }
 
-async fn state(env: &TestEnv, key: &str) -> Option<String> {
-    let mut redis = env.redis().await;
-    redis::cmd("HGET")
-        .arg(format!("{}:run:{key}", env.ns))
-        .arg("state")
-        .query_async(&mut redis)
-        .await
-        .unwrap()
-}
-
 /// Runs one beat and two workers until `runs` instances have started; returns the published
 /// keys (from the persisted progress and the schedule: every second up to the last).
 async fn run_until(env: &TestEnv, overlap: &str, runs: usize) -> Vec<String> {
@@ -108,7 +98,7 @@ async fn run_until(env: &TestEnv, overlap: &str, runs: usize) -> Vec<String> {
     for key in &keys {
         let settled = wait_until_async(WAIT, || async {
             matches!(
-                state(env, key).await.as_deref(),
+                env.run_state(key).await.as_deref(),
                 Some("done") | Some("skipped")
             )
         })
@@ -129,7 +119,7 @@ async fn overlap_skip_never_runs_two_at_once_and_records_skips() {
     assert_never_two_at_once(&spans);
     let mut skipped = 0;
     for key in &keys {
-        match state(&env, key).await.as_deref() {
+        match env.run_state(key).await.as_deref() {
             Some("done") => assert!(spans.contains_key(key), "{key} done but never ran"),
             Some("skipped") => {
                 skipped += 1;
@@ -151,7 +141,7 @@ async fn overlap_queue_runs_every_instance_one_after_another() {
     let spans = spans(&env);
     assert_never_two_at_once(&spans);
     for key in &keys {
-        assert_eq!(state(&env, key).await.as_deref(), Some("done"), "{key}");
+        assert_eq!(env.run_state(key).await.as_deref(), Some("done"), "{key}");
         assert!(spans.contains_key(key), "{key} never ran");
     }
     assert_eq!(spans.len(), keys.len());

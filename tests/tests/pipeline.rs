@@ -3,8 +3,7 @@
 //! `$DRUMLINE_KEY`), asserted by exact count.
 
 use chrono::{DateTime, Utc};
-use drumline_e2e::{counts, setup, wait_until, wait_until_async, TestEnv};
-use drumline_shared::envelope::Envelope;
+use drumline_e2e::{adhoc, counts, setup, wait_until, wait_until_async, TestEnv};
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use std::time::Duration;
 
@@ -214,32 +213,6 @@ async fn two_beats_publish_twice_but_each_instance_runs_once() {
     );
 }
 
-fn adhoc(key: &str, task: &str) -> Envelope {
-    let now = Utc::now();
-    Envelope {
-        v: 1,
-        id: uuid::Uuid::new_v4(),
-        key: key.to_owned(),
-        task: task.to_owned(),
-        job: None,
-        args: serde_json::json!({"n": 1}),
-        scheduled_for: now,
-        published_at: now,
-        expires_at: None,
-        attempt: 0,
-        queue: "default".to_owned(),
-    }
-}
-
-async fn publish(env: &TestEnv, envelope: &Envelope) {
-    env.publish_raw(
-        "default",
-        &envelope.encode(),
-        envelope.properties(Utc::now(), None),
-    )
-    .await;
-}
-
 /// A worker config whose task records its start (with the shell's pid and the pid of its
 /// child, which sleeps), waits for the child, then appends the key.
 fn slow_task_config(env: &TestEnv, sleep: u32) -> std::path::PathBuf {
@@ -279,17 +252,8 @@ async fn a_worker_killed_mid_task_is_taken_over_after_its_lease() {
     let cfg = config.to_str().unwrap();
     let mut first = env.worker("worker-1", &["--config", cfg]);
     // Topology exists once the worker consumes.
-    assert!(
-        wait_until_async(WAIT, || async {
-            env.queue_len(&format!("{}.q.default", env.ns))
-                .await
-                .is_some()
-        })
-        .await,
-        "{}",
-        first.log_tail(20)
-    );
-    publish(&env, &adhoc("k-kill", "slow")).await;
+    env.wait_for_topology(&first).await;
+    env.publish(&adhoc("k-kill", "slow")).await;
     assert!(
         wait_until(WAIT, || env.lines("starts").len() == 1),
         "{}",
@@ -346,17 +310,8 @@ async fn sigterm_lets_the_running_task_finish_then_exits_zero() {
     let config = slow_task_config(&env, 2);
     let cfg = config.to_str().unwrap();
     let mut worker = env.worker("worker", &["--config", cfg]);
-    assert!(
-        wait_until_async(WAIT, || async {
-            env.queue_len(&format!("{}.q.default", env.ns))
-                .await
-                .is_some()
-        })
-        .await,
-        "{}",
-        worker.log_tail(20)
-    );
-    publish(&env, &adhoc("k-term", "slow")).await;
+    env.wait_for_topology(&worker).await;
+    env.publish(&adhoc("k-term", "slow")).await;
     assert!(
         wait_until(WAIT, || env.lines("starts").len() == 1),
         "{}",
@@ -398,23 +353,14 @@ async fn poison_messages_are_dead_lettered_and_duplicates_run_once() {
     let cfg = config.to_str().unwrap();
     let mut worker = env.worker("worker", &["--config", cfg]);
     let dead = format!("{}.dead", env.ns);
-    assert!(
-        wait_until_async(WAIT, || async {
-            env.queue_len(&format!("{}.q.default", env.ns))
-                .await
-                .is_some()
-        })
-        .await,
-        "{}",
-        worker.log_tail(20)
-    );
+    env.wait_for_topology(&worker).await;
 
     env.publish_raw("default", b"{not json", Default::default())
         .await;
-    publish(&env, &adhoc("k-unknown", "no-such-task")).await;
+    env.publish(&adhoc("k-unknown", "no-such-task")).await;
     let valid = adhoc("k-dup", "append");
-    publish(&env, &valid).await;
-    publish(&env, &valid).await;
+    env.publish(&valid).await;
+    env.publish(&valid).await;
 
     assert!(
         wait_until_async(WAIT, || async { env.queue_len(&dead).await == Some(2) }).await,
@@ -476,17 +422,8 @@ async fn when_the_shutdown_grace_runs_out_the_task_is_abandoned_for_redelivery()
         ),
     );
     let mut worker = env.worker("worker", &["--config", config.to_str().unwrap()]);
-    assert!(
-        wait_until_async(WAIT, || async {
-            env.queue_len(&format!("{}.q.default", env.ns))
-                .await
-                .is_some()
-        })
-        .await,
-        "{}",
-        worker.log_tail(20)
-    );
-    publish(&env, &adhoc("k-grace", "slow")).await;
+    env.wait_for_topology(&worker).await;
+    env.publish(&adhoc("k-grace", "slow")).await;
     assert!(
         wait_until(WAIT, || env.lines("starts").len() == 1),
         "{}",
