@@ -52,42 +52,9 @@ pub fn upcoming(job: &Job, from: DateTime<Utc>, count: usize) -> Vec<Upcoming> {
 
 /// Renders lines as an aligned table with a header.
 pub fn table(lines: &[Upcoming]) -> String {
-    let headers = ["JOB", "UTC", "LOCAL", "NOTE"];
-    let rows: Vec<[String; 4]> = lines
+    let rows: Vec<Vec<&str>> = lines
         .iter()
-        .map(|l| {
-            [
-                l.job.clone(),
-                l.utc.clone(),
-                l.local.clone(),
-                l.note.clone().unwrap_or_default(),
-            ]
-        })
+        .map(|l| vec![&*l.job, &*l.utc, &*l.local, l.note.as_deref().unwrap_or("")])
         .collect();
-    let mut widths = headers.map(str::len);
-    for row in &rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.len());
-        }
-    }
-    let mut out = String::new();
-    let mut push = |cells: [&str; 4]| {
-        let line = format!(
-            "{:<w0$}  {:<w1$}  {:<w2$}  {}",
-            cells[0],
-            cells[1],
-            cells[2],
-            cells[3],
-            w0 = widths[0],
-            w1 = widths[1],
-            w2 = widths[2]
-        );
-        out.push_str(line.trim_end());
-        out.push('\n');
-    };
-    push(headers);
-    for row in &rows {
-        push([&row[0], &row[1], &row[2], &row[3]]);
-    }
-    out
+    drumline_shared::table::render(&["JOB", "UTC", "LOCAL", "NOTE"], &rows)
 }

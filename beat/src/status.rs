@@ -206,26 +206,15 @@ async fn running_counts(
 
 /// Renders the report as an aligned table.
 pub fn table(status: &Status) -> String {
-    let mut out = String::new();
-    match &status.leader {
-        Some(l) => out.push_str(&format!(
+    let mut out = match &status.leader {
+        Some(l) => format!(
             "leader: {} pid {} epoch {} since {}\n",
             l.host, l.pid, l.epoch, l.since
-        )),
-        None => out.push_str("leader: none (no beat holds the leader lease)\n"),
-    }
-    let headers = [
-        "JOB",
-        "SCHEDULE",
-        "NEXT DUE",
-        "LAST PUBLISHED",
-        "LAST SUCCESS",
-        "LAST FAILURE",
-        "RUNNING",
-        "STALE",
-    ];
+        ),
+        None => "leader: none (no beat holds the leader lease)\n".to_owned(),
+    };
     let dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
-    let rows: Vec<[String; 8]> = status
+    let rows: Vec<Vec<String>> = status
         .jobs
         .iter()
         .map(|j| {
@@ -234,7 +223,7 @@ pub fn table(status: &Status) -> String {
             } else {
                 format!("{} {}", j.schedule, j.timezone)
             };
-            [
+            vec![
                 j.job.clone(),
                 schedule,
                 dash(&j.next_due),
@@ -246,25 +235,17 @@ pub fn table(status: &Status) -> String {
             ]
         })
         .collect();
-    let mut widths = headers.map(str::len);
-    for row in &rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
-    let mut line = |cells: Vec<&str>| {
-        let text: Vec<String> = cells
-            .iter()
-            .zip(widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
-        out.push_str(text.join("  ").trim_end());
-        out.push('\n');
-    };
-    line(headers.to_vec());
-    for row in &rows {
-        line(row.iter().map(String::as_str).collect());
-    }
+    let headers = [
+        "JOB",
+        "SCHEDULE",
+        "NEXT DUE",
+        "LAST PUBLISHED",
+        "LAST SUCCESS",
+        "LAST FAILURE",
+        "RUNNING",
+        "STALE",
+    ];
+    out.push_str(&drumline_shared::table::render(&headers, &rows));
     out
 }
 

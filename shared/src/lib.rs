@@ -5,6 +5,7 @@
 //! - [`names`]    — every exchange, queue and Redis key name, derived from the namespace.
 //! - [`schedule`] — pure schedule math: cron in a time zone with DST policies, fixed-rate intervals.
 //! - [`store`]    — Redis state as atomic Lua scripts: claim, renew, complete, release, last instant.
+//! - [`table`]    — aligned plain-text tables for the commands' human output.
 //! - [`topology`] — declaring the exchanges and queues on RabbitMQ.
 //! - [`duration`] — humantime durations in config and on the command line.
 //! - [`logging`]  — tracing set-up shared by both binaries (`--log-format human|json`).
@@ -16,4 +17,5 @@ pub mod logging;
 pub mod names;
 pub mod schedule;
 pub mod store;
+pub mod table;
 pub mod topology;

@@ -229,12 +229,11 @@ pub async fn purge(config: &Config) -> Result<u32, DlqError> {
 
 /// Renders dead letters as an aligned table.
 pub fn table(letters: &[DeadLetter]) -> String {
-    let headers = ["KEY", "TASK", "REASON", "ATTEMPTS", "DEAD AT", "ERROR"];
     let dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
-    let rows: Vec<[String; 6]> = letters
+    let rows: Vec<Vec<String>> = letters
         .iter()
         .map(|d| {
-            [
+            vec![
                 dash(&d.key),
                 dash(&d.task),
                 d.reason.clone(),
@@ -244,25 +243,8 @@ pub fn table(letters: &[DeadLetter]) -> String {
             ]
         })
         .collect();
-    let mut widths = headers.map(str::len);
-    for row in &rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
-    let mut out = String::new();
-    let mut line = |cells: Vec<&str>| {
-        let text: Vec<String> = cells
-            .iter()
-            .zip(widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
-        out.push_str(text.join("  ").trim_end());
-        out.push('\n');
-    };
-    line(headers.to_vec());
-    for row in &rows {
-        line(row.iter().map(String::as_str).collect());
-    }
-    out
+    drumline_shared::table::render(
+        &["KEY", "TASK", "REASON", "ATTEMPTS", "DEAD AT", "ERROR"],
+        &rows,
+    )
 }
