@@ -2,6 +2,7 @@
 //!
 //! - [`config`]   — `drumline.toml`: raw form, checked form, one clear error per bad key.
 //! - [`envelope`] — the v1 task message body and its AMQP properties/headers.
+//! - [`metrics`]  — `--metrics-addr`: Prometheus `/metrics` and `/healthz`.
 //! - [`names`]    — every exchange, queue and Redis key name, derived from the namespace.
 //! - [`schedule`] — pure schedule math: cron in a time zone with DST policies, fixed-rate intervals.
 //! - [`store`]    — Redis state as atomic Lua scripts: claim, renew, complete, release, last instant.
@@ -14,6 +15,7 @@ pub mod config;
 pub mod duration;
 pub mod envelope;
 pub mod logging;
+pub mod metrics;
 pub mod names;
 pub mod schedule;
 pub mod store;

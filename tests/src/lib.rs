@@ -581,3 +581,28 @@ impl TestEnv {
         assert!(declared, "{queue} never appeared\n{}", worker.log_tail(20));
     }
 }
+
+/// A plain HTTP/1.1 GET on 127.0.0.1:`port`: (status code, body).
+pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let status = response.split(' ').nth(1)?.parse().ok()?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Some((status, body))
+}
+
+/// A TCP port nobody listens on right now.
+pub fn unused_port() -> u16 {
+    free_port()
+}

@@ -3,7 +3,7 @@
 //! `redis-server` on a free port, never the shared one.
 
 use chrono::Utc;
-use drumline_e2e::{adhoc, setup, toml_string, wait_until};
+use drumline_e2e::{adhoc, http_get, setup, toml_string, unused_port, wait_until};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -71,7 +71,17 @@ async fn redis_outage_fails_closed_and_resumes() {
             env.append_key_command("effects", 0.0)
         ),
     );
-    let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
+    let metrics = unused_port();
+    let metrics_addr = format!("127.0.0.1:{metrics}");
+    let mut worker = env.worker(
+        "worker",
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--metrics-addr",
+            &metrics_addr,
+        ],
+    );
     env.wait_for_topology(&worker).await;
     env.publish(&adhoc("k-before", "append")).await;
     assert!(
@@ -79,8 +89,17 @@ async fn redis_outage_fails_closed_and_resumes() {
         "{}",
         worker.log_tail(20)
     );
+    assert_eq!(http_get(metrics, "/healthz").map(|r| r.0), Some(200));
 
     redis.stop();
+    // The health check reports the outage even before any delivery hits it.
+    assert!(
+        wait_until(WAIT, || http_get(metrics, "/healthz").is_some_and(
+            |(code, body)| code == 503 && body.contains("redis unreachable")
+        )),
+        "{:?}",
+        http_get(metrics, "/healthz")
+    );
     env.publish(&adhoc("k-during", "append")).await;
     // While Redis is gone nothing may run: watch for a while (no claim, no run).
     let watch_until = Instant::now() + Duration::from_secs(4);
@@ -102,6 +121,18 @@ async fn redis_outage_fails_closed_and_resumes() {
         wait_until(WAIT, || env.lines("effects").len() == 2),
         "did not resume\n{}",
         worker.log_tail(30)
+    );
+    assert!(wait_until(WAIT, || http_get(metrics, "/healthz")
+        .map(|r| r.0)
+        == Some(200)));
+    let (_, exposition) = http_get(metrics, "/metrics").unwrap();
+    assert!(
+        exposition.contains("drumline_worker_succeeded_total 2"),
+        "{exposition}"
+    );
+    assert!(
+        exposition.contains("drumline_worker_redis_up 1"),
+        "{exposition}"
     );
     assert!(worker.terminate(Duration::from_secs(20)).success());
     assert_eq!(env.lines("effects"), vec!["k-before", "k-during"]);

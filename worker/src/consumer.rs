@@ -31,11 +31,13 @@ use tracing::{error, info, warn};
 const BACKOFF_MIN: Duration = Duration::from_millis(200);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 const REDIS_PROBE_EVERY: Duration = Duration::from_millis(500);
+const REDIS_IDLE_CHECK_EVERY: Duration = Duration::from_secs(2);
 
 /// Runs a worker until `shutdown` completes.
 pub async fn run(
     config: Arc<Config>,
     handlers: HashMap<String, Arc<dyn Handler>>,
+    stats: Arc<Stats>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<Arc<Stats>, WorkerError> {
     let stop = CancellationToken::new();
@@ -54,8 +56,9 @@ pub async fn run(
     // Fail closed from the very start: no Redis, no consuming.
     let store = tokio::select! {
         store = connect_redis(&config, &names) => store,
-        _ = &mut shutdown => return Ok(Arc::new(Stats::default())),
+        _ = &mut shutdown => return Ok(stats),
     };
+    stats.redis_up.set(1);
 
     let processor = Arc::new(Processor {
         config: config.clone(),
@@ -63,7 +66,7 @@ pub async fn run(
         store: store.clone(),
         handlers,
         worker_id: worker_id.clone(),
-        stats: Arc::new(Stats::default()),
+        stats: stats.clone(),
         gate: Gate::default(),
         abandon: CancellationToken::new(),
         overlap: config
@@ -72,7 +75,7 @@ pub async fn run(
             .map(|j| (j.name.clone(), j.overlap))
             .collect(),
     });
-    let probe = tokio::spawn(probe_redis(store, processor.gate.clone()));
+    let probe = tokio::spawn(probe_redis(store, processor.gate.clone(), stats.clone()));
 
     let mut in_flight = JoinSet::new();
     let mut backoff = BACKOFF_MIN;
@@ -100,6 +103,7 @@ pub async fn run(
             }
         };
         backoff = BACKOFF_MIN;
+        stats.broker_connected.set(1);
         info!("consuming");
         let tags: Vec<String> = consumers.iter().map(|c| c.tag().to_string()).collect();
         let mut deliveries = select_all(consumers);
@@ -143,8 +147,10 @@ pub async fn run(
                 Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
             }
         }
+        stats.broker_connected.set(0);
         let _ = conn.close(200, "reconnecting").await;
     }
+    stats.broker_connected.set(0);
 
     drain(&config, &processor, &mut in_flight).await;
     if let Some((conn, _publisher, _consumer_channel)) = connection {
@@ -253,14 +259,28 @@ async fn connect_redis(config: &Config, names: &Names) -> Store {
     }
 }
 
-/// Reopens the gate once Redis answers again.
-async fn probe_redis(store: Store, gate: Gate) {
+/// Closes the gate when Redis stops answering, reopens it once Redis answers again, and mirrors
+/// it in the `redis_up` gauge.
+async fn probe_redis(store: Store, gate: Gate, stats: Arc<Stats>) {
     loop {
-        gate.wait_closed().await;
+        // While open, still look now and then: an idle worker should not report healthy (or
+        // take the next delivery) with Redis gone.
+        tokio::select! {
+            _ = gate.wait_closed() => {}
+            _ = tokio::time::sleep(REDIS_IDLE_CHECK_EVERY) => {
+                if !store.ping().await {
+                    error!("redis unreachable: failing closed until it answers");
+                    gate.close();
+                }
+                continue;
+            }
+        }
+        stats.redis_up.set(0);
         loop {
             tokio::time::sleep(REDIS_PROBE_EVERY).await;
             if store.ping().await {
                 gate.open();
+                stats.redis_up.set(1);
                 break;
             }
         }

@@ -54,6 +54,7 @@ pub enum WorkerError {
 pub struct Worker {
     config: Config,
     handlers: HashMap<String, Arc<dyn Handler>>,
+    stats: Arc<stats::Stats>,
 }
 
 impl Worker {
@@ -62,7 +63,13 @@ impl Worker {
         Self {
             config,
             handlers: HashMap::new(),
+            stats: Arc::new(stats::Stats::default()),
         }
+    }
+
+    /// The worker's counters (register them for `/metrics` before [`run`](Worker::run)).
+    pub fn stats(&self) -> Arc<stats::Stats> {
+        self.stats.clone()
     }
 
     /// Overrides `[worker] concurrency` (the `--concurrency` flag).
@@ -91,7 +98,7 @@ impl Worker {
     ) -> Result<Arc<stats::Stats>, WorkerError> {
         let handlers = processor::resolve_handlers(&self.config, self.handlers)
             .map_err(WorkerError::Config)?;
-        consumer::run(Arc::new(self.config), handlers, shutdown).await
+        consumer::run(Arc::new(self.config), handlers, self.stats, shutdown).await
     }
 }
 

@@ -24,6 +24,9 @@ struct Cli {
     /// Log format.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
     log_format: LogFormat,
+    /// Serve Prometheus metrics at /metrics and a health check at /healthz on HOST:PORT.
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -95,6 +98,20 @@ fn main() -> ExitCode {
             }
             worker = worker.queues(queues);
         }
+        let _metrics = match cli.metrics_addr {
+            Some(addr) => {
+                let stats = worker.stats();
+                let mut registry = prometheus_client::registry::Registry::default();
+                stats.register(&mut registry);
+                let health = std::sync::Arc::new(move || stats.health());
+                Some(
+                    drumline_shared::metrics::serve(addr, registry, health)
+                        .await
+                        .map_err(|e| WorkerError::Config(format!("--metrics-addr {addr}: {e}")))?,
+                )
+            }
+            None => None,
+        };
         worker.run(shutdown_signal()).await
     });
     match result {

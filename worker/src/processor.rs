@@ -348,7 +348,7 @@ impl Processor {
             args: env.args.clone(),
             cancel: cancel.clone(),
         };
-        self.stats.running.add(1);
+        self.stats.running.inc();
         let mut call = handler.call(ctx);
         let mut reason = None;
         let result = tokio::select! {
@@ -365,7 +365,7 @@ impl Processor {
                 None
             }
         };
-        self.stats.running.add(-1);
+        self.stats.running.dec();
         stop_watchdog.cancel();
         let lost_reason = watchdog.await.ok().flatten();
         match (result, reason, lost_reason) {

@@ -1,29 +1,11 @@
-//! Counters a worker keeps: what it ran, skipped as duplicate, retried, dead-lettered.
+//! Counters a worker keeps: what it ran, skipped as duplicate, retried, dead-lettered. They are
+//! Prometheus metrics (`--metrics-addr`) and the summary logged at shutdown.
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
-/// One monotonic or up/down counter.
-#[derive(Debug, Default)]
-pub struct Counter(AtomicI64);
-
-impl Counter {
-    /// +1.
-    pub fn inc(&self) {
-        self.add(1);
-    }
-
-    /// +n (n may be negative for gauges).
-    pub fn add(&self, n: i64) {
-        self.0.fetch_add(n, Ordering::Relaxed);
-    }
-
-    /// Current value.
-    pub fn get(&self) -> i64 {
-        self.0.load(Ordering::Relaxed)
-    }
-}
-
-/// The worker's counters.
+/// The worker's counters and gauges.
 #[derive(Debug, Default)]
 pub struct Stats {
     /// Runs that ended `done`.
@@ -43,11 +25,48 @@ pub struct Stats {
     pub expired: Counter,
     /// Runs cancelled when the shutdown grace ran out.
     pub abandoned: Counter,
-    /// Handlers running now (gauge).
-    pub running: Counter,
+    /// Handlers running now.
+    pub running: Gauge,
+    /// 1 while consuming from the broker.
+    pub broker_connected: Gauge,
+    /// 1 while Redis answers (0: failing closed, not taking work).
+    pub redis_up: Gauge,
 }
 
 impl Stats {
+    /// Registers every metric under `drumline_worker_*`.
+    pub fn register(&self, registry: &mut Registry) {
+        let counters: [(&str, &str, &Counter); 8] = [
+            ("succeeded", "Runs that ended done", &self.succeeded),
+            ("duplicates", "Deliveries of already finished instances, acked without running", &self.duplicates),
+            ("busy", "Deliveries held by another live lease or waiting for the job's previous instance, re-checked later", &self.busy),
+            ("skipped", "Instances recorded skipped because the job's previous instance still ran", &self.skipped),
+            ("retried", "Failed runs sent to a delay queue for another attempt", &self.retried),
+            ("dead_lettered", "Messages published to the dead-letter queue", &self.dead_lettered),
+            ("expired", "Deliveries whose deadline had passed before they could run", &self.expired),
+            ("abandoned", "Runs cancelled because the shutdown grace ran out", &self.abandoned),
+        ];
+        for (name, help, counter) in counters {
+            registry.register(format!("drumline_worker_{name}"), help, counter.clone());
+        }
+        let gauges: [(&str, &str, &Gauge); 3] = [
+            ("running", "Handlers running now", &self.running),
+            (
+                "broker_connected",
+                "1 while consuming from the broker",
+                &self.broker_connected,
+            ),
+            (
+                "redis_up",
+                "1 while Redis answers; 0 while failing closed",
+                &self.redis_up,
+            ),
+        ];
+        for (name, help, gauge) in gauges {
+            registry.register(format!("drumline_worker_{name}"), help, gauge.clone());
+        }
+    }
+
     /// One line for logs.
     pub fn summary(&self) -> String {
         format!(
@@ -61,5 +80,14 @@ impl Stats {
             self.expired.get(),
             self.abandoned.get()
         )
+    }
+
+    /// `Ok` when the worker can take work: connected to the broker and Redis answering.
+    pub fn health(&self) -> Result<(), String> {
+        match (self.broker_connected.get(), self.redis_up.get()) {
+            (1, 1) => Ok(()),
+            (0, _) => Err("not connected to the broker".into()),
+            _ => Err("redis unreachable: failing closed".into()),
+        }
     }
 }

@@ -1,0 +1,70 @@
+//! `--metrics-addr HOST:PORT`: Prometheus metrics at `/metrics` and a health check at
+//! `/healthz` (200 `ok`, or 503 with the reason), for both binaries.
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::registry::Registry;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// Says whether the process is healthy; `Err` carries the reason shown by `/healthz`.
+pub type HealthCheck = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+#[derive(Clone)]
+struct Shared {
+    registry: Arc<Registry>,
+    health: HealthCheck,
+}
+
+/// Binds `addr` now (so a taken port is reported at start) and serves in the background.
+pub async fn serve(
+    addr: SocketAddr,
+    registry: Registry,
+    health: HealthCheck,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let shared = Shared {
+        registry: Arc::new(registry),
+        health,
+    };
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .with_state(shared);
+    tracing::info!(addr = %listener.local_addr()?, "serving /metrics and /healthz");
+    Ok(tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics server stopped");
+        }
+    }))
+}
+
+async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
+    let mut body = String::new();
+    match encode(&mut body, &shared.registry) {
+        Ok(()) => (
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            body,
+        ),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            e.to_string(),
+        ),
+    }
+}
+
+async fn healthz(State(shared): State<Shared>) -> impl IntoResponse {
+    match (shared.health)() {
+        Ok(()) => (StatusCode::OK, "ok\n".to_owned()),
+        Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
+    }
+}
