@@ -1,8 +1,12 @@
 //! The beat's side of the broker: one connection, one confirm-mode channel, topology declared
 //! on every (re)connect. A publish counts only once the broker confirmed it and it was routed;
 //! any failure drops the connection so the next publish reconnects.
+//!
+//! [`Publisher::publish_batch`] sends a whole batch before awaiting the first confirm, so a
+//! batch costs about one round trip to the broker rather than one per message (the confirms of
+//! the first messages come back while the last ones are still being sent).
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use drumline_shared::config::Config;
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
@@ -10,6 +14,7 @@ use drumline_shared::topology::{self, TopologyError};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::publisher_confirm::Confirmation;
 use lapin::{Channel, Connection, ConnectionProperties};
+use std::collections::HashSet;
 use std::time::Duration;
 use tracing::info;
 
@@ -79,58 +84,155 @@ impl Publisher {
         Ok(&self.session.as_ref().expect("just set").1)
     }
 
-    /// Publishes `env` to `{ns}.tasks` and waits for the confirm.
-    pub async fn publish(
+    /// Publishes every envelope of `batch` to `{ns}.tasks`, all sent before the first confirm
+    /// is awaited, then awaits the confirms in order. Returns one outcome per envelope, in
+    /// `batch` order (those after a failed send were not sent and carry its error), or `Err`
+    /// when nothing could be sent (no connection; the topology refused). After any failure the
+    /// connection is dropped, so the next publish starts from a clean one.
+    pub async fn publish_batch(
         &mut self,
-        env: &Envelope,
-        now: DateTime<Utc>,
+        batch: &[Envelope],
         epoch: u64,
-    ) -> Result<(), PublishError> {
-        let result = self.try_publish(env, now, epoch).await;
-        if result.is_err() {
-            // Start from a clean connection next time.
-            if let Some((conn, _)) = self.session.take() {
-                let _ = conn.close(200, "publish failed").await;
-            }
+    ) -> Result<Vec<Result<(), PublishError>>, PublishError> {
+        let outcomes = self.try_publish_batch(batch, epoch).await;
+        if !matches!(&outcomes, Ok(all) if all.iter().all(Result::is_ok)) {
+            self.drop_session("publish failed").await;
         }
-        result
+        outcomes
     }
 
-    async fn try_publish(
+    async fn try_publish_batch(
         &mut self,
-        env: &Envelope,
-        now: DateTime<Utc>,
+        batch: &[Envelope],
         epoch: u64,
-    ) -> Result<(), PublishError> {
+    ) -> Result<Vec<Result<(), PublishError>>, PublishError> {
         let exchange = self.names.tasks_exchange();
         let channel = self.connect().await?;
-        let confirmation = channel
-            .basic_publish(
-                &exchange,
-                &env.queue,
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                &env.encode(),
-                env.properties(now, Some(epoch)),
-            )
-            .await?
-            .await?;
-        match confirmation {
-            Confirmation::Ack(None) => Ok(()),
-            Confirmation::Ack(Some(_)) | Confirmation::Nack(Some(_)) => {
-                Err(PublishError::Unroutable(self.names.work_queue(&env.queue)))
+        let mut pending = Vec::with_capacity(batch.len());
+        let mut send_failure = None;
+        for env in batch {
+            let sent = channel
+                .basic_publish(
+                    &exchange,
+                    &env.queue,
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    &env.encode(),
+                    env.properties(Utc::now(), Some(epoch)),
+                )
+                .await;
+            match sent {
+                Ok(confirm) => pending.push(confirm),
+                Err(e) => {
+                    // The channel is gone: nothing after this goes out either.
+                    send_failure = Some(e);
+                    break;
+                }
             }
-            Confirmation::Nack(None) => Err(PublishError::Nacked),
-            Confirmation::NotRequested => Ok(()),
+        }
+        let mut outcomes = Vec::with_capacity(batch.len());
+        // The broker returns an unroutable (`mandatory`) message before it confirms it, but
+        // lapin hands the returned message to whichever confirm completes next — with a
+        // `multiple` ack, possibly another message's. So it is matched by its message id (the
+        // idempotency key), and the confirm that carried it stands for its own message.
+        let mut returned: HashSet<String> = HashSet::new();
+        for (env, confirm) in batch.iter().zip(pending) {
+            let outcome = match confirm.await {
+                Ok(Confirmation::Ack(None) | Confirmation::NotRequested) => Ok(()),
+                Ok(Confirmation::Nack(None)) => Err(PublishError::Nacked),
+                Ok(carrier @ (Confirmation::Ack(Some(_)) | Confirmation::Nack(Some(_)))) => {
+                    let acked = carrier.is_ack();
+                    match carrier
+                        .take_message()
+                        .and_then(|m| m.properties.message_id().clone())
+                    {
+                        Some(id) => {
+                            returned.insert(id.to_string());
+                            if acked {
+                                Ok(())
+                            } else {
+                                Err(PublishError::Nacked)
+                            }
+                        }
+                        // No id to match: count it against the message that carried it.
+                        None => Err(PublishError::Unroutable(self.names.work_queue(&env.queue))),
+                    }
+                }
+                Err(e) => Err(PublishError::Amqp(e)),
+            };
+            outcomes.push(outcome);
+        }
+        if let Some(e) = send_failure {
+            outcomes.resize_with(batch.len(), || Err(PublishError::Amqp(e.clone())));
+        }
+        if !returned.is_empty() {
+            for (env, outcome) in batch.iter().zip(&mut outcomes) {
+                if returned.contains(&env.key) {
+                    *outcome = Err(PublishError::Unroutable(self.names.work_queue(&env.queue)));
+                }
+            }
+        }
+        Ok(outcomes)
+    }
+
+    async fn drop_session(&mut self, why: &str) {
+        if let Some((conn, _)) = self.session.take() {
+            let _ = conn.close(200, why).await;
         }
     }
 
     /// Closes the connection.
     pub async fn close(&mut self) {
-        if let Some((conn, _)) = self.session.take() {
-            let _ = conn.close(200, "beat stopping").await;
+        self.drop_session("beat stopping").await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::live::Ns;
+    use lapin::options::QueueDeleteOptions;
+
+    /// Against the real RabbitMQ. The broker returns unroutable messages before it confirms
+    /// them, and may confirm several at once: each returned message is charged to its own
+    /// envelope, not to the confirm that happened to carry it.
+    #[tokio::test]
+    async fn unroutable_messages_fail_alone_in_a_batch() {
+        let ns = Ns::new("unroutable");
+        let config = ns.config(
+            "[[jobs]]\nname = \"a\"\ntask = \"t\"\nevery = \"1h\"\nqueue = \"a\"\n\
+             [[jobs]]\nname = \"b\"\ntask = \"t\"\nevery = \"1h\"\nqueue = \"b\"\n",
+        );
+        let mut publisher = Publisher::new(&config);
+        publisher.connect().await.expect("broker");
+        // Queue `b` goes away after the topology was declared: its messages route nowhere.
+        let names = Names::new(config.namespace.clone());
+        let amqp = Connection::connect(&config.broker_url, ConnectionProperties::default())
+            .await
+            .unwrap();
+        let ch = amqp.create_channel().await.unwrap();
+        ch.queue_delete(&names.work_queue("b"), QueueDeleteOptions::default())
+            .await
+            .unwrap();
+        let _ = amqp.close(200, "bye").await;
+
+        let at = Utc::now();
+        let batch: Vec<Envelope> = (0..40)
+            .map(|i| {
+                let queue = if i % 4 == 1 { "b" } else { "a" };
+                let t = at + chrono::TimeDelta::seconds(i);
+                Envelope::scheduled(queue, "t", queue, serde_json::json!({}), t, None, at)
+            })
+            .collect();
+        let outcomes = publisher.publish_batch(&batch, 0).await.expect("sent");
+        for (env, outcome) in batch.iter().zip(&outcomes) {
+            match (env.queue.as_str(), outcome) {
+                ("a", Ok(())) | ("b", Err(PublishError::Unroutable(_))) => {}
+                _ => panic!("{}: {outcome:?}", env.key),
+            }
         }
+        publisher.close().await;
     }
 }

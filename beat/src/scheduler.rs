@@ -1,11 +1,16 @@
 //! When to publish what (DESIGN §2). The decision is pure — [`plan`] takes the job, the last
 //! decided instant and `now` — so misfire policies are tested on fixed instants; [`run`] is the
-//! loop that feeds it the wall clock, publishes, and persists progress after each confirm.
+//! loop that feeds it the wall clock, publishes, and persists progress once the broker confirmed.
 //!
 //! Progress is one instant per job, `{ns}:beat:last:{job}`: everything up to it has been
 //! decided (published, or dropped and reported). Because it is persisted and only moves
 //! forward, the same planning covers every way of missing instances — a beat restart, a broker
 //! or Redis outage, a forward wall-clock jump — and a backward jump finds nothing to do.
+//!
+//! Jobs due together (100,000 on the minute is a supported size) are handled in batches of up
+//! to [`BATCH_JOBS`] jobs or [`BATCH_MESSAGES`] messages: every message of a batch is sent
+//! before the first confirm is awaited, and the batch's progress is written in one Redis round
+//! trip, so a batch costs a few round trips rather than two per message.
 
 use crate::publisher::{PublishError, Publisher};
 use chrono::{DateTime, TimeDelta, Utc};
@@ -13,10 +18,11 @@ use drumline_shared::config::{Config, Job, Misfire};
 use drumline_shared::envelope::{instance_key, Envelope};
 use drumline_shared::names::Names;
 use drumline_shared::schedule::Schedule;
-use drumline_shared::store::{Store, StoreError};
+use drumline_shared::store::{last_instant_text, Store, StoreError};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{error, info, warn};
 
@@ -34,6 +40,19 @@ pub const LOAD_BATCH: usize = 1000;
 
 /// `MGET`s sent per round trip (pipelined) at start.
 pub const LOAD_PIPELINE: usize = 10;
+
+/// Most jobs planned and published together (see the module doc).
+pub const BATCH_JOBS: usize = 1000;
+
+/// Most messages published together; a job with more to publish (a long catch-up) goes on in
+/// the next batch.
+pub const BATCH_MESSAGES: usize = 5000;
+
+/// Progress writes per Redis round trip (at start, every new job's first start).
+pub const SAVE_PIPELINE: usize = 10_000;
+
+/// Stalled jobs logged one by one per batch; the rest are counted in one line.
+pub const STALLS_LISTED: usize = 10;
 
 /// Why an instance was not published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -311,6 +330,48 @@ pub async fn load_last(
     Ok(out)
 }
 
+/// Where a job's progress stands after one batch: `sent` are the instants published for it
+/// (oldest first), `confirmed[i]` whether the broker confirmed `sent[i]`, and `decided_up_to`
+/// the plan's newest decided instant when `sent` was the whole of its plan (`None` when the
+/// batch took only part of it).
+///
+/// Progress moves to the newest instant of the *contiguous confirmed prefix*: an instant
+/// confirmed after a failed one is not recorded, since that would skip the failed one. It is
+/// planned again on the retry and, if the policy keeps it, published again — a duplicate
+/// message with the same key, which workers deduplicate — rather than lost. Only when
+/// everything sent was confirmed does progress move on to `decided_up_to`. Never before `last`.
+///
+/// Returns the new progress and the length of that prefix (the instants it records as
+/// published).
+pub fn progress_after(
+    last: DateTime<Utc>,
+    sent: &[DateTime<Utc>],
+    confirmed: &[bool],
+    decided_up_to: Option<DateTime<Utc>>,
+) -> (DateTime<Utc>, usize) {
+    let prefix = confirmed
+        .iter()
+        .take_while(|ok| **ok)
+        .count()
+        .min(sent.len());
+    let mut to = sent[..prefix].iter().copied().fold(last, DateTime::max);
+    if prefix == sent.len() {
+        to = decided_up_to.map_or(to, |d| to.max(d));
+    }
+    (to, prefix)
+}
+
+/// Moves each `(job, instant)`'s persisted progress forward (never back), pipelined; one
+/// outcome per entry (see [`Store::advance_last_published_many`]).
+pub async fn save_progress(
+    store: &Store,
+    progress: &[(&str, DateTime<Utc>)],
+) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+    store
+        .advance_last_published_many(progress, SAVE_PIPELINE)
+        .await
+}
+
 /// Counters the beat keeps.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct BeatStats {
@@ -318,21 +379,22 @@ pub struct BeatStats {
     pub published: u64,
     /// Instances decided not to publish (each logged with its key, or in a counted range).
     pub dropped: u64,
-    /// Publish attempts that failed (retried).
+    /// Publish attempts that failed, per job (retried).
     pub publish_failures: u64,
-    /// Progress writes to Redis that failed (the job waits until one succeeds).
+    /// Progress writes to Redis that failed, per job (the job waits until one succeeds).
     pub persist_failures: u64,
 }
 
-/// Why a job could not move forward now; it is planned again after a backoff.
-#[derive(Debug, thiserror::Error)]
+/// Why a job could not move forward now; it is planned again after a backoff. Shared (`Arc`)
+/// because one failure — the broker or Redis unreachable — stalls every job of a batch.
+#[derive(Debug, Clone, thiserror::Error)]
 enum Stall {
     /// The broker did not take an instance.
     #[error(transparent)]
-    Publish(#[from] PublishError),
+    Publish(Arc<PublishError>),
     /// Redis did not take the job's progress.
     #[error("cannot persist the job's progress to redis: {0}")]
-    Persist(#[from] StoreError),
+    Persist(Arc<StoreError>),
 }
 
 /// Per-job progress.
@@ -341,15 +403,27 @@ struct JobState {
     last: DateTime<Utc>,
     /// The first instant after `last`, if any.
     next: Option<DateTime<Utc>>,
-    /// `last` is ahead of what Redis holds (a write failed): written before anything else.
+    /// `last` is ahead of what Redis holds (not written yet, or a write failed): written
+    /// before anything is published for the job.
     unsaved: bool,
+}
+
+/// A due job taken into a batch.
+struct Due {
+    /// Index in `config.jobs`.
+    job: usize,
+    /// Its instant in the due queue (where it goes back when it stalls).
+    due: DateTime<Utc>,
+    plan: Plan,
+    /// How many of `plan.publish` (the oldest) this batch publishes.
+    take: usize,
 }
 
 /// Runs the beat until `shutdown` completes.
 ///
-/// Shutdown is observed between jobs and while waiting, never inside one job's publish and
-/// persist, so an instance confirmed by the broker always has its progress written before exit
-/// (a restarted beat then publishes no instant twice).
+/// Shutdown is observed between batches and while waiting, never inside a batch's publish
+/// and persist, so an instance confirmed by the broker always has its progress written before
+/// exit (a restarted beat then publishes no instant twice).
 pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()>,
@@ -378,21 +452,37 @@ pub async fn run(
             }
         }
     };
-    let start = Utc::now();
+    // A new job starts from now, as a restart would read it back (whole milliseconds).
+    let now = Utc::now();
+    let start = parse_last(&last_instant_text(now)).unwrap_or(now);
     let resumed = lasts.iter().filter(|l| l.is_some()).count();
     let mut states: Vec<JobState> = config
         .jobs
         .iter()
         .zip(lasts)
         .map(|(job, last)| {
+            let unsaved = last.is_none();
             let last = last.unwrap_or(start);
             JobState {
                 last,
                 next: job.schedule.next_after(last),
-                unsaved: false,
+                unsaved,
             }
         })
         .collect();
+    // Persist every new job's start, so that a beat that dies before a job's first instant and
+    // stays down reports those misses when it comes back. A job whose write fails keeps it
+    // unsaved: written before anything is published for it.
+    let new: Vec<usize> = (0..states.len()).filter(|i| states[*i].unsaved).collect();
+    let failures: Vec<(usize, Arc<StoreError>)> = new
+        .iter()
+        .zip(save(&store, &config.jobs, &mut states, &new).await)
+        .filter_map(|(i, failed)| Some((*i, failed?)))
+        .collect();
+    if let Some((i, e)) = failures.first() {
+        warn!(jobs = failures.len(), first = %config.jobs[*i].name, error = %e,
+            "cannot persist new jobs' start yet; it is written before their first publish");
+    }
     // Min-heap of (next instant, job index): a wake looks only at the jobs due, never at all.
     let mut queue: BinaryHeap<Reverse<(DateTime<Utc>, usize)>> = states
         .iter()
@@ -423,58 +513,71 @@ pub async fn run(
     'beat: loop {
         // Wake at the next due instant, but at least once a second to notice wall-clock jumps.
         let mut wait = Duration::from_secs(1);
-        while let Some(Reverse((due, i))) = queue.peek().copied() {
-            // Re-read per job: publishing many due jobs takes time, and lateness is judged
-            // against the clock when each job is planned.
+        loop {
+            // Re-read per batch: lateness is judged against the clock when a job is planned.
             let now = Utc::now();
-            if due > now {
-                wait = wait.min((due - now).to_std().unwrap_or_default());
-                break;
+            match queue.peek() {
+                Some(Reverse((due, _))) if *due <= now => {}
+                Some(Reverse((due, _))) => {
+                    wait = wait.min((*due - now).to_std().unwrap_or_default());
+                    break;
+                }
+                None => break,
             }
-            // Many jobs can be due at once (100,000 on the minute): let a signal in between.
+            // Many batches can be due at once (100,000 jobs on the minute): let a signal in
+            // between them — never inside one, between a confirm and its progress write.
             tokio::select! {
                 biased;
                 _ = &mut shutdown => break 'beat,
                 _ = std::future::ready(()) => {}
             }
-            queue.pop();
-            let job = &config.jobs[i];
-            let state = &mut states[i];
-            let result = advance(
-                job,
-                state,
-                now,
-                threshold,
+            let batch = take_due(&mut queue, &config.jobs, &states, now, threshold);
+            let stalls = advance(
+                &config.jobs,
+                &mut states,
+                &batch,
                 &store,
                 &mut publisher,
                 &mut stats,
                 epoch,
             )
-            .await;
-            match result {
-                Ok(()) => {
-                    retry_backoff = Duration::from_millis(200);
-                    if let Some(next) = state.next {
-                        queue.push(Reverse((next, i)));
+            .await?;
+            let mut stalled = 0;
+            for (due, stall) in batch.iter().zip(stalls) {
+                let job = &config.jobs[due.job];
+                let Some(stall) = stall else {
+                    if let Some(next) = states[due.job].next {
+                        queue.push(Reverse((next, due.job)));
                     }
+                    continue;
+                };
+                match &stall {
+                    Stall::Publish(_) => stats.publish_failures += 1,
+                    Stall::Persist(_) => stats.persist_failures += 1,
                 }
-                Err(e) => {
-                    match &e {
-                        Stall::Publish(_) => stats.publish_failures += 1,
-                        Stall::Persist(_) => stats.persist_failures += 1,
-                    }
-                    warn!(job = %job.name, error = %e, retry_in_ms = retry_backoff.as_millis() as u64, "job stalled; will retry");
-                    if let Stall::Publish(e @ PublishError::Topology(_)) = e {
-                        return Err(e);
-                    }
-                    // Planned again at the next wake from the progress made so far: instances
-                    // the outage made late become misses and follow the policy.
-                    queue.push(Reverse((due, i)));
-                    wait = retry_backoff;
-                    retry_backoff = (retry_backoff * 2).min(Duration::from_secs(5));
-                    break;
+                if stalled < STALLS_LISTED {
+                    warn!(job = %job.name, error = %stall,
+                        retry_in_ms = retry_backoff.as_millis() as u64, "job stalled; will retry");
                 }
+                stalled += 1;
+                // Planned again at the next wake from the progress made so far: instances the
+                // outage made late become misses and follow the policy.
+                queue.push(Reverse((due.due, due.job)));
             }
+            if stalled == 0 {
+                retry_backoff = Duration::from_millis(200);
+                continue;
+            }
+            if stalled > STALLS_LISTED {
+                warn!(
+                    more = stalled - STALLS_LISTED,
+                    retry_in_ms = retry_backoff.as_millis() as u64,
+                    "more jobs stalled; will retry"
+                );
+            }
+            wait = retry_backoff;
+            retry_backoff = (retry_backoff * 2).min(Duration::from_secs(5));
+            break;
         }
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
@@ -492,69 +595,222 @@ pub async fn run(
     Ok(stats)
 }
 
-/// Publishes what is due for one job and moves its progress forward.
-///
-/// Progress is written to Redis after each confirm (DESIGN §2). A write that fails stalls the
-/// job, like a broker failure: this beat remembers the progress (it never republishes), writes
-/// it first when it retries, and instances that come due meanwhile are misses — the beat could
-/// not reach Redis.
-#[allow(clippy::too_many_arguments)]
-async fn advance(
-    job: &Job,
-    state: &mut JobState,
+/// Takes the jobs due at `now` off the queue, oldest first, and plans each, up to
+/// [`BATCH_JOBS`] jobs or [`BATCH_MESSAGES`] messages (the last job taken may publish only the
+/// first part of its plan; it stays due for the next batch).
+fn take_due(
+    queue: &mut BinaryHeap<Reverse<(DateTime<Utc>, usize)>>,
+    jobs: &[Job],
+    states: &[JobState],
     now: DateTime<Utc>,
     threshold: Duration,
+) -> Vec<Due> {
+    let mut batch = Vec::new();
+    let mut messages = 0;
+    while batch.len() < BATCH_JOBS && messages < BATCH_MESSAGES {
+        let Some(Reverse((due, job))) = queue.peek().copied() else {
+            break;
+        };
+        if due > now {
+            break;
+        }
+        queue.pop();
+        let plan = plan(&jobs[job], states[job].last, now, threshold);
+        let take = plan.publish.len().min(BATCH_MESSAGES - messages);
+        messages += take;
+        batch.push(Due {
+            job,
+            due,
+            plan,
+            take,
+        });
+    }
+    batch
+}
+
+/// Publishes what `batch` plans and moves each job's progress forward; returns, per job of the
+/// batch, why it stalled (`None`: it moved on). `Err` only when the broker refused the topology,
+/// which needs a human.
+///
+/// In order: report the drops and persist the progress they make (with any progress a
+/// failed write left unsaved) — a job whose write fails publishes nothing now; publish every
+/// message of the batch, then await the confirms; move each job to the newest instant of its
+/// contiguous confirmed prefix ([`progress_after`]); persist all of it in one round trip. Progress
+/// is written only after the broker confirmed (DESIGN §2). A failed write stalls the job, like
+/// a broker failure: this beat remembers the progress (it never republishes an instant it
+/// recorded), writes it first when it retries, and instances that come due meanwhile are
+/// misses — the beat could not reach Redis.
+async fn advance(
+    jobs: &[Job],
+    states: &mut [JobState],
+    batch: &[Due],
     store: &Store,
     publisher: &mut Publisher,
     stats: &mut BeatStats,
     epoch: u64,
-) -> Result<(), Stall> {
-    if state.unsaved {
-        save(store, job, state).await?;
-    }
-    let plan = plan(job, state.last, now, threshold);
-    report_dropped(job, &plan, stats);
+) -> Result<Vec<Option<Stall>>, PublishError> {
+    let mut stalls: Vec<Option<Stall>> = vec![None; batch.len()];
+
     // The drops are all older than the first instance to publish: settle them now, so that if
     // a publish below fails, the next plan starts after them and does not report them again.
-    if let Some(dropped) = plan.dropped_up_to.filter(|d| *d > state.last) {
-        state.last = dropped;
-        save(store, job, state).await?;
+    for due in batch {
+        report_dropped(&jobs[due.job], &due.plan, stats);
+        let state = &mut states[due.job];
+        if let Some(dropped) = due.plan.dropped_up_to.filter(|d| *d > state.last) {
+            state.last = dropped;
+            state.unsaved = true;
+        }
     }
-    for t in &plan.publish {
-        let expires_at = job
-            .expires
-            .and_then(|e| chrono::Duration::from_std(e).ok())
-            .map(|e| *t + e);
-        let env = Envelope::scheduled(
-            &job.name,
-            &job.task,
-            &job.queue,
-            job.args.clone(),
-            *t,
-            expires_at,
-            Utc::now(),
+    let unsaved: Vec<usize> = (0..batch.len())
+        .filter(|p| states[batch[*p].job].unsaved)
+        .collect();
+    save_batch(store, jobs, states, batch, &unsaved, &mut stalls).await;
+
+    let mut envelopes = Vec::new();
+    let mut spans = Vec::new();
+    for (p, due) in batch.iter().enumerate() {
+        if stalls[p].is_some() {
+            continue;
+        }
+        let job = &jobs[due.job];
+        let first = envelopes.len();
+        for t in &due.plan.publish[..due.take] {
+            let expires_at = job
+                .expires
+                .and_then(|e| chrono::Duration::from_std(e).ok())
+                .map(|e| *t + e);
+            envelopes.push(Envelope::scheduled(
+                &job.name,
+                &job.task,
+                &job.queue,
+                job.args.clone(),
+                *t,
+                expires_at,
+                Utc::now(),
+            ));
+        }
+        spans.push((p, first..envelopes.len()));
+    }
+    let outcomes = if envelopes.is_empty() {
+        Vec::new()
+    } else {
+        match publisher.publish_batch(&envelopes, epoch).await {
+            Ok(outcomes) => outcomes,
+            Err(e @ PublishError::Topology(_)) => return Err(e),
+            Err(e) => {
+                // Nothing was sent: every job with something to publish stalls.
+                let e = Arc::new(e);
+                for (p, span) in &spans {
+                    if !span.is_empty() {
+                        stalls[*p] = Some(Stall::Publish(e.clone()));
+                    }
+                }
+                Vec::new()
+            }
+        }
+    };
+
+    // `outcomes` is in `envelopes` order: each job's run of them, in `spans` order.
+    let mut outcomes = outcomes.into_iter();
+    for (p, span) in spans {
+        let results: Vec<Result<(), PublishError>> = outcomes.by_ref().take(span.len()).collect();
+        if stalls[p].is_some() {
+            continue;
+        }
+        let due = &batch[p];
+        let job = &jobs[due.job];
+        let state = &mut states[due.job];
+        let confirmed: Vec<bool> = results.iter().map(Result::is_ok).collect();
+        let whole = due.take == due.plan.publish.len();
+        let (to, recorded) = progress_after(
+            state.last,
+            &due.plan.publish[..due.take],
+            &confirmed,
+            due.plan.decided_up_to.filter(|_| whole),
         );
-        publisher.publish(&env, Utc::now(), epoch).await?;
-        stats.published += 1;
-        info!(job = %job.name, key = %env.key, "published");
-        state.last = state.last.max(*t);
-        save(store, job, state).await?;
+        for env in &envelopes[span][..recorded] {
+            stats.published += 1;
+            info!(job = %job.name, key = %env.key, "published");
+        }
+        if to > state.last {
+            state.last = to;
+            state.unsaved = true;
+        }
+        if let Some(Err(e)) = results.into_iter().find(Result::is_err) {
+            stalls[p] = Some(Stall::Publish(Arc::new(e)));
+        }
     }
-    if let Some(decided) = plan.decided_up_to.filter(|d| *d > state.last) {
-        state.last = decided;
-        save(store, job, state).await?;
+
+    // One round trip for the whole batch's progress, including jobs that stalled on a publish
+    // after some of their instants were confirmed.
+    let unsaved: Vec<usize> = (0..batch.len())
+        .filter(|p| {
+            let persist_failed = matches!(stalls[*p], Some(Stall::Persist(_)));
+            !persist_failed && states[batch[*p].job].unsaved
+        })
+        .collect();
+    save_batch(store, jobs, states, batch, &unsaved, &mut stalls).await;
+
+    for (p, due) in batch.iter().enumerate() {
+        if stalls[p].is_none() {
+            let state = &mut states[due.job];
+            state.next = jobs[due.job].schedule.next_after(state.last);
+        }
     }
-    state.next = job.schedule.next_after(state.last);
-    Ok(())
+    Ok(stalls)
 }
 
-/// Writes `state.last` as the job's persisted progress (never moving it back); on failure the
-/// state stays marked unsaved.
-async fn save(store: &Store, job: &Job, state: &mut JobState) -> Result<(), StoreError> {
-    state.unsaved = true;
-    store.advance_last_published(&job.name, state.last).await?;
-    state.unsaved = false;
-    Ok(())
+/// Writes the progress of the batch's jobs at positions `which`; a job whose write fails
+/// stalls (unless it already stalled on a publish, the first reason).
+async fn save_batch(
+    store: &Store,
+    jobs: &[Job],
+    states: &mut [JobState],
+    batch: &[Due],
+    which: &[usize],
+    stalls: &mut [Option<Stall>],
+) {
+    let indexes: Vec<usize> = which.iter().map(|p| batch[*p].job).collect();
+    for (failed, p) in save(store, jobs, states, &indexes)
+        .await
+        .into_iter()
+        .zip(which)
+    {
+        if let Some(e) = failed {
+            stalls[*p].get_or_insert(Stall::Persist(e));
+        }
+    }
+}
+
+/// Writes `states[i].last` as job `i`'s persisted progress (never moving it back) for each `i`
+/// in `which`, in one round trip per [`SAVE_PIPELINE`]; clears `unsaved` where that worked.
+/// Returns each one's failure, if any, in `which` order.
+async fn save(
+    store: &Store,
+    jobs: &[Job],
+    states: &mut [JobState],
+    which: &[usize],
+) -> Vec<Option<Arc<StoreError>>> {
+    if which.is_empty() {
+        return Vec::new();
+    }
+    let progress: Vec<(&str, DateTime<Utc>)> = which
+        .iter()
+        .map(|i| (jobs[*i].name.as_str(), states[*i].last))
+        .collect();
+    let outcomes: Vec<Option<Arc<StoreError>>> = match save_progress(store, &progress).await {
+        Ok(outcomes) => outcomes
+            .into_iter()
+            .map(|r| r.err().map(Arc::new))
+            .collect(),
+        Err(e) => vec![Some(Arc::new(e)); which.len()],
+    };
+    for (i, failed) in which.iter().zip(&outcomes) {
+        if failed.is_none() {
+            states[*i].unsaved = false;
+        }
+    }
+    outcomes
 }
 
 /// Logs every dropped instance with its key (beyond [`MAX_LISTED`]: one line with the count and
@@ -611,7 +867,7 @@ mod tests {
         config.jobs.remove(0)
     }
 
-    fn at(text: &str) -> DateTime<Utc> {
+    pub(super) fn at(text: &str) -> DateTime<Utc> {
         DateTime::parse_from_rfc3339(text)
             .expect("test instant")
             .with_timezone(&Utc)
@@ -1042,5 +1298,315 @@ mod tests {
             parse_last("2026-03-02T12:00:00.0000005Z"),
             Some(at("2026-03-02T12:00:00.0000005Z"))
         );
+    }
+
+    #[test]
+    fn progress_moves_to_the_newest_of_the_contiguous_confirmed_prefix() {
+        let last = at(LAST);
+        let sent = minutes(1..=4);
+        let decided = at("2026-03-02T12:04:30Z");
+        // All confirmed: on to what the plan decided (beyond its last publish).
+        assert_eq!(
+            progress_after(last, &sent, &[true; 4], Some(decided)),
+            (decided, 4)
+        );
+        // The third failed: the fourth, confirmed, is not recorded — that would skip the third.
+        assert_eq!(
+            progress_after(last, &sent, &[true, true, false, true], Some(decided)),
+            (sent[1], 2)
+        );
+        // The first failed: nothing moves.
+        assert_eq!(
+            progress_after(last, &sent, &[false, true, true, true], Some(decided)),
+            (last, 0)
+        );
+        // Part of the plan sent (a full batch): the newest sent, not the plan's decided edge.
+        assert_eq!(
+            progress_after(last, &sent[..2], &[true, true], None),
+            (sent[1], 2)
+        );
+        // Nothing to publish (drops only): the decided edge.
+        assert_eq!(progress_after(last, &[], &[], Some(decided)), (decided, 0));
+        // Never back, even if the instants sent were older than `last`.
+        let ahead = at("2026-03-02T13:00:00Z");
+        assert_eq!(
+            progress_after(ahead, &sent, &[true; 4], Some(decided)),
+            (ahead, 4)
+        );
+    }
+}
+
+/// Against the real Redis and RabbitMQ (as `scripts/test` starts them), each test in a
+/// namespace of its own whose keys, queues and exchanges are deleted at the end.
+#[cfg(test)]
+pub(crate) mod live {
+    use super::tests::at;
+    use super::*;
+    use chrono::{DurationRound, SecondsFormat};
+    use drumline_shared::config::Config;
+    use lapin::options::{
+        BasicGetOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
+    };
+    use lapin::types::FieldTable;
+    use lapin::{Connection, ConnectionProperties};
+    use std::path::Path;
+
+    const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+    /// A namespace; everything in it is deleted on drop.
+    pub(crate) struct Ns(pub(crate) String);
+
+    impl Ns {
+        pub(crate) fn new(test: &str) -> Self {
+            let id = uuid::Uuid::new_v4().simple().to_string();
+            Ns(format!("t_beat_{test}_{}", &id[..8]))
+        }
+
+        /// A config in this namespace: `body` plus task `t`.
+        pub(crate) fn config(&self, body: &str) -> Config {
+            let text = format!(
+                "namespace = \"{}\"\n{body}\n[tasks.t]\ncommand = [\"/bin/true\"]\n",
+                self.0
+            );
+            Config::parse(&text, Path::new("test.toml"), |_| None)
+                .unwrap_or_else(|e| panic!("bad test config: {e}"))
+        }
+
+        async fn store(&self) -> Store {
+            Store::connect("redis://127.0.0.1:6379/0", Names::new(self.0.clone()))
+                .await
+                .expect("redis")
+        }
+    }
+
+    impl Drop for Ns {
+        fn drop(&mut self) {
+            let ns = self.0.clone();
+            let _ = std::thread::spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime")
+                    .block_on(cleanup(ns));
+            })
+            .join();
+        }
+    }
+
+    async fn cleanup(ns: String) {
+        let names = Names::new(ns.clone());
+        if let Ok(client) = redis::Client::open("redis://127.0.0.1:6379/0") {
+            if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
+                let keys: Vec<String> = redis::cmd("KEYS")
+                    .arg(format!("{ns}:*"))
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap_or_default();
+                if !keys.is_empty() {
+                    let _: Result<(), _> = redis::cmd("DEL").arg(keys).query_async(&mut conn).await;
+                }
+            }
+        }
+        if let Ok(amqp) = Connection::connect(AMQP, ConnectionProperties::default()).await {
+            // A channel per deletion: one that fails (never declared) closes its channel.
+            let queues = ["default", "a", "b"].map(|q| names.work_queue(q));
+            for queue in queues.into_iter().chain([names.dead()]) {
+                if let Ok(ch) = amqp.create_channel().await {
+                    let _ = ch.queue_delete(&queue, QueueDeleteOptions::default()).await;
+                }
+            }
+            for exchange in [names.tasks_exchange(), names.dead()] {
+                if let Ok(ch) = amqp.create_channel().await {
+                    let _ = ch
+                        .exchange_delete(&exchange, ExchangeDeleteOptions::default())
+                        .await;
+                }
+            }
+            let _ = amqp.close(200, "bye").await;
+        }
+    }
+
+    /// `{ns}:beat:last:{job}` for each job.
+    async fn lasts(store: &Store, jobs: &[&str]) -> Vec<Option<String>> {
+        let keys: Vec<String> = jobs.iter().map(|j| store.names().beat_last(j)).collect();
+        redis::cmd("MGET")
+            .arg(keys)
+            .query_async(&mut store.connection())
+            .await
+            .expect("MGET")
+    }
+
+    /// Runs the beat on `config` until `done` holds (polled every 50 ms, at most 60 s).
+    async fn run_until<F, Fut>(config: Config, mut done: F) -> BeatStats
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = bool>,
+    {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let watch = async {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !done().await {
+                assert!(Instant::now() < deadline, "the beat never got there");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let _ = stop.send(());
+        };
+        let beat = run(config, async {
+            let _ = stopped.await;
+        });
+        let (stats, ()) = tokio::join!(beat, watch);
+        stats.expect("the beat failed")
+    }
+
+    fn rfc3339(t: DateTime<Utc>) -> String {
+        t.to_rfc3339_opts(SecondsFormat::AutoSi, true)
+    }
+
+    #[tokio::test]
+    async fn progress_writes_only_move_forward_and_fail_job_by_job() {
+        let ns = Ns::new("save");
+        let store = ns.store().await;
+        let (t1, t2) = (at("2026-03-02T12:00:00Z"), at("2026-03-02T12:01:00Z"));
+        let mut conn = store.connection();
+        // `c` holds a hash: its write fails, the others' do not.
+        let () = redis::cmd("HSET")
+            .arg(store.names().beat_last("c"))
+            .arg("f")
+            .arg("v")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let out = save_progress(&store, &[("a", t2), ("c", t2), ("b", t1)])
+            .await
+            .unwrap();
+        assert!(
+            out[0].is_ok() && out[1].is_err() && out[2].is_ok(),
+            "{out:?}"
+        );
+        // `a` does not move back; `b` moves forward.
+        let out = save_progress(&store, &[("a", t1), ("b", t2)])
+            .await
+            .unwrap();
+        assert!(out.iter().all(Result::is_ok), "{out:?}");
+        let text = |t| Some(last_instant_text(t));
+        assert_eq!(lasts(&store, &["a", "b"]).await, vec![text(t2), text(t2)]);
+    }
+
+    #[tokio::test]
+    async fn a_new_jobs_start_is_persisted_so_misses_before_its_first_instant_are_reported() {
+        let ns = Ns::new("first_start");
+        let store = ns.store().await;
+        let started = Utc::now();
+        // First instant 2-3 s after the start; missed 1 s after it.
+        let first = started.duration_trunc(TimeDelta::seconds(1)).unwrap() + TimeDelta::seconds(3);
+        let config = ns.config(&format!(
+            "[beat]\nmisfire_threshold = \"1s\"\n[[jobs]]\nname = \"j\"\ntask = \"t\"\n\
+             every = \"1h\"\nanchor = \"{}\"\nmisfire = \"skip\"",
+            rfc3339(first)
+        ));
+
+        // A first start that stops before the first instant still leaves its start behind.
+        let stats = run_until(config.clone(), || async {
+            lasts(&store, &["j"]).await[0].is_some()
+        })
+        .await;
+        assert_eq!(stats.published, 0);
+        let persisted = lasts(&store, &["j"]).await[0].clone().unwrap();
+        let persisted = parse_last(&persisted).unwrap();
+        assert!(persisted >= started && persisted < first, "{persisted}");
+
+        // Down past the first instant and its threshold: the next start reports it missed.
+        while Utc::now() < first + TimeDelta::milliseconds(1500) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let want = last_instant_text(first);
+        let stats = run_until(config, || async {
+            lasts(&store, &["j"]).await[0].as_ref() == Some(&want)
+        })
+        .await;
+        assert_eq!((stats.published, stats.dropped), (0, 1), "{stats:?}");
+    }
+
+    #[tokio::test]
+    async fn jobs_due_together_are_published_in_batches_each_instant_once() {
+        let ns = Ns::new("batches");
+        let store = ns.store().await;
+        let now = Utc::now().duration_trunc(TimeDelta::seconds(1)).unwrap();
+        // More jobs than one batch takes, all due at `due`; and one job catching up more
+        // messages than one batch holds.
+        let jobs = BATCH_JOBS + 200;
+        let catch_up = BATCH_MESSAGES + 200;
+        let due = now + TimeDelta::seconds(3);
+        let anchor = now + TimeDelta::seconds(30);
+        let mut body = format!(
+            "[[jobs]]\nname = \"catch\"\ntask = \"t\"\nevery = \"1m\"\nanchor = \"{}\"\n\
+             misfire = \"catch_up\"\noverlap = \"queue\"\nmax_catch_up = {catch_up}\n\
+             misfire_grace = \"30d\"\n",
+            rfc3339(anchor)
+        );
+        let names: Vec<String> = (0..jobs).map(|i| format!("j{i:05}")).collect();
+        for name in &names {
+            body.push_str(&format!(
+                "[[jobs]]\nname = \"{name}\"\ntask = \"t\"\nevery = \"1h\"\nanchor = \"{}\"\n",
+                rfc3339(due)
+            ));
+        }
+        let config = ns.config(&body);
+        let missed_from = anchor - TimeDelta::minutes(catch_up as i64);
+        let newest_missed = anchor - TimeDelta::minutes(1);
+        let out = save_progress(&store, &[("catch", missed_from - TimeDelta::minutes(1))])
+            .await
+            .unwrap();
+        assert!(out[0].is_ok());
+
+        let (want_catch, want_due) = (last_instant_text(newest_missed), last_instant_text(due));
+        let all: Vec<&str> = names.iter().map(String::as_str).collect();
+        let stats = run_until(config, || async {
+            lasts(&store, &["catch"]).await[0].as_ref() == Some(&want_catch)
+                && lasts(&store, &all)
+                    .await
+                    .iter()
+                    .all(|l| l.as_ref() == Some(&want_due))
+        })
+        .await;
+        assert_eq!(stats.published as usize, jobs + catch_up, "{stats:?}");
+        assert_eq!((stats.dropped, stats.publish_failures), (0, 0));
+
+        // What the queue holds: each instant once, the catch-up oldest first.
+        let amqp = Connection::connect(AMQP, ConnectionProperties::default())
+            .await
+            .unwrap();
+        let ch = amqp.create_channel().await.unwrap();
+        let queue = Names::new(ns.0.clone()).work_queue("default");
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let declared = ch
+            .queue_declare(&queue, passive, FieldTable::default())
+            .await
+            .unwrap();
+        assert_eq!(declared.message_count() as usize, jobs + catch_up);
+        let mut catch = Vec::new();
+        let mut others = Vec::new();
+        while let Some(msg) = ch
+            .basic_get(&queue, BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        {
+            let env = Envelope::decode(&msg.delivery.data).unwrap();
+            match env.job.as_deref() {
+                Some("catch") => catch.push(env.scheduled_for),
+                _ => others.push(env.key),
+            }
+        }
+        let _ = amqp.close(200, "bye").await;
+        let want: Vec<_> = (0..catch_up as i64)
+            .map(|k| missed_from + TimeDelta::minutes(k))
+            .collect();
+        assert!(catch == want, "catch-up out of order, doubled or missing");
+        others.sort();
+        let want: Vec<_> = names.iter().map(|n| instance_key(n, due)).collect();
+        assert!(others == want, "on-time instances doubled or missing");
     }
 }

@@ -436,6 +436,41 @@ impl Store {
             .await?;
         Ok(())
     }
+
+    /// [`advance_last_published`](Self::advance_last_published) for many jobs, `per_trip` per
+    /// round trip (one script call each, pipelined). One outcome per entry, in order: each
+    /// job's write succeeds or fails on its own. `Err` when Redis did not answer (then some
+    /// entries may have been written, which is harmless: rewriting is a no-op).
+    pub async fn advance_last_published_many(
+        &self,
+        progress: &[(&str, DateTime<Utc>)],
+        per_trip: usize,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let mut conn = self.conn.clone();
+        let mut out = Vec::with_capacity(progress.len());
+        for group in progress.chunks(per_trip.max(1)) {
+            let mut pipe = redis::pipe();
+            pipe.ignore_errors();
+            // EVALSHA needs the script cached (a restarted Redis forgot it): load it in the
+            // same round trip.
+            pipe.load_script(&ADVANCE_LAST).ignore();
+            for (job, at) in group {
+                let mut call = ADVANCE_LAST.prepare_invoke();
+                call.key(self.names.beat_last(job))
+                    .arg(last_instant_text(*at));
+                pipe.invoke_script(&call);
+            }
+            let replies: Vec<Result<i64, StoreError>> = pipe.query_async(&mut conn).await?;
+            if replies.len() != group.len() {
+                return Err(StoreError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "a pipeline returned fewer replies than commands",
+                )));
+            }
+            out.extend(replies.into_iter().map(|r| r.map(drop)));
+        }
+        Ok(out)
+    }
 }
 
 /// Fixed-width RFC 3339 (milliseconds, `Z`), so Lua can compare instants as strings.

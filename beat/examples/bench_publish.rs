@@ -1,0 +1,402 @@
+//! Publishing many instances due at once, for `scripts/bench`:
+//! `bench_publish [--jobs N] PATH/TO/drumline-beat [PATH/TO/other-drumline-beat …]`
+//! (default 10,000 jobs).
+//!
+//! For each beat binary, in a namespace of its own: a config of N `every = "1m"` jobs whose
+//! `anchor` puts one instant of every job at the same instant T, a few seconds after the beat
+//! started; the measure is the time from T until `{ns}.q.default` holds N messages (polled with
+//! a passive declare every 10 ms), checked afterwards: exactly N messages, and every job's
+//! progress `{ns}:beat:last:{job}` persisted at T. Give a build of an older commit as a second
+//! binary to compare.
+//!
+//! Then, in the same run, the bare broker: N envelopes of the same size published by one
+//! connection to the same exchange and queue, every publish sent before the first confirm is
+//! awaited (mandatory, persistent, confirms awaited in order); measured from the first publish
+//! until the last confirm. The ratio beat / bare broker is what the beat adds.
+//!
+//! Everything a namespace created (Redis keys, queues, exchanges) is deleted at the end,
+//! whatever happened.
+
+use anyhow::{bail, ensure, Context, Result};
+use chrono::{DateTime, DurationRound, SecondsFormat, TimeDelta, Utc};
+use drumline_shared::envelope::Envelope;
+use drumline_shared::names::Names;
+use drumline_shared::store::last_instant_text;
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions,
+    QueueDeleteOptions, QueuePurgeOptions,
+};
+use lapin::publisher_confirm::Confirmation;
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, ConnectionProperties};
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// How long after the beat is spawned the common instant T falls: start-up with 100,000 jobs
+/// takes about a second.
+const LEAD: TimeDelta = TimeDelta::seconds(5);
+
+/// Gives up waiting for the N messages after this long past T.
+const PATIENCE: Duration = Duration::from_secs(600);
+
+fn amqp_url() -> String {
+    std::env::var("DRUMLINE_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+fn redis_url() -> String {
+    std::env::var("DRUMLINE_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/0".into())
+}
+
+/// One beat run.
+struct BeatRun {
+    /// From T until the queue held N messages.
+    all_queued: Duration,
+    /// From T until the first message was seen.
+    first_seen: Duration,
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<()> {
+    let usage = "usage: bench_publish [--jobs N] PATH/TO/drumline-beat [OTHER-BEAT …]";
+    let mut jobs = 10_000usize;
+    let mut beats = Vec::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        if arg == "--jobs" {
+            jobs = args.next().context(usage)?.parse().context("--jobs N")?;
+        } else {
+            beats.push(PathBuf::from(arg));
+        }
+    }
+    ensure!(!beats.is_empty() && jobs > 0, "{usage}");
+
+    let base = format!(
+        "bench_pub_{}_{}",
+        std::process::id(),
+        Utc::now().timestamp_millis()
+    );
+    let mut out = String::new();
+    writeln!(
+        out,
+        "publishing one instance of each of {jobs} jobs due at the same instant"
+    )?;
+    writeln!(out, "{:<58} {:>10} {:>11}", "", "time", "msg/s")?;
+    let row = |out: &mut String, what: &str, d: Duration| {
+        let _ = writeln!(
+            out,
+            "{what:<58} {:>7.0} ms {:>11.0}",
+            d.as_secs_f64() * 1000.0,
+            jobs as f64 / d.as_secs_f64()
+        );
+    };
+    let mut runs = Vec::new();
+    for (i, beat) in beats.iter().enumerate() {
+        let ns = format!("{base}_{i}");
+        let dir = std::env::temp_dir().join(&ns);
+        std::fs::create_dir_all(&dir)?;
+        let result = bench_beat(beat, jobs, &ns, &dir).await;
+        let cleaned = cleanup(&ns).await;
+        let _ = std::fs::remove_dir_all(&dir);
+        let run = result.with_context(|| format!("beat {}", beat.display()))?;
+        cleaned.context("cleanup")?;
+        runs.push((beat, run));
+    }
+    let ns = format!("{base}_bare");
+    let bare = bench_bare(jobs, &ns).await;
+    let cleaned = cleanup(&ns).await;
+    let bare = bare.context("bare broker")?;
+    cleaned.context("cleanup")?;
+
+    for (beat, run) in &runs {
+        row(
+            &mut out,
+            &format!("beat {}: T -> all N queued", beat.display()),
+            run.all_queued,
+        );
+        writeln!(
+            out,
+            "{:<58} {:>7.0} ms",
+            "  (T -> first message seen)",
+            run.first_seen.as_secs_f64() * 1000.0
+        )?;
+    }
+    row(
+        &mut out,
+        "bare broker: N pipelined publishes -> last confirm",
+        bare,
+    );
+    for (beat, run) in &runs {
+        writeln!(
+            out,
+            "ratio beat / bare broker ({}): {:.1}",
+            beat.display(),
+            run.all_queued.as_secs_f64() / bare.as_secs_f64()
+        )?;
+    }
+    print!("{out}");
+    Ok(())
+}
+
+async fn bench_beat(beat: &Path, jobs: usize, ns: &str, dir: &Path) -> Result<BeatRun> {
+    let due = Utc::now().duration_trunc(TimeDelta::seconds(1))? + LEAD;
+    let config = dir.join("drumline.toml");
+    write_config(&config, ns, jobs, due)?;
+    let names = Names::new(ns);
+    let queue = names.work_queue("default");
+
+    let mut child = Command::new(beat)
+        .arg("--config")
+        .arg(&config)
+        .env("RUST_LOG", "info")
+        .env_remove("DRUMLINE_CONFIG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot start {}", beat.display()))?;
+    let pid = child.id();
+    let stderr = child.stderr.take().expect("piped");
+    let (started_tx, started_rx) = mpsc::channel();
+    // Keeps draining the log so the beat never blocks on a full pipe.
+    let reader = std::thread::spawn(move || {
+        let mut tail = Vec::new();
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("beat started") {
+                let _ = started_tx.send(());
+            }
+            tail.push(line);
+            if tail.len() > 20 {
+                tail.remove(0);
+            }
+        }
+        tail.join("\n")
+    });
+
+    let measured = async {
+        started_rx
+            .recv_timeout(Duration::from_secs(60))
+            .context("the beat never logged \"beat started\"")?;
+        ensure!(
+            Utc::now() < due,
+            "the beat started after the common instant; raise LEAD"
+        );
+        let amqp = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
+        let mut channel = amqp.create_channel().await?;
+        let mut first_seen = None;
+        let until = Utc::now() + TimeDelta::from_std(PATIENCE)?;
+        let all_queued = loop {
+            let count = match queue_len(&channel, &queue).await {
+                Some(n) => n as usize,
+                None => {
+                    // Not declared yet: the broker closed the channel (404).
+                    channel = amqp.create_channel().await?;
+                    0
+                }
+            };
+            let since_due = (Utc::now() - due).to_std().unwrap_or_default();
+            if count > 0 && first_seen.is_none() {
+                first_seen = Some(since_due);
+            }
+            if count >= jobs {
+                break since_due;
+            }
+            if Utc::now() > until {
+                bail!("only {count} of {jobs} messages after {PATIENCE:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let _ = amqp.close(200, "bench").await;
+        Ok(BeatRun {
+            all_queued,
+            first_seen: first_seen.unwrap_or_default(),
+        })
+    }
+    .await;
+    Command::new("kill")
+        .arg("-TERM")
+        .arg(pid.to_string())
+        .status()?;
+    let status = child.wait()?;
+    let tail = reader.join().unwrap_or_default();
+    let run = measured.with_context(|| format!("log tail:\n{tail}"))?;
+    ensure!(status.success(), "the beat exited with {status}\n{tail}");
+
+    // Exactly one message per job, and every job's progress persisted at T.
+    let amqp = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
+    let count = queue_len(&amqp.create_channel().await?, &queue)
+        .await
+        .context("queue")?;
+    let _ = amqp.close(200, "bench").await;
+    ensure!(count as usize == jobs, "{count} messages for {jobs} jobs");
+    let persisted = count_progress(&names, jobs, due).await?;
+    ensure!(
+        persisted == jobs,
+        "{persisted} of {jobs} jobs have their progress persisted at {due}"
+    );
+    Ok(run)
+}
+
+fn write_config(path: &Path, ns: &str, jobs: usize, due: DateTime<Utc>) -> Result<()> {
+    let anchor = due.to_rfc3339_opts(SecondsFormat::Secs, true);
+    let mut text = format!("namespace = \"{ns}\"\n\n[tasks.t]\ncommand = [\"/bin/true\"]\n");
+    for i in 0..jobs {
+        write!(
+            text,
+            "\n[[jobs]]\nname = \"job-{i:06}\"\ntask = \"t\"\nevery = \"1m\"\nanchor = \"{anchor}\"\n"
+        )?;
+    }
+    std::fs::write(path, text)?;
+    Ok(())
+}
+
+/// Messages in `queue` (passive declare), `None` while it does not exist.
+async fn queue_len(channel: &Channel, queue: &str) -> Option<u32> {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    channel
+        .queue_declare(queue, passive, FieldTable::default())
+        .await
+        .ok()
+        .map(|q| q.message_count())
+}
+
+/// Jobs whose `{ns}:beat:last:{job}` is exactly `at`.
+async fn count_progress(names: &Names, jobs: usize, at: DateTime<Utc>) -> Result<usize> {
+    let client = redis::Client::open(redis_url())?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let want = last_instant_text(at);
+    let mut found = 0;
+    let all: Vec<usize> = (0..jobs).collect();
+    for batch in all.chunks(1000) {
+        let keys: Vec<String> = batch
+            .iter()
+            .map(|i| names.beat_last(&format!("job-{i:06}")))
+            .collect();
+        let values: Vec<Option<String>> =
+            redis::cmd("MGET").arg(keys).query_async(&mut conn).await?;
+        found += values
+            .iter()
+            .filter(|v| v.as_deref() == Some(want.as_str()))
+            .count();
+    }
+    Ok(found)
+}
+
+/// N envelopes like the beat's, published with every confirm outstanding at once; the time
+/// from the first publish to the last confirm.
+async fn bench_bare(jobs: usize, ns: &str) -> Result<Duration> {
+    let names = Names::new(ns);
+    let amqp = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
+    let channel = amqp.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    drumline_shared::topology::declare(
+        &channel,
+        &names,
+        &["default".to_owned()],
+        Duration::from_secs(7 * 86_400),
+    )
+    .await?;
+    let queue = names.work_queue("default");
+    channel
+        .queue_purge(&queue, QueuePurgeOptions::default())
+        .await?;
+    let due = Utc::now().duration_trunc(TimeDelta::seconds(1))?;
+    let envelopes: Vec<Envelope> = (0..jobs)
+        .map(|i| {
+            Envelope::scheduled(
+                &format!("job-{i:06}"),
+                "t",
+                "default",
+                serde_json::json!({}),
+                due,
+                None,
+                Utc::now(),
+            )
+        })
+        .collect();
+    let exchange = names.tasks_exchange();
+    let started = Instant::now();
+    let mut confirms = Vec::with_capacity(jobs);
+    for env in &envelopes {
+        let now = Utc::now();
+        confirms.push(
+            channel
+                .basic_publish(
+                    &exchange,
+                    "default",
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    &env.encode(),
+                    env.properties(now, Some(0)),
+                )
+                .await?,
+        );
+    }
+    for confirm in confirms {
+        ensure!(
+            confirm.await? == Confirmation::Ack(None),
+            "not acked, or unroutable"
+        );
+    }
+    let elapsed = started.elapsed();
+    let count = queue_len(&channel, &queue).await.context("queue")?;
+    ensure!(
+        count as usize == jobs,
+        "{count} messages for {jobs} published"
+    );
+    let _ = amqp.close(200, "bench").await;
+    Ok(elapsed)
+}
+
+/// Deletes everything a namespace created: Redis keys, queues, exchanges.
+async fn cleanup(ns: &str) -> Result<()> {
+    let names = Names::new(ns);
+    let client = redis::Client::open(redis_url())?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{ns}:*"))
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async(&mut conn)
+            .await?;
+        if !keys.is_empty() {
+            redis::cmd("UNLINK")
+                .arg(keys)
+                .query_async::<()>(&mut conn)
+                .await?;
+        }
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    let amqp = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
+    // A channel per deletion: one that fails (already gone) closes its channel.
+    for queue in [names.work_queue("default"), names.dead()] {
+        let ch = amqp.create_channel().await?;
+        let _ = ch.queue_delete(&queue, QueueDeleteOptions::default()).await;
+    }
+    for exchange in [names.tasks_exchange(), names.dead()] {
+        let ch = amqp.create_channel().await?;
+        let _ = ch
+            .exchange_delete(&exchange, ExchangeDeleteOptions::default())
+            .await;
+    }
+    let _ = amqp.close(200, "bench done").await;
+    Ok(())
+}
