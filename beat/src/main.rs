@@ -21,6 +21,9 @@ struct Cli {
     /// Log format.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
     log_format: LogFormat,
+    /// Serve Prometheus metrics at /metrics and a health check at /healthz on HOST:PORT.
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -86,7 +89,7 @@ fn main() -> ExitCode {
         Err(e) => return usage_error(e),
     };
     match cli.command {
-        None => run(config),
+        None => run(config, cli.metrics_addr),
         Some(Command::Check) => {
             println!(
                 "{}: ok ({} jobs, {} tasks, namespace {:?})",
@@ -129,9 +132,20 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(config: Config) -> ExitCode {
+fn run(config: Config, metrics_addr: Option<std::net::SocketAddr>) -> ExitCode {
     let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
-    match runtime.block_on(scheduler::run(config, shutdown_signal())) {
+    let stats = scheduler::BeatStats::default();
+    if let Some(addr) = metrics_addr {
+        let mut registry = prometheus_client::registry::Registry::default();
+        stats.register(&mut registry);
+        let health_stats = stats.clone();
+        let health = std::sync::Arc::new(move || health_stats.health());
+        let served = runtime.block_on(drumline_shared::metrics::serve(addr, registry, health));
+        if let Err(e) = served {
+            return usage_error(format!("--metrics-addr {addr}: {e}"));
+        }
+    }
+    match runtime.block_on(scheduler::run(config, stats, shutdown_signal())) {
         Ok(_) => ExitCode::SUCCESS,
         // A queue declared with other arguments (say a changed dead_ttl) is a config problem.
         Err(e @ PublishError::Topology(TopologyError::Mismatch { .. })) => usage_error(e),

@@ -19,6 +19,9 @@ use drumline_shared::envelope::{instance_key, Envelope};
 use drumline_shared::names::Names;
 use drumline_shared::schedule::Schedule;
 use drumline_shared::store::{last_instant_text, Store, StoreError};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::future::Future;
@@ -372,17 +375,65 @@ pub async fn save_progress(
         .await
 }
 
-/// Counters the beat keeps.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+/// Counters the beat keeps; Prometheus metrics under `--metrics-addr`. Clones share them.
+#[derive(Debug, Default, Clone)]
 pub struct BeatStats {
     /// Instances published and confirmed.
-    pub published: u64,
+    pub published: Counter,
     /// Instances decided not to publish (each logged with its key, or in a counted range).
-    pub dropped: u64,
+    pub dropped: Counter,
     /// Publish attempts that failed, per job (retried).
-    pub publish_failures: u64,
+    pub publish_failures: Counter,
     /// Progress writes to Redis that failed, per job (the job waits until one succeeds).
-    pub persist_failures: u64,
+    pub persist_failures: Counter,
+    /// Jobs whose last attempt stalled (broker or Redis unreachable); 0 when all move.
+    pub stalled_jobs: Gauge,
+}
+
+impl BeatStats {
+    /// Registers every metric under `drumline_beat_*`.
+    pub fn register(&self, registry: &mut Registry) {
+        let counters: [(&str, &str, &Counter); 4] = [
+            (
+                "published",
+                "Instances published and confirmed by the broker",
+                &self.published,
+            ),
+            (
+                "dropped",
+                "Instances not published (misfire policy, grace, expiry)",
+                &self.dropped,
+            ),
+            (
+                "publish_failures",
+                "Job publish attempts that failed (retried)",
+                &self.publish_failures,
+            ),
+            (
+                "persist_failures",
+                "Job progress writes to Redis that failed (retried)",
+                &self.persist_failures,
+            ),
+        ];
+        for (name, help, counter) in counters {
+            registry.register(format!("drumline_beat_{name}"), help, counter.clone());
+        }
+        registry.register(
+            "drumline_beat_stalled_jobs",
+            "Jobs whose last attempt stalled on the broker or Redis",
+            self.stalled_jobs.clone(),
+        );
+    }
+
+    /// `Ok` unless jobs are stalled.
+    pub fn health(&self) -> Result<(), String> {
+        match self.stalled_jobs.get() {
+            0 => Ok(()),
+            n => Err(format!(
+                "{n} jobs stalled: the broker or Redis is unreachable"
+            )),
+        }
+    }
 }
 
 /// Why a job could not move forward now; it is planned again after a backoff. Shared (`Arc`)
@@ -426,16 +477,16 @@ struct Due {
 /// exit (a restarted beat then publishes no instant twice).
 pub async fn run(
     config: Config,
+    stats: BeatStats,
     shutdown: impl Future<Output = ()>,
 ) -> Result<BeatStats, PublishError> {
     tokio::pin!(shutdown);
     let names = Names::new(config.namespace.clone());
     let store = tokio::select! {
         s = connect_redis(&config, &names) => s,
-        _ = &mut shutdown => return Ok(BeatStats::default()),
+        _ = &mut shutdown => return Ok(stats),
     };
     let mut publisher = Publisher::new(&config);
-    let mut stats = BeatStats::default();
     let epoch = 0;
 
     // Load progress. On a job's very first start nothing before now counts as missed.
@@ -538,7 +589,7 @@ pub async fn run(
                 &batch,
                 &store,
                 &mut publisher,
-                &mut stats,
+                &stats,
                 epoch,
             )
             .await?;
@@ -552,9 +603,9 @@ pub async fn run(
                     continue;
                 };
                 match &stall {
-                    Stall::Publish(_) => stats.publish_failures += 1,
-                    Stall::Persist(_) => stats.persist_failures += 1,
-                }
+                    Stall::Publish(_) => stats.publish_failures.inc(),
+                    Stall::Persist(_) => stats.persist_failures.inc(),
+                };
                 if stalled < STALLS_LISTED {
                     warn!(job = %job.name, error = %stall,
                         retry_in_ms = retry_backoff.as_millis() as u64, "job stalled; will retry");
@@ -564,6 +615,7 @@ pub async fn run(
                 // outage made late become misses and follow the policy.
                 queue.push(Reverse((due.due, due.job)));
             }
+            stats.stalled_jobs.set(stalled as i64);
             if stalled == 0 {
                 retry_backoff = Duration::from_millis(200);
                 continue;
@@ -586,10 +638,10 @@ pub async fn run(
     }
     publisher.close().await;
     info!(
-        published = stats.published,
-        dropped = stats.dropped,
-        publish_failures = stats.publish_failures,
-        persist_failures = stats.persist_failures,
+        published = stats.published.get(),
+        dropped = stats.dropped.get(),
+        publish_failures = stats.publish_failures.get(),
+        persist_failures = stats.persist_failures.get(),
         "beat stopped"
     );
     Ok(stats)
@@ -646,7 +698,7 @@ async fn advance(
     batch: &[Due],
     store: &Store,
     publisher: &mut Publisher,
-    stats: &mut BeatStats,
+    stats: &BeatStats,
     epoch: u64,
 ) -> Result<Vec<Option<Stall>>, PublishError> {
     let mut stalls: Vec<Option<Stall>> = vec![None; batch.len()];
@@ -729,7 +781,7 @@ async fn advance(
             due.plan.decided_up_to.filter(|_| whole),
         );
         for env in &envelopes[span][..recorded] {
-            stats.published += 1;
+            stats.published.inc();
             info!(job = %job.name, key = %env.key, "published");
         }
         if to > state.last {
@@ -815,7 +867,7 @@ async fn save(
 
 /// Logs every dropped instance with its key (beyond [`MAX_LISTED`]: one line with the count and
 /// the first and last key) and counts them.
-fn report_dropped(job: &Job, plan: &Plan, stats: &mut BeatStats) {
+fn report_dropped(job: &Job, plan: &Plan, stats: &BeatStats) {
     for (t, why) in &plan.dropped {
         warn!(job = %job.name, key = %instance_key(&job.name, *t), reason = why.reason(), "instance not published");
     }
@@ -832,7 +884,7 @@ fn report_dropped(job: &Job, plan: &Plan, stats: &mut BeatStats) {
             "more instances not published (missed; too many to list one by one)"
         );
     }
-    stats.dropped += plan.dropped_count();
+    stats.dropped.inc_by(plan.dropped_count());
 }
 
 async fn connect_redis(config: &Config, names: &Names) -> Store {
@@ -1451,7 +1503,7 @@ pub(crate) mod live {
             }
             let _ = stop.send(());
         };
-        let beat = run(config, async {
+        let beat = run(config, BeatStats::default(), async {
             let _ = stopped.await;
         });
         let (stats, ()) = tokio::join!(beat, watch);
@@ -1510,7 +1562,7 @@ pub(crate) mod live {
             lasts(&store, &["j"]).await[0].is_some()
         })
         .await;
-        assert_eq!(stats.published, 0);
+        assert_eq!(stats.published.get(), 0);
         let persisted = lasts(&store, &["j"]).await[0].clone().unwrap();
         let persisted = parse_last(&persisted).unwrap();
         assert!(persisted >= started && persisted < first, "{persisted}");
@@ -1524,7 +1576,11 @@ pub(crate) mod live {
             lasts(&store, &["j"]).await[0].as_ref() == Some(&want)
         })
         .await;
-        assert_eq!((stats.published, stats.dropped), (0, 1), "{stats:?}");
+        assert_eq!(
+            (stats.published.get(), stats.dropped.get()),
+            (0, 1),
+            "{stats:?}"
+        );
     }
 
     #[tokio::test]
@@ -1569,8 +1625,8 @@ pub(crate) mod live {
                     .all(|l| l.as_ref() == Some(&want_due))
         })
         .await;
-        assert_eq!(stats.published as usize, jobs + catch_up, "{stats:?}");
-        assert_eq!((stats.dropped, stats.publish_failures), (0, 0));
+        assert_eq!(stats.published.get() as usize, jobs + catch_up, "{stats:?}");
+        assert_eq!((stats.dropped.get(), stats.publish_failures.get()), (0, 0));
 
         // What the queue holds: each instant once, the catch-up oldest first.
         let amqp = Connection::connect(AMQP, ConnectionProperties::default())

@@ -1,6 +1,6 @@
 //! `drumline-beat publish` and `drumline-beat status` against the real broker, Redis and worker.
 
-use drumline_e2e::{setup, wait_until, wait_until_async};
+use drumline_e2e::{http_get, setup, unused_port, wait_until, wait_until_async};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -87,12 +87,25 @@ async fn status_reports_progress_success_and_staleness() {
     );
     let cfg = cfg.to_str().unwrap();
     let mut worker = env.worker("worker", &["--config", cfg]);
-    let mut beat = env.beat("beat", &["--config", cfg]);
+    let metrics = unused_port();
+    let metrics_addr = format!("127.0.0.1:{metrics}");
+    let mut beat = env.beat("beat", &["--config", cfg, "--metrics-addr", &metrics_addr]);
     assert!(
         wait_until(WAIT, || env.lines("effects").len() >= 2),
         "{}",
         beat.log_tail(20)
     );
+    assert_eq!(
+        http_get(metrics, "/healthz"),
+        Some((200, "ok\n".to_owned()))
+    );
+    let (_, exposition) = http_get(metrics, "/metrics").unwrap();
+    let published: u64 = exposition
+        .lines()
+        .find_map(|l| l.strip_prefix("drumline_beat_published_total "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{exposition}"));
+    assert!(published >= 2, "{exposition}");
 
     let status_json = || {
         let (status, stdout, stderr) =
