@@ -145,7 +145,11 @@ fn run(config: Config, metrics_addr: Option<std::net::SocketAddr>) -> ExitCode {
             return usage_error(format!("--metrics-addr {addr}: {e}"));
         }
     }
-    match runtime.block_on(scheduler::run(config, stats, shutdown_signal())) {
+    match runtime.block_on(scheduler::run(
+        config,
+        stats,
+        drumline_shared::signals::shutdown("finishing the batch in hand"),
+    )) {
         Ok(_) => ExitCode::SUCCESS,
         // A queue declared with other arguments (say a changed dead_ttl) is a config problem.
         Err(e @ PublishError::Topology(TopologyError::Mismatch { .. })) => usage_error(e),
@@ -273,16 +277,4 @@ fn show_status(config: &Config, job: Option<String>, json: bool) -> ExitCode {
 fn usage_error(e: impl std::fmt::Display) -> ExitCode {
     eprintln!("error: {e}");
     ExitCode::from(2)
-}
-
-/// Completes on SIGTERM or SIGINT.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("cannot install the SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("cannot install the SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    tracing::info!("shutting down");
 }

@@ -5,6 +5,7 @@
 //! - [`metrics`]  — `--metrics-addr`: Prometheus `/metrics` and `/healthz`.
 //! - [`names`]    — every exchange, queue and Redis key name, derived from the namespace.
 //! - [`schedule`] — pure schedule math: cron in a time zone with DST policies, fixed-rate intervals.
+//! - [`signals`]  — SIGTERM/SIGINT: orderly stop, a second signal exits at once.
 //! - [`store`]    — Redis state as atomic Lua scripts: claim, renew, complete, release, last instant.
 //! - [`table`]    — aligned plain-text tables for the commands' human output.
 //! - [`topology`] — declaring the exchanges and queues on RabbitMQ.
@@ -18,6 +19,7 @@ pub mod logging;
 pub mod metrics;
 pub mod names;
 pub mod schedule;
+pub mod signals;
 pub mod store;
 pub mod table;
 pub mod topology;

@@ -112,7 +112,11 @@ fn main() -> ExitCode {
             }
             None => None,
         };
-        worker.run(shutdown_signal()).await
+        worker
+            .run(drumline_shared::signals::shutdown(
+                "finishing in-flight tasks",
+            ))
+            .await
     });
     match result {
         Ok(_) => ExitCode::SUCCESS,
@@ -181,25 +185,4 @@ async fn dead_letters(config: &Config, action: DlqAction) -> ExitCode {
         eprintln!("error: {e}");
         ExitCode::from(1)
     })
-}
-
-/// Completes on the first SIGTERM or SIGINT; a second one exits at once (the broker redelivers
-/// whatever was unacked).
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("cannot install the SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("cannot install the SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    tracing::info!("shutting down: finishing in-flight tasks (signal again to exit now)");
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-        eprintln!("second signal: exiting now; unacked deliveries go back to the broker");
-        std::process::exit(1);
-    });
 }
