@@ -345,6 +345,16 @@ impl Proc {
     pub fn log(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// For a beat: the keys its log reports as published (one INFO `published` line each,
+    /// after the broker's confirm), in order.
+    pub fn published_keys(&self) -> Vec<String> {
+        self.log()
+            .lines()
+            .filter(|l| l.contains(" published "))
+            .filter_map(|l| l.split("key=").nth(1).map(|k| k.trim().to_owned()))
+            .collect()
+    }
 }
 
 impl Drop for Proc {

@@ -195,12 +195,7 @@ command = {cmd}
         "{}",
         beat.log_tail(20)
     );
-    let published: Vec<String> = beat
-        .log()
-        .lines()
-        .filter(|l| l.contains(" published "))
-        .filter_map(|l| l.split("key=").nth(1).map(|k| k.trim().to_owned()))
-        .collect();
+    let published = beat.published_keys();
     let mut unique = published.clone();
     unique.sort();
     unique.dedup();

@@ -73,7 +73,7 @@ fn assert_never_two_at_once(spans: &BTreeMap<String, (u128, Option<u128>)>) {
 }
 
 /// Runs one beat and two workers until `runs` instances have started; returns the published
-/// keys (from the persisted progress and the schedule: every second up to the last).
+/// keys (as the beat's log reports them).
 async fn run_until(env: &TestEnv, overlap: &str, runs: usize) -> Vec<String> {
     let cfg = config(env, overlap);
     let cfg = cfg.to_str().unwrap();
@@ -88,12 +88,7 @@ async fn run_until(env: &TestEnv, overlap: &str, runs: usize) -> Vec<String> {
         workers[0].log_tail(20)
     );
     assert!(beat.terminate(Duration::from_secs(10)).success());
-    let keys: Vec<String> = beat
-        .log()
-        .lines()
-        .filter(|l| l.contains(" published "))
-        .filter_map(|l| l.split("key=").nth(1).map(|k| k.trim().to_owned()))
-        .collect();
+    let keys = beat.published_keys();
     // Let every published instance reach a final state.
     for key in &keys {
         let settled = wait_until_async(WAIT, || async {
