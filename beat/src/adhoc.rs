@@ -7,8 +7,7 @@ use drumline_shared::config::{check_name, Config};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use drumline_shared::topology::{self, TopologyError};
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::publisher_confirm::Confirmation;
+use lapin::options::ConfirmSelectOptions;
 use lapin::{Connection, ConnectionProperties};
 use std::time::Duration;
 
@@ -100,9 +99,9 @@ pub enum PublishFailed {
     /// Topology refused.
     #[error(transparent)]
     Topology(#[from] TopologyError),
-    /// Nacked or unroutable.
-    #[error("the broker did not accept the message ({0})")]
-    Refused(&'static str),
+    /// Not confirmed: nacked, unroutable, or the connection failed.
+    #[error(transparent)]
+    Confirm(#[from] topology::ConfirmError),
 }
 
 /// Publishes `env` (through a delay queue when `delay` > 0) with confirms.
@@ -130,27 +129,17 @@ pub async fn publish(
         let queue = topology::declare_delay_queue(&channel, &names, &env.queue, delay).await?;
         (String::new(), queue)
     };
-    let confirmation = channel
-        .basic_publish(
-            &exchange,
-            &routing_key,
-            BasicPublishOptions {
-                mandatory: true,
-                ..Default::default()
-            },
-            &env.encode(),
-            env.properties(Utc::now(), None),
-        )
-        .await?
-        .await?;
+    let published = topology::publish_confirmed(
+        &channel,
+        &exchange,
+        &routing_key,
+        true,
+        &env.encode(),
+        env.properties(Utc::now(), None),
+    )
+    .await;
     let _ = conn.close(200, "published").await;
-    match confirmation {
-        Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
-        Confirmation::Ack(Some(_)) | Confirmation::Nack(Some(_)) => {
-            Err(PublishFailed::Refused("unroutable"))
-        }
-        Confirmation::Nack(None) => Err(PublishFailed::Refused("nack")),
-    }
+    Ok(published?)
 }
 
 #[cfg(test)]

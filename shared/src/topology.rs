@@ -2,9 +2,11 @@
 //! beat and every worker declare what they use at start and after every reconnect.
 
 use crate::names::Names;
+use lapin::options::BasicPublishOptions;
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{Channel, ExchangeKind};
+use lapin::{BasicProperties, Channel, ExchangeKind};
 use std::time::Duration;
 
 /// How long an idle delay queue outlives its last message's TTL before the broker deletes it.
@@ -150,4 +152,48 @@ pub async fn declare_delay_queue(
         .await
         .map_err(|source| mismatch(&name, source))?;
     Ok(name)
+}
+
+/// Why a publish was not confirmed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfirmError {
+    /// Connection or channel failure.
+    #[error("broker: {0}")]
+    Amqp(#[from] lapin::Error),
+    /// The broker nacked the message.
+    #[error("the broker refused the message (nack)")]
+    Nacked,
+    /// `mandatory` and no queue was bound for the routing key.
+    #[error("the message could not be routed (no queue bound for {0:?})")]
+    Unroutable(String),
+}
+
+/// Publishes on a confirm-mode channel and waits for the broker's confirm. With `mandatory`, an
+/// unroutable message is an error. (On a channel shared by concurrent publishers lapin may
+/// attach a returned message to another publish's confirm; callers that publish concurrently
+/// either route to queues they just declared without `mandatory`, or match returns by message
+/// id as the beat's batch publisher does.)
+pub async fn publish_confirmed(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    mandatory: bool,
+    body: &[u8],
+    props: BasicProperties,
+) -> Result<(), ConfirmError> {
+    let options = BasicPublishOptions {
+        mandatory,
+        ..Default::default()
+    };
+    let confirmation = channel
+        .basic_publish(exchange, routing_key, options, body, props)
+        .await?
+        .await?;
+    match confirmation {
+        Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+        Confirmation::Ack(Some(_)) | Confirmation::Nack(Some(_)) => {
+            Err(ConfirmError::Unroutable(routing_key.to_owned()))
+        }
+        Confirmation::Nack(None) => Err(ConfirmError::Nacked),
+    }
 }

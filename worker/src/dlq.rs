@@ -16,9 +16,7 @@ use drumline_shared::names::Names;
 use drumline_shared::store::Store;
 use drumline_shared::topology;
 use lapin::message::BasicGetMessage;
-use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueuePurgeOptions,
-};
+use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions, QueuePurgeOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties};
 use serde::Serialize;
@@ -56,8 +54,8 @@ pub enum DlqError {
     #[error(transparent)]
     Topology(#[from] topology::TopologyError),
     /// The broker did not confirm a replayed copy.
-    #[error("the broker did not accept the replayed copy of {0}")]
-    NotConfirmed(String),
+    #[error("the broker did not accept the replayed copy of {0}: {1}")]
+    NotConfirmed(String, topology::ConfirmError),
 }
 
 /// Describes one dead-lettered message.
@@ -178,23 +176,16 @@ impl DeadQueue {
             env.expires_at = None;
             env.published_at = Utc::now();
             store.clear_dead(&env.key).await?;
-            let confirm = self
-                .channel
-                .basic_publish(
-                    &self.names.tasks_exchange(),
-                    &env.queue,
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..Default::default()
-                    },
-                    &env.encode(),
-                    env.properties(Utc::now(), None),
-                )
-                .await?
-                .await?;
-            if !matches!(confirm, lapin::publisher_confirm::Confirmation::Ack(None)) {
-                return Err(DlqError::NotConfirmed(env.key));
-            }
+            topology::publish_confirmed(
+                &self.channel,
+                &self.names.tasks_exchange(),
+                &env.queue,
+                true,
+                &env.encode(),
+                env.properties(Utc::now(), None),
+            )
+            .await
+            .map_err(|e| DlqError::NotConfirmed(env.key.clone(), e))?;
             m.delivery.ack(BasicAckOptions::default()).await?;
             done.push(env.key);
         }

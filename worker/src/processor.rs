@@ -16,7 +16,7 @@ use drumline_shared::store::{
 };
 use drumline_shared::topology;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
+use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::types::AMQPValue;
 use lapin::{BasicProperties, Channel};
 use std::collections::HashMap;
@@ -68,6 +68,8 @@ pub(crate) enum Interrupted {
     Broker(#[from] lapin::Error),
     #[error("topology: {0}")]
     Topology(#[from] topology::TopologyError),
+    #[error("publish: {0}")]
+    Publish(#[from] topology::ConfirmError),
 }
 
 impl Processor {
@@ -456,7 +458,7 @@ impl Processor {
         let queue =
             topology::declare_delay_queue(publisher, &self.names, &env.queue, delay).await?;
         let props = env.properties(Utc::now(), None);
-        confirm(publisher, "", &queue, &env.encode(), props).await
+        Ok(topology::publish_confirmed(publisher, "", &queue, false, &env.encode(), props).await?)
     }
 
     /// Dead-letters an envelope; `runs` = runs made (the `x-drumline-attempts` header).
@@ -500,7 +502,10 @@ impl Processor {
         if let Some(ct) = props.content_type() {
             out = out.with_content_type(ct.clone());
         }
-        confirm(publisher, &self.names.dead(), "", body, out).await
+        Ok(
+            topology::publish_confirmed(publisher, &self.names.dead(), "", false, body, out)
+                .await?,
+        )
     }
 }
 
@@ -508,32 +513,6 @@ enum RunOutcome {
     Finished(Result<(), HandlerError>),
     LeaseLost(LeaseLost),
     Abandoned,
-}
-
-/// Publishes and waits for the broker's confirm; a nack is an error.
-pub(crate) async fn confirm(
-    channel: &Channel,
-    exchange: &str,
-    routing_key: &str,
-    body: &[u8],
-    props: BasicProperties,
-) -> Result<(), Interrupted> {
-    let confirmation = channel
-        .basic_publish(
-            exchange,
-            routing_key,
-            BasicPublishOptions::default(),
-            body,
-            props,
-        )
-        .await?
-        .await?;
-    if confirmation.is_nack() {
-        return Err(Interrupted::Broker(lapin::Error::InvalidChannelState(
-            lapin::ChannelState::Error,
-        )));
-    }
-    Ok(())
 }
 
 /// Task-name lookup used by [`crate::Worker`]: every configured task with a `command` gets the
