@@ -145,8 +145,14 @@ async fn retries_exhaustion_permanent_failures_expiry_and_size() {
             "k-refuses 0", // permanent: never retried
         ]
     );
-    assert_eq!(env.run_state("k-broken").await.as_deref(), Some("dead"));
-    assert_eq!(env.run_state("k-refuses").await.as_deref(), Some("dead"));
+    // The dead letter is confirmed before the run state is marked: wait for the mark.
+    for key in ["k-broken", "k-refuses"] {
+        let marked = wait_until_async(WAIT, || async {
+            env.run_state(key).await.as_deref() == Some("dead")
+        })
+        .await;
+        assert!(marked, "{key}: {:?}", env.run_state(key).await);
+    }
     assert_eq!(env.run_state("k-expired").await, None, "never claimed");
 
     // The timed-out task's whole process group was killed, background child included.

@@ -125,11 +125,13 @@ async fn redis_outage_fails_closed_and_resumes() {
     assert!(wait_until(WAIT, || http_get(metrics, "/healthz")
         .map(|r| r.0)
         == Some(200)));
+    // The effect is written by the task before the worker records `done` and counts it.
+    let counted = wait_until(WAIT, || {
+        http_get(metrics, "/metrics")
+            .is_some_and(|(_, body)| body.contains("drumline_worker_succeeded_total 2"))
+    });
     let (_, exposition) = http_get(metrics, "/metrics").unwrap();
-    assert!(
-        exposition.contains("drumline_worker_succeeded_total 2"),
-        "{exposition}"
-    );
+    assert!(counted, "{exposition}");
     assert!(
         exposition.contains("drumline_worker_redis_up 1"),
         "{exposition}"
