@@ -7,8 +7,6 @@ use drumline_shared::config::{check_name, Config};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use drumline_shared::topology::{self, TopologyError};
-use lapin::options::ConfirmSelectOptions;
-use lapin::{Connection, ConnectionProperties};
 use std::time::Duration;
 
 /// What the command line asked for.
@@ -111,13 +109,8 @@ pub async fn publish(
     delay: Duration,
 ) -> Result<(), PublishFailed> {
     let names = Names::new(config.namespace.clone());
-    let conn = Connection::connect(&config.broker_url, ConnectionProperties::default()).await?;
-    let channel = conn.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    topology::declare(
-        &channel,
+    let (conn, channel) = topology::open_channel(
+        &config.broker_url,
         &names,
         std::slice::from_ref(&env.queue),
         config.worker.dead_ttl,

@@ -177,31 +177,9 @@ fn show_next(
         },
     };
     let jobs: Vec<_> = match &job {
-        Some(name) => match config.job(name) {
-            Some(j) => vec![j],
-            None => {
-                // A config can hold 100,000 jobs: name a few, not all.
-                const SHOWN: usize = 10;
-                let mut known: Vec<&str> = config
-                    .jobs
-                    .iter()
-                    .take(SHOWN)
-                    .map(|j| j.name.as_str())
-                    .collect();
-                let more = format!("… {} more", config.jobs.len().saturating_sub(SHOWN));
-                if config.jobs.len() > SHOWN {
-                    known.push(&more);
-                }
-                let known = if known.is_empty() {
-                    "the config has none".to_owned()
-                } else {
-                    format!("jobs: {}", known.join(", "))
-                };
-                return usage_error(format!(
-                    "{}: no job named {name:?} ({known})",
-                    config.path.display()
-                ));
-            }
+        Some(name) => match find_job(config, name) {
+            Ok(j) => vec![j],
+            Err(e) => return usage_error(e),
         },
         None => config.jobs.iter().collect(),
     };
@@ -246,14 +224,13 @@ fn publish(config: &Config, request: &adhoc::Request) -> ExitCode {
 }
 
 fn show_status(config: &Config, job: Option<String>, json: bool) -> ExitCode {
-    let only = match &job {
-        Some(name) => match config.job(name) {
-            Some(j) => Some(j),
-            None => {
-                return usage_error(format!("{}: no job named {name:?}", config.path.display()))
-            }
-        },
-        None => None,
+    let only = match job
+        .as_deref()
+        .map(|name| find_job(config, name))
+        .transpose()
+    {
+        Ok(only) => only,
+        Err(e) => return usage_error(e),
     };
     let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
     let report = match runtime.block_on(status::read(config, only, Utc::now())) {
@@ -272,6 +249,36 @@ fn show_status(config: &Config, job: Option<String>, json: bool) -> ExitCode {
         print!("{}", status::table(&report));
     }
     ExitCode::SUCCESS
+}
+
+/// The job named `name`, or a message naming a few of the jobs there are (a config can hold
+/// 100,000: name ten, not all).
+fn find_job<'c>(
+    config: &'c Config,
+    name: &str,
+) -> Result<&'c drumline_shared::config::Job, String> {
+    if let Some(job) = config.job(name) {
+        return Ok(job);
+    }
+    const SHOWN: usize = 10;
+    let mut known: Vec<String> = config
+        .jobs
+        .iter()
+        .take(SHOWN)
+        .map(|j| j.name.clone())
+        .collect();
+    if config.jobs.len() > SHOWN {
+        known.push(format!("… {} more", config.jobs.len() - SHOWN));
+    }
+    let known = if known.is_empty() {
+        "the config has none".to_owned()
+    } else {
+        format!("jobs: {}", known.join(", "))
+    };
+    Err(format!(
+        "{}: no job named {name:?} ({known})",
+        config.path.display()
+    ))
 }
 
 fn usage_error(e: impl std::fmt::Display) -> ExitCode {

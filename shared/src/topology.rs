@@ -3,10 +3,11 @@
 
 use crate::names::Names;
 use lapin::options::BasicPublishOptions;
+use lapin::options::ConfirmSelectOptions;
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{BasicProperties, Channel, ExchangeKind};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use std::time::Duration;
 
 /// How long an idle delay queue outlives its last message's TTL before the broker deletes it.
@@ -123,6 +124,23 @@ fn mismatch(queue: &str, source: lapin::Error) -> TopologyError {
     } else {
         TopologyError::Amqp(source)
     }
+}
+
+/// Connects to `url` for a one-shot command (ad-hoc publish, dlq): one confirm-mode channel,
+/// the topology for `queues` declared. Close the connection when done.
+pub async fn open_channel(
+    url: &str,
+    names: &Names,
+    queues: &[String],
+    dead_ttl: Duration,
+) -> Result<(Connection, Channel), TopologyError> {
+    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    declare(&channel, names, queues, dead_ttl).await?;
+    Ok((conn, channel))
 }
 
 /// Declares (or refreshes) the delay queue for `delay` on `queue` and returns its name. Every

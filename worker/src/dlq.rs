@@ -16,9 +16,9 @@ use drumline_shared::names::Names;
 use drumline_shared::store::Store;
 use drumline_shared::topology;
 use lapin::message::BasicGetMessage;
-use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions, QueuePurgeOptions};
+use lapin::options::{BasicAckOptions, BasicGetOptions, QueuePurgeOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{Channel, Connection};
 use serde::Serialize;
 
 /// One dead letter, as `dlq list --json` prints it.
@@ -125,13 +125,8 @@ impl DeadQueue {
     /// Reads every message now in `{ns}.dead` without acking.
     pub async fn open(config: &Config) -> Result<Self, DlqError> {
         let names = Names::new(config.namespace.clone());
-        let conn = Connection::connect(&config.broker_url, ConnectionProperties::default()).await?;
-        let channel = conn.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
-        topology::declare(
-            &channel,
+        let (conn, channel) = topology::open_channel(
+            &config.broker_url,
             &names,
             &config.worker.queues,
             config.worker.dead_ttl,
@@ -202,10 +197,8 @@ impl DeadQueue {
 /// Empties `{ns}.dead`; returns how many messages were removed.
 pub async fn purge(config: &Config) -> Result<u32, DlqError> {
     let names = Names::new(config.namespace.clone());
-    let conn = Connection::connect(&config.broker_url, ConnectionProperties::default()).await?;
-    let channel = conn.create_channel().await?;
-    topology::declare(
-        &channel,
+    let (conn, channel) = topology::open_channel(
+        &config.broker_url,
         &names,
         &config.worker.queues,
         config.worker.dead_ttl,
