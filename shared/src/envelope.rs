@@ -1,7 +1,8 @@
 //! The v1 task message (DESIGN §3): the JSON body, the idempotency key, and the AMQP
 //! properties and headers every publisher sets.
 
-use chrono::{DateTime, SecondsFormat, Utc};
+use crate::names::{check_key, check_name, InvalidName};
+use chrono::{DateTime, SecondsFormat, Timelike, Utc};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::BasicProperties;
 use serde::{Deserialize, Serialize};
@@ -64,10 +65,52 @@ pub enum DecodeError {
     Version(u32),
 }
 
-/// Formats an instant the way every drumline message and key writes it: RFC 3339, UTC, `Z`,
-/// seconds precision unless there are sub-seconds.
+/// Formats an instant the way every drumline message and key writes it (DESIGN §9, the one
+/// codec): RFC 3339 UTC with `Z`, whole seconds when the instant has no fraction, else exactly
+/// milliseconds (`2026-03-08T07:30:00Z`, `2026-03-08T07:30:00.250Z`). Sub-millisecond parts
+/// are dropped.
 pub fn format_instant(t: DateTime<Utc>) -> String {
-    t.to_rfc3339_opts(SecondsFormat::AutoSi, true)
+    let t = t
+        .with_nanosecond(t.nanosecond() / 1_000_000 * 1_000_000)
+        .unwrap_or(t);
+    let format = if t.nanosecond() == 0 {
+        SecondsFormat::Secs
+    } else {
+        SecondsFormat::Millis
+    };
+    t.to_rfc3339_opts(format, true)
+}
+
+/// Parses an instant written by [`format_instant`] (or any RFC 3339 text).
+pub fn parse_instant(text: &str) -> Option<DateTime<Utc>> {
+    DateTime::parse_from_rfc3339(text)
+        .ok()
+        .map(|t| t.with_timezone(&Utc))
+}
+
+/// Why a decoded envelope is refused (dead-lettered `malformed`, DESIGN §9).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Malformed {
+    /// The idempotency key breaks the key rule.
+    #[error("key {0}")]
+    Key(InvalidName),
+    /// A name field breaks the name rule.
+    #[error("{field} {error}")]
+    Name {
+        /// `task`, `job` or `queue`.
+        field: &'static str,
+        /// What is wrong with it.
+        error: InvalidName,
+    },
+    /// `job` is set but the key is not `{job}@{scheduled_for}`.
+    #[error("key does not name this instance: expected {expected:?}")]
+    NotTheInstance {
+        /// The key the job and instant give.
+        expected: String,
+    },
+    /// An ad-hoc message whose key has the form of an instance of a known job.
+    #[error("an ad-hoc key must not name an instance of job {0:?}")]
+    Impersonates(String),
 }
 
 /// The idempotency key of a scheduled instance.
@@ -119,6 +162,39 @@ impl Envelope {
         serde_json::to_vec(self).expect("an envelope always serialises")
     }
 
+    /// Checks a delivered envelope before anything else is done with it (DESIGN §9): field
+    /// lengths and characters; a scheduled instance's key is `{job}@{scheduled_for}`
+    /// (compared as instants); an ad-hoc key does not look like an instance of a job for which
+    /// `is_job` is true.
+    pub fn check(&self, is_job: impl Fn(&str) -> bool) -> Result<(), Malformed> {
+        check_key(&self.key).map_err(Malformed::Key)?;
+        let name = |field, value: &str| {
+            check_name(value).map_err(|error| Malformed::Name { field, error })
+        };
+        name("task", &self.task)?;
+        name("queue", &self.queue)?;
+        let instance = self
+            .key
+            .split_once('@')
+            .and_then(|(job, at)| Some((job, parse_instant(at)?)));
+        match &self.job {
+            Some(job) => {
+                name("job", job)?;
+                if instance != Some((job.as_str(), self.scheduled_for)) {
+                    return Err(Malformed::NotTheInstance {
+                        expected: instance_key(job, self.scheduled_for),
+                    });
+                }
+            }
+            None => {
+                if let Some((job, _)) = instance.filter(|(job, _)| is_job(job)) {
+                    return Err(Malformed::Impersonates(job.to_owned()));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// True when the deadline has passed at `now`.
     pub fn is_expired(&self, now: DateTime<Utc>) -> bool {
         self.expires_at.is_some_and(|at| at <= now)
@@ -143,7 +219,7 @@ impl Envelope {
         let mut props = BasicProperties::default()
             .with_delivery_mode(2)
             .with_content_type(ShortString::from("application/json"))
-            .with_message_id(ShortString::from(self.key.clone()))
+            .with_message_id(ShortString::from(bounded_short(&self.key)))
             .with_timestamp(now.timestamp().max(0) as u64)
             .with_headers(headers);
         if let Some(at) = self.expires_at {
@@ -152,6 +228,16 @@ impl Envelope {
         }
         props
     }
+}
+
+/// `text` cut to an AMQP short string's 255 bytes (at a character boundary). Keys are at most
+/// 200 bytes once checked; this keeps an unchecked one from failing a whole publish.
+pub fn bounded_short(text: &str) -> String {
+    let mut end = text.len().min(255);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_owned()
 }
 
 /// A header value as an AMQP long string.
@@ -264,6 +350,89 @@ mod tests {
         assert_eq!(env.job.as_deref(), Some("nightly-report"));
         assert_eq!(env.expires_at, None);
         assert!(!env.is_expired(at(23, 0)));
+    }
+
+    #[test]
+    fn one_codec_whole_seconds_or_exactly_milliseconds() {
+        let t = at(7, 30);
+        assert_eq!(format_instant(t), "2026-03-08T07:30:00Z");
+        let ms = t + chrono::Duration::milliseconds(250);
+        assert_eq!(format_instant(ms), "2026-03-08T07:30:00.250Z");
+        let us = ms + chrono::Duration::microseconds(999);
+        assert_eq!(format_instant(us), "2026-03-08T07:30:00.250Z");
+        let tiny = t + chrono::Duration::microseconds(5);
+        assert_eq!(format_instant(tiny), "2026-03-08T07:30:00Z");
+    }
+
+    fn scheduled(job: &str) -> Envelope {
+        Envelope::scheduled(
+            job,
+            "t",
+            "default",
+            serde_json::json!({}),
+            at(7, 30),
+            None,
+            at(7, 30),
+        )
+    }
+
+    #[test]
+    fn a_scheduled_key_must_name_its_instance() {
+        let no_jobs = |_: &str| false;
+        assert_eq!(scheduled("j").check(no_jobs), Ok(()));
+        // The same instant written another way is the same instance.
+        let mut env = scheduled("j");
+        env.key = "j@2026-03-08T07:30:00.000+00:00".into();
+        assert_eq!(env.check(no_jobs), Ok(()));
+        env.scheduled_for = at(7, 31);
+        assert!(matches!(
+            env.check(no_jobs),
+            Err(Malformed::NotTheInstance { .. })
+        ));
+        let mut other = scheduled("j");
+        other.key = "k@2026-03-08T07:30:00Z".into();
+        assert!(matches!(
+            other.check(no_jobs),
+            Err(Malformed::NotTheInstance { .. })
+        ));
+        other.key = "no-at-sign".into();
+        assert!(matches!(
+            other.check(no_jobs),
+            Err(Malformed::NotTheInstance { .. })
+        ));
+    }
+
+    #[test]
+    fn an_adhoc_key_must_not_impersonate_a_known_job() {
+        let mut env = scheduled("j");
+        env.job = None;
+        let known = |job: &str| job == "j";
+        assert_eq!(env.check(known), Err(Malformed::Impersonates("j".into())));
+        assert_eq!(env.check(|_: &str| false), Ok(()));
+        env.key = "j@not-an-instant".into();
+        assert_eq!(env.check(known), Ok(()));
+    }
+
+    #[test]
+    fn lengths_and_characters_are_bounded() {
+        let mut env = scheduled("j");
+        env.job = None;
+        env.key = "k".repeat(201);
+        assert!(matches!(env.check(|_: &str| false), Err(Malformed::Key(_))));
+        env.key = "a b".into();
+        assert!(matches!(env.check(|_: &str| false), Err(Malformed::Key(_))));
+        env.key = "ok".into();
+        env.task = "x".repeat(101);
+        assert!(matches!(
+            env.check(|_: &str| false),
+            Err(Malformed::Name { field: "task", .. })
+        ));
+        env.task = "t".into();
+        env.queue = "a/b".into();
+        assert!(matches!(
+            env.check(|_: &str| false),
+            Err(Malformed::Name { field: "queue", .. })
+        ));
     }
 
     #[test]

@@ -14,6 +14,70 @@ use std::time::Duration;
 /// Store errors are connection-level: the worker fails closed on them.
 pub type StoreError = redis::RedisError;
 
+/// The `state` field of `{ns}:run:{key}` (DESIGN §5, §9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunState {
+    /// Claimed under a live (or expired, if its holder died) lease.
+    Running,
+    /// A run failed and attempt `attempt` waits in a delay queue; older copies are duplicates.
+    Retrying,
+    /// Succeeded.
+    Done,
+    /// Dead-lettered (permanent failure or retries exhausted).
+    Dead,
+    /// Not run: the job's previous instance still ran (`overlap = "skip"`).
+    Skipped,
+}
+
+impl RunState {
+    /// The text stored in Redis.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunState::Running => "running",
+            RunState::Retrying => "retrying",
+            RunState::Done => "done",
+            RunState::Dead => "dead",
+            RunState::Skipped => "skipped",
+        }
+    }
+
+    /// Parses the text stored in Redis.
+    pub fn parse(text: &str) -> Option<Self> {
+        Some(match text {
+            "running" => RunState::Running,
+            "retrying" => RunState::Retrying,
+            "done" => RunState::Done,
+            "dead" => RunState::Dead,
+            "skipped" => RunState::Skipped,
+            _ => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for RunState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A final state a run ends in (what [`Store::finish`] writes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Final {
+    /// Succeeded.
+    Done,
+    /// Dead-lettered.
+    Dead,
+}
+
+impl Final {
+    fn as_str(self) -> &'static str {
+        match self {
+            Final::Done => RunState::Done.as_str(),
+            Final::Dead => RunState::Dead.as_str(),
+        }
+    }
+}
+
 /// Outcome of a claim attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
@@ -22,10 +86,11 @@ pub enum Claim {
         /// Fencing token: strictly greater than any earlier claim's in this namespace.
         fence: u64,
     },
-    /// The instance already finished (`done`, `skipped` or `dead`): a duplicate delivery.
-    Finished {
+    /// A duplicate copy: the instance already finished (`done`, `skipped` or `dead`), or a
+    /// later attempt has been recorded (`retrying`, or `running` an attempt after this copy's).
+    Duplicate {
         /// The recorded state.
-        state: String,
+        state: RunState,
     },
     /// Another worker holds a live lease; look again after `retry_in`.
     Busy {
@@ -45,6 +110,9 @@ pub enum Claim {
         /// Key of the instance that still runs.
         running: String,
     },
+    /// The copy's `expires_at` has passed and no run of it is recorded or live: nothing was
+    /// taken; the caller dead-letters it as `expired`.
+    Expired,
 }
 
 /// What a worker asks for when it claims an instance.
@@ -56,7 +124,7 @@ pub struct ClaimRequest<'a> {
     pub token: &'a str,
     /// Worker id, recorded for people.
     pub worker: &'a str,
-    /// Attempt number, recorded for people.
+    /// The copy's attempt number: a copy older than the recorded attempt is a duplicate.
     pub attempt: u32,
     /// Lease length.
     pub lease: Duration,
@@ -64,6 +132,8 @@ pub struct ClaimRequest<'a> {
     pub overlap: OverlapMode<'a>,
     /// How long a `skipped` state is kept.
     pub retention: Duration,
+    /// The copy's `expires_at` has passed: dedupe it, but do not claim it.
+    pub expired: bool,
 }
 
 /// What a claim does about the job's other instances (DESIGN §4 step 4).
@@ -113,18 +183,25 @@ pub const HISTORY_LEN: isize = 1000;
 
 // KEYS[1] run key, KEYS[2] fence counter, KEYS[3] job overlap lock (a hash {key, token});
 // ARGV token, worker, attempt, lease_ms, overlap (skip | queue | allow), retention_ms, run key
-// name as the lock records it. For ad-hoc tasks overlap is `allow` and KEYS[3] is unused.
+// name as the lock records it, expired (1 | 0). For ad-hoc tasks overlap is `allow` and KEYS[3]
+// is unused. Dedupe comes first, so an expired copy of a finished instance is a duplicate; a
+// copy older than the recorded attempt is a duplicate, so copies never fork a retry chain.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'done' or state == 'skipped' or state == 'dead' then
-  return {'finished', state}
+  return {'duplicate', state}
+end
+if state == 'running' or state == 'retrying' then
+  local recorded = tonumber(redis.call('HGET', KEYS[1], 'attempt')) or 0
+  if tonumber(ARGV[3]) < recorded then return {'duplicate', state} end
 end
 if state == 'running' then
   local ttl = redis.call('PTTL', KEYS[1])
   if ttl > 0 then return {'busy', tostring(ttl)} end
 end
+if ARGV[8] == '1' then return {'expired'} end
 if ARGV[5] ~= 'allow' then
   local holder = redis.call('HGET', KEYS[3], 'key')
   if holder and holder ~= ARGV[7] then
@@ -172,8 +249,31 @@ return 0
     )
 });
 
-// KEYS[1] run key, KEYS[2] job lock; ARGV token, final state, retention_ms.
+// KEYS[1] run key, KEYS[2] job lock; ARGV token, final state, retention_ms. Also applies when
+// the key is gone (our lease expired and nobody claimed it since): the run did finish, and
+// recording it is what stops it from running again.
 static FINISH: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
+  redis.call('DEL', KEYS[2])
+end
+local absent = redis.call('EXISTS', KEYS[1]) == 0
+if absent or (redis.call('HGET', KEYS[1], 'token') == ARGV[1]
+   and redis.call('HGET', KEYS[1], 'state') == 'running') then
+  redis.call('HSET', KEYS[1], 'state', ARGV[2], 'token', ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return 1
+end
+return 0
+"#,
+    )
+});
+
+// KEYS[1] run key, KEYS[2] job lock; ARGV token, next attempt, retention_ms. A failed run
+// hands the instance to its retry: the state stays, marked `retrying` with the attempt that
+// may claim it next, so older copies are duplicates instead of a second chain.
+static RETRY: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
 if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
@@ -181,7 +281,8 @@ if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
 end
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
    and redis.call('HGET', KEYS[1], 'state') == 'running' then
-  redis.call('HSET', KEYS[1], 'state', ARGV[2])
+  redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[2])
+  redis.call('HDEL', KEYS[1], 'token')
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return 1
 end
@@ -282,6 +383,7 @@ impl Store {
             lease,
             overlap,
             retention,
+            expired,
         } = *req;
         let mut conn = self.conn.clone();
         let (mode, job) = overlap.parts();
@@ -296,21 +398,15 @@ impl Store {
             .arg(mode)
             .arg(retention.as_millis() as u64)
             .arg(key)
+            .arg(if expired { "1" } else { "0" })
             .invoke_async(&mut conn)
             .await?;
-        let text = |i: usize| reply.get(i).cloned().unwrap_or_default();
-        let number = |i: usize| text(i).parse::<u64>().unwrap_or(0);
-        Ok(match reply.first().map(String::as_str) {
-            Some("claimed") => Claim::Claimed { fence: number(1) },
-            Some("busy") => Claim::Busy {
-                retry_in: Duration::from_millis(number(1)),
-            },
-            Some("skipped") => Claim::Skipped { running: text(1) },
-            Some("waiting") => Claim::Waiting {
-                retry_in: Duration::from_millis(number(1)),
-                running: text(2),
-            },
-            _ => Claim::Finished { state: text(1) },
+        parse_claim(&reply).ok_or_else(|| {
+            StoreError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "unexpected reply from the claim script",
+                format!("{reply:?}"),
+            ))
         })
     }
 
@@ -340,14 +436,15 @@ impl Store {
             .await
     }
 
-    /// Records the final `state` (`done` or `dead`) kept for `retention`; `false` means the lease
-    /// was no longer ours and nothing was written.
+    /// Records the final `state` kept for `retention`, when the claim is still ours or the key
+    /// is gone (our lease lapsed and nobody claimed it); `false` means another claim holds it
+    /// now and nothing was written.
     pub async fn finish(
         &self,
         key: &str,
         job: Option<&str>,
         token: &str,
-        state: &str,
+        state: Final,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
@@ -355,7 +452,28 @@ impl Store {
             .key(self.names.run_key(key))
             .key(self.job_lock(job))
             .arg(token)
-            .arg(state)
+            .arg(state.as_str())
+            .arg(retention.as_millis() as u64)
+            .invoke_async(&mut conn)
+            .await
+    }
+
+    /// Hands a failed run's claim to its retry: state `retrying` with `next_attempt`, kept for
+    /// `retention`, job lock released. `false` means the claim was no longer ours.
+    pub async fn retry(
+        &self,
+        key: &str,
+        job: Option<&str>,
+        token: &str,
+        next_attempt: u32,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut conn = self.conn.clone();
+        RETRY
+            .key(self.names.run_key(key))
+            .key(self.job_lock(job))
+            .arg(token)
+            .arg(next_attempt)
             .arg(retention.as_millis() as u64)
             .invoke_async(&mut conn)
             .await
@@ -471,6 +589,31 @@ impl Store {
         }
         Ok(out)
     }
+}
+
+/// Reads the claim script's reply; `None` for anything it never returns.
+fn parse_claim(reply: &[String]) -> Option<Claim> {
+    let text = |i: usize| reply.get(i).cloned();
+    let millis =
+        |i: usize| -> Option<Duration> { Some(Duration::from_millis(reply.get(i)?.parse().ok()?)) };
+    Some(match reply.first()?.as_str() {
+        "claimed" => Claim::Claimed {
+            fence: reply.get(1)?.parse().ok()?,
+        },
+        "duplicate" => Claim::Duplicate {
+            state: RunState::parse(reply.get(1)?)?,
+        },
+        "busy" => Claim::Busy {
+            retry_in: millis(1)?,
+        },
+        "skipped" => Claim::Skipped { running: text(1)? },
+        "waiting" => Claim::Waiting {
+            retry_in: millis(1)?,
+            running: text(2)?,
+        },
+        "expired" => Claim::Expired,
+        _ => return None,
+    })
 }
 
 /// Fixed-width RFC 3339 (milliseconds, `Z`), so Lua can compare instants as strings.

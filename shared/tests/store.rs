@@ -1,7 +1,7 @@
 //! The Redis scripts against the real Redis (own namespace per test, keys deleted after).
 
 use drumline_shared::names::Names;
-use drumline_shared::store::{Claim, ClaimRequest, OverlapMode, Store};
+use drumline_shared::store::{Claim, ClaimRequest, Final, OverlapMode, RunState, Store};
 use std::time::Duration;
 
 const REDIS: &str = "redis://127.0.0.1:6379/0";
@@ -39,6 +39,7 @@ fn req<'a>(key: &'a str, token: &'a str, overlap: OverlapMode<'a>) -> ClaimReque
         lease: Duration::from_secs(5),
         overlap,
         retention: Duration::from_secs(60),
+        expired: false,
     }
 }
 
@@ -61,7 +62,7 @@ async fn claim_is_exclusive_and_fences_increase() {
         .await
         .unwrap());
     assert!(!s
-        .finish("k1", None, "b", "done", Duration::from_secs(60))
+        .finish("k1", None, "b", Final::Done, Duration::from_secs(60))
         .await
         .unwrap());
     assert!(!s.release("k1", None, "b").await.unwrap());
@@ -70,13 +71,13 @@ async fn claim_is_exclusive_and_fences_increase() {
         .await
         .unwrap());
     assert!(s
-        .finish("k1", None, "a", "done", Duration::from_secs(60))
+        .finish("k1", None, "a", Final::Done, Duration::from_secs(60))
         .await
         .unwrap());
     assert_eq!(
         s.claim(&req("k1", "c", OverlapMode::Allow)).await.unwrap(),
-        Claim::Finished {
-            state: "done".into()
+        Claim::Duplicate {
+            state: RunState::Done
         }
     );
     // A released claim can be taken again, with a larger fence.
@@ -107,9 +108,9 @@ async fn an_expired_lease_can_be_taken_over() {
         s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap(),
         Claim::Claimed { .. }
     ));
-    // The old holder's late result is refused.
+    // The old holder's late result is refused while another claim holds the key.
     assert!(!s
-        .finish("k", None, "a", "done", Duration::from_secs(60))
+        .finish("k", None, "a", Final::Done, Duration::from_secs(60))
         .await
         .unwrap());
     assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("running"));
@@ -145,7 +146,7 @@ async fn overlap_lock_skips_or_queues_other_instances_of_the_job() {
     ));
     // Finishing frees the job for the next instance.
     assert!(s
-        .finish("j@1", Some("j"), "a", "done", Duration::from_secs(60))
+        .finish("j@1", Some("j"), "a", Final::Done, Duration::from_secs(60))
         .await
         .unwrap());
     assert!(matches!(
@@ -167,5 +168,105 @@ async fn last_published_only_moves_forward() {
     s.advance_last_published("j", t2).await.unwrap();
     s.advance_last_published("j", t1).await.unwrap();
     assert_eq!(s.last_published("j").await.unwrap(), Some(t2));
+    cleanup(&s).await;
+}
+
+#[tokio::test]
+async fn a_retry_keeps_its_place_and_older_copies_are_duplicates() {
+    let s = store("retrying").await;
+    let Claim::Claimed { .. } = s
+        .claim(&req("k", "a", OverlapMode::Skip("j")))
+        .await
+        .unwrap()
+    else {
+        panic!("first claim must win")
+    };
+    // Only the holder hands the instance to its retry; the job lock goes with it.
+    assert!(!s
+        .retry("k", Some("j"), "b", 1, Duration::from_secs(60))
+        .await
+        .unwrap());
+    assert!(s
+        .retry("k", Some("j"), "a", 1, Duration::from_secs(60))
+        .await
+        .unwrap());
+    assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("retrying"));
+    assert!(matches!(
+        s.claim(&req("j@other", "x", OverlapMode::Skip("j")))
+            .await
+            .unwrap(),
+        Claim::Claimed { .. }
+    ));
+    // A copy of attempt 0 (the other beat's, a redelivery) is a duplicate, expired or not.
+    assert_eq!(
+        s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap(),
+        Claim::Duplicate {
+            state: RunState::Retrying
+        }
+    );
+    let mut late = req("k", "b", OverlapMode::Allow);
+    late.expired = true;
+    assert_eq!(
+        s.claim(&late).await.unwrap(),
+        Claim::Duplicate {
+            state: RunState::Retrying
+        }
+    );
+    // The retry's copy claims it; while it runs, older copies are still duplicates.
+    let mut retry = req("k", "c", OverlapMode::Allow);
+    retry.attempt = 1;
+    assert!(matches!(
+        s.claim(&retry).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    assert_eq!(
+        s.claim(&req("k", "d", OverlapMode::Allow)).await.unwrap(),
+        Claim::Duplicate {
+            state: RunState::Running
+        }
+    );
+    cleanup(&s).await;
+}
+
+#[tokio::test]
+async fn an_expired_copy_takes_nothing_unless_it_is_a_duplicate() {
+    let s = store("expired").await;
+    let mut late = req("k", "a", OverlapMode::Skip("j"));
+    late.expired = true;
+    assert_eq!(s.claim(&late).await.unwrap(), Claim::Expired);
+    assert_eq!(s.run_state("k").await.unwrap(), None, "nothing taken");
+    assert!(
+        matches!(
+            s.claim(&req("j@2", "b", OverlapMode::Skip("j")))
+                .await
+                .unwrap(),
+            Claim::Claimed { .. }
+        ),
+        "the job lock was not taken either"
+    );
+    cleanup(&s).await;
+}
+
+#[tokio::test]
+async fn a_finished_run_is_recorded_even_when_its_lease_lapsed_unclaimed() {
+    let s = store("lapsed").await;
+    let mut short = req("k", "a", OverlapMode::Allow);
+    short.lease = Duration::from_millis(100);
+    assert!(matches!(
+        s.claim(&short).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(s.run_state("k").await.unwrap(), None);
+    assert!(s
+        .finish("k", None, "a", Final::Done, Duration::from_secs(60))
+        .await
+        .unwrap());
+    assert_eq!(
+        s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap(),
+        Claim::Duplicate {
+            state: RunState::Done
+        }
+    );
     cleanup(&s).await;
 }

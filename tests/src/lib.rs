@@ -616,3 +616,21 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
 pub fn unused_port() -> u16 {
     free_port()
 }
+
+/// The value of metric `name` (an exact series name, labels included if any) in the Prometheus
+/// exposition served on 127.0.0.1:`port`, or `None` when absent or unreachable.
+pub fn metric(port: u16, name: &str) -> Option<f64> {
+    let (_, body) = http_get(port, "/metrics")?;
+    body.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Worker arguments that also serve `/metrics` on a fresh port: (args, port).
+pub fn with_metrics(args: &[&str]) -> (Vec<String>, u16) {
+    let port = free_port();
+    let mut out: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    out.push("--metrics-addr".into());
+    out.push(format!("127.0.0.1:{port}"));
+    (out, port)
+}

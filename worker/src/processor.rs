@@ -12,7 +12,7 @@ use drumline_shared::config::{Config, Overlap, Task};
 use drumline_shared::envelope::{self, long_string, Envelope, H_ATTEMPTS, H_ERROR, H_REASON};
 use drumline_shared::names::Names;
 use drumline_shared::store::{
-    now_text, Claim, ClaimRequest, OverlapMode, RunRecord, Store, StoreError,
+    now_text, Claim, ClaimRequest, Final, OverlapMode, RunRecord, Store, StoreError,
 };
 use drumline_shared::topology;
 use lapin::message::Delivery;
@@ -138,15 +138,25 @@ impl Processor {
                 .await?;
             return Ok(Disposition::Ack);
         }
-        let env = match Envelope::decode(body) {
+        let checked = Envelope::decode(body)
+            .map_err(|e| e.to_string())
+            .and_then(|env| {
+                // Before anything else (DESIGN §9): a message that breaks the limits or names an
+                // instance it does not carry must not touch Redis or make us loop.
+                env.check(|job| self.overlap.contains_key(job))
+                    .map(|()| env)
+                    .map_err(|e| e.to_string())
+            });
+        let env = match checked {
             Ok(env) => env,
-            Err(e) => {
+            Err(error) => {
+                self.stats.malformed.inc();
                 self.dead_letter(
                     publisher,
                     body,
                     &delivery.properties,
                     "malformed",
-                    &e.to_string(),
+                    &error,
                     0,
                 )
                 .await?;
@@ -174,21 +184,6 @@ impl Processor {
                 .await?;
             return Ok(Disposition::Ack);
         };
-        let now = Utc::now();
-        if env.is_expired(now) {
-            info!("expired before it could run");
-            self.stats.expired.inc();
-            self.dead_letter_env(
-                publisher,
-                &env,
-                "expired",
-                "expires_at passed before the run",
-                env.attempt,
-            )
-            .await?;
-            self.record(&env, "expired", None, None).await;
-            return Ok(Disposition::Ack);
-        }
 
         let token = uuid::Uuid::new_v4().to_string();
         let lease = self.config.worker.lease;
@@ -202,13 +197,30 @@ impl Processor {
                 lease,
                 overlap: self.overlap(&env),
                 retention: self.config.worker.done_ttl,
+                // Judged after dedupe (in the claim): an expired copy of a finished instance
+                // is a duplicate, not a failure.
+                expired: env.is_expired(Utc::now()),
             })
             .await?
         {
             Claim::Claimed { fence } => fence,
-            Claim::Finished { state } => {
-                info!(state = %state, redelivered = delivery.redelivered, "duplicate delivery: already finished");
+            Claim::Duplicate { state } => {
+                info!(state = %state, redelivered = delivery.redelivered, "duplicate delivery: already finished or retried");
                 self.stats.duplicates.inc();
+                return Ok(Disposition::Ack);
+            }
+            Claim::Expired => {
+                info!("expired before it could run");
+                self.stats.expired.inc();
+                self.dead_letter_env(
+                    publisher,
+                    &env,
+                    "expired",
+                    "expires_at passed before the run",
+                    env.attempt,
+                )
+                .await?;
+                self.record(&env, "expired", None, None).await;
                 return Ok(Disposition::Ack);
             }
             Claim::Busy { retry_in } => {
@@ -249,7 +261,7 @@ impl Processor {
         let outcome = self.run(handler.clone(), &env, &token, fence).await;
         match outcome {
             RunOutcome::Finished(Ok(())) => {
-                if self.finish_with_retries(&env, &token, "done").await? {
+                if self.finish_with_retries(&env, &token, Final::Done).await? {
                     info!(fence, "done");
                     self.stats.succeeded.inc();
                     self.record(&env, "done", Some(started_at), None).await;
@@ -286,14 +298,22 @@ impl Processor {
                         self.record(&env, "failed", Some(started_at), Some(error))
                             .await;
                         let mut next = env.clone();
-                        next.attempt += 1;
+                        next.attempt = env.attempt.saturating_add(1);
                         next.id = uuid::Uuid::new_v4();
                         next.published_at = Utc::now();
-                        // Publish the retry first, then release: if we crash in between, the
-                        // lease expires and the retry (or a redelivery) claims it.
+                        // Publish the retry first, then hand the claim to it: if we crash in
+                        // between, our lease expires and the retry (or a redelivery) takes
+                        // over. Marking `retrying` instead of deleting the claim makes every
+                        // older copy a duplicate, so no copy starts a second chain.
                         self.publish_delayed(publisher, &next, delay).await?;
                         self.store
-                            .release(&env.key, self.lock_job(&env), &token)
+                            .retry(
+                                &env.key,
+                                self.lock_job(&env),
+                                &token,
+                                next.attempt,
+                                self.config.worker.done_ttl,
+                            )
                             .await?;
                         Ok(Disposition::Ack)
                     }
@@ -384,7 +404,7 @@ impl Processor {
         &self,
         env: &Envelope,
         token: &str,
-        state: &str,
+        state: Final,
     ) -> Result<bool, StoreError> {
         let retention = self.config.worker.done_ttl;
         let mut delay = Duration::from_millis(100);
@@ -416,9 +436,9 @@ impl Processor {
         error: &str,
         started_at: String,
     ) -> Result<Disposition, Interrupted> {
-        self.dead_letter_env(publisher, env, reason, error, env.attempt + 1)
+        self.dead_letter_env(publisher, env, reason, error, env.attempt.saturating_add(1))
             .await?;
-        self.finish_with_retries(env, token, "dead").await?;
+        self.finish_with_retries(env, token, Final::Dead).await?;
         self.record(env, "dead", Some(started_at), Some(error.to_owned()))
             .await;
         Ok(Disposition::Ack)

@@ -25,6 +25,8 @@ pub struct Stats {
     pub expired: Counter,
     /// Runs cancelled when the shutdown grace ran out.
     pub abandoned: Counter,
+    /// Deliveries dead-lettered `malformed` (undecodable, or breaking the limits of DESIGN §9).
+    pub malformed: Counter,
     /// Handlers running now.
     pub running: Gauge,
     /// 1 while consuming from the broker.
@@ -36,7 +38,7 @@ pub struct Stats {
 impl Stats {
     /// Registers every metric under `drumline_worker_*`.
     pub fn register(&self, registry: &mut Registry) {
-        let counters: [(&str, &str, &Counter); 8] = [
+        let counters: [(&str, &str, &Counter); 9] = [
             ("succeeded", "Runs that ended done", &self.succeeded),
             ("duplicates", "Deliveries of already finished instances, acked without running", &self.duplicates),
             ("busy", "Deliveries held by another live lease or waiting for the job's previous instance, re-checked later", &self.busy),
@@ -45,6 +47,7 @@ impl Stats {
             ("dead_lettered", "Messages published to the dead-letter queue", &self.dead_lettered),
             ("expired", "Deliveries whose deadline had passed before they could run", &self.expired),
             ("abandoned", "Runs cancelled because the shutdown grace ran out", &self.abandoned),
+            ("malformed", "Deliveries dead-lettered as malformed", &self.malformed),
         ];
         for (name, help, counter) in counters {
             registry.register(format!("drumline_worker_{name}"), help, counter.clone());
@@ -70,7 +73,7 @@ impl Stats {
     /// One line for logs.
     pub fn summary(&self) -> String {
         format!(
-            "succeeded={} duplicates={} busy={} skipped={} retried={} dead_lettered={} expired={} abandoned={}",
+            "succeeded={} duplicates={} busy={} skipped={} retried={} dead_lettered={} expired={} abandoned={} malformed={}",
             self.succeeded.get(),
             self.duplicates.get(),
             self.busy.get(),
@@ -78,7 +81,8 @@ impl Stats {
             self.retried.get(),
             self.dead_lettered.get(),
             self.expired.get(),
-            self.abandoned.get()
+            self.abandoned.get(),
+            self.malformed.get()
         )
     }
 
