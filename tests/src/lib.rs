@@ -526,6 +526,52 @@ impl PrivateRabbit {
         self.stop();
         self.boot();
     }
+
+    /// Kills the node with SIGKILL (a broker that goes away without a goodbye) and waits until
+    /// its port is closed.
+    pub fn kill9(&self) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").args(["-9", &pid]).status();
+            let gone = wait_until(Duration::from_secs(30), || {
+                !Path::new(&format!("/proc/{pid}")).exists()
+            });
+            assert!(gone, "private RabbitMQ {pid} did not die");
+        }
+    }
+
+    /// Freezes the node (SIGSTOP): its connections stay open but nothing answers, as in a
+    /// network partition. [`thaw`](Self::thaw) resumes it.
+    pub fn freeze(&self) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").args(["-STOP", &pid]).status();
+        }
+    }
+
+    /// Resumes a frozen node (SIGCONT).
+    pub fn thaw(&self) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").args(["-CONT", &pid]).status();
+        }
+    }
+
+    /// Closes every client connection on the node (`rabbitmqctl close_all_connections`): the
+    /// clients see a broker-side close and must reconnect.
+    pub fn close_connections(&self) {
+        let out = Command::new("rabbitmqctl")
+            .args([
+                "-n",
+                &self.name,
+                "close_all_connections",
+                "closed by a test",
+            ])
+            .output()
+            .expect("rabbitmqctl must be installed");
+        assert!(
+            out.status.success(),
+            "rabbitmqctl close_all_connections failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 impl Drop for PrivateRabbit {

@@ -1,11 +1,31 @@
-//! The broker side of a worker: connect, declare, consume with manual ack and a channel-wide
-//! prefetch of `concurrency`, dispatch each delivery to the [`Processor`], reconnect with
-//! backoff when the connection drops, and shut down in order.
+//! The broker side of a worker: connect, declare, consume with manual ack, dispatch each
+//! delivery to the [`Processor`], reconnect with backoff when the connection drops, and shut
+//! down in order.
 //!
-//! Shutdown order (DESIGN §4 step 10): stop consuming (cancel the consumers) → let in-flight
-//! handlers finish and ack, up to `shutdown_grace` → cancel what is left (its deliveries are
-//! requeued, its claims released) → close the channels and the connection.
+//! Concurrency is a semaphore that outlives connections: a delivery is taken only with a free
+//! slot, and the slot is held until the run is settled. After a reconnect the runs still in
+//! flight from the old connection keep their slots, so a reconnect never adds runs on top of
+//! them (the channel-wide prefetch of `concurrency` only bounds what the broker sends ahead).
+//! The publisher channel is reopened when the broker closed it, and while the broker side keeps
+//! failing (a publish or declare refused, so a delivery had to be requeued) the consumer pauses
+//! before it takes the next delivery, doubling the pause each time ([`Pacer`]): a failure that
+//! repeats can neither spin nor reconnect at full speed.
+//!
+//! Shutdown order (DESIGN §4 step 10); every step is bounded, so whatever state the deliveries
+//! and channels are in, SIGTERM ends the worker within `shutdown_grace` + the executor's kill
+//! grace + a few seconds:
+//! 1. stop consuming: cancel the consumers (bounded: the channel may be dead);
+//! 2. drain: let in-flight runs finish and settle (ack or requeue), up to `shutdown_grace`;
+//! 3. cancel what still runs (handlers are told; shell tasks get SIGTERM, then SIGKILL) and
+//!    wait for those to settle, up to [`ABANDON_WAIT`];
+//! 4. drop what is still stuck on a broker or Redis call that will not answer: its delivery
+//!    was not acked, so the broker redelivers it;
+//! 5. flush the acks and close the connection (bounded).
+//!
+//! A topology mismatch found on a reconnect ends the worker with a config error, but only after
+//! the same drain: runs in flight are never dropped mid-way.
 
+use crate::executor::KILL_GRACE;
 use crate::processor::Processor;
 use crate::stats::Stats;
 use crate::{Gate, Handler, WorkerError};
@@ -22,16 +42,40 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 const BACKOFF_MIN: Duration = Duration::from_millis(200);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// The longest pause before the next delivery while the broker side keeps failing.
+const PACE_MAX: Duration = Duration::from_secs(10);
 const REDIS_PROBE_EVERY: Duration = Duration::from_millis(500);
 const REDIS_IDLE_CHECK_EVERY: Duration = Duration::from_secs(2);
+/// How long one ack or requeue may take before the delivery is left to the broker.
+pub(crate) const SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a broker call on the shutdown or reconnect path may take (cancel the consumers,
+/// reopen a channel, close the connection); a dead connection does not always answer.
+const BROKER_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+/// After the grace: the most that cancelled runs get to stop their tasks and settle.
+pub const ABANDON_WAIT: Duration = KILL_GRACE.saturating_add(SETTLE_TIMEOUT);
+
+/// How [`Processor::process`] settled a delivery; the consumer paces itself by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// Acked.
+    Acked,
+    /// Requeued for a reason that is not the broker's (Redis, a lost lease, shutdown).
+    Requeued,
+    /// Requeued because the broker side failed: a publish, a declare, a closed channel.
+    BrokerTrouble,
+    /// Not settled (the channel is gone, or did not answer in time); the broker redelivers.
+    Unsettled,
+}
 
 /// Runs a worker until `shutdown` completes.
 pub async fn run(
@@ -77,11 +121,14 @@ pub async fn run(
     });
     let probe = tokio::spawn(probe_redis(store, processor.gate.clone(), stats.clone()));
 
+    let slots = Arc::new(Semaphore::new(config.worker.concurrency.max(1)));
+    let pacer = Arc::new(Pacer::default());
     let mut in_flight = JoinSet::new();
     let mut backoff = BACKOFF_MIN;
+    let mut fatal = None;
     // Kept open through the drain: acks travel on the consumer channel, and lapin closes a
     // channel when its last handle is dropped.
-    let mut connection: Option<(Connection, lapin::Channel, lapin::Channel)> = None;
+    let mut connection: Option<(Connection, Publisher, lapin::Channel)> = None;
     'connect: while !stop.is_cancelled() {
         let session = tokio::select! {
             s = open_session(&config, &names, &worker_id) => s,
@@ -89,10 +136,13 @@ pub async fn run(
         };
         let (conn, publisher, consumer_channel, consumers) = match session {
             Ok(s) => s,
+            Err(SessionError::Fatal(message)) => {
+                error!(error = %message, in_flight = in_flight.len(),
+                       "cannot serve with this topology; finishing the runs in flight first");
+                fatal = Some(message);
+                break 'connect;
+            }
             Err(e) => {
-                if let SessionError::Fatal(message) = e {
-                    return Err(WorkerError::Config(message));
-                }
                 warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "cannot reach the broker; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
@@ -107,78 +157,243 @@ pub async fn run(
         info!("consuming");
         let tags: Vec<String> = consumers.iter().map(|c| c.tag().to_string()).collect();
         let mut deliveries = select_all(consumers);
-        loop {
-            tokio::select! {
-                _ = &mut shutdown => {
-                    for tag in &tags {
-                        let _ = consumer_channel.basic_cancel(tag, BasicCancelOptions::default()).await;
-                    }
-                    connection = Some((conn, publisher, consumer_channel));
-                    break 'connect;
-                }
+        let mut publisher = Publisher(publisher);
+        let stopping = loop {
+            while in_flight.try_join_next().is_some() {}
+            // A free slot first: runs from an older connection still hold theirs.
+            let slot = tokio::select! {
+                slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+                _ = &mut shutdown => break true,
+            };
+            let delivery = tokio::select! {
                 next = deliveries.next() => match next {
-                    Some(Ok(delivery)) => {
-                        // Fail closed: while Redis is down the delivery waits here, unacked.
-                        if !processor.gate.is_open() {
-                            error!("redis unreachable: holding deliveries until it answers again");
-                            tokio::select! {
-                                _ = processor.gate.wait_open() => info!("redis is back; resuming"),
-                                _ = &mut shutdown => {
-                                    let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
-                                    for tag in &tags {
-                                        let _ = consumer_channel.basic_cancel(tag, BasicCancelOptions::default()).await;
-                                    }
-                                    connection = Some((conn, publisher, consumer_channel));
-                                    break 'connect;
-                                }
-                            }
-                        }
-                        in_flight.spawn(processor.clone().process(publisher.clone(), delivery));
-                    }
+                    Some(Ok(delivery)) => delivery,
                     Some(Err(e)) => {
                         warn!(error = %e, "broker connection lost; reconnecting");
-                        break;
+                        break false;
                     }
                     None => {
                         warn!("consumer cancelled by the broker; reconnecting");
-                        break;
+                        break false;
                     }
                 },
-                Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
+                _ = &mut shutdown => break true,
+            };
+            // Paced after the delivery is in hand, not before: a requeued delivery comes
+            // straight back, and must wait out the pause its own failure started.
+            tokio::select! {
+                _ = pacer.wait() => {}
+                _ = &mut shutdown => {
+                    requeue(&delivery, &stats).await;
+                    break true;
+                }
             }
+            // Fail closed: while Redis is down the delivery waits here, unacked.
+            if !processor.gate.is_open() {
+                error!("redis unreachable: holding deliveries until it answers again");
+                tokio::select! {
+                    _ = processor.gate.wait_open() => info!("redis is back; resuming"),
+                    _ = &mut shutdown => {
+                        requeue(&delivery, &stats).await;
+                        break true;
+                    }
+                }
+            }
+            let channel = match publisher.channel(&conn).await {
+                Ok(channel) => channel,
+                Err(e) => {
+                    warn!(error = %e, "cannot reopen the publisher channel; reconnecting");
+                    requeue(&delivery, &stats).await;
+                    pacer.settled(Settled::BrokerTrouble);
+                    break false;
+                }
+            };
+            let processor = processor.clone();
+            let pacer = pacer.clone();
+            in_flight.spawn(async move {
+                let settled = processor.process(channel, delivery).await;
+                pacer.settled(settled);
+                drop(slot);
+            });
+        };
+        if stopping {
+            let cancel = async {
+                for tag in &tags {
+                    let _ = consumer_channel
+                        .basic_cancel(tag, BasicCancelOptions::default())
+                        .await;
+                }
+            };
+            if tokio::time::timeout(BROKER_CALL_TIMEOUT, cancel)
+                .await
+                .is_err()
+            {
+                warn!("the broker did not confirm the consumer cancel in time; stopping anyway");
+            }
+            connection = Some((conn, publisher, consumer_channel));
+            break 'connect;
         }
         stats.broker_connected.set(0);
-        let _ = conn.close(200, "reconnecting").await;
+        close(conn, "reconnecting").await;
     }
     stats.broker_connected.set(0);
 
     drain(&config, &processor, &mut in_flight).await;
     if let Some((conn, _publisher, _consumer_channel)) = connection {
-        let _ = conn.close(200, "worker shutting down").await;
+        close(conn, "worker shutting down").await;
     }
     probe.abort();
     info!(worker = %worker_id, stats = %processor.stats.summary(), "worker stopped");
-    Ok(processor.stats.clone())
+    match fatal {
+        Some(message) => Err(WorkerError::Config(message)),
+        None => Ok(processor.stats.clone()),
+    }
 }
 
-/// Lets in-flight runs finish for up to `shutdown_grace`, then cancels the rest.
+/// Hands a delivery back to the broker, bounded: on a dead channel it goes back anyway.
+async fn requeue(delivery: &lapin::message::Delivery, stats: &Stats) {
+    let nack = delivery.acker.nack(BasicNackOptions {
+        requeue: true,
+        ..Default::default()
+    });
+    if let Ok(Ok(())) = tokio::time::timeout(SETTLE_TIMEOUT, nack).await {
+        stats.requeued.inc();
+    }
+}
+
+/// Closes `conn`, bounded: a connection the broker dropped does not always answer.
+async fn close(conn: Connection, why: &str) {
+    if tokio::time::timeout(BROKER_CALL_TIMEOUT, conn.close(200, why))
+        .await
+        .is_err()
+    {
+        warn!("the broker did not confirm the connection close in time");
+    }
+}
+
+/// Lets in-flight runs finish for up to `shutdown_grace`, then cancels the rest and waits for
+/// them to stop and settle; what is still stuck after that (a broker or Redis call that does
+/// not answer) is dropped, its delivery unacked.
 async fn drain(config: &Config, processor: &Processor, in_flight: &mut JoinSet<()>) {
+    while in_flight.try_join_next().is_some() {}
     if in_flight.is_empty() {
         return;
     }
     info!(in_flight = in_flight.len(), grace = %humantime::format_duration(config.worker.shutdown_grace),
           "stopped consuming; letting in-flight tasks finish");
-    let all_done = async { while in_flight.join_next().await.is_some() {} };
-    if tokio::time::timeout(config.worker.shutdown_grace, all_done)
-        .await
-        .is_err()
-    {
-        warn!(
-            abandoned = in_flight.len(),
-            "shutdown grace exhausted; cancelling what still runs"
-        );
-        processor.abandon.cancel();
-        while in_flight.join_next().await.is_some() {}
+    if join_all(in_flight, config.worker.shutdown_grace).await {
+        return;
+    }
+    warn!(
+        abandoned = in_flight.len(),
+        "shutdown grace exhausted; cancelling what still runs"
+    );
+    processor.abandon.cancel();
+    let settled = async {
+        // Cancelled handlers get up to ABANDON_WAIT to stop their tasks; once none runs, what
+        // is left is settling, which gets SETTLE_TIMEOUT (it already had the whole grace).
+        let mut idle_since: Option<Instant> = None;
+        loop {
+            if join_all(in_flight, Duration::from_millis(100)).await {
+                return;
+            }
+            if processor.stats.running.get() > 0 {
+                idle_since = None;
+                continue;
+            }
+            let since = *idle_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= SETTLE_TIMEOUT {
+                return;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(ABANDON_WAIT, settled).await;
+    if in_flight.is_empty() {
+        return;
+    }
+    warn!(
+        stuck = in_flight.len(),
+        "still not settled after cancellation; dropping them (the broker redelivers)"
+    );
+    in_flight.abort_all();
+    let _ = join_all(in_flight, BROKER_CALL_TIMEOUT).await;
+}
+
+/// Joins every task in `set` within `within`; true when all ended.
+async fn join_all(set: &mut JoinSet<()>, within: Duration) -> bool {
+    let all = async { while set.join_next().await.is_some() {} };
+    tokio::time::timeout(within, all).await.is_ok()
+}
+
+/// The session's confirm-mode publishing channel, reopened when the broker closed it (a
+/// refused publish or declare closes the channel, not the connection).
+struct Publisher(lapin::Channel);
+
+impl Publisher {
+    /// A usable publisher channel on `conn`: the current one, or a fresh one if it was closed.
+    async fn channel(&mut self, conn: &Connection) -> Result<lapin::Channel, SessionError> {
+        if !self.0.status().connected() {
+            warn!(state = ?self.0.status().state(), "the publisher channel was closed; reopening it");
+            let open = async {
+                let channel = conn.create_channel().await?;
+                channel
+                    .confirm_select(ConfirmSelectOptions::default())
+                    .await?;
+                Ok::<_, lapin::Error>(channel)
+            };
+            self.0 = tokio::time::timeout(BROKER_CALL_TIMEOUT, open)
+                .await
+                .map_err(|_| SessionError::Timeout("reopening the publisher channel"))??;
+        }
+        Ok(self.0.clone())
+    }
+}
+
+/// Paces the consumer while the broker side keeps failing: each delivery requeued for a broker
+/// error doubles the pause before the next delivery is taken (from [`BACKOFF_MIN`] up to
+/// [`PACE_MAX`]); an ack resets it. Survives reconnects, so a failure that drops the connection
+/// cannot turn into a reconnect loop either.
+#[derive(Debug, Default)]
+struct Pacer {
+    state: Mutex<Pace>,
+}
+
+#[derive(Debug, Default)]
+struct Pace {
+    failures: u32,
+    until: Option<Instant>,
+}
+
+impl Pacer {
+    fn settled(&self, settled: Settled) {
+        let mut pace = self.state.lock().expect("pacer lock poisoned");
+        match settled {
+            Settled::BrokerTrouble => {
+                let pause = BACKOFF_MIN
+                    .saturating_mul(2u32.saturating_pow(pace.failures.min(16)))
+                    .min(PACE_MAX);
+                pace.failures = pace.failures.saturating_add(1);
+                pace.until = Some(Instant::now() + pause);
+                warn!(
+                    failures = pace.failures,
+                    pause_ms = pause.as_millis() as u64,
+                    "the broker side keeps failing: pausing before the next delivery"
+                );
+            }
+            Settled::Acked => *pace = Pace::default(),
+            Settled::Requeued | Settled::Unsettled => {}
+        }
+    }
+
+    /// Returns once no pause is in force.
+    async fn wait(&self) {
+        loop {
+            let until = self.state.lock().expect("pacer lock poisoned").until;
+            match until {
+                Some(t) if t > Instant::now() => tokio::time::sleep_until(t).await,
+                _ => return,
+            }
+        }
     }
 }
 
@@ -186,6 +401,8 @@ async fn drain(config: &Config, processor: &Processor, in_flight: &mut JoinSet<(
 enum SessionError {
     #[error(transparent)]
     Amqp(#[from] lapin::Error),
+    #[error("the broker did not answer in time ({0})")]
+    Timeout(&'static str),
     #[error("{0}")]
     Fatal(String),
 }

@@ -1,6 +1,7 @@
 //! drumline-worker: consumes task messages, deduplicates through Redis, runs handlers.
 //!
-//! - [`consumer`]  — the broker side: connect, declare, consume, reconnect, shut down in order.
+//! - [`consumer`]  — the broker side: connect, declare, consume within the concurrency slots,
+//!   pace broker failures, reconnect, shut down in order (every step bounded).
 //! - [`processor`] — one delivery start to finish: decode → expiry → claim → run → record → ack.
 //! - [`lease`]     — the watchdog that renews a claim and cancels a run whose lease is lost.
 //! - [`retry`]     — where a retry is decided: exponential backoff with jitter, exhaustion.

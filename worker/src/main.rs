@@ -118,6 +118,9 @@ fn main() -> ExitCode {
             ))
             .await
     });
+    // Dropping a runtime waits for its blocking tasks without limit; the worker has stopped in
+    // order by now, so nothing left there may delay the exit.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
     match result {
         Ok(_) => ExitCode::SUCCESS,
         Err(WorkerError::Config(e)) => {

@@ -2,6 +2,7 @@
 //! watchdog) → record → ack. Every path ends in exactly one ack or one requeue; nothing is
 //! requeued that would fail the same way again (those go to `{ns}.dead`).
 
+use crate::consumer::{Settled, SETTLE_TIMEOUT};
 use crate::handler::{Handler, HandlerError, TaskContext};
 use crate::lease::{self, LeaseLost};
 use crate::retry::{self, Decision};
@@ -93,8 +94,11 @@ impl Processor {
         }
     }
 
-    /// Processes one delivery and acks or requeues it.
-    pub async fn process(self: Arc<Self>, publisher: Channel, delivery: Delivery) {
+    /// Processes one delivery and acks or requeues it; says how, so the consumer can pace
+    /// itself when the broker side keeps failing. Settling is bounded: on a dead channel the
+    /// broker redelivers anyway, and a stuck ack must not hold a concurrency slot.
+    pub async fn process(self: Arc<Self>, publisher: Channel, delivery: Delivery) -> Settled {
+        let mut broker_trouble = false;
         let disposition = match self.decide(&publisher, &delivery).await {
             Ok(d) => d,
             Err(Interrupted::Redis(e)) => {
@@ -104,24 +108,45 @@ impl Processor {
             }
             Err(e) => {
                 warn!(error = %e, "cannot finish handling a delivery; requeueing");
+                broker_trouble = true;
                 Disposition::Requeue
             }
         };
-        let result = match disposition {
-            Disposition::Ack => delivery.acker.ack(BasicAckOptions::default()).await,
-            Disposition::Requeue => {
-                delivery
-                    .acker
-                    .nack(BasicNackOptions {
+        let settle = async {
+            match disposition {
+                Disposition::Ack => delivery.acker.ack(BasicAckOptions::default()).await,
+                Disposition::Requeue => {
+                    let requeue = BasicNackOptions {
                         requeue: true,
                         ..Default::default()
-                    })
-                    .await
+                    };
+                    delivery.acker.nack(requeue).await?;
+                    self.stats.requeued.inc();
+                    Ok(())
+                }
             }
         };
-        if let Err(e) = result {
-            // The channel is gone: the broker redelivers, and dedupe makes that harmless.
-            warn!(error = %e, ?disposition, "could not settle delivery; the broker will redeliver it");
+        let settled = match tokio::time::timeout(SETTLE_TIMEOUT, settle).await {
+            Ok(Ok(())) if disposition == Disposition::Ack => Settled::Acked,
+            Ok(Ok(())) => Settled::Requeued,
+            Ok(Err(e)) => {
+                // The channel is gone: the broker redelivers, and dedupe makes that harmless.
+                warn!(error = %e, ?disposition, "could not settle delivery; the broker will redeliver it");
+                Settled::Unsettled
+            }
+            Err(_) => {
+                warn!(
+                    ?disposition,
+                    timeout_ms = SETTLE_TIMEOUT.as_millis() as u64,
+                    "the broker did not take the ack in time; it will redeliver the delivery"
+                );
+                Settled::Unsettled
+            }
+        };
+        if broker_trouble {
+            Settled::BrokerTrouble
+        } else {
+            settled
         }
     }
 
@@ -294,7 +319,6 @@ impl Processor {
                     }
                     Decision::Retry { delay } => {
                         warn!(error = %error, delay_ms = delay.as_millis() as u64, "failed; retrying");
-                        self.stats.retried.inc();
                         self.record(&env, "failed", Some(started_at), Some(error))
                             .await;
                         let mut next = env.clone();
@@ -315,6 +339,7 @@ impl Processor {
                                 self.config.worker.done_ttl,
                             )
                             .await?;
+                        self.stats.retried.inc();
                         Ok(Disposition::Ack)
                     }
                 }

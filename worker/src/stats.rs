@@ -27,6 +27,8 @@ pub struct Stats {
     pub abandoned: Counter,
     /// Deliveries dead-lettered `malformed` (undecodable, or breaking the limits of DESIGN §9).
     pub malformed: Counter,
+    /// Deliveries handed back to the broker (nack with requeue) to be decided again.
+    pub requeued: Counter,
     /// Handlers running now.
     pub running: Gauge,
     /// 1 while consuming from the broker.
@@ -38,7 +40,7 @@ pub struct Stats {
 impl Stats {
     /// Registers every metric under `drumline_worker_*`.
     pub fn register(&self, registry: &mut Registry) {
-        let counters: [(&str, &str, &Counter); 9] = [
+        let counters: [(&str, &str, &Counter); 10] = [
             ("succeeded", "Runs that ended done", &self.succeeded),
             ("duplicates", "Deliveries of already finished instances, acked without running", &self.duplicates),
             ("busy", "Deliveries held by another live lease or waiting for the job's previous instance, re-checked later", &self.busy),
@@ -48,6 +50,7 @@ impl Stats {
             ("expired", "Deliveries whose deadline had passed before they could run", &self.expired),
             ("abandoned", "Runs cancelled because the shutdown grace ran out", &self.abandoned),
             ("malformed", "Deliveries dead-lettered as malformed", &self.malformed),
+            ("requeued", "Deliveries handed back to the broker to be decided again", &self.requeued),
         ];
         for (name, help, counter) in counters {
             registry.register(format!("drumline_worker_{name}"), help, counter.clone());

@@ -1,0 +1,511 @@
+//! The broker side of a worker under faults: its concurrency holds across reconnects, a closed
+//! publisher channel is reopened without spinning, a topology mismatch on reconnect lets the
+//! runs in flight finish, and SIGTERM ends it in time whatever state its channels are in.
+//! Destructive faults use a private RabbitMQ node, never the shared one.
+
+use drumline_e2e::{adhoc, http_get, setup, toml_string, unused_port, wait_until, PrivateRabbit};
+use lapin::options::{
+    BasicPublishOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Publishes `envelope` to `{ns}.tasks` on the broker at `url`, waiting for the confirm.
+async fn publish_to(url: &str, ns: &str, envelope: &drumline_shared::envelope::Envelope) {
+    let conn = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .expect("amqp connection");
+    let ch = conn.create_channel().await.expect("channel");
+    ch.confirm_select(Default::default())
+        .await
+        .expect("confirm");
+    ch.basic_publish(
+        &format!("{ns}.tasks"),
+        &envelope.queue,
+        BasicPublishOptions::default(),
+        &envelope.encode(),
+        envelope.properties(chrono::Utc::now(), None),
+    )
+    .await
+    .expect("publish")
+    .await
+    .expect("confirm");
+    let _ = conn.close(200, "bye").await;
+}
+
+/// Waits until the worker declared `{ns}.q.default` on the broker at `url`.
+async fn wait_for_queue(url: &str, queue: &str) -> bool {
+    let deadline = Instant::now() + WAIT;
+    while Instant::now() < deadline {
+        if let Ok(conn) = Connection::connect(url, ConnectionProperties::default()).await {
+            let ch = conn.create_channel().await.expect("channel");
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            let exists = ch
+                .queue_declare(queue, passive, FieldTable::default())
+                .await
+                .is_ok();
+            let _ = conn.close(200, "bye").await;
+            if exists {
+                return true;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+/// A shell command (TOML array) that logs `start KEY T` and `end KEY T` (T in seconds since the
+/// epoch, with nanoseconds) to `file` around `sleep` seconds.
+fn timed_command(file: &std::path::Path, sleep: u32) -> String {
+    let f = file.display();
+    let script = format!(
+        "echo \"start $DRUMLINE_KEY $(date +%s.%N)\" >> {f}; sleep {sleep}; echo \"end $DRUMLINE_KEY $(date +%s.%N)\" >> {f}"
+    );
+    format!("[\"/bin/sh\", \"-c\", {}]", toml_string(&script))
+}
+
+/// `start`/`end` events per key from a [`timed_command`] file.
+fn runs(lines: &[String]) -> BTreeMap<String, (Vec<f64>, Vec<f64>)> {
+    let mut map: BTreeMap<String, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
+    for line in lines {
+        let mut parts = line.split(' ');
+        let (Some(kind), Some(key), Some(t)) = (parts.next(), parts.next(), parts.next()) else {
+            panic!("bad event line {line:?}");
+        };
+        let t: f64 = t.parse().expect("timestamp");
+        let entry = map.entry(key.to_owned()).or_default();
+        match kind {
+            "start" => entry.0.push(t),
+            "end" => entry.1.push(t),
+            other => panic!("bad event {other:?}"),
+        }
+    }
+    map
+}
+
+/// The most runs that were in progress at one instant. Each run is measured from inside the
+/// task, so the measured intervals lie within the real ones and never overstate the overlap.
+fn max_overlap(lines: &[String]) -> usize {
+    let mut events: Vec<(f64, i32)> = Vec::new();
+    for line in lines {
+        let mut parts = line.split(' ');
+        let kind = parts.next().unwrap();
+        let t: f64 = parts.nth(1).unwrap().parse().unwrap();
+        // Ends sort before starts at the same instant: touching runs do not overlap.
+        events.push((t, if kind == "start" { 1 } else { -1 }));
+    }
+    events.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let (mut now, mut max) = (0i32, 0i32);
+    for (_, delta) in events {
+        now += delta;
+        max = max.max(now);
+    }
+    max as usize
+}
+
+/// A counter or gauge from the worker's `/metrics`.
+fn metric(port: u16, name: &str) -> Option<u64> {
+    let (_, body) = http_get(port, "/metrics")?;
+    body.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reconnect_does_not_add_runs_beyond_concurrency() {
+    let env = setup("e2e_reconnect_concurrency");
+    let rabbit = PrivateRabbit::start("concurrency");
+    let events = env.path("events");
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[broker]\nurl = {}\n[worker]\nconcurrency = 2\n[tasks.slow]\ncommand = {}\n",
+            toml_string(&rabbit.url()),
+            timed_command(&events, 10)
+        ),
+    );
+    let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
+    let queue = format!("{}.q.default", env.ns);
+    assert!(
+        wait_for_queue(&rabbit.url(), &queue).await,
+        "{}",
+        worker.log_tail(20)
+    );
+    let keys: Vec<String> = (0..4).map(|i| format!("k{i}")).collect();
+    for key in &keys {
+        publish_to(&rabbit.url(), &env.ns, &adhoc(key, "slow")).await;
+    }
+    // Two runs in flight, none finished: now the broker drops the connection.
+    assert!(
+        wait_until(WAIT, || env.lines("events").len() >= 2),
+        "{}",
+        worker.log_tail(20)
+    );
+    rabbit.close_connections();
+    assert_eq!(
+        env.lines("events").len(),
+        2,
+        "the runs ended before the connection was closed: {:?}",
+        env.lines("events")
+    );
+
+    let all_ended = wait_until(WAIT, || {
+        runs(&env.lines("events"))
+            .values()
+            .filter(|(_, ends)| !ends.is_empty())
+            .count()
+            == keys.len()
+    });
+    assert!(
+        all_ended,
+        "{:?}\n{}",
+        env.lines("events"),
+        worker.log_tail(30)
+    );
+    let lines = env.lines("events");
+    assert!(
+        max_overlap(&lines) <= 2,
+        "more than `concurrency` runs at once after the reconnect: {lines:#?}"
+    );
+    for (key, (starts, ends)) in runs(&lines) {
+        assert_eq!(
+            (starts.len(), ends.len()),
+            (1, 1),
+            "{key} ran more than once"
+        );
+    }
+    assert!(
+        worker.terminate(Duration::from_secs(20)).success(),
+        "{}",
+        worker.log_tail(20)
+    );
+}
+
+/// Deletes `{ns}.dead` (the exchange): the worker's next dead-letter publish makes the broker
+/// close its publisher channel (404 NOT_FOUND).
+async fn break_dead_exchange(env: &drumline_e2e::TestEnv) {
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.expect("channel");
+    ch.exchange_delete(
+        &format!("{}.dead", env.ns),
+        ExchangeDeleteOptions::default(),
+    )
+    .await
+    .expect("exchange.delete");
+    let _ = conn.close(200, "bye").await;
+}
+
+/// Puts `{ns}.dead` (the exchange and its binding to the queue) back.
+async fn repair_dead_exchange(env: &drumline_e2e::TestEnv) {
+    let dead = format!("{}.dead", env.ns);
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.expect("channel");
+    ch.exchange_declare(
+        &dead,
+        ExchangeKind::Fanout,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("exchange.declare");
+    ch.queue_bind(
+        &dead,
+        &dead,
+        "",
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("queue.bind");
+    let _ = conn.close(200, "bye").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_closed_publisher_channel_is_reopened_and_requeues_are_paced() {
+    let env = setup("e2e_publisher_reopen");
+    let metrics = unused_port();
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[tasks.append]\ncommand = {}\n",
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let metrics_addr = format!("127.0.0.1:{metrics}");
+    let mut worker = env.worker(
+        "worker",
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--metrics-addr",
+            &metrics_addr,
+        ],
+    );
+    env.wait_for_topology(&worker).await;
+    break_dead_exchange(&env).await;
+    // Undecodable: its only way out is a dead-letter publish, which now fails.
+    env.publish_raw("default", b"not json", BasicProperties::default())
+        .await;
+
+    let requeued = |at_least: u64| {
+        wait_until(WAIT, || {
+            metric(metrics, "drumline_worker_requeued_total").is_some_and(|n| n >= at_least)
+        })
+    };
+    assert!(requeued(1), "{}", worker.log_tail(30));
+    // Watch the failure repeat for a while: it must back off, not spin.
+    let window = Duration::from_secs(5);
+    let watch_until = Instant::now() + window;
+    while Instant::now() < watch_until {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let in_window = metric(metrics, "drumline_worker_requeued_total").unwrap();
+    assert!(
+        (2..=8).contains(&in_window),
+        "{in_window} requeues within {window:?} of the first (paced: 0.2 s, 0.4 s, 0.8 s, ...)\n{}",
+        worker.log_tail(30)
+    );
+
+    repair_dead_exchange(&env).await;
+    let dead = format!("{}.dead", env.ns);
+    let dead_lettered =
+        drumline_e2e::wait_until_async(WAIT, || async { env.queue_len(&dead).await == Some(1) })
+            .await;
+    assert!(
+        dead_lettered,
+        "the worker never recovered its publisher channel\n{}",
+        worker.log_tail(30)
+    );
+    env.publish(&adhoc("k-after", "append")).await;
+    assert!(
+        wait_until(WAIT, || env.lines("effects") == vec!["k-after"]),
+        "{}",
+        worker.log_tail(30)
+    );
+    assert!(
+        worker.terminate(Duration::from_secs(20)).success(),
+        "{}",
+        worker.log_tail(20)
+    );
+    assert_eq!(env.queue_len(&dead).await, Some(1));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_ends_a_worker_whose_publisher_channel_keeps_failing() {
+    let env = setup("e2e_sigterm_failing_channel");
+    let metrics = unused_port();
+    let grace = Duration::from_secs(3);
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[worker]\nshutdown_grace = \"3s\"\n[tasks.append]\ncommand = {}\n",
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let metrics_addr = format!("127.0.0.1:{metrics}");
+    let mut worker = env.worker(
+        "worker",
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "--metrics-addr",
+            &metrics_addr,
+        ],
+    );
+    env.wait_for_topology(&worker).await;
+    break_dead_exchange(&env).await;
+    env.publish_raw("default", b"not json", BasicProperties::default())
+        .await;
+    assert!(
+        wait_until(WAIT, || {
+            metric(metrics, "drumline_worker_requeued_total").is_some_and(|n| n >= 2)
+        }),
+        "{}",
+        worker.log_tail(30)
+    );
+    let asked = Instant::now();
+    let status = worker.terminate(grace + Duration::from_secs(5));
+    assert!(status.success(), "{status:?}\n{}", worker.log_tail(20));
+    assert!(asked.elapsed() < grace + Duration::from_secs(5));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_ends_a_worker_whose_broker_died_mid_run() {
+    let env = setup("e2e_sigterm_broker_died");
+    let rabbit = PrivateRabbit::start("died");
+    let events = env.path("events");
+    let grace = Duration::from_secs(3);
+    // `short` ends after the broker is gone (its ack has nowhere to go); `long` outlives the
+    // grace and must be cancelled.
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[broker]\nurl = {}\n[worker]\nconcurrency = 2\nshutdown_grace = \"3s\"\n\
+             [tasks.short]\ncommand = {}\n[tasks.long]\ncommand = {}\n",
+            toml_string(&rabbit.url()),
+            timed_command(&events, 2),
+            timed_command(&events, 60)
+        ),
+    );
+    let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
+    assert!(
+        wait_for_queue(&rabbit.url(), &format!("{}.q.default", env.ns)).await,
+        "{}",
+        worker.log_tail(20)
+    );
+    publish_to(&rabbit.url(), &env.ns, &adhoc("long", "long")).await;
+    publish_to(&rabbit.url(), &env.ns, &adhoc("short", "short")).await;
+    assert!(
+        wait_until(WAIT, || runs(&env.lines("events")).len() == 2),
+        "{}",
+        worker.log_tail(20)
+    );
+    rabbit.kill9();
+    assert!(
+        wait_until(WAIT, || runs(&env.lines("events"))
+            .get("short")
+            .is_some_and(|(_, ends)| ends.len() == 1)),
+        "{}",
+        worker.log_tail(20)
+    );
+    let asked = Instant::now();
+    let status = worker.terminate(grace + Duration::from_secs(5));
+    assert!(status.success(), "{status:?}\n{}", worker.log_tail(30));
+    assert!(asked.elapsed() < grace + Duration::from_secs(5));
+    assert!(
+        runs(&env.lines("events"))["long"].1.is_empty(),
+        "the long run was not cancelled"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_topology_mismatch_on_reconnect_lets_in_flight_runs_finish() {
+    let env = setup("e2e_mismatch_reconnect");
+    let rabbit = PrivateRabbit::start("mismatch");
+    let events = env.path("events");
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[broker]\nurl = {}\n[tasks.slow]\ncommand = {}\n",
+            toml_string(&rabbit.url()),
+            timed_command(&events, 10)
+        ),
+    );
+    let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
+    assert!(
+        wait_for_queue(&rabbit.url(), &format!("{}.q.default", env.ns)).await,
+        "{}",
+        worker.log_tail(20)
+    );
+    publish_to(&rabbit.url(), &env.ns, &adhoc("k", "slow")).await;
+    assert!(
+        wait_until(WAIT, || env.lines("events").len() == 1),
+        "{}",
+        worker.log_tail(20)
+    );
+    // Someone redeclares the dead-letter queue with other arguments; the worker finds out when
+    // it redeclares its topology after the connection drops.
+    let dead = format!("{}.dead", env.ns);
+    let conn = Connection::connect(&rabbit.url(), ConnectionProperties::default())
+        .await
+        .expect("amqp connection");
+    let ch = conn.create_channel().await.expect("channel");
+    ch.queue_delete(&dead, QueueDeleteOptions::default())
+        .await
+        .expect("queue.delete");
+    let mut args = FieldTable::default();
+    args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(1234));
+    ch.queue_declare(
+        &dead,
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .expect("queue.declare");
+    let _ = conn.close(200, "bye").await;
+    rabbit.close_connections();
+    assert_eq!(
+        env.lines("events").len(),
+        1,
+        "the run ended before the connection was closed"
+    );
+
+    let status = worker.wait(WAIT);
+    // Read at once: a run that was dropped, not finished, may still write its end line later
+    // from an orphaned process.
+    let run = runs(&env.lines("events"));
+    assert_eq!(status.code(), Some(2), "{}", worker.log_tail(20));
+    assert_eq!(
+        run["k"].1.len(),
+        1,
+        "the worker exited before its run in flight finished\n{}",
+        worker.log_tail(20)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_ends_a_worker_whose_broker_froze() {
+    let env = setup("e2e_sigterm_broker_froze");
+    let rabbit = PrivateRabbit::start("froze");
+    let events = env.path("events");
+    let grace = Duration::from_secs(3);
+    // The run fails after the broker froze: its retry publish gets no answer, ever.
+    let script = format!(
+        "echo \"start $DRUMLINE_KEY 0\" >> {f}; sleep 2; echo \"end $DRUMLINE_KEY 0\" >> {f}; exit 1",
+        f = events.display()
+    );
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[broker]\nurl = {}\n[worker]\nshutdown_grace = \"3s\"\n\
+             [tasks.fails]\ncommand = [\"/bin/sh\", \"-c\", {}]\nmax_retries = 3\n",
+            toml_string(&rabbit.url()),
+            toml_string(&script)
+        ),
+    );
+    let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
+    assert!(
+        wait_for_queue(&rabbit.url(), &format!("{}.q.default", env.ns)).await,
+        "{}",
+        worker.log_tail(20)
+    );
+    publish_to(&rabbit.url(), &env.ns, &adhoc("k", "fails")).await;
+    assert!(
+        wait_until(WAIT, || env.lines("events").len() == 1),
+        "{}",
+        worker.log_tail(20)
+    );
+    rabbit.freeze();
+    assert!(
+        wait_until(WAIT, || env.lines("events").len() == 2),
+        "{}",
+        worker.log_tail(20)
+    );
+    let asked = Instant::now();
+    worker.signal(libc::SIGTERM);
+    let exited = wait_until(grace + Duration::from_secs(5), || !worker.is_running());
+    rabbit.thaw();
+    assert!(
+        exited,
+        "still running {:?} after SIGTERM\n{}",
+        asked.elapsed(),
+        worker.log_tail(20)
+    );
+    let status = worker.wait(Duration::from_secs(1));
+    assert!(status.success(), "{status:?}\n{}", worker.log_tail(20));
+}
