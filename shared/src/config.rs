@@ -280,7 +280,8 @@ impl Config {
         };
 
         let namespace = raw.namespace.unwrap_or_else(|| "drumline".to_owned());
-        check_name(&namespace).map_err(|m| fail.at(None, "namespace", m))?;
+        check_name(&namespace)
+            .map_err(|m| fail.at(None, "namespace", format!("{namespace:?} {m}")))?;
 
         let beat = BeatConfig {
             leader_lease: fail.duration("[beat]", "leader_lease", &raw.beat.leader_lease, 10)?,
@@ -305,7 +306,7 @@ impl Config {
             ));
         }
         for q in &queues {
-            check_name(q).map_err(|m| fail.at(Some("[worker]"), "queues", m))?;
+            check_name(q).map_err(|m| fail.at(Some("[worker]"), "queues", format!("{q:?} {m}")))?;
         }
         let max_message_bytes = w.max_message_bytes.unwrap_or(1 << 20);
         if max_message_bytes < 1 {
@@ -331,7 +332,7 @@ impl Config {
         let mut tasks = BTreeMap::new();
         for (name, t) in raw.tasks {
             let place = format!("task {name:?}");
-            check_name(&name).map_err(|m| fail.at(Some(&place), "name", m))?;
+            check_name(&name).map_err(|m| fail.at(Some(&place), "name", m.to_string()))?;
             tasks.insert(name.clone(), check_task(&fail, &place, name, t)?);
         }
 
@@ -436,15 +437,7 @@ fn check_job(
     tasks: &BTreeMap<String, Task>,
 ) -> Result<Job, ConfigError> {
     let at = |key: &str, message: String| fail.at(Some(place), key, message);
-    if j.name.is_empty() {
-        return Err(at("name", "must not be empty".into()));
-    }
-    if j.name.contains('@') || j.name.chars().any(char::is_whitespace) {
-        return Err(at(
-            "name",
-            "must not contain '@' or whitespace (it is part of the idempotency key)".into(),
-        ));
-    }
+    check_name(&j.name).map_err(|m| at("name", m.to_string()))?;
     if !tasks.contains_key(&j.task) {
         let known: Vec<&str> = tasks.keys().map(String::as_str).collect();
         return Err(at(
@@ -533,7 +526,7 @@ fn check_job(
         return Err(at("max_catch_up", "must be at least 1".into()));
     }
     let queue = j.queue.unwrap_or_else(|| "default".to_owned());
-    check_name(&queue).map_err(|m| at("queue", m))?;
+    check_name(&queue).map_err(|m| at("queue", format!("{queue:?} {m}")))?;
     let args = match j.args {
         None => serde_json::json!({}),
         Some(v) => serde_json::to_value(v).map_err(|e| at("args", e.to_string()))?,
@@ -557,22 +550,9 @@ fn check_job(
     })
 }
 
-/// Names that become part of queue names and Redis keys (namespace, queues, tasks): letters,
-/// digits, `-` and `_`.
-pub fn check_name(name: &str) -> Result<(), String> {
-    if name.is_empty() {
-        return Err("must not be empty".into());
-    }
-    if let Some(c) = name
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_')))
-    {
-        return Err(format!(
-            "{name:?} contains {c:?}; use letters, digits, '-' and '_'"
-        ));
-    }
-    Ok(())
-}
+/// The name rule lives with the names it protects; re-exported for the callers that already
+/// use it from here.
+pub use crate::names::check_name;
 
 /// Builds errors for one file.
 struct Failer<'a> {

@@ -3,6 +3,81 @@
 
 use std::time::Duration;
 
+/// Most bytes in a namespace, job, task or queue name (DESIGN §9 "Limits and validation").
+/// With the fixed parts around them, every derived AMQP name stays below the 255-byte
+/// short-string limit.
+pub const MAX_NAME_BYTES: usize = 100;
+
+/// Most bytes in an idempotency key (`{job}@{instant}`, or an ad-hoc `--key`).
+pub const MAX_KEY_BYTES: usize = 200;
+
+/// Why a name or an idempotency key is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidName {
+    /// Nothing at all.
+    #[error("must not be empty")]
+    Empty,
+    /// Longer than the limit.
+    #[error("is {len} bytes long; at most {max} are allowed")]
+    TooLong {
+        /// Its length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A name character outside `[A-Za-z0-9._-]`.
+    #[error("contains {found:?}; use only letters, digits, '.', '-' and '_'")]
+    BadChar {
+        /// The first offending character.
+        found: char,
+    },
+    /// A key character that is whitespace or not printable.
+    #[error("contains {found:?}; whitespace and control characters are not allowed")]
+    Unprintable {
+        /// The first offending character.
+        found: char,
+    },
+}
+
+/// Checks a namespace, job, task or queue name: 1 to [`MAX_NAME_BYTES`] bytes of
+/// `[A-Za-z0-9._-]`. These names become parts of AMQP names and Redis keys, and a job name is
+/// the first half of every idempotency key, so `@`, `:` and whitespace never appear in them.
+pub fn check_name(name: &str) -> Result<(), InvalidName> {
+    if name.is_empty() {
+        return Err(InvalidName::Empty);
+    }
+    if name.len() > MAX_NAME_BYTES {
+        return Err(InvalidName::TooLong {
+            len: name.len(),
+            max: MAX_NAME_BYTES,
+        });
+    }
+    match name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')))
+    {
+        Some(found) => Err(InvalidName::BadChar { found }),
+        None => Ok(()),
+    }
+}
+
+/// Checks an idempotency key: 1 to [`MAX_KEY_BYTES`] bytes, printable, no whitespace.
+pub fn check_key(key: &str) -> Result<(), InvalidName> {
+    if key.is_empty() {
+        return Err(InvalidName::Empty);
+    }
+    if key.len() > MAX_KEY_BYTES {
+        return Err(InvalidName::TooLong {
+            len: key.len(),
+            max: MAX_KEY_BYTES,
+        });
+    }
+    match key.chars().find(|c| c.is_whitespace() || c.is_control()) {
+        Some(found) => Err(InvalidName::Unprintable { found }),
+        None => Ok(()),
+    }
+}
+
 /// Name builder for one namespace.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Names {
@@ -85,6 +160,41 @@ impl Names {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn name_rule() {
+        assert_eq!(check_name("nightly-report_2.v1"), Ok(()));
+        assert_eq!(check_name(&"a".repeat(MAX_NAME_BYTES)), Ok(()));
+        assert_eq!(
+            check_name(&"a".repeat(MAX_NAME_BYTES + 1)),
+            Err(InvalidName::TooLong { len: 101, max: 100 })
+        );
+        assert_eq!(check_name(""), Err(InvalidName::Empty));
+        for bad in ["a b", "a@b", "a:b", "é", "a/b"] {
+            assert!(
+                matches!(check_name(bad), Err(InvalidName::BadChar { .. })),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn key_rule() {
+        assert_eq!(check_key("nightly@2026-03-08T07:30:00Z"), Ok(()));
+        assert_eq!(check_key("ünïcode/ok:1"), Ok(()));
+        assert_eq!(check_key(&"k".repeat(MAX_KEY_BYTES)), Ok(()));
+        assert_eq!(
+            check_key(&"k".repeat(MAX_KEY_BYTES + 1)),
+            Err(InvalidName::TooLong { len: 201, max: 200 })
+        );
+        assert_eq!(check_key(""), Err(InvalidName::Empty));
+        for bad in ["a b", "a\tb", "a\nb", "a\u{7f}b", "a\u{a0}b"] {
+            assert!(
+                matches!(check_key(bad), Err(InvalidName::Unprintable { .. })),
+                "{bad:?}"
+            );
+        }
+    }
 
     #[test]
     fn names_follow_the_design_table() {
