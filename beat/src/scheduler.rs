@@ -57,6 +57,13 @@ pub const SAVE_PIPELINE: usize = 10_000;
 /// Stalled jobs logged one by one per batch; the rest are counted in one line.
 pub const STALLS_LISTED: usize = 10;
 
+/// First wait before a job whose own message failed is tried again (alone); doubled per
+/// consecutive failure up to [`ISOLATED_BACKOFF_MAX`].
+pub const ISOLATED_BACKOFF: Duration = Duration::from_millis(200);
+
+/// Longest wait between two tries of a job whose own message keeps failing.
+pub const ISOLATED_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
 /// Why an instance was not published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dropped {
@@ -386,7 +393,8 @@ pub struct BeatStats {
     pub publish_failures: Counter,
     /// Progress writes to Redis that failed, per job (the job waits until one succeeds).
     pub persist_failures: Counter,
-    /// Jobs whose last attempt stalled (broker or Redis unreachable); 0 when all move.
+    /// Jobs whose last attempt stalled (broker or Redis unreachable, or the broker refused
+    /// the job's message); 0 when all move.
     pub stalled_jobs: Gauge,
 }
 
@@ -440,9 +448,14 @@ impl BeatStats {
 /// because one failure — the broker or Redis unreachable — stalls every job of a batch.
 #[derive(Debug, Clone, thiserror::Error)]
 enum Stall {
-    /// The broker did not take an instance.
+    /// One of the job's messages was sent and failed (refused, unroutable, or lost with a
+    /// channel that some message of the batch closed). The job is tried again alone, so that
+    /// whatever is wrong with its message cannot fail the others' again.
     #[error(transparent)]
     Publish(Arc<PublishError>),
+    /// Nothing of the batch could be sent (no connection): every job waits for the broker.
+    #[error(transparent)]
+    Unsent(Arc<PublishError>),
     /// Redis did not take the job's progress.
     #[error("cannot persist the job's progress to redis: {0}")]
     Persist(Arc<StoreError>),
@@ -457,6 +470,11 @@ struct JobState {
     /// `last` is ahead of what Redis holds (not written yet, or a write failed): written
     /// before anything is published for the job.
     unsaved: bool,
+    /// Consecutive attempts that stalled; 0 when the last one moved.
+    failures: u32,
+    /// One of its messages failed in a batch: it is published in a batch of its own until
+    /// one succeeds (DESIGN §9: a job that cannot be published never holds up the others).
+    alone: bool,
 }
 
 /// A due job taken into a batch.
@@ -518,6 +536,8 @@ pub async fn run(
                 last,
                 next: job.schedule.next_after(last),
                 unsaved,
+                failures: 0,
+                alone: false,
             }
         })
         .collect();
@@ -561,6 +581,8 @@ pub async fn run(
 
     let threshold = config.beat.misfire_threshold;
     let mut retry_backoff = Duration::from_millis(200);
+    // Jobs whose last attempt stalled (`failures > 0`), for the gauge.
+    let mut stuck: i64 = 0;
     'beat: loop {
         // Wake at the next due instant, but at least once a second to notice wall-clock jumps.
         let mut wait = Duration::from_secs(1);
@@ -594,30 +616,63 @@ pub async fn run(
             )
             .await?;
             let mut stalled = 0;
+            // Stalls that are not one job's own: the broker or Redis is away, and every job
+            // waits for the shared backoff.
+            let mut shared = 0;
             for (due, stall) in batch.iter().zip(stalls) {
                 let job = &config.jobs[due.job];
+                let state = &mut states[due.job];
                 let Some(stall) = stall else {
-                    if let Some(next) = states[due.job].next {
+                    if state.failures > 0 {
+                        stuck -= 1;
+                    }
+                    state.failures = 0;
+                    state.alone = false;
+                    if let Some(next) = state.next {
                         queue.push(Reverse((next, due.job)));
                     }
                     continue;
                 };
+                if state.failures == 0 {
+                    stuck += 1;
+                }
+                state.failures = state.failures.saturating_add(1);
                 match &stall {
-                    Stall::Publish(_) => stats.publish_failures.inc(),
+                    Stall::Publish(_) | Stall::Unsent(_) => stats.publish_failures.inc(),
                     Stall::Persist(_) => stats.persist_failures.inc(),
                 };
-                if stalled < STALLS_LISTED {
-                    warn!(job = %job.name, error = %stall,
-                        retry_in_ms = retry_backoff.as_millis() as u64, "job stalled; will retry");
-                }
+                // Planned again from the progress made so far: instances the stall made late
+                // become misses and follow the policy.
+                let retry_at = if let Stall::Publish(_) = stall {
+                    // Its own message failed: tried again alone after its own backoff, while
+                    // the other jobs go on now.
+                    state.alone = true;
+                    let backoff = isolated_backoff(state.failures);
+                    if stalled < STALLS_LISTED {
+                        warn!(job = %job.name, error = %stall, retry_in_ms = backoff.as_millis() as u64,
+                            "job stalled; will retry it alone");
+                    }
+                    due.due.max(now + backoff)
+                } else {
+                    shared += 1;
+                    if stalled < STALLS_LISTED {
+                        warn!(job = %job.name, error = %stall,
+                            retry_in_ms = retry_backoff.as_millis() as u64, "job stalled; will retry");
+                    }
+                    due.due
+                };
                 stalled += 1;
-                // Planned again at the next wake from the progress made so far: instances the
-                // outage made late become misses and follow the policy.
-                queue.push(Reverse((due.due, due.job)));
+                queue.push(Reverse((retry_at, due.job)));
             }
-            stats.stalled_jobs.set(stalled as i64);
-            if stalled == 0 {
+            stats.stalled_jobs.set(stuck);
+            if shared == 0 {
                 retry_backoff = Duration::from_millis(200);
+                if stalled > STALLS_LISTED {
+                    warn!(
+                        more = stalled - STALLS_LISTED,
+                        "more jobs stalled; will retry them alone"
+                    );
+                }
                 continue;
             }
             if stalled > STALLS_LISTED {
@@ -666,6 +721,12 @@ fn take_due(
         if due > now {
             break;
         }
+        // A job whose message failed goes in a batch of its own, so that a failure that
+        // closes the channel cannot take the others' messages with it.
+        let alone = states[job].alone;
+        if alone && !batch.is_empty() {
+            break;
+        }
         queue.pop();
         let plan = plan(&jobs[job], states[job].last, now, threshold);
         let take = plan.publish.len().min(BATCH_MESSAGES - messages);
@@ -676,8 +737,17 @@ fn take_due(
             plan,
             take,
         });
+        if alone {
+            break;
+        }
     }
     batch
+}
+
+/// Wait before the `failures`-th consecutive try of a job whose own message failed.
+fn isolated_backoff(failures: u32) -> Duration {
+    let doublings = failures.saturating_sub(1).min(16);
+    (ISOLATED_BACKOFF * 2u32.pow(doublings)).min(ISOLATED_BACKOFF_MAX)
 }
 
 /// Publishes what `batch` plans and moves each job's progress forward; returns, per job of the
@@ -754,7 +824,7 @@ async fn advance(
                 let e = Arc::new(e);
                 for (p, span) in &spans {
                     if !span.is_empty() {
-                        stalls[*p] = Some(Stall::Publish(e.clone()));
+                        stalls[*p] = Some(Stall::Unsent(e.clone()));
                     }
                 }
                 Vec::new()
