@@ -19,6 +19,7 @@ use drumline_shared::envelope::{instance_key, Envelope};
 use drumline_shared::names::Names;
 use drumline_shared::schedule::Schedule;
 use drumline_shared::store::{last_instant_text, Store, StoreError};
+use drumline_shared::url::Redacted;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -576,7 +577,7 @@ pub async fn run(
         {
             return Err(PublishError::Topology(t));
         }
-        warn!(error = %e, "broker not reachable yet; will retry");
+        warn!(error = %e, broker = %Redacted(&config.broker_url), "broker not reachable yet; will retry");
     }
 
     let threshold = config.beat.misfire_threshold;
@@ -963,7 +964,8 @@ async fn connect_redis(config: &Config, names: &Names) -> Store {
         match Store::connect(&config.redis_url, names.clone()).await {
             Ok(store) => return store,
             Err(e) => {
-                error!(error = %e, "redis unreachable; the beat waits for it (it holds each job's progress)");
+                error!(error = %e, redis = %Redacted(&config.redis_url),
+                    "redis unreachable; the beat waits for it (it holds each job's progress)");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
