@@ -1019,6 +1019,41 @@ mod tests {
     const CRON_MINUTE: &str = "cron = \"* * * * *\"";
 
     #[test]
+    fn a_job_whose_message_failed_is_batched_alone() {
+        let jobs: Vec<Job> = (0..4).map(|_| job(EVERY_MINUTE)).collect();
+        let mut states: Vec<JobState> = (0..4)
+            .map(|_| JobState {
+                last: at(LAST),
+                next: None,
+                unsaved: false,
+                failures: 0,
+                alone: false,
+            })
+            .collect();
+        states[1].alone = true;
+        let due = at("2026-03-02T12:01:00Z");
+        let mut queue: BinaryHeap<Reverse<(DateTime<Utc>, usize)>> =
+            (0..4).map(|i| Reverse((due, i))).collect();
+        let mut batches = Vec::new();
+        loop {
+            let batch = take_due(&mut queue, &jobs, &states, at(NOW), THRESHOLD);
+            if batch.is_empty() {
+                break;
+            }
+            batches.push(batch.iter().map(|d| d.job).collect::<Vec<_>>());
+        }
+        assert_eq!(batches, vec![vec![0], vec![1], vec![2, 3]]);
+    }
+
+    #[test]
+    fn isolated_backoff_doubles_up_to_its_cap() {
+        let ms = |n| isolated_backoff(n).as_millis();
+        assert_eq!((ms(1), ms(2), ms(3)), (200, 400, 800));
+        assert_eq!(ms(8), 25_600);
+        assert_eq!((ms(9), ms(u32::MAX)), (30_000, 30_000));
+    }
+
+    #[test]
     fn ten_minute_gap_run_once_publishes_only_the_latest() {
         for schedule in [EVERY_MINUTE, CRON_MINUTE] {
             let p = plan(&job(schedule), at(LAST), at(NOW), THRESHOLD);
