@@ -5,7 +5,7 @@
 use chrono::{DateTime, Utc};
 use drumline_shared::config::{check_name, Config};
 use drumline_shared::envelope::Envelope;
-use drumline_shared::names::Names;
+use drumline_shared::names::{check_key, Names};
 use drumline_shared::topology::{self, TopologyError};
 use std::time::Duration;
 
@@ -53,9 +53,7 @@ pub fn envelope(
     let queue = req.queue.clone().unwrap_or_else(|| "default".to_owned());
     check_name(&queue).map_err(|e| BadRequest(format!("--queue: {e}")))?;
     if let Some(key) = &req.key {
-        if key.is_empty() || key.len() > 512 {
-            return Err(BadRequest("--key: must be 1 to 512 characters".into()));
-        }
+        check_key(key).map_err(|e| BadRequest(format!("--key: {e}")))?;
     }
     let delay = chrono::Duration::from_std(req.delay)
         .map_err(|_| BadRequest("--delay: too large".into()))?;

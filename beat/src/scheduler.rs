@@ -19,6 +19,7 @@ use drumline_shared::envelope::{instance_key, Envelope};
 use drumline_shared::names::Names;
 use drumline_shared::schedule::Schedule;
 use drumline_shared::store::{last_instant_text, Store, StoreError};
+use drumline_shared::url::Redacted;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -56,6 +57,13 @@ pub const SAVE_PIPELINE: usize = 10_000;
 
 /// Stalled jobs logged one by one per batch; the rest are counted in one line.
 pub const STALLS_LISTED: usize = 10;
+
+/// First wait before a job whose own message failed is tried again (alone); doubled per
+/// consecutive failure up to [`ISOLATED_BACKOFF_MAX`].
+pub const ISOLATED_BACKOFF: Duration = Duration::from_millis(200);
+
+/// Longest wait between two tries of a job whose own message keeps failing.
+pub const ISOLATED_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
 /// Why an instance was not published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -386,7 +394,8 @@ pub struct BeatStats {
     pub publish_failures: Counter,
     /// Progress writes to Redis that failed, per job (the job waits until one succeeds).
     pub persist_failures: Counter,
-    /// Jobs whose last attempt stalled (broker or Redis unreachable); 0 when all move.
+    /// Jobs whose last attempt stalled (broker or Redis unreachable, or the broker refused
+    /// the job's message); 0 when all move.
     pub stalled_jobs: Gauge,
 }
 
@@ -440,9 +449,14 @@ impl BeatStats {
 /// because one failure — the broker or Redis unreachable — stalls every job of a batch.
 #[derive(Debug, Clone, thiserror::Error)]
 enum Stall {
-    /// The broker did not take an instance.
+    /// One of the job's messages was sent and failed (refused, unroutable, or lost with a
+    /// channel that some message of the batch closed). The job is tried again alone, so that
+    /// whatever is wrong with its message cannot fail the others' again.
     #[error(transparent)]
     Publish(Arc<PublishError>),
+    /// Nothing of the batch could be sent (no connection): every job waits for the broker.
+    #[error(transparent)]
+    Unsent(Arc<PublishError>),
     /// Redis did not take the job's progress.
     #[error("cannot persist the job's progress to redis: {0}")]
     Persist(Arc<StoreError>),
@@ -457,6 +471,11 @@ struct JobState {
     /// `last` is ahead of what Redis holds (not written yet, or a write failed): written
     /// before anything is published for the job.
     unsaved: bool,
+    /// Consecutive attempts that stalled; 0 when the last one moved.
+    failures: u32,
+    /// One of its messages failed in a batch: it is published in a batch of its own until
+    /// one succeeds (DESIGN §9: a job that cannot be published never holds up the others).
+    alone: bool,
 }
 
 /// A due job taken into a batch.
@@ -518,6 +537,8 @@ pub async fn run(
                 last,
                 next: job.schedule.next_after(last),
                 unsaved,
+                failures: 0,
+                alone: false,
             }
         })
         .collect();
@@ -556,11 +577,13 @@ pub async fn run(
         {
             return Err(PublishError::Topology(t));
         }
-        warn!(error = %e, "broker not reachable yet; will retry");
+        warn!(error = %e, broker = %Redacted(&config.broker_url), "broker not reachable yet; will retry");
     }
 
     let threshold = config.beat.misfire_threshold;
     let mut retry_backoff = Duration::from_millis(200);
+    // Jobs whose last attempt stalled (`failures > 0`), for the gauge.
+    let mut stuck: i64 = 0;
     'beat: loop {
         // Wake at the next due instant, but at least once a second to notice wall-clock jumps.
         let mut wait = Duration::from_secs(1);
@@ -594,30 +617,63 @@ pub async fn run(
             )
             .await?;
             let mut stalled = 0;
+            // Stalls that are not one job's own: the broker or Redis is away, and every job
+            // waits for the shared backoff.
+            let mut shared = 0;
             for (due, stall) in batch.iter().zip(stalls) {
                 let job = &config.jobs[due.job];
+                let state = &mut states[due.job];
                 let Some(stall) = stall else {
-                    if let Some(next) = states[due.job].next {
+                    if state.failures > 0 {
+                        stuck -= 1;
+                    }
+                    state.failures = 0;
+                    state.alone = false;
+                    if let Some(next) = state.next {
                         queue.push(Reverse((next, due.job)));
                     }
                     continue;
                 };
+                if state.failures == 0 {
+                    stuck += 1;
+                }
+                state.failures = state.failures.saturating_add(1);
                 match &stall {
-                    Stall::Publish(_) => stats.publish_failures.inc(),
+                    Stall::Publish(_) | Stall::Unsent(_) => stats.publish_failures.inc(),
                     Stall::Persist(_) => stats.persist_failures.inc(),
                 };
-                if stalled < STALLS_LISTED {
-                    warn!(job = %job.name, error = %stall,
-                        retry_in_ms = retry_backoff.as_millis() as u64, "job stalled; will retry");
-                }
+                // Planned again from the progress made so far: instances the stall made late
+                // become misses and follow the policy.
+                let retry_at = if let Stall::Publish(_) = stall {
+                    // Its own message failed: tried again alone after its own backoff, while
+                    // the other jobs go on now.
+                    state.alone = true;
+                    let backoff = isolated_backoff(state.failures);
+                    if stalled < STALLS_LISTED {
+                        warn!(job = %job.name, error = %stall, retry_in_ms = backoff.as_millis() as u64,
+                            "job stalled; will retry it alone");
+                    }
+                    due.due.max(now + backoff)
+                } else {
+                    shared += 1;
+                    if stalled < STALLS_LISTED {
+                        warn!(job = %job.name, error = %stall,
+                            retry_in_ms = retry_backoff.as_millis() as u64, "job stalled; will retry");
+                    }
+                    due.due
+                };
                 stalled += 1;
-                // Planned again at the next wake from the progress made so far: instances the
-                // outage made late become misses and follow the policy.
-                queue.push(Reverse((due.due, due.job)));
+                queue.push(Reverse((retry_at, due.job)));
             }
-            stats.stalled_jobs.set(stalled as i64);
-            if stalled == 0 {
+            stats.stalled_jobs.set(stuck);
+            if shared == 0 {
                 retry_backoff = Duration::from_millis(200);
+                if stalled > STALLS_LISTED {
+                    warn!(
+                        more = stalled - STALLS_LISTED,
+                        "more jobs stalled; will retry them alone"
+                    );
+                }
                 continue;
             }
             if stalled > STALLS_LISTED {
@@ -666,6 +722,12 @@ fn take_due(
         if due > now {
             break;
         }
+        // A job whose message failed goes in a batch of its own, so that a failure that
+        // closes the channel cannot take the others' messages with it.
+        let alone = states[job].alone;
+        if alone && !batch.is_empty() {
+            break;
+        }
         queue.pop();
         let plan = plan(&jobs[job], states[job].last, now, threshold);
         let take = plan.publish.len().min(BATCH_MESSAGES - messages);
@@ -676,8 +738,17 @@ fn take_due(
             plan,
             take,
         });
+        if alone {
+            break;
+        }
     }
     batch
+}
+
+/// Wait before the `failures`-th consecutive try of a job whose own message failed.
+fn isolated_backoff(failures: u32) -> Duration {
+    let doublings = failures.saturating_sub(1).min(16);
+    (ISOLATED_BACKOFF * 2u32.pow(doublings)).min(ISOLATED_BACKOFF_MAX)
 }
 
 /// Publishes what `batch` plans and moves each job's progress forward; returns, per job of the
@@ -754,7 +825,7 @@ async fn advance(
                 let e = Arc::new(e);
                 for (p, span) in &spans {
                     if !span.is_empty() {
-                        stalls[*p] = Some(Stall::Publish(e.clone()));
+                        stalls[*p] = Some(Stall::Unsent(e.clone()));
                     }
                 }
                 Vec::new()
@@ -893,7 +964,8 @@ async fn connect_redis(config: &Config, names: &Names) -> Store {
         match Store::connect(&config.redis_url, names.clone()).await {
             Ok(store) => return store,
             Err(e) => {
-                error!(error = %e, "redis unreachable; the beat waits for it (it holds each job's progress)");
+                error!(error = %e, redis = %Redacted(&config.redis_url),
+                    "redis unreachable; the beat waits for it (it holds each job's progress)");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
@@ -945,6 +1017,41 @@ mod tests {
     const NOW: &str = "2026-03-02T12:10:30Z";
     const EVERY_MINUTE: &str = "every = \"1m\"";
     const CRON_MINUTE: &str = "cron = \"* * * * *\"";
+
+    #[test]
+    fn a_job_whose_message_failed_is_batched_alone() {
+        let jobs: Vec<Job> = (0..4).map(|_| job(EVERY_MINUTE)).collect();
+        let mut states: Vec<JobState> = (0..4)
+            .map(|_| JobState {
+                last: at(LAST),
+                next: None,
+                unsaved: false,
+                failures: 0,
+                alone: false,
+            })
+            .collect();
+        states[1].alone = true;
+        let due = at("2026-03-02T12:01:00Z");
+        let mut queue: BinaryHeap<Reverse<(DateTime<Utc>, usize)>> =
+            (0..4).map(|i| Reverse((due, i))).collect();
+        let mut batches = Vec::new();
+        loop {
+            let batch = take_due(&mut queue, &jobs, &states, at(NOW), THRESHOLD);
+            if batch.is_empty() {
+                break;
+            }
+            batches.push(batch.iter().map(|d| d.job).collect::<Vec<_>>());
+        }
+        assert_eq!(batches, vec![vec![0], vec![1], vec![2, 3]]);
+    }
+
+    #[test]
+    fn isolated_backoff_doubles_up_to_its_cap() {
+        let ms = |n| isolated_backoff(n).as_millis();
+        assert_eq!((ms(1), ms(2), ms(3)), (200, 400, 800));
+        assert_eq!(ms(8), 25_600);
+        assert_eq!((ms(9), ms(u32::MAX)), (30_000, 30_000));
+    }
 
     #[test]
     fn ten_minute_gap_run_once_publishes_only_the_latest() {

@@ -4,6 +4,7 @@
 
 use crate::duration;
 use crate::schedule::{parse_timezone, CronExpr, DstFold, DstGap, Schedule};
+use crate::url;
 use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 use serde::Deserialize;
@@ -55,8 +56,10 @@ pub struct Config {
     /// Namespace for every name on the broker and in Redis. Default `drumline`.
     pub namespace: String,
     /// AMQP URL; env `DRUMLINE_AMQP_URL` wins. Default `amqp://guest:guest@127.0.0.1:5672/%2f`.
+    /// Checked at load; print it only through [`url::Redacted`].
     pub broker_url: String,
     /// Redis URL; env `DRUMLINE_REDIS_URL` wins. Default `redis://127.0.0.1:6379/0`.
+    /// Checked at load; print it only through [`url::Redacted`].
     pub redis_url: String,
     /// `[beat]`.
     pub beat: BeatConfig,
@@ -280,7 +283,8 @@ impl Config {
         };
 
         let namespace = raw.namespace.unwrap_or_else(|| "drumline".to_owned());
-        check_name(&namespace).map_err(|m| fail.at(None, "namespace", m))?;
+        check_name(&namespace)
+            .map_err(|m| fail.at(None, "namespace", format!("{namespace:?} {m}")))?;
 
         let beat = BeatConfig {
             leader_lease: fail.duration("[beat]", "leader_lease", &raw.beat.leader_lease, 10)?,
@@ -305,7 +309,7 @@ impl Config {
             ));
         }
         for q in &queues {
-            check_name(q).map_err(|m| fail.at(Some("[worker]"), "queues", m))?;
+            check_name(q).map_err(|m| fail.at(Some("[worker]"), "queues", format!("{q:?} {m}")))?;
         }
         let max_message_bytes = w.max_message_bytes.unwrap_or(1 << 20);
         if max_message_bytes < 1 {
@@ -331,7 +335,7 @@ impl Config {
         let mut tasks = BTreeMap::new();
         for (name, t) in raw.tasks {
             let place = format!("task {name:?}");
-            check_name(&name).map_err(|m| fail.at(Some(&place), "name", m))?;
+            check_name(&name).map_err(|m| fail.at(Some(&place), "name", m.to_string()))?;
             tasks.insert(name.clone(), check_task(&fail, &place, name, t)?);
         }
 
@@ -349,15 +353,27 @@ impl Config {
             jobs.push(check_job(&fail, &place, j, &tasks)?);
         }
 
+        let broker_url = fail.url(
+            ENV_AMQP_URL,
+            env(ENV_AMQP_URL),
+            "[broker]",
+            raw.broker.url,
+            "amqp://guest:guest@127.0.0.1:5672/%2f",
+            url::check_amqp,
+        )?;
+        let redis_url = fail.url(
+            ENV_REDIS_URL,
+            env(ENV_REDIS_URL),
+            "[redis]",
+            raw.redis.url,
+            "redis://127.0.0.1:6379/0",
+            url::check_redis,
+        )?;
         Ok(Config {
             path: path.to_owned(),
             namespace,
-            broker_url: env(ENV_AMQP_URL)
-                .or(raw.broker.url)
-                .unwrap_or_else(|| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned()),
-            redis_url: env(ENV_REDIS_URL)
-                .or(raw.redis.url)
-                .unwrap_or_else(|| "redis://127.0.0.1:6379/0".to_owned()),
+            broker_url,
+            redis_url,
             beat,
             worker,
             jobs,
@@ -436,15 +452,7 @@ fn check_job(
     tasks: &BTreeMap<String, Task>,
 ) -> Result<Job, ConfigError> {
     let at = |key: &str, message: String| fail.at(Some(place), key, message);
-    if j.name.is_empty() {
-        return Err(at("name", "must not be empty".into()));
-    }
-    if j.name.contains('@') || j.name.chars().any(char::is_whitespace) {
-        return Err(at(
-            "name",
-            "must not contain '@' or whitespace (it is part of the idempotency key)".into(),
-        ));
-    }
+    check_name(&j.name).map_err(|m| at("name", m.to_string()))?;
     if !tasks.contains_key(&j.task) {
         let known: Vec<&str> = tasks.keys().map(String::as_str).collect();
         return Err(at(
@@ -533,7 +541,7 @@ fn check_job(
         return Err(at("max_catch_up", "must be at least 1".into()));
     }
     let queue = j.queue.unwrap_or_else(|| "default".to_owned());
-    check_name(&queue).map_err(|m| at("queue", m))?;
+    check_name(&queue).map_err(|m| at("queue", format!("{queue:?} {m}")))?;
     let args = match j.args {
         None => serde_json::json!({}),
         Some(v) => serde_json::to_value(v).map_err(|e| at("args", e.to_string()))?,
@@ -557,21 +565,24 @@ fn check_job(
     })
 }
 
-/// Names that become part of queue names and Redis keys (namespace, queues, tasks): letters,
-/// digits, `-` and `_`.
-pub fn check_name(name: &str) -> Result<(), String> {
-    if name.is_empty() {
-        return Err("must not be empty".into());
-    }
-    if let Some(c) = name
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_')))
-    {
-        return Err(format!(
-            "{name:?} contains {c:?}; use letters, digits, '-' and '_'"
-        ));
-    }
-    Ok(())
+/// The name rule lives with the names it protects; re-exported for the callers that already
+/// use it from here.
+pub use crate::names::check_name;
+
+/// The first key of `table` whose value, alone, does not deserialise into `T` (a wrong type,
+/// an unknown enum value, an unknown key), with serde's error. A lone key otherwise only
+/// misses the required fields, which is not its fault.
+fn culprit<T: serde::de::DeserializeOwned>(
+    table: &toml::Table,
+) -> Option<(String, toml::de::Error)> {
+    table.iter().find_map(|(key, value)| {
+        let mut alone = toml::Table::new();
+        alone.insert(key.clone(), value.clone());
+        match toml::Value::Table(alone).try_into::<T>() {
+            Err(e) if !e.message().starts_with("missing field") => Some((key.clone(), e)),
+            _ => None,
+        }
+    })
 }
 
 /// Builds errors for one file.
@@ -580,29 +591,71 @@ struct Failer<'a> {
 }
 
 impl Failer<'_> {
-    /// Turns a failed typed parse into an error that names the job or task: parse again with
-    /// jobs and tasks as tables and convert them one by one; the first that fails is the one.
+    /// Turns a failed typed parse into an error that names the section, job or task and the
+    /// key: parse again as plain tables and try each key's value alone in its typed form; the
+    /// first that fails is the one. Only runs when the fast path failed.
     fn pinpoint(&self, text: &str, fast: toml::de::Error) -> ConfigError {
-        let raw: RawConfig<toml::Table, toml::Table> = match toml::from_str(text) {
+        let raw: toml::Table = match toml::from_str(text) {
             Ok(raw) => raw,
             Err(e) => return self.toml(None, e),
         };
-        for (name, table) in raw.tasks {
-            let place = format!("task {name:?}");
-            if let Err(e) = toml::Value::Table(table).try_into::<RawTask>() {
-                return self.toml(Some(&place), e);
+        type Finder = fn(&toml::Table) -> Option<(String, toml::de::Error)>;
+        let sections: [(&str, Finder); 4] = [
+            ("broker", culprit::<RawUrl>),
+            ("redis", culprit::<RawUrl>),
+            ("beat", culprit::<RawBeat>),
+            ("worker", culprit::<RawWorker>),
+        ];
+        for (section, find) in sections {
+            if let Some(toml::Value::Table(table)) = raw.get(section) {
+                if let Some((key, e)) = find(table) {
+                    return self.keyed(Some(&format!("[{section}]")), key, e);
+                }
             }
         }
-        for (i, table) in raw.jobs.into_iter().enumerate() {
-            let place = match table.get("name").and_then(|n| n.as_str()) {
-                Some(name) => format!("job {name:?}"),
-                None => format!("jobs[{i}]"),
-            };
-            if let Err(e) = toml::Value::Table(table).try_into::<RawJob>() {
-                return self.toml(Some(&place), e);
+        if let Some(toml::Value::Table(tasks)) = raw.get("tasks") {
+            for (name, task) in tasks {
+                let place = format!("task {name:?}");
+                if let toml::Value::Table(table) = task {
+                    if let Some((key, e)) = culprit::<RawTask>(table) {
+                        return self.keyed(Some(&place), key, e);
+                    }
+                }
+                if let Err(e) = task.clone().try_into::<RawTask>() {
+                    return self.toml(Some(&place), e);
+                }
             }
+        }
+        if let Some(toml::Value::Array(jobs)) = raw.get("jobs") {
+            for (i, job) in jobs.iter().enumerate() {
+                let place = match job.get("name").and_then(|n| n.as_str()) {
+                    Some(name) => format!("job {name:?}"),
+                    None => format!("jobs[{i}]"),
+                };
+                if let toml::Value::Table(table) = job {
+                    if let Some((key, e)) = culprit::<RawJob>(table) {
+                        return self.keyed(Some(&place), key, e);
+                    }
+                }
+                if let Err(e) = job.clone().try_into::<RawJob>() {
+                    return self.toml(Some(&place), e);
+                }
+            }
+        }
+        if let Some((key, e)) = culprit::<RawConfig<toml::Value, toml::Value>>(&raw) {
+            return self.keyed(None, key, e);
         }
         self.toml(None, fast)
+    }
+
+    /// A serde error about `key`'s value.
+    fn keyed(&self, place: Option<&str>, key: String, e: toml::de::Error) -> ConfigError {
+        ConfigError {
+            file: self.file.to_owned(),
+            place: place.map(str::to_owned),
+            key: Some(key),
+            message: e.message().to_owned(),
+        }
     }
 
     fn at(&self, place: Option<&str>, key: &str, message: String) -> ConfigError {
@@ -617,18 +670,12 @@ impl Failer<'_> {
     /// A toml/serde error; pulls the key out of "unknown field `x`" / "missing field `x`".
     fn toml(&self, place: Option<&str>, e: toml::de::Error) -> ConfigError {
         let message = e.message().to_owned();
-        let key = ["unknown field `", "missing field `", "unknown variant `"]
+        let key = ["unknown field `", "missing field `"]
             .iter()
             .find_map(|prefix| {
                 let rest = message.strip_prefix(prefix)?;
                 Some(rest[..rest.find('`')?].to_owned())
             });
-        let key = match (key, message.starts_with("unknown variant")) {
-            // For an enum value the field is what matters; serde does not say which, so
-            // leave it to the message ("unknown variant `x`, expected one of …").
-            (Some(_), true) => None,
-            (k, _) => k,
-        };
         let message = match e.span() {
             Some(span) if place.is_none() => format!("{message} (at byte {})", span.start),
             _ => message,
@@ -639,6 +686,26 @@ impl Failer<'_> {
             key,
             message,
         }
+    }
+
+    /// The URL in force (env over file over default), checked by `check`. An error names the
+    /// env var or the section's `url` key, never the value (it may hold a password).
+    fn url(
+        &self,
+        env_name: &str,
+        from_env: Option<String>,
+        section: &str,
+        from_file: Option<String>,
+        default: &str,
+        check: fn(&str) -> Result<(), url::UrlError>,
+    ) -> Result<String, ConfigError> {
+        let (place, key, text) = match (from_env, from_file) {
+            (Some(text), _) => ("environment", env_name, text),
+            (None, Some(text)) => (section, "url", text),
+            (None, None) => return Ok(default.to_owned()),
+        };
+        check(&text).map_err(|e| self.at(Some(place), key, e.to_string()))?;
+        Ok(text)
     }
 
     fn duration(
@@ -837,6 +904,56 @@ mod tests {
             "[[jobs]]\nname = \"a@b\"\ntask = \"t\"\nevery = \"1s\"\n{TASKS}"
         ));
         assert!(e.contains("key `name`"), "{e}");
+    }
+
+    #[test]
+    fn wrong_typed_and_unknown_values_name_their_key() {
+        for (extra, place, key) in [
+            ("overlap = \"sometimes\"", "job \"j\"", "overlap"),
+            ("misfire = 3", "job \"j\"", "misfire"),
+            ("max_catch_up = \"lots\"", "job \"j\"", "max_catch_up"),
+            ("dst_gap = \"maybe\"", "job \"j\"", "dst_gap"),
+            ("dst_fold = \"twice\"", "job \"j\"", "dst_fold"),
+        ] {
+            let e = parse(&format!(
+                "[[jobs]]\nname = \"j\"\ntask = \"t\"\ncron = \"0 3 * * *\"\n{extra}\n{TASKS}"
+            ))
+            .unwrap_err();
+            assert_eq!(
+                (e.place.as_deref(), e.key.as_deref()),
+                (Some(place), Some(key)),
+                "{e}"
+            );
+        }
+        let e = parse("[tasks.t]\nmax_retries = \"x\"\n").unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("max_retries"), "{e}");
+        let e = parse("[worker]\nconcurrency = \"lots\"\n").unwrap_err();
+        assert_eq!(
+            (e.place.as_deref(), e.key.as_deref()),
+            (Some("[worker]"), Some("concurrency")),
+            "{e}"
+        );
+        let e = parse("namespace = 7\n").unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("namespace"), "{e}");
+        // A job missing a required key still names it.
+        let e = parse(&format!("[[jobs]]\nname = \"j\"\nevery = \"1s\"\n{TASKS}")).unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("task"), "{e}");
+    }
+
+    #[test]
+    fn urls_are_checked_at_load_without_echoing_them() {
+        let e = parse("[broker]\nurl = \"amqp:u:s3cret@h\"\n").unwrap_err();
+        assert_eq!(
+            (e.place.as_deref(), e.key.as_deref()),
+            (Some("[broker]"), Some("url"))
+        );
+        assert!(!e.to_string().contains("s3cret"), "{e}");
+        let e = Config::parse("", Path::new("d.toml"), |name| {
+            (name == ENV_REDIS_URL).then(|| "http://:s3cret@h/".to_owned())
+        })
+        .unwrap_err();
+        assert_eq!(e.key.as_deref(), Some(ENV_REDIS_URL));
+        assert!(!e.to_string().contains("s3cret"), "{e}");
     }
 
     #[test]

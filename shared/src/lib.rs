@@ -10,6 +10,7 @@
 //! - [`table`]    — aligned plain-text tables for the commands' human output.
 //! - [`topology`] — declaring the exchanges and queues on RabbitMQ.
 //! - [`duration`] — humantime durations in config and on the command line.
+//! - [`url`]      — broker and Redis URLs: checked at load, printed with the password as `***`.
 //! - [`logging`]  — tracing set-up shared by both binaries (`--log-format human|json`).
 
 pub mod config;
@@ -23,3 +24,4 @@ pub mod signals;
 pub mod store;
 pub mod table;
 pub mod topology;
+pub mod url;

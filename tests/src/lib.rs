@@ -435,6 +435,11 @@ fn free_port() -> u16 {
 impl PrivateRabbit {
     /// Starts a node and waits until it accepts connections.
     pub fn start(label: &str) -> Self {
+        Self::start_with(label, "")
+    }
+
+    /// [`PrivateRabbit::start`] with extra `rabbitmq.conf` lines (e.g. `max_message_size = 4096`).
+    pub fn start_with(label: &str, extra_conf: &str) -> Self {
         let dir = std::env::temp_dir().join("drumline-tests").join(format!(
             "rabbit-{label}-{}",
             &uuid::Uuid::new_v4().simple().to_string()[..8]
@@ -446,7 +451,7 @@ impl PrivateRabbit {
         let dist_port = free_port();
         fs::write(
             dir.join("rabbitmq.conf"),
-            format!("listeners.tcp.local = 127.0.0.1:{port}\n"),
+            format!("listeners.tcp.local = 127.0.0.1:{port}\n{extra_conf}\n"),
         )
         .expect("conf");
         // rabbitmq-server drops to the rabbitmq user when started as root.
