@@ -199,3 +199,59 @@ async fn amqps_with_ca_file_publishes_and_runs_a_task_once() {
     assert_eq!(env.run_state("k-refused").await, None);
     assert_eq!(env.queue_len(&queue).await, Some(0));
 }
+
+/// The long-running pair over TLS only: the beat publishes through `amqps://` and keeps its
+/// progress in a `rediss://` Redis, the worker consumes and claims through the same; every
+/// published instance runs exactly once.
+#[tokio::test(flavor = "multi_thread")]
+async fn beat_and_worker_over_amqps_and_rediss_run_each_instance_once() {
+    let env = setup("tls_both");
+    let certs = Certs::generate(&env.path("certs"));
+    let stunnel = Stunnel::start(&env.dir, &certs, 5672);
+    let redis = TlsRedis::start(&env.dir, &certs);
+    let ca = path_str(&certs.ca);
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[broker]\nurl = {}\nca_file = {ca}\n[redis]\nurl = {}\nca_file = {ca}\n\
+             [worker]\nlease = \"5s\"\n\
+             [tasks.append]\ncommand = {}\n\
+             [[jobs]]\nname = \"tick\"\ntask = \"append\"\nevery = \"1s\"\n",
+            toml_string(&stunnel.url()),
+            toml_string(&redis.url()),
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let cfg = cfg.to_str().expect("utf-8 path");
+    let worker = env.worker("worker", &["--config", cfg]);
+    let mut beat = env.beat("beat", &["--config", cfg]);
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() >= 3),
+        "too few runs\n{}\n{}",
+        beat.log_tail(20),
+        worker.log_tail(20)
+    );
+    assert!(
+        beat.terminate(Duration::from_secs(15)).success(),
+        "{}",
+        beat.log_tail(20)
+    );
+    let published = beat.published_keys();
+    assert!(published.len() >= 3, "{published:?}");
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() >= published.len()),
+        "published {published:?}, ran {:?}",
+        env.lines("effects")
+    );
+    let ran = drumline_e2e::counts(&env.lines("effects"));
+    assert!(ran.values().all(|&n| n == 1), "ran more than once: {ran:?}");
+    let mut published_sorted = published.clone();
+    published_sorted.sort();
+    assert_eq!(ran.keys().cloned().collect::<Vec<_>>(), published_sorted);
+    // The beat's progress and the runs' states are in the TLS Redis.
+    let last = redis.query(&["GET", &format!("{}:beat:last:tick", env.ns)]);
+    assert!(
+        last.is_some_and(|l| !l.is_empty()),
+        "no beat progress in the TLS redis"
+    );
+}
