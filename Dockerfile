@@ -17,8 +17,9 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 
 # ---- run ------------------------------------------------------------------------------------
 FROM debian:bookworm-slim
-# ca-certificates for amqps:// and rediss:// URLs; tzdata for task commands that format local
-# times (drumline itself carries its own copy of the time zone database).
+# ca-certificates: the system roots amqps:// and rediss:// URLs are checked against (mount your
+# own CA and set [broker]/[redis] ca_file for a private CA); tzdata for task commands that format
+# local times (drumline itself carries its own copy of the time zone database).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates tzdata \
  && rm -rf /var/lib/apt/lists/* \

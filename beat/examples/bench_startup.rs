@@ -71,7 +71,12 @@ async fn bench(beat: &Path, jobs: usize, ns: &str, dir: &Path) -> Result<String>
     let config = Config::load(&config_path).map_err(|e| anyhow::anyhow!("{e}"))?;
     let parse = parsing.elapsed();
 
-    let store = Store::connect(&config.redis_url, Names::new(ns)).await?;
+    let store = Store::connect(
+        &config.redis_url,
+        config.redis_ca_file.as_deref(),
+        Names::new(ns),
+    )
+    .await?;
 
     // Binary, first start: no job has progress yet.
     let first = start_beat(beat, &config_path)?;

@@ -108,7 +108,7 @@ pub async fn publish(
 ) -> Result<(), PublishFailed> {
     let names = Names::new(config.namespace.clone());
     let (conn, channel) = topology::open_channel(
-        &config.broker_url,
+        config,
         &names,
         std::slice::from_ref(&env.queue),
         config.worker.dead_ttl,

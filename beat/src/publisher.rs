@@ -13,7 +13,7 @@ use drumline_shared::names::Names;
 use drumline_shared::topology::{self, TopologyError};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::publisher_confirm::Confirmation;
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{Channel, Connection};
 use std::collections::HashSet;
 use std::time::Duration;
 use tracing::info;
@@ -38,6 +38,7 @@ pub enum PublishError {
 /// Publishes envelopes with confirms.
 pub struct Publisher {
     url: String,
+    ca_file: Option<std::path::PathBuf>,
     names: Names,
     queues: Vec<String>,
     dead_ttl: Duration,
@@ -55,6 +56,7 @@ impl Publisher {
         }
         Self {
             url: config.broker_url.clone(),
+            ca_file: config.broker_ca_file.clone(),
             names: Names::new(config.namespace.clone()),
             queues,
             dead_ttl: config.worker.dead_ttl,
@@ -72,7 +74,7 @@ impl Publisher {
             self.session = None;
         }
         if self.session.is_none() {
-            let conn = Connection::connect(&self.url, ConnectionProperties::default()).await?;
+            let conn = topology::connect_to(&self.url, self.ca_file.as_deref()).await?;
             let channel = conn.create_channel().await?;
             channel
                 .confirm_select(ConfirmSelectOptions::default())
@@ -209,9 +211,7 @@ mod tests {
         publisher.connect().await.expect("broker");
         // Queue `b` goes away after the topology was declared: its messages route nowhere.
         let names = Names::new(config.namespace.clone());
-        let amqp = Connection::connect(&config.broker_url, ConnectionProperties::default())
-            .await
-            .unwrap();
+        let amqp = topology::connect(&config).await.unwrap();
         let ch = amqp.create_channel().await.unwrap();
         ch.queue_delete(&names.work_queue("b"), QueueDeleteOptions::default())
             .await

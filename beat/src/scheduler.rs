@@ -961,7 +961,13 @@ fn report_dropped(job: &Job, plan: &Plan, stats: &BeatStats) {
 async fn connect_redis(config: &Config, names: &Names) -> Store {
     let mut backoff = Duration::from_millis(200);
     loop {
-        match Store::connect(&config.redis_url, names.clone()).await {
+        match Store::connect(
+            &config.redis_url,
+            config.redis_ca_file.as_deref(),
+            names.clone(),
+        )
+        .await
+        {
             Ok(store) => return store,
             Err(e) => {
                 error!(error = %e, redis = %Redacted(&config.redis_url),
@@ -1532,7 +1538,7 @@ pub(crate) mod live {
         }
 
         async fn store(&self) -> Store {
-            Store::connect("redis://127.0.0.1:6379/0", Names::new(self.0.clone()))
+            Store::connect("redis://127.0.0.1:6379/0", None, Names::new(self.0.clone()))
                 .await
                 .expect("redis")
         }

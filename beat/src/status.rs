@@ -119,7 +119,12 @@ pub async fn read(
     now: DateTime<Utc>,
 ) -> Result<Status, StoreError> {
     let names = Names::new(config.namespace.clone());
-    let store = Store::connect(&config.redis_url, names.clone()).await?;
+    let store = Store::connect(
+        &config.redis_url,
+        config.redis_ca_file.as_deref(),
+        names.clone(),
+    )
+    .await?;
     let mut conn = store.connection();
     let leader: Option<String> = conn.get(names.beat_leader()).await?;
     let leader = leader.and_then(|l| serde_json::from_str::<Leader>(&l).ok());

@@ -61,6 +61,12 @@ pub struct Config {
     /// Redis URL; env `DRUMLINE_REDIS_URL` wins. Default `redis://127.0.0.1:6379/0`.
     /// Checked at load; print it only through [`url::Redacted`].
     pub redis_url: String,
+    /// `[broker] ca_file`: PEM file of the CAs an `amqps://` broker is trusted by, instead of the
+    /// system roots. Default none (system roots). Checked at load.
+    pub broker_ca_file: Option<PathBuf>,
+    /// `[redis] ca_file`: PEM file of the CAs a `rediss://` server is trusted by, instead of the
+    /// system roots. Default none (system roots). Checked at load.
+    pub redis_ca_file: Option<PathBuf>,
     /// `[beat]`.
     pub beat: BeatConfig,
     /// `[worker]`.
@@ -200,6 +206,7 @@ struct RawConfig<J, T> {
 #[serde(deny_unknown_fields)]
 struct RawUrl {
     url: Option<String>,
+    ca_file: Option<PathBuf>,
 }
 
 #[derive(Deserialize, Default)]
@@ -374,6 +381,8 @@ impl Config {
             namespace,
             broker_url,
             redis_url,
+            broker_ca_file: fail.ca_file("[broker]", raw.broker.ca_file)?,
+            redis_ca_file: fail.ca_file("[redis]", raw.redis.ca_file)?,
             beat,
             worker,
             jobs,
@@ -591,6 +600,15 @@ struct Failer<'a> {
 }
 
 impl Failer<'_> {
+    /// A `ca_file` must hold at least one PEM certificate now, not at the first TLS connection.
+    fn ca_file(&self, place: &str, path: Option<PathBuf>) -> Result<Option<PathBuf>, ConfigError> {
+        if let Some(path) = &path {
+            crate::tls::read_ca_file(path)
+                .map_err(|e| self.at(Some(place), "ca_file", e.to_string()))?;
+        }
+        Ok(path)
+    }
+
     /// Turns a failed typed parse into an error that names the section, job or task and the
     /// key: parse again as plain tables and try each key's value alone in its typed form; the
     /// first that fails is the one. Only runs when the fast path failed.

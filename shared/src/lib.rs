@@ -9,6 +9,7 @@
 //! - [`store`]    — Redis state as atomic Lua scripts: claim, renew, complete, release, last instant.
 //! - [`table`]    — aligned plain-text tables for the commands' human output.
 //! - [`topology`] — declaring the exchanges and queues on RabbitMQ.
+//! - [`tls`]      — the CA files of `[broker] ca_file` / `[redis] ca_file`.
 //! - [`duration`] — humantime durations in config and on the command line.
 //! - [`url`]      — broker and Redis URLs: checked at load, printed with the password as `***`.
 //! - [`logging`]  — tracing set-up shared by both binaries (`--log-format human|json`).
@@ -23,5 +24,6 @@ pub mod schedule;
 pub mod signals;
 pub mod store;
 pub mod table;
+pub mod tls;
 pub mod topology;
 pub mod url;

@@ -8,6 +8,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use redis::aio::ConnectionManager;
 use redis::{AsyncCommands, Script};
 use serde::{Deserialize, Serialize};
+use std::path::Path;
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -342,9 +343,32 @@ pub struct Store {
 }
 
 impl Store {
-    /// Connects (and keeps reconnecting in the background) to `url`.
-    pub async fn connect(url: &str, names: Names) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url)?;
+    /// Connects (and keeps reconnecting in the background) to `url`. With `ca_file`, a
+    /// `rediss://` server must present a certificate issued by a CA in that file (the system
+    /// roots are then not consulted); without, by a system root. Unused by `redis://`.
+    pub async fn connect(
+        url: &str,
+        ca_file: Option<&Path>,
+        names: Names,
+    ) -> Result<Self, StoreError> {
+        let client = match ca_file {
+            Some(path) => {
+                // Checked at config load already; this only fails if the file changed since.
+                let ca = crate::tls::read_ca_file(path).map_err(|e| {
+                    StoreError::from((
+                        redis::ErrorKind::InvalidClientConfig,
+                        "ca_file",
+                        e.to_string(),
+                    ))
+                })?;
+                let certs = redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(ca.pem),
+                };
+                redis::Client::build_with_tls(url, certs)?
+            }
+            None => redis::Client::open(url)?,
+        };
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(2)))
             .set_response_timeout(Some(Duration::from_secs(5)))

@@ -1,13 +1,19 @@
 //! Declaring drumline's exchanges and queues (DESIGN §3). Declarations are idempotent, so the
 //! beat and every worker declare what they use at start and after every reconnect.
 
+use crate::config::Config;
 use crate::names::Names;
+use crate::tls::read_ca_file;
 use lapin::options::BasicPublishOptions;
 use lapin::options::ConfirmSelectOptions;
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::publisher_confirm::Confirmation;
+use lapin::tcp::{RustlsConnector, RustlsConnectorConfig, TcpStream};
 use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How long an idle delay queue outlives its last message's TTL before the broker deletes it.
@@ -126,15 +132,56 @@ fn mismatch(queue: &str, source: lapin::Error) -> TopologyError {
     }
 }
 
-/// Connects to `url` for a one-shot command (ad-hoc publish, dlq): one confirm-mode channel,
-/// the topology for `queues` declared. Close the connection when done.
+/// Connects to `config`'s broker: `[broker] url`, and for `amqps://` the `[broker] ca_file`
+/// roots (the system roots when unset). Every broker connection drumline makes goes through here.
+pub async fn connect(config: &Config) -> Result<Connection, lapin::Error> {
+    connect_to(&config.broker_url, config.broker_ca_file.as_deref()).await
+}
+
+/// Connects to `url`; with `ca_file` an `amqps://` server must present a certificate issued by a
+/// CA in that file (and only then: the system roots are not consulted). `ca_file` is unused by
+/// plain `amqp://`.
+// The closure's error type is lapin's (`HandshakeResult`), large but not ours to choose.
+#[allow(clippy::result_large_err)]
+pub async fn connect_to(url: &str, ca_file: Option<&Path>) -> Result<Connection, lapin::Error> {
+    let Some(ca_file) = ca_file else {
+        return Connection::connect(url, ConnectionProperties::default()).await;
+    };
+    let uri: AMQPUri = url.parse().map_err(|e: String| io_error(e))?;
+    if uri.scheme == AMQPScheme::AMQP {
+        return Connection::connect_uri(uri, ConnectionProperties::default()).await;
+    }
+    let ca = read_ca_file(ca_file).map_err(io_error)?;
+    let mut roots = RustlsConnectorConfig::default();
+    roots.add_parsable_certificates(ca.certs);
+    let connector: RustlsConnector = roots.connector_with_no_client_auth();
+    // What lapin's own connector does (amq-protocol-tcp), with our roots instead of the system's.
+    let connect = Box::new(move |uri: &AMQPUri| {
+        let addr = format!("{}:{}", uri.authority.host, uri.authority.port);
+        let stream = match uri.query.connection_timeout {
+            Some(ms) => TcpStream::connect_timeout(addr, Duration::from_millis(ms)),
+            None => TcpStream::connect(addr),
+        }?;
+        let stream = stream.into_rustls(&connector, &uri.authority.host)?;
+        stream.set_nonblocking(true)?;
+        Ok(stream)
+    });
+    Connection::connector(uri, connect, ConnectionProperties::default()).await
+}
+
+fn io_error(e: impl std::fmt::Display) -> lapin::Error {
+    lapin::Error::IOError(Arc::new(std::io::Error::other(e.to_string())))
+}
+
+/// Connects to `config`'s broker for a one-shot command (ad-hoc publish, dlq): one confirm-mode
+/// channel, the topology for `queues` declared. Close the connection when done.
 pub async fn open_channel(
-    url: &str,
+    config: &Config,
     names: &Names,
     queues: &[String],
     dead_ttl: Duration,
 ) -> Result<(Connection, Channel), TopologyError> {
-    let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+    let conn = connect(config).await?;
     let channel = conn.create_channel().await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())

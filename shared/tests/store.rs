@@ -11,7 +11,9 @@ async fn store(test: &str) -> Store {
         "t_store_{test}_{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     );
-    Store::connect(REDIS, Names::new(ns)).await.expect("redis")
+    Store::connect(REDIS, None, Names::new(ns))
+        .await
+        .expect("redis")
 }
 
 async fn cleanup(store: &Store) {

@@ -2,6 +2,8 @@
 //! run in parallel on one broker and one Redis), its own scratch directory, the real
 //! `drumline-beat` / `drumline-worker` binaries, and cleanup of everything it declared.
 
+pub mod tls;
+
 use lapin::options::{
     BasicPublishOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
 };

@@ -39,7 +39,7 @@ use lapin::options::{
     ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
+use lapin::Connection;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -419,7 +419,7 @@ async fn open_session(
     names: &Names,
     worker_id: &str,
 ) -> Result<Session, SessionError> {
-    let conn = Connection::connect(&config.broker_url, ConnectionProperties::default()).await?;
+    let conn = topology::connect(config).await?;
     let publisher = conn.create_channel().await?;
     publisher
         .confirm_select(ConfirmSelectOptions::default())
@@ -465,7 +465,13 @@ async fn open_session(
 async fn connect_redis(config: &Config, names: &Names) -> Store {
     let mut backoff = BACKOFF_MIN;
     loop {
-        match Store::connect(&config.redis_url, names.clone()).await {
+        match Store::connect(
+            &config.redis_url,
+            config.redis_ca_file.as_deref(),
+            names.clone(),
+        )
+        .await
+        {
             Ok(store) => return store,
             Err(e) => {
                 error!(error = %e, "redis unreachable at start; not consuming until it answers (fail closed)");

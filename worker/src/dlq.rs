@@ -126,7 +126,7 @@ impl DeadQueue {
     pub async fn open(config: &Config) -> Result<Self, DlqError> {
         let names = Names::new(config.namespace.clone());
         let (conn, channel) = topology::open_channel(
-            &config.broker_url,
+            config,
             &names,
             &config.worker.queues,
             config.worker.dead_ttl,
@@ -198,7 +198,7 @@ impl DeadQueue {
 pub async fn purge(config: &Config) -> Result<u32, DlqError> {
     let names = Names::new(config.namespace.clone());
     let (conn, channel) = topology::open_channel(
-        &config.broker_url,
+        config,
         &names,
         &config.worker.queues,
         config.worker.dead_ttl,

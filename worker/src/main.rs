@@ -153,6 +153,7 @@ async fn dead_letters(config: &Config, action: DlqAction) -> ExitCode {
             DlqAction::Replay { keys, all: _ } => {
                 let store = drumline_shared::store::Store::connect(
                     &config.redis_url,
+                    config.redis_ca_file.as_deref(),
                     drumline_shared::names::Names::new(config.namespace.clone()),
                 )
                 .await?;

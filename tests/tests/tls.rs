@@ -1,0 +1,257 @@
+//! `rediss://` and `amqps://` (DESIGN §9 "URLs and TLS"), with a throw-away CA each test makes
+//! with `openssl`: a private TLS-only `redis-server`, and `stunnel` in front of the shared
+//! RabbitMQ. The server certificates are trusted through `ca_file`; without it (system roots)
+//! the connection is refused and nothing runs.
+
+use drumline_e2e::tls::{Certs, CountingForwarder, Stunnel, TlsRedis};
+use drumline_e2e::{
+    adhoc, http_get, setup, toml_string, unused_port, wait_until, wait_until_async, TestEnv,
+};
+use std::path::Path;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn path_str(path: &Path) -> String {
+    toml_string(path.to_str().expect("utf-8 path"))
+}
+
+/// A worker's config: `redis` / `broker` are extra `[redis]` / `[broker]` lines.
+fn config(env: &TestEnv, name: &str, broker: &str, redis: &str) -> String {
+    env.config(
+        name,
+        &format!(
+            "[broker]\n{broker}\n[redis]\n{redis}\n[worker]\nlease = \"5s\"\n\
+             [tasks.append]\ncommand = {}\n",
+            env.append_key_command("effects", 0.0)
+        ),
+    )
+    .to_str()
+    .expect("utf-8 path")
+    .to_owned()
+}
+
+/// The worker's `drumline_worker_redis_up` gauge, from /metrics.
+fn redis_up(metrics: u16) -> Option<String> {
+    let (_, body) = http_get(metrics, "/metrics")?;
+    body.lines()
+        .find_map(|l| l.strip_prefix("drumline_worker_redis_up "))
+        .map(|v| v.trim().to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rediss_with_ca_file_runs_a_task_once_with_its_state_in_that_redis() {
+    let env = setup("tls_rediss");
+    let certs = Certs::generate(&env.path("certs"));
+    let redis = TlsRedis::start(&env.dir, &certs);
+    let cfg = config(
+        &env,
+        "drumline.toml",
+        "",
+        &format!(
+            "url = {}\nca_file = {}",
+            toml_string(&redis.url()),
+            path_str(&certs.ca)
+        ),
+    );
+    let worker = env.worker("worker", &["--config", &cfg]);
+    env.wait_for_topology(&worker).await;
+
+    env.publish(&adhoc("k-rediss", "append")).await;
+    assert!(
+        wait_until(WAIT, || !env.lines("effects").is_empty()),
+        "the task never ran\n{}",
+        worker.log_tail(30)
+    );
+    let run_key = format!("{}:run:k-rediss", env.ns);
+    // `done` is written after the task's effect: wait for it, in the private TLS Redis.
+    assert!(
+        wait_until(WAIT, || redis
+            .query(&["HGET", &run_key, "state"])
+            .as_deref()
+            == Some("done")),
+        "state in the TLS redis: {:?}\n{}",
+        redis.query(&["HGETALL", &run_key]),
+        worker.log_tail(30)
+    );
+    assert_eq!(env.lines("effects"), vec!["k-rediss"], "ran exactly once");
+    assert_eq!(
+        env.run_state("k-rediss").await,
+        None,
+        "the run state belongs in the TLS redis, not the shared one"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rediss_without_ca_file_is_refused_and_nothing_runs() {
+    let env = setup("tls_untrusted");
+    let certs = Certs::generate(&env.path("certs"));
+    let redis = TlsRedis::start(&env.dir, &certs);
+    // Redis counts only connections whose handshake succeeded; this counts the attempts.
+    let forwarder = CountingForwarder::start(redis.tls_port).await;
+    // No ca_file: the system roots do not know the throw-away CA.
+    let url = format!("rediss://127.0.0.1:{}/0", forwarder.port);
+    let cfg = config(
+        &env,
+        "drumline.toml",
+        "",
+        &format!("url = {}", toml_string(&url)),
+    );
+    let metrics = unused_port();
+    let metrics_addr = format!("127.0.0.1:{metrics}");
+    let mut worker = env.worker(
+        "worker",
+        &["--config", &cfg, "--metrics-addr", &metrics_addr],
+    );
+    // The queue and the message exist whether or not the worker ever consumes.
+    let (status, _, stderr) = env.run(
+        "drumline-beat",
+        &[
+            "publish",
+            "--config",
+            &cfg,
+            "append",
+            "--key",
+            "k-untrusted",
+        ],
+    );
+    assert!(status.success(), "publish: {stderr}");
+    // The worker keeps trying (with backoff): its TLS handshakes reach the server and fail.
+    // (Polled without blocking: the forwarder runs on this test's runtime.)
+    assert!(
+        wait_until_async(WAIT, || async { forwarder.accepted() >= 3 }).await,
+        "the worker never tried the TLS redis\n{}",
+        worker.log_tail(30)
+    );
+    assert!(worker.is_running(), "fails closed, does not die");
+    assert_eq!(redis_up(metrics).as_deref(), Some("0"));
+    assert_eq!(http_get(metrics, "/healthz").map(|r| r.0), Some(503));
+    assert!(
+        env.lines("effects").is_empty(),
+        "ran without a trusted redis"
+    );
+    assert_eq!(
+        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        Some(1),
+        "the message waits for a worker that can claim it"
+    );
+    assert_eq!(redis.query(&["DBSIZE"]).as_deref(), Some("0"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn amqps_with_ca_file_publishes_and_runs_a_task_once() {
+    let env = setup("tls_amqps");
+    let certs = Certs::generate(&env.path("certs"));
+    let stunnel = Stunnel::start(&env.dir, &certs, 5672);
+    let broker = format!(
+        "url = {}\nca_file = {}",
+        toml_string(&stunnel.url()),
+        path_str(&certs.ca)
+    );
+    let cfg = config(&env, "drumline.toml", &broker, "");
+    let untrusted = config(
+        &env,
+        "untrusted.toml",
+        &format!("url = {}", toml_string(&stunnel.url())),
+        "",
+    );
+
+    let worker = env.worker("worker", &["--config", &cfg]);
+    env.wait_for_topology(&worker).await;
+    let queue = format!("{}.q.default", env.ns);
+
+    // Without ca_file the broker's certificate is not trusted: publish fails, nothing is sent.
+    let (status, stdout, stderr) = env.run(
+        "drumline-beat",
+        &[
+            "publish",
+            "--config",
+            &untrusted,
+            "append",
+            "--key",
+            "k-refused",
+        ],
+    );
+    // Exit 1 (the broker cannot be used), not 2 (the config was fine).
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "untrusted publish: {stdout}\n{stderr}"
+    );
+    assert!(!stdout.contains("published"), "{stdout}\n{stderr}");
+
+    let (status, stdout, stderr) = env.run(
+        "drumline-beat",
+        &["publish", "--config", &cfg, "append", "--key", "k-amqps"],
+    );
+    assert!(status.success(), "publish over amqps: {stdout}\n{stderr}");
+    assert!(
+        wait_until(WAIT, || !env.lines("effects").is_empty()),
+        "the task never ran\n{}",
+        worker.log_tail(30)
+    );
+    let done = wait_until_async(WAIT, || async {
+        env.run_state("k-amqps").await.as_deref() == Some("done")
+    })
+    .await;
+    assert!(done, "{}", worker.log_tail(30));
+    assert_eq!(env.lines("effects"), vec!["k-amqps"], "ran exactly once");
+    assert_eq!(env.run_state("k-refused").await, None);
+    assert_eq!(env.queue_len(&queue).await, Some(0));
+}
+
+/// The long-running pair over TLS only: the beat publishes through `amqps://` and keeps its
+/// progress in a `rediss://` Redis, the worker consumes and claims through the same; every
+/// published instance runs exactly once.
+#[tokio::test(flavor = "multi_thread")]
+async fn beat_and_worker_over_amqps_and_rediss_run_each_instance_once() {
+    let env = setup("tls_both");
+    let certs = Certs::generate(&env.path("certs"));
+    let stunnel = Stunnel::start(&env.dir, &certs, 5672);
+    let redis = TlsRedis::start(&env.dir, &certs);
+    let ca = path_str(&certs.ca);
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[broker]\nurl = {}\nca_file = {ca}\n[redis]\nurl = {}\nca_file = {ca}\n\
+             [worker]\nlease = \"5s\"\n\
+             [tasks.append]\ncommand = {}\n\
+             [[jobs]]\nname = \"tick\"\ntask = \"append\"\nevery = \"1s\"\n",
+            toml_string(&stunnel.url()),
+            toml_string(&redis.url()),
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let cfg = cfg.to_str().expect("utf-8 path");
+    let worker = env.worker("worker", &["--config", cfg]);
+    let mut beat = env.beat("beat", &["--config", cfg]);
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() >= 3),
+        "too few runs\n{}\n{}",
+        beat.log_tail(20),
+        worker.log_tail(20)
+    );
+    assert!(
+        beat.terminate(Duration::from_secs(15)).success(),
+        "{}",
+        beat.log_tail(20)
+    );
+    let published = beat.published_keys();
+    assert!(published.len() >= 3, "{published:?}");
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() >= published.len()),
+        "published {published:?}, ran {:?}",
+        env.lines("effects")
+    );
+    let ran = drumline_e2e::counts(&env.lines("effects"));
+    assert!(ran.values().all(|&n| n == 1), "ran more than once: {ran:?}");
+    let mut published_sorted = published.clone();
+    published_sorted.sort();
+    assert_eq!(ran.keys().cloned().collect::<Vec<_>>(), published_sorted);
+    // The beat's progress and the runs' states are in the TLS Redis.
+    let last = redis.query(&["GET", &format!("{}:beat:last:tick", env.ns)]);
+    assert!(
+        last.is_some_and(|l| !l.is_empty()),
+        "no beat progress in the TLS redis"
+    );
+}
