@@ -67,6 +67,49 @@ async fn consumers(env: &drumline_e2e::TestEnv) -> u32 {
     count
 }
 
+/// Watches the lease of instance `key` (held now) from outside, until another token holds it
+/// or it expires. The returned value ends as the latest instant (ms since the epoch) the lease
+/// could expire at: (when we asked) + PTTL, over every answer naming the first holder's token.
+async fn watch_lease_end(
+    env: &drumline_e2e::TestEnv,
+    key: &str,
+) -> (tokio::task::JoinHandle<()>, Arc<Mutex<u128>>) {
+    let lease_ends_ms = Arc::new(Mutex::new(0u128));
+    let key = format!("{}:run:{key}", env.ns);
+    let mut redis = env.redis().await;
+    let holder: String = redis::cmd("HGET")
+        .arg(&key)
+        .arg("token")
+        .query_async(&mut redis)
+        .await
+        .expect("the instance is claimed");
+    let ends = lease_ends_ms.clone();
+    let sampler = tokio::spawn(async move {
+        loop {
+            let asked = now_ms();
+            let (token, pttl): (Option<String>, i64) = redis::pipe()
+                .atomic()
+                .cmd("HGET")
+                .arg(&key)
+                .arg("token")
+                .cmd("PTTL")
+                .arg(&key)
+                .query_async(&mut redis)
+                .await
+                .expect("redis");
+            if token.as_deref() != Some(holder.as_str()) || pttl < 0 {
+                return;
+            }
+            {
+                let mut ends = ends.lock().unwrap();
+                *ends = (*ends).max(asked + pttl as u128);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    (sampler, lease_ends_ms)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
     let env = setup("e2e_partition");
@@ -111,46 +154,7 @@ async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
     let both = wait_until_async(WAIT, || async { consumers(&env).await == 2 }).await;
     assert!(both, "B never consumed\n{}", b.log_tail(30));
 
-    // Watch A's lease in Redis from outside: the latest instant it could expire at is
-    // (when we asked) + PTTL, over every answer that still names A's token.
-    let lease_ends_ms = Arc::new(Mutex::new(0u128));
-    let a_token: String = {
-        let mut redis = env.redis().await;
-        redis::cmd("HGET")
-            .arg(format!("{}:run:k-part", env.ns))
-            .arg("token")
-            .query_async(&mut redis)
-            .await
-            .expect("A's claim")
-    };
-    let sampler = {
-        let lease_ends_ms = lease_ends_ms.clone();
-        let mut redis = env.redis().await;
-        let key = format!("{}:run:k-part", env.ns);
-        tokio::spawn(async move {
-            loop {
-                let asked = now_ms();
-                let (token, pttl): (Option<String>, i64) = redis::pipe()
-                    .atomic()
-                    .cmd("HGET")
-                    .arg(&key)
-                    .arg("token")
-                    .cmd("PTTL")
-                    .arg(&key)
-                    .query_async(&mut redis)
-                    .await
-                    .expect("redis");
-                if token.as_deref() != Some(a_token.as_str()) || pttl < 0 {
-                    return;
-                }
-                {
-                    let mut ends = lease_ends_ms.lock().unwrap();
-                    *ends = (*ends).max(asked + pttl as u128);
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-    };
+    let (sampler, lease_ends_ms) = watch_lease_end(&env, "k-part").await;
 
     proxy.set(Fault::Blackhole);
     let partitioned_at = now_ms();
@@ -213,4 +217,91 @@ async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
     })
     .await;
     assert!(done, "{}", b.log_tail(30));
+}
+
+/// Records when a stubborn handler's future is dropped.
+struct DropClock(Arc<Mutex<Option<u128>>>);
+
+impl Drop for DropClock {
+    fn drop(&mut self) {
+        *self.0.lock().unwrap() = Some(now_ms());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rust_handler_that_ignores_cancellation_is_dropped_before_its_lease_ends() {
+    use drumline_shared::config::{Config, ENV_AMQP_URL, ENV_REDIS_URL};
+    use drumline_worker::{HandlerError, TaskContext, Worker};
+
+    let env = setup("e2e_partition_rust");
+    let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
+    let config_path = env.config(
+        "drumline.toml",
+        "[worker]\nconcurrency = 1\nlease = \"3s\"\n\n[tasks.stubborn]\n",
+    );
+    let through_proxy = proxy.redis_url();
+    let config = Config::parse(
+        &std::fs::read_to_string(&config_path).unwrap(),
+        &config_path,
+        |name| match name {
+            ENV_REDIS_URL => Some(through_proxy.clone()),
+            ENV_AMQP_URL => Some(drumline_e2e::AMQP_URL.to_owned()),
+            _ => None,
+        },
+    )
+    .unwrap();
+    let started = Arc::new(Mutex::new(None::<u128>));
+    let dropped = Arc::new(Mutex::new(None::<u128>));
+    let (started_in, dropped_in) = (started.clone(), dropped.clone());
+    let worker = Worker::new(config).handler("stubborn", move |_ctx: TaskContext| {
+        let clock = DropClock(dropped_in.clone());
+        *started_in.lock().unwrap() = Some(now_ms());
+        async move {
+            let _clock = clock;
+            // Never looks at the cancellation token.
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            Ok::<(), HandlerError>(())
+        }
+    });
+    let stop = shutdown_trigger();
+    let running = tokio::spawn(worker.run(stop.1));
+    let up = wait_until_async(WAIT, || async { consumers(&env).await == 1 }).await;
+    assert!(up, "the in-process worker never consumed");
+    env.publish(&adhoc("k-rust", "stubborn")).await;
+    let began = wait_until_async(WAIT, || async { started.lock().unwrap().is_some() }).await;
+    assert!(began, "the handler never ran");
+    let (sampler, lease_ends_ms) = watch_lease_end(&env, "k-rust").await;
+
+    proxy.set(Fault::Blackhole);
+    let gone = wait_until_async(Duration::from_secs(10), || async {
+        dropped.lock().unwrap().is_some()
+    })
+    .await;
+    assert!(gone, "the handler's future was never dropped");
+    sampler.await.unwrap();
+    let dropped_at = dropped.lock().unwrap().unwrap();
+    let lease_ends = *lease_ends_ms.lock().unwrap();
+    assert!(lease_ends > 0, "the lease was never seen");
+    assert!(
+        dropped_at < lease_ends,
+        "the handler ran {} ms past its lease",
+        dropped_at - lease_ends
+    );
+    eprintln!(
+        "the Rust handler was dropped {} ms before its lease could be taken",
+        lease_ends - dropped_at
+    );
+    let _ = stop.0.send(());
+    running.abort();
+}
+
+/// A shutdown future for an in-process worker, and its trigger.
+fn shutdown_trigger() -> (
+    tokio::sync::oneshot::Sender<()>,
+    impl std::future::Future<Output = ()> + Send,
+) {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    (tx, async move {
+        let _ = rx.await;
+    })
 }
