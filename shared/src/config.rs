@@ -103,6 +103,9 @@ pub struct WorkerConfig {
     pub dead_ttl: Duration,
     /// Larger bodies are dead-lettered unread. Default 1 MiB.
     pub max_message_bytes: usize,
+    /// Variables of the worker's environment that tasks do not inherit, on top of
+    /// `DRUMLINE_AMQP_URL` and `DRUMLINE_REDIS_URL` (always removed). Default none.
+    pub env_remove: Vec<String>,
 }
 
 /// What to do when a job's previous instance still runs.
@@ -177,6 +180,9 @@ pub struct Task {
     pub retry_max: Duration,
     /// Exit codes that mean "do not retry". Default none.
     pub permanent_exit_codes: Vec<i32>,
+    /// Variables added to the command's environment (the run's `DRUMLINE_*` context wins over
+    /// them). Default none.
+    pub env: BTreeMap<String, String>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -226,6 +232,7 @@ struct RawWorker {
     done_ttl: Option<String>,
     dead_ttl: Option<String>,
     max_message_bytes: Option<i64>,
+    env_remove: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -257,6 +264,7 @@ struct RawTask {
     retry_base: Option<String>,
     retry_max: Option<String>,
     permanent_exit_codes: Option<Vec<i32>>,
+    env: Option<BTreeMap<String, String>>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -334,7 +342,11 @@ impl Config {
             done_ttl: fail.positive("[worker]", "done_ttl", &w.done_ttl, 7 * 86400)?,
             dead_ttl: fail.positive("[worker]", "dead_ttl", &w.dead_ttl, 7 * 86400)?,
             max_message_bytes: max_message_bytes as usize,
+            env_remove: w.env_remove.unwrap_or_default(),
         };
+        for name in &worker.env_remove {
+            check_env_name(name).map_err(|m| fail.at(Some("[worker]"), "env_remove", m))?;
+        }
         if worker.lease < Duration::from_secs(1) {
             return Err(fail.at(Some("[worker]"), "lease", "must be at least 1s".into()));
         }
@@ -451,7 +463,36 @@ fn check_task(fail: &Failer, place: &str, name: String, t: RawTask) -> Result<Ta
         retry_base,
         retry_max,
         permanent_exit_codes: t.permanent_exit_codes.unwrap_or_default(),
+        env: check_env(fail, place, t.env.unwrap_or_default())?,
     })
+}
+
+/// An environment variable name a process can be given: not empty, no `=`, no NUL.
+fn check_env_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.contains(['=', '\0']) {
+        return Err(format!(
+            "{name:?} is not a variable name (empty, or holds `=` or NUL)"
+        ));
+    }
+    Ok(())
+}
+
+fn check_env(
+    fail: &Failer,
+    place: &str,
+    env: BTreeMap<String, String>,
+) -> Result<BTreeMap<String, String>, ConfigError> {
+    for (name, value) in &env {
+        check_env_name(name).map_err(|m| fail.at(Some(place), "env", m))?;
+        if value.contains('\0') {
+            return Err(fail.at(
+                Some(place),
+                "env",
+                format!("the value of {name:?} holds a NUL byte"),
+            ));
+        }
+    }
+    Ok(env)
 }
 
 fn check_job(
@@ -766,6 +807,24 @@ mod tests {
 
     fn err(text: &str) -> String {
         parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn task_environment_settings() {
+        let c = parse(
+            "[worker]\nenv_remove = [\"AWS_SECRET_ACCESS_KEY\"]\n[tasks.t]\ncommand = [\"/bin/true\"]\nenv = { LANG = \"C\", MODE = \"batch\" }\n",
+        )
+        .unwrap();
+        assert_eq!(c.worker.env_remove, vec!["AWS_SECRET_ACCESS_KEY"]);
+        let env = &c.tasks["t"].env;
+        assert_eq!(env.get("LANG").map(String::as_str), Some("C"));
+        assert_eq!(env.get("MODE").map(String::as_str), Some("batch"));
+        let d = parse(TASKS).unwrap();
+        assert!(d.worker.env_remove.is_empty() && d.tasks["t"].env.is_empty());
+        let e = err("[worker]\nenv_remove = [\"A=B\"]\n");
+        assert!(e.contains("[worker]: key `env_remove`"), "{e}");
+        let e = err("[tasks.t]\ncommand = [\"/bin/true\"]\nenv = { \"\" = \"x\" }\n");
+        assert!(e.contains("key `env`"), "{e}");
     }
 
     #[test]

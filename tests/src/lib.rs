@@ -2,6 +2,7 @@
 //! run in parallel on one broker and one Redis), its own scratch directory, the real
 //! `drumline-beat` / `drumline-worker` binaries, and cleanup of everything it declared.
 
+pub mod proxy;
 pub mod tls;
 
 use lapin::options::{
@@ -93,7 +94,17 @@ impl TestEnv {
         self.spawn("drumline-worker", label, args)
     }
 
+    /// Starts `drumline-worker` with `args` and extra environment variables `vars` (which may
+    /// include `DRUMLINE_AMQP_URL` / `DRUMLINE_REDIS_URL`, removed otherwise).
+    pub fn worker_with_env(&self, label: &str, args: &[&str], vars: &[(&str, &str)]) -> Proc {
+        self.spawn_with_env("drumline-worker", label, args, vars)
+    }
+
     fn spawn(&self, bin: &str, label: &str, args: &[&str]) -> Proc {
+        self.spawn_with_env(bin, label, args, &[])
+    }
+
+    fn spawn_with_env(&self, bin: &str, label: &str, args: &[&str], vars: &[(&str, &str)]) -> Proc {
         let log = self.path(&format!("{label}.log"));
         let out = File::create(&log).expect("log file");
         let child = Command::new(binary(bin))
@@ -102,6 +113,7 @@ impl TestEnv {
             .env_remove("DRUMLINE_CONFIG")
             .env_remove("DRUMLINE_AMQP_URL")
             .env_remove("DRUMLINE_REDIS_URL")
+            .envs(vars.iter().copied())
             .stdin(Stdio::null())
             .stdout(out.try_clone().expect("dup"))
             .stderr(out)

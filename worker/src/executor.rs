@@ -10,12 +10,18 @@
 //! only the first process. PDEATHSIG fires when the *spawning thread* exits, and tokio's
 //! blocking threads come and go, so every task is spawned from one dedicated thread that lives
 //! as long as the worker process.
+//!
+//! Dropping a run's future (the worker does when a run outlives its lease deadline, or when it
+//! abandons a connection's runs) SIGKILLs the whole group. The task's environment is the
+//! worker's minus the broker and Redis URLs and `[worker] env_remove`, plus `[tasks.NAME] env`
+//! and the context (DESIGN §9 "Task environment").
 
 use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
-use drumline_shared::config::Task;
+use drumline_shared::config::{Task, ENV_AMQP_URL, ENV_REDIS_URL};
 use drumline_shared::envelope::format_instant;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
+use std::collections::BTreeMap;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::process::Stdio;
@@ -44,7 +50,8 @@ while :; do
   kill -0 "$child" 2>/dev/null || exit "$status"
 done"#;
 
-/// Grace between SIGTERM and SIGKILL when a task is stopped.
+/// The longest grace between SIGTERM and SIGKILL when a task is stopped. The worker gives a
+/// shorter one ([`TaskContext::kill_grace`]) when the lease leaves less room.
 pub const KILL_GRACE: Duration = Duration::from_secs(5);
 
 /// Runs a `[tasks.*]` command.
@@ -53,16 +60,41 @@ pub struct ShellExecutor {
     command: Vec<String>,
     timeout: Option<Duration>,
     permanent_exit_codes: Vec<i32>,
+    /// `[tasks.NAME] env`.
+    env: BTreeMap<String, String>,
+    /// Inherited variables a task must not see: the URLs and `[worker] env_remove`.
+    env_remove: Vec<String>,
 }
 
 impl ShellExecutor {
-    /// The executor for `task`, or `None` when it has no `command`.
-    pub fn for_task(task: &Task) -> Option<Self> {
+    /// The executor for `task`, or `None` when it has no `command`. `env_remove` is
+    /// `[worker] env_remove`: inherited variables the task must not see, on top of the
+    /// broker and Redis URLs (DESIGN §9 "Task environment").
+    pub fn for_task(task: &Task, env_remove: &[String]) -> Option<Self> {
+        let mut remove = vec![ENV_AMQP_URL.to_owned(), ENV_REDIS_URL.to_owned()];
+        remove.extend(env_remove.iter().cloned());
         Some(Self {
             command: task.command.clone()?,
             timeout: task.timeout,
             permanent_exit_codes: task.permanent_exit_codes.clone(),
+            env: task.env.clone(),
+            env_remove: remove,
         })
+    }
+
+    /// The worker's environment minus the removed variables, plus `[tasks.NAME] env`, plus
+    /// the run's context (which the config cannot override).
+    fn environment(&self, cmd: &mut Command, ctx: &TaskContext) {
+        for name in &self.env_remove {
+            cmd.env_remove(name);
+        }
+        cmd.envs(&self.env)
+            .env("DRUMLINE_TASK", &ctx.task)
+            .env("DRUMLINE_KEY", &ctx.key)
+            .env("DRUMLINE_JOB", ctx.job.as_deref().unwrap_or(""))
+            .env("DRUMLINE_SCHEDULED_FOR", format_instant(ctx.scheduled_for))
+            .env("DRUMLINE_ATTEMPT", ctx.attempt.to_string())
+            .env("DRUMLINE_FENCING_TOKEN", ctx.fencing_token.to_string());
     }
 
     async fn run(self, ctx: TaskContext) -> Result<(), HandlerError> {
@@ -70,28 +102,30 @@ impl ShellExecutor {
         cmd.arg("-c")
             .arg(SUPERVISOR)
             .arg("drumline-task")
-            .args(&self.command)
-            .env("DRUMLINE_TASK", &ctx.task)
-            .env("DRUMLINE_KEY", &ctx.key)
-            .env("DRUMLINE_JOB", ctx.job.as_deref().unwrap_or(""))
-            .env("DRUMLINE_SCHEDULED_FOR", format_instant(ctx.scheduled_for))
-            .env("DRUMLINE_ATTEMPT", ctx.attempt.to_string())
-            .env("DRUMLINE_FENCING_TOKEN", ctx.fencing_token.to_string())
-            .stdin(Stdio::piped())
+            .args(&self.command);
+        self.environment(&mut cmd, &ctx);
+        cmd.stdin(Stdio::piped())
             .kill_on_drop(true)
             .process_group(0);
         set_parent_death_signal(&mut cmd);
         let mut child = spawn(cmd).await.map_err(|e| {
             HandlerError::Retryable(format!("cannot start {:?}: {e}", self.command[0]))
         })?;
-        let pgid = child.id().map(|id| Pid::from_raw(id as i32));
+        // From here on, however this future ends (returned or dropped), the group is killed.
+        let group = child.id().map(|id| Group(Pid::from_raw(id as i32)));
 
-        if let Some(mut stdin) = child.stdin.take() {
-            let args = serde_json::to_vec(&ctx.args).unwrap_or_default();
-            // A task that does not read stdin closes it early: not an error.
-            let _ = stdin.write_all(&args).await;
-            drop(stdin);
-        }
+        // Fed alongside the wait, never before it: a task that does not read its stdin must
+        // not keep the timeout and the cancellation from firing (DESIGN §9).
+        let stdin = child.stdin.take();
+        let args = serde_json::to_vec(&ctx.args).unwrap_or_default();
+        let feed = async move {
+            if let Some(mut stdin) = stdin {
+                // A task that does not read stdin closes it early: not an error.
+                let _ = stdin.write_all(&args).await;
+            }
+        };
+        tokio::pin!(feed);
+        let mut fed = false;
 
         let deadline = async {
             match self.timeout {
@@ -99,33 +133,35 @@ impl ShellExecutor {
                 None => std::future::pending().await,
             }
         };
-        tokio::select! {
-            status = child.wait() => {
-                let status = status.map_err(|e| HandlerError::Retryable(format!("wait failed: {e}")))?;
-                // The leader exited; stragglers in its group must not outlive the run.
-                if let Some(pgid) = pgid {
-                    let _ = killpg(pgid, Signal::SIGKILL);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                () = &mut feed, if !fed => fed = true,
+                status = child.wait() => {
+                    let status = status.map_err(|e| HandlerError::Retryable(format!("wait failed: {e}")))?;
+                    // The leader exited; stragglers in its group must not outlive the run.
+                    drop(group);
+                    return match (status.code(), status.signal()) {
+                        (Some(0), _) => Ok(()),
+                        (Some(code), _) if self.permanent_exit_codes.contains(&code) => {
+                            Err(HandlerError::Permanent(format!("exit code {code}")))
+                        }
+                        (Some(code), _) => Err(HandlerError::Retryable(format!("exit code {code}"))),
+                        (None, Some(sig)) => Err(HandlerError::Retryable(format!("killed by signal {sig}"))),
+                        (None, None) => Err(HandlerError::Retryable("exited abnormally".into())),
+                    };
                 }
-                match (status.code(), status.signal()) {
-                    (Some(0), _) => Ok(()),
-                    (Some(code), _) if self.permanent_exit_codes.contains(&code) => {
-                        Err(HandlerError::Permanent(format!("exit code {code}")))
-                    }
-                    (Some(code), _) => Err(HandlerError::Retryable(format!("exit code {code}"))),
-                    (None, Some(sig)) => Err(HandlerError::Retryable(format!("killed by signal {sig}"))),
-                    (None, None) => Err(HandlerError::Retryable("exited abnormally".into())),
+                () = &mut deadline => {
+                    stop(&mut child, group, ctx.kill_grace).await;
+                    return Err(HandlerError::Retryable(format!(
+                        "timed out after {}",
+                        humantime::format_duration(self.timeout.unwrap_or_default())
+                    )));
                 }
-            }
-            _ = deadline => {
-                stop(&mut child, pgid).await;
-                Err(HandlerError::Retryable(format!(
-                    "timed out after {}",
-                    humantime::format_duration(self.timeout.unwrap_or_default())
-                )))
-            }
-            _ = ctx.cancel.cancelled() => {
-                stop(&mut child, pgid).await;
-                Err(HandlerError::Retryable("cancelled".into()))
+                () = ctx.cancel.cancelled() => {
+                    stop(&mut child, group, ctx.kill_grace).await;
+                    return Err(HandlerError::Retryable("cancelled".into()));
+                }
             }
         }
     }
@@ -137,18 +173,29 @@ impl Handler for ShellExecutor {
     }
 }
 
-/// SIGTERM to the group, SIGKILL after [`KILL_GRACE`].
-async fn stop(child: &mut Child, pgid: Option<Pid>) {
-    let Some(pgid) = pgid else { return };
-    let _ = killpg(pgid, Signal::SIGTERM);
-    if tokio::time::timeout(KILL_GRACE, child.wait())
+/// A task's process group, SIGKILLed when this is dropped. `kill_on_drop` alone would reach
+/// only the supervisor, and the command (the supervisor's child) would live on as an orphan
+/// when the worker drops a run's future (DESIGN §9).
+struct Group(Pid);
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        let _ = killpg(self.0, Signal::SIGKILL);
+    }
+}
+
+/// SIGTERM to the group, SIGKILL after `grace` (at most [`KILL_GRACE`]).
+async fn stop(child: &mut Child, group: Option<Group>, grace: Duration) {
+    let Some(group) = group else { return };
+    let _ = killpg(group.0, Signal::SIGTERM);
+    if tokio::time::timeout(grace.min(KILL_GRACE), child.wait())
         .await
         .is_err()
     {
-        let _ = killpg(pgid, Signal::SIGKILL);
+        let _ = killpg(group.0, Signal::SIGKILL);
         let _ = child.wait().await;
     }
-    let _ = killpg(pgid, Signal::SIGKILL);
+    // Dropping `group` kills what is left of it.
 }
 
 #[allow(unsafe_code)]
@@ -183,7 +230,12 @@ async fn spawn(cmd: Command) -> io::Result<Child> {
                     // tokio's child reaping needs the runtime's context on this thread.
                     let _guard = runtime.enter();
                     for (mut cmd, reply) in rx {
-                        let _ = reply.send(cmd.spawn());
+                        // The run was dropped while we spawned: take its group down with it.
+                        if let Err(Ok(child)) = reply.send(cmd.spawn()) {
+                            if let Some(id) = child.id() {
+                                let _ = killpg(Pid::from_raw(id as i32), Signal::SIGKILL);
+                            }
+                        }
                     }
                 })
                 .expect("cannot start the spawner thread");
@@ -198,4 +250,85 @@ async fn spawn(cmd: Command) -> io::Result<Child> {
         .map_err(|_| io::Error::other("spawner thread is gone"))?;
     rx.await
         .map_err(|_| io::Error::other("spawner thread is gone"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+    use tokio_util::sync::CancellationToken;
+
+    fn alive(pid: i32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| !s.contains(") Z "))
+            .unwrap_or(false)
+    }
+
+    fn context() -> TaskContext {
+        TaskContext {
+            task: "t".into(),
+            key: "k".into(),
+            job: None,
+            scheduled_for: chrono::Utc::now(),
+            attempt: 0,
+            fencing_token: 1,
+            args: serde_json::json!({}),
+            cancel: CancellationToken::new(),
+            kill_grace: Duration::from_millis(100),
+        }
+    }
+
+    async fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
+        for _ in 0..200 {
+            if condition() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("{what}");
+    }
+
+    /// One test, not several: the spawner thread belongs to the first runtime that uses it.
+    #[tokio::test]
+    async fn dropping_a_run_kills_its_whole_group() {
+        let dir = std::env::temp_dir().join(format!("drumline-exec-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pids = dir.join("pids");
+        // The command is the supervisor's child; its `sleep` is a grandchild of the worker.
+        let script = format!(
+            "sleep 30 & echo \"$$ $!\" > {0}.tmp && mv {0}.tmp {0}; wait",
+            pids.display()
+        );
+        let task = Task {
+            name: "t".into(),
+            command: Some(vec!["/bin/sh".into(), "-c".into(), script]),
+            timeout: None,
+            max_retries: 0,
+            retry_base: Duration::from_secs(1),
+            retry_max: Duration::from_secs(1),
+            permanent_exit_codes: vec![],
+            env: BTreeMap::new(),
+        };
+        let executor = ShellExecutor::for_task(&task, &[]).unwrap();
+        let run = tokio::spawn(executor.call(context()));
+        wait_for("the task never started", || Path::new(&pids).exists()).await;
+        let text = std::fs::read_to_string(&pids).unwrap();
+        let pids: Vec<i32> = text
+            .split_whitespace()
+            .map(|p| p.parse().unwrap())
+            .collect();
+        assert_eq!(pids.len(), 2, "{text}");
+        assert!(pids.iter().all(|&p| alive(p)));
+
+        // As the worker does with in-flight runs when it abandons a connection.
+        run.abort();
+        assert!(run.await.unwrap_err().is_cancelled());
+        for pid in pids {
+            wait_for(&format!("process {pid} outlived its dropped run"), || {
+                !alive(pid)
+            })
+            .await;
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

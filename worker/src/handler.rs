@@ -5,6 +5,7 @@
 use chrono::{DateTime, Utc};
 use std::future::Future;
 use std::pin::Pin;
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// Everything a handler needs to run one instance.
@@ -26,8 +27,15 @@ pub struct TaskContext {
     /// The envelope's `args`.
     pub args: serde_json::Value,
     /// Fires when the run must stop: lease lost, timeout, or shutdown grace exhausted. A
-    /// cancelled run's result is not recorded.
+    /// cancelled run's result is not recorded. Once it fires, the worker drops the handler's
+    /// future shortly before the lease could expire (DESIGN §9 "Lease loss stops the run in
+    /// time"), so a handler that ignores it is stopped anyway at its next `.await`.
     pub cancel: CancellationToken,
+    /// How long a handler may take to stop once `cancel` fires: the shell executor's wait
+    /// between SIGTERM and SIGKILL. The worker derives it from the lease (at most
+    /// [`KILL_GRACE`](crate::executor::KILL_GRACE)), so the task is dead before anyone else
+    /// could claim the instance.
+    pub kill_grace: Duration,
 }
 
 /// How a run failed.

@@ -1,9 +1,23 @@
-//! The lease watchdog (DESIGN §4 step 5, §8): renews the claim every `lease/3` and cancels the
-//! handler *before* the lease could expire when renewals fail. Validity is judged on the
-//! monotonic clock from the last successful renewal, never on Redis's word alone.
+//! The lease watchdog (DESIGN §4 step 5, §8, §9 "Lease loss stops the run in time"): renews the
+//! claim every `lease/3` and cancels the handler early enough that the task is dead before the
+//! lease could expire when renewals fail. Validity is judged on the monotonic clock from the
+//! moment the last successful renewal (or the claim) was *sent* — Redis applied it later, so
+//! its expiry is no earlier than that instant plus the lease — never on Redis's word alone.
+//!
+//! With `L` the lease and `E` that expiry ([`Budget`] has the numbers):
+//!
+//! ```text
+//! E − L        E − 2L/3      E − L/3         E − L/6         E − L/12     E
+//! sent ─────── renew ─────── loss declared ─ SIGKILL ─────── future ───── someone else
+//!              (retried)     SIGTERM         (≤ 5 s grace)   dropped      may claim
+//! ```
 
+use crate::executor::KILL_GRACE;
 use drumline_shared::store::Store;
+use std::fmt::Display;
+use std::future::Future;
 use std::time::Duration;
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -12,49 +26,256 @@ use tokio_util::sync::CancellationToken;
 pub enum LeaseLost {
     /// Redis says the claim is no longer ours (expired and taken, or deleted).
     Taken,
-    /// Renewals kept failing; the lease would expire before the next chance.
+    /// Renewals kept failing; too little of the lease was left to keep waiting for one.
     Unreachable(String),
 }
 
-/// Renews `key` (and the overlap lock of `job`, if it holds it) under `token` until `stop` fires. Returns `Some` (and fires `lost`) when the
-/// lease is lost; `None` when stopped normally.
+/// How one lease's length is shared out between renewing and stopping the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    /// The lease length.
+    pub lease: Duration,
+}
+
+impl Budget {
+    /// The budget for `lease`.
+    pub fn new(lease: Duration) -> Self {
+        Self { lease }
+    }
+
+    /// Renewal period after a success: `lease/3`.
+    pub fn renew_every(&self) -> Duration {
+        self.lease / 3
+    }
+
+    /// How long one renewal may take: `lease/6`.
+    pub fn attempt_timeout(&self) -> Duration {
+        self.lease / 6
+    }
+
+    /// Pause before retrying a failed renewal: `lease/12`.
+    pub fn retry_pause(&self) -> Duration {
+        self.lease / 12
+    }
+
+    /// The loss is declared this long before the expiry, leaving that much to stop the run:
+    /// `lease/3`.
+    pub fn kill_budget(&self) -> Duration {
+        self.lease / 3
+    }
+
+    /// SIGTERM → SIGKILL: `lease/6`, at most [`KILL_GRACE`]. With the loss declared
+    /// [`kill_budget`](Self::kill_budget) before the expiry, the SIGKILL comes at least
+    /// `lease/6` before it.
+    pub fn kill_grace(&self) -> Duration {
+        (self.lease / 6).min(KILL_GRACE)
+    }
+
+    /// A cancelled handler's future is dropped this long before the expiry, whatever it is
+    /// doing: `lease/12`.
+    pub fn drop_margin(&self) -> Duration {
+        self.lease / 12
+    }
+}
+
+/// The claim a watchdog keeps alive.
+#[derive(Clone)]
+pub struct Held {
+    /// Redis state.
+    pub store: Store,
+    /// Idempotency key.
+    pub key: String,
+    /// The job whose overlap lock the claim holds, if any.
+    pub job: Option<String>,
+    /// The claim's token.
+    pub token: String,
+}
+
+/// Renews `held` until `stop` fires. `granted_at` is when the claim was sent. Returns `Some`
+/// (and fires `lost`) when the lease is lost; `None` when stopped normally. `expiry` follows
+/// the earliest instant the lease could expire at.
 pub async fn watch(
-    store: Store,
-    key: String,
-    job: Option<String>,
-    token: String,
-    lease: Duration,
+    held: Held,
+    budget: Budget,
+    granted_at: Instant,
     stop: CancellationToken,
     lost: CancellationToken,
+    expiry: watch::Sender<Instant>,
 ) -> Option<LeaseLost> {
-    let every = lease / 3;
-    let mut last_ok = Instant::now();
-    let mut next = last_ok + every;
+    let renew = || {
+        held.store
+            .renew(&held.key, held.job.as_deref(), &held.token, budget.lease)
+    };
+    let outcome = watch_with(renew, budget, granted_at, stop, expiry).await;
+    if outcome.is_some() {
+        lost.cancel();
+    }
+    outcome
+}
+
+/// The watchdog's timing, with the renewal call injected (tests use fakes under paused time).
+pub async fn watch_with<F, Fut, E>(
+    mut renew: F,
+    budget: Budget,
+    granted_at: Instant,
+    stop: CancellationToken,
+    expiry: watch::Sender<Instant>,
+) -> Option<LeaseLost>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<bool, E>>,
+    E: Display,
+{
+    let mut last_ok = granted_at;
+    expiry.send_replace(last_ok + budget.lease);
+    let mut next = last_ok + budget.renew_every();
+    let mut failure = String::from("renewal timed out");
     loop {
+        let give_up_at = last_ok + budget.lease - budget.kill_budget();
         tokio::select! {
-            _ = stop.cancelled() => return None,
-            _ = tokio::time::sleep_until(next) => {}
+            () = stop.cancelled() => return None,
+            () = tokio::time::sleep_until(next.min(give_up_at)) => {}
         }
-        let attempt =
-            tokio::time::timeout(every / 2, store.renew(&key, job.as_deref(), &token, lease)).await;
-        let outcome = match attempt {
+        let sent = Instant::now();
+        if sent >= give_up_at {
+            return Some(LeaseLost::Unreachable(failure));
+        }
+        let attempt = tokio::select! {
+            () = stop.cancelled() => return None,
+            a = tokio::time::timeout_at((sent + budget.attempt_timeout()).min(give_up_at), renew()) => a,
+        };
+        match attempt {
             Ok(Ok(true)) => {
-                last_ok = Instant::now();
-                next = last_ok + every;
+                last_ok = sent;
+                expiry.send_replace(last_ok + budget.lease);
+                next = sent + budget.renew_every();
                 continue;
             }
-            Ok(Ok(false)) => Some(LeaseLost::Taken),
-            Ok(Err(e)) => Some(LeaseLost::Unreachable(e.to_string())),
-            Err(_) => Some(LeaseLost::Unreachable("renewal timed out".into())),
-        };
-        let reason = outcome.expect("only failures reach here");
-        // Another try fits only if it would still land well inside the lease.
-        let retry_at = Instant::now() + every / 2;
-        if reason == LeaseLost::Taken || retry_at + every / 2 >= last_ok + lease {
-            lost.cancel();
-            return Some(reason);
+            Ok(Ok(false)) => return Some(LeaseLost::Taken),
+            Ok(Err(e)) => failure = e.to_string(),
+            Err(_) => failure = "renewal timed out".into(),
         }
-        tracing::warn!(key = %key, reason = ?reason, "lease renewal failed; retrying");
-        next = retry_at;
+        tracing::warn!(reason = %failure, "lease renewal failed; retrying");
+        next = Instant::now() + budget.retry_pause();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+
+    const LEASE: Duration = Duration::from_secs(3);
+
+    /// Runs the watchdog with `renew` under paused time; returns the outcome, how long after
+    /// the grant it came, the final expiry (relative to the grant) and the number of renewals.
+    async fn run<Fut>(
+        mut renew: impl FnMut(u32) -> Fut,
+    ) -> (Option<LeaseLost>, Duration, Duration, u32)
+    where
+        Fut: Future<Output = Result<bool, String>>,
+    {
+        let calls = Arc::new(AtomicU32::new(0));
+        let granted = Instant::now();
+        let (tx, rx) = watch::channel(granted);
+        let counter = calls.clone();
+        let outcome = watch_with(
+            move || renew(counter.fetch_add(1, Ordering::SeqCst)),
+            Budget::new(LEASE),
+            granted,
+            CancellationToken::new(),
+            tx,
+        )
+        .await;
+        let expiry = *rx.borrow() - granted;
+        (
+            outcome,
+            granted.elapsed(),
+            expiry,
+            calls.load(Ordering::SeqCst),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_blackholed_renewal_declares_the_loss_a_third_of_the_lease_early() {
+        let (outcome, at, expiry, calls) = run(|_| std::future::pending()).await;
+        assert_eq!(
+            outcome,
+            Some(LeaseLost::Unreachable("renewal timed out".into()))
+        );
+        // Renewed at 1 s (timed out at 1.5 s), retried at 1.75 s (cut off at 2 s).
+        assert_eq!(at, Duration::from_secs(2));
+        assert_eq!(expiry, LEASE);
+        assert_eq!(calls, 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_success_moves_the_expiry_from_when_it_was_sent() {
+        // Two renewals succeed after 100 ms each; then Redis stops answering.
+        let (outcome, at, expiry, _) = run(|n| async move {
+            if n < 2 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Ok(true)
+            } else {
+                std::future::pending().await
+            }
+        })
+        .await;
+        assert!(matches!(outcome, Some(LeaseLost::Unreachable(_))));
+        // Sent at 1 s and 2 s (not 2.1 s: the next period starts from the send).
+        assert_eq!(expiry, Duration::from_secs(5));
+        assert_eq!(at, Duration::from_secs(4));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn errors_are_retried_until_the_kill_budget_is_reached() {
+        let (outcome, at, _, calls) = run(|_| async { Err("connection refused".to_owned()) }).await;
+        assert_eq!(
+            outcome,
+            Some(LeaseLost::Unreachable("connection refused".into()))
+        );
+        assert_eq!(at, Duration::from_secs(2));
+        // At 1 s, then every 250 ms until 2 s: 1, 1.25, 1.5, 1.75.
+        assert_eq!(calls, 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_taken_lease_is_lost_at_once() {
+        let (outcome, at, _, _) = run(|_| async { Ok(false) }).await;
+        assert_eq!(outcome, Some(LeaseLost::Taken));
+        assert_eq!(at, Duration::from_secs(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stop_returns_even_while_a_renewal_hangs() {
+        let stop = CancellationToken::new();
+        let granted = Instant::now();
+        let (tx, _rx) = watch::channel(granted);
+        let handle = tokio::spawn(watch_with(
+            std::future::pending::<Result<bool, String>>,
+            Budget::new(LEASE),
+            granted,
+            stop.clone(),
+            tx,
+        ));
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        stop.cancel();
+        assert_eq!(handle.await.unwrap(), None);
+        assert_eq!(granted.elapsed(), Duration::from_millis(1200));
+    }
+
+    #[test]
+    fn the_task_is_killed_and_dropped_before_the_expiry() {
+        for secs in [1, 3, 6, 30, 300] {
+            let b = Budget::new(Duration::from_secs(secs));
+            let loss = b.lease - b.kill_budget();
+            let sigkill = loss + b.kill_grace();
+            let dropped = b.lease - b.drop_margin();
+            assert!(sigkill < dropped, "{secs}s: {sigkill:?} vs {dropped:?}");
+            assert!(dropped < b.lease);
+            // At least one retry fits between a timed-out renewal and the loss.
+            assert!(b.renew_every() + b.attempt_timeout() + b.retry_pause() < loss);
+        }
     }
 }

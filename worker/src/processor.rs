@@ -23,6 +23,7 @@ use lapin::{BasicProperties, Channel};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn, Instrument};
 
@@ -212,6 +213,7 @@ impl Processor {
 
         let token = uuid::Uuid::new_v4().to_string();
         let lease = self.config.worker.lease;
+        let claimed_at = Instant::now();
         let fence = match self
             .store
             .claim(&ClaimRequest {
@@ -283,7 +285,9 @@ impl Processor {
         };
 
         let started_at = now_text();
-        let outcome = self.run(handler.clone(), &env, &token, fence).await;
+        let outcome = self
+            .run(handler.clone(), &env, &token, fence, claimed_at)
+            .await;
         match outcome {
             RunOutcome::Finished(Ok(())) => {
                 if self.finish_with_retries(&env, &token, Final::Done).await? {
@@ -366,24 +370,34 @@ impl Processor {
         }
     }
 
+    /// Runs the handler under the lease watchdog. `claimed_at` is when the claim was sent: the
+    /// lease runs from there (DESIGN §9 "Lease loss stops the run in time").
     async fn run(
         &self,
         handler: Arc<dyn Handler>,
         env: &Envelope,
         token: &str,
         fence: u64,
+        claimed_at: Instant,
     ) -> RunOutcome {
+        let budget = lease::Budget::new(self.config.worker.lease);
         let cancel = CancellationToken::new();
         let lost = CancellationToken::new();
         let stop_watchdog = CancellationToken::new();
+        let (expiry_tx, expiry) = tokio::sync::watch::channel(claimed_at + budget.lease);
+        let held = lease::Held {
+            store: self.store.clone(),
+            key: env.key.clone(),
+            job: self.lock_job(env).map(str::to_owned),
+            token: token.to_owned(),
+        };
         let watchdog = tokio::spawn(lease::watch(
-            self.store.clone(),
-            env.key.clone(),
-            self.lock_job(env).map(str::to_owned),
-            token.to_owned(),
-            self.config.worker.lease,
+            held,
+            budget,
+            claimed_at,
             stop_watchdog.clone(),
             lost.clone(),
+            expiry_tx,
         ));
         let ctx = TaskContext {
             task: env.task.clone(),
@@ -394,6 +408,7 @@ impl Processor {
             fencing_token: fence,
             args: env.args.clone(),
             cancel: cancel.clone(),
+            kill_grace: budget.kill_grace(),
         };
         self.stats.running.inc();
         let mut call = handler.call(ctx);
@@ -406,9 +421,14 @@ impl Processor {
         let result = match result {
             Some(r) => Some(r),
             None => {
-                // Tell the handler, then let it wind down (the shell executor kills its group).
+                // Tell the handler (the shell executor SIGTERMs its group, then SIGKILLs it
+                // after `kill_grace`), and drop it before the lease could be taken whatever it
+                // does: dropping a shell run SIGKILLs its group.
                 cancel.cancel();
-                let _ = call.await;
+                let drop_at = *expiry.borrow() - budget.drop_margin();
+                if tokio::time::timeout_at(drop_at, call).await.is_err() {
+                    warn!("the handler did not stop when cancelled; dropped it");
+                }
                 None
             }
         };
@@ -568,7 +588,7 @@ pub fn resolve_handlers(
 ) -> Result<HashMap<String, Arc<dyn Handler>>, String> {
     let mut handlers = HashMap::new();
     for (name, task) in &config.tasks {
-        let handler: Arc<dyn Handler> = match (custom.remove(name), shell(task)) {
+        let handler: Arc<dyn Handler> = match (custom.remove(name), shell(config, task)) {
             (Some(h), _) => h,
             (None, Some(shell)) => shell,
             (None, None) => {
@@ -589,6 +609,7 @@ pub fn resolve_handlers(
     Ok(handlers)
 }
 
-fn shell(task: &Task) -> Option<Arc<dyn Handler>> {
-    crate::executor::ShellExecutor::for_task(task).map(|e| Arc::new(e) as Arc<dyn Handler>)
+fn shell(config: &Config, task: &Task) -> Option<Arc<dyn Handler>> {
+    crate::executor::ShellExecutor::for_task(task, &config.worker.env_remove)
+        .map(|e| Arc::new(e) as Arc<dyn Handler>)
 }

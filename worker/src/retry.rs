@@ -62,6 +62,7 @@ mod tests {
             retry_base: Duration::from_secs(1),
             retry_max: Duration::from_secs(10),
             permanent_exit_codes: vec![],
+            env: Default::default(),
         }
     }
 

@@ -1,0 +1,129 @@
+//! The shell executor against the real worker binary: what a task's environment holds, and a
+//! timeout that holds even when the task never reads its stdin.
+
+use drumline_e2e::{adhoc, setup, toml_string, wait_until, wait_until_async, AMQP_URL, REDIS_URL};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn pid_alive(pid: i32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| s.contains(") Z "))
+            .unwrap_or(true)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_sees_neither_url_nor_removed_variables_but_its_own_env() {
+    let env = setup("e2e_taskenv");
+    let dump = env.path("env");
+    let script = format!("env > {}.tmp && mv {0}.tmp {0}", dump.display());
+    let config = env.config(
+        "drumline.toml",
+        &format!(
+            r#"
+[worker]
+env_remove = ["DRUMLINE_TEST_SECRET"]
+
+[tasks.dump]
+command = ["/bin/sh", "-c", {}]
+env = {{ DRUMLINE_TEST_GREETING = "hello there", DRUMLINE_TEST_KEPT = "overridden" }}
+"#,
+            toml_string(&script)
+        ),
+    );
+    // The worker's own environment holds both URLs (as the compose file sets them), a secret
+    // the config removes, and an ordinary variable tasks inherit.
+    let worker = env.worker_with_env(
+        "worker",
+        &["--config", config.to_str().unwrap()],
+        &[
+            ("DRUMLINE_AMQP_URL", AMQP_URL),
+            ("DRUMLINE_REDIS_URL", REDIS_URL),
+            ("DRUMLINE_TEST_SECRET", "s3cret"),
+            ("DRUMLINE_TEST_INHERITED", "from the worker"),
+            ("DRUMLINE_TEST_KEPT", "from the worker"),
+        ],
+    );
+    env.wait_for_topology(&worker).await;
+    env.publish(&adhoc("k-env", "dump")).await;
+    assert!(
+        wait_until(WAIT, || dump.exists()),
+        "the task never ran\n{}",
+        worker.log_tail(30)
+    );
+    let text = std::fs::read_to_string(&dump).unwrap();
+    let vars: BTreeMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
+    assert_eq!(vars.get("DRUMLINE_AMQP_URL"), None, "{text}");
+    assert_eq!(vars.get("DRUMLINE_REDIS_URL"), None, "{text}");
+    assert_eq!(vars.get("DRUMLINE_TEST_SECRET"), None, "{text}");
+    assert!(!text.contains("s3cret"), "{text}");
+    assert_eq!(
+        vars.get("DRUMLINE_TEST_INHERITED"),
+        Some(&"from the worker")
+    );
+    assert_eq!(vars.get("DRUMLINE_TEST_GREETING"), Some(&"hello there"));
+    assert_eq!(vars.get("DRUMLINE_TEST_KEPT"), Some(&"overridden"));
+    assert_eq!(vars.get("DRUMLINE_KEY"), Some(&"k-env"));
+    assert_eq!(vars.get("DRUMLINE_TASK"), Some(&"dump"));
+    assert_eq!(vars.get("DRUMLINE_ATTEMPT"), Some(&"0"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_that_never_reads_a_mebibyte_of_args_still_times_out() {
+    let env = setup("e2e_stdin");
+    let script = format!(
+        "echo \"$DRUMLINE_KEY $$\" >> {starts}; sleep 30; echo \"$DRUMLINE_KEY\" >> {effects}",
+        starts = env.path("starts").display(),
+        effects = env.path("effects").display()
+    );
+    let config = env.config(
+        "drumline.toml",
+        &format!(
+            r#"
+[worker]
+max_message_bytes = 4194304
+
+[tasks.deaf]
+command = ["/bin/sh", "-c", {}]
+timeout = "1s"
+max_retries = 0
+"#,
+            toml_string(&script)
+        ),
+    );
+    let worker = env.worker("worker", &["--config", config.to_str().unwrap()]);
+    env.wait_for_topology(&worker).await;
+    let mut envelope = adhoc("k-deaf", "deaf");
+    // Sixteen pipe buffers' worth: a blocking write of it could never finish.
+    envelope.args = serde_json::json!({ "blob": "x".repeat(1 << 20) });
+    env.publish(&envelope).await;
+    assert!(
+        wait_until(WAIT, || env.lines("starts").len() == 1),
+        "never started\n{}",
+        worker.log_tail(30)
+    );
+    let pid: i32 = env.lines("starts")[0]
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    // timeout 1 s, then SIGTERM (sh dies of it at once): well inside 10 s.
+    let dead = wait_until_async(Duration::from_secs(10), || async {
+        env.run_state("k-deaf").await.as_deref() == Some("dead")
+    })
+    .await;
+    assert!(dead, "the run never timed out\n{}", worker.log_tail(30));
+    assert!(
+        wait_until(Duration::from_secs(2), || !pid_alive(pid)),
+        "the task outlived its timeout"
+    );
+    assert_eq!(
+        env.queue_len(&format!("{}.dead", env.ns)).await,
+        Some(1),
+        "dead-lettered once (retries exhausted)"
+    );
+    assert!(env.lines("effects").is_empty());
+}

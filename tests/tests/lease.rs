@@ -1,0 +1,307 @@
+//! Lease loss under a partition (DESIGN §9 "Lease loss stops the run in time"): a worker that
+//! cannot reach Redis while the others can must have killed its task before its lease could
+//! be taken, so two copies of one instance never run at once.
+
+use drumline_e2e::proxy::{Fault, Proxy};
+use drumline_e2e::{adhoc, setup, toml_string, wait_until, wait_until_async};
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+const WAIT: Duration = Duration::from_secs(40);
+
+/// Wall-clock milliseconds since the epoch (what the task's `date` writes, too).
+fn now_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+}
+
+/// Process group of `pid` (field 5 of /proc/PID/stat).
+fn pgid_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_comm = &stat[stat.rfind(')')? + 2..];
+    after_comm.split(' ').nth(2)?.parse().ok()
+}
+
+/// True while a live (non-zombie) process belongs to process group `pgid`.
+fn group_alive(pgid: i32) -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return true;
+    };
+    dir.filter_map(Result::ok).any(|entry| {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            return false;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            return false;
+        };
+        let Some(close) = stat.rfind(')') else {
+            return false;
+        };
+        let mut fields = stat[close + 2..].split(' ');
+        let state = fields.next();
+        let group = fields.nth(1).and_then(|g| g.parse::<i32>().ok());
+        state != Some("Z") && group == Some(pgid)
+    })
+}
+
+async fn consumers(env: &drumline_e2e::TestEnv) -> u32 {
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.expect("channel");
+    let count = ch
+        .queue_declare(
+            &format!("{}.q.default", env.ns),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map(|q| q.consumer_count())
+        .unwrap_or(0);
+    let _ = conn.close(200, "bye").await;
+    count
+}
+
+/// Watches the lease of instance `key` (held now) from outside, until another token holds it
+/// or it expires. The returned value ends as the latest instant (ms since the epoch) the lease
+/// could expire at: (when we asked) + PTTL, over every answer naming the first holder's token.
+async fn watch_lease_end(
+    env: &drumline_e2e::TestEnv,
+    key: &str,
+) -> (tokio::task::JoinHandle<()>, Arc<Mutex<u128>>) {
+    let lease_ends_ms = Arc::new(Mutex::new(0u128));
+    let key = format!("{}:run:{key}", env.ns);
+    let mut redis = env.redis().await;
+    let holder: String = redis::cmd("HGET")
+        .arg(&key)
+        .arg("token")
+        .query_async(&mut redis)
+        .await
+        .expect("the instance is claimed");
+    let ends = lease_ends_ms.clone();
+    let sampler = tokio::spawn(async move {
+        loop {
+            let asked = now_ms();
+            let (token, pttl): (Option<String>, i64) = redis::pipe()
+                .atomic()
+                .cmd("HGET")
+                .arg(&key)
+                .arg("token")
+                .cmd("PTTL")
+                .arg(&key)
+                .query_async(&mut redis)
+                .await
+                .expect("redis");
+            if token.as_deref() != Some(holder.as_str()) || pttl < 0 {
+                return;
+            }
+            {
+                let mut ends = ends.lock().unwrap();
+                *ends = (*ends).max(asked + pttl as u128);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    (sampler, lease_ends_ms)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
+    let env = setup("e2e_partition");
+    let events = env.path("events");
+    // The task ignores SIGTERM (and so does its `sleep`, which inherits the disposition): only
+    // SIGKILL stops it, so the kill budget is what is measured.
+    let script = format!(
+        "trap '' TERM; echo \"start $DRUMLINE_KEY $$ $(date +%s%3N)\" >> {events}; sleep 10; echo \"end $DRUMLINE_KEY $$\" >> {events}",
+        events = events.display()
+    );
+    let config = env.config(
+        "drumline.toml",
+        &format!(
+            "[worker]\nconcurrency = 1\nlease = \"3s\"\n\n[tasks.long]\ncommand = [\"/bin/sh\", \"-c\", {}]\n",
+            toml_string(&script)
+        ),
+    );
+    let cfg = config.to_str().unwrap();
+    let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
+    let redis_through_proxy = proxy.redis_url();
+    let mut a = env.worker_with_env(
+        "worker-a",
+        &["--config", cfg],
+        &[("DRUMLINE_REDIS_URL", &redis_through_proxy)],
+    );
+    env.wait_for_topology(&a).await;
+    env.publish(&adhoc("k-part", "long")).await;
+    assert!(
+        wait_until(WAIT, || !env.lines("events").is_empty()),
+        "A never started the task\n{}",
+        a.log_tail(30)
+    );
+    let first: Vec<String> = env.lines("events")[0]
+        .split(' ')
+        .map(str::to_owned)
+        .collect();
+    let a_pid: i32 = first[2].parse().unwrap();
+    let a_group = pgid_of(a_pid).expect("A's task is running");
+
+    // B consumes the same queue, straight from Redis.
+    let b = env.worker("worker-b", &["--config", cfg]);
+    let both = wait_until_async(WAIT, || async { consumers(&env).await == 2 }).await;
+    assert!(both, "B never consumed\n{}", b.log_tail(30));
+
+    let (sampler, lease_ends_ms) = watch_lease_end(&env, "k-part").await;
+
+    proxy.set(Fault::Blackhole);
+    let partitioned_at = now_ms();
+    // Watch A's task group die, at a 5 ms grain; the moment recorded is when we saw it gone,
+    // never earlier than the death itself.
+    let died_at = tokio::task::spawn_blocking(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        while group_alive(a_group) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        (!group_alive(a_group)).then(now_ms)
+    })
+    .await
+    .unwrap();
+    let died_at = died_at.expect("A's task group outlived the partition by 15 s");
+    sampler.await.unwrap();
+    let lease_ends = *lease_ends_ms.lock().unwrap();
+    assert!(lease_ends > 0, "A's lease was never seen");
+    assert!(
+        died_at < lease_ends,
+        "A's task group was still alive {} ms after its lease could be taken (partitioned at {partitioned_at}, lease ended at {lease_ends}, group gone at {died_at})",
+        died_at - lease_ends
+    );
+
+    eprintln!(
+        "A's task group gone {} ms after the partition, {} ms before its lease could be taken",
+        died_at - partitioned_at,
+        lease_ends - died_at
+    );
+
+    // A never heals; stop it so the requeued delivery cannot wait at its closed gate.
+    a.kill9();
+    assert!(
+        wait_until(WAIT, || env
+            .lines("events")
+            .iter()
+            .any(|l| l.starts_with("end "))),
+        "the instance never completed\n{}",
+        b.log_tail(30)
+    );
+    let lines = env.lines("events");
+    let starts: Vec<Vec<&str>> = lines
+        .iter()
+        .filter(|l| l.starts_with("start "))
+        .map(|l| l.split(' ').collect())
+        .collect();
+    let ends: Vec<&String> = lines.iter().filter(|l| l.starts_with("end ")).collect();
+    assert_eq!(starts.len(), 2, "started by A, then by B: {lines:?}");
+    assert_eq!(ends.len(), 1, "completed exactly once: {lines:?}");
+    let b_pid = starts[1][2];
+    assert_ne!(b_pid, a_pid.to_string());
+    assert_eq!(ends[0], &format!("end k-part {b_pid}"), "B finished it");
+    let b_started: u128 = starts[1][3].parse().unwrap();
+    assert!(
+        died_at < b_started,
+        "A's task was alive when B started the instance ({died_at} vs {b_started})"
+    );
+    let done = wait_until_async(Duration::from_secs(10), || async {
+        env.run_state("k-part").await.as_deref() == Some("done")
+    })
+    .await;
+    assert!(done, "{}", b.log_tail(30));
+}
+
+/// Records when a stubborn handler's future is dropped.
+struct DropClock(Arc<Mutex<Option<u128>>>);
+
+impl Drop for DropClock {
+    fn drop(&mut self) {
+        *self.0.lock().unwrap() = Some(now_ms());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rust_handler_that_ignores_cancellation_is_dropped_before_its_lease_ends() {
+    use drumline_shared::config::{Config, ENV_AMQP_URL, ENV_REDIS_URL};
+    use drumline_worker::{HandlerError, TaskContext, Worker};
+
+    let env = setup("e2e_partition_rust");
+    let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
+    let config_path = env.config(
+        "drumline.toml",
+        "[worker]\nconcurrency = 1\nlease = \"3s\"\n\n[tasks.stubborn]\n",
+    );
+    let through_proxy = proxy.redis_url();
+    let config = Config::parse(
+        &std::fs::read_to_string(&config_path).unwrap(),
+        &config_path,
+        |name| match name {
+            ENV_REDIS_URL => Some(through_proxy.clone()),
+            ENV_AMQP_URL => Some(drumline_e2e::AMQP_URL.to_owned()),
+            _ => None,
+        },
+    )
+    .unwrap();
+    let started = Arc::new(Mutex::new(None::<u128>));
+    let dropped = Arc::new(Mutex::new(None::<u128>));
+    let (started_in, dropped_in) = (started.clone(), dropped.clone());
+    let worker = Worker::new(config).handler("stubborn", move |_ctx: TaskContext| {
+        let clock = DropClock(dropped_in.clone());
+        *started_in.lock().unwrap() = Some(now_ms());
+        async move {
+            let _clock = clock;
+            // Never looks at the cancellation token.
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            Ok::<(), HandlerError>(())
+        }
+    });
+    let stop = shutdown_trigger();
+    let running = tokio::spawn(worker.run(stop.1));
+    let up = wait_until_async(WAIT, || async { consumers(&env).await == 1 }).await;
+    assert!(up, "the in-process worker never consumed");
+    env.publish(&adhoc("k-rust", "stubborn")).await;
+    let began = wait_until_async(WAIT, || async { started.lock().unwrap().is_some() }).await;
+    assert!(began, "the handler never ran");
+    let (sampler, lease_ends_ms) = watch_lease_end(&env, "k-rust").await;
+
+    proxy.set(Fault::Blackhole);
+    let gone = wait_until_async(Duration::from_secs(10), || async {
+        dropped.lock().unwrap().is_some()
+    })
+    .await;
+    assert!(gone, "the handler's future was never dropped");
+    sampler.await.unwrap();
+    let dropped_at = dropped.lock().unwrap().unwrap();
+    let lease_ends = *lease_ends_ms.lock().unwrap();
+    assert!(lease_ends > 0, "the lease was never seen");
+    assert!(
+        dropped_at < lease_ends,
+        "the handler ran {} ms past its lease",
+        dropped_at - lease_ends
+    );
+    eprintln!(
+        "the Rust handler was dropped {} ms before its lease could be taken",
+        lease_ends - dropped_at
+    );
+    let _ = stop.0.send(());
+    running.abort();
+}
+
+/// A shutdown future for an in-process worker, and its trigger.
+fn shutdown_trigger() -> (
+    tokio::sync::oneshot::Sender<()>,
+    impl std::future::Future<Output = ()> + Send,
+) {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    (tx, async move {
+        let _ = rx.await;
+    })
+}
