@@ -305,3 +305,64 @@ fn shutdown_trigger() -> (
         let _ = rx.await;
     })
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_success_whose_lease_lapsed_before_done_landed_is_recorded_not_rerun() {
+    let env = setup("e2e_done_race");
+    let events = env.path("events");
+    let release = env.path("release");
+    // Starts, waits for the test to say so, ends.
+    let script = format!(
+        "echo \"start $DRUMLINE_KEY\" >> {events}; while [ ! -e {release} ]; do sleep 0.05; done; echo \"end $DRUMLINE_KEY\" >> {events}",
+        events = events.display(),
+        release = release.display()
+    );
+    let config = env.config(
+        "drumline.toml",
+        &format!(
+            "[worker]\nconcurrency = 1\nlease = \"3s\"\n\n[tasks.slow]\ncommand = [\"/bin/sh\", \"-c\", {}]\n",
+            toml_string(&script)
+        ),
+    );
+    let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
+    let through_proxy = proxy.redis_url();
+    let mut worker = env.worker_with_env(
+        "worker",
+        &["--config", config.to_str().unwrap()],
+        &[("DRUMLINE_REDIS_URL", &through_proxy)],
+    );
+    env.wait_for_topology(&worker).await;
+    env.publish(&adhoc("k-race", "slow")).await;
+    assert!(
+        wait_until(WAIT, || env.lines("events") == vec!["start k-race"]),
+        "{}",
+        worker.log_tail(30)
+    );
+
+    // The task succeeds while the worker cannot reach Redis: its `done` write is held in the
+    // proxy until the lease has run out and the key is gone, then it lands.
+    proxy.set(Fault::Blackhole);
+    std::fs::write(&release, "").unwrap();
+    assert!(wait_until(WAIT, || env.lines("events").len() == 2));
+    let lapsed = wait_until_async(WAIT, || async { env.run_state("k-race").await.is_none() }).await;
+    assert!(lapsed, "the lease never lapsed");
+    proxy.set(Fault::Pass);
+
+    let done = wait_until_async(WAIT, || async {
+        env.run_state("k-race").await.as_deref() == Some("done")
+    })
+    .await;
+    assert!(done, "{}", worker.log_tail(30));
+    assert!(
+        wait_until_async(WAIT, || async {
+            env.queue_len(&format!("{}.q.default", env.ns)).await == Some(0)
+        })
+        .await
+    );
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    assert_eq!(
+        env.lines("events"),
+        vec!["start k-race", "end k-race"],
+        "ran once"
+    );
+}

@@ -289,25 +289,24 @@ impl Processor {
             .run(handler.clone(), &env, &token, fence, claimed_at)
             .await;
         match outcome {
-            RunOutcome::Finished(Ok(())) => {
+            // `_renewing` keeps the lease renewed until the arm has recorded the result.
+            RunOutcome::Finished(Ok(()), _renewing) => {
                 if self.finish_with_retries(&env, &token, Final::Done).await? {
                     info!(fence, "done");
                     self.stats.succeeded.inc();
                     self.record(&env, "done", Some(started_at), None).await;
                     Ok(Disposition::Ack)
                 } else {
-                    warn!(
-                        "succeeded, but the lease was lost before it could be recorded; requeueing"
-                    );
+                    warn!("succeeded, but another worker claimed the instance before it could be recorded; requeueing");
                     Ok(Disposition::Requeue)
                 }
             }
-            RunOutcome::Finished(Err(HandlerError::Permanent(error))) => {
+            RunOutcome::Finished(Err(HandlerError::Permanent(error)), _renewing) => {
                 warn!(error = %error, "permanent failure: dead-lettering");
                 self.fail_dead(publisher, &env, &token, "permanent", &error, started_at)
                     .await
             }
-            RunOutcome::Finished(Err(HandlerError::Retryable(error))) => {
+            RunOutcome::Finished(Err(HandlerError::Retryable(error)), _renewing) => {
                 match retry::decide(task, env.attempt, rand::random::<f64>()) {
                     Decision::Exhausted => {
                         warn!(error = %error, "failed; retries exhausted: dead-lettering");
@@ -433,13 +432,20 @@ impl Processor {
             }
         };
         self.stats.running.dec();
-        stop_watchdog.cancel();
-        let lost_reason = watchdog.await.ok().flatten();
-        match (result, reason, lost_reason) {
-            (_, Some(true), _) => RunOutcome::Abandoned,
-            (_, _, Some(lost)) => RunOutcome::LeaseLost(lost),
-            (Some(r), _, None) => RunOutcome::Finished(r),
-            (None, _, None) => RunOutcome::LeaseLost(LeaseLost::Taken),
+        let renewing = Renewing {
+            stop: stop_watchdog,
+            watchdog,
+        };
+        match (result, reason) {
+            (_, Some(true)) => {
+                renewing.stop().await;
+                RunOutcome::Abandoned
+            }
+            // A success is recorded even if the lease was lost meanwhile: `done` lands when
+            // the claim is still ours or nobody took it (DESIGN §9).
+            (Some(Ok(())), _) => RunOutcome::Finished(Ok(()), renewing),
+            (Some(Err(e)), _) if !lost.is_cancelled() => RunOutcome::Finished(Err(e), renewing),
+            _ => RunOutcome::LeaseLost(renewing.stop().await.unwrap_or(LeaseLost::Taken)),
         }
     }
 
@@ -575,9 +581,31 @@ impl Processor {
 }
 
 enum RunOutcome {
-    Finished(Result<(), HandlerError>),
+    /// The handler returned. The lease is renewed until [`Renewing`] is dropped, so a result
+    /// whose write is slow is not taken over meanwhile.
+    Finished(Result<(), HandlerError>, Renewing),
     LeaseLost(LeaseLost),
     Abandoned,
+}
+
+/// A run's lease watchdog, still renewing; stopped when dropped.
+struct Renewing {
+    stop: CancellationToken,
+    watchdog: tokio::task::JoinHandle<Option<LeaseLost>>,
+}
+
+impl Renewing {
+    /// Stops renewing; why the lease was lost, if it was.
+    async fn stop(mut self) -> Option<LeaseLost> {
+        self.stop.cancel();
+        (&mut self.watchdog).await.ok().flatten()
+    }
+}
+
+impl Drop for Renewing {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
 }
 
 /// Task-name lookup used by [`crate::Worker`]: every configured task with a `command` gets the
