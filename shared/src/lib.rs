@@ -2,7 +2,7 @@
 //!
 //! - [`config`]   — `drumline.toml`: raw form, checked form, one clear error per bad key.
 //! - [`envelope`] — the v1 task message body and its AMQP properties/headers.
-//! - [`metrics`]  — `--metrics-addr`: Prometheus `/metrics` and `/healthz`.
+//! - `metrics`    — `--metrics-addr`: Prometheus `/metrics` and `/healthz` (feature `bin-support`).
 //! - [`names`]    — every exchange, queue and Redis key name, derived from the namespace.
 //! - [`schedule`] — pure schedule math: cron in a time zone with DST policies, fixed-rate intervals.
 //! - [`signals`]  — SIGTERM/SIGINT: orderly stop, a second signal exits at once.
@@ -12,12 +12,18 @@
 //! - [`tls`]      — the CA files of `[broker] ca_file` / `[redis] ca_file`.
 //! - [`duration`] — humantime durations in config and on the command line.
 //! - [`url`]      — broker and Redis URLs: checked at load, printed with the password as `***`.
-//! - [`logging`]  — tracing set-up shared by both binaries (`--log-format human|json`).
+//! - `logging`    — tracing set-up shared by both binaries (`--log-format human|json`; feature
+//!   `bin-support`).
+//!
+//! The feature `bin-support` (off by default) adds what only the binaries need: clap, axum,
+//! tracing-subscriber and prometheus-client stay out of a library user's build.
 
 pub mod config;
 pub mod duration;
 pub mod envelope;
+#[cfg(feature = "bin-support")]
 pub mod logging;
+#[cfg(feature = "bin-support")]
 pub mod metrics;
 pub mod names;
 pub mod schedule;
