@@ -1,4 +1,5 @@
-//! The Redis scripts against the real Redis (own namespace per test, keys deleted after).
+//! The Redis scripts against the real Redis (own namespace per test, keys deleted when the
+//! test ends, passed or panicked).
 
 use drumline_shared::names::Names;
 use drumline_shared::store::{Claim, ClaimRequest, Final, OverlapMode, RunState, Store};
@@ -6,30 +7,44 @@ use std::time::Duration;
 
 const REDIS: &str = "redis://127.0.0.1:6379/0";
 
-async fn store(test: &str) -> Store {
+/// A store on a fresh namespace whose keys are deleted when it goes out of scope, also when the
+/// test panics half-way.
+struct TestStore(Store);
+
+impl std::ops::Deref for TestStore {
+    type Target = Store;
+    fn deref(&self) -> &Store {
+        &self.0
+    }
+}
+
+impl Drop for TestStore {
+    fn drop(&mut self) {
+        // Blocking client: `Drop` cannot await, and a panicking test's runtime may be gone.
+        let pattern = format!("{}:*", self.0.names().namespace());
+        let Ok(mut conn) = redis::Client::open(REDIS).and_then(|c| c.get_connection()) else {
+            return;
+        };
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(pattern)
+            .query(&mut conn)
+            .unwrap_or_default();
+        if !keys.is_empty() {
+            let _: redis::RedisResult<()> = redis::cmd("DEL").arg(keys).query(&mut conn);
+        }
+    }
+}
+
+async fn store(test: &str) -> TestStore {
     let ns = format!(
         "t_store_{test}_{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     );
-    Store::connect(REDIS, None, Names::new(ns))
-        .await
-        .expect("redis")
-}
-
-async fn cleanup(store: &Store) {
-    let mut conn = store.connection();
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{}:*", store.names().namespace()))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    if !keys.is_empty() {
-        let _: () = redis::cmd("DEL")
-            .arg(keys)
-            .query_async(&mut conn)
+    TestStore(
+        Store::connect(REDIS, None, Names::new(ns))
             .await
-            .unwrap();
-    }
+            .expect("redis"),
+    )
 }
 
 fn req<'a>(key: &'a str, token: &'a str, overlap: OverlapMode<'a>) -> ClaimRequest<'a> {
@@ -93,7 +108,6 @@ async fn claim_is_exclusive_and_fences_increase() {
         panic!()
     };
     assert!(f1 < f2 && f2 < f3, "{f1} {f2} {f3}");
-    cleanup(&s).await;
 }
 
 #[tokio::test]
@@ -116,7 +130,6 @@ async fn an_expired_lease_can_be_taken_over() {
         .await
         .unwrap());
     assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("running"));
-    cleanup(&s).await;
 }
 
 #[tokio::test]
@@ -157,7 +170,6 @@ async fn overlap_lock_skips_or_queues_other_instances_of_the_job() {
             .unwrap(),
         Claim::Claimed { .. }
     ));
-    cleanup(&s).await;
 }
 
 #[tokio::test]
@@ -170,7 +182,6 @@ async fn last_published_only_moves_forward() {
     s.advance_last_published("j", t2).await.unwrap();
     s.advance_last_published("j", t1).await.unwrap();
     assert_eq!(s.last_published("j").await.unwrap(), Some(t2));
-    cleanup(&s).await;
 }
 
 #[tokio::test]
@@ -227,7 +238,6 @@ async fn a_retry_keeps_its_place_and_older_copies_are_duplicates() {
             state: RunState::Running
         }
     );
-    cleanup(&s).await;
 }
 
 #[tokio::test]
@@ -246,7 +256,6 @@ async fn an_expired_copy_takes_nothing_unless_it_is_a_duplicate() {
         ),
         "the job lock was not taken either"
     );
-    cleanup(&s).await;
 }
 
 #[tokio::test]
@@ -270,5 +279,4 @@ async fn a_finished_run_is_recorded_even_when_its_lease_lapsed_unclaimed() {
             state: RunState::Done
         }
     );
-    cleanup(&s).await;
 }

@@ -5,6 +5,7 @@
 pub mod proxy;
 pub mod tls;
 
+use drumline_shared::names::Names;
 use lapin::options::{
     BasicPublishOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
@@ -178,7 +179,7 @@ impl TestEnv {
             .await
             .expect("confirm");
         ch.basic_publish(
-            &format!("{}.tasks", self.ns),
+            &self.names().tasks_exchange(),
             queue,
             BasicPublishOptions::default(),
             body,
@@ -232,15 +233,16 @@ impl TestEnv {
     }
 
     async fn cleanup(ns: String, extra: Vec<String>) {
+        let names = Names::new(ns.as_str());
         if let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await {
-            let mut queues = vec![format!("{ns}.q.default"), format!("{ns}.dead")];
+            let mut queues = vec![names.work_queue("default"), names.dead()];
             queues.extend(extra);
             for q in queues {
                 if let Ok(ch) = conn.create_channel().await {
                     let _ = ch.queue_delete(&q, QueueDeleteOptions::default()).await;
                 }
             }
-            for x in [format!("{ns}.tasks"), format!("{ns}.dead")] {
+            for x in [names.tasks_exchange(), names.dead()] {
                 if let Ok(ch) = conn.create_channel().await {
                     let _ = ch
                         .exchange_delete(&x, ExchangeDeleteOptions::default())
@@ -625,6 +627,16 @@ pub fn adhoc(key: &str, task: &str) -> drumline_shared::envelope::Envelope {
 }
 
 impl TestEnv {
+    /// Every exchange, queue and Redis key name of this test's namespace.
+    pub fn names(&self) -> Names {
+        Names::new(self.ns.as_str())
+    }
+
+    /// The value of metric `name` served on 127.0.0.1:`port` (see [`metric`]).
+    pub fn metric(&self, port: u16, name: &str) -> Option<f64> {
+        metric(port, name)
+    }
+
     /// Publishes `envelope` the way drumline does (properties and headers included).
     pub async fn publish(&self, envelope: &drumline_shared::envelope::Envelope) {
         self.publish_raw(
@@ -639,7 +651,7 @@ impl TestEnv {
     pub async fn run_state(&self, key: &str) -> Option<String> {
         let mut redis = self.redis().await;
         redis::cmd("HGET")
-            .arg(format!("{}:run:{key}", self.ns))
+            .arg(self.names().run_key(key))
             .arg("state")
             .query_async(&mut redis)
             .await
@@ -648,7 +660,7 @@ impl TestEnv {
 
     /// Waits until `{ns}.q.default` exists, i.e. a worker has declared its topology.
     pub async fn wait_for_topology(&self, worker: &Proc) {
-        let queue = format!("{}.q.default", self.ns);
+        let queue = self.names().work_queue("default");
         let declared = wait_until_async(Duration::from_secs(60), || async {
             self.queue_len(&queue).await.is_some()
         })

@@ -69,10 +69,13 @@ async fn bad_configs_exit_2_with_one_clear_message_and_declare_nothing() {
         }
     }
     assert!(
-        !env.exchange_exists(&format!("{}.tasks", env.ns)).await,
+        !env.exchange_exists(&env.names().tasks_exchange()).await,
         "nothing may be declared for a bad config"
     );
-    assert_eq!(env.queue_len(&format!("{}.q.default", env.ns)).await, None);
+    assert_eq!(
+        env.queue_len(&env.names().work_queue("default")).await,
+        None
+    );
 }
 
 #[test]

@@ -24,7 +24,7 @@ async fn dead_letters_are_listed_replayed_and_purged() {
         ),
     );
     let cfg = cfg.to_str().unwrap();
-    let dead = format!("{}.dead", env.ns);
+    let dead = env.names().dead();
     let mut worker = env.worker("worker", &["--config", cfg]);
     for key in ["k1", "k2"] {
         let (status, _, stderr) = env.run(
@@ -34,7 +34,7 @@ async fn dead_letters_are_listed_replayed_and_purged() {
         assert!(status.success(), "{stderr}");
     }
     // An instance that expires while queued where nobody consumes: the broker dead-letters it.
-    env.forget_queue_later(format!("{}.q.idle", env.ns));
+    env.forget_queue_later(env.names().work_queue("idle"));
     let (status, _, stderr) = env.run(
         "drumline-beat",
         &[

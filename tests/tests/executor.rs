@@ -121,7 +121,7 @@ max_retries = 0
         "the task outlived its timeout"
     );
     assert_eq!(
-        env.queue_len(&format!("{}.dead", env.ns)).await,
+        env.queue_len(&env.names().dead()).await,
         Some(1),
         "dead-lettered once (retries exhausted)"
     );

@@ -48,7 +48,7 @@ async fn dead_letters(env: &TestEnv) -> Vec<(String, String, i64, String)> {
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.unwrap();
     let mut out = Vec::new();
-    let dead = format!("{}.dead", env.ns);
+    let dead = env.names().dead();
     while let Some(msg) = ch
         .basic_get(&dead, BasicGetOptions::default())
         .await
@@ -80,7 +80,7 @@ async fn retries_exhaustion_permanent_failures_expiry_and_size() {
     let env = setup("e2e_failures");
     let cfg = config(&env);
     let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
-    let dead = format!("{}.dead", env.ns);
+    let dead = env.names().dead();
     env.wait_for_topology(&worker).await;
 
     env.publish(&adhoc("k-flaky", "flaky")).await;
@@ -167,7 +167,7 @@ async fn retries_exhaustion_permanent_failures_expiry_and_size() {
 
     assert!(worker.terminate(Duration::from_secs(20)).success());
     assert_eq!(
-        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        env.queue_len(&env.names().work_queue("default")).await,
         Some(0)
     );
 }

@@ -139,7 +139,7 @@ async fn redis_outage_fails_closed_and_resumes() {
     assert!(worker.terminate(Duration::from_secs(20)).success());
     assert_eq!(env.lines("effects"), vec!["k-before", "k-during"]);
     assert_eq!(
-        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        env.queue_len(&env.names().work_queue("default")).await,
         Some(0)
     );
 }

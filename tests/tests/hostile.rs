@@ -46,7 +46,7 @@ async fn take_dead_letters(env: &TestEnv) -> Vec<(Option<String>, String)> {
     let ch = conn.create_channel().await.unwrap();
     let mut out = Vec::new();
     while let Some(msg) = ch
-        .basic_get(&format!("{}.dead", env.ns), BasicGetOptions::default())
+        .basic_get(&env.names().dead(), BasicGetOptions::default())
         .await
         .unwrap()
     {
@@ -98,7 +98,7 @@ async fn a_300_byte_key_is_dead_lettered_once_and_the_worker_keeps_serving() {
     assert_eq!(metric(port, "drumline_worker_malformed_total"), Some(1.0));
     assert!(worker.terminate(Duration::from_secs(20)).success());
     assert_eq!(
-        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        env.queue_len(&env.names().work_queue("default")).await,
         Some(0)
     );
 }
@@ -183,6 +183,6 @@ async fn an_expired_copy_of_a_done_instance_is_a_duplicate() {
     );
     assert!(worker.terminate(Duration::from_secs(20)).success());
     assert_eq!(env.lines("effects"), vec!["k-once"]);
-    assert_eq!(env.queue_len(&format!("{}.dead", env.ns)).await, Some(0));
+    assert_eq!(env.queue_len(&env.names().dead()).await, Some(0));
     assert_eq!(env.run_state("k-once").await.as_deref(), Some("done"));
 }

@@ -60,7 +60,7 @@ async fn a_job_the_broker_refuses_does_not_hold_up_the_others() {
             &metrics_addr,
         ],
     );
-    let queue = format!("{}.q.default", env.ns);
+    let queue = env.names().work_queue("default");
     let url = rabbit.url();
     let mut published = 0;
     for _ in 0..300 {

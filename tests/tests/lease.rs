@@ -53,7 +53,7 @@ async fn consumers(env: &drumline_e2e::TestEnv) -> u32 {
     let ch = conn.create_channel().await.expect("channel");
     let count = ch
         .queue_declare(
-            &format!("{}.q.default", env.ns),
+            &env.names().work_queue("default"),
             QueueDeclareOptions {
                 passive: true,
                 ..Default::default()
@@ -75,7 +75,7 @@ async fn watch_lease_end(
     key: &str,
 ) -> (tokio::task::JoinHandle<()>, Arc<Mutex<u128>>) {
     let lease_ends_ms = Arc::new(Mutex::new(0u128));
-    let key = format!("{}:run:{key}", env.ns);
+    let key = env.names().run_key(key);
     let mut redis = env.redis().await;
     let holder: String = redis::cmd("HGET")
         .arg(&key)
@@ -355,7 +355,7 @@ async fn a_success_whose_lease_lapsed_before_done_landed_is_recorded_not_rerun()
     assert!(done, "{}", worker.log_tail(30));
     assert!(
         wait_until_async(WAIT, || async {
-            env.queue_len(&format!("{}.q.default", env.ns)).await == Some(0)
+            env.queue_len(&env.names().work_queue("default")).await == Some(0)
         })
         .await
     );

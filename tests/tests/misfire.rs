@@ -47,7 +47,7 @@ fn set_last(env: &TestEnv, job: &str, at: DateTime<Utc>) {
     runtime().block_on(async {
         let mut conn = env.redis().await;
         let () = redis::cmd("SET")
-            .arg(format!("{}:beat:last:{job}", env.ns))
+            .arg(env.names().beat_last(job))
             .arg(last_instant_text(at))
             .query_async(&mut conn)
             .await
@@ -59,7 +59,7 @@ fn get_last(env: &TestEnv, job: &str) -> Option<String> {
     runtime().block_on(async {
         let mut conn = env.redis().await;
         redis::cmd("GET")
-            .arg(format!("{}:beat:last:{job}", env.ns))
+            .arg(env.names().beat_last(job))
             .query_async(&mut conn)
             .await
             .expect("GET")
@@ -100,7 +100,7 @@ fn queue_len_at(url: &str, env: &TestEnv) -> u32 {
             };
             if let Ok(q) = ch
                 .queue_declare(
-                    &format!("{}.q.default", env.ns),
+                    &env.names().work_queue("default"),
                     passive,
                     FieldTable::default(),
                 )
@@ -133,7 +133,7 @@ fn drain_at(url: &str, env: &TestEnv) -> Vec<Message> {
             .await
             .expect("amqp connection");
         let ch = conn.create_channel().await.expect("channel");
-        let queue = format!("{}.q.default", env.ns);
+        let queue = env.names().work_queue("default");
         let mut out = Vec::new();
         while let Some(msg) = ch
             .basic_get(&queue, BasicGetOptions { no_ack: true })

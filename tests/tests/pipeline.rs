@@ -120,7 +120,7 @@ async fn one_beat_three_workers_run_every_instant_exactly_once() {
     let mut redis = env.redis().await;
     for key in &lines {
         let state: Option<String> = redis::cmd("HGET")
-            .arg(format!("{}:run:{key}", env.ns))
+            .arg(env.names().run_key(key))
             .arg("state")
             .query_async(&mut redis)
             .await
@@ -128,14 +128,14 @@ async fn one_beat_three_workers_run_every_instant_exactly_once() {
         assert_eq!(state.as_deref(), Some("done"), "{key}");
     }
     let last: String = redis::cmd("GET")
-        .arg(format!("{}:beat:last:tick", env.ns))
+        .arg(env.names().beat_last("tick"))
         .query_async(&mut redis)
         .await
         .unwrap();
     let newest = lines.iter().map(|k| instant_of(k)).max().unwrap();
     assert_eq!(DateTime::parse_from_rfc3339(&last).unwrap(), newest);
     assert_eq!(
-        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        env.queue_len(&env.names().work_queue("default")).await,
         Some(0)
     );
 }
@@ -208,7 +208,7 @@ async fn two_beats_publish_twice_but_each_instance_runs_once() {
         "every delivery is either the one run or an acked, counted duplicate"
     );
     assert_eq!(
-        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        env.queue_len(&env.names().work_queue("default")).await,
         Some(0)
     );
 }
@@ -296,7 +296,7 @@ async fn a_worker_killed_mid_task_is_taken_over_after_its_lease() {
     );
     let mut redis = env.redis().await;
     let state: Option<String> = redis::cmd("HGET")
-        .arg(format!("{}:run:k-kill", env.ns))
+        .arg(env.names().run_key("k-kill"))
         .arg("state")
         .query_async(&mut redis)
         .await
@@ -327,14 +327,14 @@ async fn sigterm_lets_the_running_task_finish_then_exits_zero() {
     );
     let mut redis = env.redis().await;
     let state: Option<String> = redis::cmd("HGET")
-        .arg(format!("{}:run:k-term", env.ns))
+        .arg(env.names().run_key("k-term"))
         .arg("state")
         .query_async(&mut redis)
         .await
         .unwrap();
     assert_eq!(state.as_deref(), Some("done"));
     assert_eq!(
-        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        env.queue_len(&env.names().work_queue("default")).await,
         Some(0),
         "acked before exit"
     );
@@ -352,7 +352,7 @@ async fn poison_messages_are_dead_lettered_and_duplicates_run_once() {
     );
     let cfg = config.to_str().unwrap();
     let mut worker = env.worker("worker", &["--config", cfg]);
-    let dead = format!("{}.dead", env.ns);
+    let dead = env.names().dead();
     env.wait_for_topology(&worker).await;
 
     env.publish_raw("default", b"{not json", Default::default())
@@ -401,7 +401,7 @@ async fn poison_messages_are_dead_lettered_and_duplicates_run_once() {
     );
     assert_eq!(summary_number(&worker.log(), "duplicates"), 1);
     assert_eq!(
-        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        env.queue_len(&env.names().work_queue("default")).await,
         Some(0)
     );
 }
@@ -447,13 +447,13 @@ async fn when_the_shutdown_grace_runs_out_the_task_is_abandoned_for_redelivery()
     // The claim is released and the message is back for another worker.
     let mut redis = env.redis().await;
     let exists: bool = redis::cmd("EXISTS")
-        .arg(format!("{}:run:k-grace", env.ns))
+        .arg(env.names().run_key("k-grace"))
         .query_async(&mut redis)
         .await
         .unwrap();
     assert!(!exists, "claim released");
     assert_eq!(
-        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        env.queue_len(&env.names().work_queue("default")).await,
         Some(1),
         "left for redelivery"
     );

@@ -139,7 +139,7 @@ overlap = "allow"
     assert_eq!(dead_lettered as usize, keys.len(), "one dead letter each");
     assert_eq!(duplicates as usize + keys.len(), copies);
     assert_eq!(
-        env.queue_len(&format!("{}.dead", env.ns)).await,
+        env.queue_len(&env.names().dead()).await,
         Some(keys.len() as u32)
     );
     for key in &keys {
@@ -174,6 +174,6 @@ async fn the_same_envelope_three_times_runs_max_retries_plus_one_times() {
     assert!(worker.terminate(Duration::from_secs(20)).success());
     assert_eq!(env.lines("runs"), vec!["k-thrice 0", "k-thrice 1"]);
     assert!(settled, "{exposition:?}\n{}", worker.log_tail(30));
-    assert_eq!(env.queue_len(&format!("{}.dead", env.ns)).await, Some(1));
+    assert_eq!(env.queue_len(&env.names().dead()).await, Some(1));
     assert_eq!(env.run_state("k-thrice").await.as_deref(), Some("dead"));
 }

@@ -63,7 +63,7 @@ async fn rediss_with_ca_file_runs_a_task_once_with_its_state_in_that_redis() {
         "the task never ran\n{}",
         worker.log_tail(30)
     );
-    let run_key = format!("{}:run:k-rediss", env.ns);
+    let run_key = env.names().run_key("k-rediss");
     // `done` is written after the task's effect: wait for it, in the private TLS Redis.
     assert!(
         wait_until(WAIT, || redis
@@ -131,7 +131,7 @@ async fn rediss_without_ca_file_is_refused_and_nothing_runs() {
         "ran without a trusted redis"
     );
     assert_eq!(
-        env.queue_len(&format!("{}.q.default", env.ns)).await,
+        env.queue_len(&env.names().work_queue("default")).await,
         Some(1),
         "the message waits for a worker that can claim it"
     );
@@ -158,7 +158,7 @@ async fn amqps_with_ca_file_publishes_and_runs_a_task_once() {
 
     let worker = env.worker("worker", &["--config", &cfg]);
     env.wait_for_topology(&worker).await;
-    let queue = format!("{}.q.default", env.ns);
+    let queue = env.names().work_queue("default");
 
     // Without ca_file the broker's certificate is not trusted: publish fails, nothing is sent.
     let (status, stdout, stderr) = env.run(
@@ -249,7 +249,7 @@ async fn beat_and_worker_over_amqps_and_rediss_run_each_instance_once() {
     published_sorted.sort();
     assert_eq!(ran.keys().cloned().collect::<Vec<_>>(), published_sorted);
     // The beat's progress and the runs' states are in the TLS Redis.
-    let last = redis.query(&["GET", &format!("{}:beat:last:tick", env.ns)]);
+    let last = redis.query(&["GET", &env.names().beat_last("tick")]);
     assert!(
         last.is_some_and(|l| !l.is_empty()),
         "no beat progress in the TLS redis"

@@ -212,7 +212,7 @@ async fn publish_refuses_long_keys_and_names_and_publishes_nothing() {
     // One good publish declares the queue; the refused ones must add nothing to it.
     let (code, _, stderr) = publish(&["--key", &"k".repeat(200)]);
     assert_eq!(code, Some(0), "{stderr}");
-    let queue = format!("{}.q.default", env.ns);
+    let queue = env.names().work_queue("default");
     assert_eq!(env.queue_len(&queue).await, Some(1));
     for (bad, needle) in [
         (vec!["--key".to_owned(), "k".repeat(300)], "--key"),

@@ -134,7 +134,7 @@ async fn a_reconnect_does_not_add_runs_beyond_concurrency() {
         ),
     );
     let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
-    let queue = format!("{}.q.default", env.ns);
+    let queue = env.names().work_queue("default");
     assert!(
         wait_for_queue(&rabbit.url(), &queue).await,
         "{}",
@@ -195,18 +195,15 @@ async fn a_reconnect_does_not_add_runs_beyond_concurrency() {
 async fn break_dead_exchange(env: &drumline_e2e::TestEnv) {
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.expect("channel");
-    ch.exchange_delete(
-        &format!("{}.dead", env.ns),
-        ExchangeDeleteOptions::default(),
-    )
-    .await
-    .expect("exchange.delete");
+    ch.exchange_delete(&env.names().dead(), ExchangeDeleteOptions::default())
+        .await
+        .expect("exchange.delete");
     let _ = conn.close(200, "bye").await;
 }
 
 /// Puts `{ns}.dead` (the exchange and its binding to the queue) back.
 async fn repair_dead_exchange(env: &drumline_e2e::TestEnv) {
-    let dead = format!("{}.dead", env.ns);
+    let dead = env.names().dead();
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.expect("channel");
     ch.exchange_declare(
@@ -279,7 +276,7 @@ async fn a_closed_publisher_channel_is_reopened_and_requeues_are_paced() {
     );
 
     repair_dead_exchange(&env).await;
-    let dead = format!("{}.dead", env.ns);
+    let dead = env.names().dead();
     let dead_lettered =
         drumline_e2e::wait_until_async(WAIT, || async { env.queue_len(&dead).await == Some(1) })
             .await;
@@ -361,7 +358,7 @@ async fn sigterm_ends_a_worker_whose_broker_died_mid_run() {
     );
     let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
     assert!(
-        wait_for_queue(&rabbit.url(), &format!("{}.q.default", env.ns)).await,
+        wait_for_queue(&rabbit.url(), &env.names().work_queue("default")).await,
         "{}",
         worker.log_tail(20)
     );
@@ -405,7 +402,7 @@ async fn a_topology_mismatch_on_reconnect_lets_in_flight_runs_finish() {
     );
     let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
     assert!(
-        wait_for_queue(&rabbit.url(), &format!("{}.q.default", env.ns)).await,
+        wait_for_queue(&rabbit.url(), &env.names().work_queue("default")).await,
         "{}",
         worker.log_tail(20)
     );
@@ -417,7 +414,7 @@ async fn a_topology_mismatch_on_reconnect_lets_in_flight_runs_finish() {
     );
     // Someone redeclares the dead-letter queue with other arguments; the worker finds out when
     // it redeclares its topology after the connection drops.
-    let dead = format!("{}.dead", env.ns);
+    let dead = env.names().dead();
     let conn = Connection::connect(&rabbit.url(), ConnectionProperties::default())
         .await
         .expect("amqp connection");
@@ -480,7 +477,7 @@ async fn sigterm_ends_a_worker_whose_broker_froze() {
     );
     let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
     assert!(
-        wait_for_queue(&rabbit.url(), &format!("{}.q.default", env.ns)).await,
+        wait_for_queue(&rabbit.url(), &env.names().work_queue("default")).await,
         "{}",
         worker.log_tail(20)
     );
