@@ -4,7 +4,7 @@
 //! Writes a config of JOBS `every` jobs (one task) in a namespace of its own, then measures:
 //! - parsing and checking that config (in process);
 //! - loading every job's last instant from Redis, one `GET` per job (how the beat used to do
-//!   it) against pipelined `MGET` batches ([`drumline_beat::scheduler::load_last`]);
+//!   it) against pipelined `MGET` batches ([`drumline_beat::progress::load_last`]);
 //! - the real binary: time from spawn until it logs "beat started", and its resident memory
 //!   (VmRSS, and the peak VmHWM, from /proc/PID/status), on a first start and resumed with
 //!   every job's last instant persisted.
@@ -14,7 +14,7 @@
 
 use anyhow::{bail, Context, Result};
 use chrono::{SecondsFormat, TimeDelta, Utc};
-use drumline_beat::scheduler::load_last;
+use drumline_beat::progress::load_last;
 use drumline_shared::config::Config;
 use drumline_shared::names::Names;
 use drumline_shared::store::{last_instant_text, Store};

@@ -1,13 +1,23 @@
 //! drumline-beat: computes when jobs are due and publishes each instance to RabbitMQ.
 //!
-//! - [`scheduler`] — the misfire decision ([`scheduler::plan`], pure) and the beat loop.
+//! - [`scheduler`] — the beat loop: takes due jobs in batches, publishes, records progress;
+//!   where leadership will gate publishing.
+//! - [`misfire`]   — the misfire decision ([`misfire::plan`], pure): what to publish or drop.
+//! - [`progress`]  — each job's `{ns}:beat:last:{job}`: loaded at start, saved after confirms.
+//! - [`stats`]     — the beat's counters (Prometheus), health, and the report of drops.
 //! - [`publisher`] — confirm-mode publishing, topology on (re)connect.
 //! - [`next`]      — `drumline-beat next`: upcoming instants with DST annotations.
 //! - [`adhoc`]     — `drumline-beat publish`: one ad-hoc task, same envelope and guarantees.
 //! - [`status`]    — `drumline-beat status`: per-job health from Redis, with a stale warning.
+//!
+//! Redis is reached only through [`drumline_shared::store::Store`]; schedule math lives in
+//! [`drumline_shared::schedule`].
 
 pub mod adhoc;
+pub mod misfire;
 pub mod next;
+pub mod progress;
 pub mod publisher;
 pub mod scheduler;
+pub mod stats;
 pub mod status;

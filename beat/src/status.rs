@@ -1,32 +1,18 @@
 //! `drumline-beat status`: per job, its schedule, next due instant, last published, last
 //! success and failure, instances running now, and a stale warning — the answer to "did my job
-//! silently stop running?" (DESIGN §7–8). Reads Redis only.
+//! silently stop running?" (DESIGN §7–8). Reads Redis only, through the [`Store`].
 
 use chrono::{DateTime, Utc};
 use drumline_shared::config::{Config, Job};
-use drumline_shared::envelope::format_instant;
+use drumline_shared::envelope::{format_instant, parse_instant};
 use drumline_shared::names::Names;
 use drumline_shared::schedule::Schedule;
-use drumline_shared::store::{RunRecord, Store, StoreError};
-use redis::AsyncCommands;
+pub use drumline_shared::store::Leader;
+use drumline_shared::store::{JobHistory, Store, StoreError};
 use serde::Serialize;
-use std::collections::HashMap;
 
 /// How many history entries are searched for the last failure.
-const FAILURE_LOOKBACK: isize = 100;
-
-/// The leader lease, as the beat writes it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
-pub struct Leader {
-    /// Host name.
-    pub host: String,
-    /// Process id.
-    pub pid: u32,
-    /// Leadership epoch.
-    pub epoch: u64,
-    /// RFC 3339 UTC.
-    pub since: String,
-}
+const FAILURE_LOOKBACK: usize = 100;
 
 /// One job's line.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -61,31 +47,6 @@ pub struct Status {
     pub jobs: Vec<JobStatus>,
 }
 
-/// The job's period at `now`: `every`, or for cron the gap between the two latest instants.
-pub fn period(schedule: &Schedule, now: DateTime<Utc>) -> Option<chrono::Duration> {
-    if let Schedule::Every { every, .. } = schedule {
-        return Some(*every);
-    }
-    // No "previous instant" API: walk forward from ever earlier points until two instants at or
-    // before `now` are found (a per-second cron needs a short window, a yearly one a long one).
-    for back in [120i64, 7_200, 172_800, 5_529_600, 63_072_000, 283_824_000] {
-        let mut cursor = now - chrono::Duration::seconds(back);
-        let (mut older, mut newer) = (None, None);
-        while let Some(t) = schedule.next_after(cursor) {
-            if t > now {
-                break;
-            }
-            older = newer;
-            newer = Some(t);
-            cursor = t;
-        }
-        if let (Some(a), Some(b)) = (older, newer) {
-            return Some(b - a);
-        }
-    }
-    None
-}
-
 /// Stale: the job has been published for at least two periods and its last success (if any)
 /// is older than two periods.
 pub fn is_stale(
@@ -95,7 +56,7 @@ pub fn is_stale(
     last_success: Option<DateTime<Utc>>,
     first_seen: Option<DateTime<Utc>>,
 ) -> bool {
-    let (Some(period), Some(_)) = (period(schedule, now), last_published) else {
+    let (Some(period), Some(_)) = (schedule.period(now), last_published) else {
         return false;
     };
     let window = period * 2;
@@ -107,106 +68,54 @@ pub fn is_stale(
     }
 }
 
-fn parse(text: Option<String>) -> Option<DateTime<Utc>> {
-    text.and_then(|t| DateTime::parse_from_rfc3339(&t).ok())
-        .map(|t| t.with_timezone(&Utc))
-}
-
-/// Reads the status of every job (or only `only`) from Redis.
+/// Reads the status of every job (or only `only`) from Redis, through the [`Store`].
 pub async fn read(
     config: &Config,
     only: Option<&Job>,
     now: DateTime<Utc>,
 ) -> Result<Status, StoreError> {
     let names = Names::new(config.namespace.clone());
-    let store = Store::connect(
-        &config.redis_url,
-        config.redis_ca_file.as_deref(),
-        names.clone(),
-    )
-    .await?;
-    let mut conn = store.connection();
-    let leader: Option<String> = conn.get(names.beat_leader()).await?;
-    let leader = leader.and_then(|l| serde_json::from_str::<Leader>(&l).ok());
-    let running = running_counts(&mut conn, &names).await?;
-
+    let store = Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names).await?;
+    let leader = store.leader().await?;
+    let running = store.running_counts().await?;
     let jobs: Vec<&Job> = match only {
         Some(job) => vec![job],
         None => config.jobs.iter().collect(),
     };
-    let mut out = Vec::with_capacity(jobs.len());
-    for chunk in jobs.chunks(500) {
-        let mut pipe = redis::pipe();
-        for job in chunk {
-            pipe.get(names.beat_last(&job.name))
-                .get(names.last_success(&job.name))
-                .lrange(names.history(&job.name), 0, FAILURE_LOOKBACK - 1)
-                .lindex(names.history(&job.name), -1);
-        }
-        type Row = (Option<String>, Option<String>, Vec<String>, Option<String>);
-        let rows: Vec<Row> = pipe.query_async(&mut conn).await?;
-        for (job, (last, success, history, oldest)) in chunk.iter().zip(rows) {
-            let records: Vec<RunRecord> = history
-                .iter()
-                .filter_map(|h| serde_json::from_str(h).ok())
-                .collect();
-            let last_failure = records
-                .iter()
-                .find(|r| matches!(r.status.as_str(), "failed" | "dead" | "expired"))
-                .map(|r| r.finished_at.clone());
-            let first_seen = oldest
-                .and_then(|o| serde_json::from_str::<RunRecord>(&o).ok())
-                .and_then(|r| parse(Some(r.scheduled_for)));
-            let last_dt = parse(last.clone());
-            let success_dt = parse(success.clone());
-            let from = last_dt.map_or(now, |l| l.max(now));
-            out.push(JobStatus {
-                job: job.name.clone(),
-                schedule: job.schedule_text.clone(),
-                timezone: job.timezone.name().to_owned(),
-                next_due: job.schedule.next_after(from).map(format_instant),
-                last_published: last_dt.map(format_instant),
-                last_success: success_dt.map(format_instant),
-                last_failure,
-                running: running.get(job.name.as_str()).copied().unwrap_or(0),
-                stale: is_stale(&job.schedule, now, last_dt, success_dt, first_seen),
-            });
-        }
-    }
-    Ok(Status { leader, jobs: out })
+    let job_names: Vec<&str> = jobs.iter().map(|j| j.name.as_str()).collect();
+    let histories = store.job_histories(&job_names, FAILURE_LOOKBACK).await?;
+    let jobs = jobs
+        .into_iter()
+        .zip(histories)
+        .map(|(job, history)| {
+            let running = running.get(job.name.as_str()).copied().unwrap_or(0);
+            job_status(job, history, running, now)
+        })
+        .collect();
+    Ok(Status { leader, jobs })
 }
 
-/// Counts `running` run states per job with one SCAN over `{ns}:run:*`.
-async fn running_counts(
-    conn: &mut redis::aio::ConnectionManager,
-    names: &Names,
-) -> Result<HashMap<String, u64>, StoreError> {
-    let prefix = names.run_key("");
-    let mut keys = Vec::new();
-    {
-        let mut iter: redis::AsyncIter<String> = conn.scan_match(format!("{prefix}*")).await?;
-        while let Some(key) = iter.next_item().await {
-            keys.push(key?);
-        }
+/// One job's line, from what Redis holds about it.
+fn job_status(job: &Job, history: JobHistory, running: u64, now: DateTime<Utc>) -> JobStatus {
+    let last_failure = history
+        .recent
+        .iter()
+        .find(|r| matches!(r.status.as_str(), "failed" | "dead" | "expired"))
+        .map(|r| r.finished_at.clone());
+    let first_seen = history.oldest.and_then(|r| parse_instant(&r.scheduled_for));
+    let (last, success) = (history.last_published, history.last_success);
+    let from = last.map_or(now, |l| l.max(now));
+    JobStatus {
+        job: job.name.clone(),
+        schedule: job.schedule_text.clone(),
+        timezone: job.timezone.name().to_owned(),
+        next_due: job.schedule.next_after(from).map(format_instant),
+        last_published: last.map(format_instant),
+        last_success: success.map(format_instant),
+        last_failure,
+        running,
+        stale: is_stale(&job.schedule, now, last, success, first_seen),
     }
-    let mut counts = HashMap::new();
-    for chunk in keys.chunks(1000) {
-        let mut pipe = redis::pipe();
-        for key in chunk {
-            pipe.hget(key, "state");
-        }
-        let states: Vec<Option<String>> = pipe.query_async(conn).await?;
-        for (key, state) in chunk.iter().zip(states) {
-            if state.as_deref() != Some("running") {
-                continue;
-            }
-            // {ns}:run:{job}@{instant}; ad-hoc keys have no job.
-            if let Some((job, _)) = key[prefix.len()..].rsplit_once('@') {
-                *counts.entry(job.to_owned()).or_insert(0) += 1;
-            }
-        }
-    }
-    Ok(counts)
 }
 
 /// Renders the report as an aligned table.
@@ -271,26 +180,6 @@ mod tests {
             gap: DstGap::Shift,
             fold: DstFold::First,
         }
-    }
-
-    #[test]
-    fn period_of_every_and_of_cron() {
-        let every = Schedule::Every {
-            every: chrono::Duration::seconds(30),
-            anchor: DateTime::UNIX_EPOCH,
-        };
-        assert_eq!(
-            period(&every, at(7, 0)),
-            Some(chrono::Duration::seconds(30))
-        );
-        assert_eq!(
-            period(&cron("*/15 * * * *"), at(7, 7)),
-            Some(chrono::Duration::minutes(15))
-        );
-        assert_eq!(
-            period(&cron("0 3 * * *"), at(7, 7)),
-            Some(chrono::Duration::days(1))
-        );
     }
 
     #[test]

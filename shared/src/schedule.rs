@@ -756,6 +756,33 @@ impl Schedule {
     pub fn describe(&self) -> String {
         self.to_string()
     }
+
+    /// The period at `now`: `every`, or for cron the gap between the two latest instants at or
+    /// before `now`; `None` when there are not two within about nine years.
+    pub fn period(&self, now: DateTime<Utc>) -> Option<TimeDelta> {
+        if let Schedule::Every { every, .. } = self {
+            return Some(*every);
+        }
+        // No "previous instant" API: walk forward from ever earlier points until two instants
+        // at or before `now` are found (a per-second cron needs a short window, a yearly one a
+        // long one).
+        for back in [120i64, 7_200, 172_800, 5_529_600, 63_072_000, 283_824_000] {
+            let mut cursor = now - TimeDelta::seconds(back);
+            let (mut older, mut newer) = (None, None);
+            while let Some(t) = self.next_after(cursor) {
+                if t > now {
+                    break;
+                }
+                older = newer;
+                newer = Some(t);
+                cursor = t;
+            }
+            if let (Some(a), Some(b)) = (older, newer) {
+                return Some(b - a);
+            }
+        }
+        None
+    }
 }
 
 impl fmt::Display for Schedule {
@@ -839,9 +866,38 @@ fn next_every(
     }
     let since = nanos_of(after) - nanos_of(anchor);
     let k = since.div_euclid(step) + 1;
-    let at = nanos_of(anchor) + k * step;
-    let secs = i64::try_from(at.div_euclid(1_000_000_000)).ok()?;
-    DateTime::from_timestamp(secs, at.rem_euclid(1_000_000_000) as u32)
+    from_nanos(nanos_of(anchor) + k * step)
+}
+
+fn from_nanos(n: i128) -> Option<DateTime<Utc>> {
+    let secs = i64::try_from(n.div_euclid(1_000_000_000)).ok()?;
+    DateTime::from_timestamp(secs, n.rem_euclid(1_000_000_000) as u32)
+}
+
+/// The instants `anchor + k·every` strictly between `after` and `before`: how many, the first
+/// and the last; `None` when there are none. Counts a long outage by arithmetic, not a walk.
+pub fn every_between(
+    every: TimeDelta,
+    anchor: DateTime<Utc>,
+    after: DateTime<Utc>,
+    before: DateTime<Utc>,
+) -> Option<(u64, DateTime<Utc>, DateTime<Utc>)> {
+    let step = nanos_of_delta(every);
+    if step <= 0 {
+        return None;
+    }
+    let a = nanos_of(anchor);
+    let k_lo = (nanos_of(after) - a).div_euclid(step) + 1;
+    let k_hi = (nanos_of(before) - a - 1).div_euclid(step);
+    if k_hi < k_lo {
+        return None;
+    }
+    let count = u64::try_from(k_hi - k_lo + 1).ok()?;
+    Some((
+        count,
+        from_nanos(a + k_lo * step)?,
+        from_nanos(a + k_hi * step)?,
+    ))
 }
 
 /// The first occurrence after `after` of a cron read under one fold pass.
@@ -1931,5 +1987,41 @@ mod tests {
             let ns = started.elapsed().as_nanos() / u128::from(N);
             println!("next_after {expr:?} in {zone}: {ns} ns/call");
         }
+    }
+
+    #[test]
+    fn every_between_counts_like_a_walk() {
+        let anchor = utc("2026-03-02T12:00:00.250Z");
+        let every = TimeDelta::milliseconds(1500);
+        let after = utc("2026-03-02T11:59:00Z");
+        let before = utc("2026-03-02T12:03:00.250Z");
+        let schedule = Schedule::Every { every, anchor };
+        let walked: Vec<_> = schedule
+            .occurrences_after(after)
+            .map(|o| o.at)
+            .take_while(|t| *t < before)
+            .collect();
+        let (n, first, last) = every_between(every, anchor, after, before).unwrap();
+        assert_eq!(n as usize, walked.len());
+        assert_eq!(first, walked[0]);
+        assert_eq!(last, *walked.last().unwrap());
+        // An instant exactly at `after` or `before` is excluded.
+        assert_eq!(every_between(every, anchor, anchor, anchor + every), None);
+    }
+
+    #[test]
+    fn period_of_every_and_of_cron() {
+        let at = |h: u32, m: u32| Utc.with_ymd_and_hms(2026, 3, 8, h, m, 0).unwrap();
+        let every = Schedule::Every {
+            every: TimeDelta::seconds(30),
+            anchor: DateTime::UNIX_EPOCH,
+        };
+        assert_eq!(every.period(at(7, 0)), Some(TimeDelta::seconds(30)));
+        let cron = |expr| cron(expr, "UTC", DstGap::Shift, DstFold::First);
+        assert_eq!(
+            cron("*/15 * * * *").period(at(7, 7)),
+            Some(TimeDelta::minutes(15))
+        );
+        assert_eq!(cron("0 3 * * *").period(at(7, 7)), Some(TimeDelta::days(1)));
     }
 }

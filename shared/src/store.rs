@@ -3,11 +3,13 @@
 //! renew, complete or release it) and a fencing token from a monotonic counter (handlers pass it
 //! to the systems they write, which reject writes with an older fence).
 
+use crate::envelope::parse_instant;
 use crate::names::Names;
 use chrono::{DateTime, SecondsFormat, Utc};
 use redis::aio::ConnectionManager;
 use redis::{AsyncCommands, Script};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -557,11 +559,7 @@ impl Store {
     pub async fn last_published(&self, job: &str) -> Result<Option<DateTime<Utc>>, StoreError> {
         let mut conn = self.conn.clone();
         let text: Option<String> = conn.get(self.names.beat_last(job)).await?;
-        Ok(text.and_then(|t| {
-            DateTime::parse_from_rfc3339(&t)
-                .ok()
-                .map(|t| t.with_timezone(&Utc))
-        }))
+        Ok(text.as_deref().and_then(parse_instant))
     }
 
     /// Moves `job`'s last published instant forward to `at` (never backwards).
@@ -613,6 +611,167 @@ impl Store {
         }
         Ok(out)
     }
+
+    /// Every job's persisted progress, in `jobs` order, read with [`parse_last_instant`]:
+    /// `None` when the job never ran, `Some(Err(text))` when the value is unreadable. One
+    /// pipelined round trip per `per_mget`·`per_trip` jobs (`per_mget` keys per `MGET`).
+    pub async fn last_published_many(
+        &self,
+        jobs: &[&str],
+        per_mget: usize,
+        per_trip: usize,
+    ) -> Result<Vec<Option<Result<DateTime<Utc>, String>>>, StoreError> {
+        let mut conn = self.conn.clone();
+        let per_mget = per_mget.max(1);
+        let mut out = Vec::with_capacity(jobs.len());
+        for group in jobs.chunks(per_mget * per_trip.max(1)) {
+            let mut pipe = redis::pipe();
+            for batch in group.chunks(per_mget) {
+                let keys: Vec<String> = batch.iter().map(|j| self.names.beat_last(j)).collect();
+                pipe.cmd("MGET").arg(keys);
+            }
+            let replies: Vec<Vec<Option<String>>> = pipe.query_async(&mut conn).await?;
+            out.extend(
+                replies
+                    .into_iter()
+                    .flatten()
+                    .map(|value| value.map(|text| parse_last_instant(&text).ok_or(text))),
+            );
+        }
+        if out.len() != jobs.len() {
+            // MGET answers one value per key; anything else is a broken server or proxy.
+            return Err(StoreError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "MGET returned fewer values than keys",
+            )));
+        }
+        Ok(out)
+    }
+
+    /// The leader lease `{ns}:beat:leader`, if a beat holds it (an unreadable value: `None`).
+    pub async fn leader(&self) -> Result<Option<Leader>, StoreError> {
+        let mut conn = self.conn.clone();
+        let text: Option<String> = conn.get(self.names.beat_leader()).await?;
+        Ok(text.and_then(|l| serde_json::from_str(&l).ok()))
+    }
+
+    /// Per job, in `jobs` order: its progress, last success, newest `lookback` run records and
+    /// oldest record (unreadable records are left out), [`HISTORY_TRIP`] jobs per round trip.
+    pub async fn job_histories(
+        &self,
+        jobs: &[&str],
+        lookback: usize,
+    ) -> Result<Vec<JobHistory>, StoreError> {
+        let mut conn = self.conn.clone();
+        let record = |text: &str| serde_json::from_str::<RunRecord>(text).ok();
+        let mut out = Vec::with_capacity(jobs.len());
+        for chunk in jobs.chunks(HISTORY_TRIP) {
+            let mut pipe = redis::pipe();
+            for job in chunk {
+                let history = self.names.history(job);
+                pipe.get(self.names.beat_last(job))
+                    .get(self.names.last_success(job))
+                    .lrange(&history, 0, lookback as isize - 1)
+                    .lindex(&history, -1);
+            }
+            type Row = (Option<String>, Option<String>, Vec<String>, Option<String>);
+            let rows: Vec<Row> = pipe.query_async(&mut conn).await?;
+            out.extend(rows.into_iter().map(|(last, success, recent, oldest)| {
+                let instant = |t: Option<String>| t.as_deref().and_then(parse_instant);
+                JobHistory {
+                    last_published: instant(last),
+                    last_success: instant(success),
+                    recent: recent.iter().filter_map(|h| record(h)).collect(),
+                    oldest: oldest.as_deref().and_then(record),
+                }
+            }));
+        }
+        Ok(out)
+    }
+
+    /// How many instances of each job are `running` now: one `SCAN` over `{ns}:run:*`, then
+    /// their states pipelined. Ad-hoc runs (keys without `@`) belong to no job.
+    pub async fn running_counts(&self) -> Result<HashMap<String, u64>, StoreError> {
+        let mut conn = self.conn.clone();
+        let prefix = self.names.run_key("");
+        let mut keys = Vec::new();
+        {
+            let mut iter: redis::AsyncIter<String> = conn.scan_match(format!("{prefix}*")).await?;
+            while let Some(key) = iter.next_item().await {
+                keys.push(key?);
+            }
+        }
+        let mut counts = HashMap::new();
+        for chunk in keys.chunks(1000) {
+            let mut pipe = redis::pipe();
+            for key in chunk {
+                pipe.hget(key, "state");
+            }
+            let states: Vec<Option<String>> = pipe.query_async(&mut conn).await?;
+            for (key, state) in chunk.iter().zip(states) {
+                if state.as_deref() != Some(RunState::Running.as_str()) {
+                    continue;
+                }
+                // {ns}:run:{job}@{instant}
+                if let Some((job, _)) = key[prefix.len()..].rsplit_once('@') {
+                    *counts.entry(job.to_owned()).or_insert(0) += 1;
+                }
+            }
+        }
+        Ok(counts)
+    }
+
+    /// [`connect`](Self::connect), tried until Redis answers: between tries it waits `min`,
+    /// doubling up to `max`, and hands each failure to `failed` (to log it as the caller sees
+    /// it: the beat waits, the worker fails closed).
+    pub async fn connect_retrying(
+        url: &str,
+        ca_file: Option<&Path>,
+        names: Names,
+        (min, max): (Duration, Duration),
+        mut failed: impl FnMut(&StoreError),
+    ) -> Self {
+        let mut backoff = min;
+        loop {
+            match Self::connect(url, ca_file, names.clone()).await {
+                Ok(store) => return store,
+                Err(e) => {
+                    failed(&e);
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(max);
+                }
+            }
+        }
+    }
+}
+
+/// Jobs per round trip in [`Store::job_histories`].
+pub const HISTORY_TRIP: usize = 500;
+
+/// The leader lease, as the beat writes it (`{ns}:beat:leader`, JSON).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Leader {
+    /// Host name.
+    pub host: String,
+    /// Process id.
+    pub pid: u32,
+    /// Leadership epoch.
+    pub epoch: u64,
+    /// RFC 3339 UTC.
+    pub since: String,
+}
+
+/// What Redis holds about one job (see [`Store::job_histories`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobHistory {
+    /// The beat's progress `{ns}:beat:last:{job}`, as written.
+    pub last_published: Option<DateTime<Utc>>,
+    /// `{ns}:last_success:{job}`.
+    pub last_success: Option<DateTime<Utc>>,
+    /// The newest run records, newest first.
+    pub recent: Vec<RunRecord>,
+    /// The oldest run record kept.
+    pub oldest: Option<RunRecord>,
 }
 
 /// Reads the claim script's reply; `None` for anything it never returns.
@@ -643,6 +802,19 @@ fn parse_claim(reply: &[String]) -> Option<Claim> {
 /// Fixed-width RFC 3339 (milliseconds, `Z`), so Lua can compare instants as strings.
 pub fn last_instant_text(at: DateTime<Utc>) -> String {
     at.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+/// Reads a persisted progress instant (parsed by [`parse_instant`], the one instant codec).
+/// [`last_instant_text`] truncates to whole milliseconds, so a value on a millisecond boundary
+/// covers that whole millisecond: an instant with sub-millisecond digits is then not decided a
+/// second time. A value with sub-millisecond digits (written by hand) is taken as is.
+pub fn parse_last_instant(text: &str) -> Option<DateTime<Utc>> {
+    let t = parse_instant(text)?;
+    if t.timestamp_subsec_nanos() % 1_000_000 == 0 {
+        t.checked_add_signed(chrono::TimeDelta::nanoseconds(999_999))
+    } else {
+        Some(t)
+    }
 }
 
 /// RFC 3339 UTC, milliseconds, for run records.

@@ -1,0 +1,283 @@
+//! Against the real Redis and RabbitMQ (as `scripts/test` starts them), each test in a
+//! namespace of its own whose keys, queues and exchanges are deleted at the end: the harness
+//! ([`Ns`], shared with the publisher's tests) and the loop's tests that need both services.
+
+use super::{run, BeatStats, BATCH_JOBS, BATCH_MESSAGES};
+use crate::misfire::tests::at;
+use crate::progress::save_progress;
+use chrono::{DateTime, DurationRound, SecondsFormat, TimeDelta, Utc};
+use drumline_shared::config::Config;
+use drumline_shared::envelope::{instance_key, Envelope};
+use drumline_shared::names::Names;
+use drumline_shared::store::{last_instant_text, parse_last_instant as parse_last, Store};
+use lapin::options::{
+    BasicGetOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+use std::future::Future;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// A namespace; everything in it is deleted on drop.
+pub(crate) struct Ns(pub(crate) String);
+
+impl Ns {
+    pub(crate) fn new(test: &str) -> Self {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        Ns(format!("t_beat_{test}_{}", &id[..8]))
+    }
+
+    /// A config in this namespace: `body` plus task `t`.
+    pub(crate) fn config(&self, body: &str) -> Config {
+        let text = format!(
+            "namespace = \"{}\"\n{body}\n[tasks.t]\ncommand = [\"/bin/true\"]\n",
+            self.0
+        );
+        Config::parse(&text, Path::new("test.toml"), |_| None)
+            .unwrap_or_else(|e| panic!("bad test config: {e}"))
+    }
+
+    async fn store(&self) -> Store {
+        Store::connect("redis://127.0.0.1:6379/0", None, Names::new(self.0.clone()))
+            .await
+            .expect("redis")
+    }
+}
+
+impl Drop for Ns {
+    fn drop(&mut self) {
+        let ns = self.0.clone();
+        let _ = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+                .block_on(cleanup(ns));
+        })
+        .join();
+    }
+}
+
+async fn cleanup(ns: String) {
+    let names = Names::new(ns.clone());
+    if let Ok(client) = redis::Client::open("redis://127.0.0.1:6379/0") {
+        if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(format!("{ns}:*"))
+                .query_async(&mut conn)
+                .await
+                .unwrap_or_default();
+            if !keys.is_empty() {
+                let _: Result<(), _> = redis::cmd("DEL").arg(keys).query_async(&mut conn).await;
+            }
+        }
+    }
+    if let Ok(amqp) = Connection::connect(AMQP, ConnectionProperties::default()).await {
+        // A channel per deletion: one that fails (never declared) closes its channel.
+        let queues = ["default", "a", "b"].map(|q| names.work_queue(q));
+        for queue in queues.into_iter().chain([names.dead()]) {
+            if let Ok(ch) = amqp.create_channel().await {
+                let _ = ch.queue_delete(&queue, QueueDeleteOptions::default()).await;
+            }
+        }
+        for exchange in [names.tasks_exchange(), names.dead()] {
+            if let Ok(ch) = amqp.create_channel().await {
+                let _ = ch
+                    .exchange_delete(&exchange, ExchangeDeleteOptions::default())
+                    .await;
+            }
+        }
+        let _ = amqp.close(200, "bye").await;
+    }
+}
+
+/// `{ns}:beat:last:{job}` for each job.
+async fn lasts(store: &Store, jobs: &[&str]) -> Vec<Option<String>> {
+    let keys: Vec<String> = jobs.iter().map(|j| store.names().beat_last(j)).collect();
+    redis::cmd("MGET")
+        .arg(keys)
+        .query_async(&mut store.connection())
+        .await
+        .expect("MGET")
+}
+
+/// Runs the beat on `config` until `done` holds (polled every 50 ms, at most 60 s).
+async fn run_until<F, Fut>(config: Config, mut done: F) -> BeatStats
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let watch = async {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !done().await {
+            assert!(Instant::now() < deadline, "the beat never got there");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let _ = stop.send(());
+    };
+    let beat = run(config, BeatStats::default(), async {
+        let _ = stopped.await;
+    });
+    let (stats, ()) = tokio::join!(beat, watch);
+    stats.expect("the beat failed")
+}
+
+fn rfc3339(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::AutoSi, true)
+}
+
+#[tokio::test]
+async fn progress_writes_only_move_forward_and_fail_job_by_job() {
+    let ns = Ns::new("save");
+    let store = ns.store().await;
+    let (t1, t2) = (at("2026-03-02T12:00:00Z"), at("2026-03-02T12:01:00Z"));
+    let mut conn = store.connection();
+    // `c` holds a hash: its write fails, the others' do not.
+    let () = redis::cmd("HSET")
+        .arg(store.names().beat_last("c"))
+        .arg("f")
+        .arg("v")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let out = save_progress(&store, &[("a", t2), ("c", t2), ("b", t1)])
+        .await
+        .unwrap();
+    assert!(
+        out[0].is_ok() && out[1].is_err() && out[2].is_ok(),
+        "{out:?}"
+    );
+    // `a` does not move back; `b` moves forward.
+    let out = save_progress(&store, &[("a", t1), ("b", t2)])
+        .await
+        .unwrap();
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    let text = |t| Some(last_instant_text(t));
+    assert_eq!(lasts(&store, &["a", "b"]).await, vec![text(t2), text(t2)]);
+}
+
+#[tokio::test]
+async fn a_new_jobs_start_is_persisted_so_misses_before_its_first_instant_are_reported() {
+    let ns = Ns::new("first_start");
+    let store = ns.store().await;
+    let started = Utc::now();
+    // First instant 2-3 s after the start; missed 1 s after it.
+    let first = started.duration_trunc(TimeDelta::seconds(1)).unwrap() + TimeDelta::seconds(3);
+    let config = ns.config(&format!(
+        "[beat]\nmisfire_threshold = \"1s\"\n[[jobs]]\nname = \"j\"\ntask = \"t\"\n\
+         every = \"1h\"\nanchor = \"{}\"\nmisfire = \"skip\"",
+        rfc3339(first)
+    ));
+
+    // A first start that stops before the first instant still leaves its start behind.
+    let stats = run_until(config.clone(), || async {
+        lasts(&store, &["j"]).await[0].is_some()
+    })
+    .await;
+    assert_eq!(stats.published.get(), 0);
+    let persisted = lasts(&store, &["j"]).await[0].clone().unwrap();
+    let persisted = parse_last(&persisted).unwrap();
+    assert!(persisted >= started && persisted < first, "{persisted}");
+
+    // Down past the first instant and its threshold: the next start reports it missed.
+    while Utc::now() < first + TimeDelta::milliseconds(1500) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let want = last_instant_text(first);
+    let stats = run_until(config, || async {
+        lasts(&store, &["j"]).await[0].as_ref() == Some(&want)
+    })
+    .await;
+    assert_eq!(
+        (stats.published.get(), stats.dropped.get()),
+        (0, 1),
+        "{stats:?}"
+    );
+}
+
+#[tokio::test]
+async fn jobs_due_together_are_published_in_batches_each_instant_once() {
+    let ns = Ns::new("batches");
+    let store = ns.store().await;
+    let now = Utc::now().duration_trunc(TimeDelta::seconds(1)).unwrap();
+    // More jobs than one batch takes, all due at `due`; and one job catching up more
+    // messages than one batch holds.
+    let jobs = BATCH_JOBS + 200;
+    let catch_up = BATCH_MESSAGES + 200;
+    let due = now + TimeDelta::seconds(3);
+    let anchor = now + TimeDelta::seconds(30);
+    let mut body = format!(
+        "[[jobs]]\nname = \"catch\"\ntask = \"t\"\nevery = \"1m\"\nanchor = \"{}\"\n\
+         misfire = \"catch_up\"\noverlap = \"queue\"\nmax_catch_up = {catch_up}\n\
+         misfire_grace = \"30d\"\n",
+        rfc3339(anchor)
+    );
+    let names: Vec<String> = (0..jobs).map(|i| format!("j{i:05}")).collect();
+    for name in &names {
+        body.push_str(&format!(
+            "[[jobs]]\nname = \"{name}\"\ntask = \"t\"\nevery = \"1h\"\nanchor = \"{}\"\n",
+            rfc3339(due)
+        ));
+    }
+    let config = ns.config(&body);
+    let missed_from = anchor - TimeDelta::minutes(catch_up as i64);
+    let newest_missed = anchor - TimeDelta::minutes(1);
+    let out = save_progress(&store, &[("catch", missed_from - TimeDelta::minutes(1))])
+        .await
+        .unwrap();
+    assert!(out[0].is_ok());
+
+    let (want_catch, want_due) = (last_instant_text(newest_missed), last_instant_text(due));
+    let all: Vec<&str> = names.iter().map(String::as_str).collect();
+    let stats = run_until(config, || async {
+        lasts(&store, &["catch"]).await[0].as_ref() == Some(&want_catch)
+            && lasts(&store, &all)
+                .await
+                .iter()
+                .all(|l| l.as_ref() == Some(&want_due))
+    })
+    .await;
+    assert_eq!(stats.published.get() as usize, jobs + catch_up, "{stats:?}");
+    assert_eq!((stats.dropped.get(), stats.publish_failures.get()), (0, 0));
+
+    // What the queue holds: each instant once, the catch-up oldest first.
+    let amqp = Connection::connect(AMQP, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = amqp.create_channel().await.unwrap();
+    let queue = Names::new(ns.0.clone()).work_queue("default");
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let declared = ch
+        .queue_declare(&queue, passive, FieldTable::default())
+        .await
+        .unwrap();
+    assert_eq!(declared.message_count() as usize, jobs + catch_up);
+    let mut catch = Vec::new();
+    let mut others = Vec::new();
+    while let Some(msg) = ch
+        .basic_get(&queue, BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
+        let env = Envelope::decode(&msg.delivery.data).unwrap();
+        match env.job.as_deref() {
+            Some("catch") => catch.push(env.scheduled_for),
+            _ => others.push(env.key),
+        }
+    }
+    let _ = amqp.close(200, "bye").await;
+    let want: Vec<_> = (0..catch_up as i64)
+        .map(|k| missed_from + TimeDelta::minutes(k))
+        .collect();
+    assert!(catch == want, "catch-up out of order, doubled or missing");
+    others.sort();
+    let want: Vec<_> = names.iter().map(|n| instance_key(n, due)).collect();
+    assert!(others == want, "on-time instances doubled or missing");
+}
