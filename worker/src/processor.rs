@@ -102,7 +102,7 @@ impl Processor {
     /// broker redelivers anyway, and a stuck ack must not hold a concurrency slot.
     pub async fn process(self: Arc<Self>, publisher: Channel, delivery: Delivery) -> Settled {
         let mut broker_trouble = false;
-        let disposition = match self.decide(&publisher, &delivery).await {
+        let disposition = match self.disposition(&publisher, &delivery).await {
             Ok(d) => d,
             Err(Interrupted::Redis(e)) => {
                 error!(error = %e, "redis unreachable: requeueing and pausing (fail closed)");
@@ -155,7 +155,7 @@ impl Processor {
 
     /// Admits the delivery (size and shape, before anything touches Redis: DESIGN §9), then
     /// handles its envelope inside the task's span.
-    async fn decide(
+    async fn disposition(
         &self,
         publisher: &Channel,
         delivery: &Delivery,
@@ -379,17 +379,7 @@ impl Processor {
             lost.clone(),
             expiry_tx,
         ));
-        let ctx = TaskContext {
-            task: env.task.clone(),
-            key: env.key.clone(),
-            job: env.job.clone(),
-            scheduled_for: env.scheduled_for,
-            attempt: env.attempt,
-            fencing_token: fence,
-            args: env.args.clone(),
-            cancel: cancel.clone(),
-            kill_grace: budget.kill_grace(),
-        };
+        let ctx = context(env, fence, cancel.clone(), budget.kill_grace());
         self.stats.running.inc();
         let stopped = self
             .call(handler.call(ctx), cancel, &lost, expiry, budget)
@@ -599,6 +589,26 @@ enum Stopped {
     LeaseLost,
     /// Stopped: the shutdown grace ran out.
     Abandoned,
+}
+
+/// What a handler is told about its run.
+fn context(
+    env: &Envelope,
+    fence: u64,
+    cancel: CancellationToken,
+    kill_grace: Duration,
+) -> TaskContext {
+    TaskContext {
+        task: env.task.clone(),
+        key: env.key.clone(),
+        job: env.job.clone(),
+        scheduled_for: env.scheduled_for,
+        attempt: env.attempt,
+        fencing_token: fence,
+        args: env.args.clone(),
+        cancel,
+        kill_grace,
+    }
 }
 
 /// A run's lease watchdog, still renewing; stopped when dropped.
