@@ -228,19 +228,7 @@ fn after_run(fence: u64, result: &RunResult, task: &Task, attempt: u32, jitter: 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn task(max_retries: u32) -> Task {
-        Task {
-            name: "t".into(),
-            command: None,
-            timeout: None,
-            max_retries,
-            retry_base: Duration::from_secs(1),
-            retry_max: Duration::from_secs(10),
-            permanent_exit_codes: vec![],
-            env: Default::default(),
-        }
-    }
+    use crate::retry::tests::task;
 
     fn before(claim: Claim) -> Action {
         decide(&claim, None, &task(3), 0, 0.0)
