@@ -23,6 +23,43 @@ pub const H_ERROR: &str = "x-drumline-error";
 /// Header on dead letters: runs made.
 pub const H_ATTEMPTS: &str = "x-drumline-attempts";
 
+/// Why a message was dead-lettered: the value of the [`H_REASON`] header (DESIGN §9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DeadReason {
+    /// The handler said not to try again.
+    Permanent,
+    /// It failed more than the task's `max_retries` allows.
+    RetriesExhausted,
+    /// Its `expires_at` passed before it could run.
+    Expired,
+    /// This worker's config has no task by that name.
+    UnknownTask,
+    /// Not a valid v1 envelope, or breaking its limits.
+    Malformed,
+    /// Longer than `max_message_bytes`.
+    Oversize,
+}
+
+impl DeadReason {
+    /// The header text.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadReason::Permanent => "permanent",
+            DeadReason::RetriesExhausted => "retries_exhausted",
+            DeadReason::Expired => "expired",
+            DeadReason::UnknownTask => "unknown_task",
+            DeadReason::Malformed => "malformed",
+            DeadReason::Oversize => "oversize",
+        }
+    }
+}
+
+impl std::fmt::Display for DeadReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// The envelope, version 1.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -77,7 +77,7 @@ pub enum Settled {
     Unsettled,
 }
 
-/// Runs a worker until `shutdown` completes.
+/// Runs a worker until `shutdown` completes, then stops in order (see the module docs).
 pub async fn run(
     config: Arc<Config>,
     handlers: HashMap<String, Arc<dyn Handler>>,
@@ -85,13 +85,26 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<Arc<Stats>, WorkerError> {
     let stop = CancellationToken::new();
-    let stopper = stop.clone();
-    let shutdown = async move {
-        shutdown.await;
-        stopper.cancel();
-    };
-    tokio::pin!(shutdown);
+    let work = work(config, handlers, stats, stop.clone());
+    tokio::pin!(work);
+    // Shutdown turns into `stop`; the work then stops taking deliveries and drains.
+    tokio::select! {
+        ended = &mut work => ended,
+        _ = shutdown => {
+            stop.cancel();
+            work.await
+        }
+    }
+}
 
+/// The worker's life: Redis first (fail closed), then broker sessions until `stop` or a fatal
+/// topology mismatch, then the drain and the close.
+async fn work(
+    config: Arc<Config>,
+    handlers: HashMap<String, Arc<dyn Handler>>,
+    stats: Arc<Stats>,
+    stop: CancellationToken,
+) -> Result<Arc<Stats>, WorkerError> {
     let names = Names::new(config.namespace.clone());
     let worker_id = worker_id();
     info!(worker = %worker_id, namespace = %config.namespace, queues = ?config.worker.queues,
@@ -100,7 +113,7 @@ pub async fn run(
     // Fail closed from the very start: no Redis, no consuming.
     let store = tokio::select! {
         store = connect_redis(&config, &names) => store,
-        _ = &mut shutdown => return Ok(stats),
+        _ = stop.cancelled() => return Ok(stats),
     };
     stats.redis_up.set(1);
 
@@ -121,132 +134,206 @@ pub async fn run(
     });
     let probe = tokio::spawn(probe_redis(store, processor.gate.clone(), stats.clone()));
 
-    let slots = Arc::new(Semaphore::new(config.worker.concurrency.max(1)));
-    let pacer = Arc::new(Pacer::default());
     let mut in_flight = JoinSet::new();
-    let mut backoff = BACKOFF_MIN;
-    let mut fatal = None;
-    // Kept open through the drain: acks travel on the consumer channel, and lapin closes a
-    // channel when its last handle is dropped.
-    let mut connection: Option<(Connection, Publisher, lapin::Channel)> = None;
-    'connect: while !stop.is_cancelled() {
-        let session = tokio::select! {
-            s = open_session(&config, &names, &worker_id) => s,
-            _ = &mut shutdown => break 'connect,
-        };
-        let (conn, publisher, consumer_channel, consumers) = match session {
-            Ok(s) => s,
-            Err(SessionError::Fatal(message)) => {
-                error!(error = %message, in_flight = in_flight.len(),
-                       "cannot serve with this topology; finishing the runs in flight first");
-                fatal = Some(message);
-                break 'connect;
-            }
-            Err(e) => {
-                warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "cannot reach the broker; retrying");
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = &mut shutdown => break 'connect,
+    let dispatch = Dispatch {
+        slots: Arc::new(Semaphore::new(config.worker.concurrency.max(1))),
+        pacer: Arc::new(Pacer::default()),
+        processor: processor.clone(),
+        stop,
+    };
+    let served = dispatch.serve(&names, &mut in_flight).await;
+    stats.broker_connected.set(0);
+
+    drain(&config, &processor, &mut in_flight).await;
+    if let Some((conn, _publisher, _consumer_channel)) = served.connection {
+        close(conn, "worker shutting down").await;
+    }
+    probe.abort();
+    info!(worker = %worker_id, stats = %processor.stats.summary(), "worker stopped");
+    match served.fatal {
+        Some(message) => Err(WorkerError::Config(message)),
+        None => Ok(processor.stats.clone()),
+    }
+}
+
+/// How the broker sessions ended.
+#[derive(Default)]
+struct Served {
+    /// Kept open through the drain: acks travel on the consumer channel, and lapin closes a
+    /// channel when its last handle is dropped.
+    connection: Option<(Connection, Publisher, lapin::Channel)>,
+    /// A topology mismatch: the worker cannot serve with this config.
+    fatal: Option<String>,
+}
+
+/// Hands deliveries to the [`Processor`] within the concurrency slots, paced by [`Pacer`].
+/// The slots and the pacer outlive broker connections.
+struct Dispatch {
+    slots: Arc<Semaphore>,
+    pacer: Arc<Pacer>,
+    processor: Arc<Processor>,
+    stop: CancellationToken,
+}
+
+/// Why a session's consume loop ended.
+enum SessionEnd {
+    /// Shutdown: keep the connection for the drain.
+    Stopping,
+    /// The connection or the consumers are gone: reconnect.
+    Lost,
+}
+
+impl Dispatch {
+    /// Opens broker sessions (reconnecting with backoff) and consumes from each until `stop`
+    /// or a fatal topology mismatch.
+    async fn serve(&self, names: &Names, in_flight: &mut JoinSet<()>) -> Served {
+        let config = &self.processor.config;
+        let stats = &self.processor.stats;
+        let mut backoff = BACKOFF_MIN;
+        while !self.stop.is_cancelled() {
+            let session = tokio::select! {
+                s = open_session(config, names, &self.processor.worker_id) => s,
+                _ = self.stop.cancelled() => break,
+            };
+            let (conn, publisher, consumer_channel, consumers) = match session {
+                Ok(s) => s,
+                Err(SessionError::Fatal(message)) => {
+                    error!(error = %message, in_flight = in_flight.len(),
+                           "cannot serve with this topology; finishing the runs in flight first");
+                    return Served {
+                        connection: None,
+                        fatal: Some(message),
+                    };
                 }
-                backoff = (backoff * 2).min(BACKOFF_MAX);
-                continue;
+                Err(e) => {
+                    warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "cannot reach the broker; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = self.stop.cancelled() => break,
+                    }
+                    backoff = (backoff * 2).min(BACKOFF_MAX);
+                    continue;
+                }
+            };
+            backoff = BACKOFF_MIN;
+            stats.broker_connected.set(1);
+            info!("consuming");
+            let tags: Vec<String> = consumers.iter().map(|c| c.tag().to_string()).collect();
+            let mut publisher = Publisher(publisher);
+            match self
+                .consume(&conn, &mut publisher, consumers, in_flight)
+                .await
+            {
+                SessionEnd::Stopping => {
+                    cancel_consumers(&consumer_channel, &tags).await;
+                    return Served {
+                        connection: Some((conn, publisher, consumer_channel)),
+                        fatal: None,
+                    };
+                }
+                SessionEnd::Lost => {
+                    stats.broker_connected.set(0);
+                    close(conn, "reconnecting").await;
+                }
             }
-        };
-        backoff = BACKOFF_MIN;
-        stats.broker_connected.set(1);
-        info!("consuming");
-        let tags: Vec<String> = consumers.iter().map(|c| c.tag().to_string()).collect();
+        }
+        Served::default()
+    }
+
+    /// Takes deliveries while the session lasts: a free slot first (runs from an older
+    /// connection still hold theirs), then the delivery, then the pacer's pause and the Redis
+    /// gate; each is spawned to the [`Processor`] with the slot.
+    async fn consume(
+        &self,
+        conn: &Connection,
+        publisher: &mut Publisher,
+        consumers: Vec<lapin::Consumer>,
+        in_flight: &mut JoinSet<()>,
+    ) -> SessionEnd {
         let mut deliveries = select_all(consumers);
-        let mut publisher = Publisher(publisher);
-        let stopping = loop {
+        loop {
             while in_flight.try_join_next().is_some() {}
-            // A free slot first: runs from an older connection still hold theirs.
             let slot = tokio::select! {
-                slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
-                _ = &mut shutdown => break true,
+                slot = self.slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+                _ = self.stop.cancelled() => return SessionEnd::Stopping,
             };
             let delivery = tokio::select! {
                 next = deliveries.next() => match next {
                     Some(Ok(delivery)) => delivery,
                     Some(Err(e)) => {
                         warn!(error = %e, "broker connection lost; reconnecting");
-                        break false;
+                        return SessionEnd::Lost;
                     }
                     None => {
                         warn!("consumer cancelled by the broker; reconnecting");
-                        break false;
+                        return SessionEnd::Lost;
                     }
                 },
-                _ = &mut shutdown => break true,
+                _ = self.stop.cancelled() => return SessionEnd::Stopping,
             };
-            // Paced after the delivery is in hand, not before: a requeued delivery comes
-            // straight back, and must wait out the pause its own failure started.
-            tokio::select! {
-                _ = pacer.wait() => {}
-                _ = &mut shutdown => {
-                    requeue(&delivery, &stats).await;
-                    break true;
-                }
+            if !self.ready(&delivery).await {
+                return SessionEnd::Stopping;
             }
-            // Fail closed: while Redis is down the delivery waits here, unacked.
-            if !processor.gate.is_open() {
-                error!("redis unreachable: holding deliveries until it answers again");
-                tokio::select! {
-                    _ = processor.gate.wait_open() => info!("redis is back; resuming"),
-                    _ = &mut shutdown => {
-                        requeue(&delivery, &stats).await;
-                        break true;
-                    }
-                }
-            }
-            let channel = match publisher.channel(&conn).await {
+            let channel = match publisher.channel(conn).await {
                 Ok(channel) => channel,
                 Err(e) => {
                     warn!(error = %e, "cannot reopen the publisher channel; reconnecting");
-                    requeue(&delivery, &stats).await;
-                    pacer.settled(Settled::BrokerTrouble);
-                    break false;
+                    requeue(&delivery, &self.processor.stats).await;
+                    self.pacer.settled(Settled::BrokerTrouble);
+                    return SessionEnd::Lost;
                 }
             };
-            let processor = processor.clone();
-            let pacer = pacer.clone();
+            let processor = self.processor.clone();
+            let pacer = self.pacer.clone();
             in_flight.spawn(async move {
                 let settled = processor.process(channel, delivery).await;
                 pacer.settled(settled);
                 drop(slot);
             });
-        };
-        if stopping {
-            let cancel = async {
-                for tag in &tags {
-                    let _ = consumer_channel
-                        .basic_cancel(tag, BasicCancelOptions::default())
-                        .await;
-                }
-            };
-            if tokio::time::timeout(BROKER_CALL_TIMEOUT, cancel)
-                .await
-                .is_err()
-            {
-                warn!("the broker did not confirm the consumer cancel in time; stopping anyway");
-            }
-            connection = Some((conn, publisher, consumer_channel));
-            break 'connect;
         }
-        stats.broker_connected.set(0);
-        close(conn, "reconnecting").await;
     }
-    stats.broker_connected.set(0);
 
-    drain(&config, &processor, &mut in_flight).await;
-    if let Some((conn, _publisher, _consumer_channel)) = connection {
-        close(conn, "worker shutting down").await;
+    /// Waits out the pacer's pause, then (fail closed) the Redis gate, holding `delivery`
+    /// unacked; false when shutdown came first, the delivery then requeued.
+    async fn ready(&self, delivery: &lapin::message::Delivery) -> bool {
+        // Paced after the delivery is in hand, not before: a requeued delivery comes straight
+        // back, and must wait out the pause its own failure started.
+        let mut stopped = tokio::select! {
+            _ = self.pacer.wait() => false,
+            _ = self.stop.cancelled() => true,
+        };
+        let gate = &self.processor.gate;
+        if !stopped && !gate.is_open() {
+            error!("redis unreachable: holding deliveries until it answers again");
+            stopped = tokio::select! {
+                _ = gate.wait_open() => {
+                    info!("redis is back; resuming");
+                    false
+                }
+                _ = self.stop.cancelled() => true,
+            };
+        }
+        if stopped {
+            requeue(delivery, &self.processor.stats).await;
+        }
+        !stopped
     }
-    probe.abort();
-    info!(worker = %worker_id, stats = %processor.stats.summary(), "worker stopped");
-    match fatal {
-        Some(message) => Err(WorkerError::Config(message)),
-        None => Ok(processor.stats.clone()),
+}
+
+/// Cancels the session's consumers, bounded: the channel may be dead.
+async fn cancel_consumers(channel: &lapin::Channel, tags: &[String]) {
+    let cancel = async {
+        for tag in tags {
+            let _ = channel
+                .basic_cancel(tag, BasicCancelOptions::default())
+                .await;
+        }
+    };
+    if tokio::time::timeout(BROKER_CALL_TIMEOUT, cancel)
+        .await
+        .is_err()
+    {
+        warn!("the broker did not confirm the consumer cancel in time; stopping anyway");
     }
 }
 

@@ -2,7 +2,10 @@
 //!
 //! - [`consumer`]  — the broker side: connect, declare, consume within the concurrency slots,
 //!   pace broker failures, reconnect, shut down in order (every step bounded).
-//! - [`processor`] — one delivery start to finish: decode → expiry → claim → run → record → ack.
+//! - [`processor`] — one delivery start to finish: admit → claim → run → record → ack; performs
+//!   what [`decision`] says (the only place a delivery's broker and Redis effects happen).
+//! - [`decision`]  — what to do with a delivery, as pure functions: admit, then claim and run
+//!   result → [`decision::Action`].
 //! - [`lease`]     — the watchdog that renews a claim and cancels a run whose lease is lost.
 //! - [`retry`]     — where a retry is decided: exponential backoff with jitter, exhaustion.
 //! - [`executor`]  — the built-in shell executor (process groups, parent-death signal).
@@ -24,6 +27,7 @@
 //! ```
 
 pub mod consumer;
+pub mod decision;
 pub mod dlq;
 pub mod executor;
 pub mod handler;

@@ -1,16 +1,21 @@
-//! One delivery, start to finish (DESIGN §4): decode → expiry → claim → run (with the lease
-//! watchdog) → record → ack. Every path ends in exactly one ack or one requeue; nothing is
-//! requeued that would fail the same way again (those go to `{ns}.dead`).
+//! One delivery, start to finish (DESIGN §4): admit → claim → run (with the lease watchdog) →
+//! record → ack. What to do at each step is decided in [`crate::decision`] (pure); this module
+//! performs it ([`Processor::execute`]): it may touch the broker (publish, ack) and Redis (the
+//! [`Store`]). Every path ends in exactly one ack or one requeue; nothing is requeued that would
+//! fail the same way again (those go to `{ns}.dead`).
 
 use crate::consumer::{Settled, SETTLE_TIMEOUT};
-use crate::handler::{Handler, HandlerError, TaskContext};
+use crate::decision::{self, Action, Outcome, Recheck, Rejected, RunResult};
+use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
 use crate::lease::{self, LeaseLost};
-use crate::retry::{self, Decision};
+use crate::retry;
 use crate::stats::Stats;
 use crate::Gate;
 use chrono::Utc;
 use drumline_shared::config::{Config, Overlap, Task};
-use drumline_shared::envelope::{self, long_string, Envelope, H_ATTEMPTS, H_ERROR, H_REASON};
+use drumline_shared::envelope::{
+    self, long_string, DeadReason, Envelope, H_ATTEMPTS, H_ERROR, H_REASON,
+};
 use drumline_shared::names::Names;
 use drumline_shared::store::{
     now_text, Claim, ClaimRequest, Final, OverlapMode, RunRecord, Store, StoreError,
@@ -26,9 +31,6 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn, Instrument};
-
-/// Margin added to a busy lease's remaining time before we look again.
-const BUSY_RECHECK_MARGIN: Duration = Duration::from_millis(250);
 
 /// Everything processing needs that outlives one broker connection.
 pub struct Processor {
@@ -100,7 +102,7 @@ impl Processor {
     /// broker redelivers anyway, and a stuck ack must not hold a concurrency slot.
     pub async fn process(self: Arc<Self>, publisher: Channel, delivery: Delivery) -> Settled {
         let mut broker_trouble = false;
-        let disposition = match self.decide(&publisher, &delivery).await {
+        let disposition = match self.disposition(&publisher, &delivery).await {
             Ok(d) => d,
             Err(Interrupted::Redis(e)) => {
                 error!(error = %e, "redis unreachable: requeueing and pausing (fail closed)");
@@ -151,51 +153,34 @@ impl Processor {
         }
     }
 
-    async fn decide(
+    /// Admits the delivery (size and shape, before anything touches Redis: DESIGN §9), then
+    /// handles its envelope inside the task's span.
+    async fn disposition(
         &self,
         publisher: &Channel,
         delivery: &Delivery,
     ) -> Result<Disposition, Interrupted> {
         let body = &delivery.data;
         let max = self.config.worker.max_message_bytes;
-        if body.len() > max {
-            let error = format!("{} bytes, more than max_message_bytes = {max}", body.len());
-            self.dead_letter(publisher, body, &delivery.properties, "oversize", &error, 0)
-                .await?;
-            return Ok(Disposition::Ack);
-        }
-        let checked = Envelope::decode(body)
-            .map_err(|e| e.to_string())
-            .and_then(|env| {
-                // Before anything else (DESIGN §9): a message that breaks the limits or names an
-                // instance it does not carry must not touch Redis or make us loop.
-                env.check(|job| self.overlap.contains_key(job))
-                    .map(|()| env)
-                    .map_err(|e| e.to_string())
-            });
-        let env = match checked {
-            Ok(env) => env,
-            Err(error) => {
-                self.stats.malformed.inc();
-                self.dead_letter(
-                    publisher,
-                    body,
-                    &delivery.properties,
-                    "malformed",
-                    &error,
-                    0,
-                )
-                .await?;
-                return Ok(Disposition::Ack);
+        match decision::admit(body, max, |job| self.overlap.contains_key(job)) {
+            Ok(env) => {
+                let span = tracing::info_span!("task", key = %env.key, task = %env.task, attempt = env.attempt, worker = %self.worker_id);
+                self.handle(publisher, delivery, env).instrument(span).await
             }
-        };
-        let span = tracing::info_span!("task", key = %env.key, task = %env.task, attempt = env.attempt, worker = %self.worker_id);
-        self.decide_envelope(publisher, delivery, env)
-            .instrument(span)
-            .await
+            Err(Rejected { reason, error }) => {
+                if reason == DeadReason::Malformed {
+                    self.stats.malformed.inc();
+                }
+                self.dead_letter(publisher, body, &delivery.properties, reason, &error, 0)
+                    .await?;
+                Ok(Disposition::Ack)
+            }
+        }
     }
 
-    async fn decide_envelope(
+    /// Claims the instance and asks [`decision::decide`] what to do; when that is to run it,
+    /// runs it and asks again with the result. [`Processor::execute`] performs the answer.
+    async fn handle(
         &self,
         publisher: &Channel,
         delivery: &Delivery,
@@ -205,172 +190,168 @@ impl Processor {
             self.handlers.get(&env.task),
             self.config.tasks.get(&env.task),
         ) else {
-            let error = format!("no task named {:?} in this worker's config", env.task);
-            self.dead_letter_env(publisher, &env, "unknown_task", &error, env.attempt)
+            let Rejected { reason, error } = decision::unknown_task(&env.task);
+            self.dead_letter_env(publisher, &env, reason, &error, env.attempt)
                 .await?;
             return Ok(Disposition::Ack);
         };
-
         let token = uuid::Uuid::new_v4().to_string();
-        let lease = self.config.worker.lease;
         let claimed_at = Instant::now();
-        let fence = match self
-            .store
+        let claim = self.claim(&env, &token).await?;
+        let mut step = Step {
+            publisher,
+            delivery,
+            env: &env,
+            token: &token,
+            started_at: None,
+        };
+        let fence = match decision::decide(&claim, None, task, env.attempt, 0.0) {
+            Action::Run { fence } => fence,
+            action => return self.execute(&step, action).await,
+        };
+        step.started_at = Some(now_text());
+        // `_renewing` keeps the lease renewed until the action has recorded the result.
+        let (result, _renewing) = self
+            .run(handler.clone(), &env, &token, fence, claimed_at)
+            .await;
+        let jitter = rand::random::<f64>();
+        let action = decision::decide(&claim, Some(&result), task, env.attempt, jitter);
+        self.execute(&step, action).await
+    }
+
+    /// Asks Redis for the instance (DESIGN §4 steps 3–4: dedupe, expiry, lease, overlap).
+    async fn claim(&self, env: &Envelope, token: &str) -> Result<Claim, StoreError> {
+        self.store
             .claim(&ClaimRequest {
                 key: &env.key,
-                token: &token,
+                token,
                 worker: &self.worker_id,
                 attempt: env.attempt,
-                lease,
-                overlap: self.overlap(&env),
+                lease: self.config.worker.lease,
+                overlap: self.overlap(env),
                 retention: self.config.worker.done_ttl,
                 // Judged after dedupe (in the claim): an expired copy of a finished instance
                 // is a duplicate, not a failure.
                 expired: env.is_expired(Utc::now()),
             })
-            .await?
-        {
-            Claim::Claimed { fence } => fence,
-            Claim::Duplicate { state } => {
-                info!(state = %state, redelivered = delivery.redelivered, "duplicate delivery: already finished or retried");
+            .await
+    }
+
+    /// Performs one [`Action`]: where a decision turns into broker and Redis calls.
+    async fn execute(&self, step: &Step<'_>, action: Action) -> Result<Disposition, Interrupted> {
+        let (publisher, env) = (step.publisher, step.env);
+        match action {
+            Action::Duplicate { state } => {
+                info!(state = %state, redelivered = step.delivery.redelivered, "duplicate delivery: already finished or retried");
                 self.stats.duplicates.inc();
-                return Ok(Disposition::Ack);
             }
-            Claim::Expired => {
+            Action::Expire => {
                 info!("expired before it could run");
                 self.stats.expired.inc();
-                self.dead_letter_env(
-                    publisher,
-                    &env,
-                    "expired",
-                    "expires_at passed before the run",
-                    env.attempt,
-                )
-                .await?;
-                self.record(&env, "expired", None, None).await;
-                return Ok(Disposition::Ack);
+                let error = "expires_at passed before the run";
+                self.dead_letter_env(publisher, env, DeadReason::Expired, error, env.attempt)
+                    .await?;
+                self.record(env, Outcome::Expired, None, None).await;
             }
-            Claim::Busy { retry_in } => {
-                // Someone else runs it under a live lease. If they die, the lease expires and
-                // this copy, back from the delay queue, takes over.
-                let delay = retry_in + BUSY_RECHECK_MARGIN;
-                debug!(
-                    delay_ms = delay.as_millis() as u64,
-                    "held under another live lease; re-checking later"
-                );
+            Action::Recheck { why, delay } => {
+                let delay_ms = delay.as_millis() as u64;
+                match why {
+                    Recheck::Busy => {
+                        debug!(delay_ms, "held under another live lease; re-checking later")
+                    }
+                    Recheck::Waiting { running } => debug!(running = %running, delay_ms,
+                        "waiting for the job's previous instance (overlap = queue)"),
+                }
                 self.stats.busy.inc();
-                self.publish_delayed(publisher, &env, delay).await?;
-                return Ok(Disposition::Ack);
+                self.publish_delayed(publisher, env, delay).await?;
             }
-            Claim::Skipped { running } => {
+            Action::Skip { running } => {
                 info!(running = %running, "skipped: the job's previous instance still runs (overlap = skip)");
                 self.stats.skipped.inc();
-                self.record(
-                    &env,
-                    "skipped",
-                    None,
-                    Some(format!("{running} still running")),
-                )
-                .await;
-                return Ok(Disposition::Ack);
+                let error = Some(format!("{running} still running"));
+                self.record(env, Outcome::Skipped, None, error).await;
             }
-            Claim::Waiting { retry_in, running } => {
-                let delay = retry_in + BUSY_RECHECK_MARGIN;
-                debug!(running = %running, delay_ms = delay.as_millis() as u64,
-                       "waiting for the job's previous instance (overlap = queue)");
-                self.stats.busy.inc();
-                self.publish_delayed(publisher, &env, delay).await?;
-                return Ok(Disposition::Ack);
+            Action::Run { .. } => {
+                error!("a run was decided after the run; requeueing");
+                return Ok(Disposition::Requeue);
             }
-        };
-
-        let started_at = now_text();
-        let outcome = self
-            .run(handler.clone(), &env, &token, fence, claimed_at)
-            .await;
-        match outcome {
-            // `_renewing` keeps the lease renewed until the arm has recorded the result.
-            RunOutcome::Finished(Ok(()), _renewing) => {
-                if self.finish_with_retries(&env, &token, Final::Done).await? {
-                    info!(fence, "done");
-                    self.stats.succeeded.inc();
-                    self.record(&env, "done", Some(started_at), None).await;
-                    Ok(Disposition::Ack)
-                } else {
-                    warn!("succeeded, but another worker claimed the instance before it could be recorded; requeueing");
-                    Ok(Disposition::Requeue)
-                }
-            }
-            RunOutcome::Finished(Err(HandlerError::Permanent(error)), _renewing) => {
-                warn!(error = %error, "permanent failure: dead-lettering");
-                self.fail_dead(publisher, &env, &token, "permanent", &error, started_at)
-                    .await
-            }
-            RunOutcome::Finished(Err(HandlerError::Retryable(error)), _renewing) => {
-                match retry::decide(task, env.attempt, rand::random::<f64>()) {
-                    Decision::Exhausted => {
-                        warn!(error = %error, "failed; retries exhausted: dead-lettering");
-                        self.fail_dead(
-                            publisher,
-                            &env,
-                            &token,
-                            "retries_exhausted",
-                            &error,
-                            started_at,
-                        )
-                        .await
-                    }
-                    Decision::Retry { delay } => {
-                        warn!(error = %error, delay_ms = delay.as_millis() as u64, "failed; retrying");
-                        self.record(&env, "failed", Some(started_at), Some(error))
-                            .await;
-                        let mut next = env.clone();
-                        next.attempt = env.attempt.saturating_add(1);
-                        next.id = uuid::Uuid::new_v4();
-                        next.published_at = Utc::now();
-                        // Publish the retry first, then hand the claim to it: if we crash in
-                        // between, our lease expires and the retry (or a redelivery) takes
-                        // over. Marking `retrying` instead of deleting the claim makes every
-                        // older copy a duplicate, so no copy starts a second chain.
-                        self.publish_delayed(publisher, &next, delay).await?;
-                        self.store
-                            .retry(
-                                &env.key,
-                                self.lock_job(&env),
-                                &token,
-                                next.attempt,
-                                self.config.worker.done_ttl,
-                            )
-                            .await?;
-                        self.stats.retried.inc();
-                        Ok(Disposition::Ack)
-                    }
-                }
-            }
-            RunOutcome::LeaseLost(reason) => {
-                warn!(
-                    ?reason,
-                    "lease lost mid-run: result not recorded; requeueing"
-                );
-                if matches!(reason, LeaseLost::Unreachable(_)) {
+            Action::Done { fence } => return self.done(step, fence).await,
+            Action::Retry { delay, error } => self.retry(step, delay, error).await?,
+            Action::Dead { reason, error } => self.fail_dead(step, reason, &error).await?,
+            Action::Requeue { lost } => {
+                warn!(reason = ?lost, "lease lost mid-run: result not recorded; requeueing");
+                if matches!(lost, LeaseLost::Unreachable(_)) {
                     self.gate.close();
                 }
-                Ok(Disposition::Requeue)
+                return Ok(Disposition::Requeue);
             }
-            RunOutcome::Abandoned => {
+            Action::Release => {
                 warn!("shutdown grace exhausted: abandoned; releasing the claim for redelivery");
                 self.stats.abandoned.inc();
                 let _ = self
                     .store
-                    .release(&env.key, self.lock_job(&env), &token)
+                    .release(&env.key, self.lock_job(env), step.token)
                     .await;
-                Ok(Disposition::Requeue)
+                return Ok(Disposition::Requeue);
             }
+        }
+        Ok(Disposition::Ack)
+    }
+
+    /// Marks a success `done` and records it; requeues when another worker claimed the
+    /// instance before the result could be recorded.
+    async fn done(&self, step: &Step<'_>, fence: u64) -> Result<Disposition, Interrupted> {
+        if self
+            .finish_with_retries(step.env, step.token, Final::Done)
+            .await?
+        {
+            info!(fence, "done");
+            self.stats.succeeded.inc();
+            self.record(step.env, Outcome::Done, step.started_at.clone(), None)
+                .await;
+            Ok(Disposition::Ack)
+        } else {
+            warn!("succeeded, but another worker claimed the instance before it could be recorded; requeueing");
+            Ok(Disposition::Requeue)
         }
     }
 
+    /// Publishes attempt + 1 after `delay`, then hands the claim over to it.
+    async fn retry(
+        &self,
+        step: &Step<'_>,
+        delay: Duration,
+        error: String,
+    ) -> Result<(), Interrupted> {
+        let env = step.env;
+        warn!(error = %error, delay_ms = delay.as_millis() as u64, "failed; retrying");
+        self.record(env, Outcome::Failed, step.started_at.clone(), Some(error))
+            .await;
+        let mut next = env.clone();
+        next.attempt = env.attempt.saturating_add(1);
+        next.id = uuid::Uuid::new_v4();
+        next.published_at = Utc::now();
+        // Publish the retry first, then hand the claim to it: if we crash in between, our
+        // lease expires and the retry (or a redelivery) takes over. Marking `retrying` instead
+        // of deleting the claim makes every older copy a duplicate, so no copy starts a second
+        // chain.
+        self.publish_delayed(step.publisher, &next, delay).await?;
+        self.store
+            .retry(
+                &env.key,
+                self.lock_job(env),
+                step.token,
+                next.attempt,
+                self.config.worker.done_ttl,
+            )
+            .await?;
+        self.stats.retried.inc();
+        Ok(())
+    }
+
     /// Runs the handler under the lease watchdog. `claimed_at` is when the claim was sent: the
-    /// lease runs from there (DESIGN §9 "Lease loss stops the run in time").
+    /// lease runs from there (DESIGN §9 "Lease loss stops the run in time"). A finished run
+    /// comes with its [`Renewing`] watchdog, which renews the lease until it is dropped.
     async fn run(
         &self,
         handler: Arc<dyn Handler>,
@@ -378,7 +359,7 @@ impl Processor {
         token: &str,
         fence: u64,
         claimed_at: Instant,
-    ) -> RunOutcome {
+    ) -> (RunResult, Option<Renewing>) {
         let budget = lease::Budget::new(self.config.worker.lease);
         let cancel = CancellationToken::new();
         let lost = CancellationToken::new();
@@ -398,55 +379,57 @@ impl Processor {
             lost.clone(),
             expiry_tx,
         ));
-        let ctx = TaskContext {
-            task: env.task.clone(),
-            key: env.key.clone(),
-            job: env.job.clone(),
-            scheduled_for: env.scheduled_for,
-            attempt: env.attempt,
-            fencing_token: fence,
-            args: env.args.clone(),
-            cancel: cancel.clone(),
-            kill_grace: budget.kill_grace(),
-        };
+        let ctx = context(env, fence, cancel.clone(), budget.kill_grace());
         self.stats.running.inc();
-        let mut call = handler.call(ctx);
-        let mut reason = None;
-        let result = tokio::select! {
-            r = &mut call => Some(r),
-            _ = lost.cancelled() => { reason = Some(false); None }
-            _ = self.abandon.cancelled() => { reason = Some(true); None }
-        };
-        let result = match result {
-            Some(r) => Some(r),
-            None => {
-                // Tell the handler (the shell executor SIGTERMs its group, then SIGKILLs it
-                // after `kill_grace`), and drop it before the lease could be taken whatever it
-                // does: dropping a shell run SIGKILLs its group.
-                cancel.cancel();
-                let drop_at = *expiry.borrow() - budget.drop_margin();
-                if tokio::time::timeout_at(drop_at, call).await.is_err() {
-                    warn!("the handler did not stop when cancelled; dropped it");
-                }
-                None
-            }
-        };
+        let stopped = self
+            .call(handler.call(ctx), cancel, &lost, expiry, budget)
+            .await;
         self.stats.running.dec();
         let renewing = Renewing {
             stop: stop_watchdog,
             watchdog,
         };
-        match (result, reason) {
-            (_, Some(true)) => {
+        match stopped {
+            Stopped::Abandoned => {
                 renewing.stop().await;
-                RunOutcome::Abandoned
+                (RunResult::Abandoned, None)
             }
             // A success is recorded even if the lease was lost meanwhile: `done` lands when
             // the claim is still ours or nobody took it (DESIGN §9).
-            (Some(Ok(())), _) => RunOutcome::Finished(Ok(()), renewing),
-            (Some(Err(e)), _) if !lost.is_cancelled() => RunOutcome::Finished(Err(e), renewing),
-            _ => RunOutcome::LeaseLost(renewing.stop().await.unwrap_or(LeaseLost::Taken)),
+            Stopped::Returned(Ok(())) => (RunResult::Succeeded, Some(renewing)),
+            Stopped::Returned(Err(e)) if !lost.is_cancelled() => {
+                (RunResult::Failed(e), Some(renewing))
+            }
+            _ => {
+                let lost = renewing.stop().await.unwrap_or(LeaseLost::Taken);
+                (RunResult::LeaseLost(lost), None)
+            }
         }
+    }
+
+    /// Awaits the handler's `call` until it returns, the lease is `lost` or the shutdown grace
+    /// runs out. When stopped, the handler is told (the shell executor SIGTERMs its group, then
+    /// SIGKILLs it after `kill_grace`) and dropped before the lease could be taken whatever it
+    /// does: dropping a shell run SIGKILLs its group.
+    async fn call(
+        &self,
+        mut call: HandlerFuture,
+        cancel: CancellationToken,
+        lost: &CancellationToken,
+        expiry: tokio::sync::watch::Receiver<Instant>,
+        budget: lease::Budget,
+    ) -> Stopped {
+        let stopped = tokio::select! {
+            r = &mut call => return Stopped::Returned(r),
+            _ = lost.cancelled() => Stopped::LeaseLost,
+            _ = self.abandon.cancelled() => Stopped::Abandoned,
+        };
+        cancel.cancel();
+        let drop_at = *expiry.borrow() - budget.drop_margin();
+        if tokio::time::timeout_at(drop_at, call).await.is_err() {
+            warn!("the handler did not stop when cancelled; dropped it");
+        }
+        stopped
     }
 
     /// Marks `key` finished, retrying a Redis blip briefly: a success we fail to record would
@@ -478,27 +461,34 @@ impl Processor {
         }
     }
 
+    /// Dead-letters after a run, marks the instance `dead` and records it.
     async fn fail_dead(
         &self,
-        publisher: &Channel,
-        env: &Envelope,
-        token: &str,
-        reason: &str,
+        step: &Step<'_>,
+        reason: DeadReason,
         error: &str,
-        started_at: String,
-    ) -> Result<Disposition, Interrupted> {
-        self.dead_letter_env(publisher, env, reason, error, env.attempt.saturating_add(1))
+    ) -> Result<(), Interrupted> {
+        match reason {
+            DeadReason::Permanent => warn!(error = %error, "permanent failure: dead-lettering"),
+            _ => warn!(error = %error, "failed; retries exhausted: dead-lettering"),
+        }
+        let env = step.env;
+        let runs = env.attempt.saturating_add(1);
+        self.dead_letter_env(step.publisher, env, reason, error, runs)
             .await?;
-        self.finish_with_retries(env, token, Final::Dead).await?;
-        self.record(env, "dead", Some(started_at), Some(error.to_owned()))
+        self.finish_with_retries(env, step.token, Final::Dead)
+            .await?;
+        let started_at = step.started_at.clone();
+        self.record(env, Outcome::Dead, started_at, Some(error.to_owned()))
             .await;
-        Ok(Disposition::Ack)
+        Ok(())
     }
 
+    /// Appends to the job's history (ad-hoc tasks have none).
     async fn record(
         &self,
         env: &Envelope,
-        status: &str,
+        outcome: Outcome,
         started_at: Option<String>,
         error: Option<String>,
     ) {
@@ -506,7 +496,7 @@ impl Processor {
         let record = RunRecord {
             key: env.key.clone(),
             scheduled_for: envelope::format_instant(env.scheduled_for),
-            status: status.to_owned(),
+            status: outcome.as_str().to_owned(),
             attempt: env.attempt,
             worker: self.worker_id.clone(),
             started_at,
@@ -537,7 +527,7 @@ impl Processor {
         &self,
         publisher: &Channel,
         env: &Envelope,
-        reason: &str,
+        reason: DeadReason,
         error: &str,
         runs: u32,
     ) -> Result<(), Interrupted> {
@@ -553,14 +543,14 @@ impl Processor {
         publisher: &Channel,
         body: &[u8],
         props: &BasicProperties,
-        reason: &str,
+        reason: DeadReason,
         error: &str,
         attempts: u32,
     ) -> Result<(), Interrupted> {
-        warn!(reason, error, "dead-lettering");
+        warn!(reason = reason.as_str(), error, "dead-lettering");
         self.stats.dead_lettered.inc();
         let mut headers = props.headers().clone().unwrap_or_default();
-        headers.insert(H_REASON.into(), long_string(reason));
+        headers.insert(H_REASON.into(), long_string(reason.as_str()));
         headers.insert(H_ERROR.into(), long_string(error));
         headers.insert(H_ATTEMPTS.into(), AMQPValue::LongLongInt(attempts as i64));
         let mut out = BasicProperties::default()
@@ -580,12 +570,45 @@ impl Processor {
     }
 }
 
-enum RunOutcome {
-    /// The handler returned. The lease is renewed until [`Renewing`] is dropped, so a result
-    /// whose write is slow is not taken over meanwhile.
-    Finished(Result<(), HandlerError>, Renewing),
-    LeaseLost(LeaseLost),
+/// One delivery being handled: what every action needs.
+struct Step<'a> {
+    publisher: &'a Channel,
+    delivery: &'a Delivery,
+    env: &'a Envelope,
+    /// Our claim's token.
+    token: &'a str,
+    /// When the run started; `None` before a run.
+    started_at: Option<String>,
+}
+
+/// How a handler call ended.
+enum Stopped {
+    /// It returned.
+    Returned(Result<(), HandlerError>),
+    /// Stopped: the lease was lost.
+    LeaseLost,
+    /// Stopped: the shutdown grace ran out.
     Abandoned,
+}
+
+/// What a handler is told about its run.
+fn context(
+    env: &Envelope,
+    fence: u64,
+    cancel: CancellationToken,
+    kill_grace: Duration,
+) -> TaskContext {
+    TaskContext {
+        task: env.task.clone(),
+        key: env.key.clone(),
+        job: env.job.clone(),
+        scheduled_for: env.scheduled_for,
+        attempt: env.attempt,
+        fencing_token: fence,
+        args: env.args.clone(),
+        cancel,
+        kill_grace,
+    }
 }
 
 /// A run's lease watchdog, still renewing; stopped when dropped.

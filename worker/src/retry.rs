@@ -50,10 +50,11 @@ pub fn bucket(delay: Duration) -> Duration {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn task(max_retries: u32) -> Task {
+    /// A task with `max_retries`, backoff from 1 s up to 10 s (also used by `decision`).
+    pub(crate) fn task(max_retries: u32) -> Task {
         Task {
             name: "t".into(),
             command: None,

@@ -1,0 +1,469 @@
+//! What the worker does with a delivery, as pure functions (DESIGN §4, §9): [`admit`] checks
+//! the raw message, [`decide`] turns the claim and the run's result into one [`Action`]. No
+//! I/O here: the processor performs the action, so every branch is a plain `#[test]`.
+
+use crate::handler::HandlerError;
+use crate::lease::LeaseLost;
+use crate::retry::{self, Decision};
+use drumline_shared::config::Task;
+use drumline_shared::envelope::{DeadReason, Envelope};
+use drumline_shared::store::{Claim, RunState};
+use std::time::Duration;
+
+/// Margin added to a busy lease's remaining time before we look again.
+pub const BUSY_RECHECK_MARGIN: Duration = Duration::from_millis(250);
+
+/// A message refused before anything touches Redis: dead-letter it and ack.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejected {
+    /// The dead-letter reason.
+    pub reason: DeadReason,
+    /// The error text for the dead letter's header.
+    pub error: String,
+}
+
+/// Checks a delivery's body before anything else (DESIGN §9): a message over `max_bytes`, one
+/// that does not decode, or one that breaks the envelope's limits (`is_job` says whether a job
+/// name is one we know) is rejected; it must not touch Redis or make us loop.
+pub fn admit(
+    body: &[u8],
+    max_bytes: usize,
+    is_job: impl Fn(&str) -> bool,
+) -> Result<Envelope, Rejected> {
+    if body.len() > max_bytes {
+        return Err(Rejected {
+            reason: DeadReason::Oversize,
+            error: format!(
+                "{} bytes, more than max_message_bytes = {max_bytes}",
+                body.len()
+            ),
+        });
+    }
+    Envelope::decode(body)
+        .map_err(|e| e.to_string())
+        .and_then(|env| env.check(is_job).map(|()| env).map_err(|e| e.to_string()))
+        .map_err(|error| Rejected {
+            reason: DeadReason::Malformed,
+            error,
+        })
+}
+
+/// A message naming a task this worker's config does not have.
+pub fn unknown_task(task: &str) -> Rejected {
+    Rejected {
+        reason: DeadReason::UnknownTask,
+        error: format!("no task named {task:?} in this worker's config"),
+    }
+}
+
+/// How a run ended, as far as the decision is concerned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunResult {
+    /// The handler returned `Ok` (recorded even if the lease lapsed meanwhile, DESIGN §9).
+    Succeeded,
+    /// The handler returned an error while the lease was still ours.
+    Failed(HandlerError),
+    /// The lease was lost mid-run: the result must not be recorded.
+    LeaseLost(LeaseLost),
+    /// The shutdown grace ran out and the run was cancelled.
+    Abandoned,
+}
+
+/// Why a copy is sent to re-check later.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recheck {
+    /// Another worker holds a live lease on the instance.
+    Busy,
+    /// `overlap = "queue"`: the job's previous instance (key `running`) still runs.
+    Waiting {
+        /// Key of the instance that still runs.
+        running: String,
+    },
+}
+
+/// The `status` of a job history entry (`RunRecord.status`, DESIGN §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The run succeeded.
+    Done,
+    /// The run failed and will be retried.
+    Failed,
+    /// Dead-lettered after a run.
+    Dead,
+    /// Expired before it could run.
+    Expired,
+    /// Not run: the job's previous instance still ran (`overlap = "skip"`).
+    Skipped,
+}
+
+impl Outcome {
+    /// The text written to the history.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Done => "done",
+            Outcome::Failed => "failed",
+            Outcome::Dead => "dead",
+            Outcome::Expired => "expired",
+            Outcome::Skipped => "skipped",
+        }
+    }
+}
+
+/// What the processor does next. Each action ends in one ack or one requeue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// A duplicate copy (the instance finished or moved on to a later attempt): ack, do not run.
+    Duplicate {
+        /// The recorded state.
+        state: RunState,
+    },
+    /// Expired before it could run: dead-letter `expired`, record `expired`, ack.
+    Expire,
+    /// Publish a copy to re-check after `delay` (a delay queue), then ack.
+    Recheck {
+        /// Why.
+        why: Recheck,
+        /// How long to wait (the lease's remaining time plus [`BUSY_RECHECK_MARGIN`]).
+        delay: Duration,
+    },
+    /// `overlap = "skip"`: the claim recorded `skipped`; record it in the history, ack.
+    Skip {
+        /// Key of the instance that still runs.
+        running: String,
+    },
+    /// We hold the claim: run the handler with this fencing token.
+    Run {
+        /// The claim's fencing token.
+        fence: u64,
+    },
+    /// The run succeeded: mark the instance `done` (requeue if the claim went to another
+    /// worker meanwhile), record it, ack.
+    Done {
+        /// The claim's fencing token.
+        fence: u64,
+    },
+    /// Publish attempt + 1 after `delay`, then hand the claim over to it (`retrying`), ack.
+    Retry {
+        /// The backoff before the next attempt.
+        delay: Duration,
+        /// The run's error.
+        error: String,
+    },
+    /// Dead-letter after a run, mark the instance `dead`, record it, ack.
+    Dead {
+        /// Why.
+        reason: DeadReason,
+        /// The run's error.
+        error: String,
+    },
+    /// The lease was lost mid-run: record nothing, requeue.
+    Requeue {
+        /// Why the lease was lost.
+        lost: LeaseLost,
+    },
+    /// The run was abandoned at shutdown: release the claim, requeue.
+    Release,
+}
+
+/// Decides what follows a `claim` of a copy at `attempt` (0-based) of `task`: before the run
+/// (`run` = `None`) and after it. `jitter` in `[0, 1)` is injected so tests are exact.
+pub fn decide(
+    claim: &Claim,
+    run: Option<&RunResult>,
+    task: &Task,
+    attempt: u32,
+    jitter: f64,
+) -> Action {
+    match (claim, run) {
+        (Claim::Claimed { fence }, None) => Action::Run { fence: *fence },
+        (Claim::Claimed { fence }, Some(result)) => {
+            after_run(*fence, result, task, attempt, jitter)
+        }
+        (Claim::Duplicate { state }, _) => Action::Duplicate { state: *state },
+        // Judged after dedupe (in the claim): an expired copy of a finished instance is a
+        // duplicate, not a failure.
+        (Claim::Expired, _) => Action::Expire,
+        // Someone else runs it under a live lease. If they die, the lease expires and this
+        // copy, back from the delay queue, takes over.
+        (Claim::Busy { retry_in }, _) => Action::Recheck {
+            why: Recheck::Busy,
+            delay: *retry_in + BUSY_RECHECK_MARGIN,
+        },
+        (Claim::Waiting { retry_in, running }, _) => Action::Recheck {
+            why: Recheck::Waiting {
+                running: running.clone(),
+            },
+            delay: *retry_in + BUSY_RECHECK_MARGIN,
+        },
+        (Claim::Skipped { running }, _) => Action::Skip {
+            running: running.clone(),
+        },
+    }
+}
+
+fn after_run(fence: u64, result: &RunResult, task: &Task, attempt: u32, jitter: f64) -> Action {
+    match result {
+        RunResult::Succeeded => Action::Done { fence },
+        RunResult::Failed(HandlerError::Permanent(error)) => Action::Dead {
+            reason: DeadReason::Permanent,
+            error: error.clone(),
+        },
+        RunResult::Failed(HandlerError::Retryable(error)) => {
+            match retry::decide(task, attempt, jitter) {
+                Decision::Exhausted => Action::Dead {
+                    reason: DeadReason::RetriesExhausted,
+                    error: error.clone(),
+                },
+                Decision::Retry { delay } => Action::Retry {
+                    delay,
+                    error: error.clone(),
+                },
+            }
+        }
+        RunResult::LeaseLost(lost) => Action::Requeue { lost: lost.clone() },
+        RunResult::Abandoned => Action::Release,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retry::tests::task;
+
+    fn before(claim: Claim) -> Action {
+        decide(&claim, None, &task(3), 0, 0.0)
+    }
+
+    fn after(result: RunResult, attempt: u32) -> Action {
+        decide(
+            &Claim::Claimed { fence: 7 },
+            Some(&result),
+            &task(2),
+            attempt,
+            0.5,
+        )
+    }
+
+    /// An ad-hoc envelope with `key`.
+    fn envelope_json(key: &str) -> Vec<u8> {
+        let env = Envelope {
+            v: 1,
+            id: uuid::Uuid::nil(),
+            key: key.into(),
+            task: "t".into(),
+            job: None,
+            args: serde_json::Value::Null,
+            scheduled_for: chrono::DateTime::UNIX_EPOCH,
+            published_at: chrono::DateTime::UNIX_EPOCH,
+            attempt: 0,
+            expires_at: None,
+            queue: "default".into(),
+        };
+        env.encode()
+    }
+
+    #[test]
+    fn admits_a_valid_envelope() {
+        let env = admit(&envelope_json("k"), 1 << 20, |_| true).unwrap();
+        assert_eq!(env.key, "k");
+        // An ad-hoc key shaped like an instance of a job we do not know is fine.
+        let key = "j@1970-01-01T00:00:00Z";
+        assert_eq!(
+            admit(&envelope_json(key), 1 << 20, |_| false).unwrap().key,
+            key
+        );
+    }
+
+    #[test]
+    fn oversize_comes_before_decoding() {
+        let body = vec![b'x'; 11];
+        let rejected = admit(&body, 10, |_| true).unwrap_err();
+        assert_eq!(rejected.reason, DeadReason::Oversize);
+        assert_eq!(rejected.error, "11 bytes, more than max_message_bytes = 10");
+        // Exactly the limit is not oversize (it is malformed here: not JSON).
+        let at_limit = admit(&body[..10], 10, |_| true).unwrap_err();
+        assert_eq!(at_limit.reason, DeadReason::Malformed);
+    }
+
+    #[test]
+    fn undecodable_and_limit_breaking_messages_are_malformed() {
+        let garbage = admit(b"{not json", 1 << 20, |_| true).unwrap_err();
+        assert_eq!(garbage.reason, DeadReason::Malformed);
+        // Decodes, but an ad-hoc key impersonates an instance of job `j`.
+        let key = "j@1970-01-01T00:00:00Z";
+        let impostor = admit(&envelope_json(key), 1 << 20, |job| job == "j").unwrap_err();
+        assert_eq!(impostor.reason, DeadReason::Malformed);
+        assert!(impostor.error.contains('j'), "{}", impostor.error);
+    }
+
+    #[test]
+    fn unknown_tasks_name_the_task() {
+        let rejected = unknown_task("nope");
+        assert_eq!(rejected.reason, DeadReason::UnknownTask);
+        assert_eq!(
+            rejected.error,
+            "no task named \"nope\" in this worker's config"
+        );
+    }
+
+    #[test]
+    fn a_claim_runs() {
+        assert_eq!(
+            before(Claim::Claimed { fence: 9 }),
+            Action::Run { fence: 9 }
+        );
+    }
+
+    #[test]
+    fn duplicates_are_acked_without_running() {
+        for state in [RunState::Done, RunState::Retrying, RunState::Dead] {
+            assert_eq!(
+                before(Claim::Duplicate { state }),
+                Action::Duplicate { state }
+            );
+        }
+    }
+
+    #[test]
+    fn expired_copies_are_expired() {
+        assert_eq!(before(Claim::Expired), Action::Expire);
+    }
+
+    #[test]
+    fn busy_and_waiting_recheck_after_the_lease_plus_a_margin() {
+        let retry_in = Duration::from_millis(1000);
+        assert_eq!(
+            before(Claim::Busy { retry_in }),
+            Action::Recheck {
+                why: Recheck::Busy,
+                delay: Duration::from_millis(1250)
+            }
+        );
+        assert_eq!(
+            before(Claim::Waiting {
+                retry_in,
+                running: "j@1".into()
+            }),
+            Action::Recheck {
+                why: Recheck::Waiting {
+                    running: "j@1".into()
+                },
+                delay: Duration::from_millis(1250)
+            }
+        );
+    }
+
+    #[test]
+    fn skipped_claims_are_recorded_skipped() {
+        assert_eq!(
+            before(Claim::Skipped {
+                running: "j@1".into()
+            }),
+            Action::Skip {
+                running: "j@1".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_success_is_marked_done_with_the_fence() {
+        assert_eq!(after(RunResult::Succeeded, 0), Action::Done { fence: 7 });
+    }
+
+    #[test]
+    fn a_permanent_failure_is_dead_at_any_attempt() {
+        for attempt in [0, 5] {
+            assert_eq!(
+                after(
+                    RunResult::Failed(HandlerError::Permanent("no".into())),
+                    attempt
+                ),
+                Action::Dead {
+                    reason: DeadReason::Permanent,
+                    error: "no".into()
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn a_retryable_failure_retries_with_backoff_until_exhausted() {
+        let failed = || RunResult::Failed(HandlerError::Retryable("flaky".into()));
+        // attempt 1 of max_retries = 2: base 1 s · 2 = 2 s, plus half the 20 % jitter.
+        assert_eq!(
+            after(failed(), 1),
+            Action::Retry {
+                delay: Duration::from_millis(2200),
+                error: "flaky".into()
+            }
+        );
+        assert_eq!(
+            after(failed(), 2),
+            Action::Dead {
+                reason: DeadReason::RetriesExhausted,
+                error: "flaky".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_lost_lease_requeues_and_says_why() {
+        for lost in [LeaseLost::Taken, LeaseLost::Unreachable("down".into())] {
+            assert_eq!(
+                after(RunResult::LeaseLost(lost.clone()), 0),
+                Action::Requeue { lost }
+            );
+        }
+    }
+
+    #[test]
+    fn an_abandoned_run_releases_its_claim() {
+        assert_eq!(after(RunResult::Abandoned, 0), Action::Release);
+    }
+
+    #[test]
+    fn a_run_result_does_not_change_an_unclaimed_decision() {
+        let result = RunResult::Succeeded;
+        assert_eq!(
+            decide(&Claim::Expired, Some(&result), &task(1), 0, 0.0),
+            Action::Expire
+        );
+    }
+
+    #[test]
+    fn outcomes_are_the_history_texts() {
+        let texts = [
+            Outcome::Done,
+            Outcome::Failed,
+            Outcome::Dead,
+            Outcome::Expired,
+            Outcome::Skipped,
+        ]
+        .map(Outcome::as_str);
+        assert_eq!(texts, ["done", "failed", "dead", "expired", "skipped"]);
+    }
+
+    #[test]
+    fn dead_reasons_are_the_header_texts() {
+        let texts = [
+            DeadReason::Permanent,
+            DeadReason::RetriesExhausted,
+            DeadReason::Expired,
+            DeadReason::UnknownTask,
+            DeadReason::Malformed,
+            DeadReason::Oversize,
+        ]
+        .map(DeadReason::as_str);
+        assert_eq!(
+            texts,
+            [
+                "permanent",
+                "retries_exhausted",
+                "expired",
+                "unknown_task",
+                "malformed",
+                "oversize"
+            ]
+        );
+    }
+}
