@@ -3,7 +3,9 @@
 //! `$DRUMLINE_KEY`), asserted by exact count.
 
 use chrono::{DateTime, Utc};
-use drumline_e2e::{adhoc, counts, setup, wait_until, wait_until_async, TestEnv};
+use drumline_e2e::{
+    adhoc, counts, metric, setup, wait_until, wait_until_async, with_metrics, TestEnv,
+};
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use std::time::Duration;
 
@@ -145,9 +147,14 @@ async fn two_beats_publish_twice_but_each_instance_runs_once() {
     let env = setup("e2e_twobeats");
     let config = every_second_config(&env, "effects");
     let cfg = config.to_str().unwrap();
-    let mut workers: Vec<_> = (1..=3)
-        .map(|i| env.worker(&format!("worker-{i}"), &["--config", cfg]))
-        .collect();
+    let mut workers = Vec::new();
+    let mut ports = Vec::new();
+    for i in 1..=3 {
+        let (args, port) = with_metrics(&["--config", cfg]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        workers.push(env.worker(&format!("worker-{i}"), &args));
+        ports.push(port);
+    }
     let mut beats = [
         env.beat("beat-1", &["--config", cfg]),
         env.beat("beat-2", &["--config", cfg]),
@@ -169,34 +176,23 @@ async fn two_beats_publish_twice_but_each_instance_runs_once() {
     }
     // Every delivery ends as a run or as a duplicate (copies that met a live lease come back
     // from the delay queue first). Wait until all of them are settled.
-    let settled = |workers: &Vec<drumline_e2e::Proc>| -> u64 {
-        workers
-            .iter()
-            .map(|w| {
-                let log = w.log();
-                log.lines()
-                    .filter(|l| {
-                        l.contains("duplicate delivery")
-                            || l.ends_with(" done")
-                            || l.contains("processor: done")
-                    })
-                    .count() as u64
-            })
-            .sum()
-    };
+    let total =
+        |name: &str| -> u64 { ports.iter().filter_map(|p| metric(*p, name)).sum::<f64>() as u64 };
+    let settled =
+        || total("drumline_worker_duplicates_total") + total("drumline_worker_succeeded_total");
     assert!(
-        wait_until(WAIT, || settled(&workers) >= published),
+        wait_until(WAIT, || settled() >= published),
         "published {published}, settled {}",
-        settled(&workers)
+        settled()
     );
-    let mut duplicates = 0;
+    // Settled: nothing is left to arrive, so the counters are final.
+    let duplicates = total("drumline_worker_duplicates_total");
     for w in &mut workers {
         assert!(
             w.terminate(Duration::from_secs(20)).success(),
             "{}",
             w.log_tail(20)
         );
-        duplicates += summary_number(&w.log(), "duplicates");
     }
 
     let lines = env.lines("effects");
