@@ -138,3 +138,14 @@ async fn replay(config: &Config, keys: &[String]) -> Result<(), Failure> {
         Err(Failure::Reported)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_worker_error_keeps_its_exit_code_at_the_edge() {
+        assert_eq!(Failure::from(WorkerError::Config("bad".into())).code(), 2);
+        assert_eq!(Failure::from(WorkerError::Fatal("down".into())).code(), 1);
+    }
+}
