@@ -9,11 +9,13 @@
 //! - [`next`]      — `drumline-beat next`: upcoming instants with DST annotations.
 //! - [`adhoc`]     — `drumline-beat publish`: one ad-hoc task, same envelope and guarantees.
 //! - [`status`]    — `drumline-beat status`: per-job health from Redis, with a stale warning.
+//! - [`commands`]  — the bodies of the binary's commands: output and exit-code-carrying failures.
 //!
 //! Redis is reached only through [`drumline_shared::store::Store`]; schedule math lives in
 //! [`drumline_shared::schedule`].
 
 pub mod adhoc;
+pub mod commands;
 pub mod misfire;
 pub mod next;
 pub mod progress;

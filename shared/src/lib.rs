@@ -2,6 +2,8 @@
 //!
 //! - [`config`]   — `drumline.toml`: raw form, checked form, one clear error per bad key.
 //! - [`envelope`] — the v1 task message body and its AMQP properties/headers.
+//! - `exit`       — the binaries' edge: a command's `Failure` carries its exit code
+//!   (feature `bin-support`).
 //! - `metrics`    — `--metrics-addr`: Prometheus `/metrics` and `/healthz` (feature `bin-support`).
 //! - [`names`]    — every exchange, queue and Redis key name, derived from the namespace.
 //! - [`schedule`] — pure schedule math: cron in a time zone with DST policies, fixed-rate intervals.
@@ -21,6 +23,8 @@
 pub mod config;
 pub mod duration;
 pub mod envelope;
+#[cfg(feature = "bin-support")]
+pub mod exit;
 #[cfg(feature = "bin-support")]
 pub mod logging;
 #[cfg(feature = "bin-support")]

@@ -12,6 +12,8 @@
 //! - [`handler`]   — the handler API for Rust users: context in, decision-shaped error out.
 //! - [`stats`]     — counters.
 //! - [`dlq`]       — `dlq list | replay | purge`: the dead letters.
+//! - `commands`    — the bodies of the binary's commands, exit-code-carrying failures (feature
+//!   `cli`).
 //!
 //! ```no_run
 //! # async fn demo(config: drumline_shared::config::Config) -> Result<(), drumline_worker::WorkerError> {
@@ -26,6 +28,8 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "cli")]
+pub mod commands;
 pub mod consumer;
 pub mod decision;
 pub mod dlq;
