@@ -501,100 +501,20 @@ fn check_job(
     j: RawJob,
     tasks: &BTreeMap<String, Task>,
 ) -> Result<Job, ConfigError> {
-    let at = |key: &str, message: String| fail.at(Some(place), key, message);
-    check_name(&j.name).map_err(|m| at("name", m.to_string()))?;
-    if !tasks.contains_key(&j.task) {
-        let known: Vec<&str> = tasks.keys().map(String::as_str).collect();
-        return Err(at(
-            "task",
-            format!(
-                "no task named {:?}; define [tasks.{}] (known tasks: {})",
-                j.task,
-                j.task,
-                if known.is_empty() {
-                    "none".to_owned()
-                } else {
-                    known.join(", ")
-                }
-            ),
-        ));
-    }
+    let at = |(key, message): KeyError| fail.at(Some(place), key, message);
+    check_name(&j.name).map_err(|m| at(("name", m.to_string())))?;
+    check_task_ref(&j.task, tasks).map_err(at)?;
     let timezone = match &j.timezone {
-        Some(name) => parse_timezone(name).map_err(|e| at("timezone", e.to_string()))?,
+        Some(name) => parse_timezone(name).map_err(|e| at(("timezone", e.to_string())))?,
         None => chrono_tz::UTC,
     };
-    let (schedule, schedule_text) = match (&j.cron, &j.every) {
-        (Some(_), Some(_)) => {
-            return Err(at(
-                "cron",
-                "give exactly one of `cron` and `every`, not both".into(),
-            ))
-        }
-        (None, None) => {
-            return Err(at(
-                "cron",
-                "give exactly one of `cron` and `every`; neither is set".into(),
-            ))
-        }
-        (Some(cron), None) => {
-            if j.anchor.is_some() {
-                return Err(at("anchor", "only applies to `every` jobs".into()));
-            }
-            let cron_expr = CronExpr::parse(cron).map_err(|e| at("cron", e.to_string()))?;
-            (
-                Schedule::Cron {
-                    cron: cron_expr,
-                    tz: timezone,
-                    gap: j.dst_gap.unwrap_or_default(),
-                    fold: j.dst_fold.unwrap_or_default(),
-                },
-                format!("cron \"{cron}\""),
-            )
-        }
-        (None, Some(every_text)) => {
-            let every = duration::parse(every_text).map_err(|e| at("every", e))?;
-            if every.is_zero() {
-                return Err(at("every", "must be greater than zero".into()));
-            }
-            if every < Duration::from_millis(1) {
-                // Instants are kept to the millisecond in Redis; finer periods would collide.
-                return Err(at("every", "must be at least 1ms".into()));
-            }
-            let anchor = match &j.anchor {
-                Some(text) => DateTime::parse_from_rfc3339(text)
-                    .map(|t| t.with_timezone(&Utc))
-                    .map_err(|e| {
-                        at("anchor", format!("{text:?} is not an RFC 3339 instant ({e}); write e.g. \"2026-01-01T00:00:00Z\""))
-                    })?,
-                None => DateTime::UNIX_EPOCH,
-            };
-            (
-                Schedule::Every {
-                    every: chrono::Duration::from_std(every)
-                        .map_err(|_| at("every", "is too large".into()))?,
-                    anchor,
-                },
-                format!("every {}", duration::format(every)),
-            )
-        }
-    };
-    let overlap = j.overlap.unwrap_or_default();
-    let misfire = j.misfire.unwrap_or_default();
-    if misfire == Misfire::CatchUp && overlap == Overlap::Skip {
-        return Err(at(
-            "overlap",
-            "misfire = \"catch_up\" with overlap = \"skip\" would drop the caught-up instances; set overlap = \"queue\" or \"allow\"".into(),
-        ));
-    }
-    let max_catch_up = j.max_catch_up.unwrap_or(100);
-    if max_catch_up < 1 {
-        return Err(at("max_catch_up", "must be at least 1".into()));
-    }
+    let (schedule, schedule_text) = job_schedule(&j, timezone).map_err(at)?;
+    let (overlap, misfire, max_catch_up) = job_policy(&j).map_err(at)?;
     let queue = j.queue.unwrap_or_else(|| "default".to_owned());
-    check_name(&queue).map_err(|m| at("queue", format!("{queue:?} {m}")))?;
+    check_name(&queue).map_err(|m| at(("queue", format!("{queue:?} {m}"))))?;
     let args = match j.args {
         None => serde_json::json!({}),
-        Some(v) => serde_json::to_value(v).map_err(|e| at("args", e.to_string()))?,
+        Some(v) => serde_json::to_value(v).map_err(|e| at(("args", e.to_string())))?,
     };
     Ok(Job {
         name: j.name,
@@ -610,9 +530,107 @@ fn check_job(
         overlap,
         misfire,
         misfire_grace: fail.duration(place, "misfire_grace", &j.misfire_grace, 3600)?,
-        max_catch_up: max_catch_up as usize,
+        max_catch_up,
         queue,
     })
+}
+
+/// A refusal of one key of a job: the key and the message, placed by the caller.
+type KeyError = (&'static str, String);
+
+/// The job's `task` must name a defined task.
+fn check_task_ref(task: &str, tasks: &BTreeMap<String, Task>) -> Result<(), KeyError> {
+    if tasks.contains_key(task) {
+        return Ok(());
+    }
+    let known: Vec<&str> = tasks.keys().map(String::as_str).collect();
+    Err((
+        "task",
+        format!(
+            "no task named {task:?}; define [tasks.{task}] (known tasks: {})",
+            if known.is_empty() {
+                "none".to_owned()
+            } else {
+                known.join(", ")
+            }
+        ),
+    ))
+}
+
+/// The job's schedule and its text for logs, from exactly one of `cron` and `every`.
+fn job_schedule(j: &RawJob, timezone: Tz) -> Result<(Schedule, String), KeyError> {
+    match (&j.cron, &j.every) {
+        (Some(_), Some(_)) => Err((
+            "cron",
+            "give exactly one of `cron` and `every`, not both".into(),
+        )),
+        (None, None) => Err((
+            "cron",
+            "give exactly one of `cron` and `every`; neither is set".into(),
+        )),
+        (Some(cron), None) => cron_schedule(j, cron, timezone),
+        (None, Some(every_text)) => every_schedule(j, every_text),
+    }
+}
+
+fn cron_schedule(j: &RawJob, cron: &str, tz: Tz) -> Result<(Schedule, String), KeyError> {
+    if j.anchor.is_some() {
+        return Err(("anchor", "only applies to `every` jobs".into()));
+    }
+    let cron_expr = CronExpr::parse(cron).map_err(|e| ("cron", e.to_string()))?;
+    Ok((
+        Schedule::Cron {
+            cron: cron_expr,
+            tz,
+            gap: j.dst_gap.unwrap_or_default(),
+            fold: j.dst_fold.unwrap_or_default(),
+        },
+        format!("cron \"{cron}\""),
+    ))
+}
+
+fn every_schedule(j: &RawJob, every_text: &str) -> Result<(Schedule, String), KeyError> {
+    let every = duration::parse(every_text).map_err(|e| ("every", e))?;
+    if every.is_zero() {
+        return Err(("every", "must be greater than zero".into()));
+    }
+    if every < Duration::from_millis(1) {
+        // Instants are kept to the millisecond in Redis; finer periods would collide.
+        return Err(("every", "must be at least 1ms".into()));
+    }
+    let anchor = match &j.anchor {
+        Some(text) => DateTime::parse_from_rfc3339(text)
+            .map(|t| t.with_timezone(&Utc))
+            .map_err(|e| {
+                ("anchor", format!("{text:?} is not an RFC 3339 instant ({e}); write e.g. \"2026-01-01T00:00:00Z\""))
+            })?,
+        None => DateTime::UNIX_EPOCH,
+    };
+    Ok((
+        Schedule::Every {
+            every: chrono::Duration::from_std(every)
+                .map_err(|_| ("every", "is too large".to_owned()))?,
+            anchor,
+        },
+        format!("every {}", duration::format(every)),
+    ))
+}
+
+/// The job's overlap and misfire policies and its catch-up bound, checked together.
+fn job_policy(j: &RawJob) -> Result<(Overlap, Misfire, usize), KeyError> {
+    let overlap = j.overlap.unwrap_or_default();
+    let misfire = j.misfire.unwrap_or_default();
+    if misfire == Misfire::CatchUp && overlap == Overlap::Skip {
+        return Err((
+            "overlap",
+            "misfire = \"catch_up\" with overlap = \"skip\" would drop the caught-up instances; set overlap = \"queue\" or \"allow\"".into(),
+        ));
+    }
+    let max_catch_up = j.max_catch_up.unwrap_or(100);
+    if max_catch_up < 1 {
+        return Err(("max_catch_up", "must be at least 1".into()));
+    }
+    Ok((overlap, misfire, max_catch_up as usize))
 }
 
 /// The name rule lives with the names it protects; re-exported for the callers that already
@@ -809,6 +827,19 @@ mod tests {
         parse(text).unwrap_err().to_string()
     }
 
+    /// The error for one job `j` of task `t`, with `lines` as its further keys.
+    fn job_err(lines: &str) -> String {
+        err(&format!(
+            "[[jobs]]\nname = \"j\"\ntask = \"t\"\n{lines}\n{TASKS}"
+        ))
+    }
+
+    /// Asserts that job `j` with `lines` is refused with a message containing `needle`.
+    fn job_err_has(lines: &str, needle: &str) {
+        let e = job_err(lines);
+        assert!(e.contains(needle), "{e}");
+    }
+
     #[test]
     fn task_environment_settings() {
         let c = parse(
@@ -872,9 +903,7 @@ mod tests {
 
     #[test]
     fn unknown_key_names_file_job_and_key() {
-        let e = err(&format!(
-            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"1s\"\nfrequency = 3\n{TASKS}"
-        ));
+        let e = job_err("every = \"1s\"\nfrequency = 3");
         assert!(
             e.starts_with("/etc/d.toml: job \"j\": key `frequency`: unknown field"),
             "{e}"
@@ -885,39 +914,27 @@ mod tests {
 
     #[test]
     fn cron_and_every_exactly_one() {
-        let both = err(&format!(
-            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"1s\"\ncron = \"* * * * *\"\n{TASKS}"
-        ));
+        let both = job_err("every = \"1s\"\ncron = \"* * * * *\"");
         assert!(
             both.contains(
                 "job \"j\": key `cron`: give exactly one of `cron` and `every`, not both"
             ),
             "{both}"
         );
-        let neither = err(&format!("[[jobs]]\nname = \"j\"\ntask = \"t\"\n{TASKS}"));
-        assert!(
-            neither.contains("job \"j\"") && neither.contains("neither is set"),
-            "{neither}"
+        job_err_has(
+            "",
+            "job \"j\": key `cron`: give exactly one of `cron` and `every`; neither is set",
         );
     }
 
     #[test]
     fn bad_duration_and_zero_every() {
-        let e = err(&format!(
-            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"soon\"\n{TASKS}"
-        ));
-        assert!(
-            e.contains("job \"j\": key `every`: \"soon\" is not a duration"),
-            "{e}"
+        job_err_has(
+            "every = \"soon\"",
+            "job \"j\": key `every`: \"soon\" is not a duration",
         );
-        let e = err(&format!(
-            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"0s\"\n{TASKS}"
-        ));
-        assert!(e.contains("key `every`: must be greater than zero"), "{e}");
-        let e = err(&format!(
-            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"500us\"\n{TASKS}"
-        ));
-        assert!(e.contains("key `every`: must be at least 1ms"), "{e}");
+        job_err_has("every = \"0s\"", "key `every`: must be greater than zero");
+        job_err_has("every = \"500us\"", "key `every`: must be at least 1ms");
         let e = err("[worker]\nlease = \"forever\"\n");
         assert!(e.contains("[worker]: key `lease`"), "{e}");
     }
@@ -931,29 +948,20 @@ mod tests {
             e.contains("job \"j\": key `task`: no task named \"nope\""),
             "{e}"
         );
-        let e = err(&format!(
-            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"1s\"\n[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"2s\"\n{TASKS}"
-        ));
-        assert!(
-            e.contains("job \"j\": key `name`: duplicate job name"),
-            "{e}"
+        job_err_has(
+            "every = \"1s\"\n[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"2s\"",
+            "job \"j\": key `name`: duplicate job name",
         );
     }
 
     #[test]
     fn bad_anchor_and_catch_up_with_skip() {
-        let e = err(&format!(
-            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"1m\"\nanchor = \"yesterday\"\n{TASKS}"
-        ));
-        assert!(
-            e.contains("key `anchor`: \"yesterday\" is not an RFC 3339 instant"),
-            "{e}"
+        job_err_has(
+            "every = \"1m\"\nanchor = \"yesterday\"",
+            "key `anchor`: \"yesterday\" is not an RFC 3339 instant",
         );
-        let e = err(&format!(
-            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"1m\"\nmisfire = \"catch_up\"\n{TASKS}"
-        ));
-        assert!(e.contains("key `overlap`"), "{e}");
-        let e = err(&format!("[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"1m\"\nmisfire = \"sometimes\"\n{TASKS}"));
+        job_err_has("every = \"1m\"\nmisfire = \"catch_up\"", "key `overlap`");
+        let e = job_err("every = \"1m\"\nmisfire = \"sometimes\"");
         assert!(
             e.contains("job \"j\"") && e.contains("unknown variant `sometimes`"),
             "{e}"
@@ -962,15 +970,11 @@ mod tests {
 
     #[test]
     fn bad_timezone_and_cron_are_named() {
-        let e = err(&format!("[[jobs]]\nname = \"j\"\ntask = \"t\"\ncron = \"0 3 * * *\"\ntimezone = \"Mars/Olympus\"\n{TASKS}"));
-        assert!(
-            e.contains("job \"j\": key `timezone`: unknown time zone"),
-            "{e}"
+        job_err_has(
+            "cron = \"0 3 * * *\"\ntimezone = \"Mars/Olympus\"",
+            "job \"j\": key `timezone`: unknown time zone",
         );
-        let e = err(&format!(
-            "[[jobs]]\nname = \"j\"\ntask = \"t\"\ncron = \"0 99 * * *\"\n{TASKS}"
-        ));
-        assert!(e.contains("job \"j\": key `cron`"), "{e}");
+        job_err_has("cron = \"0 99 * * *\"", "job \"j\": key `cron`");
     }
 
     #[test]

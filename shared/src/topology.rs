@@ -7,6 +7,7 @@ use crate::tls::read_ca_file;
 use lapin::options::BasicPublishOptions;
 use lapin::options::ConfirmSelectOptions;
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::protocol::AMQPSoftError;
 use lapin::publisher_confirm::Confirmation;
 use lapin::tcp::{RustlsConnector, RustlsConnectorConfig, TcpStream};
 use lapin::types::{AMQPValue, FieldTable, LongString};
@@ -120,9 +121,28 @@ pub async fn declare(
     Ok(())
 }
 
+/// The reply code of the broker's channel or connection close behind `e`, if it was one.
+pub fn reply_code(e: &lapin::Error) -> Option<u16> {
+    match e {
+        lapin::Error::ProtocolError(amqp) => Some(amqp.get_id()),
+        _ => None,
+    }
+}
+
+impl TopologyError {
+    /// The AMQP reply code the broker closed the channel with, if it did (406 for a mismatch).
+    pub fn reply_code(&self) -> Option<u16> {
+        match self {
+            TopologyError::Mismatch { source, .. } | TopologyError::Amqp(source) => {
+                reply_code(source)
+            }
+        }
+    }
+}
+
+/// A declare refused with 406 PRECONDITION_FAILED is a queue redeclared with other arguments.
 fn mismatch(queue: &str, source: lapin::Error) -> TopologyError {
-    let text = source.to_string();
-    if text.contains("PRECONDITION_FAILED") || text.contains("inequivalent arg") {
+    if reply_code(&source) == Some(AMQPSoftError::PRECONDITIONFAILED.get_id()) {
         TopologyError::Mismatch {
             queue: queue.to_owned(),
             source,
@@ -260,5 +280,27 @@ pub async fn publish_confirmed(
             Err(ConfirmError::Unroutable(routing_key.to_owned()))
         }
         Confirmation::Nack(None) => Err(ConfirmError::Nacked),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::protocol::{AMQPError, AMQPErrorKind};
+
+    fn closed(kind: AMQPSoftError) -> lapin::Error {
+        lapin::Error::ProtocolError(AMQPError::new(AMQPErrorKind::Soft(kind), "closed".into()))
+    }
+
+    #[test]
+    fn only_precondition_failed_is_a_mismatch() {
+        let e = mismatch("q", closed(AMQPSoftError::PRECONDITIONFAILED));
+        assert!(matches!(e, TopologyError::Mismatch { .. }), "{e}");
+        assert_eq!(e.reply_code(), Some(406));
+        let e = mismatch("q", closed(AMQPSoftError::ACCESSREFUSED));
+        assert!(matches!(e, TopologyError::Amqp(_)), "{e}");
+        assert_eq!(e.reply_code(), Some(403));
+        let e = mismatch("q", lapin::Error::ChannelsLimitReached);
+        assert!(matches!(e, TopologyError::Amqp(_)) && e.reply_code().is_none());
     }
 }

@@ -550,23 +550,14 @@ async fn open_session(
 }
 
 async fn connect_redis(config: &Config, names: &Names) -> Store {
-    let mut backoff = BACKOFF_MIN;
-    loop {
-        match Store::connect(
-            &config.redis_url,
-            config.redis_ca_file.as_deref(),
-            names.clone(),
-        )
-        .await
-        {
-            Ok(store) => return store,
-            Err(e) => {
-                error!(error = %e, "redis unreachable at start; not consuming until it answers (fail closed)");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(BACKOFF_MAX);
-            }
-        }
-    }
+    Store::connect_retrying(
+        &config.redis_url,
+        config.redis_ca_file.as_deref(),
+        names.clone(),
+        (BACKOFF_MIN, BACKOFF_MAX),
+        |e| error!(error = %e, "redis unreachable at start; not consuming until it answers (fail closed)"),
+    )
+    .await
 }
 
 /// Closes the gate when Redis stops answering, reopens it once Redis answers again, and mirrors

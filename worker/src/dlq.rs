@@ -111,6 +111,19 @@ fn table_str(table: &FieldTable, key: &str) -> Option<String> {
     header_str(Some(table), key)
 }
 
+/// The namespace's names and a channel on which the worker's topology (so `{ns}.dead`) is declared.
+async fn open_dead(config: &Config) -> Result<(Names, Connection, Channel), DlqError> {
+    let names = Names::new(config.namespace.clone());
+    let (conn, channel) = topology::open_channel(
+        config,
+        &names,
+        &config.worker.queues,
+        config.worker.dead_ttl,
+    )
+    .await?;
+    Ok((names, conn, channel))
+}
+
 /// An open view of `{ns}.dead`: messages read stay unacked until replayed (acked) or returned
 /// (channel closed).
 pub struct DeadQueue {
@@ -124,14 +137,7 @@ pub struct DeadQueue {
 impl DeadQueue {
     /// Reads every message now in `{ns}.dead` without acking.
     pub async fn open(config: &Config) -> Result<Self, DlqError> {
-        let names = Names::new(config.namespace.clone());
-        let (conn, channel) = topology::open_channel(
-            config,
-            &names,
-            &config.worker.queues,
-            config.worker.dead_ttl,
-        )
-        .await?;
+        let (names, conn, channel) = open_dead(config).await?;
         let mut messages = Vec::new();
         while let Some(m) = channel
             .basic_get(&names.dead(), BasicGetOptions { no_ack: false })
@@ -196,14 +202,7 @@ impl DeadQueue {
 
 /// Empties `{ns}.dead`; returns how many messages were removed.
 pub async fn purge(config: &Config) -> Result<u32, DlqError> {
-    let names = Names::new(config.namespace.clone());
-    let (conn, channel) = topology::open_channel(
-        config,
-        &names,
-        &config.worker.queues,
-        config.worker.dead_ttl,
-    )
-    .await?;
+    let (names, conn, channel) = open_dead(config).await?;
     let n = channel
         .queue_purge(&names.dead(), QueuePurgeOptions::default())
         .await?;
