@@ -63,19 +63,6 @@ fn assert_contiguous_exactly_once(lines: &[String], at_least: usize) {
     }
 }
 
-/// Reads `name=N` from a process's final summary line.
-fn summary_number(log: &str, name: &str) -> u64 {
-    let needle = format!("{name}=");
-    log.lines()
-        .rev()
-        .find_map(|line| {
-            let rest = &line[line.find(&needle)? + needle.len()..];
-            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-            digits.parse().ok()
-        })
-        .unwrap_or_else(|| panic!("no {name}= in log:\n{log}"))
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn one_beat_three_workers_run_every_instant_exactly_once() {
     let env = setup("e2e_once");
@@ -97,7 +84,7 @@ async fn one_beat_three_workers_run_every_instant_exactly_once() {
         "{}",
         beat.log_tail(20)
     );
-    let published = summary_number(&beat.log(), "published");
+    let published = beat.summary_number("published");
     assert!(
         wait_until(WAIT, || env.lines("effects").len() as u64 >= published),
         "published {published}, executed {}",
@@ -172,7 +159,7 @@ async fn two_beats_publish_twice_but_each_instance_runs_once() {
             "{}",
             b.log_tail(20)
         );
-        published += summary_number(&b.log(), "published");
+        published += b.summary_number("published");
     }
     // Every delivery ends as a run or as a duplicate (copies that met a live lease come back
     // from the delay queue first). Wait until all of them are settled.
@@ -395,7 +382,7 @@ async fn poison_messages_are_dead_lettered_and_duplicates_run_once() {
         vec!["k-dup"],
         "the duplicate ran once"
     );
-    assert_eq!(summary_number(&worker.log(), "duplicates"), 1);
+    assert_eq!(worker.summary_number("duplicates"), 1);
     assert_eq!(
         env.queue_len(&env.names().work_queue("default")).await,
         Some(0)
@@ -453,5 +440,5 @@ async fn when_the_shutdown_grace_runs_out_the_task_is_abandoned_for_redelivery()
         Some(1),
         "left for redelivery"
     );
-    assert_eq!(summary_number(&worker.log(), "abandoned"), 1);
+    assert_eq!(worker.summary_number("abandoned"), 1);
 }

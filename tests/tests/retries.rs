@@ -26,20 +26,6 @@ fn total(ports: &[u16], name: &str) -> f64 {
     ports.iter().filter_map(|p| metric(*p, name)).sum()
 }
 
-/// Reads `published=N` from a beat's final summary line.
-fn published(log: &str) -> usize {
-    log.lines()
-        .rev()
-        .find_map(|l| {
-            let rest = &l[l.find("published=")? + "published=".len()..];
-            rest.split(|c: char| !c.is_ascii_digit())
-                .next()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or_else(|| panic!("no published= in\n{log}"))
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn two_beats_two_workers_a_failing_task_runs_max_retries_plus_one_times() {
     let env = setup("e2e_retry_chain");
@@ -95,7 +81,7 @@ overlap = "allow"
     let mut keys = BTreeSet::new();
     for b in &mut beats {
         assert!(b.terminate(Duration::from_secs(10)).success());
-        copies += published(&b.log());
+        copies += b.summary_number("published") as usize;
         keys.extend(b.published_keys());
     }
     // Every copy ends either as the head of the one retry chain (dead-lettered at its end) or

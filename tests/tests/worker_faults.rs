@@ -3,7 +3,9 @@
 //! runs in flight finish, and SIGTERM ends it in time whatever state its channels are in.
 //! Destructive faults use a private RabbitMQ node, never the shared one.
 
-use drumline_e2e::{adhoc, http_get, setup, toml_string, unused_port, wait_until, PrivateRabbit};
+use drumline_e2e::{
+    adhoc, http_get, setup, toml_string, unused_port, wait_until, PrivateRabbit, Proc, TestEnv,
+};
 use lapin::options::{
     BasicPublishOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
     QueueDeclareOptions, QueueDeleteOptions,
@@ -229,19 +231,20 @@ async fn repair_dead_exchange(env: &drumline_e2e::TestEnv) {
     let _ = conn.close(200, "bye").await;
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_closed_publisher_channel_is_reopened_and_requeues_are_paced() {
-    let env = setup("e2e_publisher_reopen");
+/// A worker (with `/metrics` on the returned port, `[tasks.append]` and `worker_toml`) whose
+/// only way out for a delivery fails: `{ns}.dead` is broken and an undecodable message is
+/// queued, so its dead-letter publish closes the publisher channel.
+async fn worker_with_a_failing_dead_letter(env: &TestEnv, worker_toml: &str) -> (Proc, u16) {
     let metrics = unused_port();
     let cfg = env.config(
         "drumline.toml",
         &format!(
-            "[tasks.append]\ncommand = {}\n",
+            "{worker_toml}[tasks.append]\ncommand = {}\n",
             env.append_key_command("effects", 0.0)
         ),
     );
     let metrics_addr = format!("127.0.0.1:{metrics}");
-    let mut worker = env.worker(
+    let worker = env.worker(
         "worker",
         &[
             "--config",
@@ -251,10 +254,16 @@ async fn a_closed_publisher_channel_is_reopened_and_requeues_are_paced() {
         ],
     );
     env.wait_for_topology(&worker).await;
-    break_dead_exchange(&env).await;
-    // Undecodable: its only way out is a dead-letter publish, which now fails.
+    break_dead_exchange(env).await;
     env.publish_raw("default", b"not json", BasicProperties::default())
         .await;
+    (worker, metrics)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_closed_publisher_channel_is_reopened_and_requeues_are_paced() {
+    let env = setup("e2e_publisher_reopen");
+    let (mut worker, metrics) = worker_with_a_failing_dead_letter(&env, "").await;
 
     let requeued = |at_least: u64| {
         wait_until(WAIT, || {
@@ -302,29 +311,9 @@ async fn a_closed_publisher_channel_is_reopened_and_requeues_are_paced() {
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_ends_a_worker_whose_publisher_channel_keeps_failing() {
     let env = setup("e2e_sigterm_failing_channel");
-    let metrics = unused_port();
     let grace = Duration::from_secs(3);
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[worker]\nshutdown_grace = \"3s\"\n[tasks.append]\ncommand = {}\n",
-            env.append_key_command("effects", 0.0)
-        ),
-    );
-    let metrics_addr = format!("127.0.0.1:{metrics}");
-    let mut worker = env.worker(
-        "worker",
-        &[
-            "--config",
-            cfg.to_str().unwrap(),
-            "--metrics-addr",
-            &metrics_addr,
-        ],
-    );
-    env.wait_for_topology(&worker).await;
-    break_dead_exchange(&env).await;
-    env.publish_raw("default", b"not json", BasicProperties::default())
-        .await;
+    let (mut worker, metrics) =
+        worker_with_a_failing_dead_letter(&env, "[worker]\nshutdown_grace = \"3s\"\n").await;
     assert!(
         wait_until(WAIT, || {
             metric(metrics, "drumline_worker_requeued_total").is_some_and(|n| n >= 2)
