@@ -3,7 +3,7 @@
 //! `redis-server` on a free port, never the shared one.
 
 use chrono::Utc;
-use drumline_e2e::{adhoc, http_get, setup, toml_string, unused_port, wait_until};
+use drumline_e2e::{adhoc, http_get, metric, setup, toml_string, unused_port, wait_until};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -90,6 +90,12 @@ async fn redis_outage_fails_closed_and_resumes() {
         worker.log_tail(20)
     );
     assert_eq!(http_get(metrics, "/healthz").map(|r| r.0), Some(200));
+    // The task writes its effect before the worker records `done`: wait for the record, or the
+    // outage below would erase an unrecorded success (this Redis keeps nothing on disk).
+    assert!(wait_until(WAIT, || metric(
+        metrics,
+        "drumline_worker_succeeded_total"
+    ) == Some(1.0)));
 
     redis.stop();
     // The health check reports the outage even before any delivery hits it.
