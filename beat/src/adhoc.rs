@@ -126,7 +126,7 @@ pub async fn publish(
         &routing_key,
         true,
         &env.encode(),
-        env.properties(Utc::now(), None),
+        env.properties(Utc::now(), 0),
     )
     .await;
     let _ = conn.close(200, "published").await;

@@ -141,6 +141,11 @@ impl Names {
         format!("{}:beat:leader", self.ns)
     }
 
+    /// `{ns}:beat:epoch` — the leadership epoch counter (one increment per acquisition).
+    pub fn beat_epoch(&self) -> String {
+        format!("{}:beat:epoch", self.ns)
+    }
+
     /// `{ns}:beat:last:{job}` — last published instant (RFC 3339 UTC).
     pub fn beat_last(&self, job: &str) -> String {
         format!("{}:beat:last:{job}", self.ns)
@@ -155,6 +160,15 @@ impl Names {
     pub fn last_success(&self, job: &str) -> String {
         format!("{}:last_success:{job}", self.ns)
     }
+}
+
+/// This machine's host name (`unknown` if it has none readable), as recorded in worker ids and
+/// the leader lease.
+pub fn host_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "unknown".into())
 }
 
 #[cfg(test)]

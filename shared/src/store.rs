@@ -14,6 +14,9 @@ use std::path::Path;
 use std::sync::LazyLock;
 use std::time::Duration;
 
+mod leader;
+pub use leader::{Candidate, LeaseOutcome, LeaseReply, ProgressError};
+
 /// Store errors are connection-level: the worker fails closed on them.
 pub type StoreError = redis::RedisError;
 
@@ -323,20 +326,6 @@ return 0
     )
 });
 
-// KEYS[1] beat last key; ARGV instant (fixed-width RFC 3339, so string order is time order).
-static ADVANCE_LAST: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
-local cur = redis.call('GET', KEYS[1])
-if cur == false or cur < ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1])
-  return 1
-end
-return 0
-"#,
-    )
-});
-
 /// Handle to one namespace's Redis state. Cheap to clone.
 #[derive(Clone)]
 pub struct Store {
@@ -560,56 +549,6 @@ impl Store {
         let mut conn = self.conn.clone();
         let text: Option<String> = conn.get(self.names.beat_last(job)).await?;
         Ok(text.as_deref().and_then(parse_instant))
-    }
-
-    /// Moves `job`'s last published instant forward to `at` (never backwards).
-    pub async fn advance_last_published(
-        &self,
-        job: &str,
-        at: DateTime<Utc>,
-    ) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
-        let _: i64 = ADVANCE_LAST
-            .key(self.names.beat_last(job))
-            .arg(last_instant_text(at))
-            .invoke_async(&mut conn)
-            .await?;
-        Ok(())
-    }
-
-    /// [`advance_last_published`](Self::advance_last_published) for many jobs, `per_trip` per
-    /// round trip (one script call each, pipelined). One outcome per entry, in order: each
-    /// job's write succeeds or fails on its own. `Err` when Redis did not answer (then some
-    /// entries may have been written, which is harmless: rewriting is a no-op).
-    pub async fn advance_last_published_many(
-        &self,
-        progress: &[(&str, DateTime<Utc>)],
-        per_trip: usize,
-    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
-        let mut conn = self.conn.clone();
-        let mut out = Vec::with_capacity(progress.len());
-        for group in progress.chunks(per_trip.max(1)) {
-            let mut pipe = redis::pipe();
-            pipe.ignore_errors();
-            // EVALSHA needs the script cached (a restarted Redis forgot it): load it in the
-            // same round trip.
-            pipe.load_script(&ADVANCE_LAST).ignore();
-            for (job, at) in group {
-                let mut call = ADVANCE_LAST.prepare_invoke();
-                call.key(self.names.beat_last(job))
-                    .arg(last_instant_text(*at));
-                pipe.invoke_script(&call);
-            }
-            let replies: Vec<Result<i64, StoreError>> = pipe.query_async(&mut conn).await?;
-            if replies.len() != group.len() {
-                return Err(StoreError::from((
-                    redis::ErrorKind::UnexpectedReturnType,
-                    "a pipeline returned fewer replies than commands",
-                )));
-            }
-            out.extend(replies.into_iter().map(|r| r.map(drop)));
-        }
-        Ok(out)
     }
 
     /// Every job's persisted progress, in `jobs` order, read with [`parse_last_instant`]:
