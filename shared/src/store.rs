@@ -7,7 +7,7 @@ use crate::envelope::parse_instant;
 use crate::names::Names;
 use chrono::{DateTime, SecondsFormat, Utc};
 use redis::aio::ConnectionManager;
-use redis::{AsyncCommands, Script};
+use redis::{AsyncCommands, Script, ToRedisArgs};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
@@ -452,14 +452,8 @@ impl Store {
         token: &str,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
-        RENEW
-            .key(self.names.run_key(key))
-            .key(self.job_lock(job))
-            .arg(token)
-            .arg(lease.as_millis() as u64)
-            .invoke_async(&mut conn)
-            .await
+        let args = (token, lease.as_millis() as u64);
+        self.as_holder(&RENEW, key, job, args).await
     }
 
     /// Records the final `state` kept for `retention`, when the claim is still ours or the key
@@ -473,15 +467,8 @@ impl Store {
         state: Final,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
-        FINISH
-            .key(self.names.run_key(key))
-            .key(self.job_lock(job))
-            .arg(token)
-            .arg(state.as_str())
-            .arg(retention.as_millis() as u64)
-            .invoke_async(&mut conn)
-            .await
+        let args = (token, state.as_str(), retention.as_millis() as u64);
+        self.as_holder(&FINISH, key, job, args).await
     }
 
     /// Hands a failed run's claim to its retry: state `retrying` with `next_attempt`, kept for
@@ -494,13 +481,24 @@ impl Store {
         next_attempt: u32,
         retention: Duration,
     ) -> Result<bool, StoreError> {
+        let args = (token, next_attempt, retention.as_millis() as u64);
+        self.as_holder(&RETRY, key, job, args).await
+    }
+
+    /// Runs one of the scripts only the claim's holder may run (RENEW, FINISH, RETRY,
+    /// RELEASE); they share their call: KEYS run key and job lock, ARGV `args`, token first.
+    async fn as_holder(
+        &self,
+        script: &Script,
+        key: &str,
+        job: Option<&str>,
+        args: impl ToRedisArgs,
+    ) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
-        RETRY
+        script
             .key(self.names.run_key(key))
             .key(self.job_lock(job))
-            .arg(token)
-            .arg(next_attempt)
-            .arg(retention.as_millis() as u64)
+            .arg(args)
             .invoke_async(&mut conn)
             .await
     }
@@ -512,13 +510,7 @@ impl Store {
         job: Option<&str>,
         token: &str,
     ) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
-        RELEASE
-            .key(self.names.run_key(key))
-            .key(self.job_lock(job))
-            .arg(token)
-            .invoke_async(&mut conn)
-            .await
+        self.as_holder(&RELEASE, key, job, token).await
     }
 
     /// Forgets a `dead` run state so a replayed copy can be claimed; any other state is kept
