@@ -981,6 +981,14 @@ fn gap_occurrence(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use DstFold::{Both, First, Second};
+    use DstGap::{Shift, Skip};
+
+    const NEW_YORK: &str = "America/New_York";
+    const LONDON: &str = "Europe/London";
+    const LORD_HOWE: &str = "Australia/Lord_Howe";
+    const APIA: &str = "Pacific/Apia";
+    const SAO_PAULO: &str = "America/Sao_Paulo";
 
     fn utc(s: &str) -> DateTime<Utc> {
         s.parse().unwrap()
@@ -1005,6 +1013,31 @@ mod tests {
             note,
             skipped,
         }
+    }
+
+    /// An ordinary occurrence at `at`.
+    fn plain(at: &str) -> Occurrence {
+        occ(at, None, false)
+    }
+
+    /// The first pass through a repeated (fold) wall time.
+    fn fold_first(at: &str) -> Occurrence {
+        occ(at, Some(Note::FoldFirst), false)
+    }
+
+    /// The second pass through a repeated (fold) wall time.
+    fn fold_second(at: &str) -> Occurrence {
+        occ(at, Some(Note::FoldSecond), false)
+    }
+
+    /// A run moved out of a gap to `at`, from the wall time `from`.
+    fn shifted(at: &str, from: NaiveTime) -> Occurrence {
+        occ(at, Some(Note::GapShifted { from }), false)
+    }
+
+    /// The wall time `local` fell into a gap (at `at`) and does not run.
+    fn skipped(at: &str, local: NaiveTime) -> Occurrence {
+        occ(at, Some(Note::GapSkipped { local }), true)
     }
 
     fn hm(h: u32, m: u32) -> NaiveTime {
@@ -1033,22 +1066,13 @@ mod tests {
 
     #[test]
     fn new_york_gap_shift_runs_at_the_transition() {
-        let s = cron(
-            "30 2 * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::First,
-        );
+        let s = cron("30 2 * * *", NEW_YORK, Shift, First);
         let got = take(&s, "2026-03-07T12:00:00Z", 2);
         assert_eq!(
             got,
             [
-                occ(
-                    "2026-03-08T07:00:00Z",
-                    Some(Note::GapShifted { from: hm(2, 30) }),
-                    false
-                ),
-                occ("2026-03-09T06:30:00Z", None, false),
+                shifted("2026-03-08T07:00:00Z", hm(2, 30)),
+                plain("2026-03-09T06:30:00Z"),
             ]
         );
         assert_eq!(got[0].note.unwrap().to_string(), "gap: shifted from 02:30");
@@ -1058,19 +1082,10 @@ mod tests {
 
     #[test]
     fn new_york_gap_skip_reports_but_does_not_run() {
-        let s = cron(
-            "30 2 * * *",
-            "America/New_York",
-            DstGap::Skip,
-            DstFold::First,
-        );
+        let s = cron("30 2 * * *", NEW_YORK, Skip, First);
         assert_eq!(
             take(&s, "2026-03-07T12:00:00Z", 1),
-            [occ(
-                "2026-03-08T07:00:00Z",
-                Some(Note::GapSkipped { local: hm(2, 30) }),
-                true
-            )]
+            [skipped("2026-03-08T07:00:00Z", hm(2, 30))]
         );
         assert_eq!(
             s.next_after(utc("2026-03-07T12:00:00Z")),
@@ -1080,44 +1095,29 @@ mod tests {
 
     #[test]
     fn new_york_fold_first_second_both() {
-        let first = cron(
-            "30 1 * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::First,
-        );
+        let first = cron("30 1 * * *", NEW_YORK, Shift, First);
         assert_eq!(
             take(&first, "2026-10-31T12:00:00Z", 2),
             [
-                occ("2026-11-01T05:30:00Z", Some(Note::FoldFirst), false),
-                occ("2026-11-02T06:30:00Z", None, false),
+                fold_first("2026-11-01T05:30:00Z"),
+                plain("2026-11-02T06:30:00Z"),
             ]
         );
-        let second = cron(
-            "30 1 * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::Second,
-        );
+        let second = cron("30 1 * * *", NEW_YORK, Shift, Second);
         assert_eq!(
             take(&second, "2026-10-31T12:00:00Z", 2),
             [
-                occ("2026-11-01T06:30:00Z", Some(Note::FoldSecond), false),
-                occ("2026-11-02T06:30:00Z", None, false),
+                fold_second("2026-11-01T06:30:00Z"),
+                plain("2026-11-02T06:30:00Z"),
             ]
         );
-        let both = cron(
-            "30 1 * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::Both,
-        );
+        let both = cron("30 1 * * *", NEW_YORK, Shift, Both);
         assert_eq!(
             take(&both, "2026-10-31T12:00:00Z", 3),
             [
-                occ("2026-11-01T05:30:00Z", Some(Note::FoldFirst), false),
-                occ("2026-11-01T06:30:00Z", Some(Note::FoldSecond), false),
-                occ("2026-11-02T06:30:00Z", None, false),
+                fold_first("2026-11-01T05:30:00Z"),
+                fold_second("2026-11-01T06:30:00Z"),
+                plain("2026-11-02T06:30:00Z"),
             ]
         );
     }
@@ -1125,30 +1125,20 @@ mod tests {
     #[test]
     fn fold_both_interleaves_by_instant_not_wall_time() {
         // 01:00a 01:30a 01:00b 01:30b: wall order differs from instant order.
-        let s = cron(
-            "*/30 * * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::Both,
-        );
+        let s = cron("*/30 * * * *", NEW_YORK, Shift, Both);
         assert_eq!(
             take(&s, "2026-11-01T04:00:00Z", 6),
             [
-                occ("2026-11-01T04:30:00Z", None, false),
-                occ("2026-11-01T05:00:00Z", Some(Note::FoldFirst), false),
-                occ("2026-11-01T05:30:00Z", Some(Note::FoldFirst), false),
-                occ("2026-11-01T06:00:00Z", Some(Note::FoldSecond), false),
-                occ("2026-11-01T06:30:00Z", Some(Note::FoldSecond), false),
-                occ("2026-11-01T07:00:00Z", None, false),
+                plain("2026-11-01T04:30:00Z"),
+                fold_first("2026-11-01T05:00:00Z"),
+                fold_first("2026-11-01T05:30:00Z"),
+                fold_second("2026-11-01T06:00:00Z"),
+                fold_second("2026-11-01T06:30:00Z"),
+                plain("2026-11-01T07:00:00Z"),
             ]
         );
         // Starting inside the fold (first pass) still finds the second pass.
-        let second = cron(
-            "*/30 * * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::Second,
-        );
+        let second = cron("*/30 * * * *", NEW_YORK, Shift, Second);
         assert_eq!(
             second.next_after(utc("2026-11-01T05:10:00Z")),
             Some(utc("2026-11-01T06:00:00Z"))
@@ -1157,50 +1147,31 @@ mod tests {
 
     #[test]
     fn every_30_minutes_collapses_in_a_gap() {
-        let shift = cron(
-            "*/30 * * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::First,
-        );
+        let shift = cron("*/30 * * * *", NEW_YORK, Shift, First);
         // 02:00, 02:30 (gap) and 03:00 are one 03:00 EDT = 07:00Z instance.
         assert_eq!(
             take(&shift, "2026-03-08T06:00:00Z", 3),
             [
-                occ("2026-03-08T06:30:00Z", None, false),
-                occ(
-                    "2026-03-08T07:00:00Z",
-                    Some(Note::GapShifted { from: hm(2, 0) }),
-                    false
-                ),
-                occ("2026-03-08T07:30:00Z", None, false),
+                plain("2026-03-08T06:30:00Z"),
+                shifted("2026-03-08T07:00:00Z", hm(2, 0)),
+                plain("2026-03-08T07:30:00Z"),
             ]
         );
         // Under skip the 03:00 run shares 07:00Z with the skipped 02:00/02:30: it is not lost.
-        let skip = cron(
-            "*/30 * * * *",
-            "America/New_York",
-            DstGap::Skip,
-            DstFold::First,
-        );
+        let skip = cron("*/30 * * * *", NEW_YORK, Skip, First);
         assert_eq!(
             take(&skip, "2026-03-08T06:00:00Z", 3),
             [
-                occ("2026-03-08T06:30:00Z", None, false),
-                occ("2026-03-08T07:00:00Z", None, false),
-                occ("2026-03-08T07:30:00Z", None, false),
+                plain("2026-03-08T06:30:00Z"),
+                plain("2026-03-08T07:00:00Z"),
+                plain("2026-03-08T07:30:00Z"),
             ]
         );
         assert_eq!(
             skip.next_after(utc("2026-03-08T06:30:00Z")),
             Some(utc("2026-03-08T07:00:00Z"))
         );
-        let hourly_skip = cron(
-            "0 * * * *",
-            "America/New_York",
-            DstGap::Skip,
-            DstFold::First,
-        );
+        let hourly_skip = cron("0 * * * *", NEW_YORK, Skip, First);
         assert_eq!(
             runs(&hourly_skip, "2026-03-08T06:00:00Z", 2),
             [utc("2026-03-08T07:00:00Z"), utc("2026-03-08T08:00:00Z")]
@@ -1212,32 +1183,23 @@ mod tests {
     #[test]
     fn london_gap_and_fold() {
         // 2026-03-29 01:00 GMT -> 02:00 BST at 01:00Z.
-        let shift = cron("30 1 * * *", "Europe/London", DstGap::Shift, DstFold::First);
+        let shift = cron("30 1 * * *", LONDON, Shift, First);
         assert_eq!(
             take(&shift, "2026-03-28T12:00:00Z", 2),
             [
-                occ(
-                    "2026-03-29T01:00:00Z",
-                    Some(Note::GapShifted { from: hm(1, 30) }),
-                    false
-                ),
-                occ("2026-03-30T00:30:00Z", None, false),
+                shifted("2026-03-29T01:00:00Z", hm(1, 30)),
+                plain("2026-03-30T00:30:00Z"),
             ]
         );
-        let skip = cron("30 1 * * *", "Europe/London", DstGap::Skip, DstFold::First);
+        let skip = cron("30 1 * * *", LONDON, Skip, First);
         assert_eq!(
             runs(&skip, "2026-03-28T12:00:00Z", 1),
             [utc("2026-03-30T00:30:00Z")]
         );
         // 2026-10-25 02:00 BST -> 01:00 GMT at 01:00Z: 01:30 happens at 00:30Z and 01:30Z.
-        let first = cron("30 1 * * *", "Europe/London", DstGap::Shift, DstFold::First);
-        let second = cron(
-            "30 1 * * *",
-            "Europe/London",
-            DstGap::Shift,
-            DstFold::Second,
-        );
-        let both = cron("30 1 * * *", "Europe/London", DstGap::Shift, DstFold::Both);
+        let first = cron("30 1 * * *", LONDON, Shift, First);
+        let second = cron("30 1 * * *", LONDON, Shift, Second);
+        let both = cron("30 1 * * *", LONDON, Shift, Both);
         assert_eq!(
             runs(&first, "2026-10-24T12:00:00Z", 1),
             [utc("2026-10-25T00:30:00Z")]
@@ -1259,72 +1221,39 @@ mod tests {
     #[test]
     fn lord_howe_half_hour_gap_and_fold() {
         // 2026-10-04 02:00 (+10:30) -> 02:30 (+11) at 2026-10-03T15:30Z.
-        let shift = cron(
-            "15 2 * * *",
-            "Australia/Lord_Howe",
-            DstGap::Shift,
-            DstFold::First,
-        );
+        let shift = cron("15 2 * * *", LORD_HOWE, Shift, First);
         assert_eq!(
             take(&shift, "2026-10-03T00:00:00Z", 1),
-            [occ(
-                "2026-10-03T15:30:00Z",
-                Some(Note::GapShifted { from: hm(2, 15) }),
-                false
-            )]
+            [shifted("2026-10-03T15:30:00Z", hm(2, 15))]
         );
         // 02:30 exists (the first wall time after the gap): a normal run.
-        let at_end = cron(
-            "30 2 * * *",
-            "Australia/Lord_Howe",
-            DstGap::Skip,
-            DstFold::First,
-        );
+        let at_end = cron("30 2 * * *", LORD_HOWE, Skip, First);
         assert_eq!(
             take(&at_end, "2026-10-03T00:00:00Z", 1),
-            [occ("2026-10-03T15:30:00Z", None, false)]
+            [plain("2026-10-03T15:30:00Z")]
         );
-        let skip = cron(
-            "15 2 * * *",
-            "Australia/Lord_Howe",
-            DstGap::Skip,
-            DstFold::First,
-        );
+        let skip = cron("15 2 * * *", LORD_HOWE, Skip, First);
         assert_eq!(
             take(&skip, "2026-10-03T00:00:00Z", 2),
             [
-                occ(
-                    "2026-10-03T15:30:00Z",
-                    Some(Note::GapSkipped { local: hm(2, 15) }),
-                    true
-                ),
-                occ("2026-10-04T15:15:00Z", None, false),
+                skipped("2026-10-03T15:30:00Z", hm(2, 15)),
+                plain("2026-10-04T15:15:00Z"),
             ]
         );
         // 2026-04-05 02:00 (+11) -> 01:30 (+10:30) at 2026-04-04T15:00Z; 01:30-02:00 twice.
-        let both = cron(
-            "45 1 * * *",
-            "Australia/Lord_Howe",
-            DstGap::Shift,
-            DstFold::Both,
-        );
+        let both = cron("45 1 * * *", LORD_HOWE, Shift, Both);
         assert_eq!(
             take(&both, "2026-04-04T00:00:00Z", 3),
             [
-                occ("2026-04-04T14:45:00Z", Some(Note::FoldFirst), false),
-                occ("2026-04-04T15:15:00Z", Some(Note::FoldSecond), false),
-                occ("2026-04-05T15:15:00Z", None, false),
+                fold_first("2026-04-04T14:45:00Z"),
+                fold_second("2026-04-04T15:15:00Z"),
+                plain("2026-04-05T15:15:00Z"),
             ]
         );
-        let before_fold = cron(
-            "15 1 * * *",
-            "Australia/Lord_Howe",
-            DstGap::Shift,
-            DstFold::Both,
-        );
+        let before_fold = cron("15 1 * * *", LORD_HOWE, Shift, Both);
         assert_eq!(
             take(&before_fold, "2026-04-04T00:00:00Z", 1),
-            [occ("2026-04-04T14:15:00Z", None, false)]
+            [plain("2026-04-04T14:15:00Z")]
         );
     }
 
@@ -1332,7 +1261,7 @@ mod tests {
 
     #[test]
     fn kolkata_half_hour_offset_without_dst() {
-        let s = cron("30 9 * * *", "Asia/Kolkata", DstGap::Shift, DstFold::First);
+        let s = cron("30 9 * * *", "Asia/Kolkata", Shift, First);
         assert_eq!(
             runs(&s, "2026-06-01T00:00:00Z", 2),
             [utc("2026-06-01T04:00:00Z"), utc("2026-06-02T04:00:00Z")]
@@ -1342,18 +1271,14 @@ mod tests {
     #[test]
     fn apia_skipped_a_whole_day_shift_runs_at_next_midnight() {
         // Local 2011-12-29 23:59:59 -10:00 was followed by 2011-12-31 00:00 +14:00 (10:00Z).
-        let s = cron("0 12 * * *", "Pacific/Apia", DstGap::Shift, DstFold::First);
+        let s = cron("0 12 * * *", APIA, Shift, First);
         let got = take(&s, "2011-12-29T00:00:00Z", 3);
         assert_eq!(
             got,
             [
-                occ("2011-12-29T22:00:00Z", None, false),
-                occ(
-                    "2011-12-30T10:00:00Z",
-                    Some(Note::GapShifted { from: hm(12, 0) }),
-                    false
-                ),
-                occ("2011-12-30T22:00:00Z", None, false),
+                plain("2011-12-29T22:00:00Z"),
+                shifted("2011-12-30T10:00:00Z", hm(12, 0)),
+                plain("2011-12-30T22:00:00Z"),
             ]
         );
         let apia = tz("Pacific/Apia");
@@ -1365,7 +1290,7 @@ mod tests {
             got[2].at.with_timezone(&apia).to_rfc3339(),
             "2011-12-31T12:00:00+14:00"
         );
-        let skip = cron("0 12 * * *", "Pacific/Apia", DstGap::Skip, DstFold::First);
+        let skip = cron("0 12 * * *", APIA, Skip, First);
         assert_eq!(
             runs(&skip, "2011-12-29T00:00:00Z", 2),
             [utc("2011-12-29T22:00:00Z"), utc("2011-12-30T22:00:00Z")]
@@ -1413,38 +1338,21 @@ mod tests {
     #[test]
     fn sao_paulo_before_and_after_abolishing_dst() {
         // 2018-11-04 00:00 -03 -> 01:00 -02 at 03:00Z: midnight does not exist.
-        let s = cron(
-            "0 0 * * *",
-            "America/Sao_Paulo",
-            DstGap::Shift,
-            DstFold::First,
-        );
+        let s = cron("0 0 * * *", SAO_PAULO, Shift, First);
         assert_eq!(
             take(&s, "2018-11-03T12:00:00Z", 2),
             [
-                occ(
-                    "2018-11-04T03:00:00Z",
-                    Some(Note::GapShifted { from: hm(0, 0) }),
-                    false
-                ),
-                occ("2018-11-05T02:00:00Z", None, false),
+                shifted("2018-11-04T03:00:00Z", hm(0, 0)),
+                plain("2018-11-05T02:00:00Z"),
             ]
         );
         // DST abolished in 2019: 2019-11-03 is an ordinary day.
         assert_eq!(
             take(&s, "2019-11-02T12:00:00Z", 2),
-            [
-                occ("2019-11-03T03:00:00Z", None, false),
-                occ("2019-11-04T03:00:00Z", None, false),
-            ]
+            [plain("2019-11-03T03:00:00Z"), plain("2019-11-04T03:00:00Z"),]
         );
         // The last fold, 2019-02-17 00:00 -02 -> 2019-02-16 23:00 -03.
-        let both = cron(
-            "30 23 * * *",
-            "America/Sao_Paulo",
-            DstGap::Shift,
-            DstFold::Both,
-        );
+        let both = cron("30 23 * * *", SAO_PAULO, Shift, Both);
         assert_eq!(
             runs(&both, "2019-02-16T12:00:00Z", 2),
             [utc("2019-02-17T01:30:00Z"), utc("2019-02-17T02:30:00Z")]
@@ -1455,7 +1363,7 @@ mod tests {
 
     #[test]
     fn feb_29_and_the_31st() {
-        let leap = cron("0 0 29 2 *", "UTC", DstGap::Shift, DstFold::First);
+        let leap = cron("0 0 29 2 *", "UTC", Shift, First);
         assert_eq!(
             runs(&leap, "2025-01-01T00:00:00Z", 2),
             [utc("2028-02-29T00:00:00Z"), utc("2032-02-29T00:00:00Z")]
@@ -1465,7 +1373,7 @@ mod tests {
             runs(&leap, "2096-03-01T00:00:00Z", 1),
             [utc("2104-02-29T00:00:00Z")]
         );
-        let thirty_first = cron("0 12 31 * *", "UTC", DstGap::Shift, DstFold::First);
+        let thirty_first = cron("0 12 31 * *", "UTC", Shift, First);
         assert_eq!(
             runs(&thirty_first, "2026-01-31T12:00:00Z", 6),
             [
@@ -1481,12 +1389,12 @@ mod tests {
 
     #[test]
     fn year_rollover_seconds_and_subsecond_after() {
-        let yearly = cron("@yearly", "UTC", DstGap::Shift, DstFold::First);
+        let yearly = cron("@yearly", "UTC", Shift, First);
         assert_eq!(
             runs(&yearly, "2026-12-31T23:59:59Z", 1),
             [utc("2027-01-01T00:00:00Z")]
         );
-        let secs = cron("*/20 * * * * *", "UTC", DstGap::Shift, DstFold::First);
+        let secs = cron("*/20 * * * * *", "UTC", Shift, First);
         assert_eq!(
             runs(&secs, "2026-01-01T00:00:00.500Z", 3),
             [
@@ -1495,13 +1403,13 @@ mod tests {
                 utc("2026-01-01T00:01:00Z")
             ]
         );
-        let every_sec = cron("* * * * * *", "UTC", DstGap::Shift, DstFold::First);
+        let every_sec = cron("* * * * * *", "UTC", Shift, First);
         assert_eq!(
             runs(&every_sec, "2026-01-01T00:00:00.5Z", 1),
             [utc("2026-01-01T00:00:01Z")]
         );
         // The instant itself is excluded.
-        let daily = cron("0 0 * * *", "UTC", DstGap::Shift, DstFold::First);
+        let daily = cron("0 0 * * *", "UTC", Shift, First);
         assert_eq!(
             runs(&daily, "2026-01-01T00:00:00Z", 1),
             [utc("2026-01-02T00:00:00Z")]
@@ -1511,7 +1419,7 @@ mod tests {
     #[test]
     fn day_of_month_or_day_of_week_when_both_restricted() {
         // 2026-02-01 is a Sunday: the 1st OR Mondays.
-        let s = cron("0 0 1 * MON", "UTC", DstGap::Shift, DstFold::First);
+        let s = cron("0 0 1 * MON", "UTC", Shift, First);
         assert_eq!(
             runs(&s, "2026-02-01T00:00:00Z", 6),
             [
@@ -1756,12 +1664,7 @@ mod tests {
         );
         assert_eq!(Note::FoldFirst.to_string(), "fold: first of two");
         assert_eq!(Note::FoldSecond.to_string(), "fold: second of two");
-        let s = cron(
-            "0 30 2 * * *",
-            "America/New_York",
-            DstGap::Skip,
-            DstFold::Both,
-        );
+        let s = cron("0 30 2 * * *", NEW_YORK, Skip, Both);
         assert_eq!(
             s.describe(),
             r#"cron "0 30 2 * * *" in America/New_York, dst_gap = skip, dst_fold = both"#
@@ -1781,7 +1684,7 @@ mod tests {
     #[test]
     fn nothing_within_the_horizon_is_none() {
         // The next Feb 29 lies past the end of chrono's calendar.
-        let s = cron("0 0 29 2 *", "UTC", DstGap::Shift, DstFold::First);
+        let s = cron("0 0 29 2 *", "UTC", Shift, First);
         assert_eq!(s.next_after(DateTime::<Utc>::MAX_UTC), None);
     }
 
