@@ -1007,6 +1007,11 @@ mod tests {
         }
     }
 
+    /// `expr` in UTC, where gaps and folds never happen.
+    fn utc_cron(expr: &str) -> Schedule {
+        cron(expr, "UTC", Shift, First)
+    }
+
     fn occ(at: &str, note: Option<Note>, skipped: bool) -> Occurrence {
         Occurrence {
             at: utc(at),
@@ -1088,13 +1093,11 @@ mod tests {
     fn new_york_gap_shift_runs_at_the_transition() {
         let s = cron("30 2 * * *", NEW_YORK, Shift, First);
         let got = take(&s, "2026-03-07T12:00:00Z", 2);
-        assert_eq!(
-            got,
-            [
-                shifted("2026-03-08T07:00:00Z", hm(2, 30)),
-                plain("2026-03-09T06:30:00Z"),
-            ]
-        );
+        let shifted_then_next = [
+            shifted("2026-03-08T07:00:00Z", hm(2, 30)),
+            plain("2026-03-09T06:30:00Z"),
+        ];
+        assert_eq!(got, shifted_then_next);
         assert_eq!(got[0].note.unwrap().to_string(), "gap: shifted from 02:30");
         let local = got[0].at.with_timezone(&tz("America/New_York"));
         assert_eq!(local.to_rfc3339(), "2026-03-08T03:00:00-04:00");
@@ -1202,17 +1205,15 @@ mod tests {
     #[test]
     fn london_gap_and_fold() {
         // 2026-03-29 01:00 GMT -> 02:00 BST at 01:00Z.
+        let gap_eve = "2026-03-28T12:00:00Z";
         let shift = cron("30 1 * * *", LONDON, Shift, First);
-        assert_occurrences(
-            &shift,
-            "2026-03-28T12:00:00Z",
-            &[
-                shifted("2026-03-29T01:00:00Z", hm(1, 30)),
-                plain("2026-03-30T00:30:00Z"),
-            ],
-        );
+        let shifted_then_next = [
+            shifted("2026-03-29T01:00:00Z", hm(1, 30)),
+            plain("2026-03-30T00:30:00Z"),
+        ];
+        assert_occurrences(&shift, gap_eve, &shifted_then_next);
         let skip = cron("30 1 * * *", LONDON, Skip, First);
-        assert_runs(&skip, "2026-03-28T12:00:00Z", &["2026-03-30T00:30:00Z"]);
+        assert_runs(&skip, gap_eve, &["2026-03-30T00:30:00Z"]);
         // 2026-10-25 02:00 BST -> 01:00 GMT at 01:00Z: 01:30 happens at 00:30Z and 01:30Z.
         let folds: [(DstFold, &[&str]); 3] = [
             (First, &["2026-10-25T00:30:00Z"]),
@@ -1375,7 +1376,7 @@ mod tests {
 
     #[test]
     fn feb_29_and_the_31st() {
-        let leap = cron("0 0 29 2 *", "UTC", Shift, First);
+        let leap = utc_cron("0 0 29 2 *");
         assert_runs(
             &leap,
             "2025-01-01T00:00:00Z",
@@ -1383,7 +1384,7 @@ mod tests {
         );
         // 2100 is not a leap year: 8 years between.
         assert_runs(&leap, "2096-03-01T00:00:00Z", &["2104-02-29T00:00:00Z"]);
-        let thirty_first = cron("0 12 31 * *", "UTC", Shift, First);
+        let thirty_first = utc_cron("0 12 31 * *");
         assert_runs(
             &thirty_first,
             "2026-01-31T12:00:00Z",
@@ -1400,33 +1401,30 @@ mod tests {
 
     #[test]
     fn year_rollover_seconds_and_subsecond_after() {
-        let yearly = cron("@yearly", "UTC", Shift, First);
+        let yearly = utc_cron("@yearly");
         assert_runs(&yearly, "2026-12-31T23:59:59Z", &["2027-01-01T00:00:00Z"]);
-        let secs = cron("*/20 * * * * *", "UTC", Shift, First);
-        assert_runs(
-            &secs,
-            "2026-01-01T00:00:00.500Z",
-            &[
-                "2026-01-01T00:00:20Z",
-                "2026-01-01T00:00:40Z",
-                "2026-01-01T00:01:00Z",
-            ],
-        );
-        let every_sec = cron("* * * * * *", "UTC", Shift, First);
+        let secs = utc_cron("*/20 * * * * *");
+        let thirds = [
+            "2026-01-01T00:00:20Z",
+            "2026-01-01T00:00:40Z",
+            "2026-01-01T00:01:00Z",
+        ];
+        assert_runs(&secs, "2026-01-01T00:00:00.500Z", &thirds);
+        let every_sec = utc_cron("* * * * * *");
         assert_runs(
             &every_sec,
             "2026-01-01T00:00:00.5Z",
             &["2026-01-01T00:00:01Z"],
         );
         // The instant itself is excluded.
-        let daily = cron("0 0 * * *", "UTC", Shift, First);
+        let daily = utc_cron("0 0 * * *");
         assert_runs(&daily, "2026-01-01T00:00:00Z", &["2026-01-02T00:00:00Z"]);
     }
 
     #[test]
     fn day_of_month_or_day_of_week_when_both_restricted() {
         // 2026-02-01 is a Sunday: the 1st OR Mondays.
-        let s = cron("0 0 1 * MON", "UTC", Shift, First);
+        let s = utc_cron("0 0 1 * MON");
         assert_runs(
             &s,
             "2026-02-01T00:00:00Z",
@@ -1680,7 +1678,7 @@ mod tests {
     #[test]
     fn nothing_within_the_horizon_is_none() {
         // The next Feb 29 lies past the end of chrono's calendar.
-        let s = cron("0 0 29 2 *", "UTC", Shift, First);
+        let s = utc_cron("0 0 29 2 *");
         assert_eq!(s.next_after(DateTime::<Utc>::MAX_UTC), None);
     }
 
