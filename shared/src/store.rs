@@ -252,18 +252,29 @@ return 0
     )
 });
 
-// KEYS[1] run key, KEYS[2] job lock; ARGV token, final state, retention_ms. Also applies when
-// the key is gone (our lease expired and nobody claimed it since): the run did finish, and
-// recording it is what stops it from running again.
-static FINISH: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
+// The start every script that ends a claim shares (KEYS[1] run key, KEYS[2] job lock, ARGV[1]
+// token): the job lock is released if it is ours, whatever happens to the run key; `ours` says
+// whether the run key carries our token, `holds` whether it is still our running claim.
+const END_CLAIM: &str = r#"
 if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
   redis.call('DEL', KEYS[2])
 end
-local absent = redis.call('EXISTS', KEYS[1]) == 0
-if absent or (redis.call('HGET', KEYS[1], 'token') == ARGV[1]
-   and redis.call('HGET', KEYS[1], 'state') == 'running') then
+local ours = redis.call('HGET', KEYS[1], 'token') == ARGV[1]
+local holds = ours and redis.call('HGET', KEYS[1], 'state') == 'running'
+"#;
+
+/// A script that starts with [`END_CLAIM`] and goes on with `body`.
+fn ending_claim(body: &str) -> Script {
+    Script::new(&format!("{END_CLAIM}{body}"))
+}
+
+// ARGV[2] final state, ARGV[3] retention_ms. Also applies when the key is gone (our lease
+// expired and nobody claimed it since): the run did finish, and recording it is what stops it
+// from running again.
+static FINISH: LazyLock<Script> = LazyLock::new(|| {
+    ending_claim(
+        r#"
+if holds or redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], 'state', ARGV[2], 'token', ARGV[1])
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return 1
@@ -273,35 +284,26 @@ return 0
     )
 });
 
-// KEYS[1] run key, KEYS[2] job lock; ARGV token, next attempt, retention_ms. A failed run
-// hands the instance to its retry: the state stays, marked `retrying` with the attempt that
-// may claim it next, so older copies are duplicates instead of a second chain.
+// ARGV[2] next attempt, ARGV[3] retention_ms. A failed run hands the instance to its retry: the
+// state stays, marked `retrying` with the attempt that may claim it next, so older copies are
+// duplicates instead of a second chain.
 static RETRY: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    ending_claim(
         r#"
-if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
-  redis.call('DEL', KEYS[2])
-end
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
-   and redis.call('HGET', KEYS[1], 'state') == 'running' then
-  redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[2])
-  redis.call('HDEL', KEYS[1], 'token')
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return 1
-end
-return 0
+if not holds then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[2])
+redis.call('HDEL', KEYS[1], 'token')
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
 "#,
     )
 });
 
-// KEYS[1] run key, KEYS[2] job lock; ARGV token.
+// No further ARGV: the run key is deleted if the claim is ours, in any state.
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    ending_claim(
         r#"
-if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
-  redis.call('DEL', KEYS[2])
-end
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+if ours then
   redis.call('DEL', KEYS[1])
   return 1
 end
