@@ -89,10 +89,7 @@ pub fn envelope(
 /// Why publishing failed.
 #[derive(Debug, thiserror::Error)]
 pub enum PublishFailed {
-    /// Broker trouble.
-    #[error("broker: {0}")]
-    Amqp(#[from] lapin::Error),
-    /// Topology refused.
+    /// Connecting, or declaring the queues, failed (a broker error or a refused topology).
     #[error(transparent)]
     Topology(#[from] TopologyError),
     /// Not confirmed: nacked, unroutable, or the connection failed.
