@@ -15,7 +15,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 mod leader;
-pub use leader::{Candidate, LeaseOutcome, LeaseReply, ProgressError};
+pub use leader::{Candidate, LeaseMode, LeaseOutcome, LeaseReply, ProgressError};
 
 /// Store errors are connection-level: the worker fails closed on them.
 pub type StoreError = redis::RedisError;

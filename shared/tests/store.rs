@@ -4,8 +4,8 @@
 use chrono::{TimeZone, Utc};
 use drumline_shared::names::Names;
 use drumline_shared::store::{
-    Candidate, Claim, ClaimRequest, Final, LeaseOutcome, OverlapMode, ProgressError, RunState,
-    Store,
+    Candidate, Claim, ClaimRequest, Final, LeaseMode, LeaseOutcome, OverlapMode, ProgressError,
+    RunState, Store,
 };
 use std::time::Duration;
 
@@ -201,7 +201,10 @@ async fn progress_moves_forward_only_under_the_lease() {
     );
     assert_eq!(s.last_published("j").await.unwrap(), None);
 
-    let lead = s.acquire_lead(&candidate("a"), LEASE).await.unwrap();
+    let lead = s
+        .lead(&candidate("a"), LEASE, LeaseMode::Acquire)
+        .await
+        .unwrap();
     assert!(matches!(lead.outcome, LeaseOutcome::Acquired { .. }));
     let written = s
         .advance_progress("a", &[("j", t2), ("k", t1)], far, 1)
@@ -227,7 +230,9 @@ async fn progress_moves_forward_only_under_the_lease() {
 #[tokio::test]
 async fn progress_ahead_of_redis_time_is_refused_per_job() {
     let s = store("ahead").await;
-    s.acquire_lead(&candidate("a"), LEASE).await.unwrap();
+    s.lead(&candidate("a"), LEASE, LeaseMode::Acquire)
+        .await
+        .unwrap();
     let now = s.redis_time().await.unwrap();
     let threshold = Duration::from_secs(5);
     let near = now + chrono::Duration::seconds(2);
@@ -249,20 +254,20 @@ async fn progress_ahead_of_redis_time_is_refused_per_job() {
 async fn the_lease_has_one_holder_and_each_acquisition_a_new_epoch() {
     let s = store("lease").await;
     let (a, b) = (candidate("a"), candidate("b"));
-    let first = s.acquire_lead(&a, LEASE).await.unwrap();
+    let first = s.lead(&a, LEASE, LeaseMode::Acquire).await.unwrap();
     let LeaseOutcome::Acquired { epoch } = first.outcome else {
         panic!("{first:?}")
     };
     assert_eq!(
-        s.acquire_lead(&b, LEASE).await.unwrap().outcome,
+        s.lead(&b, LEASE, LeaseMode::Acquire).await.unwrap().outcome,
         LeaseOutcome::Refused { holder: epoch }
     );
     assert_eq!(
-        s.renew_lead(&b, LEASE).await.unwrap().outcome,
+        s.lead(&b, LEASE, LeaseMode::Renew).await.unwrap().outcome,
         LeaseOutcome::Refused { holder: epoch }
     );
     assert_eq!(
-        s.renew_lead(&a, LEASE).await.unwrap().outcome,
+        s.lead(&a, LEASE, LeaseMode::Renew).await.unwrap().outcome,
         LeaseOutcome::Renewed { epoch }
     );
     // What `status` reads: written by the script, from Redis's clock.
@@ -284,11 +289,11 @@ async fn the_lease_has_one_holder_and_each_acquisition_a_new_epoch() {
     assert!(!s.resign_lead("b").await.unwrap());
     assert!(s.resign_lead("a").await.unwrap());
     assert_eq!(
-        s.renew_lead(&a, LEASE).await.unwrap().outcome,
+        s.lead(&a, LEASE, LeaseMode::Renew).await.unwrap().outcome,
         LeaseOutcome::Refused { holder: 0 }
     );
     assert_eq!(
-        s.acquire_lead(&b, LEASE).await.unwrap().outcome,
+        s.lead(&b, LEASE, LeaseMode::Acquire).await.unwrap().outcome,
         LeaseOutcome::Acquired { epoch: epoch + 1 }
     );
 }
@@ -297,7 +302,9 @@ async fn the_lease_has_one_holder_and_each_acquisition_a_new_epoch() {
 async fn a_lapsed_lease_is_free_and_renewing_it_is_refused() {
     let s = store("lapse").await;
     let a = candidate("a");
-    s.acquire_lead(&a, Duration::from_millis(50)).await.unwrap();
+    s.lead(&a, Duration::from_millis(50), LeaseMode::Acquire)
+        .await
+        .unwrap();
     let mut conn = redis::Client::open(REDIS)
         .unwrap()
         .get_multiplexed_async_connection()
@@ -320,11 +327,11 @@ async fn a_lapsed_lease_is_free_and_renewing_it_is_refused() {
         .await
         .expect("the lease expires with its TTL");
     assert_eq!(
-        s.renew_lead(&a, LEASE).await.unwrap().outcome,
+        s.lead(&a, LEASE, LeaseMode::Renew).await.unwrap().outcome,
         LeaseOutcome::Refused { holder: 0 }
     );
     assert!(matches!(
-        s.acquire_lead(&candidate("b"), LEASE)
+        s.lead(&candidate("b"), LEASE, LeaseMode::Acquire)
             .await
             .unwrap()
             .outcome,
