@@ -4,8 +4,8 @@
 use chrono::{TimeZone, Utc};
 use drumline_shared::names::Names;
 use drumline_shared::store::{
-    Candidate, Claim, ClaimRequest, Final, LeaseMode, LeaseOutcome, OverlapMode, ProgressError,
-    RunState, Store,
+    Candidate, Claim, ClaimRequest, Ending, Final, LeaseMode, LeaseOutcome, OverlapMode,
+    ProgressError, RunState, Store,
 };
 use std::time::Duration;
 
@@ -83,7 +83,13 @@ async fn claim_is_exclusive_and_fences_increase() {
         .await
         .unwrap());
     assert!(!s
-        .finish("k1", None, "b", Final::Done, Duration::from_secs(60))
+        .finish(
+            "k1",
+            None,
+            "b",
+            Ending::Final(Final::Done),
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert!(!s.release("k1", None, "b").await.unwrap());
@@ -92,7 +98,13 @@ async fn claim_is_exclusive_and_fences_increase() {
         .await
         .unwrap());
     assert!(s
-        .finish("k1", None, "a", Final::Done, Duration::from_secs(60))
+        .finish(
+            "k1",
+            None,
+            "a",
+            Ending::Final(Final::Done),
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert_eq!(
@@ -130,7 +142,13 @@ async fn an_expired_lease_can_be_taken_over() {
     ));
     // The old holder's late result is refused while another claim holds the key.
     assert!(!s
-        .finish("k", None, "a", Final::Done, Duration::from_secs(60))
+        .finish(
+            "k",
+            None,
+            "a",
+            Ending::Final(Final::Done),
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("running"));
@@ -165,7 +183,13 @@ async fn overlap_lock_skips_or_queues_other_instances_of_the_job() {
     ));
     // Finishing frees the job for the next instance.
     assert!(s
-        .finish("j@1", Some("j"), "a", Final::Done, Duration::from_secs(60))
+        .finish(
+            "j@1",
+            Some("j"),
+            "a",
+            Ending::Final(Final::Done),
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert!(matches!(
@@ -351,11 +375,23 @@ async fn a_retry_keeps_its_place_and_older_copies_are_duplicates() {
     };
     // Only the holder hands the instance to its retry; the job lock goes with it.
     assert!(!s
-        .retry("k", Some("j"), "b", 1, Duration::from_secs(60))
+        .finish(
+            "k",
+            Some("j"),
+            "b",
+            Ending::Retry { next_attempt: 1 },
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert!(s
-        .retry("k", Some("j"), "a", 1, Duration::from_secs(60))
+        .finish(
+            "k",
+            Some("j"),
+            "a",
+            Ending::Retry { next_attempt: 1 },
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("retrying"));
@@ -425,7 +461,13 @@ async fn a_finished_run_is_recorded_even_when_its_lease_lapsed_unclaimed() {
     tokio::time::sleep(Duration::from_millis(250)).await;
     assert_eq!(s.run_state("k").await.unwrap(), None);
     assert!(s
-        .finish("k", None, "a", Final::Done, Duration::from_secs(60))
+        .finish(
+            "k",
+            None,
+            "a",
+            Ending::Final(Final::Done),
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert_eq!(
