@@ -15,6 +15,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 mod leader;
+mod operate;
 pub use leader::{Candidate, LeaseMode, LeaseOutcome, LeaseReply, ProgressError};
 
 /// Store errors are connection-level: the worker fails closed on them.

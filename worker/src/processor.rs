@@ -77,12 +77,14 @@ pub(crate) enum Interrupted {
 }
 
 impl Processor {
-    /// The overlap rule for `env`'s job; ad-hoc tasks have none.
+    /// The overlap rule for `env`'s job; ad-hoc tasks have none. A backfilled instance of a
+    /// `skip` job queues instead: a backfill asks every instant to run (DESIGN §9).
     fn overlap<'e>(&self, env: &'e Envelope) -> OverlapMode<'e> {
         let Some(job) = env.job.as_deref() else {
             return OverlapMode::Allow;
         };
         match self.overlap.get(job).copied().unwrap_or_default() {
+            Overlap::Skip if env.backfill => OverlapMode::Queue(job),
             Overlap::Skip => OverlapMode::Skip(job),
             Overlap::Queue => OverlapMode::Queue(job),
             Overlap::Allow => OverlapMode::Allow,
