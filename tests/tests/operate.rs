@@ -1,0 +1,456 @@
+//! Operating a running schedule (DESIGN §9 "Operations at run time"), end to end with the real
+//! beat, worker, RabbitMQ and Redis: `pause`/`resume`, `trigger`, `backfill`, and the bad input
+//! each refuses (exit 2, nothing published or changed). Effects are lines the tasks append.
+
+use chrono::{DateTime, DurationRound, TimeDelta, Utc};
+use drumline_e2e::{
+    counts, setup, toml_string, wait_until, wait_until_async, with_metrics, TestEnv,
+};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// `drumline-beat --config CFG ARGS…`: (exit code, stdout, stderr).
+fn beat_cmd(env: &TestEnv, cfg: &str, args: &[&str]) -> (i32, String, String) {
+    let mut all = vec!["--config", cfg];
+    all.extend_from_slice(args);
+    let (status, out, err) = env.run("drumline-beat", &all);
+    (status.code().unwrap_or(-1), out, err)
+}
+
+fn instant_of(key: &str) -> DateTime<Utc> {
+    let text = key.split_once('@').expect("job@instant").1;
+    DateTime::parse_from_rfc3339(text)
+        .expect("rfc3339")
+        .with_timezone(&Utc)
+}
+
+/// The instants run for `job` (from effect lines `job@instant`), each asserted run once.
+fn runs_of(env: &TestEnv, file: &str, job: &str) -> Vec<DateTime<Utc>> {
+    let lines: Vec<String> = env
+        .lines(file)
+        .into_iter()
+        .filter(|l| l.starts_with(&format!("{job}@")))
+        .collect();
+    let counts = counts(&lines);
+    let doubled: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(doubled.is_empty(), "run more than once: {doubled:?}");
+    counts.keys().map(|k| instant_of(k)).collect()
+}
+
+fn assert_every_second(instants: &[DateTime<Utc>], what: &str) {
+    for pair in instants.windows(2) {
+        assert_eq!(
+            (pair[1] - pair[0]).num_seconds(),
+            1,
+            "{what}: a gap between {} and {}",
+            pair[0],
+            pair[1]
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_paused_job_runs_nothing_meanwhile_and_resume_publishes_none_of_it() {
+    let env = setup("ops_pause");
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            r#"
+[worker]
+concurrency = 4
+lease = "3s"
+
+[[jobs]]
+name = "a"
+task = "append"
+every = "1s"
+
+[[jobs]]
+name = "b"
+task = "append"
+every = "1s"
+
+[tasks.append]
+command = {}
+"#,
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let cfg = cfg.to_str().unwrap();
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    let (args, metrics) = with_metrics(&["--config", cfg]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut beat = env.beat("beat", &args);
+    assert!(
+        wait_until(WAIT, || runs_of(&env, "effects", "a").len() >= 2),
+        "{}",
+        beat.log_tail(20)
+    );
+
+    let (code, out, err) = beat_cmd(&env, cfg, &["pause", "a"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let paused_at = Utc::now();
+    // Five seconds of `b` running (its own effects, not a sleep) while `a` is paused.
+    let b_before = runs_of(&env, "effects", "b").len();
+    assert!(wait_until(WAIT, || runs_of(&env, "effects", "b").len() >= b_before + 5));
+    let (code, out, err) = beat_cmd(&env, cfg, &["resume", "a"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let resumed_at = Utc::now();
+    // Resumed: `a`'s next instants run again.
+    let after_resume = resumed_at + TimeDelta::seconds(3);
+    assert!(
+        wait_until(WAIT, || runs_of(&env, "effects", "a")
+            .last()
+            .is_some_and(|t| *t >= after_resume)),
+        "{}",
+        beat.log_tail(20)
+    );
+    let dropped = env
+        .metric(metrics, "drumline_beat_dropped_total")
+        .unwrap_or(0.0);
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+
+    // Honoured within a second of the command, both ways.
+    let a = runs_of(&env, "effects", "a");
+    let during: Vec<_> = a
+        .iter()
+        .filter(|t| **t > paused_at + TimeDelta::seconds(1) && **t < resumed_at)
+        .collect();
+    assert!(during.is_empty(), "ran while paused: {during:?}");
+    let (before, after): (Vec<_>, Vec<_>) = a.iter().partition(|t| **t <= paused_at);
+    let after: Vec<_> = after
+        .into_iter()
+        .filter(|t| *t >= resumed_at + TimeDelta::seconds(1))
+        .collect();
+    assert_every_second(&before, "a before the pause");
+    assert_every_second(&after, "a after the resume");
+    let gap = (after[0] - *before.last().expect("a ran before the pause")).num_seconds();
+    assert!(
+        gap >= 5,
+        "the paused window was never caught up: gap {gap} s"
+    );
+    assert!(
+        dropped >= 4.0,
+        "paused instants are counted as dropped: {dropped}"
+    );
+    // The other job never noticed.
+    assert_every_second(&runs_of(&env, "effects", "b"), "b");
+    let mut redis = env.redis().await;
+    let paused: Vec<String> = redis::cmd("SMEMBERS")
+        .arg(env.names().paused())
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert!(paused.is_empty(), "{paused:?}");
+}
+
+/// Two jobs never due during the test (hourly, anchored away from now): one `skip`s overlaps and
+/// takes 3 s, one allows them and records its args.
+fn trigger_config(env: &TestEnv) -> std::path::PathBuf {
+    let anchor = (Utc::now() + TimeDelta::minutes(30))
+        .duration_trunc(TimeDelta::seconds(1))
+        .unwrap()
+        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let effects = env.path("effects");
+    let with_args = format!("echo \"$DRUMLINE_KEY $(cat)\" >> {}", effects.display());
+    env.config(
+        "drumline.toml",
+        &format!(
+            r#"
+[worker]
+concurrency = 4
+lease = "5s"
+
+[[jobs]]
+name = "slow"
+task = "slow"
+every = "1h"
+anchor = "{anchor}"
+overlap = "skip"
+
+[[jobs]]
+name = "free"
+task = "args"
+every = "1h"
+anchor = "{anchor}"
+overlap = "allow"
+args = {{ n = 7 }}
+
+[tasks.slow]
+command = {}
+
+[tasks.args]
+command = ["/bin/sh", "-c", {}]
+"#,
+            env.append_key_command("effects", 3.0),
+            toml_string(&with_args)
+        ),
+    )
+}
+
+/// `triggered JOB key=KEY …` → KEY.
+fn triggered_key(out: &str) -> String {
+    out.split_whitespace()
+        .find_map(|w| w.strip_prefix("key="))
+        .unwrap_or_else(|| panic!("no key in {out:?}"))
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn trigger_runs_one_instance_now_as_the_job() {
+    let env = setup("ops_trigger");
+    let cfg = trigger_config(&env);
+    let cfg = cfg.to_str().unwrap();
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    env.wait_for_topology(&worker).await;
+
+    // overlap = skip: a trigger while the previous instance still runs is recorded `skipped`.
+    let (code, out, err) = beat_cmd(&env, cfg, &["trigger", "slow"]);
+    assert_eq!(code, 0, "{err}");
+    let first = triggered_key(&out);
+    assert!(first.starts_with("slow@"), "{first}");
+    let running = wait_until_async(WAIT, || async {
+        env.run_state(&first).await.as_deref() == Some("running")
+    })
+    .await;
+    assert!(running, "{}", worker.log_tail(20));
+    let (code, out, err) = beat_cmd(&env, cfg, &["trigger", "slow"]);
+    assert_eq!(code, 0, "{err}");
+    let second = triggered_key(&out);
+    let skipped = wait_until_async(WAIT, || async {
+        env.run_state(&second).await.as_deref() == Some("skipped")
+    })
+    .await;
+    assert!(skipped, "{}", worker.log_tail(20));
+
+    // overlap = allow: runs with the job's args, or with --args instead; status sees it.
+    let (code, out, err) = beat_cmd(&env, cfg, &["trigger", "free"]);
+    assert_eq!(code, 0, "{err}");
+    let own = triggered_key(&out);
+    let (code, out, err) = beat_cmd(&env, cfg, &["trigger", "free", "--args", r#"{"n": 8}"#]);
+    assert_eq!(code, 0, "{err}");
+    let replaced = triggered_key(&out);
+    assert!(wait_until(WAIT, || env.lines("effects").len() >= 3));
+    let status = || {
+        let (code, out, err) = beat_cmd(&env, cfg, &["status", "free", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let succeeded = wait_until(WAIT, || status()["jobs"][0]["last_success"].is_string());
+    assert!(succeeded, "{}", status());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+
+    let mut lines = env.lines("effects");
+    lines.sort();
+    let mut want = vec![
+        format!("{own} {{\"n\":7}}"),
+        format!("{replaced} {{\"n\":8}}"),
+        first.clone(),
+    ];
+    want.sort();
+    assert_eq!(lines, want, "each trigger ran once (the skipped one never)");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn backfill_twice_runs_each_instant_once_oldest_first() {
+    let env = setup("ops_backfill");
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            r#"
+[worker]
+concurrency = 1
+lease = "5s"
+
+[[jobs]]
+name = "daily"
+task = "append"
+cron = "0 3 * * *"
+expires = "1h"
+
+[tasks.append]
+command = {}
+"#,
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let cfg = cfg.to_str().unwrap();
+    let (from, to) = ("2026-01-01T00:00:00Z", "2026-01-11T00:00:00Z");
+    let range = ["backfill", "daily", "--from", from, "--to", to];
+
+    // A dry run lists the ten instants and publishes nothing.
+    let mut dry = range.to_vec();
+    dry.push("--dry-run");
+    let (code, out, err) = beat_cmd(&env, cfg, &dry);
+    assert_eq!(code, 0, "{err}");
+    let listed: Vec<&str> = out.lines().filter(|l| l.starts_with("daily@")).collect();
+    assert_eq!(listed.len(), 10, "{out}");
+    assert_eq!(listed[0], "daily@2026-01-01T03:00:00Z");
+
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    env.wait_for_topology(&worker).await;
+    for _ in 0..2 {
+        let (code, out, err) = beat_cmd(&env, cfg, &range);
+        assert_eq!(code, 0, "{out}{err}");
+    }
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() >= 10),
+        "{}",
+        worker.log_tail(20)
+    );
+    // The second backfill's ten copies are duplicates: wait until they are all settled.
+    let queue = env.names().work_queue("default");
+    let drained = wait_until_async(WAIT, || async { env.queue_len(&queue).await == Some(0) }).await;
+    assert!(drained);
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    let want: Vec<String> = (1..=10)
+        .map(|d| format!("daily@2026-01-{d:02}T03:00:00Z"))
+        .collect();
+    assert_eq!(
+        env.lines("effects"),
+        want,
+        "ten runs, oldest first, none twice"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_backfilled_skip_job_queues_its_instants_instead_of_skipping_them() {
+    let env = setup("ops_backfill_skip");
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            r#"
+[worker]
+concurrency = 2
+lease = "2s"
+
+[[jobs]]
+name = "slow"
+task = "slow"
+every = "1m"
+overlap = "skip"
+
+[tasks.slow]
+command = {}
+"#,
+            env.append_key_command("effects", 1.0)
+        ),
+    );
+    let cfg = cfg.to_str().unwrap();
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    env.wait_for_topology(&worker).await;
+    let (from, to) = ("2026-01-01T00:00:00Z", "2026-01-01T00:02:00Z");
+    let (code, out, err) = beat_cmd(&env, cfg, &["backfill", "slow", "--from", from, "--to", to]);
+    assert_eq!(code, 0, "{out}{err}");
+    // Both delivered at once to two slots: the second waits for the first instead of being
+    // recorded `skipped`.
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() >= 2),
+        "{}",
+        worker.log_tail(20)
+    );
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    let mut lines = env.lines("effects");
+    lines.sort();
+    assert_eq!(
+        lines,
+        ["slow@2026-01-01T00:00:00Z", "slow@2026-01-01T00:01:00Z"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_operations_exit_2_and_change_nothing() {
+    let env = setup("ops_bad");
+    let cfg = env.config(
+        "drumline.toml",
+        r#"
+[[jobs]]
+name = "tick"
+task = "t"
+every = "1m"
+
+[tasks.t]
+command = ["/bin/true"]
+"#,
+    );
+    let cfg = cfg.to_str().unwrap();
+    let future = (Utc::now() + TimeDelta::hours(1)).to_rfc3339();
+    let cases: [(&[&str], &str); 8] = [
+        (&["pause", "nope"], "no job named \"nope\""),
+        (&["resume", "tick", "nope"], "no job named \"nope\""),
+        (&["trigger", "nope"], "no job named \"nope\""),
+        (
+            &["trigger", "tick", "--args", "{oops"],
+            "--args is not JSON",
+        ),
+        (
+            &[
+                "backfill",
+                "tick",
+                "--from",
+                "2026-01-02T00:00:00Z",
+                "--to",
+                "2026-01-01T00:00:00Z",
+            ],
+            "must be before --to",
+        ),
+        (
+            &[
+                "backfill",
+                "tick",
+                "--from",
+                "2026-01-01T00:00:00Z",
+                "--to",
+                "2026-01-02T00:00:00Z",
+            ],
+            "more than 1000 instants",
+        ),
+        (
+            &[
+                "backfill",
+                "tick",
+                "--from",
+                "2026-01-01T00:00:00Z",
+                "--to",
+                &future,
+            ],
+            "in the future",
+        ),
+        (
+            &[
+                "backfill",
+                "tick",
+                "--from",
+                "yesterday",
+                "--to",
+                "2026-01-01T00:00:00Z",
+            ],
+            "not an RFC 3339 instant",
+        ),
+    ];
+    for (args, message) in cases {
+        let (code, out, err) = beat_cmd(&env, cfg, args);
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(err.contains(message), "{args:?}: {err}");
+        assert_eq!(
+            err.trim().lines().count(),
+            1,
+            "{args:?}: one clear line: {err}"
+        );
+        assert!(out.is_empty(), "{args:?}: {out}");
+    }
+    // Nothing was declared, published or paused.
+    assert_eq!(
+        env.queue_len(&env.names().work_queue("default")).await,
+        None
+    );
+    let mut redis = env.redis().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{}:*", env.names().namespace()))
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert!(keys.is_empty(), "{keys:?}");
+}
