@@ -303,8 +303,8 @@ async fn kill9_the_leader_twice_every_instant_runs_exactly_once() {
     let mut kills = Vec::new();
     for round in 0..2 {
         let current = *leases.last().expect("a lease");
-        // Let the current leader publish a while (the first one: until it has run 6 instances).
-        let enough = wait_until(WAIT, || of_epoch(&snoop, current.epoch).len() >= 6);
+        // Let the current leader publish a while (8 instances, caught-up ones included).
+        let enough = wait_until(WAIT, || of_epoch(&snoop, current.epoch).len() >= 8);
         assert!(
             enough,
             "leader epoch {} published {} messages\n{}",
@@ -483,6 +483,18 @@ async fn a_leader_stopped_past_its_lease_publishes_nothing_it_decides_after_resu
     println!(
         "SIGSTOP: {after_stop} copies of the old epoch arrived after the stop (decided before it)"
     );
+    // What was handed to the broker before the stop reaches it while the process is stopped
+    // (the kernel sends it); a copy of the old epoch arriving after SIGCONT, seconds later, was
+    // handed over after resuming, before the beat checked its lease.
+    let after_resume: Vec<_> = of_epoch(&snoop, first.epoch)
+        .into_iter()
+        .filter(|m| m.arrived_at > resumed_at)
+        .map(|m| (m.envelope.key, m.envelope.published_at, m.arrived))
+        .collect();
+    assert!(
+        after_resume.is_empty(),
+        "the deposed leader handed these to the broker after resuming: {after_resume:?}"
+    );
     // Progress: never backwards (a deposed leader writing its stale instant would move it
     // back), and in the end exactly the newest instant published.
     assert!(samples.len() > 20, "{} progress samples", samples.len());
@@ -529,8 +541,25 @@ async fn sigterm_hands_leadership_over_within_a_third_of_the_lease() {
         beats[old].proc.log_tail(20),
         beats[new].proc.log_tail(20)
     );
-    let (status, body) = drumline_e2e::http_get(beats[new].port, "/healthz").expect("healthz");
-    assert_eq!((status, body.trim()), (200, "standby"));
+    let healthz = |b: &Beat| {
+        let (status, body) = drumline_e2e::http_get(b.port, "/healthz").expect("healthz");
+        (status, body.trim().to_owned())
+    };
+    assert_eq!(healthz(&beats[new]), (200, "standby".to_owned()));
+    assert_eq!(healthz(&beats[old]), (200, "ok".to_owned()));
+    assert_eq!(beats[old].metric(LEADER_EPOCH), Some(first.epoch as f64));
+    // `status --json` names the leader.
+    let (ok, out, err) = env.run("drumline-beat", &["--config", &cfg, "status", "--json"]);
+    assert!(ok.success(), "{err}");
+    let status: serde_json::Value = serde_json::from_str(&out).expect("status --json");
+    assert_eq!(status["leader"]["pid"].as_u64(), Some(first.pid), "{out}");
+    assert_eq!(
+        status["leader"]["epoch"].as_u64(),
+        Some(first.epoch),
+        "{out}"
+    );
+    assert!(status["leader"]["host"].is_string(), "{out}");
+    assert!(status["leader"]["since"].is_string(), "{out}");
 
     let term_at = Instant::now();
     beats[old].proc.signal(libc::SIGTERM);
