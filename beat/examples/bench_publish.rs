@@ -338,7 +338,7 @@ async fn bench_bare(jobs: usize, ns: &str) -> Result<Duration> {
                         ..Default::default()
                     },
                     &env.encode(),
-                    env.properties(now, Some(0)),
+                    env.properties(now, 0),
                 )
                 .await?,
         );

@@ -89,10 +89,7 @@ pub fn envelope(
 /// Why publishing failed.
 #[derive(Debug, thiserror::Error)]
 pub enum PublishFailed {
-    /// Broker trouble.
-    #[error("broker: {0}")]
-    Amqp(#[from] lapin::Error),
-    /// Topology refused.
+    /// Connecting, or declaring the queues, failed (a broker error or a refused topology).
     #[error(transparent)]
     Topology(#[from] TopologyError),
     /// Not confirmed: nacked, unroutable, or the connection failed.
@@ -126,7 +123,7 @@ pub async fn publish(
         &routing_key,
         true,
         &env.encode(),
-        env.properties(Utc::now(), None),
+        env.properties(Utc::now(), 0),
     )
     .await;
     let _ = conn.close(200, "published").await;

@@ -1,7 +1,8 @@
 //! drumline-beat: computes when jobs are due and publishes each instance to RabbitMQ.
 //!
-//! - [`scheduler`] — the beat loop: takes due jobs in batches, publishes, records progress;
-//!   where leadership will gate publishing.
+//! - [`scheduler`] — the beat loop: while this beat leads, takes due jobs in batches,
+//!   publishes, records progress.
+//! - [`leader`]    — the leader lease: seeks or renews it, and says whether this beat may publish.
 //! - [`misfire`]   — the misfire decision ([`misfire::plan`], pure): what to publish or drop.
 //! - [`progress`]  — each job's `{ns}:beat:last:{job}`: loaded at start, saved after confirms.
 //! - [`stats`]     — the beat's counters (Prometheus), health, and the report of drops.
@@ -16,6 +17,7 @@
 
 pub mod adhoc;
 pub mod commands;
+pub mod leader;
 pub mod misfire;
 pub mod next;
 pub mod progress;

@@ -248,6 +248,14 @@ pub(crate) mod tests {
         plan.dropped.iter().map(|(_, why)| *why).collect()
     }
 
+    /// Each minute of `range` (as [`minutes`]) dropped for `why`.
+    fn minutes_dropped(
+        range: std::ops::RangeInclusive<u32>,
+        why: Dropped,
+    ) -> Vec<(DateTime<Utc>, Dropped)> {
+        minutes(range).into_iter().map(|t| (t, why)).collect()
+    }
+
     // The beat was down from 12:00 to 12:10:30: 12:01 … 12:10 were all missed.
     pub(crate) const LAST: &str = "2026-03-02T12:00:00Z";
     pub(crate) const NOW: &str = "2026-03-02T12:10:30Z";
@@ -367,13 +375,7 @@ pub(crate) mod tests {
         ));
         let p = plan(&catch_up, at(LAST), at(NOW), THRESHOLD);
         assert_eq!(p.publish, minutes(6..=10));
-        assert_eq!(
-            p.dropped,
-            minutes(1..=5)
-                .into_iter()
-                .map(|t| (t, Dropped::PastGrace))
-                .collect::<Vec<_>>()
-        );
+        assert_eq!(p.dropped, minutes_dropped(1..=5, Dropped::PastGrace));
     }
 
     #[test]
@@ -427,13 +429,7 @@ pub(crate) mod tests {
             job("every = \"1m\"\nmisfire = \"catch_up\"\noverlap = \"queue\"\nexpires = \"3m\"");
         let p = plan(&j, at(LAST), at(NOW), THRESHOLD);
         assert_eq!(p.publish, minutes(8..=10));
-        assert_eq!(
-            p.dropped,
-            minutes(1..=7)
-                .into_iter()
-                .map(|t| (t, Dropped::Expired))
-                .collect::<Vec<_>>()
-        );
+        assert_eq!(p.dropped, minutes_dropped(1..=7, Dropped::Expired));
         // Expiry is judged on the instants the policy kept.
         let with_cap = job("every = \"1m\"\nmisfire = \"catch_up\"\noverlap = \"queue\"\nexpires = \"150s\"\nmax_catch_up = 5");
         let p = plan(&with_cap, at(LAST), at(NOW), THRESHOLD);

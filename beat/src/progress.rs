@@ -1,12 +1,14 @@
 //! The beat's progress (DESIGN §2): one instant per job, `{ns}:beat:last:{job}`, meaning
-//! everything up to it has been decided (published, or dropped and reported). Loaded once at
-//! start and written after the broker confirmed, always through the [`Store`]; it only moves
-//! forward. [`progress_after`] is the pure rule for how far one batch moves it.
+//! everything up to it has been decided (published, or dropped and reported). Loaded at each
+//! gain of leadership and written after the broker confirmed, always through the [`Store`] and
+//! fenced by the leader lease's token; it only moves forward, and never past Redis `TIME` +
+//! `misfire_threshold`. [`progress_after`] is the pure rule for how far one batch moves it.
 
 use chrono::{DateTime, Utc};
 use drumline_shared::config::Job;
-use drumline_shared::store::{Store, StoreError};
+use drumline_shared::store::{ProgressError, Store, StoreError};
 use std::sync::Arc;
+use std::time::Duration;
 use tracing::warn;
 
 /// Keys per `MGET` when the beat loads every job's last instant at start.
@@ -15,8 +17,9 @@ pub const LOAD_BATCH: usize = 1000;
 /// `MGET`s sent per round trip (pipelined) at start.
 pub const LOAD_PIPELINE: usize = 10;
 
-/// Progress writes per Redis round trip (at start, every new job's first start).
-pub const SAVE_PIPELINE: usize = 10_000;
+/// Progress writes per script call (each call checks the lease once); the calls of one save go
+/// in one round trip.
+pub const SAVE_PER_CALL: usize = 1000;
 
 /// Every job's persisted last instant (`None`: the job never ran, or the value is unreadable,
 /// which is logged), in `jobs` order: one pipelined round trip per
@@ -74,33 +77,32 @@ pub fn progress_after(
     (to, prefix)
 }
 
-/// Moves each `(job, instant)`'s persisted progress forward (never back), pipelined; one
-/// outcome per entry (see [`Store::advance_last_published_many`]).
-pub async fn save_progress(
-    store: &Store,
-    progress: &[(&str, DateTime<Utc>)],
-) -> Result<Vec<Result<(), StoreError>>, StoreError> {
-    store
-        .advance_last_published_many(progress, SAVE_PIPELINE)
-        .await
-}
-
-/// Writes each `(job, instant)` as the job's progress (never moving it back), in one round trip
-/// per [`SAVE_PIPELINE`]; returns each one's failure, if any, in order (all of them fail when
-/// Redis did not answer). Shared (`Arc`) because one failure can stall many jobs.
+/// Writes each `(job, instant)` as the job's progress (never moving it back) while `token` holds
+/// the leader lease and no instant is more than `max_ahead` past Redis `TIME`: one round trip,
+/// [`SAVE_PER_CALL`] jobs per script call. Returns each one's failure, if any, in order (all of
+/// them when Redis did not answer or the lease is not ours). Shared (`Arc`) because one
+/// failure can stall many jobs.
 pub async fn save(
     store: &Store,
+    token: &str,
+    max_ahead: Duration,
     progress: &[(&str, DateTime<Utc>)],
-) -> Vec<Option<Arc<StoreError>>> {
+) -> Vec<Option<Arc<ProgressError>>> {
     if progress.is_empty() {
         return Vec::new();
     }
-    match save_progress(store, progress).await {
+    match store
+        .advance_progress(token, progress, max_ahead, SAVE_PER_CALL)
+        .await
+    {
         Ok(outcomes) => outcomes
             .into_iter()
             .map(|r| r.err().map(Arc::new))
             .collect(),
-        Err(e) => vec![Some(Arc::new(e)); progress.len()],
+        Err(e) => {
+            let e = Arc::new(e);
+            vec![Some(e); progress.len()]
+        }
     }
 }
 

@@ -33,6 +33,9 @@ pub enum PublishError {
     /// No queue is bound for the routing key.
     #[error("the message could not be routed to {0}")]
     Unroutable(String),
+    /// Not sent: this beat may not publish any more (its leadership lapsed mid-batch).
+    #[error("not sent: this beat stopped leading")]
+    NotLeading,
 }
 
 /// Publishes envelopes with confirms.
@@ -89,15 +92,26 @@ impl Publisher {
     /// Publishes every envelope of `batch` to `{ns}.tasks`, all sent before the first confirm
     /// is awaited, then awaits the confirms in order. Returns one outcome per envelope, in
     /// `batch` order (those after a failed send were not sent and carry its error), or `Err`
-    /// when nothing could be sent (no connection; the topology refused). After any failure the
-    /// connection is dropped, so the next publish starts from a clean one.
+    /// when nothing could be sent (no connection; the topology refused). After any broker
+    /// failure the connection is dropped, so the next publish starts from a clean one.
+    ///
+    /// `may_send` is asked before each message is handed to the client: once it says no (the
+    /// beat's leadership lapsed), the rest fail with [`PublishError::NotLeading`] unsent.
     pub async fn publish_batch(
         &mut self,
         batch: &[Envelope],
         epoch: u64,
+        may_send: impl FnMut() -> bool,
     ) -> Result<Vec<Result<(), PublishError>>, PublishError> {
-        let outcomes = self.try_publish_batch(batch, epoch).await;
-        if !matches!(&outcomes, Ok(all) if all.iter().all(Result::is_ok)) {
+        let outcomes = self.try_publish_batch(batch, epoch, may_send).await;
+        let broker_failed = match &outcomes {
+            Ok(all) => all.iter().any(|o| {
+                o.as_ref()
+                    .is_err_and(|e| !matches!(e, PublishError::NotLeading))
+            }),
+            Err(_) => true,
+        };
+        if broker_failed {
             self.drop_session("publish failed").await;
         }
         outcomes
@@ -107,12 +121,17 @@ impl Publisher {
         &mut self,
         batch: &[Envelope],
         epoch: u64,
+        mut may_send: impl FnMut() -> bool,
     ) -> Result<Vec<Result<(), PublishError>>, PublishError> {
         let exchange = self.names.tasks_exchange();
         let channel = self.connect().await?;
         let mut pending = Vec::with_capacity(batch.len());
         let mut send_failure = None;
         for env in batch {
+            if !may_send() {
+                send_failure = Some(PublishError::NotLeading);
+                break;
+            }
             let sent = channel
                 .basic_publish(
                     &exchange,
@@ -122,14 +141,14 @@ impl Publisher {
                         ..Default::default()
                     },
                     &env.encode(),
-                    env.properties(Utc::now(), Some(epoch)),
+                    env.properties(Utc::now(), epoch),
                 )
                 .await;
             match sent {
                 Ok(confirm) => pending.push(confirm),
                 Err(e) => {
                     // The channel is gone: nothing after this goes out either.
-                    send_failure = Some(e);
+                    send_failure = Some(PublishError::Amqp(e));
                     break;
                 }
             }
@@ -167,7 +186,11 @@ impl Publisher {
             outcomes.push(outcome);
         }
         if let Some(e) = send_failure {
-            outcomes.resize_with(batch.len(), || Err(PublishError::Amqp(e.clone())));
+            // What stopped the sending stands for every message it kept back.
+            outcomes.resize_with(batch.len(), || match &e {
+                PublishError::Amqp(e) => Err(PublishError::Amqp(e.clone())),
+                _ => Err(PublishError::NotLeading),
+            });
         }
         if !returned.is_empty() {
             for (env, outcome) in batch.iter().zip(&mut outcomes) {
@@ -226,7 +249,10 @@ mod tests {
                 Envelope::scheduled(queue, "t", queue, serde_json::json!({}), t, None, at)
             })
             .collect();
-        let outcomes = publisher.publish_batch(&batch, 0).await.expect("sent");
+        let outcomes = publisher
+            .publish_batch(&batch, 0, || true)
+            .await
+            .expect("sent");
         for (env, outcome) in batch.iter().zip(&outcomes) {
             match (env.queue.as_str(), outcome) {
                 ("a", Ok(())) | ("b", Err(PublishError::Unroutable(_))) => {}

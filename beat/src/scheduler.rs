@@ -3,7 +3,12 @@
 //! confirmed. Touches Redis only through the [`Store`] (via [`progress`]), the broker only
 //! through the [`Publisher`]. What a batch takes (`take_due`) and what a stall means
 //! (`isolated_backoff`, `Beat::after_batch`) are decided apart from the effects (`advance`).
-//! Leadership has one place to go: `Beat::run_due`, before a batch is taken.
+//!
+//! Only the leader publishes ([`leader`](crate::leader)): a beat stands by until it holds the
+//! lease, then loads every job's progress and leads a [`Term`] — checked before each batch and
+//! before each message is handed to the broker — until the term ends; then it drops what it
+//! knew and stands by again. Its progress writes are fenced by the lease's token. It plans with
+//! its own clock capped at Redis `TIME` + `misfire_threshold` ([`Term::now`]).
 //!
 //! Progress is one instant per job, `{ns}:beat:last:{job}`: everything up to it has been
 //! decided (published, or dropped and reported). Because it is persisted and only moves
@@ -15,6 +20,7 @@
 //! before the first confirm is awaited, and the batch's progress is written in one Redis round
 //! trip, so a batch costs a few round trips rather than two per message.
 
+use crate::leader::{Leadership, Term};
 use crate::misfire::{plan, Plan};
 use crate::progress::{self, progress_after};
 use crate::publisher::{PublishError, Publisher};
@@ -24,7 +30,7 @@ use chrono::{DateTime, Utc};
 use drumline_shared::config::{Config, Job};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
-use drumline_shared::store::{last_instant_text, parse_last_instant, Store, StoreError};
+use drumline_shared::store::{last_instant_text, parse_last_instant, ProgressError, Store};
 use drumline_shared::topology::TopologyError;
 use drumline_shared::url::Redacted;
 use std::cmp::Reverse;
@@ -78,9 +84,9 @@ enum Stall {
     /// Nothing of the batch could be sent (no connection): every job waits for the broker.
     #[error(transparent)]
     Unsent(Arc<PublishError>),
-    /// Redis did not take the job's progress.
+    /// Redis did not take the job's progress (unreachable, or the lease is not ours).
     #[error("cannot persist the job's progress to redis: {0}")]
-    Persist(Arc<StoreError>),
+    Persist(Arc<ProgressError>),
 }
 
 /// Per-job progress.
@@ -126,11 +132,12 @@ struct Beat<'a> {
     backoff: Duration,
 }
 
-/// Runs the beat until `shutdown` completes.
+/// Runs the beat until `shutdown` completes: stands by, leads while it holds the lease, stands
+/// by again when it loses it; on the way out releases the lease.
 ///
 /// Shutdown is observed between batches and while waiting, never inside a batch's publish
 /// and persist, so an instance confirmed by the broker always has its progress written before
-/// exit (a restarted beat then publishes no instant twice).
+/// exit (the next leader then publishes no instant twice).
 pub async fn run(
     config: Config,
     stats: BeatStats,
@@ -142,19 +149,18 @@ pub async fn run(
         _ = &mut shutdown => return Ok(stats),
     };
     let mut publisher = Publisher::new(&config);
-    let epoch = 0;
-    let Some(mut beat) = Beat::start(&config, &store, &mut shutdown).await else {
-        return Ok(stats);
-    };
-    connect_broker(&config, &mut publisher).await?;
-    loop {
-        let due = beat.run_due(&store, &mut publisher, &stats, epoch, &mut shutdown);
-        let Some(wait) = due.await? else { break };
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
-            _ = &mut shutdown => break,
-        }
-    }
+    let (lease, threshold) = (config.beat.leader_lease, config.beat.misfire_threshold);
+    let mut leadership = Leadership::start(store.clone(), lease, threshold, stats.clone());
+    let served = serve(
+        &config,
+        &store,
+        &mut publisher,
+        &mut leadership,
+        &stats,
+        &mut shutdown,
+    )
+    .await;
+    leadership.resign().await;
     publisher.close().await;
     info!(
         published = stats.published.get(),
@@ -163,15 +169,62 @@ pub async fn run(
         persist_failures = stats.persist_failures.get(),
         "beat stopped"
     );
-    Ok(stats)
+    served.map(|()| stats)
+}
+
+/// How a term of leadership ended.
+enum Ended {
+    /// `shutdown` completed.
+    Shutdown,
+    /// The lease was lost or taken: stand by.
+    Lost,
+}
+
+/// What [`Beat::run_due`] found when it stopped publishing.
+enum Next {
+    /// Nothing is due for this long.
+    Wait(Duration),
+    /// The term does not hold now (a renewal is late, or the lease is lost).
+    NotHolding,
+    /// `shutdown` completed.
+    Shutdown,
+}
+
+/// Term after term until `shutdown`: wait to lead, load progress, lead.
+async fn serve<F: Future<Output = ()>>(
+    config: &Config,
+    store: &Store,
+    publisher: &mut Publisher,
+    leadership: &mut Leadership,
+    stats: &BeatStats,
+    shutdown: &mut Pin<&mut F>,
+) -> Result<(), PublishError> {
+    connect_broker(config, publisher).await?;
+    loop {
+        let mut term = tokio::select! {
+            term = leadership.next_term() => term,
+            _ = shutdown.as_mut() => return Ok(()),
+        };
+        let Some(mut beat) = Beat::start(config, store, &term, shutdown).await else {
+            return Ok(());
+        };
+        match beat
+            .lead(store, publisher, stats, &mut term, shutdown)
+            .await?
+        {
+            Ended::Shutdown => return Ok(()),
+            Ended::Lost => info!(epoch = term.epoch, "stopped publishing; standing by"),
+        }
+    }
 }
 
 impl<'a> Beat<'a> {
     /// Loads every job's progress (retrying while Redis fails; `None` on shutdown) and persists
-    /// every new job's start.
+    /// every new job's start, for `term`.
     async fn start<F: Future<Output = ()>>(
         config: &'a Config,
         store: &Store,
+        term: &Term,
         shutdown: &mut Pin<&mut F>,
     ) -> Option<Beat<'a>> {
         let loading = Instant::now();
@@ -189,14 +242,15 @@ impl<'a> Beat<'a> {
         };
         let resumed = lasts.iter().filter(|l| l.is_some()).count();
         let threshold = config.beat.misfire_threshold;
-        let mut beat = Beat::new(&config.jobs, lasts, Utc::now(), threshold);
-        beat.persist_new_starts(store).await;
+        let mut beat = Beat::new(&config.jobs, lasts, term.now(), threshold);
+        beat.persist_new_starts(store, term).await;
         info!(
             jobs = config.jobs.len(),
             resumed,
             load_ms = loading.elapsed().as_millis() as u64,
             namespace = %config.namespace,
-            "beat started"
+            epoch = term.epoch,
+            "beat leading"
         );
         Some(beat)
     }
@@ -240,12 +294,12 @@ impl<'a> Beat<'a> {
     /// Persists every new job's start, so that a beat that dies before a job's first instant
     /// and stays down reports those misses when it comes back. A job whose write fails keeps it
     /// unsaved: written before anything is published for it.
-    async fn persist_new_starts(&mut self, store: &Store) {
+    async fn persist_new_starts(&mut self, store: &Store, term: &Term) {
         let new: Vec<usize> = (0..self.states.len())
             .filter(|i| self.states[*i].unsaved)
             .collect();
-        let saved = save(store, self.jobs, &mut self.states, &new).await;
-        let failures: Vec<(usize, Arc<StoreError>)> = new
+        let saved = save(store, term, self.jobs, &mut self.states, &new).await;
+        let failures: Vec<(usize, Arc<ProgressError>)> = new
             .iter()
             .zip(saved)
             .filter_map(|(i, failed)| Some((*i, failed?)))
@@ -256,32 +310,63 @@ impl<'a> Beat<'a> {
         }
     }
 
-    /// Publishes batch after batch while jobs are due; returns how long to sleep before looking
-    /// again, or `None` when `shutdown` completed. `Err` only when the broker refused the
-    /// topology.
+    /// Leads until the term ends or `shutdown` completes. `Err` only when the broker refused
+    /// the topology.
+    async fn lead<F: Future<Output = ()>>(
+        &mut self,
+        store: &Store,
+        publisher: &mut Publisher,
+        stats: &BeatStats,
+        term: &mut Term,
+        shutdown: &mut Pin<&mut F>,
+    ) -> Result<Ended, PublishError> {
+        loop {
+            match self
+                .run_due(store, publisher, stats, term, shutdown)
+                .await?
+            {
+                Next::Shutdown => return Ok(Ended::Shutdown),
+                Next::Wait(wait) => tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = shutdown.as_mut() => return Ok(Ended::Shutdown),
+                },
+                Next::NotHolding if term.ended() => return Ok(Ended::Lost),
+                // A renewal is late: publish nothing until it lands or the term ends.
+                Next::NotHolding => tokio::select! {
+                    _ = term.changed() => {}
+                    _ = shutdown.as_mut() => return Ok(Ended::Shutdown),
+                },
+            }
+        }
+    }
+
+    /// Publishes batch after batch while jobs are due and the term holds; says why it stopped.
+    /// `Err` only when the broker refused the topology.
     async fn run_due<F: Future<Output = ()>>(
         &mut self,
         store: &Store,
         publisher: &mut Publisher,
         stats: &BeatStats,
-        epoch: u64,
+        term: &Term,
         shutdown: &mut Pin<&mut F>,
-    ) -> Result<Option<Duration>, PublishError> {
+    ) -> Result<Next, PublishError> {
         loop {
+            // Leadership is checked before each batch (and before each message is sent).
+            if !term.holds() {
+                return Ok(Next::NotHolding);
+            }
             // Re-read per batch: lateness is judged against the clock when a job is planned.
-            let now = Utc::now();
+            let now = term.now();
             if let Some(wait) = self.wait(now) {
-                return Ok(Some(wait));
+                return Ok(Next::Wait(wait));
             }
             // Many batches can be due at once (100,000 jobs on the minute): let a signal in
             // between them — never inside one, between a confirm and its progress write.
             tokio::select! {
                 biased;
-                _ = shutdown.as_mut() => return Ok(None),
+                _ = shutdown.as_mut() => return Ok(Next::Shutdown),
                 _ = std::future::ready(()) => {}
             }
-            // Whether this beat may publish at all (leadership) is decided here, before a
-            // batch is taken.
             let batch = take_due(
                 &mut self.queue,
                 self.jobs,
@@ -296,11 +381,11 @@ impl<'a> Beat<'a> {
                 store,
                 publisher,
                 stats,
-                epoch,
+                term,
             )
             .await?;
             if let Some(wait) = self.settle(&batch, stalls, now, stats) {
-                return Ok(Some(wait));
+                return Ok(Next::Wait(wait));
             }
         }
     }
@@ -497,17 +582,17 @@ async fn advance(
     store: &Store,
     publisher: &mut Publisher,
     stats: &BeatStats,
-    epoch: u64,
+    term: &Term,
 ) -> Result<Vec<Option<Stall>>, PublishError> {
     let mut stalls: Vec<Option<Stall>> = vec![None; batch.len()];
     settle_drops(jobs, states, batch, stats);
     let unsaved: Vec<usize> = (0..batch.len())
         .filter(|p| states[batch[*p].job].unsaved)
         .collect();
-    save_batch(store, jobs, states, batch, &unsaved, &mut stalls).await;
+    save_batch(store, term, jobs, states, batch, &unsaved, &mut stalls).await;
 
     let sent = envelopes(jobs, batch, &stalls);
-    let outcomes = publish(publisher, &sent, &mut stalls, epoch).await?;
+    let outcomes = publish(publisher, &sent, &mut stalls, term).await?;
     // `outcomes` is in `envelopes` order: each job's run of them, in `spans` order.
     let mut outcomes = outcomes.into_iter();
     for (p, span) in &sent.spans {
@@ -528,7 +613,7 @@ async fn advance(
             !persist_failed && states[batch[*p].job].unsaved
         })
         .collect();
-    save_batch(store, jobs, states, batch, &unsaved, &mut stalls).await;
+    save_batch(store, term, jobs, states, batch, &unsaved, &mut stalls).await;
 
     for (p, due) in batch.iter().enumerate() {
         if stalls[p].is_none() {
@@ -590,12 +675,13 @@ async fn publish(
     publisher: &mut Publisher,
     sent: &Sent,
     stalls: &mut [Option<Stall>],
-    epoch: u64,
+    term: &Term,
 ) -> Result<Vec<Result<(), PublishError>>, PublishError> {
     if sent.envelopes.is_empty() {
         return Ok(Vec::new());
     }
-    match publisher.publish_batch(&sent.envelopes, epoch).await {
+    let sending = publisher.publish_batch(&sent.envelopes, term.epoch, || term.holds());
+    match sending.await {
         Ok(outcomes) => Ok(outcomes),
         Err(e @ PublishError::Topology(_)) => Err(e),
         Err(e) => {
@@ -645,6 +731,7 @@ fn record_confirmed(
 /// stalls (unless it already stalled on a publish, the first reason).
 async fn save_batch(
     store: &Store,
+    term: &Term,
     jobs: &[Job],
     states: &mut [JobState],
     batch: &[Due],
@@ -652,7 +739,7 @@ async fn save_batch(
     stalls: &mut [Option<Stall>],
 ) {
     let indexes: Vec<usize> = which.iter().map(|p| batch[*p].job).collect();
-    for (failed, p) in save(store, jobs, states, &indexes)
+    for (failed, p) in save(store, term, jobs, states, &indexes)
         .await
         .into_iter()
         .zip(which)
@@ -664,19 +751,28 @@ async fn save_batch(
 }
 
 /// Writes `states[i].last` as job `i`'s persisted progress (never moving it back) for each `i`
-/// in `which` ([`progress::save`]); clears `unsaved` where that worked. Returns each one's
-/// failure, if any, in `which` order.
+/// in `which` ([`progress::save`], fenced by `term`); clears `unsaved` where that worked. Ends
+/// the term when Redis says the lease is not ours. Returns each one's failure, if any, in
+/// `which` order.
 async fn save(
     store: &Store,
+    term: &Term,
     jobs: &[Job],
     states: &mut [JobState],
     which: &[usize],
-) -> Vec<Option<Arc<StoreError>>> {
+) -> Vec<Option<Arc<ProgressError>>> {
     let progress: Vec<(&str, DateTime<Utc>)> = which
         .iter()
         .map(|i| (jobs[*i].name.as_str(), states[*i].last))
         .collect();
-    let outcomes = progress::save(store, &progress).await;
+    let outcomes = progress::save(store, term.token(), term.max_ahead(), &progress).await;
+    if outcomes
+        .iter()
+        .flatten()
+        .any(|e| matches!(**e, ProgressError::Deposed))
+    {
+        term.deposed();
+    }
     for (i, failed) in which.iter().zip(&outcomes) {
         if failed.is_none() {
             states[*i].unsaved = false;

@@ -24,6 +24,11 @@ pub struct BeatStats {
     /// Jobs whose last attempt stalled (broker or Redis unreachable, or the broker refused
     /// the job's message); 0 when all move.
     pub stalled_jobs: Gauge,
+    /// 1 while this beat holds the leader lease, else 0.
+    pub is_leader: Gauge,
+    /// The epoch of the lease as this beat last saw it: its own while it leads, the holder's
+    /// on a standby (0 when no beat holds it).
+    pub leader_epoch: Gauge,
 }
 
 impl BeatStats {
@@ -59,12 +64,32 @@ impl BeatStats {
             "Jobs whose last attempt stalled on the broker or Redis",
             self.stalled_jobs.clone(),
         );
+        registry.register(
+            "drumline_beat_is_leader",
+            "1 while this beat holds the leader lease and publishes, else 0",
+            self.is_leader.clone(),
+        );
+        registry.register(
+            "drumline_beat_leader_epoch",
+            "Epoch of the leader lease as this beat last saw it (0: no leader)",
+            self.leader_epoch.clone(),
+        );
     }
 
-    /// `Ok` unless jobs are stalled.
-    pub fn health(&self) -> Result<(), String> {
+    /// Records what the last lease try found.
+    pub fn set_leader(&self, leading: bool, epoch: u64) {
+        self.is_leader.set(i64::from(leading));
+        self.leader_epoch.set(epoch as i64);
+    }
+
+    /// `/healthz`: `ok` on a leader that moves, `standby` on a standby (both healthy: a standby
+    /// is doing its job), an error when jobs are stalled.
+    pub fn health(&self) -> Result<&'static str, String> {
+        if self.is_leader.get() == 0 {
+            return Ok("standby");
+        }
         match self.stalled_jobs.get() {
-            0 => Ok(()),
+            0 => Ok("ok"),
             n => Err(format!(
                 "{n} jobs stalled: the broker or Redis is unreachable"
             )),

@@ -300,78 +300,10 @@ impl Config {
         let namespace = raw.namespace.unwrap_or_else(|| "drumline".to_owned());
         check_name(&namespace)
             .map_err(|m| fail.at(None, "namespace", format!("{namespace:?} {m}")))?;
-
-        let beat = BeatConfig {
-            leader_lease: fail.duration("[beat]", "leader_lease", &raw.beat.leader_lease, 10)?,
-            misfire_threshold: fail.duration(
-                "[beat]",
-                "misfire_threshold",
-                &raw.beat.misfire_threshold,
-                5,
-            )?,
-        };
-        let w = raw.worker;
-        let concurrency = w.concurrency.unwrap_or(4);
-        if concurrency < 1 {
-            return Err(fail.at(Some("[worker]"), "concurrency", "must be at least 1".into()));
-        }
-        let queues = w.queues.unwrap_or_else(|| vec!["default".to_owned()]);
-        if queues.is_empty() {
-            return Err(fail.at(
-                Some("[worker]"),
-                "queues",
-                "must name at least one queue".into(),
-            ));
-        }
-        for q in &queues {
-            check_name(q).map_err(|m| fail.at(Some("[worker]"), "queues", format!("{q:?} {m}")))?;
-        }
-        let max_message_bytes = w.max_message_bytes.unwrap_or(1 << 20);
-        if max_message_bytes < 1 {
-            return Err(fail.at(
-                Some("[worker]"),
-                "max_message_bytes",
-                "must be positive".into(),
-            ));
-        }
-        let worker = WorkerConfig {
-            concurrency: concurrency as usize,
-            queues,
-            lease: fail.positive("[worker]", "lease", &w.lease, 30)?,
-            shutdown_grace: fail.duration("[worker]", "shutdown_grace", &w.shutdown_grace, 30)?,
-            done_ttl: fail.positive("[worker]", "done_ttl", &w.done_ttl, 7 * 86400)?,
-            dead_ttl: fail.positive("[worker]", "dead_ttl", &w.dead_ttl, 7 * 86400)?,
-            max_message_bytes: max_message_bytes as usize,
-            env_remove: w.env_remove.unwrap_or_default(),
-        };
-        for name in &worker.env_remove {
-            check_env_name(name).map_err(|m| fail.at(Some("[worker]"), "env_remove", m))?;
-        }
-        if worker.lease < Duration::from_secs(1) {
-            return Err(fail.at(Some("[worker]"), "lease", "must be at least 1s".into()));
-        }
-
-        let mut tasks = BTreeMap::new();
-        for (name, t) in raw.tasks {
-            let place = format!("task {name:?}");
-            check_name(&name).map_err(|m| fail.at(Some(&place), "name", m.to_string()))?;
-            tasks.insert(name.clone(), check_task(&fail, &place, name, t)?);
-        }
-
-        let mut jobs = Vec::with_capacity(raw.jobs.len());
-        let mut seen = HashSet::with_capacity(raw.jobs.len());
-        for j in raw.jobs {
-            let place = format!("job {:?}", j.name);
-            if !seen.insert(j.name.clone()) {
-                return Err(fail.at(
-                    Some(&place),
-                    "name",
-                    "duplicate job name: job names must be unique".into(),
-                ));
-            }
-            jobs.push(check_job(&fail, &place, j, &tasks)?);
-        }
-
+        let beat = check_beat(&fail, &raw.beat)?;
+        let worker = check_worker(&fail, raw.worker)?;
+        let tasks = check_tasks(&fail, raw.tasks)?;
+        let jobs = check_jobs(&fail, raw.jobs, &tasks)?;
         let broker_url = fail.url(
             ENV_AMQP_URL,
             env(ENV_AMQP_URL),
@@ -425,6 +357,91 @@ pub fn resolve_path(flag: Option<PathBuf>) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH))
 }
 
+/// The `[beat]` section.
+fn check_beat(fail: &Failer, b: &RawBeat) -> Result<BeatConfig, ConfigError> {
+    let duration =
+        |key, raw, default_secs| fail.duration("[beat]", key, raw, default_secs, Zero::Allowed);
+    Ok(BeatConfig {
+        leader_lease: duration("leader_lease", &b.leader_lease, 10)?,
+        misfire_threshold: duration("misfire_threshold", &b.misfire_threshold, 5)?,
+    })
+}
+
+/// The `[worker]` section.
+fn check_worker(fail: &Failer, w: RawWorker) -> Result<WorkerConfig, ConfigError> {
+    let at = |key, message: &str| fail.at(Some("[worker]"), key, message.into());
+    let duration =
+        |key, raw, default_secs, zero| fail.duration("[worker]", key, raw, default_secs, zero);
+    let concurrency = w.concurrency.unwrap_or(4);
+    if concurrency < 1 {
+        return Err(at("concurrency", "must be at least 1"));
+    }
+    let queues = w.queues.unwrap_or_else(|| vec!["default".to_owned()]);
+    if queues.is_empty() {
+        return Err(at("queues", "must name at least one queue"));
+    }
+    for q in &queues {
+        check_name(q).map_err(|m| at("queues", &format!("{q:?} {m}")))?;
+    }
+    let max_message_bytes = w.max_message_bytes.unwrap_or(1 << 20);
+    if max_message_bytes < 1 {
+        return Err(at("max_message_bytes", "must be positive"));
+    }
+    let worker = WorkerConfig {
+        concurrency: concurrency as usize,
+        queues,
+        lease: duration("lease", &w.lease, 30, Zero::Refused)?,
+        shutdown_grace: duration("shutdown_grace", &w.shutdown_grace, 30, Zero::Allowed)?,
+        done_ttl: duration("done_ttl", &w.done_ttl, 7 * 86400, Zero::Refused)?,
+        dead_ttl: duration("dead_ttl", &w.dead_ttl, 7 * 86400, Zero::Refused)?,
+        max_message_bytes: max_message_bytes as usize,
+        env_remove: w.env_remove.unwrap_or_default(),
+    };
+    for name in &worker.env_remove {
+        check_env_name(name).map_err(|m| at("env_remove", &m))?;
+    }
+    if worker.lease < Duration::from_secs(1) {
+        return Err(at("lease", "must be at least 1s"));
+    }
+    Ok(worker)
+}
+
+/// The `[tasks.NAME]` tables, by name.
+fn check_tasks(
+    fail: &Failer,
+    raw: BTreeMap<String, RawTask>,
+) -> Result<BTreeMap<String, Task>, ConfigError> {
+    let mut tasks = BTreeMap::new();
+    for (name, t) in raw {
+        let place = format!("task {name:?}");
+        check_name(&name).map_err(|m| fail.at(Some(&place), "name", m.to_string()))?;
+        tasks.insert(name.clone(), check_task(fail, &place, name, t)?);
+    }
+    Ok(tasks)
+}
+
+/// The `[[jobs]]`, in file order; names must be unique.
+fn check_jobs(
+    fail: &Failer,
+    raw: Vec<RawJob>,
+    tasks: &BTreeMap<String, Task>,
+) -> Result<Vec<Job>, ConfigError> {
+    let mut jobs = Vec::with_capacity(raw.len());
+    let mut seen = HashSet::with_capacity(raw.len());
+    for j in raw {
+        let place = format!("job {:?}", j.name);
+        if !seen.insert(j.name.clone()) {
+            return Err(fail.at(
+                Some(&place),
+                "name",
+                "duplicate job name: job names must be unique".into(),
+            ));
+        }
+        jobs.push(check_job(fail, &place, j, tasks)?);
+    }
+    Ok(jobs)
+}
+
 fn check_task(fail: &Failer, place: &str, name: String, t: RawTask) -> Result<Task, ConfigError> {
     if let Some(cmd) = &t.command {
         if cmd.is_empty() || cmd[0].is_empty() {
@@ -443,8 +460,8 @@ fn check_task(fail: &Failer, place: &str, name: String, t: RawTask) -> Result<Ta
             "must be between 0 and 1000".into(),
         ));
     }
-    let retry_base = fail.positive(place, "retry_base", &t.retry_base, 1)?;
-    let retry_max = fail.positive(place, "retry_max", &t.retry_max, 600)?;
+    let retry_base = fail.duration(place, "retry_base", &t.retry_base, 1, Zero::Refused)?;
+    let retry_max = fail.duration(place, "retry_max", &t.retry_max, 600, Zero::Refused)?;
     if retry_max < retry_base {
         return Err(fail.at(
             Some(place),
@@ -456,7 +473,7 @@ fn check_task(fail: &Failer, place: &str, name: String, t: RawTask) -> Result<Ta
         name,
         command: t.command,
         timeout: match &t.timeout {
-            Some(_) => Some(fail.positive(place, "timeout", &t.timeout, 0)?),
+            Some(_) => Some(fail.duration(place, "timeout", &t.timeout, 0, Zero::Refused)?),
             None => None,
         },
         max_retries: max_retries as u32,
@@ -524,12 +541,18 @@ fn check_job(
         timezone,
         args,
         expires: match &j.expires {
-            Some(_) => Some(fail.positive(place, "expires", &j.expires, 0)?),
+            Some(_) => Some(fail.duration(place, "expires", &j.expires, 0, Zero::Refused)?),
             None => None,
         },
         overlap,
         misfire,
-        misfire_grace: fail.duration(place, "misfire_grace", &j.misfire_grace, 3600)?,
+        misfire_grace: fail.duration(
+            place,
+            "misfire_grace",
+            &j.misfire_grace,
+            3600,
+            Zero::Allowed,
+        )?,
         max_catch_up,
         queue,
     })
@@ -651,6 +674,15 @@ fn culprit<T: serde::de::DeserializeOwned>(
             _ => None,
         }
     })
+}
+
+/// Whether a duration key may be zero.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Zero {
+    /// Zero is a valid setting (say, no grace at all).
+    Allowed,
+    /// Zero is refused: "must be greater than zero".
+    Refused,
 }
 
 /// Builds errors for one file.
@@ -785,28 +817,20 @@ impl Failer<'_> {
         Ok(text)
     }
 
+    /// `place`'s duration `key`: `raw` parsed, or `default_secs` when it is absent.
     fn duration(
         &self,
         place: &str,
         key: &str,
         raw: &Option<String>,
         default_secs: u64,
+        zero: Zero,
     ) -> Result<Duration, ConfigError> {
-        match raw {
-            None => Ok(Duration::from_secs(default_secs)),
-            Some(text) => duration::parse(text).map_err(|m| self.at(Some(place), key, m)),
-        }
-    }
-
-    fn positive(
-        &self,
-        place: &str,
-        key: &str,
-        raw: &Option<String>,
-        default_secs: u64,
-    ) -> Result<Duration, ConfigError> {
-        let d = self.duration(place, key, raw, default_secs)?;
-        if d.is_zero() {
+        let d = match raw {
+            None => Duration::from_secs(default_secs),
+            Some(text) => duration::parse(text).map_err(|m| self.at(Some(place), key, m))?,
+        };
+        if zero == Zero::Refused && d.is_zero() {
             return Err(self.at(Some(place), key, "must be greater than zero".into()));
         }
         Ok(d)
@@ -827,17 +851,25 @@ mod tests {
         parse(text).unwrap_err().to_string()
     }
 
+    /// A config with one job `j` of task `t`, with `lines` as its further keys.
+    fn job_text(lines: &str) -> String {
+        format!("[[jobs]]\nname = \"j\"\ntask = \"t\"\n{lines}\n{TASKS}")
+    }
+
     /// The error for one job `j` of task `t`, with `lines` as its further keys.
     fn job_err(lines: &str) -> String {
-        err(&format!(
-            "[[jobs]]\nname = \"j\"\ntask = \"t\"\n{lines}\n{TASKS}"
-        ))
+        err(&job_text(lines))
+    }
+
+    /// Asserts that `text` is refused with a message containing `needle`.
+    fn err_has(text: &str, needle: &str) {
+        let e = err(text);
+        assert!(e.contains(needle), "{e}");
     }
 
     /// Asserts that job `j` with `lines` is refused with a message containing `needle`.
     fn job_err_has(lines: &str, needle: &str) {
-        let e = job_err(lines);
-        assert!(e.contains(needle), "{e}");
+        err_has(&job_text(lines), needle);
     }
 
     #[test]
@@ -852,10 +884,14 @@ mod tests {
         assert_eq!(env.get("MODE").map(String::as_str), Some("batch"));
         let d = parse(TASKS).unwrap();
         assert!(d.worker.env_remove.is_empty() && d.tasks["t"].env.is_empty());
-        let e = err("[worker]\nenv_remove = [\"A=B\"]\n");
-        assert!(e.contains("[worker]: key `env_remove`"), "{e}");
-        let e = err("[tasks.t]\ncommand = [\"/bin/true\"]\nenv = { \"\" = \"x\" }\n");
-        assert!(e.contains("key `env`"), "{e}");
+        err_has(
+            "[worker]\nenv_remove = [\"A=B\"]\n",
+            "[worker]: key `env_remove`",
+        );
+        err_has(
+            "[tasks.t]\ncommand = [\"/bin/true\"]\nenv = { \"\" = \"x\" }\n",
+            "key `env`",
+        );
     }
 
     #[test]
@@ -908,18 +944,14 @@ mod tests {
             e.starts_with("/etc/d.toml: job \"j\": key `frequency`: unknown field"),
             "{e}"
         );
-        let e = err("[worker]\nconcurency = 3\n");
-        assert!(e.contains("key `concurency`"), "{e}");
+        err_has("[worker]\nconcurency = 3\n", "key `concurency`");
     }
 
     #[test]
     fn cron_and_every_exactly_one() {
-        let both = job_err("every = \"1s\"\ncron = \"* * * * *\"");
-        assert!(
-            both.contains(
-                "job \"j\": key `cron`: give exactly one of `cron` and `every`, not both"
-            ),
-            "{both}"
+        job_err_has(
+            "every = \"1s\"\ncron = \"* * * * *\"",
+            "job \"j\": key `cron`: give exactly one of `cron` and `every`, not both",
         );
         job_err_has(
             "",
@@ -935,18 +967,14 @@ mod tests {
         );
         job_err_has("every = \"0s\"", "key `every`: must be greater than zero");
         job_err_has("every = \"500us\"", "key `every`: must be at least 1ms");
-        let e = err("[worker]\nlease = \"forever\"\n");
-        assert!(e.contains("[worker]: key `lease`"), "{e}");
+        err_has("[worker]\nlease = \"forever\"\n", "[worker]: key `lease`");
     }
 
     #[test]
     fn missing_task_and_duplicate_names() {
-        let e = err(&format!(
-            "[[jobs]]\nname = \"j\"\ntask = \"nope\"\nevery = \"1s\"\n{TASKS}"
-        ));
-        assert!(
-            e.contains("job \"j\": key `task`: no task named \"nope\""),
-            "{e}"
+        err_has(
+            &format!("[[jobs]]\nname = \"j\"\ntask = \"nope\"\nevery = \"1s\"\n{TASKS}"),
+            "job \"j\": key `task`: no task named \"nope\"",
         );
         job_err_has(
             "every = \"1s\"\n[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"2s\"",
@@ -979,12 +1007,11 @@ mod tests {
 
     #[test]
     fn bad_names_are_refused() {
-        let e = err("namespace = \"a b\"\n");
-        assert!(e.contains("key `namespace`"), "{e}");
-        let e = err(&format!(
-            "[[jobs]]\nname = \"a@b\"\ntask = \"t\"\nevery = \"1s\"\n{TASKS}"
-        ));
-        assert!(e.contains("key `name`"), "{e}");
+        err_has("namespace = \"a b\"\n", "key `namespace`");
+        err_has(
+            &format!("[[jobs]]\nname = \"a@b\"\ntask = \"t\"\nevery = \"1s\"\n{TASKS}"),
+            "key `name`",
+        );
     }
 
     #[test]

@@ -238,8 +238,9 @@ impl Envelope {
     }
 
     /// AMQP properties: persistent, JSON, `message_id` = key, timestamp, expiration and the
-    /// drumline headers. `epoch` is set by the beat only.
-    pub fn properties(&self, now: DateTime<Utc>, epoch: Option<u64>) -> BasicProperties {
+    /// drumline headers, `x-drumline-epoch` included: the leader's epoch on what the beat
+    /// publishes, 0 on ad-hoc tasks and replays, the original's on retries (DESIGN §9).
+    pub fn properties(&self, now: DateTime<Utc>, epoch: u64) -> BasicProperties {
         let mut headers = FieldTable::default();
         headers.insert(H_TASK.into(), long_string(&self.task));
         headers.insert(
@@ -250,9 +251,7 @@ impl Envelope {
             H_SCHEDULED_FOR.into(),
             long_string(&format_instant(self.scheduled_for)),
         );
-        if let Some(epoch) = epoch {
-            headers.insert(H_EPOCH.into(), AMQPValue::LongLongInt(epoch as i64));
-        }
+        headers.insert(H_EPOCH.into(), AMQPValue::LongLongInt(epoch as i64));
         let mut props = BasicProperties::default()
             .with_delivery_mode(2)
             .with_content_type(ShortString::from("application/json"))
@@ -499,7 +498,7 @@ mod tests {
             Some(at(7, 31)),
             at(7, 30),
         );
-        let props = env.properties(at(7, 30), Some(3));
+        let props = env.properties(at(7, 30), 3);
         assert_eq!(props.message_id().as_ref().unwrap().as_str(), env.key);
         assert_eq!(*props.delivery_mode(), Some(2));
         assert_eq!(props.expiration().as_ref().unwrap().as_str(), "60000");

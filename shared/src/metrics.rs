@@ -1,5 +1,6 @@
 //! `--metrics-addr HOST:PORT`: Prometheus metrics at `/metrics` and a health check at
-//! `/healthz` (200 `ok`, or 503 with the reason), for both binaries.
+//! `/healthz` (200 `ok` — `standby` on a beat that does not lead — or 503 with the reason), for
+//! both binaries.
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -11,8 +12,9 @@ use prometheus_client::registry::Registry;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-/// Says whether the process is healthy; `Err` carries the reason shown by `/healthz`.
-pub type HealthCheck = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+/// Says whether the process is healthy: `Ok` carries the body of the 200 (`ok`, or a beat's
+/// `standby`), `Err` the reason shown with the 503.
+pub type HealthCheck = Arc<dyn Fn() -> Result<&'static str, String> + Send + Sync>;
 
 #[derive(Clone)]
 struct Shared {
@@ -64,7 +66,7 @@ async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
 
 async fn healthz(State(shared): State<Shared>) -> impl IntoResponse {
     match (shared.health)() {
-        Ok(()) => (StatusCode::OK, "ok\n".to_owned()),
+        Ok(state) => (StatusCode::OK, format!("{state}\n")),
         Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
     }
 }

@@ -43,15 +43,7 @@ pub enum InvalidName {
 /// `[A-Za-z0-9._-]`. These names become parts of AMQP names and Redis keys, and a job name is
 /// the first half of every idempotency key, so `@`, `:` and whitespace never appear in them.
 pub fn check_name(name: &str) -> Result<(), InvalidName> {
-    if name.is_empty() {
-        return Err(InvalidName::Empty);
-    }
-    if name.len() > MAX_NAME_BYTES {
-        return Err(InvalidName::TooLong {
-            len: name.len(),
-            max: MAX_NAME_BYTES,
-        });
-    }
+    check_len(name, MAX_NAME_BYTES)?;
     match name
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')))
@@ -61,17 +53,18 @@ pub fn check_name(name: &str) -> Result<(), InvalidName> {
     }
 }
 
+/// The length rule names and keys share: 1 to `max` bytes.
+fn check_len(text: &str, max: usize) -> Result<(), InvalidName> {
+    match text.len() {
+        0 => Err(InvalidName::Empty),
+        len if len > max => Err(InvalidName::TooLong { len, max }),
+        _ => Ok(()),
+    }
+}
+
 /// Checks an idempotency key: 1 to [`MAX_KEY_BYTES`] bytes, printable, no whitespace.
 pub fn check_key(key: &str) -> Result<(), InvalidName> {
-    if key.is_empty() {
-        return Err(InvalidName::Empty);
-    }
-    if key.len() > MAX_KEY_BYTES {
-        return Err(InvalidName::TooLong {
-            len: key.len(),
-            max: MAX_KEY_BYTES,
-        });
-    }
+    check_len(key, MAX_KEY_BYTES)?;
     match key.chars().find(|c| c.is_whitespace() || c.is_control()) {
         Some(found) => Err(InvalidName::Unprintable { found }),
         None => Ok(()),
@@ -141,6 +134,11 @@ impl Names {
         format!("{}:beat:leader", self.ns)
     }
 
+    /// `{ns}:beat:epoch` — the leadership epoch counter (one increment per acquisition).
+    pub fn beat_epoch(&self) -> String {
+        format!("{}:beat:epoch", self.ns)
+    }
+
     /// `{ns}:beat:last:{job}` — last published instant (RFC 3339 UTC).
     pub fn beat_last(&self, job: &str) -> String {
         format!("{}:beat:last:{job}", self.ns)
@@ -157,22 +155,53 @@ impl Names {
     }
 }
 
+/// This machine's host name (`unknown` if it has none readable), as recorded in worker ids and
+/// the leader lease.
+pub fn host_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "unknown".into())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The length rule every check shares: each of `ok` passes, so does `max` bytes of `fill`;
+    /// one byte more is `TooLong` and "" is `Empty`.
+    fn assert_length_rule(
+        check: fn(&str) -> Result<(), InvalidName>,
+        ok: &[&str],
+        fill: &str,
+        max: usize,
+    ) {
+        for text in ok {
+            assert_eq!(check(text), Ok(()), "{text:?}");
+        }
+        assert_eq!(check(&fill.repeat(max)), Ok(()));
+        let len = max + 1;
+        assert_eq!(
+            check(&fill.repeat(len)),
+            Err(InvalidName::TooLong { len, max })
+        );
+        assert_eq!(check(""), Err(InvalidName::Empty));
+    }
+
     #[test]
     fn name_rule() {
-        assert_eq!(check_name("nightly-report_2.v1"), Ok(()));
-        assert_eq!(check_name(&"a".repeat(MAX_NAME_BYTES)), Ok(()));
-        assert_eq!(
-            check_name(&"a".repeat(MAX_NAME_BYTES + 1)),
-            Err(InvalidName::TooLong { len: 101, max: 100 })
-        );
-        assert_eq!(check_name(""), Err(InvalidName::Empty));
-        for bad in ["a b", "a@b", "a:b", "é", "a/b"] {
-            assert!(
-                matches!(check_name(bad), Err(InvalidName::BadChar { .. })),
+        assert_eq!(MAX_NAME_BYTES, 100);
+        assert_length_rule(check_name, &["nightly-report_2.v1"], "a", MAX_NAME_BYTES);
+        for (bad, found) in [
+            ("a b", ' '),
+            ("a@b", '@'),
+            ("a:b", ':'),
+            ("é", 'é'),
+            ("a/b", '/'),
+        ] {
+            assert_eq!(
+                check_name(bad),
+                Err(InvalidName::BadChar { found }),
                 "{bad}"
             );
         }
@@ -180,17 +209,15 @@ mod tests {
 
     #[test]
     fn key_rule() {
-        assert_eq!(check_key("nightly@2026-03-08T07:30:00Z"), Ok(()));
-        assert_eq!(check_key("ünïcode/ok:1"), Ok(()));
-        assert_eq!(check_key(&"k".repeat(MAX_KEY_BYTES)), Ok(()));
-        assert_eq!(
-            check_key(&"k".repeat(MAX_KEY_BYTES + 1)),
-            Err(InvalidName::TooLong { len: 201, max: 200 })
-        );
-        assert_eq!(check_key(""), Err(InvalidName::Empty));
-        for bad in ["a b", "a\tb", "a\nb", "a\u{7f}b", "a\u{a0}b"] {
-            assert!(
-                matches!(check_key(bad), Err(InvalidName::Unprintable { .. })),
+        assert_eq!(MAX_KEY_BYTES, 200);
+        let ok = ["nightly@2026-03-08T07:30:00Z", "ünïcode/ok:1"];
+        assert_length_rule(check_key, &ok, "k", MAX_KEY_BYTES);
+        let unprintable = [' ', '\t', '\n', '\u{7f}', '\u{a0}'];
+        for found in unprintable {
+            let bad = format!("a{found}b");
+            assert_eq!(
+                check_key(&bad),
+                Err(InvalidName::Unprintable { found }),
                 "{bad:?}"
             );
         }

@@ -981,6 +981,14 @@ fn gap_occurrence(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use DstFold::{Both, First, Second};
+    use DstGap::{Shift, Skip};
+
+    const NEW_YORK: &str = "America/New_York";
+    const LONDON: &str = "Europe/London";
+    const LORD_HOWE: &str = "Australia/Lord_Howe";
+    const APIA: &str = "Pacific/Apia";
+    const SAO_PAULO: &str = "America/Sao_Paulo";
 
     fn utc(s: &str) -> DateTime<Utc> {
         s.parse().unwrap()
@@ -999,6 +1007,11 @@ mod tests {
         }
     }
 
+    /// `expr` in UTC, where gaps and folds never happen.
+    fn utc_cron(expr: &str) -> Schedule {
+        cron(expr, "UTC", Shift, First)
+    }
+
     fn occ(at: &str, note: Option<Note>, skipped: bool) -> Occurrence {
         Occurrence {
             at: utc(at),
@@ -1007,12 +1020,57 @@ mod tests {
         }
     }
 
+    /// An ordinary occurrence at `at`.
+    fn plain(at: &str) -> Occurrence {
+        occ(at, None, false)
+    }
+
+    /// The first pass through a repeated (fold) wall time.
+    fn fold_first(at: &str) -> Occurrence {
+        occ(at, Some(Note::FoldFirst), false)
+    }
+
+    /// The second pass through a repeated (fold) wall time.
+    fn fold_second(at: &str) -> Occurrence {
+        occ(at, Some(Note::FoldSecond), false)
+    }
+
+    /// A run moved out of a gap to `at`, from the wall time `from`.
+    fn shifted(at: &str, from: NaiveTime) -> Occurrence {
+        occ(at, Some(Note::GapShifted { from }), false)
+    }
+
+    /// The wall time `local` fell into a gap (at `at`) and does not run.
+    fn skipped(at: &str, local: NaiveTime) -> Occurrence {
+        occ(at, Some(Note::GapSkipped { local }), true)
+    }
+
     fn hm(h: u32, m: u32) -> NaiveTime {
         NaiveTime::from_hms_opt(h, m, 0).unwrap()
     }
 
     fn take(s: &Schedule, after: &str, n: usize) -> Vec<Occurrence> {
         s.occurrences_after(utc(after)).take(n).collect()
+    }
+
+    /// Asserts that `s`'s occurrences after `after` begin with `expected`.
+    #[track_caller]
+    fn assert_occurrences(s: &Schedule, after: &str, expected: &[Occurrence]) {
+        assert_eq!(take(s, after, expected.len()), expected);
+    }
+
+    /// Asserts that `s`'s runs after `after` (`next_after`, again and again) begin with
+    /// `expected`.
+    #[track_caller]
+    fn assert_runs(s: &Schedule, after: &str, expected: &[&str]) {
+        let expected: Vec<DateTime<Utc>> = expected.iter().map(|at| utc(at)).collect();
+        assert_eq!(runs(s, after, expected.len()), expected);
+    }
+
+    /// Asserts that `s`'s next run after `after` is at `expected`.
+    #[track_caller]
+    fn assert_next(s: &Schedule, after: &str, expected: &str) {
+        assert_eq!(s.next_after(utc(after)), Some(utc(expected)));
     }
 
     fn runs(s: &Schedule, after: &str, n: usize) -> Vec<DateTime<Utc>> {
@@ -1033,24 +1091,13 @@ mod tests {
 
     #[test]
     fn new_york_gap_shift_runs_at_the_transition() {
-        let s = cron(
-            "30 2 * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::First,
-        );
+        let s = cron("30 2 * * *", NEW_YORK, Shift, First);
         let got = take(&s, "2026-03-07T12:00:00Z", 2);
-        assert_eq!(
-            got,
-            [
-                occ(
-                    "2026-03-08T07:00:00Z",
-                    Some(Note::GapShifted { from: hm(2, 30) }),
-                    false
-                ),
-                occ("2026-03-09T06:30:00Z", None, false),
-            ]
-        );
+        let shifted_then_next = [
+            shifted("2026-03-08T07:00:00Z", hm(2, 30)),
+            plain("2026-03-09T06:30:00Z"),
+        ];
+        assert_eq!(got, shifted_then_next);
         assert_eq!(got[0].note.unwrap().to_string(), "gap: shifted from 02:30");
         let local = got[0].at.with_timezone(&tz("America/New_York"));
         assert_eq!(local.to_rfc3339(), "2026-03-08T03:00:00-04:00");
@@ -1058,152 +1105,98 @@ mod tests {
 
     #[test]
     fn new_york_gap_skip_reports_but_does_not_run() {
-        let s = cron(
-            "30 2 * * *",
-            "America/New_York",
-            DstGap::Skip,
-            DstFold::First,
+        let s = cron("30 2 * * *", NEW_YORK, Skip, First);
+        assert_occurrences(
+            &s,
+            "2026-03-07T12:00:00Z",
+            &[skipped("2026-03-08T07:00:00Z", hm(2, 30))],
         );
-        assert_eq!(
-            take(&s, "2026-03-07T12:00:00Z", 1),
-            [occ(
-                "2026-03-08T07:00:00Z",
-                Some(Note::GapSkipped { local: hm(2, 30) }),
-                true
-            )]
-        );
-        assert_eq!(
-            s.next_after(utc("2026-03-07T12:00:00Z")),
-            Some(utc("2026-03-09T06:30:00Z"))
-        );
+        assert_next(&s, "2026-03-07T12:00:00Z", "2026-03-09T06:30:00Z");
     }
 
     #[test]
     fn new_york_fold_first_second_both() {
-        let first = cron(
-            "30 1 * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::First,
-        );
-        assert_eq!(
-            take(&first, "2026-10-31T12:00:00Z", 2),
-            [
-                occ("2026-11-01T05:30:00Z", Some(Note::FoldFirst), false),
-                occ("2026-11-02T06:30:00Z", None, false),
-            ]
-        );
-        let second = cron(
-            "30 1 * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::Second,
-        );
-        assert_eq!(
-            take(&second, "2026-10-31T12:00:00Z", 2),
-            [
-                occ("2026-11-01T06:30:00Z", Some(Note::FoldSecond), false),
-                occ("2026-11-02T06:30:00Z", None, false),
-            ]
-        );
-        let both = cron(
-            "30 1 * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::Both,
-        );
-        assert_eq!(
-            take(&both, "2026-10-31T12:00:00Z", 3),
-            [
-                occ("2026-11-01T05:30:00Z", Some(Note::FoldFirst), false),
-                occ("2026-11-01T06:30:00Z", Some(Note::FoldSecond), false),
-                occ("2026-11-02T06:30:00Z", None, false),
-            ]
-        );
+        let cases = [
+            (
+                First,
+                vec![
+                    fold_first("2026-11-01T05:30:00Z"),
+                    plain("2026-11-02T06:30:00Z"),
+                ],
+            ),
+            (
+                Second,
+                vec![
+                    fold_second("2026-11-01T06:30:00Z"),
+                    plain("2026-11-02T06:30:00Z"),
+                ],
+            ),
+            (
+                Both,
+                vec![
+                    fold_first("2026-11-01T05:30:00Z"),
+                    fold_second("2026-11-01T06:30:00Z"),
+                    plain("2026-11-02T06:30:00Z"),
+                ],
+            ),
+        ];
+        for (fold, expected) in cases {
+            let s = cron("30 1 * * *", NEW_YORK, Shift, fold);
+            assert_occurrences(&s, "2026-10-31T12:00:00Z", &expected);
+        }
     }
 
     #[test]
     fn fold_both_interleaves_by_instant_not_wall_time() {
         // 01:00a 01:30a 01:00b 01:30b: wall order differs from instant order.
-        let s = cron(
-            "*/30 * * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::Both,
-        );
-        assert_eq!(
-            take(&s, "2026-11-01T04:00:00Z", 6),
-            [
-                occ("2026-11-01T04:30:00Z", None, false),
-                occ("2026-11-01T05:00:00Z", Some(Note::FoldFirst), false),
-                occ("2026-11-01T05:30:00Z", Some(Note::FoldFirst), false),
-                occ("2026-11-01T06:00:00Z", Some(Note::FoldSecond), false),
-                occ("2026-11-01T06:30:00Z", Some(Note::FoldSecond), false),
-                occ("2026-11-01T07:00:00Z", None, false),
-            ]
+        let s = cron("*/30 * * * *", NEW_YORK, Shift, Both);
+        assert_occurrences(
+            &s,
+            "2026-11-01T04:00:00Z",
+            &[
+                plain("2026-11-01T04:30:00Z"),
+                fold_first("2026-11-01T05:00:00Z"),
+                fold_first("2026-11-01T05:30:00Z"),
+                fold_second("2026-11-01T06:00:00Z"),
+                fold_second("2026-11-01T06:30:00Z"),
+                plain("2026-11-01T07:00:00Z"),
+            ],
         );
         // Starting inside the fold (first pass) still finds the second pass.
-        let second = cron(
-            "*/30 * * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::Second,
-        );
-        assert_eq!(
-            second.next_after(utc("2026-11-01T05:10:00Z")),
-            Some(utc("2026-11-01T06:00:00Z"))
-        );
+        let second = cron("*/30 * * * *", NEW_YORK, Shift, Second);
+        assert_next(&second, "2026-11-01T05:10:00Z", "2026-11-01T06:00:00Z");
     }
 
     #[test]
     fn every_30_minutes_collapses_in_a_gap() {
-        let shift = cron(
-            "*/30 * * * *",
-            "America/New_York",
-            DstGap::Shift,
-            DstFold::First,
-        );
+        let shift = cron("*/30 * * * *", NEW_YORK, Shift, First);
         // 02:00, 02:30 (gap) and 03:00 are one 03:00 EDT = 07:00Z instance.
-        assert_eq!(
-            take(&shift, "2026-03-08T06:00:00Z", 3),
-            [
-                occ("2026-03-08T06:30:00Z", None, false),
-                occ(
-                    "2026-03-08T07:00:00Z",
-                    Some(Note::GapShifted { from: hm(2, 0) }),
-                    false
-                ),
-                occ("2026-03-08T07:30:00Z", None, false),
-            ]
+        assert_occurrences(
+            &shift,
+            "2026-03-08T06:00:00Z",
+            &[
+                plain("2026-03-08T06:30:00Z"),
+                shifted("2026-03-08T07:00:00Z", hm(2, 0)),
+                plain("2026-03-08T07:30:00Z"),
+            ],
         );
         // Under skip the 03:00 run shares 07:00Z with the skipped 02:00/02:30: it is not lost.
-        let skip = cron(
-            "*/30 * * * *",
-            "America/New_York",
-            DstGap::Skip,
-            DstFold::First,
+        let skip = cron("*/30 * * * *", NEW_YORK, Skip, First);
+        assert_occurrences(
+            &skip,
+            "2026-03-08T06:00:00Z",
+            &[
+                plain("2026-03-08T06:30:00Z"),
+                plain("2026-03-08T07:00:00Z"),
+                plain("2026-03-08T07:30:00Z"),
+            ],
         );
-        assert_eq!(
-            take(&skip, "2026-03-08T06:00:00Z", 3),
-            [
-                occ("2026-03-08T06:30:00Z", None, false),
-                occ("2026-03-08T07:00:00Z", None, false),
-                occ("2026-03-08T07:30:00Z", None, false),
-            ]
-        );
-        assert_eq!(
-            skip.next_after(utc("2026-03-08T06:30:00Z")),
-            Some(utc("2026-03-08T07:00:00Z"))
-        );
-        let hourly_skip = cron(
-            "0 * * * *",
-            "America/New_York",
-            DstGap::Skip,
-            DstFold::First,
-        );
-        assert_eq!(
-            runs(&hourly_skip, "2026-03-08T06:00:00Z", 2),
-            [utc("2026-03-08T07:00:00Z"), utc("2026-03-08T08:00:00Z")]
+        assert_next(&skip, "2026-03-08T06:30:00Z", "2026-03-08T07:00:00Z");
+        let hourly_skip = cron("0 * * * *", NEW_YORK, Skip, First);
+        assert_runs(
+            &hourly_skip,
+            "2026-03-08T06:00:00Z",
+            &["2026-03-08T07:00:00Z", "2026-03-08T08:00:00Z"],
         );
     }
 
@@ -1212,148 +1205,89 @@ mod tests {
     #[test]
     fn london_gap_and_fold() {
         // 2026-03-29 01:00 GMT -> 02:00 BST at 01:00Z.
-        let shift = cron("30 1 * * *", "Europe/London", DstGap::Shift, DstFold::First);
-        assert_eq!(
-            take(&shift, "2026-03-28T12:00:00Z", 2),
-            [
-                occ(
-                    "2026-03-29T01:00:00Z",
-                    Some(Note::GapShifted { from: hm(1, 30) }),
-                    false
-                ),
-                occ("2026-03-30T00:30:00Z", None, false),
-            ]
-        );
-        let skip = cron("30 1 * * *", "Europe/London", DstGap::Skip, DstFold::First);
-        assert_eq!(
-            runs(&skip, "2026-03-28T12:00:00Z", 1),
-            [utc("2026-03-30T00:30:00Z")]
-        );
+        let gap_eve = "2026-03-28T12:00:00Z";
+        let shift = cron("30 1 * * *", LONDON, Shift, First);
+        let shifted_then_next = [
+            shifted("2026-03-29T01:00:00Z", hm(1, 30)),
+            plain("2026-03-30T00:30:00Z"),
+        ];
+        assert_occurrences(&shift, gap_eve, &shifted_then_next);
+        let skip = cron("30 1 * * *", LONDON, Skip, First);
+        assert_runs(&skip, gap_eve, &["2026-03-30T00:30:00Z"]);
         // 2026-10-25 02:00 BST -> 01:00 GMT at 01:00Z: 01:30 happens at 00:30Z and 01:30Z.
-        let first = cron("30 1 * * *", "Europe/London", DstGap::Shift, DstFold::First);
-        let second = cron(
-            "30 1 * * *",
-            "Europe/London",
-            DstGap::Shift,
-            DstFold::Second,
-        );
-        let both = cron("30 1 * * *", "Europe/London", DstGap::Shift, DstFold::Both);
-        assert_eq!(
-            runs(&first, "2026-10-24T12:00:00Z", 1),
-            [utc("2026-10-25T00:30:00Z")]
-        );
-        assert_eq!(
-            runs(&second, "2026-10-24T12:00:00Z", 1),
-            [utc("2026-10-25T01:30:00Z")]
-        );
-        assert_eq!(
-            runs(&both, "2026-10-24T12:00:00Z", 3),
-            [
-                utc("2026-10-25T00:30:00Z"),
-                utc("2026-10-25T01:30:00Z"),
-                utc("2026-10-26T01:30:00Z")
-            ]
-        );
+        let folds: [(DstFold, &[&str]); 3] = [
+            (First, &["2026-10-25T00:30:00Z"]),
+            (Second, &["2026-10-25T01:30:00Z"]),
+            (
+                Both,
+                &[
+                    "2026-10-25T00:30:00Z",
+                    "2026-10-25T01:30:00Z",
+                    "2026-10-26T01:30:00Z",
+                ],
+            ),
+        ];
+        for (fold, expected) in folds {
+            let s = cron("30 1 * * *", LONDON, Shift, fold);
+            assert_runs(&s, "2026-10-24T12:00:00Z", expected);
+        }
     }
 
     #[test]
     fn lord_howe_half_hour_gap_and_fold() {
         // 2026-10-04 02:00 (+10:30) -> 02:30 (+11) at 2026-10-03T15:30Z.
-        let shift = cron(
-            "15 2 * * *",
-            "Australia/Lord_Howe",
-            DstGap::Shift,
-            DstFold::First,
-        );
-        assert_eq!(
-            take(&shift, "2026-10-03T00:00:00Z", 1),
-            [occ(
-                "2026-10-03T15:30:00Z",
-                Some(Note::GapShifted { from: hm(2, 15) }),
-                false
-            )]
+        let gap_day = "2026-10-03T00:00:00Z";
+        let shift = cron("15 2 * * *", LORD_HOWE, Shift, First);
+        assert_occurrences(
+            &shift,
+            gap_day,
+            &[shifted("2026-10-03T15:30:00Z", hm(2, 15))],
         );
         // 02:30 exists (the first wall time after the gap): a normal run.
-        let at_end = cron(
-            "30 2 * * *",
-            "Australia/Lord_Howe",
-            DstGap::Skip,
-            DstFold::First,
-        );
-        assert_eq!(
-            take(&at_end, "2026-10-03T00:00:00Z", 1),
-            [occ("2026-10-03T15:30:00Z", None, false)]
-        );
-        let skip = cron(
-            "15 2 * * *",
-            "Australia/Lord_Howe",
-            DstGap::Skip,
-            DstFold::First,
-        );
-        assert_eq!(
-            take(&skip, "2026-10-03T00:00:00Z", 2),
-            [
-                occ(
-                    "2026-10-03T15:30:00Z",
-                    Some(Note::GapSkipped { local: hm(2, 15) }),
-                    true
-                ),
-                occ("2026-10-04T15:15:00Z", None, false),
-            ]
-        );
+        let at_end = cron("30 2 * * *", LORD_HOWE, Skip, First);
+        assert_occurrences(&at_end, gap_day, &[plain("2026-10-03T15:30:00Z")]);
+        let skip = cron("15 2 * * *", LORD_HOWE, Skip, First);
+        let skipped_then_next = [
+            skipped("2026-10-03T15:30:00Z", hm(2, 15)),
+            plain("2026-10-04T15:15:00Z"),
+        ];
+        assert_occurrences(&skip, gap_day, &skipped_then_next);
         // 2026-04-05 02:00 (+11) -> 01:30 (+10:30) at 2026-04-04T15:00Z; 01:30-02:00 twice.
-        let both = cron(
-            "45 1 * * *",
-            "Australia/Lord_Howe",
-            DstGap::Shift,
-            DstFold::Both,
-        );
-        assert_eq!(
-            take(&both, "2026-04-04T00:00:00Z", 3),
-            [
-                occ("2026-04-04T14:45:00Z", Some(Note::FoldFirst), false),
-                occ("2026-04-04T15:15:00Z", Some(Note::FoldSecond), false),
-                occ("2026-04-05T15:15:00Z", None, false),
-            ]
-        );
-        let before_fold = cron(
-            "15 1 * * *",
-            "Australia/Lord_Howe",
-            DstGap::Shift,
-            DstFold::Both,
-        );
-        assert_eq!(
-            take(&before_fold, "2026-04-04T00:00:00Z", 1),
-            [occ("2026-04-04T14:15:00Z", None, false)]
-        );
+        let fold_day = "2026-04-04T00:00:00Z";
+        let both = cron("45 1 * * *", LORD_HOWE, Shift, Both);
+        let twice_then_next = [
+            fold_first("2026-04-04T14:45:00Z"),
+            fold_second("2026-04-04T15:15:00Z"),
+            plain("2026-04-05T15:15:00Z"),
+        ];
+        assert_occurrences(&both, fold_day, &twice_then_next);
+        let before_fold = cron("15 1 * * *", LORD_HOWE, Shift, Both);
+        assert_occurrences(&before_fold, fold_day, &[plain("2026-04-04T14:15:00Z")]);
     }
 
     // --- Odd zones ---------------------------------------------------------------------------
 
     #[test]
     fn kolkata_half_hour_offset_without_dst() {
-        let s = cron("30 9 * * *", "Asia/Kolkata", DstGap::Shift, DstFold::First);
-        assert_eq!(
-            runs(&s, "2026-06-01T00:00:00Z", 2),
-            [utc("2026-06-01T04:00:00Z"), utc("2026-06-02T04:00:00Z")]
+        let s = cron("30 9 * * *", "Asia/Kolkata", Shift, First);
+        assert_runs(
+            &s,
+            "2026-06-01T00:00:00Z",
+            &["2026-06-01T04:00:00Z", "2026-06-02T04:00:00Z"],
         );
     }
 
     #[test]
     fn apia_skipped_a_whole_day_shift_runs_at_next_midnight() {
         // Local 2011-12-29 23:59:59 -10:00 was followed by 2011-12-31 00:00 +14:00 (10:00Z).
-        let s = cron("0 12 * * *", "Pacific/Apia", DstGap::Shift, DstFold::First);
+        let s = cron("0 12 * * *", APIA, Shift, First);
         let got = take(&s, "2011-12-29T00:00:00Z", 3);
         assert_eq!(
             got,
             [
-                occ("2011-12-29T22:00:00Z", None, false),
-                occ(
-                    "2011-12-30T10:00:00Z",
-                    Some(Note::GapShifted { from: hm(12, 0) }),
-                    false
-                ),
-                occ("2011-12-30T22:00:00Z", None, false),
+                plain("2011-12-29T22:00:00Z"),
+                shifted("2011-12-30T10:00:00Z", hm(12, 0)),
+                plain("2011-12-30T22:00:00Z"),
             ]
         );
         let apia = tz("Pacific/Apia");
@@ -1365,10 +1299,11 @@ mod tests {
             got[2].at.with_timezone(&apia).to_rfc3339(),
             "2011-12-31T12:00:00+14:00"
         );
-        let skip = cron("0 12 * * *", "Pacific/Apia", DstGap::Skip, DstFold::First);
-        assert_eq!(
-            runs(&skip, "2011-12-29T00:00:00Z", 2),
-            [utc("2011-12-29T22:00:00Z"), utc("2011-12-30T22:00:00Z")]
+        let skip = cron("0 12 * * *", APIA, Skip, First);
+        assert_runs(
+            &skip,
+            "2011-12-29T00:00:00Z",
+            &["2011-12-29T22:00:00Z", "2011-12-30T22:00:00Z"],
         );
     }
 
@@ -1413,41 +1348,27 @@ mod tests {
     #[test]
     fn sao_paulo_before_and_after_abolishing_dst() {
         // 2018-11-04 00:00 -03 -> 01:00 -02 at 03:00Z: midnight does not exist.
-        let s = cron(
-            "0 0 * * *",
-            "America/Sao_Paulo",
-            DstGap::Shift,
-            DstFold::First,
-        );
-        assert_eq!(
-            take(&s, "2018-11-03T12:00:00Z", 2),
-            [
-                occ(
-                    "2018-11-04T03:00:00Z",
-                    Some(Note::GapShifted { from: hm(0, 0) }),
-                    false
-                ),
-                occ("2018-11-05T02:00:00Z", None, false),
-            ]
+        let s = cron("0 0 * * *", SAO_PAULO, Shift, First);
+        assert_occurrences(
+            &s,
+            "2018-11-03T12:00:00Z",
+            &[
+                shifted("2018-11-04T03:00:00Z", hm(0, 0)),
+                plain("2018-11-05T02:00:00Z"),
+            ],
         );
         // DST abolished in 2019: 2019-11-03 is an ordinary day.
-        assert_eq!(
-            take(&s, "2019-11-02T12:00:00Z", 2),
-            [
-                occ("2019-11-03T03:00:00Z", None, false),
-                occ("2019-11-04T03:00:00Z", None, false),
-            ]
+        assert_occurrences(
+            &s,
+            "2019-11-02T12:00:00Z",
+            &[plain("2019-11-03T03:00:00Z"), plain("2019-11-04T03:00:00Z")],
         );
         // The last fold, 2019-02-17 00:00 -02 -> 2019-02-16 23:00 -03.
-        let both = cron(
-            "30 23 * * *",
-            "America/Sao_Paulo",
-            DstGap::Shift,
-            DstFold::Both,
-        );
-        assert_eq!(
-            runs(&both, "2019-02-16T12:00:00Z", 2),
-            [utc("2019-02-17T01:30:00Z"), utc("2019-02-17T02:30:00Z")]
+        let both = cron("30 23 * * *", SAO_PAULO, Shift, Both);
+        assert_runs(
+            &both,
+            "2019-02-16T12:00:00Z",
+            &["2019-02-17T01:30:00Z", "2019-02-17T02:30:00Z"],
         );
     }
 
@@ -1455,73 +1376,66 @@ mod tests {
 
     #[test]
     fn feb_29_and_the_31st() {
-        let leap = cron("0 0 29 2 *", "UTC", DstGap::Shift, DstFold::First);
-        assert_eq!(
-            runs(&leap, "2025-01-01T00:00:00Z", 2),
-            [utc("2028-02-29T00:00:00Z"), utc("2032-02-29T00:00:00Z")]
+        let leap = utc_cron("0 0 29 2 *");
+        assert_runs(
+            &leap,
+            "2025-01-01T00:00:00Z",
+            &["2028-02-29T00:00:00Z", "2032-02-29T00:00:00Z"],
         );
         // 2100 is not a leap year: 8 years between.
-        assert_eq!(
-            runs(&leap, "2096-03-01T00:00:00Z", 1),
-            [utc("2104-02-29T00:00:00Z")]
-        );
-        let thirty_first = cron("0 12 31 * *", "UTC", DstGap::Shift, DstFold::First);
-        assert_eq!(
-            runs(&thirty_first, "2026-01-31T12:00:00Z", 6),
-            [
-                utc("2026-03-31T12:00:00Z"),
-                utc("2026-05-31T12:00:00Z"),
-                utc("2026-07-31T12:00:00Z"),
-                utc("2026-08-31T12:00:00Z"),
-                utc("2026-10-31T12:00:00Z"),
-                utc("2026-12-31T12:00:00Z"),
-            ]
+        assert_runs(&leap, "2096-03-01T00:00:00Z", &["2104-02-29T00:00:00Z"]);
+        let thirty_first = utc_cron("0 12 31 * *");
+        assert_runs(
+            &thirty_first,
+            "2026-01-31T12:00:00Z",
+            &[
+                "2026-03-31T12:00:00Z",
+                "2026-05-31T12:00:00Z",
+                "2026-07-31T12:00:00Z",
+                "2026-08-31T12:00:00Z",
+                "2026-10-31T12:00:00Z",
+                "2026-12-31T12:00:00Z",
+            ],
         );
     }
 
     #[test]
     fn year_rollover_seconds_and_subsecond_after() {
-        let yearly = cron("@yearly", "UTC", DstGap::Shift, DstFold::First);
-        assert_eq!(
-            runs(&yearly, "2026-12-31T23:59:59Z", 1),
-            [utc("2027-01-01T00:00:00Z")]
-        );
-        let secs = cron("*/20 * * * * *", "UTC", DstGap::Shift, DstFold::First);
-        assert_eq!(
-            runs(&secs, "2026-01-01T00:00:00.500Z", 3),
-            [
-                utc("2026-01-01T00:00:20Z"),
-                utc("2026-01-01T00:00:40Z"),
-                utc("2026-01-01T00:01:00Z")
-            ]
-        );
-        let every_sec = cron("* * * * * *", "UTC", DstGap::Shift, DstFold::First);
-        assert_eq!(
-            runs(&every_sec, "2026-01-01T00:00:00.5Z", 1),
-            [utc("2026-01-01T00:00:01Z")]
+        let yearly = utc_cron("@yearly");
+        assert_runs(&yearly, "2026-12-31T23:59:59Z", &["2027-01-01T00:00:00Z"]);
+        let secs = utc_cron("*/20 * * * * *");
+        let thirds = [
+            "2026-01-01T00:00:20Z",
+            "2026-01-01T00:00:40Z",
+            "2026-01-01T00:01:00Z",
+        ];
+        assert_runs(&secs, "2026-01-01T00:00:00.500Z", &thirds);
+        let every_sec = utc_cron("* * * * * *");
+        assert_runs(
+            &every_sec,
+            "2026-01-01T00:00:00.5Z",
+            &["2026-01-01T00:00:01Z"],
         );
         // The instant itself is excluded.
-        let daily = cron("0 0 * * *", "UTC", DstGap::Shift, DstFold::First);
-        assert_eq!(
-            runs(&daily, "2026-01-01T00:00:00Z", 1),
-            [utc("2026-01-02T00:00:00Z")]
-        );
+        let daily = utc_cron("0 0 * * *");
+        assert_runs(&daily, "2026-01-01T00:00:00Z", &["2026-01-02T00:00:00Z"]);
     }
 
     #[test]
     fn day_of_month_or_day_of_week_when_both_restricted() {
         // 2026-02-01 is a Sunday: the 1st OR Mondays.
-        let s = cron("0 0 1 * MON", "UTC", DstGap::Shift, DstFold::First);
-        assert_eq!(
-            runs(&s, "2026-02-01T00:00:00Z", 6),
-            [
-                utc("2026-02-02T00:00:00Z"),
-                utc("2026-02-09T00:00:00Z"),
-                utc("2026-02-16T00:00:00Z"),
-                utc("2026-02-23T00:00:00Z"),
-                utc("2026-03-01T00:00:00Z"),
-                utc("2026-03-02T00:00:00Z"),
-            ]
+        let s = utc_cron("0 0 1 * MON");
+        assert_runs(
+            &s,
+            "2026-02-01T00:00:00Z",
+            &[
+                "2026-02-02T00:00:00Z",
+                "2026-02-09T00:00:00Z",
+                "2026-02-16T00:00:00Z",
+                "2026-02-23T00:00:00Z",
+                "2026-03-01T00:00:00Z",
+                "2026-03-02T00:00:00Z",
+            ],
         );
         // Only one restricted: AND (here: weekdays in January only).
         let weekday_only = CronExpr::parse("0 0 * 1 mon-fri").unwrap();
@@ -1678,10 +1592,7 @@ mod tests {
         for pair in got.windows(2) {
             assert_eq!((pair[1] - pair[0]).num_seconds(), 3600);
         }
-        assert_eq!(
-            s.next_after(utc("2026-03-08T06:00:00Z")),
-            Some(utc("2026-03-08T07:00:00Z"))
-        );
+        assert_next(&s, "2026-03-08T06:00:00Z", "2026-03-08T07:00:00Z");
     }
 
     #[test]
@@ -1691,18 +1602,9 @@ mod tests {
             anchor: utc("2026-01-01T00:00:00.250Z"),
         };
         // Before the anchor: k is negative.
-        assert_eq!(
-            s.next_after(utc("2025-12-31T23:59:58Z")),
-            Some(utc("2025-12-31T23:59:58.750Z"))
-        );
-        assert_eq!(
-            s.next_after(utc("2025-12-31T23:59:58.750Z")),
-            Some(utc("2026-01-01T00:00:00.250Z"))
-        );
-        assert_eq!(
-            s.next_after(utc("2026-01-01T00:00:00.250Z")),
-            Some(utc("2026-01-01T00:00:01.750Z"))
-        );
+        assert_next(&s, "2025-12-31T23:59:58Z", "2025-12-31T23:59:58.750Z");
+        assert_next(&s, "2025-12-31T23:59:58.750Z", "2026-01-01T00:00:00.250Z");
+        assert_next(&s, "2026-01-01T00:00:00.250Z", "2026-01-01T00:00:01.750Z");
         // Far from the anchor, no drift: exactly anchor + k * 1.5 s.
         let far = s.next_after(utc("2036-01-01T00:00:00Z")).unwrap();
         assert_eq!(
@@ -1756,12 +1658,7 @@ mod tests {
         );
         assert_eq!(Note::FoldFirst.to_string(), "fold: first of two");
         assert_eq!(Note::FoldSecond.to_string(), "fold: second of two");
-        let s = cron(
-            "0 30 2 * * *",
-            "America/New_York",
-            DstGap::Skip,
-            DstFold::Both,
-        );
+        let s = cron("0 30 2 * * *", NEW_YORK, Skip, Both);
         assert_eq!(
             s.describe(),
             r#"cron "0 30 2 * * *" in America/New_York, dst_gap = skip, dst_fold = both"#
@@ -1781,7 +1678,7 @@ mod tests {
     #[test]
     fn nothing_within_the_horizon_is_none() {
         // The next Feb 29 lies past the end of chrono's calendar.
-        let s = cron("0 0 29 2 *", "UTC", DstGap::Shift, DstFold::First);
+        let s = utc_cron("0 0 29 2 *");
         assert_eq!(s.next_after(DateTime::<Utc>::MAX_UTC), None);
     }
 

@@ -7,12 +7,15 @@ use crate::envelope::parse_instant;
 use crate::names::Names;
 use chrono::{DateTime, SecondsFormat, Utc};
 use redis::aio::ConnectionManager;
-use redis::{AsyncCommands, Script};
+use redis::{AsyncCommands, Script, ToRedisArgs};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::LazyLock;
 use std::time::Duration;
+
+mod leader;
+pub use leader::{Candidate, LeaseOutcome, LeaseReply, ProgressError};
 
 /// Store errors are connection-level: the worker fails closed on them.
 pub type StoreError = redis::RedisError;
@@ -252,18 +255,29 @@ return 0
     )
 });
 
-// KEYS[1] run key, KEYS[2] job lock; ARGV token, final state, retention_ms. Also applies when
-// the key is gone (our lease expired and nobody claimed it since): the run did finish, and
-// recording it is what stops it from running again.
-static FINISH: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
+// The start every script that ends a claim shares (KEYS[1] run key, KEYS[2] job lock, ARGV[1]
+// token): the job lock is released if it is ours, whatever happens to the run key; `ours` says
+// whether the run key carries our token, `holds` whether it is still our running claim.
+const END_CLAIM: &str = r#"
 if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
   redis.call('DEL', KEYS[2])
 end
-local absent = redis.call('EXISTS', KEYS[1]) == 0
-if absent or (redis.call('HGET', KEYS[1], 'token') == ARGV[1]
-   and redis.call('HGET', KEYS[1], 'state') == 'running') then
+local ours = redis.call('HGET', KEYS[1], 'token') == ARGV[1]
+local holds = ours and redis.call('HGET', KEYS[1], 'state') == 'running'
+"#;
+
+/// A script that starts with [`END_CLAIM`] and goes on with `body`.
+fn ending_claim(body: &str) -> Script {
+    Script::new(&format!("{END_CLAIM}{body}"))
+}
+
+// ARGV[2] final state, ARGV[3] retention_ms. Also applies when the key is gone (our lease
+// expired and nobody claimed it since): the run did finish, and recording it is what stops it
+// from running again.
+static FINISH: LazyLock<Script> = LazyLock::new(|| {
+    ending_claim(
+        r#"
+if holds or redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], 'state', ARGV[2], 'token', ARGV[1])
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return 1
@@ -273,35 +287,26 @@ return 0
     )
 });
 
-// KEYS[1] run key, KEYS[2] job lock; ARGV token, next attempt, retention_ms. A failed run
-// hands the instance to its retry: the state stays, marked `retrying` with the attempt that
-// may claim it next, so older copies are duplicates instead of a second chain.
+// ARGV[2] next attempt, ARGV[3] retention_ms. A failed run hands the instance to its retry: the
+// state stays, marked `retrying` with the attempt that may claim it next, so older copies are
+// duplicates instead of a second chain.
 static RETRY: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    ending_claim(
         r#"
-if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
-  redis.call('DEL', KEYS[2])
-end
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
-   and redis.call('HGET', KEYS[1], 'state') == 'running' then
-  redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[2])
-  redis.call('HDEL', KEYS[1], 'token')
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return 1
-end
-return 0
+if not holds then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[2])
+redis.call('HDEL', KEYS[1], 'token')
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
 "#,
     )
 });
 
-// KEYS[1] run key, KEYS[2] job lock; ARGV token.
+// No further ARGV: the run key is deleted if the claim is ours, in any state.
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    ending_claim(
         r#"
-if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
-  redis.call('DEL', KEYS[2])
-end
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+if ours then
   redis.call('DEL', KEYS[1])
   return 1
 end
@@ -316,20 +321,6 @@ static CLEAR_DEAD: LazyLock<Script> = LazyLock::new(|| {
         r#"
 if redis.call('HGET', KEYS[1], 'state') == 'dead' then
   redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"#,
-    )
-});
-
-// KEYS[1] beat last key; ARGV instant (fixed-width RFC 3339, so string order is time order).
-static ADVANCE_LAST: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r#"
-local cur = redis.call('GET', KEYS[1])
-if cur == false or cur < ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[1])
   return 1
 end
 return 0
@@ -452,14 +443,8 @@ impl Store {
         token: &str,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
-        RENEW
-            .key(self.names.run_key(key))
-            .key(self.job_lock(job))
-            .arg(token)
-            .arg(lease.as_millis() as u64)
-            .invoke_async(&mut conn)
-            .await
+        let args = (token, lease.as_millis() as u64);
+        self.as_holder(&RENEW, key, job, args).await
     }
 
     /// Records the final `state` kept for `retention`, when the claim is still ours or the key
@@ -473,15 +458,8 @@ impl Store {
         state: Final,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
-        FINISH
-            .key(self.names.run_key(key))
-            .key(self.job_lock(job))
-            .arg(token)
-            .arg(state.as_str())
-            .arg(retention.as_millis() as u64)
-            .invoke_async(&mut conn)
-            .await
+        let args = (token, state.as_str(), retention.as_millis() as u64);
+        self.as_holder(&FINISH, key, job, args).await
     }
 
     /// Hands a failed run's claim to its retry: state `retrying` with `next_attempt`, kept for
@@ -494,13 +472,24 @@ impl Store {
         next_attempt: u32,
         retention: Duration,
     ) -> Result<bool, StoreError> {
+        let args = (token, next_attempt, retention.as_millis() as u64);
+        self.as_holder(&RETRY, key, job, args).await
+    }
+
+    /// Runs one of the scripts only the claim's holder may run (RENEW, FINISH, RETRY,
+    /// RELEASE); they share their call: KEYS run key and job lock, ARGV `args`, token first.
+    async fn as_holder(
+        &self,
+        script: &Script,
+        key: &str,
+        job: Option<&str>,
+        args: impl ToRedisArgs,
+    ) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
-        RETRY
+        script
             .key(self.names.run_key(key))
             .key(self.job_lock(job))
-            .arg(token)
-            .arg(next_attempt)
-            .arg(retention.as_millis() as u64)
+            .arg(args)
             .invoke_async(&mut conn)
             .await
     }
@@ -512,13 +501,7 @@ impl Store {
         job: Option<&str>,
         token: &str,
     ) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
-        RELEASE
-            .key(self.names.run_key(key))
-            .key(self.job_lock(job))
-            .arg(token)
-            .invoke_async(&mut conn)
-            .await
+        self.as_holder(&RELEASE, key, job, token).await
     }
 
     /// Forgets a `dead` run state so a replayed copy can be claimed; any other state is kept
@@ -560,56 +543,6 @@ impl Store {
         let mut conn = self.conn.clone();
         let text: Option<String> = conn.get(self.names.beat_last(job)).await?;
         Ok(text.as_deref().and_then(parse_instant))
-    }
-
-    /// Moves `job`'s last published instant forward to `at` (never backwards).
-    pub async fn advance_last_published(
-        &self,
-        job: &str,
-        at: DateTime<Utc>,
-    ) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
-        let _: i64 = ADVANCE_LAST
-            .key(self.names.beat_last(job))
-            .arg(last_instant_text(at))
-            .invoke_async(&mut conn)
-            .await?;
-        Ok(())
-    }
-
-    /// [`advance_last_published`](Self::advance_last_published) for many jobs, `per_trip` per
-    /// round trip (one script call each, pipelined). One outcome per entry, in order: each
-    /// job's write succeeds or fails on its own. `Err` when Redis did not answer (then some
-    /// entries may have been written, which is harmless: rewriting is a no-op).
-    pub async fn advance_last_published_many(
-        &self,
-        progress: &[(&str, DateTime<Utc>)],
-        per_trip: usize,
-    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
-        let mut conn = self.conn.clone();
-        let mut out = Vec::with_capacity(progress.len());
-        for group in progress.chunks(per_trip.max(1)) {
-            let mut pipe = redis::pipe();
-            pipe.ignore_errors();
-            // EVALSHA needs the script cached (a restarted Redis forgot it): load it in the
-            // same round trip.
-            pipe.load_script(&ADVANCE_LAST).ignore();
-            for (job, at) in group {
-                let mut call = ADVANCE_LAST.prepare_invoke();
-                call.key(self.names.beat_last(job))
-                    .arg(last_instant_text(*at));
-                pipe.invoke_script(&call);
-            }
-            let replies: Vec<Result<i64, StoreError>> = pipe.query_async(&mut conn).await?;
-            if replies.len() != group.len() {
-                return Err(StoreError::from((
-                    redis::ErrorKind::UnexpectedReturnType,
-                    "a pipeline returned fewer replies than commands",
-                )));
-            }
-            out.extend(replies.into_iter().map(|r| r.map(drop)));
-        }
-        Ok(out)
     }
 
     /// Every job's persisted progress, in `jobs` order, read with [`parse_last_instant`]:

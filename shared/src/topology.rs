@@ -87,37 +87,37 @@ pub async fn declare(
         AMQPValue::LongLongInt(dead_ttl.as_millis() as i64),
     );
     let dead = names.dead();
+    declare_bound(channel, &dead, dead_args, &dead, "").await?;
+    for queue in queues {
+        let mut args = FieldTable::default();
+        args.insert("x-dead-letter-exchange".into(), string(&dead));
+        let name = names.work_queue(queue);
+        declare_bound(channel, &name, args, &names.tasks_exchange(), queue).await?;
+    }
+    Ok(())
+}
+
+/// Declares the durable queue `queue` with `args` and binds it to `exchange` by `routing_key`.
+async fn declare_bound(
+    channel: &Channel,
+    queue: &str,
+    args: FieldTable,
+    exchange: &str,
+    routing_key: &str,
+) -> Result<(), TopologyError> {
     channel
-        .queue_declare(&dead, durable(), dead_args)
+        .queue_declare(queue, durable(), args)
         .await
-        .map_err(|source| mismatch(&dead, source))?;
+        .map_err(|source| mismatch(queue, source))?;
     channel
         .queue_bind(
-            &dead,
-            &dead,
-            "",
+            queue,
+            exchange,
+            routing_key,
             QueueBindOptions::default(),
             FieldTable::default(),
         )
         .await?;
-    for queue in queues {
-        let name = names.work_queue(queue);
-        let mut args = FieldTable::default();
-        args.insert("x-dead-letter-exchange".into(), string(&names.dead()));
-        channel
-            .queue_declare(&name, durable(), args)
-            .await
-            .map_err(|source| mismatch(&name, source))?;
-        channel
-            .queue_bind(
-                &name,
-                &names.tasks_exchange(),
-                queue,
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-    }
     Ok(())
 }
 

@@ -1,8 +1,12 @@
 //! The Redis scripts against the real Redis (own namespace per test, keys deleted when the
 //! test ends, passed or panicked).
 
+use chrono::{TimeZone, Utc};
 use drumline_shared::names::Names;
-use drumline_shared::store::{Claim, ClaimRequest, Final, OverlapMode, RunState, Store};
+use drumline_shared::store::{
+    Candidate, Claim, ClaimRequest, Final, LeaseOutcome, OverlapMode, ProgressError, RunState,
+    Store,
+};
 use std::time::Duration;
 
 const REDIS: &str = "redis://127.0.0.1:6379/0";
@@ -172,16 +176,160 @@ async fn overlap_lock_skips_or_queues_other_instances_of_the_job() {
     ));
 }
 
+fn candidate(token: &str) -> Candidate {
+    Candidate {
+        token: token.to_owned(),
+        host: "h".to_owned(),
+        pid: 42,
+    }
+}
+
+const LEASE: Duration = Duration::from_secs(5);
+
 #[tokio::test]
-async fn last_published_only_moves_forward() {
-    use chrono::{TimeZone, Utc};
+async fn progress_moves_forward_only_under_the_lease() {
     let s = store("last").await;
     let t1 = Utc.with_ymd_and_hms(2026, 3, 8, 7, 0, 0).unwrap();
     let t2 = t1 + chrono::Duration::milliseconds(500);
+    let far = Duration::from_secs(365 * 86400 * 100);
     assert_eq!(s.last_published("j").await.unwrap(), None);
-    s.advance_last_published("j", t2).await.unwrap();
-    s.advance_last_published("j", t1).await.unwrap();
+    // Nobody leads: nothing moves.
+    let refused = s.advance_progress("a", &[("j", t1)], far, 10).await;
+    assert!(
+        matches!(refused, Err(ProgressError::Deposed)),
+        "{refused:?}"
+    );
+    assert_eq!(s.last_published("j").await.unwrap(), None);
+
+    let lead = s.acquire_lead(&candidate("a"), LEASE).await.unwrap();
+    assert!(matches!(lead.outcome, LeaseOutcome::Acquired { .. }));
+    let written = s
+        .advance_progress("a", &[("j", t2), ("k", t1)], far, 1)
+        .await
+        .unwrap();
+    assert!(written.iter().all(Result::is_ok), "{written:?}");
+    s.advance_progress("a", &[("j", t1)], far, 10)
+        .await
+        .unwrap();
     assert_eq!(s.last_published("j").await.unwrap(), Some(t2));
+    assert_eq!(s.last_published("k").await.unwrap(), Some(t1));
+
+    // Another token moves nothing, even forward.
+    let later = t2 + chrono::Duration::seconds(1);
+    let refused = s.advance_progress("b", &[("j", later)], far, 10).await;
+    assert!(
+        matches!(refused, Err(ProgressError::Deposed)),
+        "{refused:?}"
+    );
+    assert_eq!(s.last_published("j").await.unwrap(), Some(t2));
+}
+
+#[tokio::test]
+async fn progress_ahead_of_redis_time_is_refused_per_job() {
+    let s = store("ahead").await;
+    s.acquire_lead(&candidate("a"), LEASE).await.unwrap();
+    let now = s.redis_time().await.unwrap();
+    let threshold = Duration::from_secs(5);
+    let near = now + chrono::Duration::seconds(2);
+    let ahead = now + chrono::Duration::hours(1);
+    let out = s
+        .advance_progress("a", &[("near", near), ("ahead", ahead)], threshold, 10)
+        .await
+        .unwrap();
+    assert!(out[0].is_ok(), "{out:?}");
+    assert!(
+        matches!(out[1], Err(ProgressError::Ahead { at }) if at == ahead),
+        "{out:?}"
+    );
+    assert!(s.last_published("near").await.unwrap().is_some());
+    assert_eq!(s.last_published("ahead").await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn the_lease_has_one_holder_and_each_acquisition_a_new_epoch() {
+    let s = store("lease").await;
+    let (a, b) = (candidate("a"), candidate("b"));
+    let first = s.acquire_lead(&a, LEASE).await.unwrap();
+    let LeaseOutcome::Acquired { epoch } = first.outcome else {
+        panic!("{first:?}")
+    };
+    assert_eq!(
+        s.acquire_lead(&b, LEASE).await.unwrap().outcome,
+        LeaseOutcome::Refused { holder: epoch }
+    );
+    assert_eq!(
+        s.renew_lead(&b, LEASE).await.unwrap().outcome,
+        LeaseOutcome::Refused { holder: epoch }
+    );
+    assert_eq!(
+        s.renew_lead(&a, LEASE).await.unwrap().outcome,
+        LeaseOutcome::Renewed { epoch }
+    );
+    // What `status` reads: written by the script, from Redis's clock.
+    let leader = s.leader().await.unwrap().expect("a leader");
+    assert_eq!(
+        (leader.host.as_str(), leader.pid, leader.epoch),
+        ("h", 42, epoch)
+    );
+    let since = chrono::DateTime::parse_from_rfc3339(&leader.since).expect("RFC 3339");
+    let skew = (since.with_timezone(&Utc) - first.redis_time).num_milliseconds();
+    assert_eq!(
+        skew, 0,
+        "since {} vs TIME {}",
+        leader.since, first.redis_time
+    );
+
+    // Only the holder releases; then the other acquires under the next epoch, and the old
+    // holder cannot renew its way back.
+    assert!(!s.resign_lead("b").await.unwrap());
+    assert!(s.resign_lead("a").await.unwrap());
+    assert_eq!(
+        s.renew_lead(&a, LEASE).await.unwrap().outcome,
+        LeaseOutcome::Refused { holder: 0 }
+    );
+    assert_eq!(
+        s.acquire_lead(&b, LEASE).await.unwrap().outcome,
+        LeaseOutcome::Acquired { epoch: epoch + 1 }
+    );
+}
+
+#[tokio::test]
+async fn a_lapsed_lease_is_free_and_renewing_it_is_refused() {
+    let s = store("lapse").await;
+    let a = candidate("a");
+    s.acquire_lead(&a, Duration::from_millis(50)).await.unwrap();
+    let mut conn = redis::Client::open(REDIS)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let gone = async {
+        loop {
+            let exists: bool = redis::cmd("EXISTS")
+                .arg(s.names().beat_leader())
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            if !exists {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), gone)
+        .await
+        .expect("the lease expires with its TTL");
+    assert_eq!(
+        s.renew_lead(&a, LEASE).await.unwrap().outcome,
+        LeaseOutcome::Refused { holder: 0 }
+    );
+    assert!(matches!(
+        s.acquire_lead(&candidate("b"), LEASE)
+            .await
+            .unwrap()
+            .outcome,
+        LeaseOutcome::Acquired { .. }
+    ));
 }
 
 #[tokio::test]

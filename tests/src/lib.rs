@@ -715,7 +715,7 @@ impl TestEnv {
         self.publish_raw(
             &envelope.queue,
             &envelope.encode(),
-            envelope.properties(chrono::Utc::now(), None),
+            envelope.properties(chrono::Utc::now(), 0),
         )
         .await;
     }

@@ -121,7 +121,18 @@ async fn status_reports_progress_success_and_staleness() {
     .await;
     assert!(healthy, "{}", status_json());
     let s = status_json();
-    assert!(s["leader"].is_null());
+    // The one beat leads: status names it, with the lease's first epoch.
+    let leader = &s["leader"];
+    assert_eq!(leader["pid"], beat.pid(), "{s}");
+    assert_eq!(leader["epoch"], 1, "{s}");
+    assert!(
+        leader["host"].is_string() && leader["since"].is_string(),
+        "{s}"
+    );
+    assert!(
+        leader.get("token").is_none(),
+        "the token stays in Redis: {s}"
+    );
     let tick = &s["jobs"][0];
     assert_eq!(tick["schedule"], "every 1s");
     assert!(tick["next_due"].is_string() && tick["last_published"].is_string());

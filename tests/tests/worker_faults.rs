@@ -31,7 +31,7 @@ async fn publish_to(url: &str, ns: &str, envelope: &drumline_shared::envelope::E
         &envelope.queue,
         BasicPublishOptions::default(),
         &envelope.encode(),
-        envelope.properties(chrono::Utc::now(), None),
+        envelope.properties(chrono::Utc::now(), 0),
     )
     .await
     .expect("publish")

@@ -187,7 +187,7 @@ async fn drumline(conn: &Connection, n: usize, concurrency: usize, shell: bool) 
     let bodies: Vec<_> = (0..n)
         .map(|i| {
             let e = envelope(i);
-            (e.encode(), e.properties(Utc::now(), None))
+            (e.encode(), e.properties(Utc::now(), 0))
         })
         .collect();
     let start = Instant::now();
@@ -287,7 +287,7 @@ async fn main() {
     let bodies: Vec<_> = (0..n.max(shell_n))
         .map(|i| {
             let e = envelope(i);
-            (e.encode(), e.properties(Utc::now(), None))
+            (e.encode(), e.properties(Utc::now(), 0))
         })
         .collect();
     let rate = |count: usize, d: Duration| count as f64 / d.as_secs_f64();

@@ -590,10 +590,7 @@ async fn probe_redis(store: Store, gate: Gate, stats: Arc<Stats>) {
 
 /// `host:pid:random` — unique per process, readable in Redis and logs.
 fn worker_id() -> String {
-    let host = nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "unknown".into());
+    let host = drumline_shared::names::host_name();
     let suffix = &uuid::Uuid::new_v4().simple().to_string()[..6];
     format!("{host}:{}:{suffix}", std::process::id())
 }

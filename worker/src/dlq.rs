@@ -183,7 +183,7 @@ impl DeadQueue {
                 &env.queue,
                 true,
                 &env.encode(),
-                env.properties(Utc::now(), None),
+                env.properties(Utc::now(), 0),
             )
             .await
             .map_err(|e| DlqError::NotConfirmed(env.key.clone(), e))?;

@@ -191,7 +191,7 @@ impl Processor {
             self.config.tasks.get(&env.task),
         ) else {
             let Rejected { reason, error } = decision::unknown_task(&env.task);
-            self.dead_letter_env(publisher, &env, reason, &error, env.attempt)
+            self.dead_letter_env(publisher, delivery, &env, reason, &error, env.attempt)
                 .await?;
             return Ok(Disposition::Ack);
         };
@@ -249,8 +249,15 @@ impl Processor {
                 info!("expired before it could run");
                 self.stats.expired.inc();
                 let error = "expires_at passed before the run";
-                self.dead_letter_env(publisher, env, DeadReason::Expired, error, env.attempt)
-                    .await?;
+                self.dead_letter_env(
+                    publisher,
+                    step.delivery,
+                    env,
+                    DeadReason::Expired,
+                    error,
+                    env.attempt,
+                )
+                .await?;
                 self.record(env, Outcome::Expired, None, None).await;
             }
             Action::Recheck { why, delay } => {
@@ -263,7 +270,8 @@ impl Processor {
                         "waiting for the job's previous instance (overlap = queue)"),
                 }
                 self.stats.busy.inc();
-                self.publish_delayed(publisher, env, delay).await?;
+                self.publish_delayed(publisher, step.delivery, env, delay)
+                    .await?;
             }
             Action::Skip { running } => {
                 info!(running = %running, "skipped: the job's previous instance still runs (overlap = skip)");
@@ -335,7 +343,8 @@ impl Processor {
         // lease expires and the retry (or a redelivery) takes over. Marking `retrying` instead
         // of deleting the claim makes every older copy a duplicate, so no copy starts a second
         // chain.
-        self.publish_delayed(step.publisher, &next, delay).await?;
+        self.publish_delayed(step.publisher, step.delivery, &next, delay)
+            .await?;
         self.store
             .retry(
                 &env.key,
@@ -474,7 +483,7 @@ impl Processor {
         }
         let env = step.env;
         let runs = env.attempt.saturating_add(1);
-        self.dead_letter_env(step.publisher, env, reason, error, runs)
+        self.dead_letter_env(step.publisher, step.delivery, env, reason, error, runs)
             .await?;
         self.finish_with_retries(env, step.token, Final::Dead)
             .await?;
@@ -509,16 +518,19 @@ impl Processor {
         }
     }
 
+    /// Publishes `env` (a retry or a re-check of `delivery`) to the delay queue of `delay`,
+    /// with the epoch of the copy it comes from.
     async fn publish_delayed(
         &self,
         publisher: &Channel,
+        delivery: &Delivery,
         env: &Envelope,
         delay: Duration,
     ) -> Result<(), Interrupted> {
         let delay = retry::bucket(delay);
         let queue =
             topology::declare_delay_queue(publisher, &self.names, &env.queue, delay).await?;
-        let props = env.properties(Utc::now(), None);
+        let props = env.properties(Utc::now(), epoch_of(delivery));
         Ok(topology::publish_confirmed(publisher, "", &queue, false, &env.encode(), props).await?)
     }
 
@@ -526,12 +538,13 @@ impl Processor {
     async fn dead_letter_env(
         &self,
         publisher: &Channel,
+        delivery: &Delivery,
         env: &Envelope,
         reason: DeadReason,
         error: &str,
         runs: u32,
     ) -> Result<(), Interrupted> {
-        let props = env.properties(Utc::now(), None);
+        let props = env.properties(Utc::now(), epoch_of(delivery));
         self.dead_letter(publisher, &env.encode(), &props, reason, error, runs)
             .await
     }
@@ -568,6 +581,12 @@ impl Processor {
                 .await?,
         )
     }
+}
+
+/// The leadership epoch a delivery was published under (`x-drumline-epoch`; 0 when absent).
+fn epoch_of(delivery: &Delivery) -> u64 {
+    envelope::header_int(delivery.properties.headers().as_ref(), envelope::H_EPOCH)
+        .map_or(0, |e| e.max(0) as u64)
 }
 
 /// One delivery being handled: what every action needs.

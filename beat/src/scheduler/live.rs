@@ -4,12 +4,13 @@
 
 use super::{run, BeatStats, BATCH_JOBS, BATCH_MESSAGES};
 use crate::misfire::tests::at;
-use crate::progress::save_progress;
 use chrono::{DateTime, DurationRound, SecondsFormat, TimeDelta, Utc};
 use drumline_shared::config::Config;
 use drumline_shared::envelope::{instance_key, Envelope};
 use drumline_shared::names::Names;
-use drumline_shared::store::{last_instant_text, parse_last_instant as parse_last, Store};
+use drumline_shared::store::{
+    last_instant_text, parse_last_instant as parse_last, Candidate, ProgressError, Store,
+};
 use lapin::options::{
     BasicGetOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
@@ -128,6 +129,26 @@ where
 
 fn rfc3339(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::AutoSi, true)
+}
+
+/// Writes progress the way a leader does: under the lease (taken for the write, then released,
+/// so the beat under test leads at once).
+async fn save_progress(
+    store: &Store,
+    progress: &[(&str, DateTime<Utc>)],
+) -> Result<Vec<Result<(), ProgressError>>, ProgressError> {
+    let seeder = Candidate {
+        token: "seeder".to_owned(),
+        host: "test".to_owned(),
+        pid: std::process::id(),
+    };
+    store.acquire_lead(&seeder, Duration::from_secs(10)).await?;
+    let far = Duration::from_secs(86400 * 365 * 100);
+    let out = store
+        .advance_progress(&seeder.token, progress, far, 2)
+        .await;
+    store.resign_lead(&seeder.token).await?;
+    out
 }
 
 #[tokio::test]

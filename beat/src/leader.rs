@@ -1,0 +1,400 @@
+//! Leadership (DESIGN §9): any number of beats run, one leads. A background task holds or
+//! seeks the leader lease through the [`Store`] — a standby tries every `leader_lease/3`, the
+//! leader renews every `leader_lease/3` — and publishes what it knows as a [`Lead`]. The
+//! scheduler publishes only under a [`Term`] that [`Term::holds`]: the lease was renewed less
+//! than `leader_lease − leader_lease/3` ago by the monotonic clock, counted from when the renewal
+//! was *sent*. So the leader stops before any other beat can take over, and a leader resumed
+//! after SIGSTOP publishes nothing until a renewal went through. Progress writes are fenced in
+//! Redis by the lease's token besides (a deposed leader moves nothing).
+//!
+//! The pure rules — how long a reply lets a leader publish, which clock a leader plans with —
+//! are functions of their inputs ([`publish_until`], [`planning_now`]); the task is their only
+//! effect, and touches Redis only through the [`Store`].
+
+use crate::stats::BeatStats;
+use chrono::{DateTime, TimeDelta, Utc};
+use drumline_shared::store::{Candidate, LeaseOutcome, Store};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+/// Longest wait for Redis when a stopping leader releases its lease.
+const RESIGN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What this beat knows of the lease, as of the last reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lead {
+    /// Our epoch while we hold the lease; `None` on a standby.
+    pub epoch: Option<u64>,
+    /// When publishing stops unless a renewal moves it (monotonic).
+    pub valid_until: Instant,
+    /// Redis `TIME` minus our wall clock, measured at the last reply (`None` before one).
+    pub skew: Option<TimeDelta>,
+}
+
+/// How long a lease try sent at `sent` and granted lets this beat publish: `lease − lease/3`,
+/// a third of the lease before any other beat can acquire it (the lease's TTL started at
+/// the earliest when the try was sent).
+pub fn publish_until(sent: Instant, lease: Duration) -> Instant {
+    sent + (lease - lease / 3)
+}
+
+/// The instant a leader plans with: its own wall clock, but never more than `threshold` ahead
+/// of Redis `TIME` (`local + skew`), so a beat whose clock runs ahead publishes nothing early
+/// and records no progress in the future.
+pub fn planning_now(
+    local: DateTime<Utc>,
+    skew: Option<TimeDelta>,
+    threshold: Duration,
+) -> DateTime<Utc> {
+    let threshold = TimeDelta::from_std(threshold).unwrap_or(TimeDelta::MAX);
+    match skew {
+        Some(skew) => local.min(local + skew + threshold),
+        None => local,
+    }
+}
+
+/// The lease task and the view of it the scheduler reads.
+pub struct Leadership {
+    store: Store,
+    candidate: Arc<Candidate>,
+    lead: watch::Receiver<Lead>,
+    tx: Arc<watch::Sender<Lead>>,
+    task: JoinHandle<()>,
+    threshold: Duration,
+}
+
+/// One leadership term: what the scheduler publishes under, from a gain to its loss.
+#[derive(Clone)]
+pub struct Term {
+    /// The term's epoch, carried by every message as `x-drumline-epoch`.
+    pub epoch: u64,
+    lead: watch::Receiver<Lead>,
+    tx: Arc<watch::Sender<Lead>>,
+    candidate: Arc<Candidate>,
+    threshold: Duration,
+}
+
+impl Leadership {
+    /// Starts seeking the lease for `lease` in the background, reporting to `stats`.
+    pub fn start(store: Store, lease: Duration, threshold: Duration, stats: BeatStats) -> Self {
+        let candidate = Arc::new(Candidate {
+            token: uuid::Uuid::new_v4().simple().to_string(),
+            host: drumline_shared::names::host_name(),
+            pid: std::process::id(),
+        });
+        let (tx, lead) = watch::channel(Lead {
+            epoch: None,
+            valid_until: Instant::now(),
+            skew: None,
+        });
+        let tx = Arc::new(tx);
+        let task = tokio::spawn(keep(
+            store.clone(),
+            candidate.clone(),
+            lease,
+            tx.clone(),
+            stats,
+        ));
+        Leadership {
+            store,
+            candidate,
+            lead,
+            tx,
+            task,
+            threshold,
+        }
+    }
+
+    /// Waits until this beat holds the lease with time left to publish; its term.
+    pub async fn next_term(&mut self) -> Term {
+        loop {
+            let lead = *self.lead.borrow_and_update();
+            if let Some(epoch) = lead.epoch.filter(|_| Instant::now() < lead.valid_until) {
+                return Term {
+                    epoch,
+                    lead: self.lead.clone(),
+                    tx: self.tx.clone(),
+                    candidate: self.candidate.clone(),
+                    threshold: self.threshold,
+                };
+            }
+            // The task only ever drops the sender when this beat stops.
+            if self.lead.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// Stops seeking the lease and releases it if we hold it, so a standby leads at its next
+    /// try rather than after a whole lease.
+    pub async fn resign(self) {
+        self.task.abort();
+        let _ = self.task.await;
+        let Some(epoch) = self.lead.borrow().epoch else {
+            return;
+        };
+        let released = self.store.resign_lead(&self.candidate.token);
+        match tokio::time::timeout(RESIGN_TIMEOUT, released).await {
+            Ok(Ok(true)) => info!(epoch, "leadership released"),
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => {
+                warn!(epoch, error = %e, "cannot release the leader lease; it lapses by itself")
+            }
+            Err(_) => warn!(
+                epoch,
+                "redis did not answer; the leader lease lapses by itself"
+            ),
+        }
+    }
+}
+
+impl Term {
+    /// Whether this beat may publish now: it still holds the lease of this term, renewed
+    /// recently enough that no other beat can have taken it.
+    pub fn holds(&self) -> bool {
+        let lead = self.lead.borrow();
+        lead.epoch == Some(self.epoch) && Instant::now() < lead.valid_until
+    }
+
+    /// Whether the term is over (the task saw the lease lost or taken): `holds` can be false
+    /// for a while before (a renewal late), and then true again.
+    pub fn ended(&self) -> bool {
+        self.lead.borrow().epoch != Some(self.epoch)
+    }
+
+    /// Waits until [`ended`](Self::ended) or [`holds`](Self::holds) may have changed.
+    pub async fn changed(&mut self) {
+        let until = self.lead.borrow_and_update().valid_until;
+        tokio::select! {
+            r = self.lead.changed() => {
+                if r.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+            _ = tokio::time::sleep_until(until), if Instant::now() < until => {}
+        }
+    }
+
+    /// The token progress writes are fenced with.
+    pub fn token(&self) -> &str {
+        &self.candidate.token
+    }
+
+    /// How far past Redis `TIME` progress may be recorded (`misfire_threshold`).
+    pub fn max_ahead(&self) -> Duration {
+        self.threshold
+    }
+
+    /// The instant to plan with now ([`planning_now`]).
+    pub fn now(&self) -> DateTime<Utc> {
+        planning_now(Utc::now(), self.lead.borrow().skew, self.threshold)
+    }
+
+    /// Redis refused a progress write of this term: the lease is someone else's. Ends the term
+    /// at once, rather than at the next renewal.
+    pub fn deposed(&self) {
+        let epoch = self.epoch;
+        let ended = self.tx.send_if_modified(|lead| {
+            if lead.epoch != Some(epoch) {
+                return false;
+            }
+            lead.epoch = None;
+            true
+        });
+        if ended {
+            warn!(epoch, "leadership lost: redis refused this beat's progress (another beat holds the lease)");
+        }
+    }
+}
+
+/// The lease task: acquire (standby) or renew (leader) every `lease/3`, sooner after a Redis
+/// error; reports each change through `tx` and the gauges.
+async fn keep(
+    store: Store,
+    who: Arc<Candidate>,
+    lease: Duration,
+    tx: Arc<watch::Sender<Lead>>,
+    stats: BeatStats,
+) {
+    let every = lease / 3;
+    loop {
+        let leading = tx.borrow().epoch;
+        let sent = Instant::now();
+        let local = Utc::now();
+        let reply = match leading {
+            None => store.acquire_lead(&who, lease).await,
+            Some(_) => store.renew_lead(&who, lease).await,
+        };
+        let pause = match reply {
+            Ok(reply) => {
+                let rtt = sent.elapsed();
+                let midpoint = local + TimeDelta::from_std(rtt / 2).unwrap_or_default();
+                let skew = Some(reply.redis_time - midpoint);
+                report(leading, reply.outcome, &stats);
+                tx.send_modify(|lead| {
+                    lead.skew = skew;
+                    apply(lead, reply.outcome, sent, lease);
+                });
+                every
+            }
+            Err(e) => {
+                warn!(error = %e, leading = leading.is_some(), "cannot reach redis for the leader lease; retrying");
+                every / 4
+            }
+        };
+        tokio::time::sleep_until(sent + pause).await;
+    }
+}
+
+/// The new [`Lead`] after a lease try sent at `sent` answered `outcome`.
+fn apply(lead: &mut Lead, outcome: LeaseOutcome, sent: Instant, lease: Duration) {
+    match outcome {
+        LeaseOutcome::Acquired { epoch } | LeaseOutcome::Renewed { epoch } => {
+            lead.epoch = Some(epoch);
+            lead.valid_until = publish_until(sent, lease);
+        }
+        LeaseOutcome::Refused { .. } => lead.epoch = None,
+    }
+}
+
+/// Logs gains and losses and sets the gauges.
+fn report(leading: Option<u64>, outcome: LeaseOutcome, stats: &BeatStats) {
+    match (leading, outcome) {
+        (_, LeaseOutcome::Acquired { epoch }) => {
+            info!(epoch, "leadership gained: this beat publishes");
+            stats.set_leader(true, epoch);
+        }
+        (_, LeaseOutcome::Renewed { epoch }) => stats.set_leader(true, epoch),
+        (Some(epoch), LeaseOutcome::Refused { holder }) => {
+            warn!(
+                epoch,
+                holder, "leadership lost: the lease lapsed or another beat holds it; standing by"
+            );
+            stats.set_leader(false, holder);
+        }
+        (None, LeaseOutcome::Refused { holder }) => stats.set_leader(false, holder),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LEASE: Duration = Duration::from_secs(9);
+
+    #[test]
+    fn a_grant_lets_the_leader_publish_for_two_thirds_of_the_lease_from_the_send() {
+        let sent = Instant::now();
+        assert_eq!(publish_until(sent, LEASE), sent + Duration::from_secs(6));
+        let mut lead = Lead {
+            epoch: None,
+            valid_until: sent,
+            skew: None,
+        };
+        apply(&mut lead, LeaseOutcome::Acquired { epoch: 7 }, sent, LEASE);
+        assert_eq!(
+            (lead.epoch, lead.valid_until),
+            (Some(7), sent + Duration::from_secs(6))
+        );
+        let later = sent + Duration::from_secs(3);
+        apply(&mut lead, LeaseOutcome::Renewed { epoch: 7 }, later, LEASE);
+        assert_eq!(lead.valid_until, later + Duration::from_secs(6));
+        apply(&mut lead, LeaseOutcome::Refused { holder: 8 }, later, LEASE);
+        assert_eq!(lead.epoch, None);
+    }
+
+    #[test]
+    fn a_clock_ahead_of_redis_plans_at_redis_time_plus_the_threshold() {
+        let local: DateTime<Utc> = "2026-03-02T13:00:00Z".parse().unwrap();
+        let threshold = Duration::from_secs(5);
+        // Our clock is an hour ahead of Redis's.
+        let skew = Some(TimeDelta::hours(-1));
+        assert_eq!(
+            planning_now(local, skew, threshold),
+            "2026-03-02T12:00:05Z".parse::<DateTime<Utc>>().unwrap()
+        );
+        // Behind or level: our own clock (a late beat is late, not early).
+        for skew in [Some(TimeDelta::hours(1)), Some(TimeDelta::zero()), None] {
+            assert_eq!(planning_now(local, skew, threshold), local);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_term_stops_holding_when_its_renewal_is_late_and_ends_when_refused() {
+        let (tx, lead) = watch::channel(Lead {
+            epoch: None,
+            valid_until: Instant::now(),
+            skew: None,
+        });
+        let tx = Arc::new(tx);
+        tx.send_modify(|l| {
+            apply(
+                l,
+                LeaseOutcome::Acquired { epoch: 3 },
+                Instant::now(),
+                LEASE,
+            )
+        });
+        let term = Term {
+            epoch: 3,
+            lead,
+            tx: tx.clone(),
+            candidate: Arc::new(Candidate {
+                token: "t".into(),
+                host: "h".into(),
+                pid: 1,
+            }),
+            threshold: Duration::from_secs(5),
+        };
+        assert!(term.holds() && !term.ended());
+        // A SIGSTOP or a slow Redis: no renewal for two thirds of the lease.
+        tokio::time::advance(Duration::from_secs(6)).await;
+        assert!(!term.holds() && !term.ended());
+        // The renewal, when it comes, is refused: the term is over.
+        tx.send_modify(|l| {
+            apply(
+                l,
+                LeaseOutcome::Refused { holder: 4 },
+                Instant::now(),
+                LEASE,
+            )
+        });
+        assert!(term.ended());
+        // A later acquisition is another term, not this one.
+        tx.send_modify(|l| {
+            apply(
+                l,
+                LeaseOutcome::Acquired { epoch: 5 },
+                Instant::now(),
+                LEASE,
+            )
+        });
+        assert!(!term.holds() && term.ended());
+    }
+
+    #[test]
+    fn progress_refused_by_redis_ends_the_term_at_once() {
+        let (tx, lead) = watch::channel(Lead {
+            epoch: Some(3),
+            valid_until: Instant::now() + LEASE,
+            skew: None,
+        });
+        let term = Term {
+            epoch: 3,
+            lead,
+            tx: Arc::new(tx),
+            candidate: Arc::new(Candidate {
+                token: "t".into(),
+                host: "h".into(),
+                pid: 1,
+            }),
+            threshold: Duration::from_secs(5),
+        };
+        term.deposed();
+        assert!(term.ended() && !term.holds());
+    }
+}

@@ -1,0 +1,346 @@
+//! The beat's leader lease and the progress only its holder may write (DESIGN §9
+//! "Leadership"). `{ns}:beat:leader` holds `{host, pid, epoch, since, token}` with a TTL of one
+//! lease; each acquisition takes the next `{ns}:beat:epoch`. Every script compares the caller's
+//! token with the lease's, so a beat that lost the lease (a pause, a partition) can neither
+//! renew it, release another's, nor move any job's progress. Each reply carries Redis `TIME`:
+//! the one clock every beat shares, against which progress is capped.
+
+use super::{last_instant_text, Store, StoreError};
+use chrono::{DateTime, Utc};
+use redis::Script;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+/// Who asks for the lease.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    /// Random, per process: only its holder may renew or release the lease, or write progress.
+    pub token: String,
+    /// Host name, for people.
+    pub host: String,
+    /// Process id, for people.
+    pub pid: u32,
+}
+
+/// What a lease try found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseOutcome {
+    /// The lease was free: we hold it now, under a new epoch.
+    Acquired {
+        /// The new epoch.
+        epoch: u64,
+    },
+    /// We held the lease and extended it by one lease.
+    Renewed {
+        /// Our epoch.
+        epoch: u64,
+    },
+    /// Another beat holds it (on acquire), or we do not hold it any more (on renew).
+    Refused {
+        /// The holder's epoch; 0 when no beat holds the lease (a lapsed renew).
+        holder: u64,
+    },
+}
+
+/// A lease try's outcome and Redis's clock when the script ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseReply {
+    /// What the try found.
+    pub outcome: LeaseOutcome,
+    /// Redis `TIME`, to the millisecond.
+    pub redis_time: DateTime<Utc>,
+}
+
+/// Why a fenced progress write was not applied.
+#[derive(Debug, thiserror::Error)]
+pub enum ProgressError {
+    /// Redis did not answer, or answered something else than the script returns.
+    #[error(transparent)]
+    Redis(#[from] StoreError),
+    /// The caller's token does not hold the leader lease: a deposed leader moves nothing.
+    #[error("this beat does not hold the leader lease")]
+    Deposed,
+    /// The instant is further ahead of Redis `TIME` than allowed (a beat whose clock runs
+    /// ahead); nothing was written for this job.
+    #[error("{at} is more than the misfire threshold ahead of redis TIME")]
+    Ahead {
+        /// The refused instant.
+        at: DateTime<Utc>,
+    },
+}
+
+/// The lease's JSON is written by the script (so `since` and `epoch` come from Redis), and a
+/// token is compared by decoding it: a value that is not our JSON is someone else's.
+const HELD_BY: &str = r#"
+local function held_by(key, token)
+  local cur = redis.call('GET', key)
+  if not cur then return nil end
+  local ok, lease = pcall(cjson.decode, cur)
+  if ok and type(lease) == 'table' and lease.token == token then return lease end
+  return nil
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"#;
+
+// RFC 3339 (UTC, milliseconds) of a Unix time in ms: days to civil date after H. Hinnant's
+// `civil_from_days`.
+const RFC3339: &str = r#"
+local function rfc3339(ms)
+  local s = math.floor(ms / 1000)
+  local days = math.floor(s / 86400)
+  local rem = s - days * 86400
+  local z = days + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
+    - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local d = doy - math.floor((153 * mp + 2) / 5) + 1
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400 + (m <= 2 and 1 or 0)
+  return string.format('%04d-%02d-%02dT%02d:%02d:%02d.%03dZ', y, m, d,
+    math.floor(rem / 3600), math.floor(rem % 3600 / 60), rem % 60, ms % 1000)
+end
+"#;
+
+// KEYS[1] lease, KEYS[2] epoch counter; ARGV token, lease_ms, host, pid, mode (acquire | renew).
+// Returns {code, epoch, redis_ms}: 1 acquired, 2 renewed, 0 refused (epoch: the holder's, 0 for
+// none). `renew` never acquires: a
+// leader whose lease lapsed has to come back through `acquire`, under a new epoch.
+static LEAD: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        "{HELD_BY}{RFC3339}{}",
+        r#"
+local now = now_ms()
+local mine = held_by(KEYS[1], ARGV[1])
+if mine then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {2, tonumber(mine.epoch), now}
+end
+local cur = redis.call('GET', KEYS[1])
+if ARGV[5] == 'renew' or cur then
+  local ok, lease = pcall(cjson.decode, cur or '')
+  local holder = ok and type(lease) == 'table' and tonumber(lease.epoch) or 0
+  return {0, holder, now}
+end
+local epoch = redis.call('INCR', KEYS[2])
+local lease = cjson.encode({host = ARGV[3], pid = tonumber(ARGV[4]), epoch = epoch,
+  since = rfc3339(now), token = ARGV[1]})
+redis.call('SET', KEYS[1], lease, 'PX', ARGV[2])
+return {1, epoch, now}
+"#
+    ))
+});
+
+// KEYS[1] lease; ARGV token. Deletes the lease only when it is ours.
+static RESIGN: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        "{HELD_BY}{}",
+        r#"
+if held_by(KEYS[1], ARGV[1]) then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"#
+    ))
+});
+
+// KEYS[1] lease, KEYS[2..] progress keys; ARGV[1] token, ARGV[2] most ms ahead of TIME, then per
+// progress key its instant as fixed-width RFC 3339 text (string order is time order) and as
+// Unix ms. Returns {0} when the token does not hold the lease (nothing written), else {1, per
+// key: 1 written or already further, 0 refused as ahead, -1 its value is not a string}. One
+// job's broken key fails that job alone.
+static ADVANCE_FENCED: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        "{HELD_BY}{}",
+        r#"
+if not held_by(KEYS[1], ARGV[1]) then return {0} end
+local limit = now_ms() + tonumber(ARGV[2])
+local out = {1}
+for i = 2, #KEYS do
+  local text, ms = ARGV[2 * i - 1], tonumber(ARGV[2 * i])
+  if ms > limit then
+    out[i] = 0
+  else
+    local cur = redis.pcall('GET', KEYS[i])
+    if type(cur) == 'table' and cur.err then
+      out[i] = -1
+    else
+      if cur == false or cur < text then redis.call('SET', KEYS[i], text) end
+      out[i] = 1
+    end
+  end
+end
+return out
+"#
+    ))
+});
+
+impl Store {
+    /// Takes the leader lease for `lease` when no beat holds it (a new epoch), or extends it
+    /// when `who` holds it already.
+    pub async fn acquire_lead(
+        &self,
+        who: &Candidate,
+        lease: Duration,
+    ) -> Result<LeaseReply, StoreError> {
+        self.lead(who, lease, "acquire").await
+    }
+
+    /// Extends the lease `who` holds by `lease`; [`LeaseOutcome::Refused`] when `who` does not
+    /// hold it any more (it lapsed, or another beat took it).
+    pub async fn renew_lead(
+        &self,
+        who: &Candidate,
+        lease: Duration,
+    ) -> Result<LeaseReply, StoreError> {
+        self.lead(who, lease, "renew").await
+    }
+
+    async fn lead(
+        &self,
+        who: &Candidate,
+        lease: Duration,
+        mode: &str,
+    ) -> Result<LeaseReply, StoreError> {
+        let mut conn = self.conn.clone();
+        let (code, epoch, ms): (i64, u64, i64) = LEAD
+            .key(self.names.beat_leader())
+            .key(self.names.beat_epoch())
+            .arg(&who.token)
+            .arg(lease.as_millis().max(1) as u64)
+            .arg(&who.host)
+            .arg(who.pid)
+            .arg(mode)
+            .invoke_async(&mut conn)
+            .await?;
+        let outcome = match code {
+            1 => LeaseOutcome::Acquired { epoch },
+            2 => LeaseOutcome::Renewed { epoch },
+            0 => LeaseOutcome::Refused { holder: epoch },
+            _ => return Err(unexpected("the lease script returned an unknown code")),
+        };
+        let redis_time = DateTime::from_timestamp_millis(ms)
+            .ok_or_else(|| unexpected("redis TIME is out of range"))?;
+        Ok(LeaseReply {
+            outcome,
+            redis_time,
+        })
+    }
+
+    /// Releases the lease if `token` holds it (a clean stop, so a standby leads at its next
+    /// try); `false` when it did not.
+    pub async fn resign_lead(&self, token: &str) -> Result<bool, StoreError> {
+        let mut conn = self.conn.clone();
+        RESIGN
+            .key(self.names.beat_leader())
+            .arg(token)
+            .invoke_async(&mut conn)
+            .await
+    }
+
+    /// Moves each `(job, instant)`'s progress forward (never back) while `token` holds the
+    /// leader lease, refusing an instant more than `max_ahead` after Redis `TIME`: `per_call`
+    /// jobs per script call, every call of one write pipelined. One outcome per entry, in order;
+    /// `Err` when Redis failed or the lease is not `token`'s (then calls before the loss may
+    /// have been applied, which is harmless: each moved progress only forward, to instants the
+    /// holder had published).
+    pub async fn advance_progress(
+        &self,
+        token: &str,
+        progress: &[(&str, DateTime<Utc>)],
+        max_ahead: Duration,
+        per_call: usize,
+    ) -> Result<Vec<Result<(), ProgressError>>, ProgressError> {
+        if progress.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut conn = self.conn.clone();
+        let chunks: Vec<&[(&str, DateTime<Utc>)]> = progress.chunks(per_call.max(1)).collect();
+        let mut pipe = redis::pipe();
+        // EVALSHA needs the script cached (a restarted Redis forgot it): load it in the same
+        // round trip.
+        pipe.load_script(&ADVANCE_FENCED).ignore();
+        for chunk in &chunks {
+            let mut call = ADVANCE_FENCED.prepare_invoke();
+            call.key(self.names.beat_leader())
+                .arg(token)
+                .arg(max_ahead.as_millis() as u64);
+            for (job, at) in *chunk {
+                call.key(self.names.beat_last(job))
+                    .arg(last_instant_text(*at))
+                    .arg(at.timestamp_millis());
+            }
+            pipe.invoke_script(&call);
+        }
+        let replies: Vec<Vec<i64>> = pipe.query_async(&mut conn).await?;
+        if replies.len() != chunks.len() {
+            return Err(unexpected("a pipeline returned fewer replies than calls").into());
+        }
+        let mut out = Vec::with_capacity(progress.len());
+        for (chunk, reply) in chunks.iter().zip(replies) {
+            match reply.split_first() {
+                Some((1, codes)) if codes.len() == chunk.len() => {
+                    out.extend(chunk.iter().zip(codes).map(|((_, at), code)| match code {
+                        1 => Ok(()),
+                        0 => Err(ProgressError::Ahead { at: *at }),
+                        _ => Err(
+                            unexpected("the job's progress key holds a non-string value").into(),
+                        ),
+                    }))
+                }
+                Some((0, _)) => return Err(ProgressError::Deposed),
+                _ => return Err(unexpected("the progress script returned an unknown reply").into()),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Redis `TIME`.
+    pub async fn redis_time(&self) -> Result<DateTime<Utc>, StoreError> {
+        let mut conn = self.conn.clone();
+        let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await?;
+        DateTime::from_timestamp(secs, (micros * 1000) as u32)
+            .ok_or_else(|| unexpected("redis TIME is out of range"))
+    }
+}
+
+fn unexpected(what: &'static str) -> StoreError {
+    StoreError::from((redis::ErrorKind::UnexpectedReturnType, what))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RFC3339;
+
+    /// The lease's `since` is formatted by the script from Redis `TIME`; its date arithmetic,
+    /// run by the real Redis on the dates that break naive formulas, against chrono.
+    #[tokio::test]
+    async fn the_scripts_rfc3339_matches_chrono_across_the_calendar() {
+        let mut conn = redis::Client::open("redis://127.0.0.1:6379/0")
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .expect("redis");
+        let script = redis::Script::new(&format!("{RFC3339}return rfc3339(tonumber(ARGV[1]))"));
+        for text in [
+            "1970-01-01T00:00:00.000Z",
+            "2000-02-29T23:59:59.999Z",
+            "2024-12-31T12:34:56.789Z",
+            "2026-03-01T00:00:00.001Z",
+            "2026-11-30T21:15:07.250Z",
+            "2100-03-01T08:00:00.000Z",
+        ] {
+            let ms = chrono::DateTime::parse_from_rfc3339(text)
+                .unwrap()
+                .timestamp_millis();
+            let formatted: String = script.arg(ms).invoke_async(&mut conn).await.unwrap();
+            assert_eq!(formatted, text, "{ms}");
+        }
+    }
+}
