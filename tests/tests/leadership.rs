@@ -405,9 +405,11 @@ async fn a_leader_stopped_past_its_lease_publishes_nothing_it_decides_after_resu
     let second = wait_leader(&env, first.epoch, Duration::from_secs(20), &[&beats[new]]);
     assert_eq!(second.pid, beats[new].pid, "the standby took over");
     let took_over = stopped_at.elapsed();
-    // Keep the old leader stopped until the new one has published a few instances.
+    // Keep the old leader stopped past its whole lease (3 s) and its renewal deadlines, until
+    // the new one has published a few instances.
     assert!(
-        wait_until(WAIT, || of_epoch(&snoop, second.epoch).len() >= 3),
+        wait_until(WAIT, || of_epoch(&snoop, second.epoch).len() >= 3
+            && stopped_at.elapsed() >= Duration::from_secs(5)),
         "{}",
         beats[new].proc.log_tail(20)
     );
