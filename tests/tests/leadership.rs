@@ -701,3 +701,135 @@ async fn a_beat_an_hour_ahead_neither_publishes_early_nor_loses_instances() {
     println!("faketime: published per leader (fast, normal, fast): {per_leader:?}");
     settle_and_check(&env, &snoop, &mut workers, 15);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leader_whose_lease_is_taken_moves_no_progress_and_steps_down() {
+    let mut env = setup("lead_stolen");
+    let cfg = config(&env, "leader_lease = \"3s\"");
+    let mut workers = workers(&env, &cfg, 1).await;
+    let snoop = Snoop::start(&mut env, "default");
+    let mut beat = Beat::start(&env, "beat", &cfg, &[]);
+    let first = wait_leader(&env, 0, WAIT, &[&beat]);
+    assert!(
+        wait_until(WAIT, || of_epoch(&snoop, first.epoch).len() >= 4),
+        "{}",
+        beat.proc.log_tail(20)
+    );
+
+    // Another holder appears (as after a lease lost in Redis and taken by some other beat):
+    // the lease names a foreign token, and its TTL outlasts the observation.
+    let mut redis = redis_sync();
+    let thief = serde_json::json!({
+        "host": "elsewhere", "pid": 1, "epoch": first.epoch + 100,
+        "since": Utc::now().to_rfc3339(), "token": "not-the-beats"
+    })
+    .to_string();
+    let (at_steal,): (Option<String>,) = redis::pipe()
+        .atomic()
+        .cmd("SET")
+        .arg(env.names().beat_leader())
+        .arg(&thief)
+        .arg("PX")
+        .arg(60_000)
+        .ignore()
+        .cmd("GET")
+        .arg(env.names().beat_last("tick"))
+        .query(&mut redis)
+        .expect("steal the lease");
+    let stolen = Utc::now();
+    let stolen_at = Instant::now();
+    let at_steal = DateTime::parse_from_rfc3339(&at_steal.expect("progress before the steal"))
+        .expect("rfc3339")
+        .with_timezone(&Utc);
+    let progress = progress_sampler(&env);
+
+    // It notices at its next renewal (within lease/3) and stands by.
+    assert!(
+        wait_until(Duration::from_secs(5), || beat.metric(IS_LEADER)
+            == Some(0.0)),
+        "the beat still leads under a foreign lease\n{}",
+        beat.proc.log_tail(20)
+    );
+    let stepped_down = stolen_at.elapsed();
+    let published_then = snoop.messages().len();
+    // Standing by for a while: it neither takes the foreign lease nor publishes.
+    let quiet_until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < quiet_until {
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(beat.metric(IS_LEADER), Some(0.0));
+    }
+    assert_eq!(
+        snoop.messages().len(),
+        published_then,
+        "the standby published"
+    );
+    let held: Option<String> = redis::cmd("GET")
+        .arg(env.names().beat_leader())
+        .query(&mut redis)
+        .expect("GET lease");
+    assert_eq!(
+        held.as_deref(),
+        Some(thief.as_str()),
+        "the foreign lease was touched"
+    );
+    let frozen = progress.samples();
+    drop(progress);
+
+    // Under the foreign lease no progress moved, whatever the beat still published.
+    assert!(frozen.len() > 20, "{} samples", frozen.len());
+    let moved: Vec<_> = frozen
+        .iter()
+        .filter(|s| s.last != Some(at_steal))
+        .take(3)
+        .collect();
+    assert!(
+        moved.is_empty(),
+        "progress moved from {at_steal} under a lease the beat does not hold: {moved:?}"
+    );
+    let late: Vec<_> = of_epoch(&snoop, first.epoch)
+        .into_iter()
+        .filter(|m| m.envelope.published_at > stolen + chrono::Duration::seconds(2))
+        .map(|m| (m.envelope.key, m.envelope.published_at))
+        .collect();
+    assert!(
+        late.is_empty(),
+        "published after lease − lease/3 without a renewal: {late:?}"
+    );
+    let after_steal = of_epoch(&snoop, first.epoch)
+        .iter()
+        .filter(|m| m.arrived_at > stolen_at)
+        .count();
+    println!(
+        "stolen lease: stepped down {stepped_down:?} after the steal; {after_steal} messages \
+         published after it (their progress fenced)"
+    );
+
+    // The foreign lease goes away: the beat leads again under a new epoch and resumes from the
+    // fenced progress, so nothing is missed (what it published unrecorded comes again).
+    let _: () = redis::cmd("DEL")
+        .arg(env.names().beat_leader())
+        .query(&mut redis)
+        .expect("DEL");
+    let second = wait_leader(&env, first.epoch, Duration::from_secs(5), &[&beat]);
+    assert_eq!(second.pid, beat.pid);
+    assert!(
+        second.epoch < first.epoch + 100,
+        "epochs come from the counter"
+    );
+    assert!(
+        wait_until(WAIT, || of_epoch(&snoop, second.epoch).len() >= 4),
+        "{}",
+        beat.proc.log_tail(20)
+    );
+    assert!(beat.proc.terminate(Duration::from_secs(10)).success());
+    let republished: BTreeSet<String> = of_epoch(&snoop, second.epoch)
+        .into_iter()
+        .map(|m| m.envelope.key)
+        .collect();
+    let again = of_epoch(&snoop, first.epoch)
+        .iter()
+        .filter(|m| republished.contains(&m.envelope.key))
+        .count();
+    println!("stolen lease: {again} instances published again by the new term");
+    settle_and_check(&env, &snoop, &mut workers, 8);
+}
