@@ -6,6 +6,7 @@
 //! beats' metrics.
 
 use chrono::{DateTime, Utc};
+use drumline_e2e::proxy::{Fault, Proxy};
 use drumline_e2e::snoop::{Snoop, Snooped};
 use drumline_e2e::{
     assert_contiguous_exactly_once, faketime_ahead, instant_of, metric, setup, wait_until,
@@ -832,4 +833,115 @@ async fn a_leader_whose_lease_is_taken_moves_no_progress_and_steps_down() {
         .count();
     println!("stolen lease: {again} instances published again by the new term");
     settle_and_check(&env, &snoop, &mut workers, 8);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leader_cut_off_from_redis_stops_publishing_before_a_standby_takes_over() {
+    let mut env = setup("lead_partition");
+    let cfg = config(&env, "leader_lease = \"3s\"");
+    let mut workers = workers(&env, &cfg, 1).await;
+    let snoop = Snoop::start(&mut env, "default");
+    // The first beat reaches Redis through a proxy the test can cut; it starts alone, so it
+    // leads. The broker stays reachable: a leader partitioned from Redis only.
+    let proxy = Proxy::start("127.0.0.1:6379".parse().expect("addr"));
+    let via_proxy = proxy.redis_url();
+    let mut beats = vec![Beat::start(
+        &env,
+        "beat-cut",
+        &cfg,
+        &[("DRUMLINE_REDIS_URL", via_proxy.as_str())],
+    )];
+    let first = wait_leader(&env, 0, WAIT, &[&beats[0]]);
+    assert_eq!(first.pid, beats[0].pid);
+    beats.push(Beat::start(&env, "beat-standby", &cfg, &[]));
+    assert!(
+        wait_until(WAIT, || of_epoch(&snoop, first.epoch).len() >= 4
+            && beats[1].metric(IS_LEADER) == Some(0.0)),
+        "{}",
+        beats[0].proc.log_tail(20)
+    );
+
+    proxy.set(Fault::Blackhole);
+    let cut = Utc::now();
+    let cut_at = Instant::now();
+    let second = wait_leader(&env, first.epoch, Duration::from_secs(20), &[&beats[1]]);
+    assert_eq!(second.pid, beats[1].pid);
+    let took_over = cut_at.elapsed();
+    assert!(
+        wait_until(WAIT, || of_epoch(&snoop, second.epoch).len() >= 4),
+        "{}",
+        beats[1].proc.log_tail(20)
+    );
+    // The cut-off beat knows it does not lead (it cannot renew), while still cut off.
+    let standby_while_cut = wait_until(Duration::from_secs(5), || {
+        beats[0].metric(IS_LEADER) == Some(0.0)
+    });
+    let cut_for = cut_at.elapsed();
+    let cut_log = beats[0].proc.log_tail(20);
+    let cut_view = format!(
+        "cut-off beat: is_leader {:?}, /healthz {:?}; new leader: is_leader {:?}",
+        beats[0].metric(IS_LEADER),
+        drumline_e2e::http_get(beats[0].port, "/healthz"),
+        beats[1].metric(IS_LEADER)
+    );
+
+    // Healed: what the cut-off beat sent meanwhile reaches Redis now, and is refused.
+    proxy.set(Fault::Pass);
+    let healed_at = Instant::now();
+    let quiet_until = Instant::now() + Duration::from_secs(4);
+    let old_published = beats[0].metric(PUBLISHED);
+    while Instant::now() < quiet_until {
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(
+            beats[0].metric(IS_LEADER),
+            Some(0.0),
+            "the healed beat leads"
+        );
+    }
+    assert_eq!(beats[0].metric(PUBLISHED), old_published);
+    assert_eq!(lease(&env, &mut redis_sync()), Some(second));
+    for b in beats.iter_mut() {
+        assert!(
+            b.proc.terminate(Duration::from_secs(10)).success(),
+            "{}",
+            b.proc.log_tail(20)
+        );
+    }
+
+    // The two terms do not overlap: the old leader decided its last message before the new one
+    // decided its first, and within lease − lease/3 of the cut (its last renewal was before).
+    let old = of_epoch(&snoop, first.epoch);
+    let new = of_epoch(&snoop, second.epoch);
+    let old_last = old
+        .iter()
+        .map(|m| m.envelope.published_at)
+        .max()
+        .expect("old");
+    let new_first = new
+        .iter()
+        .map(|m| m.envelope.published_at)
+        .min()
+        .expect("new");
+    println!(
+        "Redis cut: standby led {took_over:?} after the cut; old term's last decision {} ms after \
+         the cut, new term's first {} ms after it",
+        (old_last - cut).num_milliseconds(),
+        (new_first - cut).num_milliseconds()
+    );
+    assert!(
+        old_last < new_first,
+        "the terms overlap: old leader published at {old_last}, new one from {new_first}"
+    );
+    assert!(
+        old_last <= cut + chrono::Duration::seconds(2),
+        "the cut-off leader published {old_last}, more than lease − lease/3 after the cut {cut}"
+    );
+    let after_heal = old.iter().filter(|m| m.arrived_at > healed_at).count();
+    assert_eq!(after_heal, 0, "old-epoch messages arrived after the heal");
+    settle_and_check(&env, &snoop, &mut workers, 8);
+    assert!(
+        standby_while_cut,
+        "a beat cut off from Redis for {cut_for:?} (lease 3 s; it stopped publishing after \
+         2 s) still says it leads: {cut_view}\n{cut_log}"
+    );
 }
