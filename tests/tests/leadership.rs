@@ -564,6 +564,20 @@ async fn sigterm_hands_leadership_over_within_a_third_of_the_lease() {
     assert!(status["leader"]["host"].is_string(), "{out}");
     assert!(status["leader"]["since"].is_string(), "{out}");
 
+    // A standby's clean stop releases nothing: the lease is compared by token.
+    let mut extra = Beat::start(&env, "beat-3", &cfg, &[]);
+    assert!(
+        wait_until(WAIT, || extra.metric(IS_LEADER) == Some(0.0)),
+        "{}",
+        extra.proc.log_tail(20)
+    );
+    assert!(extra.proc.terminate(Duration::from_secs(10)).success());
+    assert_eq!(
+        lease(&env, &mut redis_sync()),
+        Some(first),
+        "a standby's stop touched the lease"
+    );
+
     let term_at = Instant::now();
     beats[old].proc.signal(libc::SIGTERM);
     let deadline = Instant::now() + Duration::from_secs(10);
