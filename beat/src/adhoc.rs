@@ -83,6 +83,7 @@ pub fn envelope(
         expires_at,
         attempt: 0,
         queue,
+        backfill: false,
     })
 }
 

@@ -2,11 +2,14 @@
 //! returns `Ok` or a [`Failure`] that carries the exit code. `main.rs` only parses and dispatches.
 
 use crate::publisher::PublishError;
-use crate::{adhoc, next, scheduler, status};
+use crate::{adhoc, next, operate, scheduler, status};
 use chrono::{DateTime, Utc};
 use drumline_shared::config::{Config, Job};
 use drumline_shared::exit::Failure;
+use drumline_shared::names::Names;
+use drumline_shared::store::Store;
 use drumline_shared::topology::TopologyError;
+use drumline_shared::url::Redacted;
 use serde::Serialize;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -80,21 +83,128 @@ pub fn json_args(text: &str) -> Result<serde_json::Value, Failure> {
 /// `publish`: one ad-hoc task.
 pub async fn publish(config: &Config, request: &adhoc::Request) -> Result<(), Failure> {
     let env = adhoc::envelope(config, request, Utc::now()).map_err(Failure::usage)?;
-    match adhoc::publish(config, &env, request.delay).await {
-        Ok(()) => {
-            println!(
-                "published {} key={} queue={} due={}",
-                env.task,
-                env.key,
-                env.queue,
-                drumline_shared::envelope::format_instant(env.scheduled_for)
-            );
-            Ok(())
+    adhoc::publish(config, &env, request.delay)
+        .await
+        .map_err(publish_failure)?;
+    println!(
+        "published {} key={} queue={} due={}",
+        env.task,
+        env.key,
+        env.queue,
+        drumline_shared::envelope::format_instant(env.scheduled_for)
+    );
+    Ok(())
+}
+
+/// `pause` (`pause = true`) or `resume`: `jobs`, or every job with `all`; each must be a job
+/// of the config (checked before anything changes).
+pub async fn pause(
+    config: &Config,
+    jobs: &[String],
+    all: bool,
+    pause: bool,
+) -> Result<(), Failure> {
+    let names: Vec<&str> = if all {
+        config.jobs.iter().map(|j| j.name.as_str()).collect()
+    } else {
+        jobs.iter()
+            .map(|name| Ok(find_job(config, name)?.name.as_str()))
+            .collect::<Result<_, Failure>>()?
+    };
+    let store = store(config).await?;
+    let changed = store
+        .set_paused(&names, pause)
+        .await
+        .map_err(|e| Failure::other(format!("redis: {e}")))?;
+    let verb = if pause { "paused" } else { "resumed" };
+    let already = names.len() as u64 - changed;
+    println!(
+        "{verb} {} job{} ({changed} changed, {already} already {verb})",
+        names.len(),
+        if names.len() == 1 { "" } else { "s" }
+    );
+    Ok(())
+}
+
+/// `trigger`: one instance of `job` now, as the job; prints its key.
+pub async fn trigger(
+    config: &Config,
+    job: &str,
+    args: Option<serde_json::Value>,
+) -> Result<(), Failure> {
+    let job = find_job(config, job)?;
+    let env = operate::trigger(job, args, Utc::now());
+    adhoc::publish(config, &env, std::time::Duration::ZERO)
+        .await
+        .map_err(publish_failure)?;
+    println!(
+        "triggered {} key={} task={} queue={}",
+        job.name, env.key, env.task, env.queue
+    );
+    Ok(())
+}
+
+/// `backfill`: every instant of `job` in `[from, to)`, published with confirms (or listed with
+/// `dry_run`).
+pub async fn backfill(
+    config: &Config,
+    job: &str,
+    (from, to): (&str, &str),
+    max: usize,
+    dry_run: bool,
+) -> Result<(), Failure> {
+    let job = find_job(config, job)?;
+    let range = (instant_arg("--from", from)?, instant_arg("--to", to)?);
+    let envelopes = operate::backfill(job, range, max, Utc::now()).map_err(Failure::usage)?;
+    if dry_run {
+        for env in &envelopes {
+            println!("{}", env.key);
         }
-        Err(e @ adhoc::PublishFailed::Topology(TopologyError::Mismatch { .. })) => {
-            Err(Failure::usage(e))
-        }
-        Err(e) => Err(Failure::other(e)),
+        println!("{} instants (dry run: nothing published)", envelopes.len());
+        return Ok(());
+    }
+    let mut publisher = crate::publisher::Publisher::new(config);
+    let outcomes = publisher.publish_batch(&envelopes, 0, || true).await;
+    publisher.close().await;
+    let outcomes = outcomes.map_err(|e| match e {
+        e @ PublishError::Topology(TopologyError::Mismatch { .. }) => Failure::usage(e),
+        e => Failure::other(e),
+    })?;
+    let failed = outcomes.iter().filter(|o| o.is_err()).count();
+    if let Some(Err(e)) = outcomes.iter().find(|o| o.is_err()) {
+        return Err(Failure::other(format!(
+            "{failed} of {} instants not confirmed (first: {e}); run the same backfill again:              the confirmed ones are duplicates and will not run twice",
+            envelopes.len()
+        )));
+    }
+    println!(
+        "backfilled {} instants of {} in [{from}, {to})",
+        envelopes.len(),
+        job.name
+    );
+    Ok(())
+}
+
+/// An RFC 3339 instant given as `flag`.
+fn instant_arg(flag: &str, text: &str) -> Result<DateTime<Utc>, Failure> {
+    DateTime::parse_from_rfc3339(text)
+        .map(|t| t.with_timezone(&Utc))
+        .map_err(|e| Failure::usage(format!("{flag} {text:?} is not an RFC 3339 instant ({e})")))
+}
+
+/// A store on the config's Redis, or the failure to say.
+async fn store(config: &Config) -> Result<Store, Failure> {
+    let names = Names::new(config.namespace.clone());
+    Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names)
+        .await
+        .map_err(|e| Failure::other(format!("redis {}: {e}", Redacted(&config.redis_url))))
+}
+
+/// `publish` and `trigger`: a refused topology is a config problem (exit 2).
+fn publish_failure(e: adhoc::PublishFailed) -> Failure {
+    match e {
+        e @ adhoc::PublishFailed::Topology(TopologyError::Mismatch { .. }) => Failure::usage(e),
+        e => Failure::other(e),
     }
 }
 

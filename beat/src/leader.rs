@@ -13,7 +13,7 @@
 
 use crate::stats::BeatStats;
 use chrono::{DateTime, TimeDelta, Utc};
-use drumline_shared::store::{Candidate, LeaseOutcome, Store};
+use drumline_shared::store::{Candidate, LeaseMode, LeaseOutcome, Store};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -225,10 +225,11 @@ async fn keep(
         let leading = tx.borrow().epoch;
         let sent = Instant::now();
         let local = Utc::now();
-        let reply = match leading {
-            None => store.acquire_lead(&who, lease).await,
-            Some(_) => store.renew_lead(&who, lease).await,
+        let mode = match leading {
+            None => LeaseMode::Acquire,
+            Some(_) => LeaseMode::Renew,
         };
+        let reply = store.lead(&who, lease, mode).await;
         let pause = match reply {
             Ok(reply) => {
                 let rtt = sent.elapsed();

@@ -9,6 +9,7 @@
 //! - [`publisher`] — confirm-mode publishing, topology on (re)connect.
 //! - [`next`]      — `drumline-beat next`: upcoming instants with DST annotations.
 //! - [`adhoc`]     — `drumline-beat publish`: one ad-hoc task, same envelope and guarantees.
+//! - [`operate`]   — `pause`, `resume`, `trigger`, `backfill`: operating a running schedule.
 //! - [`status`]    — `drumline-beat status`: per-job health from Redis, with a stale warning.
 //! - [`commands`]  — the bodies of the binary's commands: output and exit-code-carrying failures.
 //!
@@ -20,6 +21,7 @@ pub mod commands;
 pub mod leader;
 pub mod misfire;
 pub mod next;
+pub mod operate;
 pub mod progress;
 pub mod publisher;
 pub mod scheduler;

@@ -64,6 +64,50 @@ enum Command {
         #[arg(long)]
         queue: Option<String>,
     },
+    /// Pause jobs: the leader publishes none of their instants (dropped, counted, never caught
+    /// up) until `resume`.
+    Pause {
+        /// Jobs to pause.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        jobs: Vec<String>,
+        /// Every job of the config.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Resume paused jobs: their next instants are published; the paused ones never are.
+    Resume {
+        /// Jobs to resume.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        jobs: Vec<String>,
+        /// Every job of the config.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Publish one instance of a job now, as the job (task, queue, args, overlap, history).
+    Trigger {
+        /// The job.
+        job: String,
+        /// Arguments as a JSON value, instead of the job's.
+        #[arg(long)]
+        args: Option<String>,
+    },
+    /// Publish every instant of a job's schedule in [--from, --to), oldest first.
+    Backfill {
+        /// The job.
+        job: String,
+        /// First instant considered (RFC 3339), included.
+        #[arg(long)]
+        from: String,
+        /// End of the range (RFC 3339), excluded; not in the future.
+        #[arg(long)]
+        to: String,
+        /// List the instants without publishing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Refuse a range with more instants than this.
+        #[arg(long, default_value_t = drumline_beat::operate::DEFAULT_BACKFILL_MAX)]
+        max: usize,
+    },
     /// Per job: schedule, next due, last published, last success/failure, running now, stale.
     Status {
         /// Only this job.
@@ -116,6 +160,19 @@ async fn dispatch(cli: Cli) -> Result<(), Failure> {
             };
             commands::publish(&config, &request).await
         }
+        Some(Command::Pause { jobs, all }) => commands::pause(&config, &jobs, all, true).await,
+        Some(Command::Resume { jobs, all }) => commands::pause(&config, &jobs, all, false).await,
+        Some(Command::Trigger { job, args }) => {
+            let args = args.as_deref().map(commands::json_args).transpose()?;
+            commands::trigger(&config, &job, args).await
+        }
+        Some(Command::Backfill {
+            job,
+            from,
+            to,
+            dry_run,
+            max,
+        }) => commands::backfill(&config, &job, (&from, &to), max, dry_run).await,
         Some(Command::Status { job, json }) => {
             commands::show_status(&config, job.as_deref(), json).await
         }

@@ -26,6 +26,8 @@ pub enum Dropped {
     Policy(Misfire),
     /// `expires` had already passed when it came due.
     Expired,
+    /// The job was paused (`drumline-beat pause`) when it came due.
+    Paused,
 }
 
 impl Dropped {
@@ -39,6 +41,7 @@ impl Dropped {
             Dropped::Policy(Misfire::CatchUp) => "missed; beyond max_catch_up",
             Dropped::Policy(Misfire::Skip) => "missed; misfire = skip",
             Dropped::Expired => "expired before it could be published",
+            Dropped::Paused => "the job is paused",
         }
     }
 }
@@ -178,6 +181,27 @@ pub fn plan(job: &Job, last: DateTime<Utc>, now: DateTime<Utc>, threshold: Durat
         unlisted: drops.unlisted,
         dropped_up_to: drops.up_to,
         decided_up_to: (cursor > last).then_some(cursor),
+    }
+}
+
+/// The plan of a paused job (DESIGN §9): what `plan` would publish is dropped as
+/// [`Dropped::Paused`] instead (after what it drops anyway, which is older), so progress moves
+/// past it and a resumed job never publishes it.
+pub fn paused(plan: Plan) -> Plan {
+    let mut drops = Drops {
+        listed: plan.dropped,
+        unlisted: plan.unlisted,
+        up_to: plan.dropped_up_to,
+    };
+    for t in plan.publish {
+        drops.push(t, Dropped::Paused);
+    }
+    Plan {
+        publish: Vec::new(),
+        dropped: drops.listed,
+        unlisted: drops.unlisted,
+        dropped_up_to: drops.up_to,
+        decided_up_to: plan.decided_up_to,
     }
 }
 
@@ -610,5 +634,23 @@ pub(crate) mod tests {
         // Below the limit it keeps walking.
         let mut drops = Drops::default();
         assert_eq!(count_stale(&j.schedule, t, stale, &mut drops), None);
+    }
+
+    #[test]
+    fn a_paused_job_drops_what_it_would_publish_and_moves_past_it() {
+        let j = job(
+            "cron = \"* * * * *\"\nmisfire = \"catch_up\"\noverlap = \"allow\"\nmax_catch_up = 3",
+        );
+        let p = paused(plan(&j, at(LAST), at(NOW), THRESHOLD));
+        assert!(p.publish.is_empty());
+        // 12:01..12:07 beyond max_catch_up, then 12:08..12:10 paused instead of caught up.
+        let mut want = minutes_dropped(1..=7, Dropped::Policy(Misfire::CatchUp));
+        want.extend(minutes_dropped(8..=10, Dropped::Paused));
+        assert_eq!(p.dropped, want);
+        let newest = minutes(10..=10)[0];
+        assert_eq!(
+            (p.dropped_up_to, p.decided_up_to),
+            (Some(newest), Some(newest))
+        );
     }
 }

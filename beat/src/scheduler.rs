@@ -21,7 +21,7 @@
 //! trip, so a batch costs a few round trips rather than two per message.
 
 use crate::leader::{Leadership, Term};
-use crate::misfire::{plan, Plan};
+use crate::misfire::{self, plan, Plan};
 use crate::progress::{self, progress_after};
 use crate::publisher::{PublishError, Publisher};
 use crate::stats::report_dropped;
@@ -34,7 +34,7 @@ use drumline_shared::store::{last_instant_text, parse_last_instant, ProgressErro
 use drumline_shared::topology::TopologyError;
 use drumline_shared::url::Redacted;
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashSet};
 use std::future::Future;
 use std::ops::Range;
 use std::pin::Pin;
@@ -130,6 +130,8 @@ struct Beat<'a> {
     stuck: i64,
     /// The next wait when the broker or Redis stalls a batch.
     backoff: Duration,
+    /// Jobs paused (`{ns}:paused`), as last read: their instants are dropped, not published.
+    paused: HashSet<String>,
 }
 
 /// Runs the beat until `shutdown` completes: stands by, leads while it holds the lease, stands
@@ -288,6 +290,7 @@ impl<'a> Beat<'a> {
             threshold,
             stuck: 0,
             backoff: SHARED_BACKOFF,
+            paused: HashSet::new(),
         }
     }
 
@@ -350,6 +353,7 @@ impl<'a> Beat<'a> {
         term: &Term,
         shutdown: &mut Pin<&mut F>,
     ) -> Result<Next, PublishError> {
+        self.read_paused(store).await;
         loop {
             // Leadership is checked before each batch (and before each message is sent).
             if !term.holds() {
@@ -371,8 +375,8 @@ impl<'a> Beat<'a> {
                 &mut self.queue,
                 self.jobs,
                 &self.states,
-                now,
-                self.threshold,
+                (now, self.threshold),
+                &self.paused,
             );
             let stalls = advance(
                 self.jobs,
@@ -387,6 +391,20 @@ impl<'a> Beat<'a> {
             if let Some(wait) = self.settle(&batch, stalls, now, stats) {
                 return Ok(Next::Wait(wait));
             }
+        }
+    }
+
+    /// Reads which jobs are paused (at every wake, so a pause is honoured within a second). When
+    /// Redis does not answer, the last known set stays.
+    async fn read_paused(&mut self, store: &Store) {
+        match store.paused().await {
+            Ok(paused) => {
+                if paused != self.paused {
+                    info!(paused = paused.len(), "paused jobs changed");
+                }
+                self.paused = paused;
+            }
+            Err(e) => warn!(error = %e, "cannot read the paused jobs; keeping the last known set"),
         }
     }
 
@@ -508,15 +526,16 @@ async fn connect_broker(config: &Config, publisher: &mut Publisher) -> Result<()
     }
 }
 
-/// Takes the jobs due at `now` off the queue, oldest first, and plans each, up to
-/// [`BATCH_JOBS`] jobs or [`BATCH_MESSAGES`] messages (the last job taken may publish only the
-/// first part of its plan; it stays due for the next batch).
+/// Takes the jobs due at `now` off the queue, oldest first, and plans each (a paused job's
+/// plan publishes nothing: [`misfire::paused`]), up to [`BATCH_JOBS`] jobs or
+/// [`BATCH_MESSAGES`] messages (the last job taken may publish only the first part of its plan;
+/// it stays due for the next batch).
 fn take_due(
     queue: &mut Queue,
     jobs: &[Job],
     states: &[JobState],
-    now: DateTime<Utc>,
-    threshold: Duration,
+    (now, threshold): (DateTime<Utc>, Duration),
+    paused: &HashSet<String>,
 ) -> Vec<Due> {
     let mut batch = Vec::new();
     let mut messages = 0;
@@ -534,7 +553,10 @@ fn take_due(
             break;
         }
         queue.pop();
-        let plan = plan(&jobs[job], states[job].last, now, threshold);
+        let mut plan = plan(&jobs[job], states[job].last, now, threshold);
+        if paused.contains(&jobs[job].name) {
+            plan = misfire::paused(plan);
+        }
         let take = plan.publish.len().min(BATCH_MESSAGES - messages);
         messages += take;
         batch.push(Due {
@@ -816,7 +838,8 @@ mod tests {
             (0..4).map(|i| Reverse((due, i))).collect();
         let mut batches = Vec::new();
         loop {
-            let batch = take_due(&mut queue, &jobs, &states, at(NOW), THRESHOLD);
+            let none = HashSet::new();
+            let batch = take_due(&mut queue, &jobs, &states, (at(NOW), THRESHOLD), &none);
             if batch.is_empty() {
                 break;
             }

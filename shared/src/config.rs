@@ -361,11 +361,19 @@ pub fn resolve_path(flag: Option<PathBuf>) -> PathBuf {
 fn check_beat(fail: &Failer, b: &RawBeat) -> Result<BeatConfig, ConfigError> {
     let duration =
         |key, raw, default_secs| fail.duration("[beat]", key, raw, default_secs, Zero::Allowed);
+    let leader_lease = duration("leader_lease", &b.leader_lease, 10)?;
+    // Renewed every third of it, over a network round trip: shorter leases flap.
+    if leader_lease < MIN_LEADER_LEASE {
+        return Err(fail.at(Some("[beat]"), "leader_lease", "must be at least 1s".into()));
+    }
     Ok(BeatConfig {
-        leader_lease: duration("leader_lease", &b.leader_lease, 10)?,
+        leader_lease,
         misfire_threshold: duration("misfire_threshold", &b.misfire_threshold, 5)?,
     })
 }
+
+/// Shortest `[beat] leader_lease`.
+pub const MIN_LEADER_LEASE: Duration = Duration::from_secs(1);
 
 /// The `[worker]` section.
 fn check_worker(fail: &Failer, w: RawWorker) -> Result<WorkerConfig, ConfigError> {
@@ -968,6 +976,10 @@ mod tests {
         job_err_has("every = \"0s\"", "key `every`: must be greater than zero");
         job_err_has("every = \"500us\"", "key `every`: must be at least 1ms");
         err_has("[worker]\nlease = \"forever\"\n", "[worker]: key `lease`");
+        err_has(
+            "[beat]\nleader_lease = \"500ms\"\n",
+            "[beat]: key `leader_lease`: must be at least 1s",
+        );
     }
 
     #[test]

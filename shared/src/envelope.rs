@@ -89,6 +89,11 @@ pub struct Envelope {
     pub attempt: u32,
     /// Logical queue (routing key).
     pub queue: String,
+    /// Published by `drumline-beat backfill`: a job with `overlap = "skip"` is run as `queue`
+    /// (a backfill asks every instant to run). Written only when true, so other messages keep
+    /// the first v1 shape.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub backfill: bool,
 }
 
 /// Why a body is not a valid envelope.
@@ -179,6 +184,7 @@ impl Envelope {
             expires_at,
             attempt: 0,
             queue: queue.to_owned(),
+            backfill: false,
         }
     }
 

@@ -144,6 +144,11 @@ impl Names {
         format!("{}:beat:last:{job}", self.ns)
     }
 
+    /// `{ns}:paused` — the set of paused jobs.
+    pub fn paused(&self) -> String {
+        format!("{}:paused", self.ns)
+    }
+
     /// `{ns}:history:{job}` — capped list of run records.
     pub fn history(&self, job: &str) -> String {
         format!("{}:history:{job}", self.ns)

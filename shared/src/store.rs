@@ -15,7 +15,8 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 mod leader;
-pub use leader::{Candidate, LeaseOutcome, LeaseReply, ProgressError};
+mod operate;
+pub use leader::{Candidate, LeaseMode, LeaseOutcome, LeaseReply, ProgressError};
 
 /// Store errors are connection-level: the worker fails closed on them.
 pub type StoreError = redis::RedisError;
@@ -82,6 +83,18 @@ impl Final {
             Final::Dead => RunState::Dead.as_str(),
         }
     }
+}
+
+/// How a run's claim ends (what [`Store::finish`] writes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// In a final state.
+    Final(Final),
+    /// Handed to the retry carrying `next_attempt`: older copies become duplicates.
+    Retry {
+        /// The attempt that may claim the instance next.
+        next_attempt: u32,
+    },
 }
 
 /// Outcome of a claim attempt.
@@ -447,33 +460,30 @@ impl Store {
         self.as_holder(&RENEW, key, job, args).await
     }
 
-    /// Records the final `state` kept for `retention`, when the claim is still ours or the key
-    /// is gone (our lease lapsed and nobody claimed it); `false` means another claim holds it
-    /// now and nothing was written.
+    /// Ends our claim as `ending` says, the record kept for `retention`, job lock released.
+    /// [`Ending::Final`] writes the final state when the claim is still ours or the key is gone
+    /// (our lease lapsed and nobody claimed it); [`Ending::Retry`] hands the claim to the retry
+    /// (state `retrying` with its attempt) only while it is still ours. `false` means another
+    /// claim holds the instance now and nothing was written.
     pub async fn finish(
         &self,
         key: &str,
         job: Option<&str>,
         token: &str,
-        state: Final,
+        ending: Ending,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let args = (token, state.as_str(), retention.as_millis() as u64);
-        self.as_holder(&FINISH, key, job, args).await
-    }
-
-    /// Hands a failed run's claim to its retry: state `retrying` with `next_attempt`, kept for
-    /// `retention`, job lock released. `false` means the claim was no longer ours.
-    pub async fn retry(
-        &self,
-        key: &str,
-        job: Option<&str>,
-        token: &str,
-        next_attempt: u32,
-        retention: Duration,
-    ) -> Result<bool, StoreError> {
-        let args = (token, next_attempt, retention.as_millis() as u64);
-        self.as_holder(&RETRY, key, job, args).await
+        let retention = retention.as_millis() as u64;
+        match ending {
+            Ending::Final(state) => {
+                let args = (token, state.as_str(), retention);
+                self.as_holder(&FINISH, key, job, args).await
+            }
+            Ending::Retry { next_attempt } => {
+                let args = (token, next_attempt, retention);
+                self.as_holder(&RETRY, key, job, args).await
+            }
+        }
     }
 
     /// Runs one of the scripts only the claim's holder may run (RENEW, FINISH, RETRY,

@@ -4,8 +4,8 @@
 use chrono::{TimeZone, Utc};
 use drumline_shared::names::Names;
 use drumline_shared::store::{
-    Candidate, Claim, ClaimRequest, Final, LeaseOutcome, OverlapMode, ProgressError, RunState,
-    Store,
+    Candidate, Claim, ClaimRequest, Ending, Final, LeaseMode, LeaseOutcome, OverlapMode,
+    ProgressError, RunState, Store,
 };
 use std::time::Duration;
 
@@ -83,7 +83,13 @@ async fn claim_is_exclusive_and_fences_increase() {
         .await
         .unwrap());
     assert!(!s
-        .finish("k1", None, "b", Final::Done, Duration::from_secs(60))
+        .finish(
+            "k1",
+            None,
+            "b",
+            Ending::Final(Final::Done),
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert!(!s.release("k1", None, "b").await.unwrap());
@@ -92,7 +98,13 @@ async fn claim_is_exclusive_and_fences_increase() {
         .await
         .unwrap());
     assert!(s
-        .finish("k1", None, "a", Final::Done, Duration::from_secs(60))
+        .finish(
+            "k1",
+            None,
+            "a",
+            Ending::Final(Final::Done),
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert_eq!(
@@ -130,7 +142,13 @@ async fn an_expired_lease_can_be_taken_over() {
     ));
     // The old holder's late result is refused while another claim holds the key.
     assert!(!s
-        .finish("k", None, "a", Final::Done, Duration::from_secs(60))
+        .finish(
+            "k",
+            None,
+            "a",
+            Ending::Final(Final::Done),
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("running"));
@@ -165,7 +183,13 @@ async fn overlap_lock_skips_or_queues_other_instances_of_the_job() {
     ));
     // Finishing frees the job for the next instance.
     assert!(s
-        .finish("j@1", Some("j"), "a", Final::Done, Duration::from_secs(60))
+        .finish(
+            "j@1",
+            Some("j"),
+            "a",
+            Ending::Final(Final::Done),
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert!(matches!(
@@ -201,7 +225,10 @@ async fn progress_moves_forward_only_under_the_lease() {
     );
     assert_eq!(s.last_published("j").await.unwrap(), None);
 
-    let lead = s.acquire_lead(&candidate("a"), LEASE).await.unwrap();
+    let lead = s
+        .lead(&candidate("a"), LEASE, LeaseMode::Acquire)
+        .await
+        .unwrap();
     assert!(matches!(lead.outcome, LeaseOutcome::Acquired { .. }));
     let written = s
         .advance_progress("a", &[("j", t2), ("k", t1)], far, 1)
@@ -227,7 +254,9 @@ async fn progress_moves_forward_only_under_the_lease() {
 #[tokio::test]
 async fn progress_ahead_of_redis_time_is_refused_per_job() {
     let s = store("ahead").await;
-    s.acquire_lead(&candidate("a"), LEASE).await.unwrap();
+    s.lead(&candidate("a"), LEASE, LeaseMode::Acquire)
+        .await
+        .unwrap();
     let now = s.redis_time().await.unwrap();
     let threshold = Duration::from_secs(5);
     let near = now + chrono::Duration::seconds(2);
@@ -249,20 +278,20 @@ async fn progress_ahead_of_redis_time_is_refused_per_job() {
 async fn the_lease_has_one_holder_and_each_acquisition_a_new_epoch() {
     let s = store("lease").await;
     let (a, b) = (candidate("a"), candidate("b"));
-    let first = s.acquire_lead(&a, LEASE).await.unwrap();
+    let first = s.lead(&a, LEASE, LeaseMode::Acquire).await.unwrap();
     let LeaseOutcome::Acquired { epoch } = first.outcome else {
         panic!("{first:?}")
     };
     assert_eq!(
-        s.acquire_lead(&b, LEASE).await.unwrap().outcome,
+        s.lead(&b, LEASE, LeaseMode::Acquire).await.unwrap().outcome,
         LeaseOutcome::Refused { holder: epoch }
     );
     assert_eq!(
-        s.renew_lead(&b, LEASE).await.unwrap().outcome,
+        s.lead(&b, LEASE, LeaseMode::Renew).await.unwrap().outcome,
         LeaseOutcome::Refused { holder: epoch }
     );
     assert_eq!(
-        s.renew_lead(&a, LEASE).await.unwrap().outcome,
+        s.lead(&a, LEASE, LeaseMode::Renew).await.unwrap().outcome,
         LeaseOutcome::Renewed { epoch }
     );
     // What `status` reads: written by the script, from Redis's clock.
@@ -284,11 +313,11 @@ async fn the_lease_has_one_holder_and_each_acquisition_a_new_epoch() {
     assert!(!s.resign_lead("b").await.unwrap());
     assert!(s.resign_lead("a").await.unwrap());
     assert_eq!(
-        s.renew_lead(&a, LEASE).await.unwrap().outcome,
+        s.lead(&a, LEASE, LeaseMode::Renew).await.unwrap().outcome,
         LeaseOutcome::Refused { holder: 0 }
     );
     assert_eq!(
-        s.acquire_lead(&b, LEASE).await.unwrap().outcome,
+        s.lead(&b, LEASE, LeaseMode::Acquire).await.unwrap().outcome,
         LeaseOutcome::Acquired { epoch: epoch + 1 }
     );
 }
@@ -297,7 +326,9 @@ async fn the_lease_has_one_holder_and_each_acquisition_a_new_epoch() {
 async fn a_lapsed_lease_is_free_and_renewing_it_is_refused() {
     let s = store("lapse").await;
     let a = candidate("a");
-    s.acquire_lead(&a, Duration::from_millis(50)).await.unwrap();
+    s.lead(&a, Duration::from_millis(50), LeaseMode::Acquire)
+        .await
+        .unwrap();
     let mut conn = redis::Client::open(REDIS)
         .unwrap()
         .get_multiplexed_async_connection()
@@ -320,11 +351,11 @@ async fn a_lapsed_lease_is_free_and_renewing_it_is_refused() {
         .await
         .expect("the lease expires with its TTL");
     assert_eq!(
-        s.renew_lead(&a, LEASE).await.unwrap().outcome,
+        s.lead(&a, LEASE, LeaseMode::Renew).await.unwrap().outcome,
         LeaseOutcome::Refused { holder: 0 }
     );
     assert!(matches!(
-        s.acquire_lead(&candidate("b"), LEASE)
+        s.lead(&candidate("b"), LEASE, LeaseMode::Acquire)
             .await
             .unwrap()
             .outcome,
@@ -344,11 +375,23 @@ async fn a_retry_keeps_its_place_and_older_copies_are_duplicates() {
     };
     // Only the holder hands the instance to its retry; the job lock goes with it.
     assert!(!s
-        .retry("k", Some("j"), "b", 1, Duration::from_secs(60))
+        .finish(
+            "k",
+            Some("j"),
+            "b",
+            Ending::Retry { next_attempt: 1 },
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert!(s
-        .retry("k", Some("j"), "a", 1, Duration::from_secs(60))
+        .finish(
+            "k",
+            Some("j"),
+            "a",
+            Ending::Retry { next_attempt: 1 },
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("retrying"));
@@ -418,7 +461,13 @@ async fn a_finished_run_is_recorded_even_when_its_lease_lapsed_unclaimed() {
     tokio::time::sleep(Duration::from_millis(250)).await;
     assert_eq!(s.run_state("k").await.unwrap(), None);
     assert!(s
-        .finish("k", None, "a", Final::Done, Duration::from_secs(60))
+        .finish(
+            "k",
+            None,
+            "a",
+            Ending::Final(Final::Done),
+            Duration::from_secs(60)
+        )
         .await
         .unwrap());
     assert_eq!(

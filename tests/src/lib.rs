@@ -696,6 +696,7 @@ pub fn adhoc(key: &str, task: &str) -> drumline_shared::envelope::Envelope {
         expires_at: None,
         attempt: 0,
         queue: "default".to_owned(),
+        backfill: false,
     }
 }
 

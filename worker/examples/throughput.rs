@@ -40,6 +40,7 @@ fn envelope(i: usize) -> Envelope {
         expires_at: None,
         attempt: 0,
         queue: "default".into(),
+        backfill: false,
     }
 }
 

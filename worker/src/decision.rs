@@ -258,6 +258,7 @@ mod tests {
             attempt: 0,
             expires_at: None,
             queue: "default".into(),
+            backfill: false,
         };
         env.encode()
     }

@@ -18,7 +18,7 @@ use drumline_shared::envelope::{
 };
 use drumline_shared::names::Names;
 use drumline_shared::store::{
-    now_text, Claim, ClaimRequest, Final, OverlapMode, RunRecord, Store, StoreError,
+    now_text, Claim, ClaimRequest, Ending, Final, OverlapMode, RunRecord, Store, StoreError,
 };
 use drumline_shared::topology;
 use lapin::message::Delivery;
@@ -77,12 +77,14 @@ pub(crate) enum Interrupted {
 }
 
 impl Processor {
-    /// The overlap rule for `env`'s job; ad-hoc tasks have none.
+    /// The overlap rule for `env`'s job; ad-hoc tasks have none. A backfilled instance of a
+    /// `skip` job queues instead: a backfill asks every instant to run (DESIGN §9).
     fn overlap<'e>(&self, env: &'e Envelope) -> OverlapMode<'e> {
         let Some(job) = env.job.as_deref() else {
             return OverlapMode::Allow;
         };
         match self.overlap.get(job).copied().unwrap_or_default() {
+            Overlap::Skip if env.backfill => OverlapMode::Queue(job),
             Overlap::Skip => OverlapMode::Skip(job),
             Overlap::Queue => OverlapMode::Queue(job),
             Overlap::Allow => OverlapMode::Allow,
@@ -345,14 +347,12 @@ impl Processor {
         // chain.
         self.publish_delayed(step.publisher, step.delivery, &next, delay)
             .await?;
+        let ending = Ending::Retry {
+            next_attempt: next.attempt,
+        };
+        let retention = self.config.worker.done_ttl;
         self.store
-            .retry(
-                &env.key,
-                self.lock_job(env),
-                step.token,
-                next.attempt,
-                self.config.worker.done_ttl,
-            )
+            .finish(&env.key, self.lock_job(env), step.token, ending, retention)
             .await?;
         self.stats.retried.inc();
         Ok(())
@@ -455,7 +455,13 @@ impl Processor {
         loop {
             match self
                 .store
-                .finish(&env.key, self.lock_job(env), token, state, retention)
+                .finish(
+                    &env.key,
+                    self.lock_job(env),
+                    token,
+                    Ending::Final(state),
+                    retention,
+                )
                 .await
             {
                 Ok(ours) => return Ok(ours),

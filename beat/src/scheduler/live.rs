@@ -9,7 +9,7 @@ use drumline_shared::config::Config;
 use drumline_shared::envelope::{instance_key, Envelope};
 use drumline_shared::names::Names;
 use drumline_shared::store::{
-    last_instant_text, parse_last_instant as parse_last, Candidate, ProgressError, Store,
+    last_instant_text, parse_last_instant as parse_last, Candidate, LeaseMode, ProgressError, Store,
 };
 use lapin::options::{
     BasicGetOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -142,7 +142,9 @@ async fn save_progress(
         host: "test".to_owned(),
         pid: std::process::id(),
     };
-    store.acquire_lead(&seeder, Duration::from_secs(10)).await?;
+    store
+        .lead(&seeder, Duration::from_secs(10), LeaseMode::Acquire)
+        .await?;
     let far = Duration::from_secs(86400 * 365 * 100);
     let out = store
         .advance_progress(&seeder.token, progress, far, 2)

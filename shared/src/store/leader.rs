@@ -22,6 +22,15 @@ pub struct Candidate {
     pub pid: u32,
 }
 
+/// What a lease try may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseMode {
+    /// A standby's try: take the lease if it is free.
+    Acquire,
+    /// A leader's try: extend the lease it holds, never take a free one.
+    Renew,
+}
+
 /// What a lease try found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LeaseOutcome {
@@ -182,33 +191,21 @@ return out
 });
 
 impl Store {
-    /// Takes the leader lease for `lease` when no beat holds it (a new epoch), or extends it
-    /// when `who` holds it already.
-    pub async fn acquire_lead(
+    /// One lease try for `lease`: [`LeaseMode::Acquire`] takes the lease when no beat holds it
+    /// (a new epoch) or extends it when `who` holds it already; [`LeaseMode::Renew`] only
+    /// extends it, and is [`LeaseOutcome::Refused`] when `who` does not hold it any more (it
+    /// lapsed, or another beat took it).
+    pub async fn lead(
         &self,
         who: &Candidate,
         lease: Duration,
-    ) -> Result<LeaseReply, StoreError> {
-        self.lead(who, lease, "acquire").await
-    }
-
-    /// Extends the lease `who` holds by `lease`; [`LeaseOutcome::Refused`] when `who` does not
-    /// hold it any more (it lapsed, or another beat took it).
-    pub async fn renew_lead(
-        &self,
-        who: &Candidate,
-        lease: Duration,
-    ) -> Result<LeaseReply, StoreError> {
-        self.lead(who, lease, "renew").await
-    }
-
-    async fn lead(
-        &self,
-        who: &Candidate,
-        lease: Duration,
-        mode: &str,
+        mode: LeaseMode,
     ) -> Result<LeaseReply, StoreError> {
         let mut conn = self.conn.clone();
+        let mode = match mode {
+            LeaseMode::Acquire => "acquire",
+            LeaseMode::Renew => "renew",
+        };
         let (code, epoch, ms): (i64, u64, i64) = LEAD
             .key(self.names.beat_leader())
             .key(self.names.beat_epoch())

@@ -1,0 +1,28 @@
+//! What operators change at run time (DESIGN §9 "Operations at run time"): the set of paused
+//! jobs, `{ns}:paused`. The leader reads it about once a second.
+
+use super::{Store, StoreError};
+use redis::AsyncCommands;
+use std::collections::HashSet;
+
+impl Store {
+    /// The jobs paused now.
+    pub async fn paused(&self) -> Result<HashSet<String>, StoreError> {
+        let mut conn = self.conn.clone();
+        conn.smembers(self.names.paused()).await
+    }
+
+    /// Pauses (`true`) or resumes (`false`) `jobs`; returns how many changed state.
+    pub async fn set_paused(&self, jobs: &[&str], pause: bool) -> Result<u64, StoreError> {
+        if jobs.is_empty() {
+            return Ok(0);
+        }
+        let mut conn = self.conn.clone();
+        let key = self.names.paused();
+        if pause {
+            conn.sadd(key, jobs).await
+        } else {
+            conn.srem(key, jobs).await
+        }
+    }
+}
