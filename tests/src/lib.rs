@@ -3,6 +3,7 @@
 //! `drumline-beat` / `drumline-worker` binaries, and cleanup of everything it declared.
 
 pub mod proxy;
+pub mod snoop;
 pub mod tls;
 
 use drumline_shared::names::Names;
@@ -88,6 +89,12 @@ impl TestEnv {
     /// Starts `drumline-beat` with `args` (logs to `<label>.log`).
     pub fn beat(&self, label: &str, args: &[&str]) -> Proc {
         self.spawn("drumline-beat", label, args)
+    }
+
+    /// Starts `drumline-beat` with `args` and extra environment variables `vars` (e.g.
+    /// [`faketime_ahead`]'s, to run it with a wrong wall clock).
+    pub fn beat_with_env(&self, label: &str, args: &[&str], vars: &[(&str, &str)]) -> Proc {
+        self.spawn_with_env("drumline-beat", label, args, vars)
     }
 
     /// Starts `drumline-worker` with `args` (logs to `<label>.log`).
@@ -429,6 +436,25 @@ where
     }
 }
 
+/// libfaketime's preload library (Debian package `faketime`; `scripts/services` installs it).
+pub const FAKETIME_LIB: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+
+/// Environment that runs a process with its wall clock `offset` ahead (libfaketime syntax,
+/// e.g. `"+1h"`), for [`TestEnv::beat_with_env`]. Only the wall clock moves: the monotonic
+/// clock stays real (`FAKETIME_DONT_FAKE_MONOTONIC`), so tokio's timers and the beat's lease
+/// deadlines work. Panics when libfaketime is not installed.
+pub fn faketime_ahead(offset: &str) -> Vec<(&'static str, String)> {
+    assert!(
+        Path::new(FAKETIME_LIB).exists(),
+        "{FAKETIME_LIB} is missing: run scripts/services faketime (Debian: apt-get install faketime)"
+    );
+    vec![
+        ("LD_PRELOAD", FAKETIME_LIB.to_owned()),
+        ("FAKETIME", offset.to_owned()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_owned()),
+    ]
+}
+
 /// A TOML basic string literal.
 pub fn toml_string(s: &str) -> String {
     format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
@@ -441,6 +467,38 @@ pub fn counts(lines: &[String]) -> std::collections::BTreeMap<String, usize> {
         *map.entry(l.clone()).or_insert(0) += 1;
     }
     map
+}
+
+/// The instant of a scheduled instance's key `{job}@{instant}`.
+pub fn instant_of(key: &str) -> chrono::DateTime<chrono::Utc> {
+    let text = key.split_once('@').expect("job@instant").1;
+    chrono::DateTime::parse_from_rfc3339(text)
+        .expect("rfc3339")
+        .with_timezone(&chrono::Utc)
+}
+
+/// Effect lines (one key per execution) of a 1 s job: every second from the first to the last
+/// key is there exactly once, and there are at least `at_least` of them.
+pub fn assert_contiguous_exactly_once(lines: &[String], at_least: usize) {
+    let counts = counts(lines);
+    let doubled: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(doubled.is_empty(), "executed more than once: {doubled:?}");
+    let instants: Vec<chrono::DateTime<chrono::Utc>> =
+        counts.keys().map(|k| instant_of(k)).collect();
+    assert!(
+        instants.len() >= at_least,
+        "only {} executions: {lines:?}",
+        instants.len()
+    );
+    for pair in instants.windows(2) {
+        assert_eq!(
+            (pair[1] - pair[0]).num_seconds(),
+            1,
+            "missing instants between {} and {}",
+            pair[0],
+            pair[1]
+        );
+    }
 }
 
 /// A private RabbitMQ node on free ports, for tests that stop and restart the broker (never

@@ -2,9 +2,10 @@
 //! namespace per test; effects are lines the shell task appends (one per execution, keyed by
 //! `$DRUMLINE_KEY`), asserted by exact count.
 
-use chrono::{DateTime, Utc};
+use chrono::DateTime;
 use drumline_e2e::{
-    adhoc, counts, metric, setup, wait_until, wait_until_async, with_metrics, TestEnv,
+    adhoc, assert_contiguous_exactly_once, counts, instant_of, metric, setup, wait_until,
+    wait_until_async, with_metrics, TestEnv,
 };
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use std::time::Duration;
@@ -32,35 +33,6 @@ command = {}
             env.append_key_command(file, 0.0)
         ),
     )
-}
-
-fn instant_of(key: &str) -> DateTime<Utc> {
-    let text = key.split_once('@').expect("job@instant").1;
-    DateTime::parse_from_rfc3339(text)
-        .expect("rfc3339")
-        .with_timezone(&Utc)
-}
-
-/// Every second from the first to the last key is there exactly once.
-fn assert_contiguous_exactly_once(lines: &[String], at_least: usize) {
-    let counts = counts(lines);
-    let doubled: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
-    assert!(doubled.is_empty(), "executed more than once: {doubled:?}");
-    let instants: Vec<DateTime<Utc>> = counts.keys().map(|k| instant_of(k)).collect();
-    assert!(
-        instants.len() >= at_least,
-        "only {} executions: {lines:?}",
-        instants.len()
-    );
-    for pair in instants.windows(2) {
-        assert_eq!(
-            (pair[1] - pair[0]).num_seconds(),
-            1,
-            "missing instants between {} and {}",
-            pair[0],
-            pair[1]
-        );
-    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -150,10 +122,16 @@ async fn two_beats_publish_each_instance_once() {
 
     assert!(
         wait_until(WAIT, || env.lines("effects").len() >= 12),
-        "too few executions\n{}",
+        "too few executions\n{}\n{}\n{}",
+        beats[0].log_tail(20),
+        beats[1].log_tail(20),
         workers[0].log_tail(20)
     );
+    // Only the leader publishes: one copy per instance. Stopping the beats one after the other
+    // hands leadership over once (if the first one stopped led), which must neither skip nor
+    // repeat an instance.
     let mut published = 0;
+    let mut keys = Vec::new();
     for b in &mut beats {
         assert!(
             b.terminate(Duration::from_secs(10)).success(),
@@ -161,9 +139,19 @@ async fn two_beats_publish_each_instance_once() {
             b.log_tail(20)
         );
         published += b.summary_number("published");
+        keys.extend(b.published_keys());
     }
-    // Every delivery ends as a run or as a duplicate (copies that met a live lease come back
-    // from the delay queue first). Wait until all of them are settled.
+    let distinct = counts(&keys);
+    let repeated: Vec<_> = distinct.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        repeated.is_empty(),
+        "published more than once: {repeated:?}"
+    );
+    assert_eq!(
+        published,
+        distinct.len() as u64,
+        "the two beats' published counts add up to the distinct instances"
+    );
     let total =
         |name: &str| -> u64 { ports.iter().filter_map(|p| metric(*p, name)).sum::<f64>() as u64 };
     let settled =
@@ -173,7 +161,6 @@ async fn two_beats_publish_each_instance_once() {
         "published {published}, settled {}",
         settled()
     );
-    // Settled: nothing is left to arrive, so the counters are final.
     let duplicates = total("drumline_worker_duplicates_total");
     for w in &mut workers {
         assert!(

@@ -44,9 +44,12 @@ every = "1s"
 overlap = "allow"
 
 {}"#,
-            // The second beat's copy meets the first run's live lease and comes back one lease
-            // (3 s) later: between the first retry's failure (~2 s) and the second retry
-            // (~4 s), when no run holds the instance.
+            // With leadership only one of the two beats publishes, so copies come from a
+            // handover at the end (the second beat resumes from the fenced progress); the
+            // publisher-sent copies are `the_same_envelope_three_times_...` below. Before
+            // leadership, the second beat's copy met the first run's live lease and came back
+            // one lease (3 s) later, between the first retry's failure (~2 s) and the second
+            // retry (~4 s): these timings still hold for any copy.
             failing_task(&env, 2, 0.5, "1s")
         ),
     );
