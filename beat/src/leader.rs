@@ -42,9 +42,10 @@ pub fn publish_until(sent: Instant, lease: Duration) -> Instant {
     sent + (lease - lease / 3)
 }
 
-/// The instant a leader plans with: its own wall clock, but never more than `threshold` ahead
-/// of Redis `TIME` (`local + skew`), so a beat whose clock runs ahead publishes nothing early
-/// and records no progress in the future.
+/// The instant a leader plans with: its own wall clock, kept within `threshold` of Redis `TIME`
+/// (`local + skew`). A beat whose clock runs ahead publishes nothing early and records no
+/// progress in the future; one whose clock runs behind publishes at most `threshold` late
+/// rather than not at all while it holds the lease.
 pub fn planning_now(
     local: DateTime<Utc>,
     skew: Option<TimeDelta>,
@@ -52,7 +53,10 @@ pub fn planning_now(
 ) -> DateTime<Utc> {
     let threshold = TimeDelta::from_std(threshold).unwrap_or(TimeDelta::MAX);
     match skew {
-        Some(skew) => local.min(local + skew + threshold),
+        Some(skew) => {
+            let redis = local + skew;
+            local.clamp(redis - threshold, redis + threshold)
+        }
         None => local,
     }
 }
@@ -95,7 +99,7 @@ impl Leadership {
         let task = tokio::spawn(keep(
             store.clone(),
             candidate.clone(),
-            lease,
+            (lease, threshold),
             tx.clone(),
             stats,
         ));
@@ -212,43 +216,75 @@ impl Term {
 }
 
 /// The lease task: acquire (standby) or renew (leader) every `lease/3`, sooner after a Redis
-/// error; reports each change through `tx` and the gauges.
+/// error; reports each change through `tx` and the gauges. A leader's renewal waits for Redis
+/// no longer than its window to publish: when that passes without an answer (Redis down, or
+/// this beat cut off from it), the term ends here — the beat says it is a standby instead of
+/// claiming a lease it can no longer show it holds — and it comes back through `acquire`.
 async fn keep(
     store: Store,
     who: Arc<Candidate>,
-    lease: Duration,
+    (lease, threshold): (Duration, Duration),
     tx: Arc<watch::Sender<Lead>>,
     stats: BeatStats,
 ) {
     let every = lease / 3;
+    let retry = every / 4;
+    let mut clock_off = false;
     loop {
-        let leading = tx.borrow().epoch;
+        let Lead {
+            epoch: leading,
+            valid_until,
+            ..
+        } = *tx.borrow();
         let sent = Instant::now();
         let local = Utc::now();
-        let mode = match leading {
-            None => LeaseMode::Acquire,
-            Some(_) => LeaseMode::Renew,
+        let (mode, answer_by) = match leading {
+            None => (LeaseMode::Acquire, sent + every),
+            Some(_) => (LeaseMode::Renew, valid_until.max(sent + retry)),
         };
-        let reply = store.lead(&who, lease, mode).await;
+        let reply = tokio::time::timeout_at(answer_by, store.lead(&who, lease, mode)).await;
         let pause = match reply {
-            Ok(reply) => {
+            Ok(Ok(reply)) => {
                 let rtt = sent.elapsed();
                 let midpoint = local + TimeDelta::from_std(rtt / 2).unwrap_or_default();
-                let skew = Some(reply.redis_time - midpoint);
+                let skew = reply.redis_time - midpoint;
+                clock_off = warn_clock(skew, threshold, clock_off);
                 report(leading, reply.outcome, &stats);
                 tx.send_modify(|lead| {
-                    lead.skew = skew;
+                    lead.skew = Some(skew);
                     apply(lead, reply.outcome, sent, lease);
                 });
                 every
             }
-            Err(e) => {
-                warn!(error = %e, leading = leading.is_some(), "cannot reach redis for the leader lease; retrying");
-                every / 4
+            failed => {
+                let error = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "no answer in time".to_owned(),
+                };
+                warn!(error = %error, leading = leading.is_some(), "cannot reach redis for the leader lease; retrying");
+                if let Some(epoch) = leading.filter(|_| Instant::now() >= valid_until) {
+                    warn!(epoch, "leadership lost: no renewal within the lease's publishing window; standing by");
+                    stats.set_leader(false, 0);
+                    tx.send_modify(|lead| lead.epoch = None);
+                }
+                retry
             }
         };
         tokio::time::sleep_until(sent + pause).await;
     }
+}
+
+/// Warns once when this beat's clock is further than `threshold` from Redis `TIME` (and once
+/// when it is back); returns whether it is off now.
+fn warn_clock(skew: TimeDelta, threshold: Duration, was_off: bool) -> bool {
+    let off = skew.abs().to_std().unwrap_or(Duration::MAX) > threshold;
+    if off && !was_off {
+        warn!(redis_minus_local_ms = skew.num_milliseconds(),
+            "this beat's clock is further from redis TIME than misfire_threshold; it plans with redis TIME ± misfire_threshold (fix the clock: NTP)");
+    } else if was_off && !off {
+        info!("this beat's clock is back within misfire_threshold of redis TIME");
+    }
+    off
 }
 
 /// The new [`Lead`] after a lease try sent at `sent` answered `outcome`.
@@ -269,7 +305,14 @@ fn report(leading: Option<u64>, outcome: LeaseOutcome, stats: &BeatStats) {
             info!(epoch, "leadership gained: this beat publishes");
             stats.set_leader(true, epoch);
         }
-        (_, LeaseOutcome::Renewed { epoch }) => stats.set_leader(true, epoch),
+        (None, LeaseOutcome::Renewed { epoch }) => {
+            info!(
+                epoch,
+                "leadership gained again: this beat's lease outlived its silence"
+            );
+            stats.set_leader(true, epoch);
+        }
+        (Some(_), LeaseOutcome::Renewed { epoch }) => stats.set_leader(true, epoch),
         (Some(epoch), LeaseOutcome::Refused { holder }) => {
             warn!(
                 epoch,
@@ -309,7 +352,7 @@ mod tests {
     }
 
     #[test]
-    fn a_clock_ahead_of_redis_plans_at_redis_time_plus_the_threshold() {
+    fn a_clock_off_redis_time_plans_within_the_threshold_of_it() {
         let local: DateTime<Utc> = "2026-03-02T13:00:00Z".parse().unwrap();
         let threshold = Duration::from_secs(5);
         // Our clock is an hour ahead of Redis's.
@@ -318,8 +361,17 @@ mod tests {
             planning_now(local, skew, threshold),
             "2026-03-02T12:00:05Z".parse::<DateTime<Utc>>().unwrap()
         );
-        // Behind or level: our own clock (a late beat is late, not early).
-        for skew in [Some(TimeDelta::hours(1)), Some(TimeDelta::zero()), None] {
+        // An hour behind: at most the threshold late, rather than an hour.
+        assert_eq!(
+            planning_now(local, Some(TimeDelta::hours(1)), threshold),
+            "2026-03-02T13:59:55Z".parse::<DateTime<Utc>>().unwrap()
+        );
+        // Within the threshold either way, or no reading yet: our own clock.
+        for skew in [
+            Some(TimeDelta::seconds(3)),
+            Some(TimeDelta::seconds(-5)),
+            None,
+        ] {
             assert_eq!(planning_now(local, skew, threshold), local);
         }
     }

@@ -727,6 +727,42 @@ async fn a_beat_an_hour_ahead_neither_publishes_early_nor_loses_instances() {
     settle_and_check(&env, &snoop, &mut workers, 15);
 }
 
+/// A leader whose clock runs an hour *behind* Redis's still publishes — at most about the
+/// threshold late — instead of holding the lease and publishing nothing for an hour.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leader_an_hour_behind_publishes_at_most_the_threshold_late() {
+    let mut env = setup("lead_behind");
+    let threshold = chrono::Duration::seconds(2);
+    let cfg = config(&env, "leader_lease = \"3s\"\nmisfire_threshold = \"2s\"");
+    let mut workers = workers(&env, &cfg, 1).await;
+    let snoop = Snoop::start(&mut env, "default");
+    let behind = faketime_ahead("-1h");
+    let behind: Vec<(&str, &str)> = behind.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut beat = Beat::start(&env, "beat-slow", &cfg, &behind);
+    let lease = wait_leader(&env, 0, WAIT, &[&beat]);
+    assert!(
+        wait_until(WAIT, || of_epoch(&snoop, lease.epoch).len() >= 6),
+        "the slow leader published {} messages\n{}",
+        of_epoch(&snoop, lease.epoch).len(),
+        beat.proc.log_tail(20)
+    );
+    assert!(beat.proc.terminate(Duration::from_secs(10)).success());
+    let latest = snoop
+        .messages()
+        .iter()
+        .map(|m| m.arrived - m.envelope.scheduled_for)
+        .max()
+        .expect("messages");
+    println!(
+        "behind: the latest message arrived {} ms after its instant (threshold {} ms)",
+        latest.num_milliseconds(),
+        threshold.num_milliseconds()
+    );
+    // Bounded by the threshold plus scheduling noise; an hour is what this guards against.
+    assert!(latest < threshold * 10, "published {latest} late");
+    settle_and_check(&env, &snoop, &mut workers, 6);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_leader_whose_lease_is_taken_moves_no_progress_and_steps_down() {
     let mut env = setup("lead_stolen");
