@@ -7,6 +7,7 @@
 //! - [`progress`]  — each job's `{ns}:beat:last:{job}`: loaded at start, saved after confirms.
 //! - [`stats`]     — the beat's counters (Prometheus), health, and the report of drops.
 //! - [`publisher`] — confirm-mode publishing, topology on (re)connect.
+//! - [`reload`]    — SIGHUP: which jobs of a reloaded config keep their progress (pure).
 //! - [`next`]      — `drumline-beat next`: upcoming instants with DST annotations.
 //! - [`adhoc`]     — `drumline-beat publish`: one ad-hoc task, same envelope and guarantees.
 //! - [`operate`]   — `pause`, `resume`, `trigger`, `backfill`: operating a running schedule.
@@ -24,6 +25,7 @@ pub mod next;
 pub mod operate;
 pub mod progress;
 pub mod publisher;
+pub mod reload;
 pub mod scheduler;
 pub mod stats;
 pub mod status;

@@ -51,20 +51,24 @@ pub struct Publisher {
 impl Publisher {
     /// A publisher for `config`'s broker; connects lazily.
     pub fn new(config: &Config) -> Self {
-        let mut queues: Vec<String> = Vec::new();
-        for job in &config.jobs {
-            if !queues.contains(&job.queue) {
-                queues.push(job.queue.clone());
-            }
-        }
         Self {
             url: config.broker_url.clone(),
             ca_file: config.broker_ca_file.clone(),
             names: Names::new(config.namespace.clone()),
-            queues,
+            queues: job_queues(config),
             dead_ttl: config.worker.dead_ttl,
             session: None,
         }
+    }
+
+    /// Publishes for `config`'s jobs from now on (a reload): a queue not declared yet makes the
+    /// next publish reconnect and declare it.
+    pub fn reconfigure(&mut self, config: &Config) {
+        let queues = job_queues(config);
+        if queues.iter().any(|q| !self.queues.contains(q)) {
+            self.session = None;
+        }
+        self.queues = queues;
     }
 
     /// Connects and declares the topology if not connected.
@@ -212,6 +216,17 @@ impl Publisher {
     pub async fn close(&mut self) {
         self.drop_session("beat stopping").await;
     }
+}
+
+/// The queues `config`'s jobs publish to, each once.
+fn job_queues(config: &Config) -> Vec<String> {
+    let mut queues: Vec<String> = Vec::new();
+    for job in &config.jobs {
+        if !queues.contains(&job.queue) {
+            queues.push(job.queue.clone());
+        }
+    }
+    queues
 }
 
 #[cfg(test)]

@@ -24,12 +24,14 @@ use crate::leader::{Leadership, Term};
 use crate::misfire::{self, plan, Plan};
 use crate::progress::{self, progress_after};
 use crate::publisher::{PublishError, Publisher};
+use crate::reload;
 use crate::stats::report_dropped;
 pub use crate::stats::BeatStats;
 use chrono::{DateTime, Utc};
 use drumline_shared::config::{Config, Job};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
+use drumline_shared::signals::Hangups;
 use drumline_shared::store::{last_instant_text, parse_last_instant, ProgressError, Store};
 use drumline_shared::topology::TopologyError;
 use drumline_shared::url::Redacted;
@@ -90,6 +92,7 @@ enum Stall {
 }
 
 /// Per-job progress.
+#[derive(Clone)]
 struct JobState {
     /// Newest instant decided (published or dropped); never moves back.
     last: DateTime<Utc>,
@@ -119,9 +122,39 @@ struct Due {
 /// Min-heap of (next instant, job index): a wake looks only at the jobs due, never at all.
 type Queue = BinaryHeap<Reverse<(DateTime<Utc>, usize)>>;
 
-/// The loop's state: every job's progress, the due queue, and the stall bookkeeping.
-struct Beat<'a> {
-    jobs: &'a [Job],
+impl JobState {
+    /// A job's state from its persisted progress `last`; without one (a first start, or a job
+    /// added or rescheduled by a reload) it starts at `start`, unsaved.
+    fn from(job: &Job, last: Option<DateTime<Utc>>, start: DateTime<Utc>) -> Self {
+        JobState {
+            last: last.unwrap_or(start),
+            next: job.schedule.next_after(last.unwrap_or(start)),
+            unsaved: last.is_none(),
+            failures: 0,
+            alone: false,
+        }
+    }
+}
+
+/// Where a job starts on its first start: `now` as a restart would read it back (whole
+/// milliseconds), so nothing before it counts as missed.
+fn first_start(now: DateTime<Utc>) -> DateTime<Utc> {
+    parse_last_instant(&last_instant_text(now)).unwrap_or(now)
+}
+
+/// The due queue of `states`: each job at its next instant.
+fn due_queue(states: &[JobState]) -> Queue {
+    states
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| s.next.map(|n| Reverse((n, i))))
+        .collect()
+}
+
+/// The loop's state: the config it runs (replaced on SIGHUP), every job's progress, the due
+/// queue, and the stall bookkeeping.
+struct Beat {
+    config: Arc<Config>,
     states: Vec<JobState>,
     queue: Queue,
     /// `beat.misfire_threshold`.
@@ -146,6 +179,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<BeatStats, PublishError> {
     tokio::pin!(shutdown);
+    let mut config = Arc::new(config);
     let store = tokio::select! {
         s = connect_redis(&config) => s,
         _ = &mut shutdown => return Ok(stats),
@@ -154,7 +188,7 @@ pub async fn run(
     let (lease, threshold) = (config.beat.leader_lease, config.beat.misfire_threshold);
     let mut leadership = Leadership::start(store.clone(), lease, threshold, stats.clone());
     let served = serve(
-        &config,
+        &mut config,
         &store,
         &mut publisher,
         &mut leadership,
@@ -192,9 +226,10 @@ enum Next {
     Shutdown,
 }
 
-/// Term after term until `shutdown`: wait to lead, load progress, lead.
+/// Term after term until `shutdown`: wait to lead, load progress, lead. SIGHUP replaces
+/// `config` (a standby's takes effect at its next term; a leader's at once, [`Beat::reload`]).
 async fn serve<F: Future<Output = ()>>(
-    config: &Config,
+    config: &mut Arc<Config>,
     store: &Store,
     publisher: &mut Publisher,
     leadership: &mut Leadership,
@@ -202,33 +237,60 @@ async fn serve<F: Future<Output = ()>>(
     shutdown: &mut Pin<&mut F>,
 ) -> Result<(), PublishError> {
     connect_broker(config, publisher).await?;
+    let mut hangups = Hangups::new();
     loop {
-        let mut term = tokio::select! {
-            term = leadership.next_term() => term,
-            _ = shutdown.as_mut() => return Ok(()),
+        let mut term = loop {
+            tokio::select! {
+                term = leadership.next_term() => break term,
+                _ = hangups.recv() => {
+                    if let Some(new) = reload(config) {
+                        publisher.reconfigure(&new);
+                        *config = new;
+                    }
+                }
+                _ = shutdown.as_mut() => return Ok(()),
+            }
         };
         let Some(mut beat) = Beat::start(config, store, &term, shutdown).await else {
             return Ok(());
         };
-        match beat
-            .lead(store, publisher, stats, &mut term, shutdown)
-            .await?
-        {
+        let ended = beat
+            .lead(store, publisher, stats, (&mut term, &mut hangups), shutdown)
+            .await?;
+        *config = beat.config.clone();
+        match ended {
             Ended::Shutdown => return Ok(()),
             Ended::Lost => info!(epoch = term.epoch, "stopped publishing; standing by"),
         }
     }
 }
 
-impl<'a> Beat<'a> {
+/// Re-reads the config file on SIGHUP: the new config, or `None` (logged) when the file does
+/// not load and the running one stays.
+fn reload(config: &Config) -> Option<Arc<Config>> {
+    match config.reload() {
+        Ok((new, restart)) => {
+            if !restart.is_empty() {
+                warn!(changed = ?restart, "reloaded [[jobs]]; these changes take a restart of the beat");
+            }
+            Some(Arc::new(new))
+        }
+        Err(e) => {
+            error!(error = %e, "reload refused: the file does not load; the running config stays");
+            None
+        }
+    }
+}
+
+impl Beat {
     /// Loads every job's progress (retrying while Redis fails; `None` on shutdown) and persists
     /// every new job's start, for `term`.
     async fn start<F: Future<Output = ()>>(
-        config: &'a Config,
+        config: &Arc<Config>,
         store: &Store,
         term: &Term,
         shutdown: &mut Pin<&mut F>,
-    ) -> Option<Beat<'a>> {
+    ) -> Option<Beat> {
         let loading = Instant::now();
         let lasts = loop {
             match progress::load_last(store, &config.jobs).await {
@@ -243,8 +305,7 @@ impl<'a> Beat<'a> {
             }
         };
         let resumed = lasts.iter().filter(|l| l.is_some()).count();
-        let threshold = config.beat.misfire_threshold;
-        let mut beat = Beat::new(&config.jobs, lasts, term.now(), threshold);
+        let mut beat = Beat::new(config.clone(), lasts, term.now());
         beat.persist_new_starts(store, term).await;
         info!(
             jobs = config.jobs.len(),
@@ -260,38 +321,55 @@ impl<'a> Beat<'a> {
     /// The state at start, from each job's loaded progress. On a job's very first start nothing
     /// before `now` counts as missed: it starts from `now`, as a restart would read it back
     /// (whole milliseconds).
-    fn new(
-        jobs: &'a [Job],
-        lasts: Vec<Option<DateTime<Utc>>>,
-        now: DateTime<Utc>,
-        threshold: Duration,
-    ) -> Self {
-        let start = parse_last_instant(&last_instant_text(now)).unwrap_or(now);
-        let states: Vec<JobState> = jobs
+    fn new(config: Arc<Config>, lasts: Vec<Option<DateTime<Utc>>>, now: DateTime<Utc>) -> Self {
+        let start = first_start(now);
+        let states: Vec<JobState> = config
+            .jobs
             .iter()
             .zip(lasts)
-            .map(|(job, last)| JobState {
-                last: last.unwrap_or(start),
-                next: job.schedule.next_after(last.unwrap_or(start)),
-                unsaved: last.is_none(),
-                failures: 0,
-                alone: false,
-            })
+            .map(|(job, last)| JobState::from(job, last, start))
             .collect();
-        let queue = states
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| s.next.map(|n| Reverse((n, i))))
-            .collect();
+        let threshold = config.beat.misfire_threshold;
         Beat {
-            jobs,
+            config,
+            queue: due_queue(&states),
             states,
-            queue,
             threshold,
             stuck: 0,
             backoff: SHARED_BACKOFF,
             paused: HashSet::new(),
         }
+    }
+
+    /// Runs `config` from now on (SIGHUP while leading): a job kept with the same schedule
+    /// keeps its progress; an added job, or one whose schedule changed, starts from now as on
+    /// a first start (nothing before the reload is caught up); a removed job stops. Persists
+    /// the new starts.
+    async fn reload(&mut self, config: Arc<Config>, store: &Store, term: &Term) {
+        let carried = reload::carried(&self.config.jobs, &config.jobs);
+        let start = first_start(term.now());
+        let old = std::mem::take(&mut self.states);
+        self.states = config
+            .jobs
+            .iter()
+            .zip(&carried)
+            .map(|(job, from)| match from {
+                Some(i) => old[*i].clone(),
+                None => JobState::from(job, None, start),
+            })
+            .collect();
+        self.queue = due_queue(&self.states);
+        self.stuck = self.states.iter().filter(|s| s.failures > 0).count() as i64;
+        let summary = reload::Summary::of(&carried, old.len());
+        info!(
+            jobs = config.jobs.len(),
+            kept = summary.kept,
+            started = summary.started,
+            removed = summary.removed,
+            "reloaded the jobs (SIGHUP)"
+        );
+        self.config = config;
+        self.persist_new_starts(store, term).await;
     }
 
     /// Persists every new job's start, so that a beat that dies before a job's first instant
@@ -301,14 +379,14 @@ impl<'a> Beat<'a> {
         let new: Vec<usize> = (0..self.states.len())
             .filter(|i| self.states[*i].unsaved)
             .collect();
-        let saved = save(store, term, self.jobs, &mut self.states, &new).await;
+        let saved = save(store, term, &self.config.jobs, &mut self.states, &new).await;
         let failures: Vec<(usize, Arc<ProgressError>)> = new
             .iter()
             .zip(saved)
             .filter_map(|(i, failed)| Some((*i, failed?)))
             .collect();
         if let Some((i, e)) = failures.first() {
-            warn!(jobs = failures.len(), first = %self.jobs[*i].name, error = %e,
+            warn!(jobs = failures.len(), first = %self.config.jobs[*i].name, error = %e,
                 "cannot persist new jobs' start yet; it is written before their first publish");
         }
     }
@@ -320,7 +398,7 @@ impl<'a> Beat<'a> {
         store: &Store,
         publisher: &mut Publisher,
         stats: &BeatStats,
-        term: &mut Term,
+        (term, hangups): (&mut Term, &mut Hangups),
         shutdown: &mut Pin<&mut F>,
     ) -> Result<Ended, PublishError> {
         loop {
@@ -331,6 +409,12 @@ impl<'a> Beat<'a> {
                 Next::Shutdown => return Ok(Ended::Shutdown),
                 Next::Wait(wait) => tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
+                    _ = hangups.recv() => {
+                        if let Some(new) = reload(&self.config) {
+                            publisher.reconfigure(&new);
+                            self.reload(new, store, term).await;
+                        }
+                    }
                     _ = shutdown.as_mut() => return Ok(Ended::Shutdown),
                 },
                 Next::NotHolding if term.ended() => return Ok(Ended::Lost),
@@ -373,13 +457,13 @@ impl<'a> Beat<'a> {
             }
             let batch = take_due(
                 &mut self.queue,
-                self.jobs,
+                &self.config.jobs,
                 &self.states,
                 (now, self.threshold),
                 &self.paused,
             );
             let stalls = advance(
-                self.jobs,
+                &self.config.jobs,
                 &mut self.states,
                 &batch,
                 store,
@@ -464,7 +548,7 @@ impl<'a> Beat<'a> {
     /// alone after its own backoff, while the other jobs go on now (returns `true`); otherwise
     /// at its due instant, after the shared backoff.
     fn stalled(&mut self, due: &Due, stall: &Stall, now: DateTime<Utc>, listed: bool) -> bool {
-        let job = &self.jobs[due.job];
+        let job = &self.config.jobs[due.job];
         let state = &mut self.states[due.job];
         let own = matches!(stall, Stall::Publish(_));
         let retry_at = if own {

@@ -77,6 +77,32 @@ pub struct Config {
     pub tasks: BTreeMap<String, Task>,
 }
 
+impl Config {
+    /// Re-reads the file this config came from (SIGHUP). `Err` — a file that does not load —
+    /// leaves the caller on its running config. The second value names what changed but takes
+    /// a restart to apply: everything outside `[[jobs]]` and `[tasks.*]`.
+    pub fn reload(&self) -> Result<(Config, Vec<&'static str>), ConfigError> {
+        let new = Config::load(&self.path)?;
+        let restart = [
+            ("namespace", self.namespace != new.namespace),
+            (
+                "[broker]",
+                (&self.broker_url, &self.broker_ca_file) != (&new.broker_url, &new.broker_ca_file),
+            ),
+            (
+                "[redis]",
+                (&self.redis_url, &self.redis_ca_file) != (&new.redis_url, &new.redis_ca_file),
+            ),
+            ("[beat]", self.beat != new.beat),
+            ("[worker]", self.worker != new.worker),
+        ]
+        .into_iter()
+        .filter_map(|(what, changed)| changed.then_some(what))
+        .collect();
+        Ok((new, restart))
+    }
+}
+
 /// `[beat]` settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BeatConfig {

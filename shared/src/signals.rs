@@ -22,3 +22,36 @@ pub async fn shutdown(what: &'static str) {
         std::process::exit(1);
     });
 }
+
+/// SIGHUP, the reload request of both binaries (DESIGN §9 "Reload").
+pub struct Hangups(Option<tokio::signal::unix::Signal>);
+
+impl Hangups {
+    /// Starts listening for SIGHUP (call it inside the runtime). Without a handler (it could
+    /// not be installed, which is logged) [`recv`](Self::recv) never completes.
+    pub fn new() -> Self {
+        match signal(SignalKind::hangup()) {
+            Ok(s) => Hangups(Some(s)),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot install the SIGHUP handler; reload needs a restart");
+                Hangups(None)
+            }
+        }
+    }
+
+    /// Completes at the next SIGHUP.
+    pub async fn recv(&mut self) {
+        match &mut self.0 {
+            Some(s) => {
+                s.recv().await;
+            }
+            None => std::future::pending().await,
+        }
+    }
+}
+
+impl Default for Hangups {
+    fn default() -> Self {
+        Self::new()
+    }
+}
