@@ -47,7 +47,7 @@ impl Dropped {
 }
 
 /// Dropped instances beyond the [`MAX_LISTED`] listed ones: counted, not listed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Unlisted {
     /// How many.
     pub count: u64,
@@ -57,6 +57,8 @@ pub struct Unlisted {
     pub last: Option<DateTime<Utc>>,
     /// True when a cron walk stopped counting at [`MAX_COUNTED`]: `count` is a lower bound.
     pub lower_bound: bool,
+    /// `count` by reason, each reason once, in the order first met.
+    pub reasons: Vec<(Dropped, u64)>,
 }
 
 /// What to do with the instants in `(last, now]`.
@@ -100,7 +102,7 @@ impl Drops {
             self.listed.push((t, why));
             self.up_to = Some(t);
         } else {
-            self.add_unlisted(1, t, t);
+            self.add_unlisted(1, t, t, why);
         }
     }
 
@@ -108,8 +110,18 @@ impl Drops {
         self.listed.len() >= MAX_LISTED
     }
 
-    fn add_unlisted(&mut self, count: u64, first: DateTime<Utc>, last: DateTime<Utc>) {
+    fn add_unlisted(
+        &mut self,
+        count: u64,
+        first: DateTime<Utc>,
+        last: DateTime<Utc>,
+        why: Dropped,
+    ) {
         self.unlisted.count += count;
+        match self.unlisted.reasons.iter_mut().find(|(r, _)| *r == why) {
+            Some((_, n)) => *n += count,
+            None => self.unlisted.reasons.push((why, count)),
+        }
         self.unlisted.first.get_or_insert(first);
         self.unlisted.last = Some(last);
         self.up_to = Some(last);
@@ -216,7 +228,7 @@ fn count_stale(
     match schedule {
         Schedule::Every { every, anchor } => {
             let (count, first, last) = every_between(*every, *anchor, t, stale)?;
-            drops.add_unlisted(count, first, last);
+            drops.add_unlisted(count, first, last, Dropped::PastGrace);
             Some(last)
         }
         Schedule::Cron { .. } => {
@@ -611,6 +623,15 @@ pub(crate) mod tests {
         assert_eq!(p.unlisted.last, Some(at("2026-03-30T23:59:59Z")));
         assert_eq!(p.dropped_up_to, p.unlisted.last);
         assert_eq!(p.decided_up_to, Some(at("2026-03-31T00:00:00Z")));
+        // Counted by reason: past grace, then the last hour's missed ones (run_once).
+        let past_grace = due - 3600 - MAX_LISTED as u64;
+        assert_eq!(
+            p.unlisted.reasons,
+            vec![
+                (Dropped::PastGrace, past_grace),
+                (Dropped::Policy(Misfire::RunOnce), 3599)
+            ]
+        );
         // The unlisted range follows the listed one without a gap.
         assert_eq!(
             p.unlisted.first,

@@ -199,8 +199,8 @@ pub async fn run(
     leadership.resign().await;
     publisher.close().await;
     info!(
-        published = stats.published.get(),
-        dropped = stats.dropped.get(),
+        published = stats.published_total(),
+        dropped = stats.dropped_total(),
         publish_failures = stats.publish_failures.get(),
         persist_failures = stats.persist_failures.get(),
         "beat stopped"
@@ -822,7 +822,7 @@ fn record_confirmed(
         due.plan.decided_up_to.filter(|_| whole),
     );
     for env in &envelopes[..recorded] {
-        stats.published.inc();
+        stats.published(&job.name);
         info!(job = %job.name, key = %env.key, "published");
     }
     if to > state.last {

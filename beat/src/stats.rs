@@ -1,22 +1,101 @@
 //! The beat's counters (Prometheus metrics under `--metrics-addr`, and the health check) and
 //! the report of every instance it decided not to publish. Touches only logs and counters.
+//!
+//! Published and dropped instances are counted per job (`drumline_beat_published_total{job}`,
+//! `drumline_beat_dropped_total{job, reason}`): the label sets are bounded by the config's jobs
+//! and the [`DropReason`]s.
 
-use crate::misfire::Plan;
+use crate::misfire::{Dropped, Plan};
 use chrono::{DateTime, Utc};
-use drumline_shared::config::Job;
+use drumline_shared::config::{Job, Misfire};
 use drumline_shared::envelope::instance_key;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tracing::warn;
 
+/// Why an instance was not published: the `reason` label of `drumline_beat_dropped_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DropReason {
+    /// Missed by more than `misfire_grace`.
+    PastGrace,
+    /// Missed; `misfire = "run_once"` publishes only the latest.
+    MisfireRunOnce,
+    /// Missed; beyond `max_catch_up` (`misfire = "catch_up"`).
+    MisfireCatchUp,
+    /// Missed; `misfire = "skip"`.
+    MisfireSkip,
+    /// `expires` had passed when it came due.
+    Expired,
+    /// The job was paused when it came due (`drumline-beat pause`).
+    Paused,
+}
+
+impl DropReason {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::PastGrace => "past_grace",
+            DropReason::MisfireRunOnce => "misfire_run_once",
+            DropReason::MisfireCatchUp => "misfire_catch_up",
+            DropReason::MisfireSkip => "misfire_skip",
+            DropReason::Expired => "expired",
+            DropReason::Paused => "paused",
+        }
+    }
+
+    /// The reason for a misfire policy's drops.
+    fn policy(misfire: Misfire) -> Self {
+        match misfire {
+            Misfire::RunOnce => DropReason::MisfireRunOnce,
+            Misfire::CatchUp => DropReason::MisfireCatchUp,
+            Misfire::Skip => DropReason::MisfireSkip,
+        }
+    }
+}
+
+impl From<Dropped> for DropReason {
+    fn from(why: Dropped) -> Self {
+        match why {
+            Dropped::PastGrace => DropReason::PastGrace,
+            Dropped::Policy(misfire) => DropReason::policy(misfire),
+            Dropped::Expired => DropReason::Expired,
+            Dropped::Paused => DropReason::Paused,
+        }
+    }
+}
+
+/// Labels of `drumline_beat_published_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct JobLabels {
+    /// A job of the config.
+    pub job: String,
+}
+
+/// Labels of `drumline_beat_dropped_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct DropLabels {
+    /// A job of the config.
+    pub job: String,
+    /// A [`DropReason`] label value.
+    pub reason: &'static str,
+}
+
 /// Counters the beat keeps; Prometheus metrics under `--metrics-addr`. Clones share them.
 #[derive(Debug, Default, Clone)]
 pub struct BeatStats {
-    /// Instances published and confirmed.
-    pub published: Counter,
-    /// Instances decided not to publish (each logged with its key, or in a counted range).
-    pub dropped: Counter,
+    /// Instances published and confirmed, in all (for the shutdown summary; `/metrics` has the
+    /// per-job series, whose sum it is).
+    published_all: Counter,
+    /// Instances decided not to publish, in all (each logged with its key, or in a counted
+    /// range); `/metrics` has them per job and reason.
+    dropped_all: Counter,
+    /// Instances published and confirmed, per job.
+    published_per_job: Family<JobLabels, Counter>,
+    /// Instances not published, per job and reason.
+    dropped_per_job: Family<DropLabels, Counter>,
     /// Publish attempts that failed, per job (retried).
     pub publish_failures: Counter,
     /// Progress writes to Redis that failed, per job (the job waits until one succeeds).
@@ -34,17 +113,17 @@ pub struct BeatStats {
 impl BeatStats {
     /// Registers every metric under `drumline_beat_*`.
     pub fn register(&self, registry: &mut Registry) {
-        let counters: [(&str, &str, &Counter); 4] = [
-            (
-                "published",
-                "Instances published and confirmed by the broker",
-                &self.published,
-            ),
-            (
-                "dropped",
-                "Instances not published (misfire policy, grace, expiry)",
-                &self.dropped,
-            ),
+        registry.register(
+            "drumline_beat_published",
+            "Instances published and confirmed by the broker, per job",
+            self.published_per_job.clone(),
+        );
+        registry.register(
+            "drumline_beat_dropped",
+            "Instances not published, per job and reason (misfire policy, grace, expiry, paused)",
+            self.dropped_per_job.clone(),
+        );
+        let counters: [(&str, &str, &Counter); 2] = [
             (
                 "publish_failures",
                 "Job publish attempts that failed (retried)",
@@ -76,6 +155,39 @@ impl BeatStats {
         );
     }
 
+    /// Counts one instance of `job` published and confirmed.
+    pub fn published(&self, job: &str) {
+        self.published_all.inc();
+        self.published_per_job
+            .get_or_create(&JobLabels {
+                job: job.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts `n` instances of `job` not published for `reason`.
+    pub fn dropped(&self, job: &str, reason: DropReason, n: u64) {
+        if n == 0 {
+            return;
+        }
+        self.dropped_all.inc_by(n);
+        let labels = DropLabels {
+            job: job.to_owned(),
+            reason: reason.as_str(),
+        };
+        self.dropped_per_job.get_or_create(&labels).inc_by(n);
+    }
+
+    /// Instances published and confirmed since start, all jobs.
+    pub fn published_total(&self) -> u64 {
+        self.published_all.get()
+    }
+
+    /// Instances not published since start, all jobs and reasons.
+    pub fn dropped_total(&self) -> u64 {
+        self.dropped_all.get()
+    }
+
     /// Records what the last lease try found.
     pub fn set_leader(&self, leading: bool, epoch: u64) {
         self.is_leader.set(i64::from(leading));
@@ -102,6 +214,7 @@ impl BeatStats {
 pub fn report_dropped(job: &Job, plan: &Plan, stats: &BeatStats) {
     for (t, why) in &plan.dropped {
         warn!(job = %job.name, key = %instance_key(&job.name, *t), reason = why.reason(), "instance not published");
+        stats.dropped(&job.name, DropReason::from(*why), 1);
     }
     let more = &plan.unlisted;
     if more.count > 0 {
@@ -116,5 +229,54 @@ pub fn report_dropped(job: &Job, plan: &Plan, stats: &BeatStats) {
             "more instances not published (missed; too many to list one by one)"
         );
     }
-    stats.dropped.inc_by(plan.dropped_count());
+    for &(why, n) in &more.reasons {
+        stats.dropped(&job.name, DropReason::from(why), n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus_client::encoding::text::encode;
+
+    fn exposition(stats: &BeatStats) -> String {
+        let mut registry = Registry::default();
+        stats.register(&mut registry);
+        let mut out = String::new();
+        encode(&mut out, &registry).unwrap();
+        out
+    }
+
+    #[test]
+    fn published_and_dropped_are_counted_per_job_and_reason() {
+        let stats = BeatStats::default();
+        stats.published("a");
+        stats.published("a");
+        stats.published("b");
+        stats.dropped("a", DropReason::Expired, 0);
+        stats.dropped("a", DropReason::PastGrace, 3);
+        stats.dropped("b", DropReason::Paused, 2);
+        stats.dropped("b", DropReason::from(Dropped::Policy(Misfire::Skip)), 1);
+        let text = exposition(&stats);
+        for line in [
+            "drumline_beat_published_total{job=\"a\"} 2",
+            "drumline_beat_published_total{job=\"b\"} 1",
+            "drumline_beat_dropped_total{job=\"a\",reason=\"past_grace\"} 3",
+            "drumline_beat_dropped_total{job=\"b\",reason=\"paused\"} 2",
+            "drumline_beat_dropped_total{job=\"b\",reason=\"misfire_skip\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
+        // One family per name: the totals are not served under the same name.
+        assert_eq!(
+            text.matches("# TYPE drumline_beat_published counter")
+                .count(),
+            1,
+            "{text}"
+        );
+        assert!(!text.contains("drumline_beat_published_total "), "{text}");
+        // Nothing dropped, no series.
+        assert!(!text.contains("reason=\"expired\""), "{text}");
+        assert_eq!((stats.published_total(), stats.dropped_total()), (3, 6));
+    }
 }

@@ -102,7 +102,7 @@ async fn status_reports_progress_success_and_staleness() {
     let (_, exposition) = http_get(metrics, "/metrics").unwrap();
     let published: u64 = exposition
         .lines()
-        .find_map(|l| l.strip_prefix("drumline_beat_published_total "))
+        .find_map(|l| l.strip_prefix("drumline_beat_published_total{job=\"tick\"} "))
         .and_then(|n| n.trim().parse().ok())
         .unwrap_or_else(|| panic!("{exposition}"));
     assert!(published >= 2, "{exposition}");

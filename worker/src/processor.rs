@@ -9,7 +9,7 @@ use crate::decision::{self, Action, Outcome, Recheck, Rejected, RunResult};
 use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
 use crate::lease::{self, LeaseLost};
 use crate::retry;
-use crate::stats::Stats;
+use crate::stats::{RunOutcome, Stats, UNKNOWN_TASK};
 use crate::Gate;
 use chrono::Utc;
 use drumline_shared::config::{Config, Overlap, Task};
@@ -88,6 +88,16 @@ impl Processor {
             Overlap::Skip => OverlapMode::Skip(job),
             Overlap::Queue => OverlapMode::Queue(job),
             Overlap::Allow => OverlapMode::Allow,
+        }
+    }
+
+    /// The `task` label of `task`: itself when this worker has it, else [`UNKNOWN_TASK`], so
+    /// that messages cannot grow the label set.
+    fn task_label<'t>(&self, task: &'t str) -> &'t str {
+        if self.handlers.contains_key(task) && self.config.tasks.contains_key(task) {
+            task
+        } else {
+            UNKNOWN_TASK
         }
     }
 
@@ -173,6 +183,15 @@ impl Processor {
                 if reason == DeadReason::Malformed {
                     self.stats.malformed.inc();
                 }
+                // The task label only when the envelope decodes (it broke a limit) and names
+                // one of ours; an oversize body is not even decoded.
+                let decoded = (reason == DeadReason::Malformed)
+                    .then(|| Envelope::decode(body).ok())
+                    .flatten();
+                let task = decoded
+                    .as_ref()
+                    .map_or(UNKNOWN_TASK, |env| self.task_label(&env.task));
+                self.stats.outcome(task, RunOutcome::Malformed);
                 self.dead_letter(publisher, body, &delivery.properties, reason, &error, 0)
                     .await?;
                 Ok(Disposition::Ack)
@@ -193,6 +212,7 @@ impl Processor {
             self.config.tasks.get(&env.task),
         ) else {
             let Rejected { reason, error } = decision::unknown_task(&env.task);
+            self.stats.outcome(UNKNOWN_TASK, RunOutcome::Dead);
             self.dead_letter_env(publisher, delivery, &env, reason, &error, env.attempt)
                 .await?;
             return Ok(Disposition::Ack);
@@ -212,10 +232,14 @@ impl Processor {
             action => return self.execute(&step, action).await,
         };
         step.started_at = Some(now_text());
+        self.stats
+            .run_started(&env.task, Utc::now() - env.scheduled_for);
+        let started = Instant::now();
         // `_renewing` keeps the lease renewed until the action has recorded the result.
         let (result, _renewing) = self
             .run(handler.clone(), &env, &token, fence, claimed_at)
             .await;
+        self.stats.run_ended(&env.task, started.elapsed());
         let jitter = rand::random::<f64>();
         let action = decision::decide(&claim, Some(&result), task, env.attempt, jitter);
         self.execute(&step, action).await
@@ -246,10 +270,12 @@ impl Processor {
             Action::Duplicate { state } => {
                 info!(state = %state, redelivered = step.delivery.redelivered, "duplicate delivery: already finished or retried");
                 self.stats.duplicates.inc();
+                self.stats.outcome(&env.task, RunOutcome::Duplicate);
             }
             Action::Expire => {
                 info!("expired before it could run");
                 self.stats.expired.inc();
+                self.stats.outcome(&env.task, RunOutcome::Expired);
                 let error = "expires_at passed before the run";
                 self.dead_letter_env(
                     publisher,
@@ -278,6 +304,7 @@ impl Processor {
             Action::Skip { running } => {
                 info!(running = %running, "skipped: the job's previous instance still runs (overlap = skip)");
                 self.stats.skipped.inc();
+                self.stats.outcome(&env.task, RunOutcome::Skipped);
                 let error = Some(format!("{running} still running"));
                 self.record(env, Outcome::Skipped, None, error).await;
             }
@@ -290,6 +317,7 @@ impl Processor {
             Action::Dead { reason, error } => self.fail_dead(step, reason, &error).await?,
             Action::Requeue { lost } => {
                 warn!(reason = ?lost, "lease lost mid-run: result not recorded; requeueing");
+                self.stats.outcome(&env.task, RunOutcome::LeaseLost);
                 if matches!(lost, LeaseLost::Unreachable(_)) {
                     self.gate.close();
                 }
@@ -298,6 +326,7 @@ impl Processor {
             Action::Release => {
                 warn!("shutdown grace exhausted: abandoned; releasing the claim for redelivery");
                 self.stats.abandoned.inc();
+                self.stats.outcome(&env.task, RunOutcome::Abandoned);
                 let _ = self
                     .store
                     .release(&env.key, self.lock_job(env), step.token)
@@ -317,11 +346,13 @@ impl Processor {
         {
             info!(fence, "done");
             self.stats.succeeded.inc();
+            self.stats.outcome(&step.env.task, RunOutcome::Success);
             self.record(step.env, Outcome::Done, step.started_at.clone(), None)
                 .await;
             Ok(Disposition::Ack)
         } else {
             warn!("succeeded, but another worker claimed the instance before it could be recorded; requeueing");
+            self.stats.outcome(&step.env.task, RunOutcome::LeaseLost);
             Ok(Disposition::Requeue)
         }
     }
@@ -355,6 +386,7 @@ impl Processor {
             .finish(&env.key, self.lock_job(env), step.token, ending, retention)
             .await?;
         self.stats.retried.inc();
+        self.stats.outcome(&env.task, RunOutcome::Retry);
         Ok(())
     }
 
@@ -496,6 +528,7 @@ impl Processor {
         let started_at = step.started_at.clone();
         self.record(env, Outcome::Dead, started_at, Some(error.to_owned()))
             .await;
+        self.stats.outcome(&env.task, RunOutcome::Dead);
         Ok(())
     }
 

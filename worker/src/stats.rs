@@ -1,12 +1,94 @@
-//! Counters a worker keeps: what it ran, skipped as duplicate, retried, dead-lettered. They are
-//! Prometheus metrics (`--metrics-addr`) and the summary logged at shutdown.
+//! Counters a worker keeps: what it ran, skipped as duplicate, retried, dead-lettered — in total
+//! and per task and outcome ([`RunOutcome`]), with histograms of lag and run time per task. They
+//! are Prometheus metrics (`--metrics-addr`) and the summary logged at shutdown.
+//!
+//! Label sets are bounded: `task` is a task of this worker's config or `unknown` (a hostile
+//! message cannot add series), `outcome` one of [`RunOutcome`]'s nine values.
 
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::time::Duration;
+
+/// The `task` label of a task this worker does not know (or of a message that did not decode).
+pub const UNKNOWN_TASK: &str = "unknown";
+
+/// Histogram buckets in seconds for a scheduler: 5 ms to 4 h.
+pub const SECONDS_BUCKETS: [f64; 20] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+    1800.0, 3600.0, 7200.0, 14400.0,
+];
+
+/// How one delivery ended, the `outcome` label of `drumline_worker_runs_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RunOutcome {
+    /// Ran and recorded `done`.
+    Success,
+    /// Ran, failed, sent to a delay queue for another attempt.
+    Retry,
+    /// Dead-lettered after a run (retries exhausted, permanent failure), or naming a task this
+    /// worker does not have.
+    Dead,
+    /// Its deadline had passed before it could run.
+    Expired,
+    /// Already finished (or moved on to a later attempt): acked without running.
+    Duplicate,
+    /// Recorded `skipped`: the job's previous instance still ran (`overlap = "skip"`).
+    Skipped,
+    /// Dead-lettered before anything else: undecodable, over a limit, or over
+    /// `max_message_bytes`.
+    Malformed,
+    /// The lease was lost: the result was not recorded and the delivery was requeued.
+    LeaseLost,
+    /// Cancelled when the shutdown grace ran out; released and requeued.
+    Abandoned,
+}
+
+impl RunOutcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunOutcome::Success => "success",
+            RunOutcome::Retry => "retry",
+            RunOutcome::Dead => "dead",
+            RunOutcome::Expired => "expired",
+            RunOutcome::Duplicate => "duplicate",
+            RunOutcome::Skipped => "skipped",
+            RunOutcome::Malformed => "malformed",
+            RunOutcome::LeaseLost => "lease_lost",
+            RunOutcome::Abandoned => "abandoned",
+        }
+    }
+}
+
+/// Labels of `drumline_worker_runs_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct RunLabels {
+    /// A configured task, or [`UNKNOWN_TASK`].
+    pub task: String,
+    /// A [`RunOutcome`] label value.
+    pub outcome: &'static str,
+}
+
+/// Labels of the per-task histograms and gauges.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct TaskLabels {
+    /// A configured task (only runs are observed, and only known tasks run).
+    pub task: String,
+}
+
+/// A family of histograms with [`SECONDS_BUCKETS`].
+pub type Seconds = Family<TaskLabels, Histogram, fn() -> Histogram>;
+
+fn seconds_histogram() -> Histogram {
+    Histogram::new(SECONDS_BUCKETS)
+}
 
 /// The worker's counters and gauges.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Stats {
     /// Runs that ended `done`.
     pub succeeded: Counter,
@@ -35,6 +117,39 @@ pub struct Stats {
     pub broker_connected: Gauge,
     /// 1 while Redis answers (0: failing closed, not taking work).
     pub redis_up: Gauge,
+    /// Deliveries per task and [`RunOutcome`] (`drumline_worker_runs_total{task, outcome}`).
+    pub runs: Family<RunLabels, Counter>,
+    /// Run start − `scheduled_for`, per task, in seconds (retries included: their
+    /// `scheduled_for` is the instance's).
+    pub lag: Seconds,
+    /// How long the handler ran, per task, in seconds (every run: success, failure, lost lease).
+    pub run_time: Seconds,
+    /// Unix time of the last run per task that ended `done` on this worker.
+    pub last_success: Family<TaskLabels, Gauge>,
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        Stats {
+            succeeded: Counter::default(),
+            duplicates: Counter::default(),
+            busy: Counter::default(),
+            skipped: Counter::default(),
+            retried: Counter::default(),
+            dead_lettered: Counter::default(),
+            expired: Counter::default(),
+            abandoned: Counter::default(),
+            malformed: Counter::default(),
+            requeued: Counter::default(),
+            running: Gauge::default(),
+            broker_connected: Gauge::default(),
+            redis_up: Gauge::default(),
+            runs: Family::default(),
+            lag: Family::new_with_constructor(seconds_histogram),
+            run_time: Family::new_with_constructor(seconds_histogram),
+            last_success: Family::default(),
+        }
+    }
 }
 
 impl Stats {
@@ -71,6 +186,63 @@ impl Stats {
         for (name, help, gauge) in gauges {
             registry.register(format!("drumline_worker_{name}"), help, gauge.clone());
         }
+        registry.register(
+            "drumline_worker_runs",
+            "Deliveries by task (unknown: not in this worker's config) and outcome",
+            self.runs.clone(),
+        );
+        registry.register(
+            "drumline_worker_lag_seconds",
+            "Run start minus the instance's scheduled_for, per task",
+            self.lag.clone(),
+        );
+        registry.register(
+            "drumline_worker_run_seconds",
+            "How long the handler ran, per task",
+            self.run_time.clone(),
+        );
+        registry.register(
+            "drumline_worker_last_success_timestamp_seconds",
+            "Unix time of the last run of the task that ended done on this worker",
+            self.last_success.clone(),
+        );
+    }
+
+    /// Counts one delivery of `task` (already [`UNKNOWN_TASK`] when not ours) ending `outcome`;
+    /// a success also sets the task's last-success time.
+    pub fn outcome(&self, task: &str, outcome: RunOutcome) {
+        let labels = RunLabels {
+            task: task.to_owned(),
+            outcome: outcome.as_str(),
+        };
+        self.runs.get_or_create(&labels).inc();
+        if outcome == RunOutcome::Success {
+            let now = chrono::Utc::now().timestamp();
+            self.last_success
+                .get_or_create(&TaskLabels {
+                    task: task.to_owned(),
+                })
+                .set(now);
+        }
+    }
+
+    /// Observes a run of `task` starting `lag` after its instant (negative: early, counted 0).
+    pub fn run_started(&self, task: &str, lag: chrono::TimeDelta) {
+        let seconds = lag.to_std().unwrap_or_default().as_secs_f64();
+        self.lag
+            .get_or_create(&TaskLabels {
+                task: task.to_owned(),
+            })
+            .observe(seconds);
+    }
+
+    /// Observes a run of `task` that took `took`.
+    pub fn run_ended(&self, task: &str, took: Duration) {
+        self.run_time
+            .get_or_create(&TaskLabels {
+                task: task.to_owned(),
+            })
+            .observe(took.as_secs_f64());
     }
 
     /// One line for logs.
@@ -96,5 +268,49 @@ impl Stats {
             (0, _) => Err("not connected to the broker".into()),
             _ => Err("redis unreachable: failing closed".into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus_client::encoding::text::encode;
+
+    #[test]
+    fn runs_are_counted_per_task_and_outcome_with_histograms_per_task() {
+        let stats = Stats::default();
+        stats.outcome("report", RunOutcome::Success);
+        stats.outcome("report", RunOutcome::Success);
+        stats.outcome("report", RunOutcome::LeaseLost);
+        stats.outcome(UNKNOWN_TASK, RunOutcome::Malformed);
+        stats.run_started("report", chrono::TimeDelta::milliseconds(1500));
+        stats.run_started("report", chrono::TimeDelta::milliseconds(-20));
+        stats.run_ended("report", Duration::from_millis(30));
+        let mut registry = Registry::default();
+        stats.register(&mut registry);
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        for line in [
+            "drumline_worker_runs_total{task=\"report\",outcome=\"success\"} 2",
+            "drumline_worker_runs_total{task=\"report\",outcome=\"lease_lost\"} 1",
+            "drumline_worker_runs_total{task=\"unknown\",outcome=\"malformed\"} 1",
+            "drumline_worker_lag_seconds_count{task=\"report\"} 2",
+            "drumline_worker_lag_seconds_sum{task=\"report\"} 1.5",
+            "drumline_worker_lag_seconds_bucket{le=\"1.0\",task=\"report\"} 1",
+            "drumline_worker_run_seconds_count{task=\"report\"} 1",
+            "drumline_worker_run_seconds_bucket{le=\"14400.0\",task=\"report\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
+        let stamp = text
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("drumline_worker_last_success_timestamp_seconds{task=\"report\"} ")
+            })
+            .and_then(|n| n.parse::<i64>().ok())
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!((chrono::Utc::now().timestamp() - stamp).abs() < 60);
+        // Failures leave no last-success series.
+        assert!(!text.contains("last_success_timestamp_seconds{task=\"unknown\"}"));
     }
 }
