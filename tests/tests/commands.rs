@@ -164,8 +164,7 @@ async fn status_reports_progress_success_and_staleness() {
 #[tokio::test(flavor = "multi_thread")]
 async fn status_counts_running_instances_failures_and_dead_letters() {
     let env = setup("e2e_status_running");
-    let body = format!(
-        r#"
+    let body = r#"
 [worker]
 concurrency = 4
 lease = "2s"
@@ -187,9 +186,8 @@ command = ["/bin/sleep", "10"]
 [tasks.broken]
 command = ["/bin/false"]
 max_retries = 0
-"#
-    );
-    let cfg = env.config("drumline.toml", &body);
+"#;
+    let cfg = env.config("drumline.toml", body);
     let cfg = cfg.to_str().unwrap();
     let status_json = |cfg: &str| {
         let (status, stdout, stderr) =
