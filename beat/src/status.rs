@@ -1,6 +1,8 @@
 //! `drumline-beat status`: per job, its schedule, next due instant, last published, last
 //! success and failure, instances running now, and a stale warning — the answer to "did my job
-//! silently stop running?" (DESIGN §7–8). Reads Redis only, through the [`Store`].
+//! silently stop running?" (DESIGN §7–8) — plus the dead letters waiting in `{ns}.dead`.
+//! Costs O(jobs), whatever the number of run records (DESIGN §9): Redis through the [`Store`]
+//! in one round trip per batch of jobs, the broker through one passive queue declare.
 
 use chrono::{DateTime, Utc};
 use drumline_shared::config::{Config, Job};
@@ -9,10 +11,12 @@ use drumline_shared::names::Names;
 use drumline_shared::schedule::Schedule;
 pub use drumline_shared::store::Leader;
 use drumline_shared::store::{JobHistory, Store, StoreError};
+use drumline_shared::topology;
 use serde::Serialize;
+use std::time::Duration;
 
-/// How many history entries are searched for the last failure.
-const FAILURE_LOOKBACK: usize = 100;
+/// How long `status` waits for the broker before showing the dead letters as unknown.
+const BROKER_WAIT: Duration = Duration::from_secs(3);
 
 /// One job's line.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -29,7 +33,8 @@ pub struct JobStatus {
     pub last_published: Option<String>,
     /// RFC 3339 UTC.
     pub last_success: Option<String>,
-    /// RFC 3339 UTC of the newest failed, dead or expired run in the history.
+    /// RFC 3339 UTC of when the newest failed, dead or expired run finished (kept for the
+    /// worker's `done_ttl`).
     pub last_failure: Option<String>,
     /// Instances of the job running now.
     pub running: u64,
@@ -43,6 +48,8 @@ pub struct JobStatus {
 pub struct Status {
     /// The current leader, if a beat holds the lease.
     pub leader: Option<Leader>,
+    /// Messages in the dead-letter queue `{ns}.dead`; null when the broker could not be asked.
+    pub dead_letters: Option<u64>,
     /// One entry per job, in config order.
     pub jobs: Vec<JobStatus>,
 }
@@ -68,40 +75,66 @@ pub fn is_stale(
     }
 }
 
-/// Reads the status of every job (or only `only`) from Redis, through the [`Store`].
+/// Reads the status of every job (or only `only`) from Redis, through the [`Store`], and the
+/// dead-letter count from the broker meanwhile. Redis is required; the broker is not (an
+/// unreachable broker leaves `dead_letters` unknown).
 pub async fn read(
     config: &Config,
     only: Option<&Job>,
     now: DateTime<Utc>,
 ) -> Result<Status, StoreError> {
     let names = Names::new(config.namespace.clone());
-    let store = Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names).await?;
-    let leader = store.leader().await?;
-    let running = store.running_counts().await?;
     let jobs: Vec<&Job> = match only {
         Some(job) => vec![job],
         None => config.jobs.iter().collect(),
     };
     let job_names: Vec<&str> = jobs.iter().map(|j| j.name.as_str()).collect();
-    let histories = store.job_histories(&job_names, FAILURE_LOOKBACK).await?;
+    let redis = async {
+        let store = Store::connect(
+            &config.redis_url,
+            config.redis_ca_file.as_deref(),
+            names.clone(),
+        )
+        .await?;
+        let leader = store.leader().await?;
+        let histories = store.job_histories(&job_names).await?;
+        Ok::<_, StoreError>((leader, histories))
+    };
+    let (redis, dead_letters) = tokio::join!(redis, dead_letters(config, &names));
+    let (leader, histories) = redis?;
     let jobs = jobs
         .into_iter()
         .zip(histories)
-        .map(|(job, history)| {
-            let running = running.get(job.name.as_str()).copied().unwrap_or(0);
-            job_status(job, history, running, now)
-        })
+        .map(|(job, history)| job_status(job, history, now))
         .collect();
-    Ok(Status { leader, jobs })
+    Ok(Status {
+        leader,
+        dead_letters,
+        jobs,
+    })
+}
+
+/// The number of messages in `{ns}.dead`, or `None` (logged) when the broker cannot say within
+/// [`BROKER_WAIT`].
+async fn dead_letters(config: &Config, names: &Names) -> Option<u64> {
+    match tokio::time::timeout(BROKER_WAIT, topology::dead_letter_count(config, names)).await {
+        Ok(Ok(count)) => Some(count),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "broker: dead letters unknown");
+            None
+        }
+        Err(_) => {
+            tracing::warn!(
+                wait_ms = BROKER_WAIT.as_millis() as u64,
+                "broker: no answer; dead letters unknown"
+            );
+            None
+        }
+    }
 }
 
 /// One job's line, from what Redis holds about it.
-fn job_status(job: &Job, history: JobHistory, running: u64, now: DateTime<Utc>) -> JobStatus {
-    let last_failure = history
-        .recent
-        .iter()
-        .find(|r| matches!(r.status.as_str(), "failed" | "dead" | "expired"))
-        .map(|r| r.finished_at.clone());
+fn job_status(job: &Job, history: JobHistory, now: DateTime<Utc>) -> JobStatus {
     let first_seen = history.oldest.and_then(|r| parse_instant(&r.scheduled_for));
     let (last, success) = (history.last_published, history.last_success);
     let from = last.map_or(now, |l| l.max(now));
@@ -112,8 +145,8 @@ fn job_status(job: &Job, history: JobHistory, running: u64, now: DateTime<Utc>) 
         next_due: job.schedule.next_after(from).map(format_instant),
         last_published: last.map(format_instant),
         last_success: success.map(format_instant),
-        last_failure,
-        running,
+        last_failure: history.last_failure.map(format_instant),
+        running: history.running,
         stale: is_stale(&job.schedule, now, last, success, first_seen),
     }
 }
@@ -127,6 +160,10 @@ pub fn table(status: &Status) -> String {
         ),
         None => "leader: none (no beat holds the leader lease)\n".to_owned(),
     };
+    match status.dead_letters {
+        Some(n) => out.push_str(&format!("dead letters: {n}\n")),
+        None => out.push_str("dead letters: - (broker unreachable)\n"),
+    }
     let dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
     let rows: Vec<Vec<String>> = status
         .jobs

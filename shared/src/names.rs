@@ -158,6 +158,18 @@ impl Names {
     pub fn last_success(&self, job: &str) -> String {
         format!("{}:last_success:{job}", self.ns)
     }
+
+    /// `{ns}:last_failure:{job}` — RFC 3339 UTC of the last failed, dead or expired run.
+    pub fn last_failure(&self, job: &str) -> String {
+        format!("{}:last_failure:{job}", self.ns)
+    }
+
+    /// `{ns}:running:{job}` — the job's instances running now: a sorted set of idempotency
+    /// keys scored by lease expiry (ms since the epoch, Redis `TIME`), so the entry of a killed
+    /// worker ages out (DESIGN §9 "`status` costs O(jobs)").
+    pub fn running(&self, job: &str) -> String {
+        format!("{}:running:{job}", self.ns)
+    }
 }
 
 /// This machine's host name (`unknown` if it has none readable), as recorded in worker ids and
@@ -248,5 +260,7 @@ mod tests {
         assert_eq!(n.beat_last("j"), "acme:beat:last:j");
         assert_eq!(n.history("j"), "acme:history:j");
         assert_eq!(n.last_success("j"), "acme:last_success:j");
+        assert_eq!(n.last_failure("j"), "acme:last_failure:j");
+        assert_eq!(n.running("j"), "acme:running:j");
     }
 }

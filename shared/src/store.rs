@@ -9,7 +9,6 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use redis::aio::ConnectionManager;
 use redis::{AsyncCommands, Script, ToRedisArgs};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -143,6 +142,9 @@ pub struct ClaimRequest<'a> {
     pub token: &'a str,
     /// Worker id, recorded for people.
     pub worker: &'a str,
+    /// The instance's job (a scheduled instance); `None` for an ad-hoc task. While claimed, a
+    /// job's instance is counted in `{ns}:running:{job}`.
+    pub job: Option<&'a str>,
     /// The copy's attempt number: a copy older than the recorded attempt is a duplicate.
     pub attempt: u32,
     /// Lease length.
@@ -197,16 +199,49 @@ pub struct RunRecord {
     pub error: Option<String>,
 }
 
+impl RunRecord {
+    /// A failed, dead or expired run: what `status` shows as the job's last failure.
+    pub fn is_failure(&self) -> bool {
+        matches!(self.status.as_str(), "failed" | "dead" | "expired")
+    }
+}
+
 /// Most run records kept per job.
 pub const HISTORY_LEN: isize = 1000;
 
-// KEYS[1] run key, KEYS[2] fence counter, KEYS[3] job overlap lock (a hash {key, token});
-// ARGV token, worker, attempt, lease_ms, overlap (skip | queue | allow), retention_ms, run key
-// name as the lock records it, expired (1 | 0). For ad-hoc tasks overlap is `allow` and KEYS[3]
-// is unused. Dedupe comes first, so an expired copy of a finished instance is a duplicate; a
-// copy older than the recorded attempt is a duplicate, so copies never fork a retry chain.
+// What the scripts that keep `{ns}:running:{job}` share: `now_ms()` is Redis `TIME` in ms (one
+// clock for every worker), and `mark_running(set, member, lease_ms)` scores `member` at now +
+// lease, drops the entries whose lease has expired (their workers died) and keeps the set alive
+// at least as long as its newest entry, so an idle job's set expires by itself.
+const RUNNING_SET: &str = r#"
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function mark_running(set, member, lease_ms)
+  local now = now_ms()
+  redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
+  redis.call('ZADD', set, now + tonumber(lease_ms), member)
+  if redis.call('PTTL', set) < tonumber(lease_ms) then
+    redis.call('PEXPIRE', set, lease_ms)
+  end
+end
+"#;
+
+/// A script that starts with [`RUNNING_SET`] and goes on with `body`.
+fn keeping_running_set(body: &str) -> Script {
+    Script::new(&format!("{RUNNING_SET}{body}"))
+}
+
+// KEYS[1] run key, KEYS[2] fence counter, KEYS[3] job overlap lock (a hash {key, token}),
+// KEYS[4] the job's running set; ARGV token, worker, attempt, lease_ms, overlap (skip | queue |
+// allow), retention_ms, run key name as the lock and the running set record it, expired (1 |
+// 0), counted (1 for a job's instance, 0 for ad-hoc). With overlap `allow` KEYS[3] is unused;
+// uncounted, KEYS[4] is. Dedupe comes first, so an expired copy of a finished instance is a
+// duplicate; a copy older than the recorded attempt is a duplicate, so copies never fork a
+// retry chain. Only a claim that is granted enters the running set (never a `skipped` one).
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    keeping_running_set(
         r#"
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'done' or state == 'skipped' or state == 'dead' then
@@ -246,21 +281,26 @@ if ARGV[5] ~= 'allow' then
   redis.call('HSET', KEYS[3], 'key', ARGV[7], 'token', ARGV[1])
   redis.call('PEXPIRE', KEYS[3], ARGV[4])
 end
+if ARGV[9] == '1' then mark_running(KEYS[4], ARGV[7], ARGV[4]) end
 return {'claimed', tostring(fence)}
 "#,
     )
 });
 
-// KEYS[1] run key, KEYS[2] job lock; ARGV token, lease_ms.
+// The call every holder's script shares (RENEW, FINISH, RETRY, RELEASE): KEYS[1] run key,
+// KEYS[2] job lock, KEYS[3] the job's running set; ARGV[1] token, ARGV[2] the key as the
+// running set records it ('' for an ad-hoc task: not counted, KEYS[3] unused), then the
+// script's own. RENEW: ARGV[3] lease_ms; the running entry moves with the lease.
 static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    keeping_running_set(
         r#"
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
    and redis.call('HGET', KEYS[1], 'state') == 'running' then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
   if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[2], ARGV[2])
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
   end
+  if ARGV[2] ~= '' then mark_running(KEYS[3], ARGV[2], ARGV[3]) end
   return 1
 end
 return 0
@@ -268,15 +308,20 @@ return 0
     )
 });
 
-// The start every script that ends a claim shares (KEYS[1] run key, KEYS[2] job lock, ARGV[1]
-// token): the job lock is released if it is ours, whatever happens to the run key; `ours` says
-// whether the run key carries our token, `holds` whether it is still our running claim.
+// The start every script that ends a claim shares: the job lock is released if it is ours,
+// whatever happens to the run key; `ours` says whether the run key carries our token, `holds`
+// whether it is still our running claim. The running entry goes when the run key is ours or
+// gone (with our lease lapsed, nobody else runs it); another claim's entry for the same key
+// stays.
 const END_CLAIM: &str = r#"
 if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
   redis.call('DEL', KEYS[2])
 end
 local ours = redis.call('HGET', KEYS[1], 'token') == ARGV[1]
 local holds = ours and redis.call('HGET', KEYS[1], 'state') == 'running'
+if ARGV[2] ~= '' and (ours or redis.call('EXISTS', KEYS[1]) == 0) then
+  redis.call('ZREM', KEYS[3], ARGV[2])
+end
 "#;
 
 /// A script that starts with [`END_CLAIM`] and goes on with `body`.
@@ -284,15 +329,15 @@ fn ending_claim(body: &str) -> Script {
     Script::new(&format!("{END_CLAIM}{body}"))
 }
 
-// ARGV[2] final state, ARGV[3] retention_ms. Also applies when the key is gone (our lease
+// ARGV[3] final state, ARGV[4] retention_ms. Also applies when the key is gone (our lease
 // expired and nobody claimed it since): the run did finish, and recording it is what stops it
 // from running again.
 static FINISH: LazyLock<Script> = LazyLock::new(|| {
     ending_claim(
         r#"
 if holds or redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], 'state', ARGV[2], 'token', ARGV[1])
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  redis.call('HSET', KEYS[1], 'state', ARGV[3], 'token', ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
   return 1
 end
 return 0
@@ -300,16 +345,16 @@ return 0
     )
 });
 
-// ARGV[2] next attempt, ARGV[3] retention_ms. A failed run hands the instance to its retry: the
+// ARGV[3] next attempt, ARGV[4] retention_ms. A failed run hands the instance to its retry: the
 // state stays, marked `retrying` with the attempt that may claim it next, so older copies are
 // duplicates instead of a second chain.
 static RETRY: LazyLock<Script> = LazyLock::new(|| {
     ending_claim(
         r#"
 if not holds then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[2])
+redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[3])
 redis.call('HDEL', KEYS[1], 'token')
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return 1
 "#,
     )
@@ -324,6 +369,21 @@ if ours then
   return 1
 end
 return 0
+"#,
+    )
+});
+
+// KEYS: running sets. Per set, how many entries have a lease that has not expired by Redis
+// `TIME` (read-only: expired entries are trimmed by the writers).
+static RUNNING_COUNTS: LazyLock<Script> = LazyLock::new(|| {
+    keeping_running_set(
+        r#"
+local now = now_ms()
+local counts = {}
+for i, set in ipairs(KEYS) do
+  counts[i] = redis.call('ZCOUNT', set, '(' .. now, '+inf')
+end
+return counts
 "#,
     )
 });
@@ -409,6 +469,7 @@ impl Store {
             key,
             token,
             worker,
+            job,
             attempt,
             lease,
             overlap,
@@ -416,11 +477,12 @@ impl Store {
             expired,
         } = *req;
         let mut conn = self.conn.clone();
-        let (mode, job) = overlap.parts();
+        let (mode, lock_job) = overlap.parts();
         let reply: Vec<String> = CLAIM
             .key(self.names.run_key(key))
             .key(self.names.fence())
-            .key(self.job_lock(job))
+            .key(self.job_lock(lock_job))
+            .key(self.running_set(job))
             .arg(token)
             .arg(worker)
             .arg(attempt)
@@ -429,6 +491,7 @@ impl Store {
             .arg(retention.as_millis() as u64)
             .arg(key)
             .arg(if expired { "1" } else { "0" })
+            .arg(if job.is_some() { "1" } else { "0" })
             .invoke_async(&mut conn)
             .await?;
         parse_claim(&reply).ok_or_else(|| {
@@ -442,13 +505,17 @@ impl Store {
 
     /// The overlap lock key for `job`; ad-hoc claims pass a key no script writes to.
     fn job_lock(&self, job: Option<&str>) -> String {
-        match job {
-            Some(job) => self.names.job_running(job),
-            None => self.names.job_running(""),
-        }
+        self.names.job_running(job.unwrap_or(""))
     }
 
-    /// Extends our lease; `false` means it is no longer ours.
+    /// The running set of `job`; ad-hoc claims pass a key no script writes to.
+    fn running_set(&self, job: Option<&str>) -> String {
+        self.names.running(job.unwrap_or(""))
+    }
+
+    /// Extends our lease (and moves the instance's entry in its job's running set); `false`
+    /// means it is no longer ours. `job` is the instance's job ([`ClaimRequest::job`]); the
+    /// job's overlap lock is renewed only when this claim holds it.
     pub async fn renew(
         &self,
         key: &str,
@@ -456,11 +523,12 @@ impl Store {
         token: &str,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let args = (token, lease.as_millis() as u64);
-        self.as_holder(&RENEW, key, job, args).await
+        let lease = lease.as_millis() as u64;
+        self.as_holder(&RENEW, key, job, token, lease).await
     }
 
-    /// Ends our claim as `ending` says, the record kept for `retention`, job lock released.
+    /// Ends our claim as `ending` says, the record kept for `retention`, job lock released (if
+    /// this claim holds it) and the instance out of its job's running set.
     /// [`Ending::Final`] writes the final state when the claim is still ours or the key is gone
     /// (our lease lapsed and nobody claimed it); [`Ending::Retry`] hands the claim to the retry
     /// (state `retrying` with its attempt) only while it is still ours. `false` means another
@@ -476,42 +544,48 @@ impl Store {
         let retention = retention.as_millis() as u64;
         match ending {
             Ending::Final(state) => {
-                let args = (token, state.as_str(), retention);
-                self.as_holder(&FINISH, key, job, args).await
+                let args = (state.as_str(), retention);
+                self.as_holder(&FINISH, key, job, token, args).await
             }
             Ending::Retry { next_attempt } => {
-                let args = (token, next_attempt, retention);
-                self.as_holder(&RETRY, key, job, args).await
+                let args = (next_attempt, retention);
+                self.as_holder(&RETRY, key, job, token, args).await
             }
         }
     }
 
     /// Runs one of the scripts only the claim's holder may run (RENEW, FINISH, RETRY,
-    /// RELEASE); they share their call: KEYS run key and job lock, ARGV `args`, token first.
+    /// RELEASE); they share their call: KEYS run key, job lock and running set, ARGV token,
+    /// the running set's member (none for ad-hoc), then `args`.
     async fn as_holder(
         &self,
         script: &Script,
         key: &str,
         job: Option<&str>,
+        token: &str,
         args: impl ToRedisArgs,
     ) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
         script
             .key(self.names.run_key(key))
             .key(self.job_lock(job))
+            .key(self.running_set(job))
+            .arg(token)
+            .arg(if job.is_some() { key } else { "" })
             .arg(args)
             .invoke_async(&mut conn)
             .await
     }
 
-    /// Gives the claim up (a retry will claim again); `false` if it was not ours.
+    /// Gives the claim up (a retry will claim again), out of the running set; `false` if it
+    /// was not ours.
     pub async fn release(
         &self,
         key: &str,
         job: Option<&str>,
         token: &str,
     ) -> Result<bool, StoreError> {
-        self.as_holder(&RELEASE, key, job, token).await
+        self.as_holder(&RELEASE, key, job, token, None::<u8>).await
     }
 
     /// Forgets a `dead` run state so a replayed copy can be claimed; any other state is kept
@@ -530,8 +604,15 @@ impl Store {
         conn.hget(self.names.run_key(key), "state").await
     }
 
-    /// Appends a run record to the job's capped history; on `done` also sets `last_success`.
-    pub async fn record(&self, job: &str, record: &RunRecord) -> Result<(), StoreError> {
+    /// Appends a run record to the job's capped history; on `done` also sets `last_success`,
+    /// on a failure ([`RunRecord::is_failure`]) `last_failure`, kept for `retention` (the
+    /// worker's `done_ttl`: as long as the failed instance's own state).
+    pub async fn record(
+        &self,
+        job: &str,
+        record: &RunRecord,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
         let mut conn = self.conn.clone();
         let history = self.names.history(job);
         let json = serde_json::to_string(record).expect("a run record always serialises");
@@ -543,6 +624,10 @@ impl Store {
             .ignore();
         if record.status == "done" {
             pipe.set(self.names.last_success(job), &record.finished_at)
+                .ignore();
+        } else if record.is_failure() {
+            let ms = (retention.as_millis() as u64).max(1);
+            pipe.pset_ex(self.names.last_failure(job), &record.finished_at, ms)
                 .ignore();
         }
         pipe.query_async::<()>(&mut conn).await
@@ -598,70 +683,59 @@ impl Store {
         Ok(text.and_then(|l| serde_json::from_str(&l).ok()))
     }
 
-    /// Per job, in `jobs` order: its progress, last success, newest `lookback` run records and
-    /// oldest record (unreadable records are left out), [`HISTORY_TRIP`] jobs per round trip.
-    pub async fn job_histories(
-        &self,
-        jobs: &[&str],
-        lookback: usize,
-    ) -> Result<Vec<JobHistory>, StoreError> {
+    /// Per job, in `jobs` order, what `status` shows: progress, last success and failure,
+    /// instances running now, oldest run record. O(jobs), whatever the number of run records:
+    /// one pipelined round trip per [`HISTORY_TRIP`] jobs, no `SCAN`.
+    pub async fn job_histories(&self, jobs: &[&str]) -> Result<Vec<JobHistory>, StoreError> {
         let mut conn = self.conn.clone();
-        let record = |text: &str| serde_json::from_str::<RunRecord>(text).ok();
         let mut out = Vec::with_capacity(jobs.len());
         for chunk in jobs.chunks(HISTORY_TRIP) {
             let mut pipe = redis::pipe();
+            let mut count = RUNNING_COUNTS.prepare_invoke();
             for job in chunk {
-                let history = self.names.history(job);
                 pipe.get(self.names.beat_last(job))
                     .get(self.names.last_success(job))
-                    .lrange(&history, 0, lookback as isize - 1)
-                    .lindex(&history, -1);
+                    .get(self.names.last_failure(job))
+                    .lindex(self.names.history(job), -1);
+                count.key(self.names.running(job));
             }
-            type Row = (Option<String>, Option<String>, Vec<String>, Option<String>);
-            let rows: Vec<Row> = pipe.query_async(&mut conn).await?;
-            out.extend(rows.into_iter().map(|(last, success, recent, oldest)| {
-                let instant = |t: Option<String>| t.as_deref().and_then(parse_instant);
-                JobHistory {
+            // The script's reply comes last, after the four values of every job.
+            pipe.load_script(&RUNNING_COUNTS)
+                .ignore()
+                .invoke_script(&count);
+            let mut replies: Vec<redis::Value> = pipe.query_async(&mut conn).await?;
+            let running: Vec<u64> = match replies.pop() {
+                Some(value) => redis::from_redis_value(value)?,
+                None => Vec::new(),
+            };
+            if replies.len() != 4 * chunk.len() || running.len() != chunk.len() {
+                return Err(StoreError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "status: fewer replies than jobs",
+                )));
+            }
+            type Row = (
+                Option<String>,
+                Option<String>,
+                Option<String>,
+                Option<String>,
+            );
+            let rows: Vec<Row> = replies
+                .chunks(4)
+                .map(|row| redis::from_redis_value(redis::Value::Array(row.to_vec())))
+                .collect::<Result<_, _>>()?;
+            let instant = |t: Option<String>| t.as_deref().and_then(parse_instant);
+            out.extend(rows.into_iter().zip(running).map(
+                |((last, success, failure, oldest), running)| JobHistory {
                     last_published: instant(last),
                     last_success: instant(success),
-                    recent: recent.iter().filter_map(|h| record(h)).collect(),
-                    oldest: oldest.as_deref().and_then(record),
-                }
-            }));
+                    last_failure: instant(failure),
+                    running,
+                    oldest: oldest.and_then(|text| serde_json::from_str(&text).ok()),
+                },
+            ));
         }
         Ok(out)
-    }
-
-    /// How many instances of each job are `running` now: one `SCAN` over `{ns}:run:*`, then
-    /// their states pipelined. Ad-hoc runs (keys without `@`) belong to no job.
-    pub async fn running_counts(&self) -> Result<HashMap<String, u64>, StoreError> {
-        let mut conn = self.conn.clone();
-        let prefix = self.names.run_key("");
-        let mut keys = Vec::new();
-        {
-            let mut iter: redis::AsyncIter<String> = conn.scan_match(format!("{prefix}*")).await?;
-            while let Some(key) = iter.next_item().await {
-                keys.push(key?);
-            }
-        }
-        let mut counts = HashMap::new();
-        for chunk in keys.chunks(1000) {
-            let mut pipe = redis::pipe();
-            for key in chunk {
-                pipe.hget(key, "state");
-            }
-            let states: Vec<Option<String>> = pipe.query_async(&mut conn).await?;
-            for (key, state) in chunk.iter().zip(states) {
-                if state.as_deref() != Some(RunState::Running.as_str()) {
-                    continue;
-                }
-                // {ns}:run:{job}@{instant}
-                if let Some((job, _)) = key[prefix.len()..].rsplit_once('@') {
-                    *counts.entry(job.to_owned()).or_insert(0) += 1;
-                }
-            }
-        }
-        Ok(counts)
     }
 
     /// [`connect`](Self::connect), tried until Redis answers: between tries it waits `min`,
@@ -711,9 +785,11 @@ pub struct JobHistory {
     pub last_published: Option<DateTime<Utc>>,
     /// `{ns}:last_success:{job}`.
     pub last_success: Option<DateTime<Utc>>,
-    /// The newest run records, newest first.
-    pub recent: Vec<RunRecord>,
-    /// The oldest run record kept.
+    /// `{ns}:last_failure:{job}`: when the newest failed, dead or expired run finished.
+    pub last_failure: Option<DateTime<Utc>>,
+    /// Instances running now: entries of `{ns}:running:{job}` whose lease has not expired.
+    pub running: u64,
+    /// The oldest run record kept (unreadable: `None`).
     pub oldest: Option<RunRecord>,
 }
 

@@ -210,6 +210,31 @@ pub async fn open_channel(
     Ok((conn, channel))
 }
 
+/// How many messages wait in the dead-letter queue `{ns}.dead` (for `status`), asked with a
+/// passive declare: nothing is created or changed. A namespace whose dead-letter queue was
+/// never declared holds none (0). Opens a connection of its own and closes it.
+pub async fn dead_letter_count(config: &Config, names: &Names) -> Result<u64, lapin::Error> {
+    let conn = connect(config).await?;
+    let count = async {
+        let channel = conn.create_channel().await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        match channel
+            .queue_declare(&names.dead(), passive, FieldTable::default())
+            .await
+        {
+            Ok(queue) => Ok(u64::from(queue.message_count())),
+            Err(e) if reply_code(&e) == Some(AMQPSoftError::NOTFOUND.get_id()) => Ok(0),
+            Err(e) => Err(e),
+        }
+    }
+    .await;
+    let _ = conn.close(200, "status read").await;
+    count
+}
+
 /// Declares (or refreshes) the delay queue for `delay` on `queue` and returns its name. Every
 /// message in it waits exactly `delay`, then dead-letters to `{ns}.tasks` with routing key
 /// `queue`. The queue deletes itself once idle for `delay` + 60 s.

@@ -5,9 +5,9 @@ use chrono::{TimeZone, Utc};
 use drumline_shared::names::Names;
 use drumline_shared::store::{
     Candidate, Claim, ClaimRequest, Ending, Final, LeaseMode, LeaseOutcome, OverlapMode,
-    ProgressError, RunState, Store,
+    ProgressError, RunRecord, RunState, Store,
 };
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const REDIS: &str = "redis://127.0.0.1:6379/0";
 
@@ -51,11 +51,17 @@ async fn store(test: &str) -> TestStore {
     )
 }
 
+/// A claim of `key`; an overlap mode with a job makes it an instance of that job.
 fn req<'a>(key: &'a str, token: &'a str, overlap: OverlapMode<'a>) -> ClaimRequest<'a> {
+    let job = match overlap {
+        OverlapMode::Allow => None,
+        OverlapMode::Skip(job) | OverlapMode::Queue(job) => Some(job),
+    };
     ClaimRequest {
         key,
         token,
         worker: "w",
+        job,
         attempt: 0,
         lease: Duration::from_secs(5),
         overlap,
@@ -476,4 +482,290 @@ async fn a_finished_run_is_recorded_even_when_its_lease_lapsed_unclaimed() {
             state: RunState::Done
         }
     );
+}
+
+/// A claim of `key` as an instance of `job` with overlap `allow`.
+fn of_job<'a>(key: &'a str, token: &'a str, job: &'a str) -> ClaimRequest<'a> {
+    ClaimRequest {
+        job: Some(job),
+        ..req(key, token, OverlapMode::Allow)
+    }
+}
+
+/// `{ns}:running:{job}` as stored: (member, score in ms), lowest score first.
+async fn running_set(s: &Store, job: &str) -> Vec<(String, f64)> {
+    let mut conn = s.connection();
+    redis::cmd("ZRANGE")
+        .arg(s.names().running(job))
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query_async(&mut conn)
+        .await
+        .unwrap()
+}
+
+/// The score of `key` in `job`'s running set, if it is there.
+async fn score(s: &Store, job: &str, key: &str) -> Option<f64> {
+    let set = running_set(s, job).await;
+    set.into_iter().find(|(k, _)| k == key).map(|(_, v)| v)
+}
+
+/// What `status` reads as the number of `job`'s instances running now.
+async fn running(s: &Store, job: &str) -> u64 {
+    s.job_histories(&[job]).await.unwrap()[0].running
+}
+
+/// Redis `TIME` in ms.
+async fn redis_ms(s: &Store) -> f64 {
+    let mut conn = s.connection();
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+    (secs * 1000 + micros / 1000) as f64
+}
+
+/// Polls `check` every 20 ms until it holds or `within` has passed.
+async fn eventually<F, Fut>(within: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if check().await {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn running_set_follows_claim_renew_and_every_ending() {
+    let s = store("running").await;
+    let retention = Duration::from_secs(60);
+    // A claim adds its key, scored by its lease expiry on the Redis clock.
+    let before = redis_ms(&s).await;
+    assert!(matches!(
+        s.claim(&req("j@1", "a", OverlapMode::Skip("j")))
+            .await
+            .unwrap(),
+        Claim::Claimed { .. }
+    ));
+    let after = redis_ms(&s).await;
+    let first = score(&s, "j", "j@1").await.expect("claimed: in the set");
+    assert!(
+        first >= before + 5000.0 && first <= after + 5000.0,
+        "{before} {first} {after}"
+    );
+    assert_eq!(running(&s, "j").await, 1);
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(s.names().running("j"))
+        .query_async(&mut s.connection())
+        .await
+        .unwrap();
+    assert!(
+        ttl > 0 && ttl <= 5000,
+        "the set expires with its newest lease: {ttl}"
+    );
+
+    // A skipped claim never enters the set; nor does an ad-hoc one, anywhere.
+    assert!(matches!(
+        s.claim(&req("j@2", "b", OverlapMode::Skip("j")))
+            .await
+            .unwrap(),
+        Claim::Skipped { .. }
+    ));
+    assert!(matches!(
+        s.claim(&req("adhoc", "c", OverlapMode::Allow))
+            .await
+            .unwrap(),
+        Claim::Claimed { .. }
+    ));
+    assert_eq!(running_set(&s, "j").await.len(), 1);
+    assert!(running_set(&s, "").await.is_empty());
+
+    // Renewing moves the score with the lease; someone else's renewal moves nothing.
+    assert!(!s
+        .renew("j@1", Some("j"), "x", Duration::from_secs(60))
+        .await
+        .unwrap());
+    assert_eq!(score(&s, "j", "j@1").await, Some(first));
+    assert!(s
+        .renew("j@1", Some("j"), "a", Duration::from_secs(60))
+        .await
+        .unwrap());
+    let renewed = score(&s, "j", "j@1").await.unwrap();
+    assert!(renewed >= first + 55_000.0, "{first} -> {renewed}");
+
+    // Finish, retry and release each take the key out; an instance with `overlap = allow` is
+    // counted as well.
+    assert!(s
+        .finish("j@1", Some("j"), "a", Ending::Final(Final::Done), retention)
+        .await
+        .unwrap());
+    assert!(score(&s, "j", "j@1").await.is_none());
+    assert!(matches!(
+        s.claim(&of_job("j@3", "d", "j")).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    assert!(matches!(
+        s.claim(&of_job("j@4", "e", "j")).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    assert!(matches!(
+        s.claim(&of_job("j@5", "f", "j")).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    assert_eq!(running(&s, "j").await, 3);
+    let retry = Ending::Retry { next_attempt: 1 };
+    assert!(s
+        .finish("j@3", Some("j"), "d", retry, retention)
+        .await
+        .unwrap());
+    assert!(s.release("j@4", Some("j"), "e").await.unwrap());
+    let dead = Ending::Final(Final::Dead);
+    assert!(s
+        .finish("j@5", Some("j"), "f", dead, retention)
+        .await
+        .unwrap());
+    assert_eq!(running_set(&s, "j").await, vec![]);
+    assert_eq!(running(&s, "j").await, 0);
+    // The retry's claim counts again.
+    let mut next = of_job("j@3", "g", "j");
+    next.attempt = 1;
+    assert!(matches!(
+        s.claim(&next).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    assert_eq!(running(&s, "j").await, 1);
+}
+
+#[tokio::test]
+async fn an_expired_lease_is_not_counted_and_the_next_writer_drops_it() {
+    let s = store("running_expiry").await;
+    let mut killed = of_job("j@1", "a", "j");
+    killed.lease = Duration::from_millis(200);
+    assert!(matches!(
+        s.claim(&killed).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    assert!(matches!(
+        s.claim(&of_job("j@2", "b", "j")).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    assert_eq!(running(&s, "j").await, 2);
+    // Its worker "died": nobody renews it. Once its lease expires it is no longer counted,
+    // though readers leave it in place...
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            running(&s, "j").await == 1
+        })
+        .await
+    );
+    assert_eq!(running_set(&s, "j").await.len(), 2);
+    // ...until the next claim trims it.
+    assert!(matches!(
+        s.claim(&of_job("j@3", "c", "j")).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    let keys: Vec<String> = running_set(&s, "j")
+        .await
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(keys, ["j@2", "j@3"]);
+    assert_eq!(running(&s, "j").await, 2);
+
+    // A worker that takes the lapsed instance over enters it again, and the old holder's late
+    // ending leaves the new claim's entry alone.
+    assert!(matches!(
+        s.claim(&of_job("j@1", "d", "j")).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    let done = Ending::Final(Final::Done);
+    let retention = Duration::from_secs(60);
+    assert!(!s
+        .finish("j@1", Some("j"), "a", done, retention)
+        .await
+        .unwrap());
+    assert!(!s.release("j@1", Some("j"), "a").await.unwrap());
+    assert!(score(&s, "j", "j@1").await.is_some());
+    assert_eq!(running(&s, "j").await, 3);
+}
+
+fn run(key: &str, status: &str, finished_at: &str) -> RunRecord {
+    RunRecord {
+        key: key.to_owned(),
+        scheduled_for: "2026-03-08T07:00:00Z".to_owned(),
+        status: status.to_owned(),
+        attempt: 0,
+        worker: "w".to_owned(),
+        started_at: None,
+        finished_at: finished_at.to_owned(),
+        error: None,
+    }
+}
+
+#[tokio::test]
+async fn status_reads_success_failure_running_and_oldest_per_job() {
+    let s = store("histories").await;
+    let retention = Duration::from_secs(60);
+    s.record(
+        "j",
+        &run("j@1", "failed", "2026-03-08T07:00:01.500Z"),
+        retention,
+    )
+    .await
+    .unwrap();
+    s.record("j", &run("j@1", "done", "2026-03-08T07:00:03Z"), retention)
+        .await
+        .unwrap();
+    // A skipped run is neither a success nor a failure.
+    s.record(
+        "j",
+        &run("j@2", "skipped", "2026-03-08T07:00:04Z"),
+        retention,
+    )
+    .await
+    .unwrap();
+    s.record(
+        "k",
+        &run("k@1", "expired", "2026-03-08T07:00:05Z"),
+        retention,
+    )
+    .await
+    .unwrap();
+    assert!(matches!(
+        s.claim(&of_job("j@3", "a", "j")).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(s.names().last_failure("j"))
+        .query_async(&mut s.connection())
+        .await
+        .unwrap();
+    assert!(
+        ttl > 0 && ttl <= 60_000,
+        "last_failure lives as long as done_ttl: {ttl}"
+    );
+
+    let at = |text: &str| drumline_shared::envelope::parse_instant(text);
+    let h = s.job_histories(&["j", "k", "none"]).await.unwrap();
+    assert_eq!(h.len(), 3);
+    assert_eq!(h[0].last_success, at("2026-03-08T07:00:03Z"));
+    assert_eq!(h[0].last_failure, at("2026-03-08T07:00:01.500Z"));
+    assert_eq!(h[0].running, 1);
+    assert_eq!(
+        h[0].oldest.as_ref().map(|r| r.status.as_str()),
+        Some("failed")
+    );
+    assert_eq!(
+        (h[1].last_success, h[1].last_failure),
+        (None, at("2026-03-08T07:00:05Z"))
+    );
+    assert_eq!(h[1].running, 0);
+    assert_eq!(h[2].last_failure, None);
+    assert_eq!(h[2].oldest, None);
 }

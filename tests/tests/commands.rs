@@ -133,6 +133,7 @@ async fn status_reports_progress_success_and_staleness() {
         leader.get("token").is_none(),
         "the token stays in Redis: {s}"
     );
+    assert_eq!(s["dead_letters"], 0, "{s}");
     let tick = &s["jobs"][0];
     assert_eq!(tick["schedule"], "every 1s");
     assert!(tick["next_due"].is_string() && tick["last_published"].is_string());
@@ -158,4 +159,83 @@ async fn status_reports_progress_success_and_staleness() {
         "{table}"
     );
     assert!(beat.terminate(Duration::from_secs(10)).success());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn status_counts_running_instances_failures_and_dead_letters() {
+    let env = setup("e2e_status_running");
+    let body = r#"
+[worker]
+concurrency = 4
+lease = "2s"
+
+[[jobs]]
+name = "slow"
+task = "slow"
+every = "1s"
+overlap = "allow"
+
+[[jobs]]
+name = "broken"
+task = "broken"
+every = "1s"
+
+[tasks.slow]
+command = ["/bin/sleep", "10"]
+
+[tasks.broken]
+command = ["/bin/false"]
+max_retries = 0
+"#;
+    let cfg = env.config("drumline.toml", body);
+    let cfg = cfg.to_str().unwrap();
+    let status_json = |cfg: &str| {
+        let (status, stdout, stderr) =
+            env.run("drumline-beat", &["--config", cfg, "status", "--json"]);
+        assert!(status.success(), "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
+    };
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    let mut beat = env.beat("beat", &["--config", cfg]);
+    // Instances of `slow` pile up (overlap = allow, 4 slots); `broken` fails, is dead-lettered
+    // and becomes the job's last failure.
+    let seen = wait_until_async(WAIT, || async {
+        let s = status_json(cfg);
+        s["jobs"][0]["running"].as_u64() >= Some(2)
+            && s["jobs"][1]["last_failure"].is_string()
+            && s["dead_letters"].as_u64() >= Some(1)
+    })
+    .await;
+    assert!(seen, "{}\n{}", status_json(cfg), worker.log_tail(20));
+    let s = status_json(cfg);
+    assert_eq!(s["jobs"][1]["running"], 0, "{s}");
+    assert_eq!(s["jobs"][0]["last_failure"], serde_json::Value::Null, "{s}");
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+
+    // A killed worker's instances age out with their leases.
+    worker.kill9();
+    let aged = wait_until_async(WAIT, || async {
+        status_json(cfg)["jobs"][0]["running"] == 0
+    })
+    .await;
+    assert!(aged, "{}", status_json(cfg));
+
+    // Without a broker, status still answers from Redis; only the dead letters are unknown.
+    let offline = env.config(
+        "offline.toml",
+        &format!(
+            "[broker]\nurl = \"amqp://guest:guest@127.0.0.1:{}/%2f\"\n{body}",
+            unused_port()
+        ),
+    );
+    let offline = offline.to_str().unwrap();
+    let s = status_json(offline);
+    assert_eq!(s["dead_letters"], serde_json::Value::Null, "{s}");
+    assert!(s["jobs"][1]["last_failure"].is_string(), "{s}");
+    let (status, table, stderr) = env.run("drumline-beat", &["--config", offline, "status"]);
+    assert!(status.success(), "{stderr}");
+    assert!(
+        table.lines().any(|l| l.starts_with("dead letters: -")),
+        "{table}"
+    );
 }

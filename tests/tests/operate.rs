@@ -106,9 +106,8 @@ command = {}
         "{}",
         beat.log_tail(20)
     );
-    let dropped = env
-        .metric(metrics, "drumline_beat_dropped_total")
-        .unwrap_or(0.0);
+    let paused_series = r#"drumline_beat_dropped_total{job="a",reason="paused"}"#;
+    let dropped = env.metric(metrics, paused_series).unwrap_or(0.0);
     assert!(beat.terminate(Duration::from_secs(10)).success());
     assert!(worker.terminate(Duration::from_secs(20)).success());
 

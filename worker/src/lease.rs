@@ -85,7 +85,7 @@ pub struct Held {
     pub store: Store,
     /// Idempotency key.
     pub key: String,
-    /// The job whose overlap lock the claim holds, if any.
+    /// The claimed instance's job, if any (its running set and overlap lock).
     pub job: Option<String>,
     /// The claim's token.
     pub token: String,

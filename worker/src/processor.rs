@@ -101,12 +101,10 @@ impl Processor {
         }
     }
 
-    /// The job whose overlap lock a claim of `env` holds, if any.
+    /// The job a claim of `env` belongs to, if any: the store keeps its running set (and, with
+    /// `overlap` skip or queue, its lock) through the claim's renewals and ending.
     fn lock_job<'e>(&self, env: &'e Envelope) -> Option<&'e str> {
-        match self.overlap(env) {
-            OverlapMode::Allow => None,
-            OverlapMode::Skip(job) | OverlapMode::Queue(job) => Some(job),
-        }
+        env.job.as_deref()
     }
 
     /// Processes one delivery and acks or requeues it; says how, so the consumer can pace
@@ -252,6 +250,7 @@ impl Processor {
                 key: &env.key,
                 token,
                 worker: &self.worker_id,
+                job: env.job.as_deref(),
                 attempt: env.attempt,
                 lease: self.config.worker.lease,
                 overlap: self.overlap(env),
@@ -551,7 +550,8 @@ impl Processor {
             finished_at: now_text(),
             error,
         };
-        if let Err(e) = self.store.record(job, &record).await {
+        let retention = self.config.worker.done_ttl;
+        if let Err(e) = self.store.record(job, &record, retention).await {
             // History is for people; the run state (already written) is what dedupe relies on.
             warn!(error = %e, "could not append to the job history");
         }
