@@ -40,7 +40,7 @@ impl From<WorkerError> for Failure {
 
 /// No command: run the worker with `options` until SIGTERM or SIGINT.
 pub async fn run(config: Config, options: Options) -> Result<(), Failure> {
-    let mut worker = Worker::new(config);
+    let mut worker = Worker::new(config).reload_on_sighup();
     if let Some(n) = options.concurrency {
         if n == 0 {
             return Err(Failure::usage("--concurrency must be at least 1"));

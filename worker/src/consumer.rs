@@ -26,11 +26,12 @@
 //! the same drain: runs in flight are never dropped mid-way.
 
 use crate::executor::KILL_GRACE;
-use crate::processor::Processor;
+use crate::processor::{self, Processor};
 use crate::stats::Stats;
 use crate::{Gate, Handler, WorkerError};
-use drumline_shared::config::Config;
+use drumline_shared::config::{Config, WorkerConfig};
 use drumline_shared::names::Names;
+use drumline_shared::signals::Hangups;
 use drumline_shared::store::Store;
 use drumline_shared::topology;
 use futures_util::stream::{select_all, StreamExt};
@@ -42,7 +43,7 @@ use lapin::types::FieldTable;
 use lapin::Connection;
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -80,12 +81,12 @@ pub enum Settled {
 /// Runs a worker until `shutdown` completes, then stops in order (see the module docs).
 pub async fn run(
     config: Arc<Config>,
-    handlers: HashMap<String, Arc<dyn Handler>>,
+    (handlers, reload): (HashMap<String, Arc<dyn Handler>>, Option<Reload>),
     stats: Arc<Stats>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<Arc<Stats>, WorkerError> {
     let stop = CancellationToken::new();
-    let work = work(config, handlers, stats, stop.clone());
+    let work = work(config, (handlers, reload), stats, stop.clone());
     tokio::pin!(work);
     // Shutdown turns into `stop`; the work then stops taking deliveries and drains.
     tokio::select! {
@@ -101,7 +102,7 @@ pub async fn run(
 /// topology mismatch, then the drain and the close.
 async fn work(
     config: Arc<Config>,
-    handlers: HashMap<String, Arc<dyn Handler>>,
+    (handlers, reload): (HashMap<String, Arc<dyn Handler>>, Option<Reload>),
     stats: Arc<Stats>,
     stop: CancellationToken,
 ) -> Result<Arc<Stats>, WorkerError> {
@@ -126,19 +127,18 @@ async fn work(
         stats: stats.clone(),
         gate: Gate::default(),
         abandon: CancellationToken::new(),
-        overlap: config
-            .jobs
-            .iter()
-            .map(|j| (j.name.clone(), j.overlap))
-            .collect(),
+        overlap: processor::overlaps(&config),
     });
     let probe = tokio::spawn(probe_redis(store, processor.gate.clone(), stats.clone()));
+    let current = Arc::new(Current(RwLock::new(processor.clone())));
+    let reloads = reload.map(|r| tokio::spawn(reload_on_hangup(current.clone(), r)));
 
     let mut in_flight = JoinSet::new();
     let dispatch = Dispatch {
         slots: Arc::new(Semaphore::new(config.worker.concurrency.max(1))),
         pacer: Arc::new(Pacer::default()),
         processor: processor.clone(),
+        current,
         stop,
     };
     let served = dispatch.serve(&names, &mut in_flight).await;
@@ -149,10 +149,76 @@ async fn work(
         close(conn, "worker shutting down").await;
     }
     probe.abort();
+    if let Some(reloads) = reloads {
+        reloads.abort();
+    }
     info!(worker = %worker_id, stats = %processor.stats.summary(), "worker stopped");
     match served.fatal {
         Some(message) => Err(WorkerError::Config(message)),
         None => Ok(processor.stats.clone()),
+    }
+}
+
+/// The processor new deliveries go to; replaced as a whole on reload, so a delivery is decided
+/// and run under one config from start to end.
+pub(crate) struct Current(RwLock<Arc<Processor>>);
+
+impl Current {
+    fn get(&self) -> Arc<Processor> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set(&self, processor: Arc<Processor>) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = processor;
+    }
+}
+
+/// What a reload needs besides the file: the Rust handlers registered in code, and `[worker]`
+/// as the file had it before command-line overrides (to tell a changed file from a flag).
+pub struct Reload {
+    /// Handlers registered with [`Worker::handler`](crate::Worker::handler).
+    pub custom: HashMap<String, Arc<dyn Handler>>,
+    /// The file's `[worker]` at start.
+    pub file_worker: WorkerConfig,
+}
+
+/// SIGHUP: re-reads the config file; its `[tasks.*]` and `[[jobs]]` apply to the deliveries
+/// that follow (in-flight runs are untouched). A file that does not load, or names a task with
+/// no command and no handler, is refused and the running config stays.
+async fn reload_on_hangup(current: Arc<Current>, mut reload: Reload) {
+    let mut hangups = Hangups::new();
+    loop {
+        hangups.recv().await;
+        let running = current.get();
+        let (mut new, mut restart) = match running.config.reload() {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                error!(error = %e, "reload refused: the file does not load; the running config stays");
+                continue;
+            }
+        };
+        restart.retain(|what| *what != "[worker]");
+        if new.worker != reload.file_worker {
+            restart.push("[worker]");
+            reload.file_worker = new.worker.clone();
+        }
+        new.worker = running.config.worker.clone();
+        let handlers = match processor::resolve_handlers(&new, &reload.custom) {
+            Ok(handlers) => handlers,
+            Err(e) => {
+                error!(error = %e, "reload refused; the running config stays");
+                continue;
+            }
+        };
+        if !restart.is_empty() {
+            warn!(changed = ?restart, "reloaded tasks and jobs; these changes take a restart of the worker");
+        }
+        info!(
+            tasks = new.tasks.len(),
+            jobs = new.jobs.len(),
+            "reloaded tasks and jobs (SIGHUP)"
+        );
+        current.set(Arc::new(running.reloaded(Arc::new(new), handlers)));
     }
 }
 
@@ -171,7 +237,11 @@ struct Served {
 struct Dispatch {
     slots: Arc<Semaphore>,
     pacer: Arc<Pacer>,
+    /// The first processor: the session settings, counters and gate (shared by every
+    /// reloaded one).
     processor: Arc<Processor>,
+    /// The processor each new delivery goes to (replaced on SIGHUP).
+    current: Arc<Current>,
     stop: CancellationToken,
 }
 
@@ -283,7 +353,7 @@ impl Dispatch {
                     return SessionEnd::Lost;
                 }
             };
-            let processor = self.processor.clone();
+            let processor = self.current.get();
             let pacer = self.pacer.clone();
             in_flight.spawn(async move {
                 let settled = processor.process(channel, delivery).await;

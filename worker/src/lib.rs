@@ -42,7 +42,7 @@ pub mod stats;
 
 pub use handler::{Handler, HandlerError, TaskContext};
 
-use drumline_shared::config::Config;
+use drumline_shared::config::{Config, WorkerConfig};
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
@@ -64,16 +64,29 @@ pub struct Worker {
     config: Config,
     handlers: HashMap<String, Arc<dyn Handler>>,
     stats: Arc<stats::Stats>,
+    /// `[worker]` as the file had it, before command-line overrides.
+    file_worker: WorkerConfig,
+    reload_on_sighup: bool,
 }
 
 impl Worker {
     /// A worker for `config` (the `[worker]` section gives concurrency and queues).
     pub fn new(config: Config) -> Self {
         Self {
+            file_worker: config.worker.clone(),
             config,
             handlers: HashMap::new(),
             stats: Arc::new(stats::Stats::default()),
+            reload_on_sighup: false,
         }
+    }
+
+    /// On SIGHUP, re-read the config file and serve its `[tasks.*]` and `[[jobs]]` to the
+    /// deliveries that follow (in-flight runs are untouched; a file that does not load is
+    /// refused and logged). `drumline-worker` turns it on; off by default for embedders.
+    pub fn reload_on_sighup(mut self) -> Self {
+        self.reload_on_sighup = true;
+        self
     }
 
     /// The worker's counters (register them for `/metrics` before [`run`](Worker::run)).
@@ -105,9 +118,19 @@ impl Worker {
         self,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<Arc<stats::Stats>, WorkerError> {
-        let handlers = processor::resolve_handlers(&self.config, self.handlers)
+        let handlers = processor::resolve_handlers(&self.config, &self.handlers)
             .map_err(WorkerError::Config)?;
-        consumer::run(Arc::new(self.config), handlers, self.stats, shutdown).await
+        let reload = self.reload_on_sighup.then(|| consumer::Reload {
+            custom: self.handlers,
+            file_worker: self.file_worker,
+        });
+        consumer::run(
+            Arc::new(self.config),
+            (handlers, reload),
+            self.stats,
+            shutdown,
+        )
+        .await
     }
 }
 

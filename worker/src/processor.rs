@@ -77,6 +77,27 @@ pub(crate) enum Interrupted {
 }
 
 impl Processor {
+    /// The same worker serving a reloaded `config` with `handlers` (SIGHUP): Redis, the
+    /// counters, the gate and the abandon signal are shared; a delivery already in hand
+    /// finishes under the processor it started with.
+    pub fn reloaded(
+        &self,
+        config: Arc<Config>,
+        handlers: HashMap<String, Arc<dyn Handler>>,
+    ) -> Processor {
+        Processor {
+            overlap: overlaps(&config),
+            config,
+            names: self.names.clone(),
+            store: self.store.clone(),
+            handlers,
+            worker_id: self.worker_id.clone(),
+            stats: self.stats.clone(),
+            gate: self.gate.clone(),
+            abandon: self.abandon.clone(),
+        }
+    }
+
     /// The overlap rule for `env`'s job; ad-hoc tasks have none. A backfilled instance of a
     /// `skip` job queues instead: a backfill asks every instant to run (DESIGN §9).
     fn overlap<'e>(&self, env: &'e Envelope) -> OverlapMode<'e> {
@@ -693,12 +714,12 @@ impl Drop for Renewing {
 /// shell executor unless a Rust handler was registered for it.
 pub fn resolve_handlers(
     config: &Config,
-    mut custom: HashMap<String, Arc<dyn Handler>>,
+    custom: &HashMap<String, Arc<dyn Handler>>,
 ) -> Result<HashMap<String, Arc<dyn Handler>>, String> {
     let mut handlers = HashMap::new();
     for (name, task) in &config.tasks {
-        let handler: Arc<dyn Handler> = match (custom.remove(name), shell(config, task)) {
-            (Some(h), _) => h,
+        let handler: Arc<dyn Handler> = match (custom.get(name), shell(config, task)) {
+            (Some(h), _) => h.clone(),
             (None, Some(shell)) => shell,
             (None, None) => {
                 return Err(format!(
@@ -709,13 +730,22 @@ pub fn resolve_handlers(
         };
         handlers.insert(name.clone(), handler);
     }
-    if let Some(name) = custom.keys().next() {
+    if let Some(name) = custom.keys().find(|name| !config.tasks.contains_key(*name)) {
         return Err(format!(
             "{}: a handler is registered for task {name:?}, but there is no [tasks.{name}] entry",
             config.path.display()
         ));
     }
     Ok(handlers)
+}
+
+/// Job name → overlap policy, from `config`.
+pub fn overlaps(config: &Config) -> HashMap<String, Overlap> {
+    config
+        .jobs
+        .iter()
+        .map(|j| (j.name.clone(), j.overlap))
+        .collect()
 }
 
 fn shell(config: &Config, task: &Task) -> Option<Arc<dyn Handler>> {

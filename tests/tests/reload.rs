@@ -1,0 +1,240 @@
+//! Reload on SIGHUP (DESIGN §9 "Reload"), end to end with the real binaries: a changed config
+//! takes effect without a restart — added jobs start from the reload, removed ones stop, a
+//! rescheduled one follows its new rule without catching up — and a broken file is refused
+//! while the running schedule goes on.
+
+use chrono::{DateTime, TimeDelta, Utc};
+use drumline_e2e::{counts, setup, wait_until, TestEnv};
+use std::path::Path;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// The config with `jobs` (name, rule) all running the append task.
+fn write_config(env: &TestEnv, jobs: &[(&str, &str)]) -> std::path::PathBuf {
+    let mut body = String::from("[worker]\nconcurrency = 4\nlease = \"3s\"\n");
+    for (name, rule) in jobs {
+        body.push_str(&format!(
+            "\n[[jobs]]\nname = \"{name}\"\ntask = \"append\"\n{rule}\noverlap = \"allow\"\n"
+        ));
+    }
+    body.push_str(&format!(
+        "\n[tasks.append]\ncommand = {}\n",
+        env.append_key_command("effects", 0.0)
+    ));
+    env.config("drumline.toml", &body)
+}
+
+/// The instants run for `job`, each asserted run once.
+fn runs_of(env: &TestEnv, job: &str) -> Vec<DateTime<Utc>> {
+    let lines: Vec<String> = env
+        .lines("effects")
+        .into_iter()
+        .filter(|l| l.starts_with(&format!("{job}@")))
+        .collect();
+    let counts = counts(&lines);
+    let doubled: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(doubled.is_empty(), "run more than once: {doubled:?}");
+    counts
+        .keys()
+        .map(|k| {
+            DateTime::parse_from_rfc3339(k.split_once('@').unwrap().1)
+                .unwrap()
+                .with_timezone(&Utc)
+        })
+        .collect()
+}
+
+fn assert_spaced(instants: &[DateTime<Utc>], seconds: i64, what: &str) {
+    for pair in instants.windows(2) {
+        assert_eq!(
+            (pair[1] - pair[0]).num_seconds(),
+            seconds,
+            "{what}: {} then {}",
+            pair[0],
+            pair[1]
+        );
+    }
+}
+
+fn hup(proc: &drumline_e2e::Proc) {
+    proc.signal(libc::SIGHUP);
+}
+
+fn config_str(path: &Path) -> &str {
+    path.to_str().expect("utf-8 path")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_adds_reschedules_and_removes_jobs_and_refuses_a_broken_file() {
+    let env = setup("reload_beat");
+    let every_second = "every = \"1s\"";
+    let cfg = write_config(
+        &env,
+        &[
+            ("keep", every_second),
+            ("change", every_second),
+            ("gone", every_second),
+        ],
+    );
+    let mut worker = env.worker("worker", &["--config", config_str(&cfg)]);
+    let mut beat = env.beat("beat", &["--config", config_str(&cfg)]);
+    assert!(
+        wait_until(WAIT, || ["keep", "change", "gone"].iter().all(|j| runs_of(
+            &env, j
+        )
+        .len()
+            >= 3)),
+        "{}",
+        beat.log_tail(20)
+    );
+
+    // A valid change: `change` every 2 s, `gone` removed, `added` new. The worker gets the
+    // same file (it learns the new job too).
+    let cfg = write_config(
+        &env,
+        &[
+            ("added", every_second),
+            ("change", "every = \"2s\""),
+            ("keep", every_second),
+        ],
+    );
+    hup(&beat);
+    hup(&worker);
+    let reloaded_at = Utc::now();
+    let settled = reloaded_at + TimeDelta::seconds(2);
+    assert!(
+        wait_until(WAIT, || runs_of(&env, "added").len() >= 4
+            && runs_of(&env, "change")
+                .iter()
+                .filter(|t| **t > settled)
+                .count()
+                >= 3),
+        "{}",
+        beat.log_tail(20)
+    );
+
+    // A broken file: refused, and the schedule just loaded keeps running.
+    std::fs::write(&cfg, "[[jobs]]\nname = \"broken\"\nevery = \"sometimes\"\n").unwrap();
+    hup(&beat);
+    let broken_at = Utc::now();
+    let later = broken_at + TimeDelta::seconds(3);
+    assert!(
+        wait_until(WAIT, || runs_of(&env, "added")
+            .last()
+            .is_some_and(|t| *t >= later)),
+        "{}",
+        beat.log_tail(20)
+    );
+    assert!(beat.is_running(), "a broken file must not stop the beat");
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    // The refusal is the beat's output to its operator: one error naming the file and the job.
+    assert!(
+        beat.log()
+            .lines()
+            .any(|l| l.contains("reload refused") && l.contains("drumline.toml: job \"broken\"")),
+        "{}",
+        beat.log_tail(10)
+    );
+
+    // `keep` ran every second straight through both reloads.
+    let keep = runs_of(&env, "keep");
+    assert_spaced(&keep, 1, "keep");
+    assert!(*keep.last().unwrap() >= later);
+    // `gone` stopped within a second of the reload.
+    let gone = runs_of(&env, "gone");
+    assert!(
+        *gone.last().unwrap() <= reloaded_at + TimeDelta::seconds(1),
+        "gone ran at {:?} after the reload at {reloaded_at}",
+        gone.last()
+    );
+    // `added` started at the reload: nothing before it was caught up, then every second.
+    let added = runs_of(&env, "added");
+    assert!(
+        added[0] >= reloaded_at - TimeDelta::seconds(1),
+        "added caught up {} before the reload at {reloaded_at}",
+        added[0]
+    );
+    assert_spaced(&added, 1, "added");
+    // `change` follows its new rule after the reload, without catching anything up.
+    let change_after: Vec<_> = runs_of(&env, "change")
+        .into_iter()
+        .filter(|t| *t > reloaded_at + TimeDelta::seconds(1))
+        .collect();
+    assert_spaced(&change_after, 2, "change after the reload");
+}
+
+/// A worker config whose task `t` appends `VERSION KEY` after `sleep` seconds.
+fn versioned_worker_config(env: &TestEnv, version: &str, sleep: f64) -> std::path::PathBuf {
+    let script = format!(
+        "sleep {sleep}; echo \"{version} $DRUMLINE_KEY\" >> {}",
+        env.path("effects").display()
+    );
+    env.config(
+        "worker.toml",
+        &format!(
+            "[worker]\nconcurrency = 4\nlease = \"5s\"\n\n[tasks.t]\ncommand = [\"/bin/sh\", \"-c\", {}]\n",
+            drumline_e2e::toml_string(&script)
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_gives_the_worker_new_tasks_for_the_deliveries_that_follow() {
+    let env = setup("reload_worker");
+    let cfg = versioned_worker_config(&env, "v1", 2.0);
+    let mut worker = env.worker("worker", &["--config", config_str(&cfg)]);
+    env.wait_for_topology(&worker).await;
+    // In flight across the reload: started under v1, it finishes under v1.
+    env.publish(&drumline_e2e::adhoc("before", "t")).await;
+    let running = drumline_e2e::wait_until_async(WAIT, || async {
+        env.run_state("before").await.as_deref() == Some("running")
+    })
+    .await;
+    assert!(running, "{}", worker.log_tail(20));
+    versioned_worker_config(&env, "v2", 0.0);
+    hup(&worker);
+    // A delivery after the reload runs the new command (the reload lands within moments: poll
+    // with fresh keys until one runs v2).
+    let mut n = 0;
+    let reloaded = drumline_e2e::wait_until_async(WAIT, || {
+        n += 1;
+        let key = format!("after-{n}");
+        let env = &env;
+        async move {
+            env.publish(&drumline_e2e::adhoc(&key, "t")).await;
+            wait_until(Duration::from_secs(5), || {
+                env.lines("effects")
+                    .iter()
+                    .any(|l| l.ends_with(&format!(" {key}")))
+            });
+            env.lines("effects").contains(&format!("v2 {key}"))
+        }
+    })
+    .await;
+    assert!(reloaded, "{}", worker.log_tail(20));
+    assert!(wait_until(WAIT, || env
+        .lines("effects")
+        .contains(&"v1 before".to_owned())));
+
+    // A broken file is refused: the worker keeps serving v2.
+    std::fs::write(&cfg, "[tasks.t]\ncommand = 7\n").unwrap();
+    hup(&worker);
+    env.publish(&drumline_e2e::adhoc("after-broken", "t")).await;
+    assert!(
+        wait_until(WAIT, || env
+            .lines("effects")
+            .contains(&"v2 after-broken".to_owned())),
+        "{}",
+        worker.log_tail(20)
+    );
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    assert!(
+        worker.log().lines().any(|l| l.contains("reload refused")),
+        "{}",
+        worker.log_tail(10)
+    );
+    let runs = counts(&env.lines("effects"));
+    assert!(runs.values().all(|n| *n == 1), "{runs:?}");
+}
