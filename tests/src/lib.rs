@@ -364,34 +364,11 @@ impl Proc {
         )
     }
 
-    /// The whole log.
+    /// The whole log, for tests of what the log says (an output contract: a dropped instance
+    /// named, a password never printed). Outcomes are read from effects, Redis, the broker
+    /// ([`snoop`]) or `/metrics`, never from here.
     pub fn log(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// `name=N` from the process's final summary line (the counts after shutdown, which
-    /// `/metrics` can no longer serve).
-    pub fn summary_number(&self, name: &str) -> u64 {
-        let needle = format!("{name}=");
-        self.log()
-            .lines()
-            .rev()
-            .find_map(|line| {
-                let rest = &line[line.find(&needle)? + needle.len()..];
-                let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-                digits.parse().ok()
-            })
-            .unwrap_or_else(|| panic!("no {name}= in the log of {}", self.label))
-    }
-
-    /// For a beat: the keys its log reports as published (one INFO `published` line each,
-    /// after the broker's confirm), in order.
-    pub fn published_keys(&self) -> Vec<String> {
-        self.log()
-            .lines()
-            .filter(|l| l.contains(" published "))
-            .filter_map(|l| l.split("key=").nth(1).map(|k| k.trim().to_owned()))
-            .collect()
     }
 }
 

@@ -1,20 +1,31 @@
 //! A "snoop" queue: a test-owned queue bound to `{ns}.tasks` like the work queue, so it
-//! receives a copy of every message the beats publish. Each copy is recorded with its arrival
-//! time (the test's own clocks) and its `x-drumline-epoch`, which shows who published what and
-//! when, without touching the work queue the workers consume.
+//! receives a copy of every message published there — what the beats publish, and the retries
+//! and re-checks coming back from delay queues (marked [`Snooped::via_delay`]). Each copy is
+//! recorded with its arrival time (the test's own clocks) and its `x-drumline-epoch`, which
+//! shows who published what and when, without touching the work queue the workers consume.
+//!
+//! The queue is durable and every copy is acked only once recorded, and the snoop reconnects
+//! when the broker goes away, so a broker restart loses no copy (a copy whose ack was lost in
+//! the restart is recorded twice). [`Snoop::settle`] is a barrier: once the publishers have
+//! stopped, it returns everything they published.
 
 use crate::{TestEnv, AMQP_URL};
 use chrono::{DateTime, Utc};
 use drumline_shared::envelope::{header_int, Envelope};
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ExchangeDeclareOptions,
+    QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
+use std::collections::BTreeSet;
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+/// Body prefix of the markers [`Snoop::settle`] sends through the queue.
+const MARKER: &str = "drumline-snoop-marker:";
 
 /// One message as the snoop queue received it.
 #[derive(Debug, Clone)]
@@ -25,71 +36,55 @@ pub struct Snooped {
     pub arrived_at: Instant,
     /// Its `x-drumline-epoch` header, if any.
     pub epoch: Option<i64>,
+    /// True when it came back from a delay queue (the broker's `x-death` header): a worker's
+    /// retry or re-check, not something a publisher sent.
+    pub via_delay: bool,
     /// Its envelope.
     pub envelope: Envelope,
+}
+
+/// What the snoop thread has seen: the copies and the markers.
+#[derive(Default)]
+struct Seen {
+    messages: Vec<Snooped>,
+    markers: BTreeSet<String>,
 }
 
 /// A running snoop queue (its own thread and connection); stops on drop. The queue itself is
 /// deleted with the test's namespace.
 pub struct Snoop {
-    messages: Arc<Mutex<Vec<Snooped>>>,
+    seen: Arc<Mutex<Seen>>,
+    url: String,
+    queue: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Snoop {
-    /// Binds `{ns}.snoop` to `{ns}.tasks` with routing key `queue` and starts recording. Waits
-    /// (up to 60 s) for the exchange to exist (a worker or beat declares it); every message
-    /// published after this returns is recorded.
+    /// Binds `{ns}.snoop` to `{ns}.tasks` with routing key `queue` on the shared broker and
+    /// starts recording. Waits (up to 60 s) for the exchange to exist (a worker or beat declares
+    /// it); every message published after this returns is recorded.
     pub fn start(env: &mut TestEnv, queue: &str) -> Self {
+        Self::start_at(env, AMQP_URL, queue)
+    }
+
+    /// [`Snoop::start`] on the broker at `url` (e.g. a [`PrivateRabbit`](crate::PrivateRabbit)).
+    pub fn start_at(env: &mut TestEnv, url: &str, queue: &str) -> Self {
         let names = env.names();
         let snoop_queue = format!("{}.snoop", names.namespace());
         env.forget_queue_later(snoop_queue.clone());
-        let exchange = names.tasks_exchange();
-        let routing_key = queue.to_owned();
-        let messages = Arc::new(Mutex::new(Vec::new()));
+        let target = Target {
+            url: url.to_owned(),
+            queue: snoop_queue.clone(),
+            exchange: names.tasks_exchange(),
+            routing_key: queue.to_owned(),
+        };
+        let seen = Arc::new(Mutex::new(Seen::default()));
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let sink = messages.clone();
+        let sink = seen.clone();
         let thread = std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime")
-                .block_on(async move {
-                    let consumer =
-                        match bind(&snoop_queue, &exchange, &routing_key).await {
-                            Ok(c) => c,
-                            Err(e) => {
-                                let _ = ready_tx.send(Err(e));
-                                return;
-                            }
-                        };
-                    let (conn, mut consumer) = consumer;
-                    let _ = ready_tx.send(Ok(()));
-                    let mut stop_rx = stop_rx;
-                    loop {
-                        tokio::select! {
-                            _ = &mut stop_rx => break,
-                            next = consumer.next() => {
-                                let Some(Ok(delivery)) = next else { break };
-                                let arrived = Utc::now();
-                                let arrived_at = Instant::now();
-                                let epoch =
-                                    header_int(delivery.properties.headers().as_ref(), "x-drumline-epoch");
-                                if let Ok(envelope) = Envelope::decode(&delivery.data) {
-                                    sink.lock().expect("snoop lock").push(Snooped {
-                                        arrived,
-                                        arrived_at,
-                                        epoch,
-                                        envelope,
-                                    });
-                                }
-                            }
-                        }
-                    }
-                    let _ = conn.close(200, "snoop done").await;
-                });
+            runtime().block_on(record(target, sink, ready_tx, stop_rx));
         });
         match ready_rx.recv_timeout(Duration::from_secs(90)) {
             Ok(Ok(())) => {}
@@ -97,7 +92,9 @@ impl Snoop {
             Err(_) => panic!("snoop queue did not start"),
         }
         Self {
-            messages,
+            seen,
+            url: url.to_owned(),
+            queue: snoop_queue,
             stop: Some(stop_tx),
             thread: Some(thread),
         }
@@ -105,16 +102,129 @@ impl Snoop {
 
     /// Everything received so far, in arrival order.
     pub fn messages(&self) -> Vec<Snooped> {
-        self.messages.lock().expect("snoop lock").clone()
+        self.seen.lock().expect("snoop lock").messages.clone()
+    }
+
+    /// Everything published before this call, in arrival order: sends a marker through the
+    /// snoop queue and waits (up to 60 s) until it comes out, so every copy queued before it
+    /// (a stopped beat's confirmed publishes included) has been recorded. Panics if the marker
+    /// does not arrive.
+    pub fn settle(&self) -> Vec<Snooped> {
+        let marker = format!("{MARKER}{}", uuid::Uuid::new_v4().simple());
+        let (url, queue, body) = (self.url.clone(), self.queue.clone(), marker.clone());
+        std::thread::spawn(move || runtime().block_on(send_marker(&url, &queue, &body)))
+            .join()
+            .expect("marker thread")
+            .unwrap_or_else(|e| panic!("snoop marker: {e}"));
+        let arrived = crate::wait_until(Duration::from_secs(60), || {
+            self.seen
+                .lock()
+                .expect("snoop lock")
+                .markers
+                .contains(&marker)
+        });
+        assert!(
+            arrived,
+            "the snoop marker never came through {}",
+            self.queue
+        );
+        self.messages()
+    }
+
+    /// The keys publishers sent (copies from delay queues left out), in arrival order, once
+    /// settled (see [`Snoop::settle`]); a key sent twice is listed twice.
+    pub fn published_keys(&self) -> Vec<String> {
+        self.settle()
+            .into_iter()
+            .filter(|m| !m.via_delay)
+            .map(|m| m.envelope.key)
+            .collect()
     }
 }
 
-async fn bind(
-    queue: &str,
-    exchange: &str,
-    routing_key: &str,
-) -> Result<(Connection, lapin::Consumer), String> {
-    let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// Where the snoop queue lives and what it is bound to.
+struct Target {
+    url: String,
+    queue: String,
+    exchange: String,
+    routing_key: String,
+}
+
+/// The snoop thread: binds, records, and after a lost connection binds again until stopped.
+/// Reports the first bind's outcome on `ready`.
+async fn record(
+    target: Target,
+    seen: Arc<Mutex<Seen>>,
+    ready: mpsc::Sender<Result<(), String>>,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    let mut ready = Some(ready);
+    loop {
+        let (conn, mut consumer) = match bind(&target).await {
+            Ok(bound) => bound,
+            Err(e) => {
+                if let Some(ready) = ready.take() {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+                // The broker is away (restarting): try again shortly.
+                tokio::select! {
+                    _ = &mut stop => return,
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => continue,
+                }
+            }
+        };
+        if let Some(ready) = ready.take() {
+            let _ = ready.send(Ok(()));
+        }
+        loop {
+            tokio::select! {
+                _ = &mut stop => {
+                    let _ = conn.close(200, "snoop done").await;
+                    return;
+                }
+                next = consumer.next() => {
+                    let Some(Ok(delivery)) = next else { break };
+                    let arrived = Utc::now();
+                    let arrived_at = Instant::now();
+                    let headers = delivery.properties.headers().as_ref();
+                    let epoch = header_int(headers, "x-drumline-epoch");
+                    let via_delay = headers.is_some_and(|h| h.inner().contains_key("x-death"));
+                    {
+                        let mut seen = seen.lock().expect("snoop lock");
+                        if let Some(marker) = std::str::from_utf8(&delivery.data)
+                            .ok()
+                            .filter(|b| b.starts_with(MARKER))
+                        {
+                            seen.markers.insert(marker.to_owned());
+                        } else if let Ok(envelope) = Envelope::decode(&delivery.data) {
+                            seen.messages.push(Snooped {
+                                arrived,
+                                arrived_at,
+                                epoch,
+                                via_delay,
+                                envelope,
+                            });
+                        }
+                    }
+                    // Acked once recorded; a lost ack means a redelivery, never a lost copy.
+                    let _ = delivery.ack(BasicAckOptions::default()).await;
+                }
+            }
+        }
+        // The connection is gone (broker restart or close): bind again.
+    }
+}
+
+async fn bind(target: &Target) -> Result<(Connection, lapin::Consumer), String> {
+    let conn = Connection::connect(&target.url, ConnectionProperties::default())
         .await
         .map_err(|e| format!("connect: {e}"))?;
     // Wait for the exchange (declared by the binaries, with their arguments).
@@ -127,7 +237,7 @@ async fn bind(
         };
         if ch
             .exchange_declare(
-                exchange,
+                &target.exchange,
                 ExchangeKind::Direct,
                 passive,
                 FieldTable::default(),
@@ -138,18 +248,23 @@ async fn bind(
             break;
         }
         if Instant::now() > deadline {
-            return Err(format!("exchange {exchange} never appeared"));
+            return Err(format!("exchange {} never appeared", target.exchange));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let queue = &target.queue;
     let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
-    ch.queue_declare(queue, QueueDeclareOptions::default(), FieldTable::default())
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(queue, durable, FieldTable::default())
         .await
         .map_err(|e| format!("declare {queue}: {e}"))?;
     ch.queue_bind(
         queue,
-        exchange,
-        routing_key,
+        &target.exchange,
+        &target.routing_key,
         QueueBindOptions::default(),
         FieldTable::default(),
     )
@@ -159,15 +274,36 @@ async fn bind(
         .basic_consume(
             queue,
             "snoop",
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
+            BasicConsumeOptions::default(),
             FieldTable::default(),
         )
         .await
         .map_err(|e| format!("consume {queue}: {e}"))?;
     Ok((conn, consumer))
+}
+
+/// Publishes `body` straight to `queue` (default exchange) and waits for the confirm.
+async fn send_marker(url: &str, queue: &str, body: &str) -> Result<(), String> {
+    let conn = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
+    ch.confirm_select(Default::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    ch.basic_publish(
+        "",
+        queue,
+        BasicPublishOptions::default(),
+        body.as_bytes(),
+        BasicProperties::default(),
+    )
+    .await
+    .map_err(|e| e.to_string())?
+    .await
+    .map_err(|e| e.to_string())?;
+    let _ = conn.close(200, "bye").await;
+    Ok(())
 }
 
 impl Drop for Snoop {

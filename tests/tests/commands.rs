@@ -1,6 +1,8 @@
 //! `drumline-beat publish` and `drumline-beat status` against the real broker, Redis and worker.
 
-use drumline_e2e::{http_get, setup, unused_port, wait_until, wait_until_async};
+use drumline_e2e::{
+    http_get, metric, setup, unused_port, wait_until, wait_until_async, with_metrics,
+};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -16,7 +18,9 @@ async fn adhoc_publish_runs_once_per_key_and_delayed_tasks_run_too() {
         ),
     );
     let cfg = cfg.to_str().unwrap();
-    let mut worker = env.worker("worker", &["--config", cfg]);
+    let (args, port) = with_metrics(&["--config", cfg]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut worker = env.worker("worker", &args);
     for _ in 0..2 {
         let (status, stdout, stderr) = env.run(
             "drumline-beat",
@@ -54,9 +58,14 @@ async fn adhoc_publish_runs_once_per_key_and_delayed_tasks_run_too() {
         worker.log_tail(20)
     );
     // Both delivered copies of invoice-42 settled: one ran, the other was a duplicate.
-    assert!(wait_until(WAIT, || worker
-        .log()
-        .contains("duplicate delivery")));
+    let duplicates = || metric(port, "drumline_worker_duplicates_total");
+    assert!(
+        wait_until(WAIT, || duplicates().is_some_and(|n| n >= 1.0)),
+        "duplicates: {:?}\n{}",
+        duplicates(),
+        worker.log_tail(20)
+    );
+    assert_eq!(duplicates(), Some(1.0), "one duplicate copy");
     assert!(worker.terminate(Duration::from_secs(20)).success());
     let mut lines = env.lines("effects");
     lines.sort();

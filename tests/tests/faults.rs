@@ -3,6 +3,7 @@
 //! `redis-server` on a free port, never the shared one.
 
 use chrono::Utc;
+use drumline_e2e::snoop::Snoop;
 use drumline_e2e::{adhoc, http_get, metric, setup, toml_string, unused_port, wait_until};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -152,7 +153,7 @@ async fn redis_outage_fails_closed_and_resumes() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_broker_restart_loses_nothing_and_doubles_nothing() {
-    let env = setup("e2e_broker_restart");
+    let mut env = setup("e2e_broker_restart");
     let mut rabbit = drumline_e2e::PrivateRabbit::start("restart");
     let cfg = env.config(
         "drumline.toml",
@@ -182,6 +183,8 @@ command = {cmd}
         env.worker("w1", &["--config", cfg]),
         env.worker("w2", &["--config", cfg]),
     ];
+    // Records what the beat publishes on the private broker, across its restart.
+    let snoop = Snoop::start_at(&mut env, &rabbit.url(), "default");
     let mut beat = env.beat("beat", &["--config", cfg]);
     assert!(
         wait_until(WAIT, || env.lines("effects").len() >= 4),
@@ -203,7 +206,7 @@ command = {cmd}
         "{}",
         beat.log_tail(20)
     );
-    let published = beat.published_keys();
+    let published = snoop.published_keys();
     let mut unique = published.clone();
     unique.sort();
     unique.dedup();

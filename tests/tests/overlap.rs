@@ -2,6 +2,7 @@
 //! second. `skip` records the overlapping instances `skipped` and never runs two at once;
 //! `queue` runs every instance, one after another.
 
+use drumline_e2e::snoop::Snoop;
 use drumline_e2e::{setup, toml_string, wait_until, wait_until_async, TestEnv};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -73,14 +74,16 @@ fn assert_never_two_at_once(spans: &BTreeMap<String, (u128, Option<u128>)>) {
 }
 
 /// Runs one beat and two workers until `runs` instances have started; returns the published
-/// keys (as the beat's log reports them).
-async fn run_until(env: &TestEnv, overlap: &str, runs: usize) -> Vec<String> {
+/// keys (as the snoop queue received them from the beat).
+async fn run_until(env: &mut TestEnv, overlap: &str, runs: usize) -> Vec<String> {
     let cfg = config(env, overlap);
     let cfg = cfg.to_str().unwrap();
     let mut workers = [
         env.worker("w1", &["--config", cfg]),
         env.worker("w2", &["--config", cfg]),
     ];
+    env.wait_for_topology(&workers[0]).await;
+    let snoop = Snoop::start(env, "default");
     let mut beat = env.beat("beat", &["--config", cfg]);
     assert!(
         wait_until(WAIT, || spans(env).len() >= runs),
@@ -88,7 +91,7 @@ async fn run_until(env: &TestEnv, overlap: &str, runs: usize) -> Vec<String> {
         workers[0].log_tail(20)
     );
     assert!(beat.terminate(Duration::from_secs(10)).success());
-    let keys = beat.published_keys();
+    let keys = snoop.published_keys();
     // Let every published instance reach a final state.
     for key in &keys {
         let settled = wait_until_async(WAIT, || async {
@@ -108,8 +111,8 @@ async fn run_until(env: &TestEnv, overlap: &str, runs: usize) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn overlap_skip_never_runs_two_at_once_and_records_skips() {
-    let env = setup("e2e_overlap_skip");
-    let keys = run_until(&env, "skip", 3).await;
+    let mut env = setup("e2e_overlap_skip");
+    let keys = run_until(&mut env, "skip", 3).await;
     let spans = spans(&env);
     assert_never_two_at_once(&spans);
     let mut skipped = 0;
@@ -131,8 +134,8 @@ async fn overlap_skip_never_runs_two_at_once_and_records_skips() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn overlap_queue_runs_every_instance_one_after_another() {
-    let env = setup("e2e_overlap_queue");
-    let keys = run_until(&env, "queue", 3).await;
+    let mut env = setup("e2e_overlap_queue");
+    let keys = run_until(&mut env, "queue", 3).await;
     let spans = spans(&env);
     assert_never_two_at_once(&spans);
     for key in &keys {

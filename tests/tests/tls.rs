@@ -3,6 +3,7 @@
 //! RabbitMQ. The server certificates are trusted through `ca_file`; without it (system roots)
 //! the connection is refused and nothing runs.
 
+use drumline_e2e::snoop::Snoop;
 use drumline_e2e::tls::{Certs, CountingForwarder, Stunnel, TlsRedis};
 use drumline_e2e::{
     adhoc, http_get, setup, toml_string, unused_port, wait_until, wait_until_async, TestEnv,
@@ -205,7 +206,7 @@ async fn amqps_with_ca_file_publishes_and_runs_a_task_once() {
 /// published instance runs exactly once.
 #[tokio::test(flavor = "multi_thread")]
 async fn beat_and_worker_over_amqps_and_rediss_run_each_instance_once() {
-    let env = setup("tls_both");
+    let mut env = setup("tls_both");
     let certs = Certs::generate(&env.path("certs"));
     let stunnel = Stunnel::start(&env.dir, &certs, 5672);
     let redis = TlsRedis::start(&env.dir, &certs);
@@ -224,6 +225,9 @@ async fn beat_and_worker_over_amqps_and_rediss_run_each_instance_once() {
     );
     let cfg = cfg.to_str().expect("utf-8 path");
     let worker = env.worker("worker", &["--config", cfg]);
+    // The stunnel forwards to the shared broker: the snoop records there what the beat
+    // published through it.
+    let snoop = Snoop::start(&mut env, "default");
     let mut beat = env.beat("beat", &["--config", cfg]);
     assert!(
         wait_until(WAIT, || env.lines("effects").len() >= 3),
@@ -236,7 +240,7 @@ async fn beat_and_worker_over_amqps_and_rediss_run_each_instance_once() {
         "{}",
         beat.log_tail(20)
     );
-    let published = beat.published_keys();
+    let published = snoop.published_keys();
     assert!(published.len() >= 3, "{published:?}");
     assert!(
         wait_until(WAIT, || env.lines("effects").len() >= published.len()),
