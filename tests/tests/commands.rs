@@ -108,13 +108,14 @@ async fn status_reports_progress_success_and_staleness() {
         http_get(metrics, "/healthz"),
         Some((200, "ok\n".to_owned()))
     );
-    let (_, exposition) = http_get(metrics, "/metrics").unwrap();
-    let published: u64 = exposition
-        .lines()
-        .find_map(|l| l.strip_prefix("drumline_beat_published_total{job=\"tick\"} "))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{exposition}"));
-    assert!(published >= 2, "{exposition}");
+    // The worker can finish a run before the beat has handled the broker's confirm of it:
+    // poll the counter rather than read it once.
+    let series = r#"drumline_beat_published_total{job="tick"}"#;
+    assert!(
+        wait_until(WAIT, || metric(metrics, series).is_some_and(|n| n >= 2.0)),
+        "{:?}",
+        http_get(metrics, "/metrics")
+    );
 
     let status_json = || {
         let (status, stdout, stderr) =
