@@ -1,0 +1,427 @@
+//! The status page on the beat's `--metrics-addr` (DESIGN §9 "Status page"): `/`, the
+//! `status` report as HTML that refreshes itself and needs no JavaScript, and `/api/status`,
+//! the `status --json` document. Read-only: only `GET` (and `HEAD`) routes, nothing written.
+//! Every request builds the report afresh with the code `status` uses ([`status::read_from`]),
+//! within [`PAGE_WAIT`]: a stuck Redis makes a 503 with the reason, never a hung page.
+
+use crate::status::{self, JobStatus, Status};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use chrono::{DateTime, Utc};
+use drumline_shared::config::Config;
+use drumline_shared::envelope::parse_instant;
+use drumline_shared::names::Names;
+use drumline_shared::store::Store;
+use std::fmt::Write;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::OnceCell;
+
+/// How long a request waits for the report before answering 503. Longer than `status`' own
+/// wait for the broker (which only leaves the dead letters unknown), so only Redis trips it.
+pub const PAGE_WAIT: Duration = Duration::from_secs(4);
+
+/// The page's `<meta http-equiv="refresh">`, in seconds.
+pub const REFRESH_SECONDS: u32 = 5;
+
+/// What the handlers share: the config the beat started with and one Redis connection,
+/// made at the first request (and tried again at the next one if that failed).
+#[derive(Clone)]
+struct Page {
+    config: Arc<Config>,
+    store: Arc<OnceCell<Store>>,
+}
+
+/// The routes `/` and `/api/status` for `config`, to hand to
+/// [`drumline_shared::metrics::serve_with`].
+pub fn routes(config: Arc<Config>) -> Router {
+    let page = Page {
+        config,
+        store: Arc::new(OnceCell::new()),
+    };
+    Router::new()
+        .route("/", get(html_page))
+        .route("/api/status", get(api_status))
+        .with_state(page)
+}
+
+/// The report now, or why not (Redis failed or did not answer within [`PAGE_WAIT`]).
+async fn report(page: &Page, now: DateTime<Utc>) -> Result<Status, String> {
+    let config = &page.config;
+    let read = async {
+        let store = page
+            .store
+            .get_or_try_init(|| {
+                let names = Names::new(config.namespace.clone());
+                Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names)
+            })
+            .await?;
+        status::read_from(store, config, None, now).await
+    };
+    match tokio::time::timeout(PAGE_WAIT, read).await {
+        Ok(Ok(status)) => Ok(status),
+        Ok(Err(e)) => Err(format!("redis: {e}")),
+        Err(_) => Err(format!("redis: no answer within {} s", PAGE_WAIT.as_secs())),
+    }
+}
+
+async fn html_page(State(page): State<Page>) -> Response {
+    let now = Utc::now();
+    let (code, body) = match report(&page, now).await {
+        Ok(status) => (StatusCode::OK, render(&status, &page.config.namespace, now)),
+        Err(reason) => {
+            tracing::warn!(reason = %reason, "status page: no report");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                render_error(&reason, &page.config.namespace, now),
+            )
+        }
+    };
+    (
+        code,
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        body,
+    )
+        .into_response()
+}
+
+async fn api_status(State(page): State<Page>) -> Response {
+    let (code, body) = match report(&page, Utc::now()).await {
+        Ok(status) => (
+            StatusCode::OK,
+            serde_json::to_string_pretty(&status).expect("serialisable"),
+        ),
+        Err(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({ "error": reason }).to_string(),
+        ),
+    };
+    (code, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// `text` with the five characters that mean something in HTML escaped, for element content
+/// and quoted attribute values alike.
+pub fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}\
+h1{font-size:1.4em;margin:0 0 .4em}\
+p{margin:.2em 0}\
+table{border-collapse:collapse;margin-top:1em;font-size:.9em}\
+th,td{border-bottom:1px solid #ddd;padding:.35em .6em;text-align:left;white-space:nowrap}\
+th{background:#f3f3f3}\
+td.num{text-align:right}\
+.ago{color:#777;font-size:.85em}\
+.none{color:#999}\
+.warn{color:#a00;font-weight:bold}\
+.paused{color:#a60;font-weight:bold}\
+tr.stale td{background:#fdecea}\
+tr.paused td{background:#fff6e0}\
+footer{margin-top:1em;color:#777;font-size:.85em}";
+
+/// The page's head and heading, down to the opening of the body's content.
+fn open(out: &mut String, namespace: &str, now: DateTime<Utc>) {
+    let ns = escape(namespace);
+    let _ = write!(
+        out,
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n\
+         <meta http-equiv=\"refresh\" content=\"{REFRESH_SECONDS}\">\n\
+         <title>drumline status · {ns}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n\
+         <h1>drumline status · namespace <code>{ns}</code></h1>\n\
+         <p id=\"generated\">As of <time datetime=\"{t}\">{t}</time></p>\n",
+        t = escape(&drumline_shared::envelope::format_instant(now)),
+    );
+}
+
+/// The footer and the end of the document.
+fn close(out: &mut String) {
+    let _ = write!(
+        out,
+        "<footer>Read-only; refreshes every {REFRESH_SECONDS} s. \
+         The same report as JSON: <a href=\"/api/status\">/api/status</a>; \
+         metrics: <a href=\"/metrics\">/metrics</a>.</footer>\n</body>\n</html>\n"
+    );
+}
+
+/// How long ago `then` was, short ("12 s ago", "3 min ago", "2 h ago", "4 d ago"; "in 5 s"
+/// for the future).
+fn ago(then: DateTime<Utc>, now: DateTime<Utc>) -> String {
+    let secs = (now - then).num_seconds();
+    let (n, unit) = match secs.unsigned_abs() {
+        s if s < 120 => (s, "s"),
+        s if s < 2 * 3600 => (s / 60, "min"),
+        s if s < 2 * 86_400 => (s / 3600, "h"),
+        s => (s / 86_400, "d"),
+    };
+    if secs < 0 {
+        format!("in {n} {unit}")
+    } else {
+        format!("{n} {unit} ago")
+    }
+}
+
+/// A cell holding an instant (RFC 3339 text, as in the JSON) and how far from now it is.
+fn instant_cell(class: &str, value: &Option<String>, now: DateTime<Utc>) -> String {
+    match value {
+        None => format!("<td class=\"{class}\"><span class=\"none\">–</span></td>"),
+        Some(text) => {
+            let relative = parse_instant(text)
+                .map(|t| format!(" <span class=\"ago\">({})</span>", ago(t, now)))
+                .unwrap_or_default();
+            let text = escape(text);
+            format!("<td class=\"{class}\"><time datetime=\"{text}\">{text}</time>{relative}</td>")
+        }
+    }
+}
+
+/// One job's row.
+fn row(job: &JobStatus, now: DateTime<Utc>) -> String {
+    let mut classes = Vec::new();
+    if job.paused {
+        classes.push("paused");
+    }
+    if job.stale {
+        classes.push("stale");
+    }
+    let marker = |on: bool, class: &str, text: &str| {
+        if on {
+            format!("<td class=\"{class}\"><span class=\"{class}\">{text}</span></td>")
+        } else {
+            format!("<td class=\"{class}\"></td>")
+        }
+    };
+    let name = escape(&job.job);
+    format!(
+        "<tr class=\"job {classes}\" data-job=\"{name}\">\
+         <td class=\"name\">{name}</td>\
+         <td class=\"schedule\">{schedule}</td>\
+         <td class=\"zone\">{zone}</td>\
+         {next}{published}{success}{failure}\
+         <td class=\"running num\">{running}</td>\
+         {paused}{stale}</tr>\n",
+        classes = classes.join(" "),
+        schedule = escape(&job.schedule),
+        zone = escape(&job.timezone),
+        next = instant_cell("next-due", &job.next_due, now),
+        published = instant_cell("last-published", &job.last_published, now),
+        success = instant_cell("last-success", &job.last_success, now),
+        failure = instant_cell("last-failure", &job.last_failure, now),
+        running = job.running,
+        paused = marker(job.paused, "paused", "PAUSED"),
+        stale = marker(job.stale, "stale", "STALE"),
+    )
+}
+
+/// The status page for `status` of `namespace`, as of `now`: pure, so the tests can read it.
+pub fn render(status: &Status, namespace: &str, now: DateTime<Utc>) -> String {
+    let mut out = String::with_capacity(2048 + 512 * status.jobs.len());
+    open(&mut out, namespace, now);
+    match &status.leader {
+        Some(l) => {
+            let since = parse_instant(&l.since)
+                .map(|t| format!(" ({})", ago(t, now)))
+                .unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "<p id=\"leader\">Leader: <span class=\"host\">{host}</span> \
+                 pid <span class=\"pid\">{pid}</span>, \
+                 epoch <span class=\"epoch\">{epoch}</span>, \
+                 since <time datetime=\"{since_text}\">{since_text}</time>{since}</p>",
+                host = escape(&l.host),
+                pid = l.pid,
+                epoch = l.epoch,
+                since_text = escape(&l.since),
+            );
+        }
+        None => out.push_str(
+            "<p id=\"leader\" class=\"warn\">No leader: no beat holds the leader lease; \
+             nothing is being published.</p>\n",
+        ),
+    }
+    match status.dead_letters {
+        Some(0) => out.push_str("<p id=\"dead-letters\">Dead letters: 0</p>\n"),
+        Some(n) => {
+            let _ = writeln!(
+                out,
+                "<p id=\"dead-letters\" class=\"warn\">Dead letters: {n}</p>"
+            );
+        }
+        None => out.push_str(
+            "<p id=\"dead-letters\" class=\"warn\">Dead letters: unknown (the broker did \
+             not answer)</p>\n",
+        ),
+    }
+    out.push_str(
+        "<table id=\"jobs\">\n<thead><tr><th>Job</th><th>Schedule</th><th>Zone</th>\
+         <th>Next due</th><th>Last published</th><th>Last success</th><th>Last failure</th>\
+         <th>Running</th><th>Paused</th><th>Stale</th></tr></thead>\n<tbody>\n",
+    );
+    if status.jobs.is_empty() {
+        out.push_str("<tr><td colspan=\"10\" class=\"none\">No jobs in the config.</td></tr>\n");
+    }
+    for job in &status.jobs {
+        out.push_str(&row(job, now));
+    }
+    out.push_str("</tbody>\n</table>\n");
+    close(&mut out);
+    out
+}
+
+/// The page shown (with a 503) when there is no report: the reason, and the same refresh, so
+/// it recovers by itself once Redis answers.
+pub fn render_error(reason: &str, namespace: &str, now: DateTime<Utc>) -> String {
+    let mut out = String::new();
+    open(&mut out, namespace, now);
+    let _ = writeln!(
+        out,
+        "<p id=\"error\" class=\"warn\">No status: {}</p>",
+        escape(reason)
+    );
+    close(&mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+    use drumline_shared::store::Leader;
+
+    fn now() -> DateTime<Utc> {
+        Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap()
+    }
+
+    fn job(name: &str) -> JobStatus {
+        JobStatus {
+            job: name.into(),
+            schedule: "every 1m".into(),
+            timezone: "UTC".into(),
+            next_due: Some("2026-11-30T12:01:00Z".into()),
+            last_published: Some("2026-11-30T12:00:00Z".into()),
+            last_success: Some("2026-11-30T11:59:58.500Z".into()),
+            last_failure: None,
+            running: 2,
+            paused: false,
+            stale: false,
+        }
+    }
+
+    fn status() -> Status {
+        let mut paused = job("reports");
+        paused.paused = true;
+        let mut stale = job("sync");
+        stale.stale = true;
+        stale.schedule = "0 3 * * *".into();
+        stale.timezone = "Europe/Berlin".into();
+        Status {
+            leader: Some(Leader {
+                host: "beat-1".into(),
+                pid: 4242,
+                epoch: 7,
+                since: "2026-11-30T11:00:00Z".into(),
+            }),
+            dead_letters: Some(3),
+            jobs: vec![job("heartbeat"), paused, stale],
+        }
+    }
+
+    fn row_of<'p>(page: &'p str, name: &str) -> &'p str {
+        let start = page
+            .find(&format!("data-job=\"{name}\""))
+            .unwrap_or_else(|| panic!("no row for {name}: {page}"));
+        let end = page[start..].find("</tr>").unwrap();
+        &page[start..start + end]
+    }
+
+    #[test]
+    fn a_row_per_job_with_its_markers() {
+        let page = render(&status(), "prod", now());
+        assert!(page.starts_with("<!DOCTYPE html>"));
+        assert!(page.contains("<meta http-equiv=\"refresh\" content=\"5\">"));
+        assert!(!page.contains("<script"), "no JavaScript needed");
+        assert_eq!(page.matches("<tr class=\"job").count(), 3);
+        let heartbeat = row_of(&page, "heartbeat");
+        assert!(!heartbeat.contains("PAUSED") && !heartbeat.contains("STALE"));
+        assert!(heartbeat.contains("<td class=\"running num\">2</td>"));
+        assert!(heartbeat.contains("2026-11-30T11:59:58.500Z</time> <span class=\"ago\">(1 s ago)"));
+        assert!(heartbeat.contains("in 60 s"), "next due: {heartbeat}");
+        let reports = row_of(&page, "reports");
+        assert!(reports.contains(">PAUSED<") && !reports.contains("STALE"));
+        let sync = row_of(&page, "sync");
+        assert!(sync.contains(">STALE<") && !sync.contains("PAUSED"));
+        assert!(sync.contains("<td class=\"zone\">Europe/Berlin</td>"));
+        // In config order.
+        let at = |n: &str| page.find(&format!("data-job=\"{n}\"")).unwrap();
+        assert!(at("heartbeat") < at("reports") && at("reports") < at("sync"));
+    }
+
+    #[test]
+    fn leader_and_dead_letters() {
+        let page = render(&status(), "prod", now());
+        assert!(
+            page.contains("<span class=\"host\">beat-1</span>"),
+            "{page}"
+        );
+        assert!(page.contains("pid <span class=\"pid\">4242</span>"));
+        assert!(page.contains("epoch <span class=\"epoch\">7</span>"));
+        assert!(page.contains("(60 min ago)"));
+        assert!(page.contains("<p id=\"dead-letters\" class=\"warn\">Dead letters: 3</p>"));
+
+        let mut none = status();
+        none.leader = None;
+        none.dead_letters = None;
+        let page = render(&none, "prod", now());
+        assert!(page.contains("No leader"));
+        assert!(page.contains("Dead letters: unknown"));
+    }
+
+    #[test]
+    fn everything_shown_is_escaped() {
+        let mut hostile = status();
+        hostile.leader.as_mut().unwrap().host = "<script>alert(1)</script>".into();
+        hostile.jobs[0].job = "a\"b<c>&'".into();
+        hostile.jobs[0].schedule = "<b>".into();
+        hostile.jobs[0].last_failure = Some("\"><img src=x>".into());
+        let page = render(&hostile, "ns<&>", now());
+        assert!(!page.contains("<script>") && !page.contains("<img") && !page.contains("<b>"));
+        assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
+        assert!(page.contains("data-job=\"a&quot;b&lt;c&gt;&amp;&#39;\""));
+        assert!(page.contains("ns&lt;&amp;&gt;"));
+        let error = render_error("redis: <refused> & \"gone\"", "ns", now());
+        assert!(error.contains("redis: &lt;refused&gt; &amp; &quot;gone&quot;"));
+        assert!(error.contains("http-equiv=\"refresh\""));
+    }
+
+    #[test]
+    fn no_jobs() {
+        let mut empty = status();
+        empty.jobs.clear();
+        let page = render(&empty, "prod", now());
+        assert!(page.contains("No jobs in the config."));
+    }
+
+    #[test]
+    fn ages() {
+        let t = now();
+        assert_eq!(ago(t - chrono::TimeDelta::seconds(5), t), "5 s ago");
+        assert_eq!(ago(t - chrono::TimeDelta::minutes(5), t), "5 min ago");
+        assert_eq!(ago(t - chrono::TimeDelta::hours(5), t), "5 h ago");
+        assert_eq!(ago(t - chrono::TimeDelta::days(5), t), "5 d ago");
+        assert_eq!(ago(t + chrono::TimeDelta::seconds(30), t), "in 30 s");
+    }
+}
