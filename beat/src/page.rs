@@ -119,17 +119,19 @@ pub fn escape(text: &str) -> String {
     out
 }
 
-const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}\
-h1{font-size:1.4em;margin:0 0 .4em}\
-p{margin:.2em 0}\
-table{border-collapse:collapse;margin-top:1em;font-size:.9em}\
-th,td{border-bottom:1px solid #ddd;padding:.35em .6em;text-align:left;white-space:nowrap}\
+const STYLE: &str = "body{font-family:system-ui,sans-serif;font-size:14px;margin:1.2em;color:#222}\
+h1{font-size:1.3em;margin:0 0 .3em}\
+p{margin:.15em 0}\
+table{border-collapse:collapse;margin-top:.8em}\
+th,td{border-bottom:1px solid #ddd;padding:.3em .45em;text-align:left;white-space:nowrap}\
 th{background:#f3f3f3}\
 td.num{text-align:right}\
 .ago{color:#777;font-size:.85em}\
 .none{color:#999}\
 .warn{color:#a00;font-weight:bold}\
-.paused{color:#a60;font-weight:bold}\
+span.flag{font-weight:bold}\
+span.flag.paused{color:#a60}\
+span.flag.stale{color:#a00}\
 tr.stale td{background:#fdecea}\
 tr.paused td{background:#fff6e0}\
 footer{margin-top:1em;color:#777;font-size:.85em}";
@@ -143,7 +145,7 @@ fn open(out: &mut String, namespace: &str, now: DateTime<Utc>) {
          <meta http-equiv=\"refresh\" content=\"{REFRESH_SECONDS}\">\n\
          <title>drumline status · {ns}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n\
          <h1>drumline status · namespace <code>{ns}</code></h1>\n\
-         <p id=\"generated\">As of <time datetime=\"{t}\">{t}</time></p>\n",
+         <p id=\"generated\">As of <time datetime=\"{t}\">{t}</time>; times in UTC.</p>\n",
         t = escape(&drumline_shared::envelope::format_instant(now)),
     );
 }
@@ -158,34 +160,57 @@ fn close(out: &mut String) {
     );
 }
 
-/// How long ago `then` was, short ("12 s ago", "3 min ago", "2 h ago", "4 d ago"; "in 5 s"
-/// for the future).
+/// How far `then` is from `now`, short: "12 s ago", "3 min ago", "2 h ago", "4 d ago", and
+/// "in 5 s" for the future (rounded up, so a due instant is never "0 s ago" before it comes).
 fn ago(then: DateTime<Utc>, now: DateTime<Utc>) -> String {
-    let secs = (now - then).num_seconds();
-    let (n, unit) = match secs.unsigned_abs() {
+    let ms = (now - then).num_milliseconds();
+    let secs = if ms < 0 {
+        (-ms + 999) / 1000
+    } else {
+        ms / 1000
+    }
+    .unsigned_abs();
+    let (n, unit) = match secs {
         s if s < 120 => (s, "s"),
         s if s < 2 * 3600 => (s / 60, "min"),
         s if s < 2 * 86_400 => (s / 3600, "h"),
         s => (s / 86_400, "d"),
     };
-    if secs < 0 {
+    if ms < 0 {
         format!("in {n} {unit}")
     } else {
         format!("{n} {unit} ago")
     }
 }
 
-/// A cell holding an instant (RFC 3339 text, as in the JSON) and how far from now it is.
+/// An instant as shown: the time of day when it falls on `now`'s UTC date, else date and time
+/// (to the second; the full RFC 3339 text is in the `<time>` element's `datetime`).
+fn short(then: DateTime<Utc>, now: DateTime<Utc>) -> String {
+    if then.date_naive() == now.date_naive() {
+        then.format("%H:%M:%S").to_string()
+    } else {
+        then.format("%Y-%m-%d %H:%M:%S").to_string()
+    }
+}
+
+/// A `<time>` element for `text` (RFC 3339, as in the JSON) and how far from now it is.
+fn instant(text: &str, now: DateTime<Utc>) -> String {
+    let full = escape(text);
+    match parse_instant(text) {
+        Some(t) => format!(
+            "<time datetime=\"{full}\" title=\"{full}\">{}</time> <span class=\"ago\">({})</span>",
+            short(t, now),
+            ago(t, now)
+        ),
+        None => format!("<time>{full}</time>"),
+    }
+}
+
+/// A cell holding an instant, or a dash.
 fn instant_cell(class: &str, value: &Option<String>, now: DateTime<Utc>) -> String {
     match value {
         None => format!("<td class=\"{class}\"><span class=\"none\">–</span></td>"),
-        Some(text) => {
-            let relative = parse_instant(text)
-                .map(|t| format!(" <span class=\"ago\">({})</span>", ago(t, now)))
-                .unwrap_or_default();
-            let text = escape(text);
-            format!("<td class=\"{class}\"><time datetime=\"{text}\">{text}</time>{relative}</td>")
-        }
+        Some(text) => format!("<td class=\"{class}\">{}</td>", instant(text, now)),
     }
 }
 
@@ -200,7 +225,7 @@ fn row(job: &JobStatus, now: DateTime<Utc>) -> String {
     }
     let marker = |on: bool, class: &str, text: &str| {
         if on {
-            format!("<td class=\"{class}\"><span class=\"{class}\">{text}</span></td>")
+            format!("<td class=\"{class}\"><span class=\"flag {class}\">{text}</span></td>")
         } else {
             format!("<td class=\"{class}\"></td>")
         }
@@ -233,19 +258,15 @@ pub fn render(status: &Status, namespace: &str, now: DateTime<Utc>) -> String {
     open(&mut out, namespace, now);
     match &status.leader {
         Some(l) => {
-            let since = parse_instant(&l.since)
-                .map(|t| format!(" ({})", ago(t, now)))
-                .unwrap_or_default();
             let _ = writeln!(
                 out,
                 "<p id=\"leader\">Leader: <span class=\"host\">{host}</span> \
                  pid <span class=\"pid\">{pid}</span>, \
-                 epoch <span class=\"epoch\">{epoch}</span>, \
-                 since <time datetime=\"{since_text}\">{since_text}</time>{since}</p>",
+                 epoch <span class=\"epoch\">{epoch}</span>, since {since}</p>",
                 host = escape(&l.host),
                 pid = l.pid,
                 epoch = l.epoch,
-                since_text = escape(&l.since),
+                since = instant(&l.since, now),
             );
         }
         None => out.push_str(
@@ -358,7 +379,10 @@ mod tests {
         let heartbeat = row_of(&page, "heartbeat");
         assert!(!heartbeat.contains("PAUSED") && !heartbeat.contains("STALE"));
         assert!(heartbeat.contains("<td class=\"running num\">2</td>"));
-        assert!(heartbeat.contains("2026-11-30T11:59:58.500Z</time> <span class=\"ago\">(1 s ago)"));
+        assert!(heartbeat.contains(
+            "<time datetime=\"2026-11-30T11:59:58.500Z\" title=\"2026-11-30T11:59:58.500Z\">\
+             11:59:58</time> <span class=\"ago\">(1 s ago)"
+        ));
         assert!(heartbeat.contains("in 60 s"), "next due: {heartbeat}");
         let reports = row_of(&page, "reports");
         assert!(reports.contains(">PAUSED<") && !reports.contains("STALE"));
@@ -423,5 +447,12 @@ mod tests {
         assert_eq!(ago(t - chrono::TimeDelta::hours(5), t), "5 h ago");
         assert_eq!(ago(t - chrono::TimeDelta::days(5), t), "5 d ago");
         assert_eq!(ago(t + chrono::TimeDelta::seconds(30), t), "in 30 s");
+        assert_eq!(ago(t + chrono::TimeDelta::milliseconds(200), t), "in 1 s");
+        assert_eq!(ago(t - chrono::TimeDelta::milliseconds(200), t), "0 s ago");
+        assert_eq!(short(t - chrono::TimeDelta::seconds(5), t), "11:59:55");
+        assert_eq!(
+            short(t + chrono::TimeDelta::hours(15), t),
+            "2026-12-01 03:00:00"
+        );
     }
 }
