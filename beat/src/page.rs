@@ -2,7 +2,9 @@
 //! `status` report as HTML that refreshes itself and needs no JavaScript, and `/api/status`,
 //! the `status --json` document. Read-only: only `GET` (and `HEAD`) routes, nothing written.
 //! Every request builds the report afresh with the code `status` uses ([`status::read_from`]),
-//! within [`PAGE_WAIT`]: a stuck Redis makes a 503 with the reason, never a hung page.
+//! within [`PAGE_WAIT`]: a stuck Redis makes a 503 with the reason, never a hung page. On
+//! SIGHUP the page re-reads the config file as the scheduler does and shows the reloaded
+//! `[[jobs]]` (a file that does not load leaves it on the jobs it had; the scheduler logs why).
 
 use crate::status::{self, JobStatus, Status};
 use axum::extract::State;
@@ -14,9 +16,10 @@ use chrono::{DateTime, Utc};
 use drumline_shared::config::Config;
 use drumline_shared::envelope::parse_instant;
 use drumline_shared::names::Names;
+use drumline_shared::signals::Hangups;
 use drumline_shared::store::Store;
 use std::fmt::Write;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tokio::sync::OnceCell;
 
@@ -27,30 +30,59 @@ pub const PAGE_WAIT: Duration = Duration::from_secs(4);
 /// The page's `<meta http-equiv="refresh">`, in seconds.
 pub const REFRESH_SECONDS: u32 = 5;
 
-/// What the handlers share: the config the beat started with and one Redis connection,
-/// made at the first request (and tried again at the next one if that failed).
+/// What the handlers share: the config (its jobs replaced on SIGHUP) and one Redis
+/// connection, made at the first request (and tried again at the next one if that failed).
 #[derive(Clone)]
 struct Page {
-    config: Arc<Config>,
+    config: Arc<RwLock<Arc<Config>>>,
     store: Arc<OnceCell<Store>>,
 }
 
+impl Page {
+    /// The config now (never held across an await).
+    fn config(&self) -> Arc<Config> {
+        self.config.read().expect("page config lock").clone()
+    }
+}
+
 /// The routes `/` and `/api/status` for `config`, to hand to
-/// [`drumline_shared::metrics::serve_with`].
+/// [`drumline_shared::metrics::serve_with`]; starts following SIGHUP (call it inside the
+/// runtime).
 pub fn routes(config: Arc<Config>) -> Router {
     let page = Page {
-        config,
+        config: Arc::new(RwLock::new(config)),
         store: Arc::new(OnceCell::new()),
     };
+    tokio::spawn(follow_reloads(page.config.clone()));
     Router::new()
         .route("/", get(html_page))
         .route("/api/status", get(api_status))
         .with_state(page)
 }
 
+/// On each SIGHUP, the jobs of the re-read config file. Only `[[jobs]]`: the rest (namespace,
+/// Redis, broker) takes a restart of the beat, so the page keeps what it started with, as the
+/// scheduler's connections do.
+async fn follow_reloads(config: Arc<RwLock<Arc<Config>>>) {
+    let mut hangups = Hangups::new();
+    loop {
+        hangups.recv().await;
+        let current = config.read().expect("page config lock").clone();
+        match current.reload() {
+            Ok((new, _)) => {
+                let mut next = (*current).clone();
+                next.jobs = new.jobs;
+                *config.write().expect("page config lock") = Arc::new(next);
+            }
+            // The scheduler logs the refusal; the page keeps the jobs it had, as the beat does.
+            Err(e) => tracing::debug!(error = %e, "status page: reload refused"),
+        }
+    }
+}
+
 /// The report now, or why not (Redis failed or did not answer within [`PAGE_WAIT`]).
 async fn report(page: &Page, now: DateTime<Utc>) -> Result<Status, String> {
-    let config = &page.config;
+    let config = &page.config();
     let read = async {
         let store = page
             .store
@@ -71,12 +103,15 @@ async fn report(page: &Page, now: DateTime<Utc>) -> Result<Status, String> {
 async fn html_page(State(page): State<Page>) -> Response {
     let now = Utc::now();
     let (code, body) = match report(&page, now).await {
-        Ok(status) => (StatusCode::OK, render(&status, &page.config.namespace, now)),
+        Ok(status) => (
+            StatusCode::OK,
+            render(&status, &page.config().namespace, now),
+        ),
         Err(reason) => {
             tracing::warn!(reason = %reason, "status page: no report");
             (
                 StatusCode::SERVICE_UNAVAILABLE,
-                render_error(&reason, &page.config.namespace, now),
+                render_error(&reason, &page.config().namespace, now),
             )
         }
     };

@@ -2,7 +2,8 @@
 //! headless Chromium (Debian `chromium`; `scripts/services chromium` installs it, scripts/test
 //! does first) renders `/` and the test asserts on the DOM it dumps — a row per job, the
 //! leader, PAUSED on the paused job, STALE on the stale one — and on `/api/status`, the
-//! `status --json` document. A stuck Redis makes a 503 with the reason, not a hung page.
+//! `status --json` document; after SIGHUP it shows the reloaded jobs. A stuck Redis makes a
+//! 503 with the reason, not a hung page.
 //!
 //! `DRUMLINE_PAGE_SCREENSHOT=/abs/path.png` also saves the browser's screenshot of the page
 //! there (how docs/status-page.png is made).
@@ -144,10 +145,8 @@ fn api_status(port: u16) -> Option<Value> {
 async fn chromium_renders_every_job_the_leader_paused_and_stale() {
     let env = setup("e2e_page");
     let append = env.append_key_command("effects", 0.0);
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            r#"
+    let body = format!(
+        r#"
 [worker]
 concurrency = 4
 lease = "5s"
@@ -189,9 +188,9 @@ max_retries = 0
 [tasks.slow]
 command = ["/bin/sleep", "10"]
 "#
-        ),
     );
-    let cfg = cfg.to_str().unwrap();
+    let cfg_path = env.config("drumline.toml", &body);
+    let cfg = cfg_path.to_str().unwrap();
     // Paused before the beat starts: none of its instants is ever published.
     let (status, stdout, stderr) = env.run(
         "drumline-beat",
@@ -375,6 +374,27 @@ command = ["/bin/sleep", "10"]
         std::fs::copy(&shot, Path::new(&target)).expect("copy the screenshot");
     }
     let _ = std::fs::remove_file(&shot);
+
+    // SIGHUP: the page follows the reloaded jobs, as the beat does (`cleanup` removed,
+    // `added-later` added).
+    let reloaded = body.replace("name = \"cleanup\"", "name = \"added-later\"");
+    env.config("drumline.toml", &reloaded);
+    beat.signal(libc::SIGHUP);
+    let followed = wait_until(WAIT, || {
+        api_status(port).is_some_and(|s| {
+            let names: Vec<&str> = s["jobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|j| j["job"].as_str())
+                .collect();
+            names.contains(&"added-later") && !names.contains(&"cleanup")
+        })
+    });
+    assert!(followed, "{:?}", http_get(port, "/api/status"));
+    let dom = chromium(&env, &format!("http://{addr}/"), &["--dump-dom"]);
+    assert_eq!(cell(row(&dom, "added-later"), "zone"), "Europe/Berlin");
+    assert!(!dom.contains("data-job=\"cleanup\""), "{dom}");
 
     assert!(beat.terminate(Duration::from_secs(10)).success());
     assert!(worker.terminate(Duration::from_secs(30)).success());
