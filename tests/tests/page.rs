@@ -101,25 +101,9 @@ fn datetime(row: &str, class: &str) -> Option<chrono::DateTime<chrono::FixedOffs
     chrono::DateTime::parse_from_rfc3339(value).ok()
 }
 
-/// One HTTP/1.1 request `method path` on 127.0.0.1:`port`: (status code, head, body). Waits
-/// up to 20 s for the answer (a 503 comes after the page's own 4 s wait).
+/// [`drumline_e2e::http`] with time for a 503 (it comes after the page's own 4 s wait).
 fn http(port: u16, method: &str, path: &str) -> Option<(u16, String, String)> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .ok()?;
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n\
-         Connection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).ok()?;
-    let code = response.split(' ').nth(1)?.parse().ok()?;
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    Some((code, head.to_owned(), body.to_owned()))
+    drumline_e2e::http(port, method, path, Duration::from_secs(20))
 }
 
 /// The value of header `name` in a response head.
