@@ -2,7 +2,7 @@
 //! returns `Ok` or a [`Failure`] that carries the exit code. `main.rs` only parses and dispatches.
 
 use crate::publisher::PublishError;
-use crate::{adhoc, next, operate, scheduler, status};
+use crate::{adhoc, next, operate, page, scheduler, status};
 use chrono::{DateTime, Utc};
 use drumline_shared::config::{Config, Job};
 use drumline_shared::exit::Failure;
@@ -14,7 +14,8 @@ use serde::Serialize;
 use std::net::SocketAddr;
 use std::path::Path;
 
-/// No command: run the beat until SIGTERM or SIGINT, serving metrics on `metrics_addr`.
+/// No command: run the beat until SIGTERM or SIGINT, serving metrics, health and the status
+/// page on `metrics_addr`.
 pub async fn run(config: Config, metrics_addr: Option<SocketAddr>) -> Result<(), Failure> {
     let stats = scheduler::BeatStats::default();
     if let Some(addr) = metrics_addr {
@@ -22,9 +23,11 @@ pub async fn run(config: Config, metrics_addr: Option<SocketAddr>) -> Result<(),
         stats.register(&mut registry);
         let health_stats = stats.clone();
         let health = std::sync::Arc::new(move || health_stats.health());
-        drumline_shared::metrics::serve(addr, registry, health)
+        let page = page::routes(std::sync::Arc::new(config.clone()));
+        drumline_shared::metrics::serve_with(addr, registry, health, page)
             .await
             .map_err(|e| Failure::usage(format!("--metrics-addr {addr}: {e}")))?;
+        tracing::info!(%addr, "serving the status page at / and /api/status");
     }
     let stopping = drumline_shared::signals::shutdown("finishing the batch in hand");
     match scheduler::run(config, stats, stopping).await {

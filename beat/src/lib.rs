@@ -12,6 +12,7 @@
 //! - [`adhoc`]     — `drumline-beat publish`: one ad-hoc task, same envelope and guarantees.
 //! - [`operate`]   — `pause`, `resume`, `trigger`, `backfill`: operating a running schedule.
 //! - [`status`]    — `drumline-beat status`: per-job health from Redis, with a stale warning.
+//! - [`page`]      — the read-only status page (`/`, `/api/status`) on `--metrics-addr`.
 //! - [`commands`]  — the bodies of the binary's commands: output and exit-code-carrying failures.
 //!
 //! Redis is reached only through [`drumline_shared::store::Store`]; schedule math lives in
@@ -23,6 +24,7 @@ pub mod leader;
 pub mod misfire;
 pub mod next;
 pub mod operate;
+pub mod page;
 pub mod progress;
 pub mod publisher;
 pub mod reload;

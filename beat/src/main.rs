@@ -19,7 +19,8 @@ struct Cli {
     /// Log format.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
     log_format: LogFormat,
-    /// Serve Prometheus metrics at /metrics and a health check at /healthz on HOST:PORT.
+    /// Serve Prometheus metrics at /metrics, a health check at /healthz and the status page at
+    /// / (JSON: /api/status) on HOST:PORT.
     #[arg(long)]
     metrics_addr: Option<std::net::SocketAddr>,
     #[command(subcommand)]
@@ -108,11 +109,12 @@ enum Command {
         #[arg(long, default_value_t = drumline_beat::operate::DEFAULT_BACKFILL_MAX)]
         max: usize,
     },
-    /// Per job: schedule, next due, last published, last success/failure, running now, stale.
+    /// Per job: schedule, next due, last published, last success/failure, running now, paused,
+    /// stale.
     Status {
         /// Only this job.
         job: Option<String>,
-        /// Machine-readable output: {leader, jobs: [...]}.
+        /// Machine-readable output: {leader, dead_letters, jobs: [...]}.
         #[arg(long)]
         json: bool,
     },

@@ -2,7 +2,9 @@
 //! success and failure, instances running now, and a stale warning — the answer to "did my job
 //! silently stop running?" (DESIGN §7–8) — plus the dead letters waiting in `{ns}.dead`.
 //! Costs O(jobs), whatever the number of run records (DESIGN §9): Redis through the [`Store`]
-//! in one round trip per batch of jobs, the broker through one passive queue declare.
+//! in one round trip per batch of jobs (plus one `SMEMBERS` of the paused set), the broker
+//! through one passive queue declare. The beat's status page ([`crate::page`]) builds the same
+//! document with [`read_from`].
 
 use chrono::{DateTime, Utc};
 use drumline_shared::config::{Config, Job};
@@ -13,6 +15,7 @@ pub use drumline_shared::store::Leader;
 use drumline_shared::store::{JobHistory, Store, StoreError};
 use drumline_shared::topology;
 use serde::Serialize;
+use std::collections::HashSet;
 use std::time::Duration;
 
 /// How long `status` waits for the broker before showing the dead letters as unknown.
@@ -38,6 +41,8 @@ pub struct JobStatus {
     pub last_failure: Option<String>,
     /// Instances of the job running now.
     pub running: u64,
+    /// Paused (`drumline-beat pause`): the leader publishes none of its instants.
+    pub paused: bool,
     /// No success within two periods (for cron, twice the gap between the two latest
     /// instants), for a job that has been published and has run records that old.
     pub stale: bool,
@@ -84,11 +89,6 @@ pub async fn read(
     now: DateTime<Utc>,
 ) -> Result<Status, StoreError> {
     let names = Names::new(config.namespace.clone());
-    let jobs: Vec<&Job> = match only {
-        Some(job) => vec![job],
-        None => config.jobs.iter().collect(),
-    };
-    let job_names: Vec<&str> = jobs.iter().map(|j| j.name.as_str()).collect();
     let redis = async {
         let store = Store::connect(
             &config.redis_url,
@@ -96,22 +96,77 @@ pub async fn read(
             names.clone(),
         )
         .await?;
-        let leader = store.leader().await?;
-        let histories = store.job_histories(&job_names).await?;
-        Ok::<_, StoreError>((leader, histories))
+        read_redis(&store, config, only).await
     };
     let (redis, dead_letters) = tokio::join!(redis, dead_letters(config, &names));
-    let (leader, histories) = redis?;
-    let jobs = jobs
+    Ok(assemble(config, only, now, redis?, dead_letters))
+}
+
+/// [`read`] through a store already connected (the status page keeps one).
+pub async fn read_from(
+    store: &Store,
+    config: &Config,
+    only: Option<&Job>,
+    now: DateTime<Utc>,
+) -> Result<Status, StoreError> {
+    let names = Names::new(config.namespace.clone());
+    let (redis, dead_letters) = tokio::join!(
+        read_redis(store, config, only),
+        dead_letters(config, &names)
+    );
+    Ok(assemble(config, only, now, redis?, dead_letters))
+}
+
+/// What Redis holds for the report: the leader, the paused set, each job's history.
+type RedisPart = (Option<Leader>, HashSet<String>, Vec<JobHistory>);
+
+/// The jobs of the report: `only`, or every job of the config.
+fn selected<'c>(config: &'c Config, only: Option<&'c Job>) -> Vec<&'c Job> {
+    match only {
+        Some(job) => vec![job],
+        None => config.jobs.iter().collect(),
+    }
+}
+
+/// The Redis reads of a report, sent together: O(jobs) whatever the number of run records.
+async fn read_redis(
+    store: &Store,
+    config: &Config,
+    only: Option<&Job>,
+) -> Result<RedisPart, StoreError> {
+    let job_names: Vec<&str> = selected(config, only)
+        .iter()
+        .map(|j| j.name.as_str())
+        .collect();
+    // Sent together on the one multiplexed connection.
+    tokio::try_join!(
+        store.leader(),
+        store.paused(),
+        store.job_histories(&job_names)
+    )
+}
+
+/// The report, from what Redis and the broker said.
+fn assemble(
+    config: &Config,
+    only: Option<&Job>,
+    now: DateTime<Utc>,
+    (leader, paused, histories): RedisPart,
+    dead_letters: Option<u64>,
+) -> Status {
+    let jobs = selected(config, only)
         .into_iter()
         .zip(histories)
-        .map(|(job, history)| job_status(job, history, now))
+        .map(|(job, history)| {
+            let is_paused = paused.contains(&job.name);
+            job_status(job, history, is_paused, now)
+        })
         .collect();
-    Ok(Status {
+    Status {
         leader,
         dead_letters,
         jobs,
-    })
+    }
 }
 
 /// The number of messages in `{ns}.dead`, or `None` (logged) when the broker cannot say within
@@ -134,7 +189,7 @@ async fn dead_letters(config: &Config, names: &Names) -> Option<u64> {
 }
 
 /// One job's line, from what Redis holds about it.
-fn job_status(job: &Job, history: JobHistory, now: DateTime<Utc>) -> JobStatus {
+fn job_status(job: &Job, history: JobHistory, paused: bool, now: DateTime<Utc>) -> JobStatus {
     let first_seen = history.oldest.and_then(|r| parse_instant(&r.scheduled_for));
     let (last, success) = (history.last_published, history.last_success);
     let from = last.map_or(now, |l| l.max(now));
@@ -147,6 +202,7 @@ fn job_status(job: &Job, history: JobHistory, now: DateTime<Utc>) -> JobStatus {
         last_success: success.map(format_instant),
         last_failure: history.last_failure.map(format_instant),
         running: history.running,
+        paused,
         stale: is_stale(&job.schedule, now, last, success, first_seen),
     }
 }
@@ -182,6 +238,11 @@ pub fn table(status: &Status) -> String {
                 dash(&j.last_success),
                 dash(&j.last_failure),
                 j.running.to_string(),
+                if j.paused {
+                    "PAUSED".into()
+                } else {
+                    "-".into()
+                },
                 if j.stale { "STALE".into() } else { "-".into() },
             ]
         })
@@ -194,6 +255,7 @@ pub fn table(status: &Status) -> String {
         "LAST SUCCESS",
         "LAST FAILURE",
         "RUNNING",
+        "PAUSED",
         "STALE",
     ];
     out.push_str(&drumline_shared::table::render(&headers, &rows));
@@ -217,6 +279,44 @@ mod tests {
             gap: DstGap::Shift,
             fold: DstFold::First,
         }
+    }
+
+    #[test]
+    fn the_table_marks_paused_and_stale_jobs() {
+        let line = |job: &str, paused: bool, stale: bool| JobStatus {
+            job: job.into(),
+            schedule: "every 1s".into(),
+            timezone: "UTC".into(),
+            next_due: None,
+            last_published: None,
+            last_success: None,
+            last_failure: None,
+            running: 0,
+            paused,
+            stale,
+        };
+        let status = Status {
+            leader: None,
+            dead_letters: Some(0),
+            jobs: vec![
+                line("a", false, false),
+                line("b", true, false),
+                line("c", false, true),
+            ],
+        };
+        let text = table(&status);
+        let row = |job: &str| -> Vec<String> {
+            let line = text.lines().find(|l| l.starts_with(job)).unwrap();
+            line.split_whitespace().map(str::to_owned).collect()
+        };
+        let header: Vec<&str> = text.lines().nth(2).unwrap().split_whitespace().collect();
+        assert_eq!(header[header.len() - 3..], ["RUNNING", "PAUSED", "STALE"]);
+        assert_eq!(row("a")[row("a").len() - 2..], ["-", "-"]);
+        assert_eq!(row("b")[row("b").len() - 2..], ["PAUSED", "-"]);
+        assert_eq!(row("c")[row("c").len() - 2..], ["-", "STALE"]);
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["jobs"][1]["paused"], true);
+        assert_eq!(json["jobs"][0]["paused"], false);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! `--metrics-addr HOST:PORT`: Prometheus metrics at `/metrics` and a health check at
 //! `/healthz` (200 `ok` — `standby` on a beat that does not lead — or 503 with the reason), for
-//! both binaries.
+//! both binaries. The beat adds its status page (`/`, `/api/status`) through [`serve_with`].
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -22,11 +22,23 @@ struct Shared {
     health: HealthCheck,
 }
 
-/// Binds `addr` now (so a taken port is reported at start) and serves in the background.
+/// Binds `addr` now (so a taken port is reported at start) and serves `/metrics` and
+/// `/healthz` in the background.
 pub async fn serve(
     addr: SocketAddr,
     registry: Registry,
     health: HealthCheck,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    serve_with(addr, registry, health, Router::new()).await
+}
+
+/// [`serve`], plus the routes of `extra` (the beat's status page); `extra` must not claim
+/// `/metrics` or `/healthz`.
+pub async fn serve_with(
+    addr: SocketAddr,
+    registry: Registry,
+    health: HealthCheck,
+    extra: Router,
 ) -> std::io::Result<tokio::task::JoinHandle<()>> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let shared = Shared {
@@ -36,7 +48,8 @@ pub async fn serve(
     let app = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
-        .with_state(shared);
+        .with_state(shared)
+        .merge(extra);
     tracing::info!(addr = %listener.local_addr()?, "serving /metrics and /healthz");
     Ok(tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {

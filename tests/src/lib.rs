@@ -722,22 +722,26 @@ impl TestEnv {
 
 /// A plain HTTP/1.1 GET on 127.0.0.1:`port`: (status code, body).
 pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    http(port, "GET", path, Duration::from_secs(5)).map(|(code, _, body)| (code, body))
+}
+
+/// One HTTP/1.1 request `method path` (no body) on 127.0.0.1:`port`, waiting up to `wait` for
+/// the whole answer: (status code, head, body).
+pub fn http(port: u16, method: &str, path: &str, wait: Duration) -> Option<(u16, String, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    stream.set_read_timeout(Some(wait)).ok()?;
     write!(
         stream,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n\
+         Connection: close\r\n\r\n"
     )
     .ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
     let status = response.split(' ').nth(1)?.parse().ok()?;
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    Some((status, body))
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    Some((status, head.to_owned(), body.to_owned()))
 }
 
 /// A TCP port nobody listens on right now.

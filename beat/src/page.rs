@@ -1,0 +1,493 @@
+//! The status page on the beat's `--metrics-addr` (DESIGN §9 "Status page"): `/`, the
+//! `status` report as HTML that refreshes itself and needs no JavaScript, and `/api/status`,
+//! the `status --json` document. Read-only: only `GET` (and `HEAD`) routes, nothing written.
+//! Every request builds the report afresh with the code `status` uses ([`status::read_from`]),
+//! within [`PAGE_WAIT`]: a stuck Redis makes a 503 with the reason, never a hung page. On
+//! SIGHUP the page re-reads the config file as the scheduler does and shows the reloaded
+//! `[[jobs]]` (a file that does not load leaves it on the jobs it had; the scheduler logs why).
+
+use crate::status::{self, JobStatus, Status};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use chrono::{DateTime, Utc};
+use drumline_shared::config::Config;
+use drumline_shared::envelope::parse_instant;
+use drumline_shared::names::Names;
+use drumline_shared::signals::Hangups;
+use drumline_shared::store::Store;
+use std::fmt::Write;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use tokio::sync::OnceCell;
+
+/// How long a request waits for the report before answering 503. Longer than `status`' own
+/// wait for the broker (which only leaves the dead letters unknown), so only Redis trips it.
+pub const PAGE_WAIT: Duration = Duration::from_secs(4);
+
+/// The page's `<meta http-equiv="refresh">`, in seconds.
+pub const REFRESH_SECONDS: u32 = 5;
+
+/// What the handlers share: the config (its jobs replaced on SIGHUP) and one Redis
+/// connection, made at the first request (and tried again at the next one if that failed).
+#[derive(Clone)]
+struct Page {
+    config: Arc<RwLock<Arc<Config>>>,
+    store: Arc<OnceCell<Store>>,
+}
+
+impl Page {
+    /// The config now (never held across an await).
+    fn config(&self) -> Arc<Config> {
+        self.config.read().expect("page config lock").clone()
+    }
+}
+
+/// The routes `/` and `/api/status` for `config`, to hand to
+/// [`drumline_shared::metrics::serve_with`]; starts following SIGHUP (call it inside the
+/// runtime).
+pub fn routes(config: Arc<Config>) -> Router {
+    let page = Page {
+        config: Arc::new(RwLock::new(config)),
+        store: Arc::new(OnceCell::new()),
+    };
+    tokio::spawn(follow_reloads(page.config.clone()));
+    Router::new()
+        .route("/", get(html_page))
+        .route("/api/status", get(api_status))
+        .with_state(page)
+}
+
+/// On each SIGHUP, the jobs of the re-read config file. Only `[[jobs]]`: the rest (namespace,
+/// Redis, broker) takes a restart of the beat, so the page keeps what it started with, as the
+/// scheduler's connections do.
+async fn follow_reloads(config: Arc<RwLock<Arc<Config>>>) {
+    let mut hangups = Hangups::new();
+    loop {
+        hangups.recv().await;
+        let current = config.read().expect("page config lock").clone();
+        match current.reload() {
+            Ok((new, _)) => {
+                let mut next = (*current).clone();
+                next.jobs = new.jobs;
+                *config.write().expect("page config lock") = Arc::new(next);
+            }
+            // The scheduler logs the refusal; the page keeps the jobs it had, as the beat does.
+            Err(e) => tracing::debug!(error = %e, "status page: reload refused"),
+        }
+    }
+}
+
+/// The report now, or why not (Redis failed or did not answer within [`PAGE_WAIT`]).
+async fn report(page: &Page, now: DateTime<Utc>) -> Result<Status, String> {
+    let config = &page.config();
+    let read = async {
+        let store = page
+            .store
+            .get_or_try_init(|| {
+                let names = Names::new(config.namespace.clone());
+                Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names)
+            })
+            .await?;
+        status::read_from(store, config, None, now).await
+    };
+    match tokio::time::timeout(PAGE_WAIT, read).await {
+        Ok(Ok(status)) => Ok(status),
+        Ok(Err(e)) => Err(format!("redis: {e}")),
+        Err(_) => Err(format!("redis: no answer within {} s", PAGE_WAIT.as_secs())),
+    }
+}
+
+async fn html_page(State(page): State<Page>) -> Response {
+    let now = Utc::now();
+    let (code, body) = match report(&page, now).await {
+        Ok(status) => (
+            StatusCode::OK,
+            render(&status, &page.config().namespace, now),
+        ),
+        Err(reason) => {
+            tracing::warn!(reason = %reason, "status page: no report");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                render_error(&reason, &page.config().namespace, now),
+            )
+        }
+    };
+    (
+        code,
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        body,
+    )
+        .into_response()
+}
+
+async fn api_status(State(page): State<Page>) -> Response {
+    let (code, body) = match report(&page, Utc::now()).await {
+        Ok(status) => (
+            StatusCode::OK,
+            serde_json::to_string_pretty(&status).expect("serialisable"),
+        ),
+        Err(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({ "error": reason }).to_string(),
+        ),
+    };
+    (code, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// `text` with the five characters that mean something in HTML escaped, for element content
+/// and quoted attribute values alike.
+pub fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+const STYLE: &str = "body{font-family:system-ui,sans-serif;font-size:14px;margin:1.2em;color:#222}\
+h1{font-size:1.3em;margin:0 0 .3em}\
+p{margin:.15em 0}\
+table{border-collapse:collapse;margin-top:.8em}\
+th,td{border-bottom:1px solid #ddd;padding:.3em .45em;text-align:left;white-space:nowrap}\
+th{background:#f3f3f3}\
+td.num{text-align:right}\
+.ago{color:#777;font-size:.85em}\
+.none{color:#999}\
+.warn{color:#a00;font-weight:bold}\
+span.flag{font-weight:bold}\
+span.flag.paused{color:#a60}\
+span.flag.stale{color:#a00}\
+tr.stale td{background:#fdecea}\
+tr.paused td{background:#fff6e0}\
+footer{margin-top:1em;color:#777;font-size:.85em}";
+
+/// The page's head and heading, down to the opening of the body's content.
+fn open(out: &mut String, namespace: &str, now: DateTime<Utc>) {
+    let ns = escape(namespace);
+    let _ = write!(
+        out,
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n\
+         <meta http-equiv=\"refresh\" content=\"{REFRESH_SECONDS}\">\n\
+         <title>drumline status · {ns}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n\
+         <h1>drumline status · namespace <code>{ns}</code></h1>\n\
+         <p id=\"generated\">As of <time datetime=\"{t}\">{t}</time>; times in UTC.</p>\n",
+        t = escape(&drumline_shared::envelope::format_instant(now)),
+    );
+}
+
+/// The footer and the end of the document.
+fn close(out: &mut String) {
+    let _ = write!(
+        out,
+        "<footer>Read-only; refreshes every {REFRESH_SECONDS} s. \
+         The same report as JSON: <a href=\"/api/status\">/api/status</a>; \
+         metrics: <a href=\"/metrics\">/metrics</a>.</footer>\n</body>\n</html>\n"
+    );
+}
+
+/// How far `then` is from `now`, short: "12 s ago", "3 min ago", "2 h ago", "4 d ago", and
+/// "in 5 s" for the future (rounded up, so a due instant is never "0 s ago" before it comes).
+fn ago(then: DateTime<Utc>, now: DateTime<Utc>) -> String {
+    let ms = (now - then).num_milliseconds();
+    let secs = if ms < 0 {
+        (-ms + 999) / 1000
+    } else {
+        ms / 1000
+    }
+    .unsigned_abs();
+    let (n, unit) = match secs {
+        s if s < 120 => (s, "s"),
+        s if s < 2 * 3600 => (s / 60, "min"),
+        s if s < 2 * 86_400 => (s / 3600, "h"),
+        s => (s / 86_400, "d"),
+    };
+    if ms < 0 {
+        format!("in {n} {unit}")
+    } else {
+        format!("{n} {unit} ago")
+    }
+}
+
+/// An instant as shown: the time of day when it falls on `now`'s UTC date, else date and time
+/// (to the second; the full RFC 3339 text is in the `<time>` element's `datetime`).
+fn short(then: DateTime<Utc>, now: DateTime<Utc>) -> String {
+    if then.date_naive() == now.date_naive() {
+        then.format("%H:%M:%S").to_string()
+    } else {
+        then.format("%Y-%m-%d %H:%M:%S").to_string()
+    }
+}
+
+/// A `<time>` element for `text` (RFC 3339, as in the JSON) and how far from now it is.
+fn instant(text: &str, now: DateTime<Utc>) -> String {
+    let full = escape(text);
+    match parse_instant(text) {
+        Some(t) => format!(
+            "<time datetime=\"{full}\" title=\"{full}\">{}</time> <span class=\"ago\">({})</span>",
+            short(t, now),
+            ago(t, now)
+        ),
+        None => format!("<time>{full}</time>"),
+    }
+}
+
+/// A cell holding an instant, or a dash.
+fn instant_cell(class: &str, value: &Option<String>, now: DateTime<Utc>) -> String {
+    match value {
+        None => format!("<td class=\"{class}\"><span class=\"none\">–</span></td>"),
+        Some(text) => format!("<td class=\"{class}\">{}</td>", instant(text, now)),
+    }
+}
+
+/// One job's row.
+fn row(job: &JobStatus, now: DateTime<Utc>) -> String {
+    let mut classes = Vec::new();
+    if job.paused {
+        classes.push("paused");
+    }
+    if job.stale {
+        classes.push("stale");
+    }
+    let marker = |on: bool, class: &str, text: &str| {
+        if on {
+            format!("<td class=\"{class}\"><span class=\"flag {class}\">{text}</span></td>")
+        } else {
+            format!("<td class=\"{class}\"></td>")
+        }
+    };
+    let name = escape(&job.job);
+    format!(
+        "<tr class=\"job {classes}\" data-job=\"{name}\">\
+         <td class=\"name\">{name}</td>\
+         <td class=\"schedule\">{schedule}</td>\
+         <td class=\"zone\">{zone}</td>\
+         {next}{published}{success}{failure}\
+         <td class=\"running num\">{running}</td>\
+         {paused}{stale}</tr>\n",
+        classes = classes.join(" "),
+        schedule = escape(&job.schedule),
+        zone = escape(&job.timezone),
+        next = instant_cell("next-due", &job.next_due, now),
+        published = instant_cell("last-published", &job.last_published, now),
+        success = instant_cell("last-success", &job.last_success, now),
+        failure = instant_cell("last-failure", &job.last_failure, now),
+        running = job.running,
+        paused = marker(job.paused, "paused", "PAUSED"),
+        stale = marker(job.stale, "stale", "STALE"),
+    )
+}
+
+/// The status page for `status` of `namespace`, as of `now`: pure, so the tests can read it.
+pub fn render(status: &Status, namespace: &str, now: DateTime<Utc>) -> String {
+    let mut out = String::with_capacity(2048 + 512 * status.jobs.len());
+    open(&mut out, namespace, now);
+    match &status.leader {
+        Some(l) => {
+            let _ = writeln!(
+                out,
+                "<p id=\"leader\">Leader: <span class=\"host\">{host}</span> \
+                 pid <span class=\"pid\">{pid}</span>, \
+                 epoch <span class=\"epoch\">{epoch}</span>, since {since}</p>",
+                host = escape(&l.host),
+                pid = l.pid,
+                epoch = l.epoch,
+                since = instant(&l.since, now),
+            );
+        }
+        None => out.push_str(
+            "<p id=\"leader\" class=\"warn\">No leader: no beat holds the leader lease; \
+             nothing is being published.</p>\n",
+        ),
+    }
+    match status.dead_letters {
+        Some(0) => out.push_str("<p id=\"dead-letters\">Dead letters: 0</p>\n"),
+        Some(n) => {
+            let _ = writeln!(
+                out,
+                "<p id=\"dead-letters\" class=\"warn\">Dead letters: {n}</p>"
+            );
+        }
+        None => out.push_str(
+            "<p id=\"dead-letters\" class=\"warn\">Dead letters: unknown (the broker did \
+             not answer)</p>\n",
+        ),
+    }
+    out.push_str(
+        "<table id=\"jobs\">\n<thead><tr><th>Job</th><th>Schedule</th><th>Zone</th>\
+         <th>Next due</th><th>Last published</th><th>Last success</th><th>Last failure</th>\
+         <th>Running</th><th>Paused</th><th>Stale</th></tr></thead>\n<tbody>\n",
+    );
+    if status.jobs.is_empty() {
+        out.push_str("<tr><td colspan=\"10\" class=\"none\">No jobs in the config.</td></tr>\n");
+    }
+    for job in &status.jobs {
+        out.push_str(&row(job, now));
+    }
+    out.push_str("</tbody>\n</table>\n");
+    close(&mut out);
+    out
+}
+
+/// The page shown (with a 503) when there is no report: the reason, and the same refresh, so
+/// it recovers by itself once Redis answers.
+pub fn render_error(reason: &str, namespace: &str, now: DateTime<Utc>) -> String {
+    let mut out = String::new();
+    open(&mut out, namespace, now);
+    let _ = writeln!(
+        out,
+        "<p id=\"error\" class=\"warn\">No status: {}</p>",
+        escape(reason)
+    );
+    close(&mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+    use drumline_shared::store::Leader;
+
+    fn now() -> DateTime<Utc> {
+        Utc.with_ymd_and_hms(2026, 11, 30, 12, 0, 0).unwrap()
+    }
+
+    fn job(name: &str) -> JobStatus {
+        JobStatus {
+            job: name.into(),
+            schedule: "every 1m".into(),
+            timezone: "UTC".into(),
+            next_due: Some("2026-11-30T12:01:00Z".into()),
+            last_published: Some("2026-11-30T12:00:00Z".into()),
+            last_success: Some("2026-11-30T11:59:58.500Z".into()),
+            last_failure: None,
+            running: 2,
+            paused: false,
+            stale: false,
+        }
+    }
+
+    fn status() -> Status {
+        let mut paused = job("reports");
+        paused.paused = true;
+        let mut stale = job("sync");
+        stale.stale = true;
+        stale.schedule = "0 3 * * *".into();
+        stale.timezone = "Europe/Berlin".into();
+        Status {
+            leader: Some(Leader {
+                host: "beat-1".into(),
+                pid: 4242,
+                epoch: 7,
+                since: "2026-11-30T11:00:00Z".into(),
+            }),
+            dead_letters: Some(3),
+            jobs: vec![job("heartbeat"), paused, stale],
+        }
+    }
+
+    fn row_of<'p>(page: &'p str, name: &str) -> &'p str {
+        let start = page
+            .find(&format!("data-job=\"{name}\""))
+            .unwrap_or_else(|| panic!("no row for {name}: {page}"));
+        let end = page[start..].find("</tr>").unwrap();
+        &page[start..start + end]
+    }
+
+    #[test]
+    fn a_row_per_job_with_its_markers() {
+        let page = render(&status(), "prod", now());
+        assert!(page.starts_with("<!DOCTYPE html>"));
+        assert!(page.contains("<meta http-equiv=\"refresh\" content=\"5\">"));
+        assert!(!page.contains("<script"), "no JavaScript needed");
+        assert_eq!(page.matches("<tr class=\"job").count(), 3);
+        let heartbeat = row_of(&page, "heartbeat");
+        assert!(!heartbeat.contains("PAUSED") && !heartbeat.contains("STALE"));
+        assert!(heartbeat.contains("<td class=\"running num\">2</td>"));
+        assert!(heartbeat.contains(
+            "<time datetime=\"2026-11-30T11:59:58.500Z\" title=\"2026-11-30T11:59:58.500Z\">\
+             11:59:58</time> <span class=\"ago\">(1 s ago)"
+        ));
+        assert!(heartbeat.contains("in 60 s"), "next due: {heartbeat}");
+        let reports = row_of(&page, "reports");
+        assert!(reports.contains(">PAUSED<") && !reports.contains("STALE"));
+        let sync = row_of(&page, "sync");
+        assert!(sync.contains(">STALE<") && !sync.contains("PAUSED"));
+        assert!(sync.contains("<td class=\"zone\">Europe/Berlin</td>"));
+        // In config order.
+        let at = |n: &str| page.find(&format!("data-job=\"{n}\"")).unwrap();
+        assert!(at("heartbeat") < at("reports") && at("reports") < at("sync"));
+    }
+
+    #[test]
+    fn leader_and_dead_letters() {
+        let page = render(&status(), "prod", now());
+        assert!(
+            page.contains("<span class=\"host\">beat-1</span>"),
+            "{page}"
+        );
+        assert!(page.contains("pid <span class=\"pid\">4242</span>"));
+        assert!(page.contains("epoch <span class=\"epoch\">7</span>"));
+        assert!(page.contains("(60 min ago)"));
+        assert!(page.contains("<p id=\"dead-letters\" class=\"warn\">Dead letters: 3</p>"));
+
+        let mut none = status();
+        none.leader = None;
+        none.dead_letters = None;
+        let page = render(&none, "prod", now());
+        assert!(page.contains("No leader"));
+        assert!(page.contains("Dead letters: unknown"));
+    }
+
+    #[test]
+    fn everything_shown_is_escaped() {
+        let mut hostile = status();
+        hostile.leader.as_mut().unwrap().host = "<script>alert(1)</script>".into();
+        hostile.jobs[0].job = "a\"b<c>&'".into();
+        hostile.jobs[0].schedule = "<b>".into();
+        hostile.jobs[0].last_failure = Some("\"><img src=x>".into());
+        let page = render(&hostile, "ns<&>", now());
+        assert!(!page.contains("<script>") && !page.contains("<img") && !page.contains("<b>"));
+        assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
+        assert!(page.contains("data-job=\"a&quot;b&lt;c&gt;&amp;&#39;\""));
+        assert!(page.contains("ns&lt;&amp;&gt;"));
+        let error = render_error("redis: <refused> & \"gone\"", "ns", now());
+        assert!(error.contains("redis: &lt;refused&gt; &amp; &quot;gone&quot;"));
+        assert!(error.contains("http-equiv=\"refresh\""));
+    }
+
+    #[test]
+    fn no_jobs() {
+        let mut empty = status();
+        empty.jobs.clear();
+        let page = render(&empty, "prod", now());
+        assert!(page.contains("No jobs in the config."));
+    }
+
+    #[test]
+    fn ages() {
+        let t = now();
+        assert_eq!(ago(t - chrono::TimeDelta::seconds(5), t), "5 s ago");
+        assert_eq!(ago(t - chrono::TimeDelta::minutes(5), t), "5 min ago");
+        assert_eq!(ago(t - chrono::TimeDelta::hours(5), t), "5 h ago");
+        assert_eq!(ago(t - chrono::TimeDelta::days(5), t), "5 d ago");
+        assert_eq!(ago(t + chrono::TimeDelta::seconds(30), t), "in 30 s");
+        assert_eq!(ago(t + chrono::TimeDelta::milliseconds(200), t), "in 1 s");
+        assert_eq!(ago(t - chrono::TimeDelta::milliseconds(200), t), "0 s ago");
+        assert_eq!(short(t - chrono::TimeDelta::seconds(5), t), "11:59:55");
+        assert_eq!(
+            short(t + chrono::TimeDelta::hours(15), t),
+            "2026-12-01 03:00:00"
+        );
+    }
+}

@@ -1,0 +1,432 @@
+//! The beat's read-only status page (DESIGN §9 "Status page"), loaded in a real browser:
+//! headless Chromium (Debian `chromium`; `scripts/services chromium` installs it, scripts/test
+//! does first) renders `/` and the test asserts on the DOM it dumps — a row per job, the
+//! leader, PAUSED on the paused job, STALE on the stale one — and on `/api/status`, the
+//! `status --json` document; after SIGHUP it shows the reloaded jobs. A stuck Redis makes a
+//! 503 with the reason, not a hung page.
+//!
+//! `DRUMLINE_PAGE_SCREENSHOT=/abs/path.png` also saves the browser's screenshot of the page
+//! there (how docs/status-page.png is made).
+
+use drumline_e2e::{http_get, setup, toml_string, unused_port, wait_until, TestEnv};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Chromium's private profile directory, removed when the test ends (it holds a few MB).
+struct Profile(PathBuf);
+
+impl Drop for Profile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs headless Chromium on `url` with `extra` arguments (`--dump-dom`, `--screenshot=…`)
+/// and a private profile in the test's directory; returns its stdout. Chromium runs as root
+/// here, which needs `--no-sandbox`.
+fn chromium(env: &TestEnv, url: &str, extra: &[&str]) -> String {
+    let profile = Profile(env.path("chromium-profile"));
+    let mut child = Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+        ])
+        .arg(format!("--user-data-dir={}", profile.0.display()))
+        .args(extra)
+        .arg(url)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("chromium: {e}: install it with `scripts/services chromium`"));
+    let stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || std::io::read_to_string(stdout).unwrap_or_default());
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("chromium did not finish within {WAIT:?} on {url}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "chromium exited with {status} on {url}");
+    reader.join().unwrap()
+}
+
+/// The rendered `<tr>` of `job` in the dumped DOM.
+fn row<'d>(dom: &'d str, job: &str) -> &'d str {
+    let start = dom
+        .find(&format!("data-job=\"{job}\""))
+        .unwrap_or_else(|| panic!("no row for {job} in\n{dom}"));
+    let end = dom[start..].find("</tr>").expect("row end");
+    &dom[start..start + end]
+}
+
+/// The text of the first `<td class="{class}…">` of a row (tags inside stripped).
+fn cell(row: &str, class: &str) -> String {
+    let start = row
+        .find(&format!("<td class=\"{class}"))
+        .unwrap_or_else(|| panic!("no {class} cell in {row}"));
+    let body = &row[start..];
+    let body = &body[body.find('>').unwrap() + 1..body.find("</td>").unwrap()];
+    let mut text = String::new();
+    let mut in_tag = false;
+    for c in body.chars() {
+        match c {
+            '<' => in_tag = true,
+            '>' => in_tag = false,
+            c if !in_tag => text.push(c),
+            _ => {}
+        }
+    }
+    text.trim().to_owned()
+}
+
+/// The `datetime` of the `<time>` in the `<td class="{class}…">` of a row, if it holds one.
+fn datetime(row: &str, class: &str) -> Option<chrono::DateTime<chrono::FixedOffset>> {
+    let start = row.find(&format!("<td class=\"{class}"))?;
+    let cell = &row[start..start + row[start..].find("</td>")?];
+    let value = cell.split("datetime=\"").nth(1)?.split('"').next()?;
+    chrono::DateTime::parse_from_rfc3339(value).ok()
+}
+
+/// [`drumline_e2e::http`] with time for a 503 (it comes after the page's own 4 s wait).
+fn http(port: u16, method: &str, path: &str) -> Option<(u16, String, String)> {
+    drumline_e2e::http(port, method, path, Duration::from_secs(20))
+}
+
+/// The value of header `name` in a response head.
+fn header(head: &str, name: &str) -> String {
+    head.lines()
+        .find_map(|l| {
+            let (key, value) = l.split_once(':')?;
+            key.eq_ignore_ascii_case(name)
+                .then(|| value.trim().to_owned())
+        })
+        .unwrap_or_default()
+}
+
+/// `/api/status` parsed, when it answers 200.
+fn api_status(port: u16) -> Option<Value> {
+    match http_get(port, "/api/status")? {
+        (200, body) => serde_json::from_str(&body).ok(),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chromium_renders_every_job_the_leader_paused_and_stale() {
+    let env = setup("e2e_page");
+    let append = env.append_key_command("effects", 0.0);
+    let body = format!(
+        r#"
+[worker]
+concurrency = 4
+lease = "5s"
+
+[[jobs]]
+name = "heartbeat"
+task = "append"
+every = "2s"
+
+[[jobs]]
+name = "nightly-report"
+task = "append"
+every = "1s"
+
+[[jobs]]
+name = "sync-invoices"
+task = "broken"
+every = "1s"
+
+[[jobs]]
+name = "rollup"
+task = "slow"
+every = "3s"
+overlap = "allow"
+
+[[jobs]]
+name = "cleanup"
+task = "append"
+cron = "0 3 * * *"
+timezone = "Europe/Berlin"
+
+[tasks.append]
+command = {append}
+
+[tasks.broken]
+command = ["/bin/false"]
+max_retries = 0
+
+[tasks.slow]
+command = ["/bin/sleep", "10"]
+"#
+    );
+    let cfg_path = env.config("drumline.toml", &body);
+    let cfg = cfg_path.to_str().unwrap();
+    // Paused before the beat starts: none of its instants is ever published.
+    let (status, stdout, stderr) = env.run(
+        "drumline-beat",
+        &["--config", cfg, "pause", "nightly-report"],
+    );
+    assert!(status.success(), "{stderr}");
+    assert!(stdout.contains("paused 1 job"), "{stdout}");
+
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    let port = unused_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut beat = env.beat("beat", &["--config", cfg, "--metrics-addr", &addr]);
+
+    // `heartbeat` succeeds, `rollup` runs (10 s per instance), `sync-invoices` never succeeds
+    // and turns stale two periods after its first run.
+    let ready = wait_until(WAIT, || {
+        api_status(port).is_some_and(|s| {
+            let jobs = &s["jobs"];
+            s["leader"]["pid"] == beat.pid()
+                && jobs[0]["last_success"].is_string()
+                && jobs[3]["running"].as_u64() >= Some(1)
+                && jobs[2]["stale"] == true
+                && jobs[2]["last_failure"].is_string()
+        })
+    });
+    assert!(
+        ready,
+        "{:?}\n{}\n{}",
+        http_get(port, "/api/status"),
+        beat.log_tail(20),
+        worker.log_tail(20)
+    );
+
+    // /api/status is the status document: the same jobs, fields and flags as `status --json`.
+    let api = api_status(port).unwrap();
+    let (status, stdout, stderr) = env.run("drumline-beat", &["--config", cfg, "status", "--json"]);
+    assert!(status.success(), "{stderr}");
+    let cli: Value = serde_json::from_str(&stdout).unwrap();
+    let shape = |doc: &Value| -> Vec<(String, Vec<String>, bool)> {
+        doc["jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|j| {
+                let mut keys: Vec<String> = j.as_object().unwrap().keys().cloned().collect();
+                keys.sort();
+                (
+                    j["job"].as_str().unwrap().to_owned(),
+                    keys,
+                    j["paused"] == true,
+                )
+            })
+            .collect()
+    };
+    assert_eq!(shape(&api), shape(&cli), "{api}\n{cli}");
+    assert_eq!(api["leader"], cli["leader"]);
+    assert!(api["dead_letters"].as_u64() >= Some(1), "{api}");
+    let flags: Vec<(bool, bool)> = api["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| {
+            (
+                j["paused"].as_bool().unwrap(),
+                j["stale"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        flags,
+        [
+            (false, false),
+            (true, false),
+            (false, true),
+            (false, false),
+            (false, false)
+        ],
+        "{api}"
+    );
+    let (code, head, _) = http(port, "HEAD", "/api/status").unwrap();
+    assert_eq!(code, 200);
+    assert_eq!(header(&head, "content-type"), "application/json", "{head}");
+    let (code, head, _) = http(port, "HEAD", "/").unwrap();
+    assert_eq!(code, 200);
+    assert_eq!(
+        header(&head, "content-type"),
+        "text/html; charset=utf-8",
+        "{head}"
+    );
+
+    // The page as a browser renders it.
+    let dom = chromium(&env, &format!("http://{addr}/"), &["--dump-dom"]);
+    assert!(
+        dom.contains("<meta http-equiv=\"refresh\" content=\"5\">"),
+        "{dom}"
+    );
+    assert_eq!(dom.matches("<tr class=\"job").count(), 5, "{dom}");
+    for name in [
+        "heartbeat",
+        "nightly-report",
+        "sync-invoices",
+        "rollup",
+        "cleanup",
+    ] {
+        assert_eq!(cell(row(&dom, name), "name"), name);
+    }
+    let leader = dom
+        .split("<p id=\"leader\">")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no leader in {dom}"));
+    assert!(
+        leader.contains(&format!("pid <span class=\"pid\">{}</span>", beat.pid())),
+        "{leader}"
+    );
+    assert!(
+        leader.contains(&format!(
+            "<span class=\"host\">{}</span>",
+            api["leader"]["host"].as_str().unwrap()
+        )),
+        "{leader}"
+    );
+    let nightly = row(&dom, "nightly-report");
+    assert_eq!(cell(nightly, "paused"), "PAUSED", "{nightly}");
+    assert_eq!(cell(nightly, "stale"), "", "{nightly}");
+    assert_eq!(cell(nightly, "last-success"), "–", "{nightly}");
+    let sync = row(&dom, "sync-invoices");
+    assert_eq!(cell(sync, "stale"), "STALE", "{sync}");
+    assert_eq!(cell(sync, "paused"), "", "{sync}");
+    assert!(datetime(sync, "last-failure").is_some(), "{sync}");
+    let heartbeat = row(&dom, "heartbeat");
+    assert_eq!(
+        (cell(heartbeat, "paused"), cell(heartbeat, "stale")),
+        (String::new(), String::new())
+    );
+    assert_eq!(cell(heartbeat, "schedule"), "every 2s");
+    assert!(datetime(heartbeat, "last-success").is_some(), "{heartbeat}");
+    assert!(datetime(heartbeat, "next-due").is_some(), "{heartbeat}");
+    let rollup = row(&dom, "rollup");
+    assert!(
+        cell(rollup, "running").parse::<u64>().unwrap() >= 1,
+        "{rollup}"
+    );
+    assert_eq!(cell(row(&dom, "cleanup"), "zone"), "Europe/Berlin");
+    let dead = dom
+        .split("<p id=\"dead-letters\"")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no dead letters in {dom}"));
+    assert!(dead.contains("Dead letters: "), "{dead}");
+
+    // Read-only: no method but GET (and HEAD) is served, and nothing changed.
+    for path in ["/", "/api/status"] {
+        for method in ["POST", "PUT", "DELETE"] {
+            let (code, _, _) = http(port, method, path).unwrap();
+            assert_eq!(code, 405, "{method} {path}");
+        }
+    }
+    let after = api_status(port).unwrap();
+    assert_eq!(after["jobs"][1]["paused"], true, "{after}");
+    // The paused job never ran.
+    assert!(
+        !env.lines("effects")
+            .iter()
+            .any(|k| k.starts_with("nightly-report@")),
+        "{:?}",
+        env.lines("effects")
+    );
+
+    // A screenshot taken the same way is a PNG.
+    let shot = env.path("status-page.png");
+    chromium(
+        &env,
+        &format!("http://{addr}/"),
+        &[
+            &format!("--screenshot={}", shot.display()),
+            "--window-size=1200,600",
+        ],
+    );
+    let png = std::fs::read(&shot).expect("screenshot written");
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    if let Ok(target) = std::env::var("DRUMLINE_PAGE_SCREENSHOT") {
+        std::fs::copy(&shot, Path::new(&target)).expect("copy the screenshot");
+    }
+    let _ = std::fs::remove_file(&shot);
+
+    // SIGHUP: the page follows the reloaded jobs, as the beat does (`cleanup` removed,
+    // `added-later` added).
+    let reloaded = body.replace("name = \"cleanup\"", "name = \"added-later\"");
+    env.config("drumline.toml", &reloaded);
+    beat.signal(libc::SIGHUP);
+    let followed = wait_until(WAIT, || {
+        api_status(port).is_some_and(|s| {
+            let names: Vec<&str> = s["jobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|j| j["job"].as_str())
+                .collect();
+            names.contains(&"added-later") && !names.contains(&"cleanup")
+        })
+    });
+    assert!(followed, "{:?}", http_get(port, "/api/status"));
+    let dom = chromium(&env, &format!("http://{addr}/"), &["--dump-dom"]);
+    assert_eq!(cell(row(&dom, "added-later"), "zone"), "Europe/Berlin");
+    assert!(!dom.contains("data-job=\"cleanup\""), "{dom}");
+
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(30)).success());
+}
+
+/// Redis accepts the connection and never answers (a listener nobody reads): the page and
+/// `/api/status` answer 503 with the reason within the page's wait, and the HTML one still
+/// refreshes itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stuck_redis_makes_a_503_with_the_reason_not_a_hung_page() {
+    let env = setup("e2e_page_stuck");
+    let stuck = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let redis_port = stuck.local_addr().unwrap().port();
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[redis]\nurl = {}\n[[jobs]]\nname = \"heartbeat\"\ntask = \"append\"\nevery = \"1s\"\n\
+             [tasks.append]\ncommand = {}\n",
+            toml_string(&format!("redis://127.0.0.1:{redis_port}/0")),
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let port = unused_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut beat = env.beat(
+        "beat",
+        &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
+    );
+    assert!(
+        wait_until(WAIT, || http_get(port, "/healthz").is_some()),
+        "{}",
+        beat.log_tail(20)
+    );
+    for path in ["/", "/api/status"] {
+        let started = Instant::now();
+        let (code, head, body) = http(port, "GET", path).expect("an answer");
+        let took = started.elapsed();
+        assert_eq!(code, 503, "{path}: {body}");
+        assert!(body.contains("redis"), "{path}: {body}");
+        assert!(took < Duration::from_secs(8), "{path} took {took:?}");
+        if path == "/" {
+            assert_eq!(header(&head, "content-type"), "text/html; charset=utf-8");
+            assert!(body.contains("http-equiv=\"refresh\""), "{body}");
+        } else {
+            let error: Value = serde_json::from_str(&body).unwrap();
+            assert!(error["error"].is_string(), "{body}");
+        }
+    }
+    drop(stuck);
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+}
