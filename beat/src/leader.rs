@@ -245,9 +245,12 @@ async fn keep(
         let reply = tokio::time::timeout_at(answer_by, store.lead(&who, lease, mode)).await;
         let pause = match reply {
             Ok(Ok(reply)) => {
-                let rtt = sent.elapsed();
-                let midpoint = local + TimeDelta::from_std(rtt / 2).unwrap_or_default();
-                let skew = reply.redis_time - midpoint;
+                // Against the reply's arrival, the latest local instant the reading can stand
+                // for: the skew is then never overestimated, so the cap at Redis `TIME` +
+                // threshold never lets a clock that runs ahead publish early, however the
+                // round trip splits.
+                let received = local + TimeDelta::from_std(sent.elapsed()).unwrap_or_default();
+                let skew = reply.redis_time - received;
                 clock_off = warn_clock(skew, threshold, clock_off);
                 report(leading, reply.outcome, &stats);
                 tx.send_modify(|lead| {

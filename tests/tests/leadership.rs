@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 const WAIT: Duration = Duration::from_secs(60);
 const IS_LEADER: &str = "drumline_beat_is_leader";
 const LEADER_EPOCH: &str = "drumline_beat_leader_epoch";
-const PUBLISHED: &str = "drumline_beat_published_total";
+const PUBLISHED: &str = r#"drumline_beat_published_total{job="tick"}"#;
 
 /// A 1 s `catch_up` job whose task appends its key to `effects`; `beat` is the `[beat]` body.
 fn config(env: &TestEnv, beat: &str) -> String {
