@@ -179,6 +179,8 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<BeatStats, PublishError> {
     tokio::pin!(shutdown);
+    // Listen for SIGHUP from the start: its default action would end the process.
+    let mut hangups = Hangups::new();
     let mut config = Arc::new(config);
     let store = tokio::select! {
         s = connect_redis(&config) => s,
@@ -190,8 +192,7 @@ pub async fn run(
     let served = serve(
         &mut config,
         &store,
-        &mut publisher,
-        &mut leadership,
+        (&mut publisher, &mut leadership, &mut hangups),
         &stats,
         &mut shutdown,
     )
@@ -231,13 +232,11 @@ enum Next {
 async fn serve<F: Future<Output = ()>>(
     config: &mut Arc<Config>,
     store: &Store,
-    publisher: &mut Publisher,
-    leadership: &mut Leadership,
+    (publisher, leadership, hangups): (&mut Publisher, &mut Leadership, &mut Hangups),
     stats: &BeatStats,
     shutdown: &mut Pin<&mut F>,
 ) -> Result<(), PublishError> {
     connect_broker(config, publisher).await?;
-    let mut hangups = Hangups::new();
     loop {
         let mut term = loop {
             tokio::select! {
@@ -255,7 +254,13 @@ async fn serve<F: Future<Output = ()>>(
             return Ok(());
         };
         let ended = beat
-            .lead(store, publisher, stats, (&mut term, &mut hangups), shutdown)
+            .lead(
+                store,
+                publisher,
+                stats,
+                (&mut term, &mut *hangups),
+                shutdown,
+            )
             .await?;
         *config = beat.config.clone();
         match ended {

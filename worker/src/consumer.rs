@@ -106,6 +106,8 @@ async fn work(
     stats: Arc<Stats>,
     stop: CancellationToken,
 ) -> Result<Arc<Stats>, WorkerError> {
+    // Listen for SIGHUP from the start (when reloading): its default action ends the process.
+    let reload = reload.map(|r| (r, Hangups::new()));
     let names = Names::new(config.namespace.clone());
     let worker_id = worker_id();
     info!(worker = %worker_id, namespace = %config.namespace, queues = ?config.worker.queues,
@@ -131,7 +133,8 @@ async fn work(
     });
     let probe = tokio::spawn(probe_redis(store, processor.gate.clone(), stats.clone()));
     let current = Arc::new(Current(RwLock::new(processor.clone())));
-    let reloads = reload.map(|r| tokio::spawn(reload_on_hangup(current.clone(), r)));
+    let reloads =
+        reload.map(|(r, hangups)| tokio::spawn(reload_on_hangup(current.clone(), r, hangups)));
 
     let mut in_flight = JoinSet::new();
     let dispatch = Dispatch {
@@ -185,8 +188,7 @@ pub struct Reload {
 /// SIGHUP: re-reads the config file; its `[tasks.*]` and `[[jobs]]` apply to the deliveries
 /// that follow (in-flight runs are untouched). A file that does not load, or names a task with
 /// no command and no handler, is refused and the running config stays.
-async fn reload_on_hangup(current: Arc<Current>, mut reload: Reload) {
-    let mut hangups = Hangups::new();
+async fn reload_on_hangup(current: Arc<Current>, mut reload: Reload, mut hangups: Hangups) {
     loop {
         hangups.recv().await;
         let running = current.get();
