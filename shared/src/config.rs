@@ -361,6 +361,10 @@ impl Config {
             "redis://127.0.0.1:6379/0",
             url::check_redis,
         )?;
+        if redis_url.starts_with("redis+sentinel:") && raw.redis.ca_file.is_some() {
+            let m = "is not supported with redis+sentinel:// (Sentinel connections are plain TCP)";
+            return Err(fail.at(Some("[redis]"), "ca_file", m.into()));
+        }
         Ok(Config {
             path: path.to_owned(),
             namespace,
@@ -1135,6 +1139,10 @@ mod tests {
             (2, Duration::from_millis(250))
         );
         for (text, key) in [
+            (
+                "[redis]\nurl = \"redis+sentinel://s:26379/m/0\"\nca_file = \"/etc/ca.pem\"\n",
+                "ca_file",
+            ),
             ("[redis]\nwait_replicas = -1\n", "wait_replicas"),
             ("[redis]\nwait_replicas = 101\n", "wait_replicas"),
             ("[redis]\nwait_replicas = \"1\"\n", "wait_replicas"),
