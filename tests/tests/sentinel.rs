@@ -209,7 +209,7 @@ overlap = "queue"
 command = {cmd}
 "#,
             url = toml_string(&set.url(0)),
-            cmd = env.append_key_command("effects", 0.0)
+            cmd = env.append_key_command("effects", 0.1)
         ),
     );
     let cfg = cfg.to_str().unwrap();
