@@ -902,6 +902,7 @@ async fn connect_redis(config: &Config) -> Store {
             "redis unreachable; the beat waits for it (it holds each job's progress)");
     })
     .await
+    .with_wait(config.redis_wait)
 }
 
 #[cfg(test)]

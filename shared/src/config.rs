@@ -4,6 +4,7 @@
 
 use crate::duration;
 use crate::schedule::{parse_timezone, CronExpr, DstFold, DstGap, Schedule};
+pub use crate::store::WaitReplicas;
 use crate::url;
 use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
@@ -67,6 +68,8 @@ pub struct Config {
     /// `[redis] ca_file`: PEM file of the CAs a `rediss://` server is trusted by, instead of the
     /// system roots. Default none (system roots). Checked at load.
     pub redis_ca_file: Option<PathBuf>,
+    /// `[redis] wait_replicas` (default 0) and `wait_timeout` (default 1 s).
+    pub redis_wait: WaitReplicas,
     /// `[beat]`.
     pub beat: BeatConfig,
     /// `[worker]`.
@@ -91,7 +94,8 @@ impl Config {
             ),
             (
                 "[redis]",
-                (&self.redis_url, &self.redis_ca_file) != (&new.redis_url, &new.redis_ca_file),
+                (&self.redis_url, &self.redis_ca_file, self.redis_wait)
+                    != (&new.redis_url, &new.redis_ca_file, new.redis_wait),
             ),
             ("[beat]", self.beat != new.beat),
             ("[worker]", self.worker != new.worker),
@@ -223,7 +227,7 @@ struct RawConfig<J, T> {
     #[serde(default)]
     broker: RawUrl,
     #[serde(default)]
-    redis: RawUrl,
+    redis: RawRedis,
     #[serde(default)]
     beat: RawBeat,
     #[serde(default)]
@@ -239,6 +243,16 @@ struct RawConfig<J, T> {
 struct RawUrl {
     url: Option<String>,
     ca_file: Option<PathBuf>,
+}
+
+/// `[redis]`: a URL section plus the replica wait.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawRedis {
+    url: Option<String>,
+    ca_file: Option<PathBuf>,
+    wait_replicas: Option<i64>,
+    wait_timeout: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -338,6 +352,7 @@ impl Config {
             "amqp://guest:guest@127.0.0.1:5672/%2f",
             url::check_amqp,
         )?;
+        let redis_wait = check_redis_wait(&fail, &raw.redis)?;
         let redis_url = fail.url(
             ENV_REDIS_URL,
             env(ENV_REDIS_URL),
@@ -346,12 +361,17 @@ impl Config {
             "redis://127.0.0.1:6379/0",
             url::check_redis,
         )?;
+        if redis_url.starts_with("redis+sentinel:") && raw.redis.ca_file.is_some() {
+            let m = "is not supported with redis+sentinel:// (Sentinel connections are plain TCP)";
+            return Err(fail.at(Some("[redis]"), "ca_file", m.into()));
+        }
         Ok(Config {
             path: path.to_owned(),
             namespace,
             broker_url,
             redis_url,
             broker_ca_file: fail.ca_file("[broker]", raw.broker.ca_file)?,
+            redis_wait,
             redis_ca_file: fail.ca_file("[redis]", raw.redis.ca_file)?,
             beat,
             worker,
@@ -397,6 +417,23 @@ fn check_beat(fail: &Failer, b: &RawBeat) -> Result<BeatConfig, ConfigError> {
         misfire_threshold: duration("misfire_threshold", &b.misfire_threshold, 5)?,
     })
 }
+
+/// `[redis] wait_replicas` and `wait_timeout`.
+fn check_redis_wait(fail: &Failer, r: &RawRedis) -> Result<WaitReplicas, ConfigError> {
+    let replicas = r.wait_replicas.unwrap_or(0);
+    let replicas = u32::try_from(replicas)
+        .ok()
+        .filter(|n| *n <= MAX_WAIT_REPLICAS)
+        .ok_or_else(|| {
+            let m = format!("must be between 0 and {MAX_WAIT_REPLICAS}, not {replicas}");
+            fail.at(Some("[redis]"), "wait_replicas", m)
+        })?;
+    let timeout = fail.duration("[redis]", "wait_timeout", &r.wait_timeout, 1, Zero::Refused)?;
+    Ok(WaitReplicas { replicas, timeout })
+}
+
+/// Most `[redis] wait_replicas`.
+pub const MAX_WAIT_REPLICAS: u32 = 100;
 
 /// Shortest `[beat] leader_lease`.
 pub const MIN_LEADER_LEASE: Duration = Duration::from_secs(1);
@@ -745,7 +782,7 @@ impl Failer<'_> {
         type Finder = fn(&toml::Table) -> Option<(String, toml::de::Error)>;
         let sections: [(&str, Finder); 4] = [
             ("broker", culprit::<RawUrl>),
-            ("redis", culprit::<RawUrl>),
+            ("redis", culprit::<RawRedis>),
             ("beat", culprit::<RawBeat>),
             ("worker", culprit::<RawWorker>),
         ];
@@ -1084,6 +1121,41 @@ mod tests {
         // A job missing a required key still names it.
         let e = parse(&format!("[[jobs]]\nname = \"j\"\nevery = \"1s\"\n{TASKS}")).unwrap_err();
         assert_eq!(e.key.as_deref(), Some("task"), "{e}");
+    }
+
+    #[test]
+    fn redis_wait_replicas_is_checked() {
+        let c = parse("").unwrap();
+        assert_eq!(
+            c.redis_wait,
+            WaitReplicas {
+                replicas: 0,
+                timeout: Duration::from_secs(1)
+            }
+        );
+        let c = parse("[redis]\nwait_replicas = 2\nwait_timeout = \"250ms\"\n").unwrap();
+        assert_eq!(
+            (c.redis_wait.replicas, c.redis_wait.timeout),
+            (2, Duration::from_millis(250))
+        );
+        for (text, key) in [
+            (
+                "[redis]\nurl = \"redis+sentinel://s:26379/m/0\"\nca_file = \"/etc/ca.pem\"\n",
+                "ca_file",
+            ),
+            ("[redis]\nwait_replicas = -1\n", "wait_replicas"),
+            ("[redis]\nwait_replicas = 101\n", "wait_replicas"),
+            ("[redis]\nwait_replicas = \"1\"\n", "wait_replicas"),
+            ("[redis]\nwait_timeout = \"0s\"\n", "wait_timeout"),
+            ("[redis]\nwait_timeout = \"soon\"\n", "wait_timeout"),
+        ] {
+            let e = parse(text).unwrap_err();
+            assert_eq!(
+                (e.place.as_deref(), e.key.as_deref()),
+                (Some("[redis]"), Some(key)),
+                "{text}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -7,14 +7,16 @@ use crate::envelope::parse_instant;
 use crate::names::Names;
 use chrono::{DateTime, SecondsFormat, Utc};
 use redis::aio::ConnectionManager;
-use redis::{AsyncCommands, Script, ToRedisArgs};
+use redis::{AsyncCommands, Script, ScriptInvocation, ToRedisArgs};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::LazyLock;
 use std::time::Duration;
 
+mod conn;
 mod leader;
 mod operate;
+pub use conn::Conn;
 pub use leader::{Candidate, LeaseMode, LeaseOutcome, LeaseReply, ProgressError};
 
 /// Store errors are connection-level: the worker fails closed on them.
@@ -404,19 +406,51 @@ return 0
 /// Handle to one namespace's Redis state. Cheap to clone.
 #[derive(Clone)]
 pub struct Store {
-    conn: ConnectionManager,
+    conn: Conn,
     names: Names,
+    /// `[redis] wait_replicas` and `wait_timeout`: durable writes wait for this many replicas.
+    wait: Option<(u32, Duration)>,
+}
+
+/// `[redis] wait_replicas` (DESIGN §9 "Scale-out"): how many replicas must have a durable
+/// write (`done`, `dead`, `retrying`, progress) before it counts, and how long to wait for
+/// them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WaitReplicas {
+    /// Replicas that must acknowledge; 0 waits for none.
+    pub replicas: u32,
+    /// How long `WAIT` may block.
+    pub timeout: Duration,
 }
 
 impl Store {
     /// Connects (and keeps reconnecting in the background) to `url`. With `ca_file`, a
     /// `rediss://` server must present a certificate issued by a CA in that file (the system
     /// roots are then not consulted); without, by a system root. Unused by `redis://`.
+    ///
+    /// A `redis+sentinel://` URL is read by drumline: the Sentinels are asked for the primary
+    /// now and again whenever it may have moved ([`Conn`]).
     pub async fn connect(
         url: &str,
         ca_file: Option<&Path>,
         names: Names,
     ) -> Result<Self, StoreError> {
+        if let Some(sentinel) = crate::url::parse_sentinel(url) {
+            // Checked at config load already; the error never quotes the URL.
+            let sentinel = sentinel.map_err(|e| {
+                StoreError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    "redis url",
+                    e.to_string(),
+                ))
+            })?;
+            let conn = Conn::sentinel(sentinel).await?;
+            return Ok(Self {
+                conn,
+                names,
+                wait: None,
+            });
+        }
         let client = match ca_file {
             Some(path) => {
                 // Checked at config load already; this only fails if the file changed since.
@@ -435,12 +469,75 @@ impl Store {
             }
             None => redis::Client::open(url)?,
         };
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(2)))
-            .set_response_timeout(Some(Duration::from_secs(5)))
-            .set_number_of_retries(1);
-        let conn = ConnectionManager::new_with_config(client, config).await?;
-        Ok(Self { conn, names })
+        let conn = ConnectionManager::new_with_config(client, conn::manager_config()).await?;
+        Ok(Self {
+            conn: Conn::plain(conn),
+            names,
+            wait: None,
+        })
+    }
+
+    /// Makes the durable writes (`done`, `dead`, `retrying`, progress) wait for `wait`'s
+    /// replicas: `WAIT` is pipelined right after the write, and fewer acknowledgements than
+    /// asked is an error, handled like any Redis error (the caller fails closed).
+    pub fn with_wait(mut self, wait: WaitReplicas) -> Self {
+        self.wait = (wait.replicas > 0).then_some((wait.replicas, wait.timeout));
+        self
+    }
+
+    /// Adds `WAIT` to `pipe` when the durable writes wait for replicas; `check_wait` reads its
+    /// reply.
+    fn push_wait(&self, pipe: &mut redis::Pipeline) {
+        if let Some((replicas, timeout)) = self.wait {
+            pipe.cmd("WAIT")
+                .arg(replicas)
+                .arg((timeout.as_millis() as u64).max(1));
+        }
+    }
+
+    /// Takes `WAIT`'s reply off the end of `replies` (when [`push_wait`](Self::push_wait)
+    /// added it): fewer replicas than asked is an error.
+    fn check_wait(&self, replies: &mut Vec<redis::Value>) -> Result<(), StoreError> {
+        let Some((replicas, timeout)) = self.wait else {
+            return Ok(());
+        };
+        let acked: i64 = match replies.pop() {
+            Some(value) => redis::from_redis_value(value)?,
+            None => -1,
+        };
+        if acked < i64::from(replicas) {
+            return Err(StoreError::from((
+                redis::ErrorKind::Extension,
+                "too few replicas acknowledged the write (wait_replicas)",
+                format!("{acked} of {replicas} within {timeout:?}"),
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs `call` of `script` as a durable write: alone without `wait_replicas`, else in one
+    /// pipeline `SCRIPT LOAD`, the call, `WAIT` (the same connection, so `WAIT` covers it).
+    async fn durable<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        call: &ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
+        let mut conn = self.conn.clone();
+        if self.wait.is_none() {
+            return call.invoke_async(&mut conn).await;
+        }
+        let mut pipe = redis::pipe();
+        pipe.load_script(script).ignore().invoke_script(call);
+        self.push_wait(&mut pipe);
+        let mut replies: Vec<redis::Value> = pipe.query_async(&mut conn).await?;
+        self.check_wait(&mut replies)?;
+        match replies.pop() {
+            Some(value) => Ok(redis::from_redis_value(value)?),
+            None => Err(StoreError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "no reply from the script",
+            ))),
+        }
     }
 
     /// The names this store uses.
@@ -449,7 +546,7 @@ impl Store {
     }
 
     /// A raw connection, for callers that need a command not wrapped here.
-    pub fn connection(&self) -> ConnectionManager {
+    pub fn connection(&self) -> Conn {
         self.conn.clone()
     }
 
@@ -524,7 +621,7 @@ impl Store {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let lease = lease.as_millis() as u64;
-        self.as_holder(&RENEW, key, job, token, lease).await
+        self.as_holder(&RENEW, key, job, token, lease, false).await
     }
 
     /// Ends our claim as `ending` says, the record kept for `retention`, job lock released (if
@@ -545,18 +642,19 @@ impl Store {
         match ending {
             Ending::Final(state) => {
                 let args = (state.as_str(), retention);
-                self.as_holder(&FINISH, key, job, token, args).await
+                self.as_holder(&FINISH, key, job, token, args, true).await
             }
             Ending::Retry { next_attempt } => {
                 let args = (next_attempt, retention);
-                self.as_holder(&RETRY, key, job, token, args).await
+                self.as_holder(&RETRY, key, job, token, args, true).await
             }
         }
     }
 
     /// Runs one of the scripts only the claim's holder may run (RENEW, FINISH, RETRY,
     /// RELEASE); they share their call: KEYS run key, job lock and running set, ARGV token,
-    /// the running set's member (none for ad-hoc), then `args`.
+    /// the running set's member (none for ad-hoc), then `args`. A `durable` write (a final
+    /// state, `retrying`) waits for `wait_replicas`.
     async fn as_holder(
         &self,
         script: &Script,
@@ -564,17 +662,20 @@ impl Store {
         job: Option<&str>,
         token: &str,
         args: impl ToRedisArgs,
+        durable: bool,
     ) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
-        script
-            .key(self.names.run_key(key))
+        let mut call = script.prepare_invoke();
+        call.key(self.names.run_key(key))
             .key(self.job_lock(job))
             .key(self.running_set(job))
             .arg(token)
             .arg(if job.is_some() { key } else { "" })
-            .arg(args)
-            .invoke_async(&mut conn)
-            .await
+            .arg(args);
+        if durable {
+            self.durable(script, &call).await
+        } else {
+            call.invoke_async(&mut self.conn.clone()).await
+        }
     }
 
     /// Gives the claim up (a retry will claim again), out of the running set; `false` if it
@@ -585,7 +686,8 @@ impl Store {
         job: Option<&str>,
         token: &str,
     ) -> Result<bool, StoreError> {
-        self.as_holder(&RELEASE, key, job, token, None::<u8>).await
+        self.as_holder(&RELEASE, key, job, token, None::<u8>, false)
+            .await
     }
 
     /// Forgets a `dead` run state so a replayed copy can be claimed; any other state is kept

@@ -78,7 +78,7 @@ pub fn check_amqp(text: &str) -> Result<(), UrlError> {
 }
 
 /// Checks a Redis URL: `redis://`, `rediss://` (host, optional numeric DB) or
-/// `redis+sentinel://` (shape only, see [`check_sentinel`]).
+/// `redis+sentinel://` (see [`parse_sentinel`]).
 pub fn check_redis(text: &str) -> Result<(), UrlError> {
     if let Some(rest) = text.strip_prefix("redis+sentinel:") {
         return check_sentinel(rest);
@@ -98,28 +98,70 @@ pub fn check_redis(text: &str) -> Result<(), UrlError> {
 }
 
 /// `redis+sentinel://[:PASSWORD@]host:port[,host:port…]/MASTER_NAME[/DB]` after the scheme's
-/// colon (DESIGN §9 "Scale-out"). Only the shape is checked.
+/// colon (DESIGN §9 "Scale-out").
 fn check_sentinel(rest: &str) -> Result<(), UrlError> {
+    parse_sentinel_rest(rest).map(drop)
+}
+
+/// A `redis+sentinel://` URL, read: the Sentinels to ask (in order), the name of the primary
+/// they watch, and how to talk to the data nodes (password, database). `Debug` hides the
+/// password.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SentinelUrl {
+    /// `(host, port)` of each Sentinel, in the order given.
+    pub sentinels: Vec<(String, u16)>,
+    /// The master name the Sentinels monitor.
+    pub master: String,
+    /// The data nodes' password (the Sentinels are asked without one).
+    pub password: Option<String>,
+    /// The database number (default 0).
+    pub db: i64,
+}
+
+impl fmt::Debug for SentinelUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SentinelUrl")
+            .field("sentinels", &self.sentinels)
+            .field("master", &self.master)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("db", &self.db)
+            .finish()
+    }
+}
+
+/// Reads a `redis+sentinel://` URL; `None` for any other scheme. Errors never quote the input.
+pub fn parse_sentinel(text: &str) -> Option<Result<SentinelUrl, UrlError>> {
+    text.strip_prefix("redis+sentinel:")
+        .map(parse_sentinel_rest)
+}
+
+fn parse_sentinel_rest(rest: &str) -> Result<SentinelUrl, UrlError> {
     let bad = |reason: &str| malformed(reason, SENTINEL_EXAMPLE);
     let rest = rest
         .strip_prefix("//")
         .ok_or_else(|| bad("expected \"://\" after the scheme"))?;
     let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    let hosts = match authority.rfind('@') {
+    let (password, hosts) = match authority.rfind('@') {
         Some(at) => {
-            if !authority[..at].starts_with(':') {
-                return Err(bad("the part before '@' must be \":PASSWORD\""));
-            }
-            &authority[at + 1..]
+            let password = authority[..at]
+                .strip_prefix(':')
+                .ok_or_else(|| bad("the part before '@' must be \":PASSWORD\""))?;
+            let password = percent_decode(password)
+                .ok_or_else(|| bad("the password is not valid percent-encoded UTF-8"))?;
+            (Some(password), &authority[at + 1..])
         }
-        None => authority,
+        None => (None, authority),
     };
+    let mut sentinels = Vec::new();
     for host_port in hosts.split(',') {
         let (host, port) = host_port
             .rsplit_once(':')
             .ok_or_else(|| bad("every sentinel needs HOST:PORT"))?;
-        if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
-            return Err(bad("every sentinel needs HOST:PORT"));
+        let port = port.parse::<u16>().ok().filter(|p| *p != 0);
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        match port {
+            Some(port) if !host.is_empty() => sentinels.push((host.to_owned(), port)),
+            _ => return Err(bad("every sentinel needs HOST:PORT")),
         }
     }
     let mut parts = path.strip_prefix('/').unwrap_or("").split('/');
@@ -127,15 +169,40 @@ fn check_sentinel(rest: &str) -> Result<(), UrlError> {
     if master.is_empty() || master.contains(['?', '#']) {
         return Err(bad("no master name"));
     }
-    if let Some(db) = parts.next() {
-        if db.parse::<u32>().is_err() {
-            return Err(bad("the database must be a number"));
-        }
-    }
+    let db = match parts.next() {
+        None | Some("") => 0,
+        Some(db) => db
+            .parse::<u32>()
+            .map_err(|_| bad("the database must be a number"))?
+            .into(),
+    };
     if parts.next().is_some() {
         return Err(bad("too many path segments"));
     }
-    Ok(())
+    Ok(SentinelUrl {
+        sentinels,
+        master: master.to_owned(),
+        password: password.filter(|p| !p.is_empty()),
+        db,
+    })
+}
+
+/// `%XX` escapes decoded (a password may hold `@`, `/`, `,` or `:` that way).
+fn percent_decode(text: &str) -> Option<String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = text.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 /// Displays a URL with its password shown as `***`
@@ -231,6 +298,42 @@ mod tests {
             check_amqp("redis://h"),
             Err(UrlError::Scheme { .. })
         ));
+    }
+
+    #[test]
+    fn sentinel_urls_are_read_into_their_parts() {
+        let u = parse_sentinel("redis+sentinel://:p%40ss@s1:26379,10.0.0.2:26380/mymaster/3")
+            .expect("sentinel scheme")
+            .expect("valid");
+        assert_eq!(
+            u.sentinels,
+            vec![("s1".to_owned(), 26379), ("10.0.0.2".to_owned(), 26380)]
+        );
+        assert_eq!(
+            (u.master.as_str(), u.password.as_deref(), u.db),
+            ("mymaster", Some("p@ss"), 3)
+        );
+        assert!(!format!("{u:?}").contains("p@ss"), "{u:?}");
+        let u = parse_sentinel("redis+sentinel://s1:26379/m")
+            .unwrap()
+            .unwrap();
+        assert_eq!((u.sentinels.len(), u.password, u.db), (1, None, 0));
+        let u = parse_sentinel("redis+sentinel://[::1]:26379/m/")
+            .unwrap()
+            .unwrap();
+        assert_eq!((u.sentinels[0].0.as_str(), u.db), ("::1", 0));
+        assert!(parse_sentinel("redis://h:6379/0").is_none());
+        for bad in [
+            "redis+sentinel://s1:26379,/m",
+            "redis+sentinel://s1:0/m",
+            "redis+sentinel://:s3cret@s1:26379//0",
+            "redis+sentinel://:s3cr%zzet@s1:26379/m",
+            "redis+sentinel:///m",
+        ] {
+            let e = parse_sentinel(bad).unwrap().expect_err(bad).to_string();
+            assert!(!e.contains("s3cr"), "{bad}: {e}");
+            assert!(e.contains("redis+sentinel://"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -630,6 +630,7 @@ async fn connect_redis(config: &Config, names: &Names) -> Store {
         |e| error!(error = %e, "redis unreachable at start; not consuming until it answers (fail closed)"),
     )
     .await
+    .with_wait(config.redis_wait)
 }
 
 /// Closes the gate when Redis stops answering, reopens it once Redis answers again, and mirrors

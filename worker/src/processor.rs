@@ -32,6 +32,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn, Instrument};
 
+/// How long a finished run's final state is retried before the delivery is requeued: long enough
+/// to ride out a Redis blip or a Sentinel failover (2–3 s with `down-after-milliseconds 1000`).
+pub const FINISH_RETRY_FOR: Duration = Duration::from_secs(10);
+
 /// Everything processing needs that outlives one broker connection.
 pub struct Processor {
     /// Checked config.
@@ -493,8 +497,8 @@ impl Processor {
         stopped
     }
 
-    /// Marks `key` finished, retrying a Redis blip briefly: a success we fail to record would
-    /// run again once the lease expires.
+    /// Marks `key` finished, retrying a Redis blip or a Sentinel failover for up to
+    /// [`FINISH_RETRY_FOR`]: a success we fail to record would run again once the lease expires.
     async fn finish_with_retries(
         &self,
         env: &Envelope,
@@ -503,7 +507,7 @@ impl Processor {
     ) -> Result<bool, StoreError> {
         let retention = self.config.worker.done_ttl;
         let mut delay = Duration::from_millis(100);
-        let mut tries = 0;
+        let give_up = Instant::now() + FINISH_RETRY_FOR;
         loop {
             match self
                 .store
@@ -517,11 +521,10 @@ impl Processor {
                 .await
             {
                 Ok(ours) => return Ok(ours),
-                Err(e) if tries < 5 => {
+                Err(e) if Instant::now() + delay < give_up => {
                     warn!(error = %e, "could not record the result yet; retrying");
-                    tries += 1;
                     tokio::time::sleep(delay).await;
-                    delay *= 2;
+                    delay = (delay * 2).min(Duration::from_secs(1));
                 }
                 Err(e) => return Err(e),
             }

@@ -275,7 +275,11 @@ impl Store {
             }
             pipe.invoke_script(&call);
         }
-        let replies: Vec<Vec<i64>> = pipe.query_async(&mut conn).await?;
+        self.push_wait(&mut pipe);
+        let mut replies: Vec<redis::Value> = pipe.query_async(&mut conn).await?;
+        self.check_wait(&mut replies)?;
+        let replies: Vec<Vec<i64>> =
+            redis::from_redis_value(redis::Value::Array(replies)).map_err(StoreError::from)?;
         if replies.len() != chunks.len() {
             return Err(unexpected("a pipeline returned fewer replies than calls").into());
         }

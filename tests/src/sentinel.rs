@@ -1,0 +1,314 @@
+//! A private Redis Sentinel deployment for failover tests: a primary, two replicas and three
+//! Sentinels (quorum 2) on free ports, each with its own directory, from Debian's `redis`
+//! package (`redis-server`, and `redis-server --sentinel`). Never the shared Redis on 6379.
+//!
+//! [`SentinelSet::shared`] starts it once per test binary and hands it to one test at a time
+//! (a test may kill and restart its nodes; [`SentinelSet::heal`] puts it back together). It is
+//! torn down when the test binary exits: a small watchdog process kills every node and removes
+//! the directory once the binary's pid is gone (statics are never dropped).
+
+use super::{free_port, wait_until};
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+use tokio::sync::{Mutex, MutexGuard};
+
+/// The master name the Sentinels monitor.
+pub const MASTER: &str = "drumline";
+/// `down-after-milliseconds`: how long a silent primary takes to be thought down.
+pub const DOWN_AFTER_MS: u64 = 1000;
+/// `failover-timeout`.
+pub const FAILOVER_TIMEOUT_MS: u64 = 5000;
+
+/// The deployment (see the module docs).
+pub struct SentinelSet {
+    dir: PathBuf,
+    /// The data nodes' ports; the first was the first primary.
+    pub nodes: Vec<u16>,
+    /// The Sentinels' ports.
+    pub sentinels: Vec<u16>,
+    /// Nodes killed and not restarted yet.
+    down: Vec<u16>,
+    /// Every process started, by port (reaped when killed).
+    children: HashMap<u16, Child>,
+    /// Tears the set down when the test binary exits.
+    _watchdog: Child,
+}
+
+static SHARED: OnceLock<Mutex<SentinelSet>> = OnceLock::new();
+
+impl SentinelSet {
+    /// The binary's deployment, started on first use, healthy (every node up, two replicas
+    /// online), held until the guard is dropped.
+    pub async fn shared() -> MutexGuard<'static, SentinelSet> {
+        let set = SHARED.get_or_init(|| Mutex::new(SentinelSet::start()));
+        // A test that failed while holding it may have left a node down: heal it.
+        let mut guard = set.lock().await;
+        guard.heal();
+        guard
+    }
+
+    fn start() -> Self {
+        let dir = std::env::temp_dir().join("drumline-tests").join(format!(
+            "sentinel-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        ));
+        fs::create_dir_all(&dir).expect("mkdir");
+        let nodes: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let sentinels: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let watchdog = watchdog(&dir);
+        let mut set = Self {
+            dir,
+            nodes,
+            sentinels,
+            down: Vec::new(),
+            children: HashMap::new(),
+            _watchdog: watchdog,
+        };
+        for (i, port) in set.nodes.clone().into_iter().enumerate() {
+            let conf = set.dir.join(format!("redis-{port}.conf"));
+            fs::create_dir_all(set.dir.join(format!("data-{port}"))).expect("mkdir");
+            fs::write(&conf, set.node_conf(port)).expect("conf");
+            let primary = (i > 0).then_some(set.nodes[0]);
+            set.spawn_node(port, primary);
+        }
+        for port in set.sentinels.clone() {
+            let conf = set.dir.join(format!("sentinel-{port}.conf"));
+            fs::write(&conf, set.sentinel_conf(port)).expect("conf");
+            let child = set.spawn(
+                &format!("sentinel-{port}"),
+                &[conf.to_str().unwrap(), "--sentinel"],
+            );
+            set.children.insert(port, child);
+            wait_port(port);
+        }
+        set.wait_healthy(set.nodes[0]);
+        set
+    }
+
+    fn node_conf(&self, port: u16) -> String {
+        let d = self.dir.display();
+        format!(
+            "port {port}\nbind 127.0.0.1\ndir {d}/data-{port}\npidfile {d}/redis-{port}.pid\n\
+             logfile {d}/redis-{port}.log\nappendonly yes\nappendfsync everysec\nsave \"\"\n\
+             repl-diskless-sync yes\nrepl-diskless-sync-delay 0\n"
+        )
+    }
+
+    fn sentinel_conf(&self, port: u16) -> String {
+        let d = self.dir.display();
+        let primary = self.nodes[0];
+        format!(
+            "port {port}\nbind 127.0.0.1\ndir {d}\npidfile {d}/sentinel-{port}.pid\n\
+             logfile {d}/sentinel-{port}.log\n\
+             sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n\
+             sentinel down-after-milliseconds {MASTER} {DOWN_AFTER_MS}\n\
+             sentinel failover-timeout {MASTER} {FAILOVER_TIMEOUT_MS}\n\
+             sentinel parallel-syncs {MASTER} 2\n"
+        )
+    }
+
+    fn spawn(&self, label: &str, args: &[&str]) -> Child {
+        let out = File::create(self.dir.join(format!("{label}.out"))).expect("log");
+        Command::new("redis-server")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("dup"))
+            .stderr(out)
+            .spawn()
+            .expect("redis-server must be installed (scripts/services installs it)")
+    }
+
+    /// Starts data node `port`, a replica of `primary` if given.
+    fn spawn_node(&mut self, port: u16, primary: Option<u16>) {
+        let conf = self.dir.join(format!("redis-{port}.conf"));
+        let mut args = vec![conf.to_str().unwrap().to_owned()];
+        if let Some(primary) = primary {
+            args.extend([
+                "--replicaof".into(),
+                "127.0.0.1".into(),
+                primary.to_string(),
+            ]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let child = self.spawn(&format!("redis-{port}"), &args);
+        self.children.insert(port, child);
+        wait_port(port);
+    }
+
+    /// `redis+sentinel://` URL of the set (no password), database `db`.
+    pub fn url(&self, db: u32) -> String {
+        let hosts: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        format!("redis+sentinel://{}/{MASTER}/{db}", hosts.join(","))
+    }
+
+    /// A plain URL of data node `port`.
+    pub fn node_url(port: u16) -> String {
+        format!("redis://127.0.0.1:{port}/0")
+    }
+
+    /// The primary as the first Sentinel that answers names it.
+    pub fn primary(&self) -> Option<u16> {
+        self.sentinels.iter().find_map(|p| sentinel_primary(*p))
+    }
+
+    /// kill -9 of the current primary; waits until its port is closed. Returns its port.
+    pub fn kill_primary(&mut self) -> u16 {
+        let port = self.primary().expect("no primary known");
+        let mut child = self
+            .children
+            .remove(&port)
+            .expect("a node this set started");
+        child.kill().expect("kill -9");
+        child.wait().expect("reap");
+        let _ = fs::remove_file(self.dir.join(format!("redis-{port}.pid")));
+        let closed = wait_until(Duration::from_secs(10), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
+        });
+        assert!(closed, "redis {port} still listens after kill -9");
+        self.down.push(port);
+        port
+    }
+
+    /// Waits until every Sentinel names a primary other than `old` and that node says it is
+    /// one; returns its port and how long that took from `since`.
+    pub fn wait_failover(&self, old: u16, since: Instant, within: Duration) -> (u16, Duration) {
+        let mut new = None;
+        let done = wait_until(within, || {
+            let named: Vec<Option<u16>> = self
+                .sentinels
+                .iter()
+                .map(|p| sentinel_primary(*p))
+                .collect();
+            new = named[0].filter(|p| *p != old && named.iter().all(|n| *n == named[0]));
+            new.is_some_and(|p| role(p).as_deref() == Some("master"))
+        });
+        assert!(
+            done,
+            "no failover within {within:?}; see {}",
+            self.dir.display()
+        );
+        (new.expect("new primary"), since.elapsed())
+    }
+
+    /// Restarts the nodes killed (as replicas of the current primary) and waits until the set
+    /// is whole again: two replicas online, every Sentinel agreeing on the primary and knowing
+    /// both replicas and the two other Sentinels.
+    pub fn heal(&mut self) {
+        let primary = wait_for(Duration::from_secs(60), || {
+            self.primary()
+                .filter(|p| role(*p).as_deref() == Some("master"))
+        })
+        .expect("no primary to heal around");
+        for port in std::mem::take(&mut self.down) {
+            self.spawn_node(port, Some(primary));
+        }
+        self.wait_healthy(primary);
+    }
+
+    fn wait_healthy(&self, primary: u16) {
+        let healthy = wait_until(Duration::from_secs(90), || {
+            let online = info(primary, "replication")
+                .map(|i| i.matches("state=online").count())
+                .unwrap_or(0);
+            online == 2
+                && self.sentinels.iter().all(|s| {
+                    sentinel_primary(*s) == Some(primary)
+                        && sentinel_count(*s, "replicas") == Some(2)
+                        && sentinel_count(*s, "sentinels") == Some(2)
+                })
+        });
+        assert!(
+            healthy,
+            "the sentinel set did not become whole; see {}",
+            self.dir.display()
+        );
+    }
+}
+
+fn wait_port(port: u16) {
+    let up = wait_until(Duration::from_secs(10), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    assert!(up, "redis on {port} did not start");
+}
+
+fn wait_for<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let mut out = None;
+    wait_until(within, || {
+        out = f();
+        out.is_some()
+    });
+    out
+}
+
+fn connection(port: u16) -> Option<redis::Connection> {
+    redis::Client::open(format!("redis://127.0.0.1:{port}/"))
+        .ok()?
+        .get_connection_with_timeout(Duration::from_millis(500))
+        .ok()
+}
+
+fn info(port: u16, section: &str) -> Option<String> {
+    redis::cmd("INFO")
+        .arg(section)
+        .query(&mut connection(port)?)
+        .ok()
+}
+
+/// `role:` from `INFO replication`.
+fn role(port: u16) -> Option<String> {
+    let info = info(port, "replication")?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("role:"))
+        .map(|r| r.trim().to_owned())
+}
+
+fn sentinel_primary(port: u16) -> Option<u16> {
+    let (_, p): (String, u16) = redis::cmd("SENTINEL")
+        .arg("get-master-addr-by-name")
+        .arg(MASTER)
+        .query::<Option<(String, u16)>>(&mut connection(port)?)
+        .ok()??;
+    Some(p)
+}
+
+/// How many `replicas` or `sentinels` Sentinel `port` knows (not flagged down).
+fn sentinel_count(port: u16, what: &str) -> Option<usize> {
+    let list: Vec<std::collections::HashMap<String, String>> = redis::cmd("SENTINEL")
+        .arg(what)
+        .arg(MASTER)
+        .query(&mut connection(port)?)
+        .ok()?;
+    Some(
+        list.iter()
+            .filter(|m| m.get("flags").is_some_and(|f| !f.contains("down")))
+            .count(),
+    )
+}
+
+/// Kills every process of the set in `dir` (by their pid files) and removes `dir` once this test
+/// binary's process is gone.
+fn watchdog(dir: &std::path::Path) -> Child {
+    let d = dir.display();
+    let script = format!(
+        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
+         for f in {d}/*.pid; do [ -f \"$f\" ] && kill -9 \"$(cat \"$f\")\"; done; \
+         rm -rf {d}",
+        pid = std::process::id()
+    );
+    Command::new("/bin/sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("sh")
+}

@@ -1,0 +1,398 @@
+//! Redis Sentinel (DESIGN §9 "Scale-out"): the store follows a failover without a restart,
+//! `wait_replicas` makes too few acknowledgements an error, and a beat with two workers loses
+//! nothing and runs nothing twice when the primary is killed mid-stream. Uses the private
+//! [`SentinelSet`] (primary + 2 replicas + 3 Sentinels), never the shared Redis.
+
+use chrono::Utc;
+use drumline_e2e::sentinel::SentinelSet;
+use drumline_e2e::snoop::Snoop;
+use drumline_e2e::{adhoc, counts, instant_of, setup, toml_string, wait_until, AMQP_URL};
+use drumline_shared::names::Names;
+use drumline_shared::store::{
+    Candidate, Claim, ClaimRequest, Ending, Final, LeaseMode, LeaseOutcome, OverlapMode,
+    ProgressError, Store, WaitReplicas,
+};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{Connection, ConnectionProperties};
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn namespace(test: &str) -> Names {
+    Names::new(format!(
+        "t_{test}_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    ))
+}
+
+fn request(key: &str) -> ClaimRequest<'_> {
+    ClaimRequest {
+        key,
+        token: "token",
+        worker: "test",
+        job: None,
+        attempt: 0,
+        lease: Duration::from_secs(30),
+        overlap: OverlapMode::Allow,
+        retention: Duration::from_secs(600),
+        expired: false,
+    }
+}
+
+fn hget(port: u16, key: &str) -> Option<String> {
+    let mut conn = redis::Client::open(SentinelSet::node_url(port))
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    redis::cmd("HGET")
+        .arg(key)
+        .arg("state")
+        .query(&mut conn)
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn wait_replicas_counts_acknowledgements_and_fails_closed() {
+    let set = SentinelSet::shared().await;
+    let names = namespace("wait");
+    let store = Store::connect(&set.url(0), None, names.clone())
+        .await
+        .expect("connect through the sentinels");
+    let primary = set.primary().unwrap();
+    assert_eq!(
+        store.connection().primary(),
+        Some(("127.0.0.1".to_owned(), primary))
+    );
+
+    // Both replicas acknowledge: the final state is on each of them when `finish` returns.
+    let both = store.clone().with_wait(WaitReplicas {
+        replicas: 2,
+        timeout: Duration::from_secs(5),
+    });
+    assert!(matches!(
+        both.claim(&request("k1")).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    let done = Ending::Final(Final::Done);
+    let retention = Duration::from_secs(600);
+    assert!(both
+        .finish("k1", None, "token", done, retention)
+        .await
+        .unwrap());
+    for replica in set.nodes.iter().filter(|p| **p != primary) {
+        assert_eq!(
+            hget(*replica, &names.run_key("k1")).as_deref(),
+            Some("done"),
+            "replica {replica}"
+        );
+    }
+
+    // Three asked, two exist: never a success, for a final state, a retry hand-over or
+    // the beat's progress.
+    let three = store.clone().with_wait(WaitReplicas {
+        replicas: 3,
+        timeout: Duration::from_millis(300),
+    });
+    for (key, ending) in [
+        ("k2", Ending::Final(Final::Dead)),
+        ("k3", Ending::Retry { next_attempt: 1 }),
+    ] {
+        assert!(matches!(
+            three.claim(&request(key)).await.unwrap(),
+            Claim::Claimed { .. }
+        ));
+        let e = three
+            .finish(key, None, "token", ending, retention)
+            .await
+            .expect_err("too few replicas must be an error");
+        assert!(e.to_string().contains("2 of 3"), "{e}");
+    }
+    let who = Candidate {
+        token: "beat".to_owned(),
+        host: "test".to_owned(),
+        pid: 1,
+    };
+    let lead = three
+        .lead(&who, Duration::from_secs(10), LeaseMode::Acquire)
+        .await
+        .unwrap();
+    assert!(matches!(lead.outcome, LeaseOutcome::Acquired { .. }));
+    let progress = three
+        .advance_progress("beat", &[("job", Utc::now())], Duration::from_secs(5), 10)
+        .await;
+    assert!(
+        matches!(progress, Err(ProgressError::Redis(_))),
+        "{progress:?}"
+    );
+    // Without the wait the same write is a success.
+    let out = store
+        .advance_progress("beat", &[("job", Utc::now())], Duration::from_secs(5), 10)
+        .await
+        .unwrap();
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_store_follows_a_failover_without_a_restart() {
+    let mut set = SentinelSet::shared().await;
+    let names = namespace("follow");
+    let store = Store::connect(&set.url(0), None, names)
+        .await
+        .expect("connect through the sentinels");
+    assert!(matches!(
+        store.claim(&request("before")).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    let killed_at = Instant::now();
+    let old = set.kill_primary();
+    // Calls fail (fail closed) until the store follows the new primary.
+    let mut errors = 0;
+    let mut i = 0;
+    let followed = loop {
+        i += 1;
+        let key = format!("after-{i}");
+        match store.claim(&request(&key)).await {
+            Ok(claim) => break claim,
+            Err(_) => errors += 1,
+        }
+        assert!(
+            killed_at.elapsed() < WAIT,
+            "the store never followed the failover"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let resumed = killed_at.elapsed();
+    assert!(matches!(followed, Claim::Claimed { .. }), "{followed:?}");
+    let (new, _) = set.wait_failover(old, killed_at, WAIT);
+    assert_eq!(
+        store.connection().primary(),
+        Some(("127.0.0.1".to_owned(), new))
+    );
+    assert!(errors > 0, "no call failed while the primary was down");
+    println!("store writes again {resumed:?} after kill -9 of the primary ({errors} calls failed)");
+    set.heal();
+}
+
+/// What one failover run saw.
+struct Outcome {
+    failover: Duration,
+    resumed: Duration,
+    duplicates: Vec<(String, usize)>,
+    lost: Vec<String>,
+    ticks: usize,
+    adhoc: usize,
+}
+
+const ADHOC: usize = 400;
+
+/// A beat and two workers on the Sentinel URL, a 1 s `catch_up` job and a stream of ad-hoc
+/// tasks; the primary is killed with -9 mid-stream.
+async fn failover_under_load(set: &mut SentinelSet, test: &str, wait_replicas: u32) -> Outcome {
+    let mut env = setup(test);
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            r#"
+[redis]
+url = {url}
+wait_replicas = {wait_replicas}
+wait_timeout = "1s"
+
+[[jobs]]
+name = "tick"
+task = "append"
+every = "1s"
+misfire = "catch_up"
+overlap = "queue"
+
+[tasks.append]
+command = {cmd}
+"#,
+            url = toml_string(&set.url(0)),
+            cmd = env.append_key_command("effects", 0.1)
+        ),
+    );
+    let cfg = cfg.to_str().unwrap();
+    let mut workers = [
+        env.worker("w1", &["--config", cfg]),
+        env.worker("w2", &["--config", cfg]),
+    ];
+    env.wait_for_topology(&workers[0]).await;
+    // What the beat publishes, recorded on the broker (not read from its log).
+    let snoop = Snoop::start(&mut env, "default");
+    let mut beat = env.beat("beat", &["--config", cfg]);
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() >= 3),
+        "{}",
+        beat.log_tail(20)
+    );
+
+    // The stream: ADHOC tasks at about 40 a second, published as a producer would.
+    let exchange = env.names().tasks_exchange();
+    let keys: Vec<String> = (0..ADHOC).map(|i| format!("adhoc-{i:04}")).collect();
+    let stream = tokio::spawn({
+        let keys = keys.clone();
+        async move {
+            let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+                .await
+                .expect("amqp");
+            let ch = conn.create_channel().await.expect("channel");
+            ch.confirm_select(ConfirmSelectOptions::default())
+                .await
+                .expect("confirm");
+            for key in &keys {
+                let e = adhoc(key, "append");
+                ch.basic_publish(
+                    &exchange,
+                    &e.queue,
+                    BasicPublishOptions::default(),
+                    &e.encode(),
+                    e.properties(Utc::now(), 0),
+                )
+                .await
+                .expect("publish")
+                .await
+                .expect("confirm");
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            let _ = conn.close(200, "bye").await;
+        }
+    });
+    let adhoc_ran = |env: &drumline_e2e::TestEnv| {
+        env.lines("effects")
+            .iter()
+            .filter(|l| l.starts_with("adhoc-"))
+            .count()
+    };
+    assert!(
+        wait_until(WAIT, || adhoc_ran(&env) >= ADHOC / 3),
+        "{}",
+        workers[0].log_tail(20)
+    );
+
+    let before = env.lines("effects").len();
+    let killed_at = Instant::now();
+    let old = set.kill_primary();
+    let (_, failover) = set.wait_failover(old, killed_at, WAIT);
+    // Resumed: more effects than the runs in flight at the kill could write (2 workers × 4).
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() >= before + 10),
+        "no progress after the failover\n{}\n{}",
+        workers[0].log_tail(30),
+        beat.log_tail(30)
+    );
+    let resumed = killed_at.elapsed();
+    stream.await.expect("publisher");
+    let ticks_at_resume = env.lines("effects").len() - adhoc_ran(&env);
+    assert!(
+        wait_until(Duration::from_secs(90), || {
+            let lines = env.lines("effects");
+            let ticks = lines.iter().filter(|l| l.starts_with("tick@")).count();
+            let keys: BTreeSet<&String> = lines.iter().collect();
+            ticks >= ticks_at_resume + 3
+                && keys.iter().filter(|l| l.starts_with("adhoc-")).count() == ADHOC
+        }),
+        "not every task ran\n{}\n{}",
+        workers[0].log_tail(30),
+        workers[1].log_tail(30)
+    );
+    assert!(
+        beat.terminate(Duration::from_secs(15)).success(),
+        "{}",
+        beat.log_tail(20)
+    );
+    let published: BTreeSet<String> = snoop
+        .published_keys()
+        .into_iter()
+        .filter(|k| k.starts_with("tick@"))
+        .collect();
+    assert!(
+        wait_until(WAIT, || {
+            let ran: BTreeSet<String> = env.lines("effects").into_iter().collect();
+            published.is_subset(&ran)
+        }),
+        "published instances did not all run"
+    );
+    for w in &mut workers {
+        assert!(
+            w.terminate(Duration::from_secs(30)).success(),
+            "{}",
+            w.log_tail(20)
+        );
+    }
+
+    let lines = env.lines("effects");
+    let counted = counts(&lines);
+    let duplicates: Vec<(String, usize)> = counted
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(k, n)| (k.clone(), *n))
+        .collect();
+    let mut lost: Vec<String> = keys
+        .iter()
+        .filter(|k| !counted.contains_key(*k))
+        .cloned()
+        .collect();
+    // Every instant from the first to the last tick ran: catch_up loses none.
+    let ticks: Vec<_> = counted
+        .keys()
+        .filter(|k| k.starts_with("tick@"))
+        .map(|k| instant_of(k))
+        .collect();
+    for pair in ticks.windows(2) {
+        let mut t = pair[0] + chrono::TimeDelta::seconds(1);
+        while t < pair[1] {
+            lost.push(format!("tick@{}", t.to_rfc3339()));
+            t += chrono::TimeDelta::seconds(1);
+        }
+    }
+    Outcome {
+        failover,
+        resumed,
+        duplicates,
+        lost,
+        ticks: ticks.len(),
+        adhoc: ADHOC,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_primary_failover_with_wait_replicas_loses_nothing_and_doubles_nothing() {
+    let mut set = SentinelSet::shared().await;
+    let out = failover_under_load(&mut set, "e2e_sentinel_wait", 1).await;
+    println!(
+        "wait_replicas = 1: sentinel failover {:?}, work resumed {:?} after kill -9; {} ticks, {} ad-hoc; {} duplicates, {} lost",
+        out.failover,
+        out.resumed,
+        out.ticks,
+        out.adhoc,
+        out.duplicates.len(),
+        out.lost.len()
+    );
+    assert!(out.duplicates.is_empty(), "ran twice: {:?}", out.duplicates);
+    assert!(out.lost.is_empty(), "lost: {:?}", out.lost);
+    assert!(out.ticks >= 8, "only {} ticks ran", out.ticks);
+    set.heal();
+}
+
+/// Without `wait_replicas` a failover may drop acknowledged writes (`done`, progress) that
+/// had not reached a replica yet; this run reports what it cost, it does not assert it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_primary_failover_without_wait_replicas_is_reported() {
+    let mut set = SentinelSet::shared().await;
+    let out = failover_under_load(&mut set, "e2e_sentinel_nowait", 0).await;
+    assert!(out.lost.is_empty(), "lost: {:?}", out.lost);
+    println!(
+        "wait_replicas = 0: sentinel failover {:?}, work resumed {:?} after kill -9; {} ticks, {} ad-hoc; {} duplicates {:?}, {} lost {:?}",
+        out.failover,
+        out.resumed,
+        out.ticks,
+        out.adhoc,
+        out.duplicates.len(),
+        out.duplicates,
+        out.lost.len(),
+        out.lost
+    );
+    set.heal();
+}
