@@ -905,6 +905,18 @@ impl RabbitCluster {
         self.nodes.iter().position(|n| n.name == leader)
     }
 
+    /// Kills node `i` with SIGKILL (no goodbye to its peers or clients) and waits until it is
+    /// gone.
+    pub fn kill9(&self, i: usize) {
+        self.nodes[i].kill9();
+    }
+
+    /// Boots node `i` again (after [`kill9`](Self::kill9)) with its data: it rejoins the
+    /// cluster by itself.
+    pub fn start_again(&mut self, i: usize) {
+        self.nodes[i].boot();
+    }
+
     /// The type (`classic`, `quorum`) of queue `queue`, asked of node `via`.
     pub fn queue_type(&self, via: usize, queue: &str) -> Option<String> {
         queue_type_on(Some(&self.nodes[via].name), queue)
