@@ -796,13 +796,22 @@ pub struct RabbitCluster {
     pub nodes: Vec<PrivateRabbit>,
 }
 
+/// What a cluster node does when it finds itself cut off: RabbitMQ's advice for three nodes or
+/// more. The default (`ignore`) leaves a node that was frozen past `net_ticktime` partitioned
+/// from the others after it resumes, until someone restarts it.
+const PARTITION_HANDLING: &str = "cluster_partition_handling = pause_minority";
+
 impl RabbitCluster {
     /// Boots three nodes at once, joins the second and third to the first (`stop_app`,
     /// `join_cluster`, `start_app`), and waits until the cluster reports all three running.
     pub fn start(label: &str) -> Self {
         let nodes: Vec<PrivateRabbit> = std::thread::scope(|s| {
             let starting: Vec<_> = (0..3)
-                .map(|i| s.spawn(move || PrivateRabbit::start(&format!("{label}{i}"))))
+                .map(|i| {
+                    s.spawn(move || {
+                        PrivateRabbit::start_with(&format!("{label}{i}"), PARTITION_HANDLING)
+                    })
+                })
                 .collect();
             starting
                 .into_iter()
@@ -909,6 +918,17 @@ impl RabbitCluster {
     /// gone.
     pub fn kill9(&self, i: usize) {
         self.nodes[i].kill9();
+    }
+
+    /// Freezes node `i` (SIGSTOP): its sockets stay open but nothing answers, as when a machine
+    /// hangs or drops off the network. [`thaw`](Self::thaw) resumes it.
+    pub fn freeze(&self, i: usize) {
+        self.nodes[i].freeze();
+    }
+
+    /// Resumes a frozen node `i` (SIGCONT).
+    pub fn thaw(&self, i: usize) {
+        self.nodes[i].thaw();
     }
 
     /// Boots node `i` again (after [`kill9`](Self::kill9)) with its data: it rejoins the

@@ -18,8 +18,33 @@ const ADHOC: usize = 2_000;
 const KILL_AFTER: usize = 600;
 const WAIT: Duration = Duration::from_secs(60);
 
+/// How the node leading the work queue goes away, and comes back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// SIGKILL, then a fresh boot on the same data: its sockets close at once, so clients and
+    /// peers notice immediately.
+    Kill9,
+    /// SIGSTOP, then SIGCONT: its sockets stay open, so clients notice only by AMQP heartbeats
+    /// and peers by the Erlang distribution's ticks.
+    Freeze,
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn quorum_queues_lose_and_repeat_nothing_when_the_leader_node_is_killed() {
+    leader_node_fails(Fault::Kill9, "").await;
+}
+
+/// Not in the suite: with RabbitMQ's and the client's default timeouts a frozen node is found
+/// out after about a minute. Run by hand (`-- --ignored --nocapture`) to measure it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "slow (minutes): measures failover from a frozen node"]
+async fn quorum_queues_lose_and_repeat_nothing_when_the_leader_node_freezes() {
+    leader_node_fails(Fault::Freeze, "?heartbeat=5").await;
+}
+
+/// The scenario of the module docs with `fault`; `query` is appended to every URL drumline
+/// is given (e.g. `?heartbeat=5`).
+async fn leader_node_fails(fault: Fault, query: &str) {
     let env = setup("e2e_quorum_cluster");
     let mut cluster = RabbitCluster::start("qc");
     let names = env.names();
@@ -27,7 +52,7 @@ async fn quorum_queues_lose_and_repeat_nothing_when_the_leader_node_is_killed() 
     let config = |file: &str, order: [usize; 3]| {
         let urls: Vec<String> = order
             .iter()
-            .map(|&i| toml_string(&cluster.url(i)))
+            .map(|&i| toml_string(&format!("{}{query}", cluster.url(i))))
             .collect();
         let path = env.config(
             file,
@@ -102,7 +127,9 @@ command = {adhoc}
         tokio::spawn(async move {
             for i in 0..ADHOC {
                 let envelope = adhoc(&format!("a-{i:04}"), "adhoc");
-                publisher.publish(&names, &envelope, WAIT).await;
+                publisher
+                    .publish(&names, &envelope, Duration::from_secs(240))
+                    .await;
                 confirmed.store(i + 1, Ordering::SeqCst);
                 // About 100 a second: the stream spans the kill and the recovery.
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -123,13 +150,16 @@ command = {adhoc}
     let killed_at = Instant::now();
     let killed_at_wall = chrono::Utc::now();
     let sent_at_kill = confirmed.load(Ordering::SeqCst);
-    cluster.kill9(leader);
+    match fault {
+        Fault::Kill9 => cluster.kill9(leader),
+        Fault::Freeze => cluster.freeze(leader),
+    }
 
     // Recovered: an instant due after the kill ran (the beat failed over and published it, the
     // queue elected a leader, a worker ran it), and so did an ad-hoc task sent after the kill.
     let mut tick_recovery = None;
     let mut adhoc_recovery = None;
-    let recovered = wait_until(Duration::from_secs(90), || {
+    let recovered = wait_until(Duration::from_secs(240), || {
         if tick_recovery.is_none()
             && env
                 .lines("ticks")
@@ -157,7 +187,7 @@ command = {adhoc}
     );
     let new_leader = cluster.leader_of(next, &queue);
     println!(
-        "killed node {leader} (the leader) after {sent_at_kill} ad-hoc tasks; new leader {new_leader:?}; \
+        "{fault:?}: node {leader} (the leader) after {sent_at_kill} ad-hoc tasks; new leader {new_leader:?}; \
          recovered in {:.1} s (scheduled) and {:.1} s (ad-hoc)",
         tick_recovery.unwrap().as_secs_f64(),
         adhoc_recovery.unwrap().as_secs_f64()
@@ -166,7 +196,10 @@ command = {adhoc}
 
     // The node comes back and rejoins; the stream finishes.
     let restarted_at = Instant::now();
-    cluster.start_again(leader);
+    match fault {
+        Fault::Kill9 => cluster.start_again(leader),
+        Fault::Freeze => cluster.thaw(leader),
+    }
     assert!(
         wait_until(WAIT, || cluster.running_nodes(next).len() == 3),
         "node {leader} did not rejoin: {:?}",
@@ -176,7 +209,7 @@ command = {adhoc}
         "node {leader} back in the cluster after {:.1} s",
         restarted_at.elapsed().as_secs_f64()
     );
-    let retries = tokio::time::timeout(Duration::from_secs(90), stream)
+    let retries = tokio::time::timeout(Duration::from_secs(240), stream)
         .await
         .expect("the ad-hoc stream did not finish")
         .expect("the ad-hoc stream panicked");
