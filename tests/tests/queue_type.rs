@@ -1,8 +1,10 @@
-//! `[broker] queue_type` on the shared broker (DESIGN §9 "Scale-out"): a quorum namespace runs
-//! scheduled, ad-hoc and retried work end to end on one node, and a namespace whose queues
-//! exist as another type is refused at start (exit 2, the fix named, nothing declared).
+//! `[broker] queue_type` and `urls` on the shared broker (DESIGN §9 "Scale-out"): a quorum
+//! namespace runs scheduled, ad-hoc and retried work end to end on one node; a namespace whose
+//! queues exist as another type is refused at start (exit 2, the fix named, nothing declared);
+//! a node list whose first node does not answer is served by the next, and
+//! `DRUMLINE_AMQP_URL` beats the list. (Failover under a dying node: `cluster.rs`.)
 
-use drumline_e2e::{adhoc, queue_type_on, setup, wait_until, TestEnv};
+use drumline_e2e::{adhoc, queue_type_on, setup, toml_string, unused_port, wait_until, TestEnv};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -115,4 +117,58 @@ async fn a_changed_queue_type_is_refused_at_start_with_the_fix() {
     );
     assert_eq!(env.queue_len(&queue).await, Some(1));
     assert!(env.lines("ticks").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_first_node_that_answers_serves_and_the_env_url_beats_the_list() {
+    let env = setup("e2e_broker_urls");
+    let dead = |port: u16| toml_string(&format!("amqp://guest:guest@127.0.0.1:{port}/%2f"));
+    let cfg = |name: &str, urls: &str| {
+        let path = env.config(
+            name,
+            &format!(
+                r#"
+[broker]
+urls = [{urls}]
+
+[[jobs]]
+name = "tick"
+task = "append"
+every = "1s"
+
+[tasks.append]
+command = {cmd}
+"#,
+                cmd = env.append_key_command("ticks", 0.0),
+            ),
+        );
+        path.to_str().unwrap().to_owned()
+    };
+    // The worker's first node does not answer; the second is the shared broker.
+    let worker_cfg = cfg(
+        "worker.toml",
+        &format!(
+            "{}, {}",
+            dead(unused_port()),
+            toml_string(drumline_e2e::AMQP_URL)
+        ),
+    );
+    // The beat's list holds no live node at all: only the environment's URL can serve it.
+    let beat_cfg = cfg("beat.toml", &dead(unused_port()));
+    let mut worker = env.worker("worker", &["--config", &worker_cfg]);
+    env.wait_for_topology(&worker).await;
+    let mut beat = env.beat_with_env(
+        "beat",
+        &["--config", &beat_cfg],
+        &[("DRUMLINE_AMQP_URL", drumline_e2e::AMQP_URL)],
+    );
+    assert!(
+        wait_until(WAIT, || env.lines("ticks").len() >= 3),
+        "{}\n{}",
+        beat.log_tail(20),
+        worker.log_tail(20)
+    );
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    drumline_e2e::assert_contiguous_exactly_once(&env.lines("ticks"), 3);
 }
