@@ -25,10 +25,11 @@ const DELAY_QUEUE_IDLE: Duration = Duration::from_secs(60);
 /// `x-delivery-limit` of quorum work queues. Every return of a message to its queue counts as
 /// a delivery, and the worker returns messages on purpose when it fails closed (Redis down, a
 /// lost lease, shutdown): past the limit the broker would dead-letter a message that never ran.
-/// RabbitMQ 4 defaults the limit to 20 when none is set (3.10 has none), which an hour of Redis
-/// outage exhausts; a million returns at the worker's paced rate are weeks. Not `-1`: 4.x reads
-/// it as "no limit", but 3.10 drops the message at its first return. Changing this value makes
-/// every existing quorum work queue refuse the declare (406), so it never changes.
+/// RabbitMQ 4 defaults the limit to 20 when none is set (3.10 has none), which repeated lease
+/// losses or a flapping Redis can reach; a million is beyond any outage. Not `-1`: 4.x reads it
+/// as "no limit", but 3.10 takes it literally and drops the message at its first return
+/// (checked on 3.10.8). Changing this value makes every existing quorum work queue refuse the
+/// declare (406), so it never changes.
 pub const QUORUM_DELIVERY_LIMIT: i32 = 1_000_000;
 
 /// How long one node may take to accept a connection before the next node is tried (with more
