@@ -946,27 +946,44 @@ impl RabbitCluster {
 /// The type (`classic`, `quorum`) of queue `queue` in the default vhost of node `node` (the
 /// shared node when `None`), from `rabbitmqctl list_queues` (read only).
 pub fn queue_type_on(node: Option<&str>, queue: &str) -> Option<String> {
+    queue_info_on(node, queue, "type")
+}
+
+/// Every queue whose name starts with `prefix`, with column `item` (see [`queue_info_on`]).
+pub fn queues_on(node: Option<&str>, prefix: &str, item: &str) -> Vec<(String, String)> {
     let mut cmd = Command::new("/usr/sbin/rabbitmqctl");
     if let Some(node) = node {
         cmd.args(["-n", node]);
     }
-    let out = cmd
+    let Ok(out) = cmd
         .args([
             "list_queues",
             "name",
-            "type",
+            item,
             "--no-table-headers",
             "--silent",
         ])
         .stdin(Stdio::null())
         .output()
-        .ok()?;
+    else {
+        return Vec::new();
+    };
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .find_map(|line| {
-            let mut cols = line.split_whitespace();
-            (cols.next()? == queue).then(|| cols.next().map(str::to_owned))?
+        .filter_map(|line| {
+            let (name, value) = line.split_once('\t')?;
+            name.starts_with(prefix)
+                .then(|| (name.to_owned(), value.trim().to_owned()))
         })
+        .collect()
+}
+
+/// Column `item` of `rabbitmqctl list_queues` (read only) for queue `queue` in the default
+/// vhost of node `node` (the shared node when `None`): `type`, `arguments`, `leader`, …
+pub fn queue_info_on(node: Option<&str>, queue: &str, item: &str) -> Option<String> {
+    queues_on(node, queue, item)
+        .into_iter()
+        .find_map(|(name, value)| (name == queue).then_some(value))
 }
 
 /// A publisher with confirms to one broker `url`, for streams of many messages: one connection

@@ -4,7 +4,10 @@
 //! a node list whose first node does not answer is served by the next, and
 //! `DRUMLINE_AMQP_URL` beats the list. (Failover under a dying node: `cluster.rs`.)
 
-use drumline_e2e::{adhoc, queue_type_on, setup, toml_string, unused_port, wait_until, TestEnv};
+use drumline_e2e::{
+    adhoc, queue_info_on, queue_type_on, queues_on, setup, toml_string, unused_port, wait_until,
+    TestEnv,
+};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -70,8 +73,20 @@ async fn a_quorum_namespace_runs_jobs_ad_hoc_tasks_and_retries_on_one_node() {
     );
     assert!(beat.terminate(Duration::from_secs(10)).success());
     assert!(worker.terminate(Duration::from_secs(20)).success());
-    // The retry went through a (classic) delay queue back into the quorum queue, once.
+    // The retry went through a classic delay queue back into the quorum queue, once.
     assert_eq!(env.lines("flaky"), ["once-only"]);
+    let delay_queues = queues_on(None, &format!("{}.delay.", env.ns), "type");
+    assert!(!delay_queues.is_empty(), "no delay queue was used");
+    assert!(
+        delay_queues.iter().all(|(_, t)| t == "classic"),
+        "{delay_queues:?}"
+    );
+    // An explicit delivery limit on the work queue only (RabbitMQ 4 would default it to 20).
+    let limit = "{\"x-delivery-limit\",1000000}";
+    let work_args = queue_info_on(None, &names.work_queue("default"), "arguments").unwrap();
+    assert!(work_args.contains(limit), "{work_args}");
+    let dead_args = queue_info_on(None, &names.dead(), "arguments").unwrap();
+    assert!(!dead_args.contains("x-delivery-limit"), "{dead_args}");
     assert_eq!(env.run_state("once-only").await.as_deref(), Some("done"));
     drumline_e2e::assert_contiguous_exactly_once(&env.lines("ticks"), 3);
 }
