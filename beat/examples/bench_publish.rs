@@ -303,6 +303,7 @@ async fn bench_bare(jobs: usize, ns: &str) -> Result<Duration> {
         &names,
         &["default".to_owned()],
         Duration::from_secs(7 * 86_400),
+        drumline_shared::config::QueueType::Classic,
     )
     .await?;
     let queue = names.work_queue("default");

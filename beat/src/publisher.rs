@@ -7,7 +7,7 @@
 //! the first messages come back while the last ones are still being sent).
 
 use chrono::Utc;
-use drumline_shared::config::Config;
+use drumline_shared::config::{Config, QueueType};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use drumline_shared::topology::{self, TopologyError};
@@ -40,8 +40,8 @@ pub enum PublishError {
 
 /// Publishes envelopes with confirms.
 pub struct Publisher {
-    url: String,
-    ca_file: Option<std::path::PathBuf>,
+    nodes: topology::Nodes,
+    queue_type: QueueType,
     names: Names,
     queues: Vec<String>,
     dead_ttl: Duration,
@@ -52,8 +52,8 @@ impl Publisher {
     /// A publisher for `config`'s broker; connects lazily.
     pub fn new(config: &Config) -> Self {
         Self {
-            url: config.broker_url.clone(),
-            ca_file: config.broker_ca_file.clone(),
+            nodes: topology::Nodes::new(config),
+            queue_type: config.broker.queue_type,
             names: Names::new(config.namespace.clone()),
             queues: job_queues(config),
             dead_ttl: config.worker.dead_ttl,
@@ -81,12 +81,20 @@ impl Publisher {
             self.session = None;
         }
         if self.session.is_none() {
-            let conn = topology::connect_to(&self.url, self.ca_file.as_deref()).await?;
+            // After a lost connection, the other nodes first (`[broker] urls`).
+            let conn = self.nodes.connect().await?;
             let channel = conn.create_channel().await?;
             channel
                 .confirm_select(ConfirmSelectOptions::default())
                 .await?;
-            topology::declare(&channel, &self.names, &self.queues, self.dead_ttl).await?;
+            topology::declare(
+                &channel,
+                &self.names,
+                &self.queues,
+                self.dead_ttl,
+                self.queue_type,
+            )
+            .await?;
             info!(namespace = %self.names.namespace(), "connected to the broker; topology declared");
             self.session = Some((conn, channel));
         }

@@ -57,8 +57,12 @@ pub struct Config {
     /// Namespace for every name on the broker and in Redis. Default `drumline`.
     pub namespace: String,
     /// AMQP URL; env `DRUMLINE_AMQP_URL` wins. Default `amqp://guest:guest@127.0.0.1:5672/%2f`.
-    /// Checked at load; print it only through [`url::Redacted`].
+    /// Checked at load; print it only through [`url::Redacted`]. With `[broker] urls`, the first
+    /// of them.
     pub broker_url: String,
+    /// `[broker] urls` / `url` / `DRUMLINE_AMQP_URL` as the list of nodes to connect to, in
+    /// order (see [`BrokerConfig`]). Never empty; `broker_urls[0] == broker_url`.
+    pub broker: BrokerConfig,
     /// Redis URL; env `DRUMLINE_REDIS_URL` wins. Default `redis://127.0.0.1:6379/0`.
     /// Checked at load; print it only through [`url::Redacted`].
     pub redis_url: String,
@@ -90,7 +94,7 @@ impl Config {
             ("namespace", self.namespace != new.namespace),
             (
                 "[broker]",
-                (&self.broker_url, &self.broker_ca_file) != (&new.broker_url, &new.broker_ca_file),
+                (&self.broker, &self.broker_ca_file) != (&new.broker, &new.broker_ca_file),
             ),
             (
                 "[redis]",
@@ -225,7 +229,7 @@ pub struct Task {
 struct RawConfig<J, T> {
     namespace: Option<String>,
     #[serde(default)]
-    broker: RawUrl,
+    broker: RawBroker,
     #[serde(default)]
     redis: RawRedis,
     #[serde(default)]
@@ -236,13 +240,6 @@ struct RawConfig<J, T> {
     jobs: Vec<J>,
     #[serde(default = "BTreeMap::new")]
     tasks: BTreeMap<String, T>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct RawUrl {
-    url: Option<String>,
-    ca_file: Option<PathBuf>,
 }
 
 /// `[redis]`: a URL section plus the replica wait.
@@ -308,6 +305,92 @@ struct RawTask {
 }
 
 // ---------------------------------------------------------------------------------------------
+// [broker] (DESIGN §9 "Scale-out"): the nodes and the queue type
+
+/// What `[broker] queue_type` declares the work queues and `{ns}.dead` as. Delay queues are
+/// classic whatever this says (DESIGN §9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QueueType {
+    /// Classic queues (one node holds each queue). The default.
+    #[default]
+    Classic,
+    /// Quorum queues (Raft-replicated over the cluster's nodes).
+    Quorum,
+}
+
+impl QueueType {
+    /// The `x-queue-type` argument's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Classic => "classic",
+            QueueType::Quorum => "quorum",
+        }
+    }
+}
+
+impl fmt::Display for QueueType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `[broker]` beyond `url` and `ca_file`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerConfig {
+    /// The nodes, in the order they are tried: `DRUMLINE_AMQP_URL` alone when set, else
+    /// `[broker] urls`, else `[broker] url`, else the default URL. Each checked at load; print
+    /// them only through [`url::Redacted`].
+    pub urls: Vec<String>,
+    /// `[broker] queue_type`. Default classic.
+    pub queue_type: QueueType,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawBroker {
+    url: Option<String>,
+    urls: Option<Vec<String>>,
+    ca_file: Option<PathBuf>,
+    queue_type: Option<QueueType>,
+}
+
+impl BrokerConfig {
+    /// `urls` as checked, or `single` (the one URL in force) when `urls` was not used.
+    fn or_single(mut self, single: &str) -> Self {
+        if self.urls.is_empty() {
+            self.urls.push(single.to_owned());
+        }
+        self
+    }
+}
+
+/// The `[broker]` section's node list and queue type. The list is empty when `urls` is not
+/// in force (`DRUMLINE_AMQP_URL` set, or no `urls` key): then the single URL is used.
+fn check_broker(fail: &Failer, env_set: bool, b: &RawBroker) -> Result<BrokerConfig, ConfigError> {
+    let queue_type = b.queue_type.unwrap_or_default();
+    let urls = match (env_set, &b.urls) {
+        (true, _) | (false, None) => Vec::new(),
+        (false, Some(urls)) if urls.is_empty() => {
+            return Err(fail.at(
+                Some("[broker]"),
+                "urls",
+                "must list at least one URL (or leave `urls` out and use `url`)".into(),
+            ))
+        }
+        (false, Some(urls)) => {
+            for (i, text) in urls.iter().enumerate() {
+                url::check_amqp(text).map_err(|e| {
+                    fail.at(Some("[broker]"), "urls", format!("entry {}: {e}", i + 1))
+                })?;
+            }
+            urls.clone()
+        }
+    };
+    Ok(BrokerConfig { urls, queue_type })
+}
+
+// ---------------------------------------------------------------------------------------------
 // Loading and checking
 
 impl Config {
@@ -344,15 +427,19 @@ impl Config {
         let worker = check_worker(&fail, raw.worker)?;
         let tasks = check_tasks(&fail, raw.tasks)?;
         let jobs = check_jobs(&fail, raw.jobs, &tasks)?;
+        let amqp_env = env(ENV_AMQP_URL);
+        let broker = check_broker(&fail, amqp_env.is_some(), &raw.broker)?;
         let broker_url = fail.url(
             ENV_AMQP_URL,
-            env(ENV_AMQP_URL),
+            amqp_env,
             "[broker]",
             raw.broker.url,
             "amqp://guest:guest@127.0.0.1:5672/%2f",
             url::check_amqp,
         )?;
         let redis_wait = check_redis_wait(&fail, &raw.redis)?;
+        let broker = broker.or_single(&broker_url);
+        let broker_url = broker.urls[0].clone();
         let redis_url = fail.url(
             ENV_REDIS_URL,
             env(ENV_REDIS_URL),
@@ -369,6 +456,7 @@ impl Config {
             path: path.to_owned(),
             namespace,
             broker_url,
+            broker,
             redis_url,
             broker_ca_file: fail.ca_file("[broker]", raw.broker.ca_file)?,
             redis_wait,
@@ -781,7 +869,7 @@ impl Failer<'_> {
         };
         type Finder = fn(&toml::Table) -> Option<(String, toml::de::Error)>;
         let sections: [(&str, Finder); 4] = [
-            ("broker", culprit::<RawUrl>),
+            ("broker", culprit::<RawBroker>),
             ("redis", culprit::<RawRedis>),
             ("beat", culprit::<RawBeat>),
             ("worker", culprit::<RawWorker>),
@@ -1172,6 +1260,51 @@ mod tests {
         .unwrap_err();
         assert_eq!(e.key.as_deref(), Some(ENV_REDIS_URL));
         assert!(!e.to_string().contains("s3cret"), "{e}");
+    }
+
+    #[test]
+    fn broker_nodes_env_beats_urls_beats_url() {
+        let file = "[broker]\nurl = \"amqp://one\"\nurls = [\"amqp://a\", \"amqp://b:5673\"]\n";
+        let c = parse(file).unwrap();
+        assert_eq!(c.broker.urls, ["amqp://a", "amqp://b:5673"]);
+        assert_eq!(c.broker_url, "amqp://a");
+        let c = parse("[broker]\nurl = \"amqp://one\"\n").unwrap();
+        assert_eq!(c.broker.urls, ["amqp://one"]);
+        let c = parse("").unwrap();
+        assert_eq!(c.broker.urls.len(), 1);
+        assert_eq!(c.broker.urls[0], c.broker_url);
+        let c = Config::parse(file, Path::new("d.toml"), |name| {
+            (name == ENV_AMQP_URL).then(|| "amqp://env".to_owned())
+        })
+        .unwrap();
+        assert_eq!(
+            (c.broker.urls, c.broker_url),
+            (vec!["amqp://env".to_owned()], "amqp://env".to_owned())
+        );
+    }
+
+    #[test]
+    fn broker_urls_are_each_checked_without_echoing_them() {
+        let e = parse("[broker]\nurls = [\"amqp://a\", \"amqp:u:s3cret@h\"]\n").unwrap_err();
+        assert_eq!(
+            (e.place.as_deref(), e.key.as_deref()),
+            (Some("[broker]"), Some("urls"))
+        );
+        assert!(e.message.starts_with("entry 2:"), "{e}");
+        assert!(!e.to_string().contains("s3cret"), "{e}");
+        err_has("[broker]\nurls = []\n", "at least one URL");
+    }
+
+    #[test]
+    fn queue_type_defaults_to_classic() {
+        assert_eq!(parse("").unwrap().broker.queue_type, QueueType::Classic);
+        let c = parse("[broker]\nqueue_type = \"quorum\"\n").unwrap();
+        assert_eq!(c.broker.queue_type, QueueType::Quorum);
+        let e = parse("[broker]\nqueue_type = \"mirrored\"\n").unwrap_err();
+        assert_eq!(
+            (e.place.as_deref(), e.key.as_deref()),
+            (Some("[broker]"), Some("queue_type"))
+        );
     }
 
     #[test]

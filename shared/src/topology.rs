@@ -1,9 +1,10 @@
 //! Declaring drumline's exchanges and queues (DESIGN §3). Declarations are idempotent, so the
 //! beat and every worker declare what they use at start and after every reconnect.
 
-use crate::config::Config;
+use crate::config::{Config, QueueType};
 use crate::names::Names;
 use crate::tls::read_ca_file;
+use crate::url::Redacted;
 use lapin::options::BasicPublishOptions;
 use lapin::options::ConfirmSelectOptions;
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
@@ -13,27 +14,69 @@ use lapin::tcp::{RustlsConnector, RustlsConnectorConfig, TcpStream};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tracing::{info, warn};
 
 /// How long an idle delay queue outlives its last message's TTL before the broker deletes it.
 const DELAY_QUEUE_IDLE: Duration = Duration::from_secs(60);
 
+/// `x-delivery-limit` of quorum work queues. Every return of a message to its queue counts as
+/// a delivery, and the worker returns messages on purpose when it fails closed (Redis down, a
+/// lost lease, shutdown): past the limit the broker would dead-letter a message that never ran.
+/// RabbitMQ 4 defaults the limit to 20 when none is set (3.10 has none), which repeated lease
+/// losses or a flapping Redis can reach; a million is beyond any outage. Not `-1`: 4.x reads it
+/// as "no limit", but 3.10 takes it literally and drops the message at its first return
+/// (checked on 3.10.8). Changing this value makes every existing quorum work queue refuse the
+/// declare (406), so it never changes.
+pub const QUORUM_DELIVERY_LIMIT: i32 = 1_000_000;
+
+/// How long one node may take to accept a connection before the next node is tried (with more
+/// than one node: a node that does not answer must not hold up the failover).
+pub const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Why declaring failed, with the fix where we know it.
 #[derive(Debug, thiserror::Error)]
 pub enum TopologyError {
-    /// The broker refused a queue whose arguments differ from an existing one.
-    #[error("queue {queue} exists with different arguments ({source}); delete it in the management UI or with `rabbitmqadmin delete queue name={queue}` (it holds the messages listed there), then start again")]
+    /// The broker refused a queue whose arguments differ from an existing one (406).
+    #[error("{}", mismatch_text(.queue, .source, *.queue_type))]
     Mismatch {
         /// The queue.
         queue: String,
         /// The broker's answer.
         source: lapin::Error,
+        /// The `[broker] queue_type` it was declared with.
+        queue_type: QueueType,
     },
     /// Anything else from the broker.
     #[error(transparent)]
     Amqp(#[from] lapin::Error),
+}
+
+/// The fix for a refused declare: a changed `queue_type` has its own (the broker names
+/// `x-queue-type` in its answer), any other changed argument the generic one.
+fn mismatch_text(queue: &str, source: &lapin::Error, wanted: QueueType) -> String {
+    if source.to_string().contains("x-queue-type") {
+        let other = match wanted {
+            QueueType::Classic => QueueType::Quorum,
+            QueueType::Quorum => QueueType::Classic,
+        };
+        return format!(
+            "queue {queue} exists as a {other} queue but `[broker] queue_type` is \"{wanted}\" \
+             ({source}); a queue cannot change type in place, and nothing past it was declared. To \
+             migrate, either drain the namespace (stop the beats, let the workers empty its work \
+             queues, stop them, deal with its dead letters) and delete its queues (this one with \
+             `rabbitmqctl delete_queue {queue}`, then each work queue and the `.dead` queue \
+             likewise), then start again; or set a new `namespace` for queue_type = \"{wanted}\" \
+             and retire the old one once drained. Or set queue_type = \"{other}\" back"
+        );
+    }
+    format!(
+        "queue {queue} exists with different arguments ({source}); delete it in the management \
+         UI or with `rabbitmqadmin delete queue name={queue}` (it holds the messages listed \
+         there), then start again"
+    )
 }
 
 fn durable() -> QueueDeclareOptions {
@@ -54,17 +97,39 @@ fn string(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
 }
 
-/// Declares the work exchange, the dead-letter exchange and queue (`dead_ttl`), and the work
-/// queues `{ns}.q.{queue}` for `queues`, bound by routing key.
+/// Declares the dead-letter queue (`dead_ttl`) and the work queues `{ns}.q.{queue}` for
+/// `queues`, as `queue_type`, then the work and dead-letter exchanges and the bindings.
 ///
-/// A changed argument (say `dead_ttl`) closes the channel with PRECONDITION_FAILED; callers must
-/// then use a fresh channel. The error says how to fix it.
+/// Queues first, the dead-letter queue first of all: it exists in every namespace that ever
+/// ran, with the type of the work queues, so a changed `queue_type` is refused (406) by the
+/// very first declare, before anything is created. A changed argument (say `dead_ttl`) closes
+/// the channel with PRECONDITION_FAILED; callers must then use a fresh channel. The error says
+/// how to fix it.
 pub async fn declare(
     channel: &Channel,
     names: &Names,
     queues: &[String],
     dead_ttl: Duration,
+    queue_type: QueueType,
 ) -> Result<(), TopologyError> {
+    let dead = names.dead();
+    let mut dead_args = typed(queue_type);
+    dead_args.insert(
+        "x-message-ttl".into(),
+        AMQPValue::LongLongInt(dead_ttl.as_millis() as i64),
+    );
+    declare_queue(channel, &dead, dead_args, queue_type).await?;
+    for queue in queues {
+        let mut args = typed(queue_type);
+        args.insert("x-dead-letter-exchange".into(), string(&dead));
+        if queue_type == QueueType::Quorum {
+            args.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongInt(QUORUM_DELIVERY_LIMIT),
+            );
+        }
+        declare_queue(channel, &names.work_queue(queue), args, queue_type).await?;
+    }
     channel
         .exchange_declare(
             &names.tasks_exchange(),
@@ -75,40 +140,57 @@ pub async fn declare(
         .await?;
     channel
         .exchange_declare(
-            &names.dead(),
+            &dead,
             ExchangeKind::Fanout,
             exchange_options(),
             FieldTable::default(),
         )
         .await?;
-    let mut dead_args = FieldTable::default();
-    dead_args.insert(
-        "x-message-ttl".into(),
-        AMQPValue::LongLongInt(dead_ttl.as_millis() as i64),
-    );
-    let dead = names.dead();
-    declare_bound(channel, &dead, dead_args, &dead, "").await?;
+    bind(channel, &dead, &dead, "").await?;
     for queue in queues {
-        let mut args = FieldTable::default();
-        args.insert("x-dead-letter-exchange".into(), string(&dead));
-        let name = names.work_queue(queue);
-        declare_bound(channel, &name, args, &names.tasks_exchange(), queue).await?;
+        bind(
+            channel,
+            &names.work_queue(queue),
+            &names.tasks_exchange(),
+            queue,
+        )
+        .await?;
     }
     Ok(())
 }
 
-/// Declares the durable queue `queue` with `args` and binds it to `exchange` by `routing_key`.
-async fn declare_bound(
+/// Queue arguments holding `x-queue-type`, always explicit: a classic queue declared without
+/// it before is equivalent (3.10 and 4.x accept `classic` on it), and a quorum queue asked for
+/// as classic is then refused on 4.x too, which accepts a declare without the argument for any
+/// existing type.
+fn typed(queue_type: QueueType) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), string(queue_type.as_str()));
+    args
+}
+
+/// Declares the durable queue `queue` with `args` (`queue_type` names the type asked for, for
+/// the error).
+async fn declare_queue(
     channel: &Channel,
     queue: &str,
     args: FieldTable,
-    exchange: &str,
-    routing_key: &str,
+    queue_type: QueueType,
 ) -> Result<(), TopologyError> {
     channel
         .queue_declare(queue, durable(), args)
         .await
-        .map_err(|source| mismatch(queue, source))?;
+        .map_err(|source| mismatch(queue, source, queue_type))?;
+    Ok(())
+}
+
+/// Binds `queue` to `exchange` by `routing_key`.
+async fn bind(
+    channel: &Channel,
+    queue: &str,
+    exchange: &str,
+    routing_key: &str,
+) -> Result<(), TopologyError> {
     channel
         .queue_bind(
             queue,
@@ -141,21 +223,88 @@ impl TopologyError {
 }
 
 /// A declare refused with 406 PRECONDITION_FAILED is a queue redeclared with other arguments.
-fn mismatch(queue: &str, source: lapin::Error) -> TopologyError {
+fn mismatch(queue: &str, source: lapin::Error, queue_type: QueueType) -> TopologyError {
     if reply_code(&source) == Some(AMQPSoftError::PRECONDITIONFAILED.get_id()) {
         TopologyError::Mismatch {
             queue: queue.to_owned(),
             source,
+            queue_type,
         }
     } else {
         TopologyError::Amqp(source)
     }
 }
 
-/// Connects to `config`'s broker: `[broker] url`, and for `amqps://` the `[broker] ca_file`
-/// roots (the system roots when unset). Every broker connection drumline makes goes through here.
+/// Connects to `config`'s broker: the first of `[broker] urls` (or the one `url`) that answers,
+/// with `[broker] ca_file` for `amqps://` (the system roots when unset). Every broker connection
+/// drumline makes goes through here or through [`Nodes::connect`].
 pub async fn connect(config: &Config) -> Result<Connection, lapin::Error> {
-    connect_to(&config.broker_url, config.broker_ca_file.as_deref()).await
+    Nodes::new(config).connect().await
+}
+
+/// The broker's nodes (`[broker] urls`) and which one the last connection went to, so that a
+/// reconnect after a lost connection tries the other nodes first (see [`failover_order`]).
+#[derive(Debug)]
+pub struct Nodes {
+    urls: Vec<String>,
+    ca_file: Option<PathBuf>,
+    last: Mutex<Option<usize>>,
+}
+
+impl Nodes {
+    /// `config`'s nodes; none connected yet.
+    pub fn new(config: &Config) -> Self {
+        Self {
+            urls: config.broker.urls.clone(),
+            ca_file: config.broker_ca_file.clone(),
+            last: Mutex::new(None),
+        }
+    }
+
+    /// Connects to the first node that answers, in [`failover_order`] after the node of the
+    /// last connection; `Err` is the last node's error once every node failed (one pass: the
+    /// caller's backoff spaces the passes). With several nodes each gets
+    /// [`NODE_CONNECT_TIMEOUT`].
+    pub async fn connect(&self) -> Result<Connection, lapin::Error> {
+        let last = *self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let several = self.urls.len() > 1;
+        let mut error = None;
+        for i in failover_order(self.urls.len(), last) {
+            let url = &self.urls[i];
+            let attempt = connect_to(url, self.ca_file.as_deref());
+            let result = if several {
+                tokio::time::timeout(NODE_CONNECT_TIMEOUT, attempt)
+                    .await
+                    .unwrap_or_else(|_| Err(io_error("the node did not answer in time")))
+            } else {
+                attempt.await
+            };
+            match result {
+                Ok(conn) => {
+                    *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(i);
+                    if several {
+                        info!(broker = %Redacted(url), node = i + 1, "connected to broker node");
+                    }
+                    return Ok(conn);
+                }
+                Err(e) => {
+                    if several {
+                        warn!(broker = %Redacted(url), node = i + 1, error = %e, "broker node unreachable; trying the next");
+                    }
+                    error = Some(e);
+                }
+            }
+        }
+        Err(error.unwrap_or_else(|| io_error("no broker URL configured")))
+    }
+}
+
+/// The order in which `n` nodes are tried when the last connection went to node `last`: the
+/// nodes after it first (it was lost, most likely with its node), itself last; from the first
+/// node when there was none. `[a, b, c]` lost on `b` tries `c, a, b`.
+pub fn failover_order(n: usize, last: Option<usize>) -> impl Iterator<Item = usize> {
+    let start = last.map_or(0, |i| (i + 1) % n.max(1));
+    (0..n).map(move |k| (start + k) % n)
 }
 
 /// Connects to `url`; with `ca_file` an `amqps://` server must present a certificate issued by a
@@ -206,7 +355,7 @@ pub async fn open_channel(
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
-    declare(&channel, names, queues, dead_ttl).await?;
+    declare(&channel, names, queues, dead_ttl, config.broker.queue_type).await?;
     Ok((conn, channel))
 }
 
@@ -246,7 +395,9 @@ pub async fn declare_delay_queue(
 ) -> Result<String, TopologyError> {
     let name = names.delay_queue(queue, delay);
     let ms = delay.as_millis().max(1) as i64;
-    let mut args = FieldTable::default();
+    // Classic whatever `[broker] queue_type` says: quorum queues do not renew `x-expires` on
+    // re-declaration, and a delay queue must expire once idle (DESIGN §9).
+    let mut args = typed(QueueType::Classic);
     args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ms));
     args.insert(
         "x-expires".into(),
@@ -260,7 +411,7 @@ pub async fn declare_delay_queue(
     channel
         .queue_declare(&name, durable(), args)
         .await
-        .map_err(|source| mismatch(&name, source))?;
+        .map_err(|source| mismatch(&name, source, QueueType::Classic))?;
     Ok(name)
 }
 
@@ -319,13 +470,45 @@ mod tests {
 
     #[test]
     fn only_precondition_failed_is_a_mismatch() {
-        let e = mismatch("q", closed(AMQPSoftError::PRECONDITIONFAILED));
+        let classic = QueueType::Classic;
+        let e = mismatch("q", closed(AMQPSoftError::PRECONDITIONFAILED), classic);
         assert!(matches!(e, TopologyError::Mismatch { .. }), "{e}");
         assert_eq!(e.reply_code(), Some(406));
-        let e = mismatch("q", closed(AMQPSoftError::ACCESSREFUSED));
+        assert!(!e.to_string().contains("queue_type"), "{e}");
+        let e = mismatch("q", closed(AMQPSoftError::ACCESSREFUSED), classic);
         assert!(matches!(e, TopologyError::Amqp(_)), "{e}");
         assert_eq!(e.reply_code(), Some(403));
-        let e = mismatch("q", lapin::Error::ChannelsLimitReached);
+        let e = mismatch("q", lapin::Error::ChannelsLimitReached, classic);
         assert!(matches!(e, TopologyError::Amqp(_)) && e.reply_code().is_none());
+    }
+
+    #[test]
+    fn a_changed_queue_type_names_the_key_and_the_migration() {
+        let refused = lapin::Error::ProtocolError(AMQPError::new(
+            AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED),
+            "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'n.dead'".into(),
+        ));
+        let e = mismatch("n.dead", refused, QueueType::Quorum).to_string();
+        for needle in [
+            "exists as a classic queue",
+            "`[broker] queue_type` is \"quorum\"",
+            "drain",
+            "rabbitmqctl delete_queue n.dead",
+            "new `namespace`",
+        ] {
+            assert!(e.contains(needle), "{needle:?} not in {e}");
+        }
+    }
+
+    #[test]
+    fn failover_starts_after_the_lost_node_and_tries_it_last() {
+        let order = |n, last| failover_order(n, last).collect::<Vec<_>>();
+        assert_eq!(order(3, None), [0, 1, 2]);
+        assert_eq!(order(3, Some(0)), [1, 2, 0]);
+        assert_eq!(order(3, Some(1)), [2, 0, 1]);
+        assert_eq!(order(3, Some(2)), [0, 1, 2]);
+        assert_eq!(order(1, None), [0]);
+        assert_eq!(order(1, Some(0)), [0]);
+        assert!(order(0, None).is_empty());
     }
 }

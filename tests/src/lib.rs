@@ -767,3 +767,285 @@ pub fn with_metrics(args: &[&str]) -> (Vec<String>, u16) {
     out.push(format!("127.0.0.1:{port}"));
     (out, port)
 }
+
+/// Three private RabbitMQ nodes joined into one cluster (own node names, ports, data and config
+/// dirs; the cookie is the `rabbitmq` user's, which every node started here shares), for the
+/// tests that kill a node under quorum queues. Never touches the shared node on 5672. Started
+/// by the test that needs it and torn down (every node killed, its directory removed) when
+/// dropped, at the end of that test binary's one cluster test.
+pub struct RabbitCluster {
+    /// The nodes; `nodes[0]` is the one the others joined.
+    pub nodes: Vec<PrivateRabbit>,
+}
+
+/// What a cluster node does when it finds itself cut off: RabbitMQ's advice for three nodes or
+/// more. The default (`ignore`) leaves a node that was frozen past `net_ticktime` partitioned
+/// from the others after it resumes, until someone restarts it.
+const PARTITION_HANDLING: &str = "cluster_partition_handling = pause_minority";
+
+impl RabbitCluster {
+    /// Boots three nodes at once, joins the second and third to the first (`stop_app`,
+    /// `join_cluster`, `start_app`), and waits until the cluster reports all three running.
+    pub fn start(label: &str) -> Self {
+        let nodes: Vec<PrivateRabbit> = std::thread::scope(|s| {
+            let starting: Vec<_> = (0..3)
+                .map(|i| {
+                    s.spawn(move || {
+                        PrivateRabbit::start_with(&format!("{label}{i}"), PARTITION_HANDLING)
+                    })
+                })
+                .collect();
+            starting
+                .into_iter()
+                .map(|h| h.join().expect("a node failed to boot"))
+                .collect()
+        });
+        let cluster = Self { nodes };
+        let seed = cluster.nodes[0].name.clone();
+        for i in 1..cluster.nodes.len() {
+            cluster.ctl(i, &["stop_app"]);
+            cluster.ctl(i, &["join_cluster", &seed]);
+            cluster.ctl(i, &["start_app"]);
+        }
+        let joined = wait_until(Duration::from_secs(60), || {
+            cluster.running_nodes(0).len() == cluster.nodes.len()
+        });
+        assert!(
+            joined,
+            "the cluster did not form: {:?}",
+            cluster.running_nodes(0)
+        );
+        cluster
+    }
+
+    /// Node `i`'s URL for `[broker] url(s)`.
+    pub fn url(&self, i: usize) -> String {
+        self.nodes[i].url()
+    }
+
+    /// Node `i`'s Erlang node name.
+    pub fn node_name(&self, i: usize) -> &str {
+        &self.nodes[i].name
+    }
+
+    /// Runs `rabbitmqctl -n NODE args` against node `i`; panics when it fails.
+    pub fn ctl(&self, i: usize, args: &[&str]) -> String {
+        self.try_ctl(i, "rabbitmqctl", args)
+            .unwrap_or_else(|e| panic!("rabbitmqctl {args:?} on node {i} failed: {e}"))
+    }
+
+    /// Runs the node script `script` (`rabbitmqctl`, `rabbitmq-queues`, …) with `-n NODE` for
+    /// node `i`: its stdout, or its stderr as the error.
+    pub fn try_ctl(&self, i: usize, script: &str, args: &[&str]) -> Result<String, String> {
+        let out = Command::new(format!("/usr/sbin/{script}"))
+            .args(["-n", &self.nodes[i].name])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("{script} must be installed: {e}"))?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        }
+    }
+
+    /// The running nodes as node `i` sees them (empty when `i` does not answer).
+    pub fn running_nodes(&self, i: usize) -> Vec<String> {
+        let Ok(status) = self.try_ctl(i, "rabbitmqctl", &["cluster_status", "--formatter", "json"])
+        else {
+            return Vec::new();
+        };
+        serde_json::from_str::<serde_json::Value>(&status)
+            .ok()
+            .and_then(|v| {
+                v.get("running_nodes")?.as_array().map(|nodes| {
+                    nodes
+                        .iter()
+                        .filter_map(|n| n.as_str().map(str::to_owned))
+                        .collect()
+                })
+            })
+            .unwrap_or_default()
+    }
+
+    /// The index of the node that leads quorum queue `queue` (default vhost), asked of node
+    /// `via`; `None` while it has no leader or `via` does not answer.
+    pub fn leader_of(&self, via: usize, queue: &str) -> Option<usize> {
+        let list = self
+            .try_ctl(
+                via,
+                "rabbitmqctl",
+                &[
+                    "list_queues",
+                    "name",
+                    "leader",
+                    "--no-table-headers",
+                    "--silent",
+                ],
+            )
+            .ok()?;
+        let leader = list.lines().find_map(|line| {
+            let mut cols = line.split_whitespace();
+            (cols.next()? == queue).then(|| cols.next().map(str::to_owned))?
+        })?;
+        self.nodes.iter().position(|n| n.name == leader)
+    }
+
+    /// Kills node `i` with SIGKILL (no goodbye to its peers or clients) and waits until it is
+    /// gone.
+    pub fn kill9(&self, i: usize) {
+        self.nodes[i].kill9();
+    }
+
+    /// Freezes node `i` (SIGSTOP): its sockets stay open but nothing answers, as when a machine
+    /// hangs or drops off the network. [`thaw`](Self::thaw) resumes it.
+    pub fn freeze(&self, i: usize) {
+        self.nodes[i].freeze();
+    }
+
+    /// Resumes a frozen node `i` (SIGCONT).
+    pub fn thaw(&self, i: usize) {
+        self.nodes[i].thaw();
+    }
+
+    /// Boots node `i` again (after [`kill9`](Self::kill9)) with its data: it rejoins the
+    /// cluster by itself.
+    pub fn start_again(&mut self, i: usize) {
+        self.nodes[i].boot();
+    }
+
+    /// The type (`classic`, `quorum`) of queue `queue`, asked of node `via`.
+    pub fn queue_type(&self, via: usize, queue: &str) -> Option<String> {
+        queue_type_on(Some(&self.nodes[via].name), queue)
+    }
+}
+
+/// The type (`classic`, `quorum`) of queue `queue` in the default vhost of node `node` (the
+/// shared node when `None`), from `rabbitmqctl list_queues` (read only).
+pub fn queue_type_on(node: Option<&str>, queue: &str) -> Option<String> {
+    queue_info_on(node, queue, "type")
+}
+
+/// Every queue whose name starts with `prefix`, with column `item` (see [`queue_info_on`]).
+pub fn queues_on(node: Option<&str>, prefix: &str, item: &str) -> Vec<(String, String)> {
+    let mut cmd = Command::new("/usr/sbin/rabbitmqctl");
+    if let Some(node) = node {
+        cmd.args(["-n", node]);
+    }
+    let Ok(out) = cmd
+        .args([
+            "list_queues",
+            "name",
+            item,
+            "--no-table-headers",
+            "--silent",
+        ])
+        .stdin(Stdio::null())
+        .output()
+    else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| {
+            let (name, value) = line.split_once('\t')?;
+            name.starts_with(prefix)
+                .then(|| (name.to_owned(), value.trim().to_owned()))
+        })
+        .collect()
+}
+
+/// Column `item` of `rabbitmqctl list_queues` (read only) for queue `queue` in the default
+/// vhost of node `node` (the shared node when `None`): `type`, `arguments`, `leader`, …
+pub fn queue_info_on(node: Option<&str>, queue: &str, item: &str) -> Option<String> {
+    queues_on(node, queue, item)
+        .into_iter()
+        .find_map(|(name, value)| (name == queue).then_some(value))
+}
+
+/// A publisher with confirms to one broker `url`, for streams of many messages: one connection
+/// and channel, reopened after a failure; a message that fails is sent again (its idempotency
+/// key makes a repeat harmless), so every message given is confirmed once `publish` returns.
+pub struct StreamPublisher {
+    url: String,
+    channel: Option<(Connection, lapin::Channel)>,
+    /// Sends that failed and were repeated.
+    pub retries: u32,
+}
+
+impl StreamPublisher {
+    /// A publisher for `url`; connects lazily.
+    pub fn new(url: &str) -> Self {
+        Self {
+            url: url.to_owned(),
+            channel: None,
+            retries: 0,
+        }
+    }
+
+    /// Publishes `envelope` to `{ns}.tasks` (`names`) as drumline does, until confirmed or
+    /// `within` passes (then panics).
+    pub async fn publish(
+        &mut self,
+        names: &Names,
+        envelope: &drumline_shared::envelope::Envelope,
+        within: Duration,
+    ) {
+        let deadline = Instant::now() + within;
+        loop {
+            match self.try_publish(names, envelope).await {
+                Ok(()) => return,
+                Err(e) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "{} not confirmed within {within:?}: {e}",
+                        envelope.key
+                    );
+                    self.retries += 1;
+                    self.channel = None;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+
+    async fn try_publish(
+        &mut self,
+        names: &Names,
+        envelope: &drumline_shared::envelope::Envelope,
+    ) -> Result<(), String> {
+        if self.channel.is_none() {
+            let conn = Connection::connect(&self.url, ConnectionProperties::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
+            ch.confirm_select(Default::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            self.channel = Some((conn, ch));
+        }
+        let (_, ch) = self.channel.as_ref().expect("just set");
+        let confirm = async {
+            ch.basic_publish(
+                &names.tasks_exchange(),
+                &envelope.queue,
+                BasicPublishOptions::default(),
+                &envelope.encode(),
+                envelope.properties(chrono::Utc::now(), 0),
+            )
+            .await?
+            .await
+        };
+        match tokio::time::timeout(Duration::from_secs(10), confirm).await {
+            Ok(Ok(c)) if c.is_ack() => Ok(()),
+            Ok(Ok(c)) => Err(format!("not acked: {c:?}")),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("no confirm within 10s".into()),
+        }
+    }
+}

@@ -5,7 +5,7 @@
 //! Concurrency is a semaphore that outlives connections: a delivery is taken only with a free
 //! slot, and the slot is held until the run is settled. After a reconnect the runs still in
 //! flight from the old connection keep their slots, so a reconnect never adds runs on top of
-//! them (the channel-wide prefetch of `concurrency` only bounds what the broker sends ahead).
+//! them (the per-consumer prefetch of `concurrency` only bounds what the broker sends ahead).
 //! The publisher channel is reopened when the broker closed it, and while the broker side keeps
 //! failing (a publish or declare refused, so a delivery had to be requeued) the consumer pauses
 //! before it takes the next delivery, doubling the pause each time ([`Pacer`]): a failure that
@@ -139,6 +139,7 @@ async fn work(
     let mut in_flight = JoinSet::new();
     let dispatch = Dispatch {
         slots: Arc::new(Semaphore::new(config.worker.concurrency.max(1))),
+        nodes: topology::Nodes::new(&config),
         pacer: Arc::new(Pacer::default()),
         processor: processor.clone(),
         current,
@@ -238,6 +239,8 @@ struct Served {
 /// The slots and the pacer outlive broker connections.
 struct Dispatch {
     slots: Arc<Semaphore>,
+    /// The broker's nodes; a reconnect tries the others first.
+    nodes: topology::Nodes,
     pacer: Arc<Pacer>,
     /// The first processor: the session settings, counters and gate (shared by every
     /// reloaded one).
@@ -264,7 +267,7 @@ impl Dispatch {
         let mut backoff = BACKOFF_MIN;
         while !self.stop.is_cancelled() {
             let session = tokio::select! {
-                s = open_session(config, names, &self.processor.worker_id) => s,
+                s = open_session(config, (names, &self.nodes), &self.processor.worker_id) => s,
                 _ = self.stop.cancelled() => break,
             };
             let (conn, publisher, consumer_channel, consumers) = match session {
@@ -575,10 +578,11 @@ type Session = (
 
 async fn open_session(
     config: &Config,
-    names: &Names,
+    (names, nodes): (&Names, &topology::Nodes),
     worker_id: &str,
 ) -> Result<Session, SessionError> {
-    let conn = topology::connect(config).await?;
+    // After a lost connection, the other nodes first (`[broker] urls`).
+    let conn = nodes.connect().await?;
     let publisher = conn.create_channel().await?;
     publisher
         .confirm_select(ConfirmSelectOptions::default())
@@ -588,6 +592,7 @@ async fn open_session(
         names,
         &config.worker.queues,
         config.worker.dead_ttl,
+        config.broker.queue_type,
     )
     .await
     {
@@ -598,12 +603,14 @@ async fn open_session(
         }
     }
     let channel = conn.create_channel().await?;
-    // global = true: RabbitMQ applies the limit to the whole channel, so `concurrency` bounds
-    // unacked deliveries across all queues together.
+    // Per consumer (global = false): quorum queues refuse a channel-wide prefetch (3.10 and 4.x
+    // close the connection, 540 NOT_IMPLEMENTED, at basic.consume). Each queue's consumer may
+    // hold `concurrency` unacked deliveries; the slots (the semaphore) bound what runs, so
+    // with several queues the extra deliveries only wait, unacked, for a slot.
     channel
         .basic_qos(
             config.worker.concurrency.min(u16::MAX as usize) as u16,
-            BasicQosOptions { global: true },
+            BasicQosOptions { global: false },
         )
         .await?;
     let mut consumers = Vec::new();
