@@ -31,8 +31,21 @@ pub struct Lead {
     pub epoch: Option<u64>,
     /// When publishing stops unless a renewal moves it (monotonic).
     pub valid_until: Instant,
-    /// Redis `TIME` minus our wall clock, measured at the last reply (`None` before one).
-    pub skew: Option<TimeDelta>,
+    /// Redis `TIME` at the last reply, with the monotonic instant the reply arrived (`None`
+    /// before one): Redis's clock now is the reading plus the monotonic time since, whatever
+    /// this host's wall clock does meanwhile (an NTP step cannot move it).
+    pub redis_clock: Option<(DateTime<Utc>, Instant)>,
+}
+
+impl Lead {
+    /// Redis `TIME` now, as the last reading and the monotonic clock since tell it. Measured
+    /// from the reply's arrival, the latest instant the reading can stand for, so it never runs
+    /// ahead of Redis however the round trip split.
+    pub fn redis_now(&self) -> Option<DateTime<Utc>> {
+        self.redis_clock.map(|(reading, received)| {
+            reading + TimeDelta::from_std(received.elapsed()).unwrap_or_default()
+        })
+    }
 }
 
 /// How long a lease try sent at `sent` and granted lets this beat publish: `lease − lease/3`,
@@ -43,20 +56,17 @@ pub fn publish_until(sent: Instant, lease: Duration) -> Instant {
 }
 
 /// The instant a leader plans with: its own wall clock, kept within `threshold` of Redis `TIME`
-/// (`local + skew`). A beat whose clock runs ahead publishes nothing early and records no
-/// progress in the future; one whose clock runs behind publishes at most `threshold` late
-/// rather than not at all while it holds the lease.
+/// (`redis`, [`Lead::redis_now`]). A beat whose clock runs ahead publishes nothing early and
+/// records no progress in the future; one whose clock runs behind publishes at most `threshold`
+/// late rather than not at all while it holds the lease.
 pub fn planning_now(
     local: DateTime<Utc>,
-    skew: Option<TimeDelta>,
+    redis: Option<DateTime<Utc>>,
     threshold: Duration,
 ) -> DateTime<Utc> {
     let threshold = TimeDelta::from_std(threshold).unwrap_or(TimeDelta::MAX);
-    match skew {
-        Some(skew) => {
-            let redis = local + skew;
-            local.clamp(redis - threshold, redis + threshold)
-        }
+    match redis {
+        Some(redis) => local.clamp(redis - threshold, redis + threshold),
         None => local,
     }
 }
@@ -93,7 +103,7 @@ impl Leadership {
         let (tx, lead) = watch::channel(Lead {
             epoch: None,
             valid_until: Instant::now(),
-            skew: None,
+            redis_clock: None,
         });
         let tx = Arc::new(tx);
         let task = tokio::spawn(keep(
@@ -170,9 +180,13 @@ impl Term {
         self.lead.borrow().epoch != Some(self.epoch)
     }
 
-    /// Waits until [`ended`](Self::ended) or [`holds`](Self::holds) may have changed.
+    /// Waits until [`ended`](Self::ended) or [`holds`](Self::holds) may have changed (at once
+    /// when either already says so: a renewal that landed since the caller looked).
     pub async fn changed(&mut self) {
         let until = self.lead.borrow_and_update().valid_until;
+        if self.holds() || self.ended() {
+            return;
+        }
         tokio::select! {
             r = self.lead.changed() => {
                 if r.is_err() {
@@ -195,7 +209,7 @@ impl Term {
 
     /// The instant to plan with now ([`planning_now`]).
     pub fn now(&self) -> DateTime<Utc> {
-        planning_now(Utc::now(), self.lead.borrow().skew, self.threshold)
+        planning_now(Utc::now(), self.lead.borrow().redis_now(), self.threshold)
     }
 
     /// Redis refused a progress write of this term: the lease is someone else's. Ends the term
@@ -245,16 +259,12 @@ async fn keep(
         let reply = tokio::time::timeout_at(answer_by, store.lead(&who, lease, mode)).await;
         let pause = match reply {
             Ok(Ok(reply)) => {
-                // Against the reply's arrival, the latest local instant the reading can stand
-                // for: the skew is then never overestimated, so the cap at Redis `TIME` +
-                // threshold never lets a clock that runs ahead publish early, however the
-                // round trip splits.
-                let received = local + TimeDelta::from_std(sent.elapsed()).unwrap_or_default();
-                let skew = reply.redis_time - received;
-                clock_off = warn_clock(skew, threshold, clock_off);
+                let received = Instant::now();
+                let local_then = local + TimeDelta::from_std(sent.elapsed()).unwrap_or_default();
+                clock_off = warn_clock(reply.redis_time - local_then, threshold, clock_off);
                 report(leading, reply.outcome, &stats);
                 tx.send_modify(|lead| {
-                    lead.skew = Some(skew);
+                    lead.redis_clock = Some((reply.redis_time, received));
                     apply(lead, reply.outcome, sent, lease);
                 });
                 every
@@ -340,7 +350,7 @@ mod tests {
         let mut lead = Lead {
             epoch: None,
             valid_until: sent,
-            skew: None,
+            redis_clock: None,
         };
         apply(&mut lead, LeaseOutcome::Acquired { epoch: 7 }, sent, LEASE);
         assert_eq!(
@@ -359,23 +369,23 @@ mod tests {
         let local: DateTime<Utc> = "2026-03-02T13:00:00Z".parse().unwrap();
         let threshold = Duration::from_secs(5);
         // Our clock is an hour ahead of Redis's.
-        let skew = Some(TimeDelta::hours(-1));
+        let redis = |offset: TimeDelta| Some(local + offset);
         assert_eq!(
-            planning_now(local, skew, threshold),
+            planning_now(local, redis(TimeDelta::hours(-1)), threshold),
             "2026-03-02T12:00:05Z".parse::<DateTime<Utc>>().unwrap()
         );
         // An hour behind: at most the threshold late, rather than an hour.
         assert_eq!(
-            planning_now(local, Some(TimeDelta::hours(1)), threshold),
+            planning_now(local, redis(TimeDelta::hours(1)), threshold),
             "2026-03-02T13:59:55Z".parse::<DateTime<Utc>>().unwrap()
         );
         // Within the threshold either way, or no reading yet: our own clock.
-        for skew in [
-            Some(TimeDelta::seconds(3)),
-            Some(TimeDelta::seconds(-5)),
+        for reading in [
+            redis(TimeDelta::seconds(3)),
+            redis(TimeDelta::seconds(-5)),
             None,
         ] {
-            assert_eq!(planning_now(local, skew, threshold), local);
+            assert_eq!(planning_now(local, reading, threshold), local);
         }
     }
 
@@ -384,7 +394,7 @@ mod tests {
         let (tx, lead) = watch::channel(Lead {
             epoch: None,
             valid_until: Instant::now(),
-            skew: None,
+            redis_clock: None,
         });
         let tx = Arc::new(tx);
         tx.send_modify(|l| {
@@ -437,7 +447,7 @@ mod tests {
         let (tx, lead) = watch::channel(Lead {
             epoch: Some(3),
             valid_until: Instant::now() + LEASE,
-            skew: None,
+            redis_clock: None,
         });
         let term = Term {
             epoch: 3,
@@ -452,5 +462,27 @@ mod tests {
         };
         term.deposed();
         assert!(term.ended() && !term.holds());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn redis_time_runs_on_the_monotonic_clock_from_the_last_reading() {
+        let reading: DateTime<Utc> = "2026-03-02T12:00:00Z".parse().unwrap();
+        let lead = Lead {
+            epoch: Some(1),
+            valid_until: Instant::now() + LEASE,
+            redis_clock: Some((reading, Instant::now())),
+        };
+        tokio::time::advance(Duration::from_millis(2500)).await;
+        // Whatever this host's wall clock says (an NTP step included), Redis's clock is the
+        // reading plus the monotonic time since it arrived.
+        assert_eq!(
+            lead.redis_now(),
+            Some(reading + TimeDelta::milliseconds(2500))
+        );
+        let stepped: DateTime<Utc> = "2026-03-02T13:00:02.5Z".parse().unwrap();
+        assert_eq!(
+            planning_now(stepped, lead.redis_now(), Duration::from_secs(5)),
+            "2026-03-02T12:00:07.5Z".parse::<DateTime<Utc>>().unwrap()
+        );
     }
 }

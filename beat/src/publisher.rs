@@ -33,10 +33,19 @@ pub enum PublishError {
     /// No queue is bound for the routing key.
     #[error("the message could not be routed to {0}")]
     Unroutable(String),
+    /// The broker did not confirm within [`CONFIRM_DEADLINE`] (a resource alarm blocks the
+    /// connection, or it hangs): the connection is dropped and the job retried.
+    #[error("the broker did not confirm within {}s", CONFIRM_DEADLINE.as_secs())]
+    Unconfirmed,
     /// Not sent: this beat may not publish any more (its leadership lapsed mid-batch).
     #[error("not sent: this beat stopped leading")]
     NotLeading,
 }
+
+/// Longest wait for a batch's confirms: a broker that blocks publishers (a memory or disk
+/// alarm) or hangs must not hold the beat in one batch (shutdown and leadership are checked
+/// between batches).
+pub const CONFIRM_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Publishes envelopes with confirms.
 pub struct Publisher {
@@ -171,8 +180,13 @@ impl Publisher {
         // `multiple` ack, possibly another message's. So it is matched by its message id (the
         // idempotency key), and the confirm that carried it stands for its own message.
         let mut returned: HashSet<String> = HashSet::new();
+        let deadline = tokio::time::Instant::now() + CONFIRM_DEADLINE;
         for (env, confirm) in batch.iter().zip(pending) {
-            let outcome = match confirm.await {
+            let Ok(confirmed) = tokio::time::timeout_at(deadline, confirm).await else {
+                outcomes.push(Err(PublishError::Unconfirmed));
+                continue;
+            };
+            let outcome = match confirmed {
                 Ok(Confirmation::Ack(None) | Confirmation::NotRequested) => Ok(()),
                 Ok(Confirmation::Nack(None)) => Err(PublishError::Nacked),
                 Ok(carrier @ (Confirmation::Ack(Some(_)) | Confirmation::Nack(Some(_)))) => {

@@ -86,6 +86,10 @@ enum Stall {
     /// Nothing of the batch could be sent (no connection): every job waits for the broker.
     #[error(transparent)]
     Unsent(Arc<PublishError>),
+    /// The term stopped holding mid-batch (a renewal late), so the job's messages were not
+    /// sent. Not the job's fault: it is planned again, at its due instant, once the term holds.
+    #[error("not sent: this beat stopped leading mid-batch")]
+    NotLeading,
     /// Redis did not take the job's progress (unreachable, or the lease is not ours).
     #[error("cannot persist the job's progress to redis: {0}")]
     Persist(Arc<ProgressError>),
@@ -311,6 +315,19 @@ impl Beat {
         };
         let resumed = lasts.iter().filter(|l| l.is_some()).count();
         let mut beat = Beat::new(config.clone(), lasts, term.now());
+        // Paused jobs are known before anything is published for this term.
+        beat.paused = loop {
+            match store.paused().await {
+                Ok(paused) => break paused,
+                Err(e) => {
+                    error!(error = %e, "cannot read the paused jobs from redis; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        _ = shutdown.as_mut() => return None,
+                    }
+                }
+            }
+        };
         beat.persist_new_starts(store, term).await;
         info!(
             jobs = config.jobs.len(),
@@ -532,6 +549,10 @@ impl Beat {
                 }
                 continue;
             };
+            if matches!(stall, Stall::NotLeading) {
+                self.queue.push(Reverse((due.due, due.job)));
+                continue;
+            }
             if state.failures == 0 {
                 self.stuck += 1;
             }
@@ -539,6 +560,7 @@ impl Beat {
             match &stall {
                 Stall::Publish(_) | Stall::Unsent(_) => stats.publish_failures.inc(),
                 Stall::Persist(_) => stats.persist_failures.inc(),
+                Stall::NotLeading => 0,
             };
             let listed = stalled < STALLS_LISTED;
             shared += usize::from(!self.stalled(due, &stall, now, listed));
@@ -834,8 +856,10 @@ fn record_confirmed(
         state.last = to;
         state.unsaved = true;
     }
-    let failed = results.into_iter().find_map(Result::err)?;
-    Some(Stall::Publish(Arc::new(failed)))
+    match results.into_iter().find_map(Result::err)? {
+        PublishError::NotLeading => Some(Stall::NotLeading),
+        failed => Some(Stall::Publish(Arc::new(failed))),
+    }
 }
 
 /// Writes the progress of the batch's jobs at positions `which`; a job whose write fails
