@@ -274,15 +274,20 @@ async fn serve<F: Future<Output = ()>>(
     }
 }
 
-/// Re-reads the config file on SIGHUP: the new config, or `None` (logged) when the file does
-/// not load and the running one stays.
+/// Re-reads the config file on SIGHUP: the running config with the file's `[[jobs]]` and
+/// `[tasks.*]` (everything else takes a restart, and is named), or `None` (logged) when the
+/// file does not load and the running one stays.
 fn reload(config: &Config) -> Option<Arc<Config>> {
     match config.reload() {
         Ok((new, restart)) => {
             if !restart.is_empty() {
                 warn!(changed = ?restart, "reloaded [[jobs]]; these changes take a restart of the beat");
             }
-            Some(Arc::new(new))
+            Some(Arc::new(Config {
+                jobs: new.jobs,
+                tasks: new.tasks,
+                ..config.clone()
+            }))
         }
         Err(e) => {
             error!(error = %e, "reload refused: the file does not load; the running config stays");
