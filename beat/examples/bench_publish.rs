@@ -23,18 +23,19 @@ use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use drumline_shared::store::last_instant_text;
 use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions,
-    QueueDeleteOptions, QueuePurgeOptions,
+    BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueuePurgeOptions,
 };
 use lapin::publisher_confirm::Confirmation;
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties};
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
+
+#[path = "common/mod.rs"]
+mod common;
+use common::{amqp_url, cleanup, redis_url, spawn_beat, SpawnedBeat};
 
 /// How long after the beat is spawned the common instant T falls: start-up with 100,000 jobs
 /// takes about a second.
@@ -42,15 +43,6 @@ const LEAD: TimeDelta = TimeDelta::seconds(5);
 
 /// Gives up waiting for the N messages after this long past T.
 const PATIENCE: Duration = Duration::from_secs(600);
-
-fn amqp_url() -> String {
-    std::env::var("DRUMLINE_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-fn redis_url() -> String {
-    std::env::var("DRUMLINE_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/0".into())
-}
 
 /// One beat run.
 struct BeatRun {
@@ -149,38 +141,17 @@ async fn bench_beat(beat: &Path, jobs: usize, ns: &str, dir: &Path) -> Result<Be
     let names = Names::new(ns);
     let queue = names.work_queue("default");
 
-    let mut child = Command::new(beat)
-        .arg("--config")
-        .arg(&config)
-        .env("RUST_LOG", "info")
-        .env_remove("DRUMLINE_CONFIG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("cannot start {}", beat.display()))?;
+    let SpawnedBeat {
+        mut child,
+        leading: started_rx,
+        log_tail: reader,
+    } = spawn_beat(beat, &config)?;
     let pid = child.id();
-    let stderr = child.stderr.take().expect("piped");
-    let (started_tx, started_rx) = mpsc::channel();
-    // Keeps draining the log so the beat never blocks on a full pipe.
-    let reader = std::thread::spawn(move || {
-        let mut tail = Vec::new();
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if line.contains("beat started") {
-                let _ = started_tx.send(());
-            }
-            tail.push(line);
-            if tail.len() > 20 {
-                tail.remove(0);
-            }
-        }
-        tail.join("\n")
-    });
 
     let measured = async {
         started_rx
             .recv_timeout(Duration::from_secs(60))
-            .context("the beat never logged \"beat started\"")?;
+            .context("the beat never logged \"beat leading\"")?;
         ensure!(
             Utc::now() < due,
             "the beat started after the common instant; raise LEAD"
@@ -358,46 +329,4 @@ async fn bench_bare(jobs: usize, ns: &str) -> Result<Duration> {
     );
     let _ = amqp.close(200, "bench").await;
     Ok(elapsed)
-}
-
-/// Deletes everything a namespace created: Redis keys, queues, exchanges.
-async fn cleanup(ns: &str) -> Result<()> {
-    let names = Names::new(ns);
-    let client = redis::Client::open(redis_url())?;
-    let mut conn = client.get_multiplexed_async_connection().await?;
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{ns}:*"))
-            .arg("COUNT")
-            .arg(10_000)
-            .query_async(&mut conn)
-            .await?;
-        if !keys.is_empty() {
-            redis::cmd("UNLINK")
-                .arg(keys)
-                .query_async::<()>(&mut conn)
-                .await?;
-        }
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
-    let amqp = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
-    // A channel per deletion: one that fails (already gone) closes its channel.
-    for queue in [names.work_queue("default"), names.dead()] {
-        let ch = amqp.create_channel().await?;
-        let _ = ch.queue_delete(&queue, QueueDeleteOptions::default()).await;
-    }
-    for exchange in [names.tasks_exchange(), names.dead()] {
-        let ch = amqp.create_channel().await?;
-        let _ = ch
-            .exchange_delete(&exchange, ExchangeDeleteOptions::default())
-            .await;
-    }
-    let _ = amqp.close(200, "bench done").await;
-    Ok(())
 }

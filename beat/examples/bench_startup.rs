@@ -5,7 +5,7 @@
 //! - parsing and checking that config (in process);
 //! - loading every job's last instant from Redis, one `GET` per job (how the beat used to do
 //!   it) against pipelined `MGET` batches ([`drumline_beat::progress::load_last`]);
-//! - the real binary: time from spawn until it logs "beat started", and its resident memory
+//! - the real binary: time from spawn until it logs "beat leading", and its resident memory
 //!   (VmRSS, and the peak VmHWM, from /proc/PID/status), on a first start and resumed with
 //!   every job's last instant persisted.
 //!
@@ -18,14 +18,14 @@ use drumline_beat::progress::load_last;
 use drumline_shared::config::Config;
 use drumline_shared::names::Names;
 use drumline_shared::store::{last_instant_text, Store};
-use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
-use lapin::{Connection, ConnectionProperties};
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
+
+#[path = "common/mod.rs"]
+mod common;
+use common::{cleanup, spawn_beat, SpawnedBeat};
 
 /// One start of the real binary.
 struct Startup {
@@ -123,7 +123,7 @@ async fn bench(beat: &Path, jobs: usize, ns: &str, dir: &Path) -> Result<String>
             ms(batched),
         ),
         (
-            "binary, first start: spawn -> \"beat started\"",
+            "binary, first start: spawn -> \"beat leading\"",
             ms(first.until_started),
         ),
         ("binary, first start: VmRSS at start", mib(first.rss_kib)),
@@ -133,7 +133,7 @@ async fn bench(beat: &Path, jobs: usize, ns: &str, dir: &Path) -> Result<String>
         ),
         ("binary, first start: VmHWM (peak)", mib(first.hwm_kib)),
         (
-            "binary, resumed: spawn -> \"beat started\"",
+            "binary, resumed: spawn -> \"beat leading\"",
             ms(resumed.until_started),
         ),
         ("binary, resumed: VmRSS at start", mib(resumed.rss_kib)),
@@ -163,36 +163,15 @@ fn write_config(path: &Path, ns: &str, jobs: usize) -> Result<()> {
     Ok(())
 }
 
-/// Starts the beat, waits for "beat started", samples its memory, stops it (SIGTERM).
+/// Starts the beat, waits for "beat leading", samples its memory, stops it (SIGTERM).
 fn start_beat(beat: &Path, config: &Path) -> Result<Startup> {
     let spawned = Instant::now();
-    let mut child = Command::new(beat)
-        .arg("--config")
-        .arg(config)
-        .env("RUST_LOG", "info")
-        .env_remove("DRUMLINE_CONFIG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("cannot start {}", beat.display()))?;
+    let SpawnedBeat {
+        mut child,
+        leading: started_rx,
+        log_tail: reader,
+    } = spawn_beat(beat, config)?;
     let pid = child.id();
-    let stderr = child.stderr.take().expect("piped");
-    let (started_tx, started_rx) = mpsc::channel();
-    // Keeps draining the log so the beat never blocks on a full pipe.
-    let reader = std::thread::spawn(move || {
-        let mut tail = Vec::new();
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if line.contains("beat started") {
-                let _ = started_tx.send(Instant::now());
-            }
-            tail.push(line);
-            if tail.len() > 20 {
-                tail.remove(0);
-            }
-        }
-        tail.join("\n")
-    });
     let started = started_rx.recv_timeout(Duration::from_secs(300));
     let (rss_kib, _) = memory(pid)?;
     std::thread::sleep(Duration::from_secs(2));
@@ -204,7 +183,7 @@ fn start_beat(beat: &Path, config: &Path) -> Result<Startup> {
     let status = child.wait()?;
     let tail = reader.join().unwrap_or_default();
     let Ok(started) = started else {
-        bail!("the beat never logged \"beat started\" ({status})\n{tail}");
+        bail!("the beat never logged \"beat leading\" ({status})\n{tail}");
     };
     if !status.success() {
         bail!("the beat exited with {status}\n{tail}");
@@ -228,50 +207,4 @@ fn memory(pid: u32) -> Result<(u64, u64)> {
         Ok(line.split_whitespace().nth(1).context("value")?.parse()?)
     };
     Ok((field("VmRSS:")?, field("VmHWM:")?))
-}
-
-/// Deletes everything the bench's namespace created: Redis keys, queues, exchanges.
-async fn cleanup(ns: &str) -> Result<()> {
-    let names = Names::new(ns);
-    let client = redis::Client::open(
-        std::env::var("DRUMLINE_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/0".into()),
-    )?;
-    let mut conn = client.get_multiplexed_async_connection().await?;
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{ns}:*"))
-            .arg("COUNT")
-            .arg(10_000)
-            .query_async(&mut conn)
-            .await?;
-        if !keys.is_empty() {
-            redis::cmd("UNLINK")
-                .arg(keys)
-                .query_async::<()>(&mut conn)
-                .await?;
-        }
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
-    let url = std::env::var("DRUMLINE_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-    let amqp = Connection::connect(&url, ConnectionProperties::default()).await?;
-    // A channel per deletion: one that fails (already gone) closes its channel.
-    for queue in [names.work_queue("default"), names.dead()] {
-        let ch = amqp.create_channel().await?;
-        let _ = ch.queue_delete(&queue, QueueDeleteOptions::default()).await;
-    }
-    for exchange in [names.tasks_exchange(), names.dead()] {
-        let ch = amqp.create_channel().await?;
-        let _ = ch
-            .exchange_delete(&exchange, ExchangeDeleteOptions::default())
-            .await;
-    }
-    let _ = amqp.close(200, "bench done").await;
-    Ok(())
 }

@@ -22,12 +22,14 @@ use drumline_shared::config::Config;
 use drumline_shared::names::Names;
 use drumline_shared::store::{last_instant_text, Claim, ClaimRequest, OverlapMode, Store};
 use drumline_shared::topology;
-use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
-use lapin::{Connection, ConnectionProperties};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+#[path = "common/mod.rs"]
+mod common;
+use common::cleanup;
 
 /// Timed runs of the binary.
 const RUNS: usize = 3;
@@ -305,50 +307,4 @@ async fn old_running_counts(store: &Store) -> Result<(usize, u64)> {
             .count() as u64;
     }
     Ok((keys.len(), running))
-}
-
-/// Deletes everything the bench's namespace created: Redis keys, queues, exchanges.
-async fn cleanup(ns: &str) -> Result<()> {
-    let names = Names::new(ns);
-    let client = redis::Client::open(
-        std::env::var("DRUMLINE_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/0".into()),
-    )?;
-    let mut conn = client.get_multiplexed_async_connection().await?;
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{ns}:*"))
-            .arg("COUNT")
-            .arg(10_000)
-            .query_async(&mut conn)
-            .await?;
-        if !keys.is_empty() {
-            redis::cmd("UNLINK")
-                .arg(keys)
-                .query_async::<()>(&mut conn)
-                .await?;
-        }
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
-    let url = std::env::var("DRUMLINE_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-    let amqp = Connection::connect(&url, ConnectionProperties::default()).await?;
-    // A channel per deletion: one that fails (already gone) closes its channel.
-    for queue in [names.work_queue("default"), names.dead()] {
-        let ch = amqp.create_channel().await?;
-        let _ = ch.queue_delete(&queue, QueueDeleteOptions::default()).await;
-    }
-    for exchange in [names.tasks_exchange(), names.dead()] {
-        let ch = amqp.create_channel().await?;
-        let _ = ch
-            .exchange_delete(&exchange, ExchangeDeleteOptions::default())
-            .await;
-    }
-    let _ = amqp.close(200, "bench done").await;
-    Ok(())
 }
