@@ -18,12 +18,17 @@ pub const DEFAULT_BACKFILL_MAX: usize = 1000;
 pub struct BadRequest(pub String);
 
 /// `trigger`: one instance of `job` due now (truncated to the millisecond, the one instant
-/// codec's precision), as the job — its task, queue, `expires`, and its args unless `args`
+/// codec's precision; a millisecond later when now is one of its scheduled instants), as the job — its task, queue, `expires`, and its args unless `args`
 /// replaces them — with the key `{job}@{now}`. Carries epoch 0 (not the leader's).
 pub fn trigger(job: &Job, args: Option<serde_json::Value>, now: DateTime<Utc>) -> Envelope {
-    let at = now
+    let mut at = now
         .duration_trunc(TimeDelta::milliseconds(1))
         .unwrap_or(now);
+    // On a scheduled instant's very millisecond the key would be that instance's, and one of
+    // the two would be deduplicated away: the trigger takes the next millisecond.
+    while job.schedule.next_after(at - TimeDelta::nanoseconds(1)) == Some(at) {
+        at += TimeDelta::milliseconds(1);
+    }
     let expires_at = job
         .expires
         .and_then(|e| TimeDelta::from_std(e).ok())
@@ -116,6 +121,16 @@ mod tests {
         assert!(!env.backfill);
         let env = trigger(&j, Some(serde_json::json!([2])), now);
         assert_eq!(env.args, serde_json::json!([2]));
+    }
+
+    #[test]
+    fn a_trigger_never_takes_a_scheduled_instants_key() {
+        let j = job("every = \"1m\"");
+        let on_the_minute = at("2026-03-02T12:10:00Z");
+        let env = trigger(&j, None, on_the_minute);
+        assert_eq!(env.key, format!("{}@2026-03-02T12:10:00.001Z", j.name));
+        let between = trigger(&j, None, at("2026-03-02T12:10:00.5Z"));
+        assert_eq!(between.key, format!("{}@2026-03-02T12:10:00.500Z", j.name));
     }
 
     #[test]
