@@ -1,15 +1,25 @@
-//! Worker throughput against a baseline measured in the same run: bare RabbitMQ
-//! publish-with-confirms + consume-with-manual-ack of the same bodies, versus drumline's full
-//! path per message (decode → claim in Redis → run → mark done → history → ack) with a no-op
-//! Rust handler, and with the shell executor running `/bin/true` (fork/exec bound).
+//! Worker throughput against an honest baseline measured in the same run (issue 11).
 //!
-//! `cargo run --release -p drumline-worker --example throughput -- [N] [SHELL_N] [CONCURRENCY]`
-//! Uses its own namespace on 127.0.0.1 and deletes what it declared. Prints a table; asserts
-//! nothing (a benchmark, not a test).
+//! The baseline is a well-written bare lapin consumer: prefetch = the worker's concurrency
+//! (per consumer), each delivery its own tokio task that decodes the envelope and acks it.
+//! drumline's path per message is decode → claim in Redis → run a no-op Rust handler → mark
+//! done → history → ack. Both drain a pre-filled durable queue of the same persistent envelopes
+//! (`drain`), and, in mode `together`, consume while the same bodies are published with
+//! confirms. Each figure is `--runs` runs (bare and worker interleaved); the table shows the
+//! median and the spread (min–max). The shell executor running `/bin/true` is reported as a
+//! rate (fork/exec bound; a broker baseline says nothing about it).
+//!
+//! `cargo run --release -p drumline-worker --example throughput -- [--messages N]
+//!  [--shell N] [--concurrency 32,256] [--runs 3] [--mode drain|together|both] [--json]`
+//!
+//! Uses its own namespaces on 127.0.0.1 and deletes what it declared. Asserts nothing about
+//! speed (a benchmark, not a test); it does check that every message was handled.
 
 use chrono::Utc;
 use drumline_shared::config::Config;
 use drumline_shared::envelope::Envelope;
+use drumline_shared::names::Names;
+use drumline_shared::topology;
 use drumline_worker::{HandlerError, TaskContext, Worker};
 use futures_util::StreamExt;
 use lapin::options::{
@@ -25,6 +35,8 @@ use std::time::{Duration, Instant};
 
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 const REDIS: &str = "redis://127.0.0.1:6379/0";
+
+type Bodies = [(Vec<u8>, BasicProperties)];
 
 fn envelope(i: usize) -> Envelope {
     let now = Utc::now();
@@ -44,13 +56,12 @@ fn envelope(i: usize) -> Envelope {
     }
 }
 
+fn short_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..8].to_string()
+}
+
 /// Publishes all, then awaits all confirms (pipelined, as a producer would).
-async fn publish_all(
-    ch: &Channel,
-    exchange: &str,
-    key: &str,
-    bodies: &[(Vec<u8>, BasicProperties)],
-) {
+async fn publish_all(ch: &Channel, exchange: &str, key: &str, bodies: &Bodies) {
     let mut pending = Vec::with_capacity(bodies.len());
     for (body, props) in bodies {
         pending.push(
@@ -70,20 +81,20 @@ async fn publish_all(
     }
 }
 
-async fn baseline(
-    conn: &Connection,
-    n: usize,
-    prefetch: u16,
-    bodies: &[(Vec<u8>, BasicProperties)],
-) -> Duration {
-    let queue = format!(
-        "bench_base_{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
+async fn confirm_channel(conn: &Connection) -> Channel {
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
+    ch
+}
+
+/// The bare consumer: each delivery its own task (decode, ack), at most `prefetch` in flight.
+/// Returns the time from connecting the consumer until the last of `n` acks was sent.
+async fn bare(conn: &Connection, bodies: &Bodies, prefetch: u16, together: bool) -> Duration {
+    let n = bodies.len();
+    let queue = format!("bench_bare_{}", short_id());
+    let ch = confirm_channel(conn).await;
     let durable = QueueDeclareOptions {
         durable: true,
         ..Default::default()
@@ -91,10 +102,18 @@ async fn baseline(
     ch.queue_declare(&queue, durable, FieldTable::default())
         .await
         .unwrap();
-    // Consume while publishing, as the workers do.
-    let consumer_ch = conn.create_channel().await.unwrap();
+    if !together {
+        publish_all(&ch, "", &queue, bodies).await;
+    }
+    let start = Instant::now();
+    // Its own connection, as the worker has (and as RabbitMQ advises: a connection that also
+    // publishes is throttled by flow control, which would slow its acks in `together`).
+    let consumer_conn = Connection::connect(AMQP, ConnectionProperties::default())
+        .await
+        .expect("broker");
+    let consumer_ch = consumer_conn.create_channel().await.unwrap();
     consumer_ch
-        .basic_qos(prefetch, BasicQosOptions { global: true })
+        .basic_qos(prefetch, BasicQosOptions { global: false })
         .await
         .unwrap();
     let mut consumer = consumer_ch
@@ -106,34 +125,45 @@ async fn baseline(
         )
         .await
         .unwrap();
-    let start = Instant::now();
+    let acked = Arc::new(AtomicUsize::new(0));
+    let all_acked = Arc::new(tokio::sync::Notify::new());
+    let (a, done) = (acked.clone(), all_acked.clone());
     let consuming = tokio::spawn(async move {
-        let mut seen = 0;
-        while seen < n {
+        for _ in 0..n {
             let d = consumer.next().await.unwrap().unwrap();
-            // Decode like a worker would, so the baseline is not free of JSON.
-            let _ = Envelope::decode(&d.data).unwrap();
-            d.ack(BasicAckOptions::default()).await.unwrap();
-            seen += 1;
+            let (a, done) = (a.clone(), done.clone());
+            tokio::spawn(async move {
+                // Decode like a worker would, so the baseline is not free of JSON.
+                let env = Envelope::decode(&d.data).unwrap();
+                std::hint::black_box(&env);
+                d.ack(BasicAckOptions::default()).await.unwrap();
+                if a.fetch_add(1, Ordering::AcqRel) + 1 == n {
+                    done.notify_one();
+                }
+            });
         }
     });
-    publish_all(&ch, "", &queue, &bodies[..n]).await;
-    consuming.await.unwrap();
+    if together {
+        publish_all(&ch, "", &queue, bodies).await;
+    }
+    all_acked.notified().await;
     let elapsed = start.elapsed();
+    consuming.await.unwrap();
+    assert_eq!(acked.load(Ordering::Acquire), n);
+    let _ = consumer_conn.close(200, "done").await;
     ch.queue_delete(&queue, QueueDeleteOptions::default())
         .await
         .unwrap();
     elapsed
 }
 
-async fn drumline(conn: &Connection, n: usize, concurrency: usize, shell: bool) -> Duration {
-    let ns = format!("bench_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+fn config(ns: &str, concurrency: usize, shell: bool) -> Config {
     let command = if shell {
         "command = [\"/bin/true\"]\n"
     } else {
         ""
     };
-    let config = Config::parse(
+    Config::parse(
         &format!(
             "namespace = \"{ns}\"\n[worker]\nconcurrency = {concurrency}\n[tasks.noop]\n{command}"
         ),
@@ -144,13 +174,43 @@ async fn drumline(conn: &Connection, n: usize, concurrency: usize, shell: bool) 
             _ => None,
         },
     )
-    .expect("config");
-    let done = Arc::new(AtomicUsize::new(0));
+    .expect("config")
+}
+
+/// The drumline worker library with every guarantee on. Returns the time from starting the
+/// worker until it has recorded all `n` runs `done` (counted by its own `succeeded` counter);
+/// afterwards, untimed, checks that Redis holds every key `done` and the queue is empty.
+async fn drumline(
+    conn: &Connection,
+    bodies: &Bodies,
+    concurrency: usize,
+    shell: bool,
+    together: bool,
+) -> Duration {
+    let n = bodies.len();
+    let ns = format!("bench_{}", short_id());
+    let config = config(&ns, concurrency, shell);
+    let names = Names::new(ns.clone());
+    let ch = confirm_channel(conn).await;
+    topology::declare(
+        &ch,
+        &names,
+        &config.worker.queues,
+        config.worker.dead_ttl,
+        config.broker.queue_type,
+    )
+    .await
+    .expect("declare");
+    let exchange = names.tasks_exchange();
+    if !together {
+        publish_all(&ch, &exchange, "default", bodies).await;
+    }
+    let ran = Arc::new(AtomicUsize::new(0));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let mut worker = Worker::new(config);
     if !shell {
         // The counter proves the handler itself ran (not only the bookkeeping around it).
-        let counter = done.clone();
+        let counter = ran.clone();
         worker = worker.handler("noop", move |_ctx: TaskContext| {
             let counter = counter.clone();
             async move {
@@ -159,175 +219,321 @@ async fn drumline(conn: &Connection, n: usize, concurrency: usize, shell: bool) 
             }
         });
     }
-    // Declare topology first by starting the worker; then publish and time.
+    let stats = worker.stats();
+    let start = Instant::now();
     let handle = tokio::spawn(worker.run(async move {
         let _ = stop_rx.await;
     }));
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    let queue = format!("{ns}.q.default");
-    loop {
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        if conn
-            .create_channel()
-            .await
-            .unwrap()
-            .queue_declare(&queue, passive, FieldTable::default())
-            .await
-            .is_ok()
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    if together {
+        publish_all(&ch, &exchange, "default", bodies).await;
     }
-    let bodies: Vec<_> = (0..n)
-        .map(|i| {
-            let e = envelope(i);
-            (e.encode(), e.properties(Utc::now(), 0))
-        })
-        .collect();
-    let start = Instant::now();
-    publish_all(&ch, &format!("{ns}.tasks"), "default", &bodies).await;
-    // Finished = the queue drained and every key recorded `done`.
+    while (stats.succeeded.get() as usize) < n {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let elapsed = start.elapsed();
+    assert!(
+        shell || ran.load(Ordering::Relaxed) >= n,
+        "the no-op handler ran for every message"
+    );
     let mut redis = redis::Client::open(REDIS)
         .unwrap()
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    loop {
-        let q = conn
-            .create_channel()
-            .await
-            .unwrap()
-            .queue_declare(
-                &queue,
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        if q.message_count() == 0 {
-            let last_done: Option<String> = redis::cmd("HGET")
-                .arg(format!("{ns}:run:bench-{}", n - 1))
-                .arg("state")
-                .query_async(&mut redis)
-                .await
-                .unwrap();
-            let finished = stats_done(&mut redis, &ns, n).await;
-            if last_done.as_deref() == Some("done") && finished {
-                break;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !all_done(&mut redis, &names, n).await {
+        assert!(Instant::now() < deadline, "every key recorded done");
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let elapsed = start.elapsed();
-    assert!(
-        shell || done.load(Ordering::Relaxed) >= n,
-        "the no-op handler ran for every message"
-    );
     let _ = stop_tx.send(());
     let _ = handle.await;
-    cleanup(conn, &ns, &mut redis).await;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let left = conn
+        .create_channel()
+        .await
+        .unwrap()
+        .queue_declare(&names.work_queue("default"), passive, FieldTable::default())
+        .await
+        .unwrap()
+        .message_count();
+    assert_eq!(left, 0, "the queue drained");
+    cleanup(conn, &names, &mut redis).await;
     elapsed
 }
 
-/// True when all `n` keys are `done` (checked with one pipelined round trip).
-async fn stats_done(redis: &mut redis::aio::MultiplexedConnection, ns: &str, n: usize) -> bool {
-    let mut pipe = redis::pipe();
-    for i in 0..n {
-        pipe.hget(format!("{ns}:run:bench-{i}"), "state");
+/// True when all `n` keys are `done` (pipelined in batches of 10,000).
+async fn all_done(redis: &mut redis::aio::MultiplexedConnection, names: &Names, n: usize) -> bool {
+    for lo in (0..n).step_by(10_000) {
+        let mut pipe = redis::pipe();
+        for i in lo..(lo + 10_000).min(n) {
+            pipe.hget(names.run_key(&format!("bench-{i}")), "state");
+        }
+        let states: Vec<Option<String>> = pipe.query_async(redis).await.unwrap();
+        if !states.iter().all(|s| s.as_deref() == Some("done")) {
+            return false;
+        }
     }
-    let states: Vec<Option<String>> = pipe.query_async(redis).await.unwrap();
-    states.iter().all(|s| s.as_deref() == Some("done"))
+    true
 }
 
-async fn cleanup(conn: &Connection, ns: &str, redis: &mut redis::aio::MultiplexedConnection) {
+async fn cleanup(conn: &Connection, names: &Names, redis: &mut redis::aio::MultiplexedConnection) {
     let ch = conn.create_channel().await.unwrap();
-    for q in [format!("{ns}.q.default"), format!("{ns}.dead")] {
+    for q in [names.work_queue("default"), names.dead()] {
         let _ = ch.queue_delete(&q, QueueDeleteOptions::default()).await;
     }
-    for x in [format!("{ns}.tasks"), format!("{ns}.dead")] {
+    for x in [names.tasks_exchange(), names.dead()] {
         let _ = ch
             .exchange_delete(&x, ExchangeDeleteOptions::default())
             .await;
     }
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{ns}:*"))
-        .query_async(redis)
-        .await
-        .unwrap();
-    for chunk in keys.chunks(1000) {
-        let _: () = redis::cmd("DEL")
-            .arg(chunk)
+    let mut cursor = 0u64;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{}:*", names.namespace()))
+            .arg("COUNT")
+            .arg(5000)
             .query_async(redis)
             .await
             .unwrap();
+        if !keys.is_empty() {
+            let _: () = redis::cmd("DEL")
+                .arg(&keys)
+                .query_async(redis)
+                .await
+                .unwrap();
+        }
+        if next == 0 {
+            break;
+        }
+        cursor = next;
     }
+}
+
+/// Median and spread of a few runs' rates (msg/s).
+struct Figure {
+    runs: Vec<f64>,
+}
+
+impl Figure {
+    fn sorted(&self) -> Vec<f64> {
+        let mut r = self.runs.clone();
+        r.sort_by(|a, b| a.total_cmp(b));
+        r
+    }
+    fn median(&self) -> f64 {
+        let r = self.sorted();
+        let m = r.len() / 2;
+        if r.len() % 2 == 1 {
+            r[m]
+        } else {
+            (r[m - 1] + r[m]) / 2.0
+        }
+    }
+    fn min(&self) -> f64 {
+        self.sorted()[0]
+    }
+    fn max(&self) -> f64 {
+        *self.sorted().last().unwrap()
+    }
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "median": self.median().round(),
+            "min": self.min().round(),
+            "max": self.max().round(),
+            "runs": self.runs.iter().map(|r| r.round()).collect::<Vec<_>>(),
+        })
+    }
+}
+
+struct Row {
+    mode: &'static str,
+    concurrency: usize,
+    bare: Figure,
+    worker: Figure,
+    /// Per-run worker/bare ratios (runs interleaved, so each pair shares the machine's mood).
+    ratios: Vec<f64>,
+}
+
+struct Args {
+    messages: usize,
+    shell: usize,
+    concurrency: Vec<usize>,
+    runs: usize,
+    modes: Vec<&'static str>,
+    json: bool,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        messages: 50_000,
+        shell: 500,
+        concurrency: vec![32, 256],
+        runs: 3,
+        modes: vec!["drain"],
+        json: false,
+    };
+    let mut it = std::env::args().skip(1);
+    let usage = "usage: throughput [--messages N] [--shell N] [--concurrency 32,256] [--runs 3] \
+                 [--mode drain|together|both] [--json]";
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().expect(usage);
+        match flag.as_str() {
+            "--messages" => a.messages = value().parse().expect(usage),
+            "--shell" => a.shell = value().parse().expect(usage),
+            "--runs" => a.runs = value().parse().expect(usage),
+            "--concurrency" => {
+                a.concurrency = value()
+                    .split(',')
+                    .map(|c| c.parse().expect(usage))
+                    .collect()
+            }
+            "--mode" => {
+                a.modes = match value().as_str() {
+                    "drain" => vec!["drain"],
+                    "together" => vec!["together"],
+                    "both" => vec!["drain", "together"],
+                    _ => panic!("{usage}"),
+                }
+            }
+            "--json" => a.json = true,
+            _ => panic!("{usage}"),
+        }
+    }
+    assert!(a.runs > 0 && a.messages > 0, "{usage}");
+    a
 }
 
 #[tokio::main]
 async fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("a number"))
-        .collect();
-    let n = args.first().copied().unwrap_or(5000);
-    let shell_n = args.get(1).copied().unwrap_or(500);
-    let concurrency = args.get(2).copied().unwrap_or(32);
+    let args = args();
     let conn = Connection::connect(AMQP, ConnectionProperties::default())
         .await
         .expect("broker");
-    let bodies: Vec<_> = (0..n.max(shell_n))
+    let bodies: Vec<_> = (0..args.messages.max(args.shell))
         .map(|i| {
             let e = envelope(i);
             (e.encode(), e.properties(Utc::now(), 0))
         })
         .collect();
     let rate = |count: usize, d: Duration| count as f64 / d.as_secs_f64();
+    let n = args.messages;
 
-    let base = baseline(&conn, n, concurrency as u16, &bodies).await;
-    let noop = drumline(&conn, n, concurrency, false).await;
-    let shell = drumline(&conn, shell_n, concurrency, true).await;
-    let base_shell = baseline(&conn, shell_n, concurrency as u16, &bodies).await;
+    let mut rows = Vec::new();
+    for &mode in &args.modes {
+        let together = mode == "together";
+        for &c in &args.concurrency {
+            let mut row = Row {
+                mode,
+                concurrency: c,
+                bare: Figure { runs: vec![] },
+                worker: Figure { runs: vec![] },
+                ratios: vec![],
+            };
+            for run in 0..args.runs {
+                let b = rate(n, bare(&conn, &bodies[..n], c as u16, together).await);
+                let w = rate(n, drumline(&conn, &bodies[..n], c, false, together).await);
+                eprintln!(
+                    "{mode} c={c} run {}: bare {b:.0} msg/s, worker {w:.0} msg/s ({:.2})",
+                    run + 1,
+                    w / b
+                );
+                row.bare.runs.push(b);
+                row.worker.runs.push(w);
+                row.ratios.push(w / b);
+            }
+            rows.push(row);
+        }
+    }
+    let shell_c = args.concurrency[0];
+    let mut shell = Figure { runs: vec![] };
+    if args.shell > 0 {
+        for _ in 0..args.runs {
+            let d = drumline(&conn, &bodies[..args.shell], shell_c, true, false).await;
+            shell.runs.push(rate(args.shell, d));
+        }
+    }
+    let cores = std::thread::available_parallelism()
+        .map(|p| p.get())
+        .unwrap_or(0);
 
-    println!(
-        "concurrency/prefetch {concurrency}, {} cores",
-        std::thread::available_parallelism()
-            .map(|p| p.get())
-            .unwrap_or(0)
-    );
-    println!(
-        "{:<44} {:>8} {:>10} {:>12}",
-        "path", "msgs", "msgs/s", "vs baseline"
-    );
-    println!(
-        "{:<44} {:>8} {:>10.0} {:>12}",
-        "bare publish(confirm)+consume+ack",
-        n,
-        rate(n, base),
-        "1.00"
-    );
-    println!(
-        "{:<44} {:>8} {:>10.0} {:>12.2}",
-        "drumline, no-op Rust handler",
-        n,
-        rate(n, noop),
-        rate(n, noop) / rate(n, base)
-    );
-    println!(
-        "{:<44} {:>8} {:>10.0} {:>12.2}",
-        "drumline, shell executor (/bin/true)",
-        shell_n,
-        rate(shell_n, shell),
-        rate(shell_n, shell) / rate(shell_n, base_shell)
-    );
+    if args.json {
+        let out = serde_json::json!({
+            "cores": cores,
+            "messages": n,
+            "runs": args.runs,
+            "throughput": rows.iter().map(|r| {
+                let ratio = Figure { runs: r.ratios.clone() };
+                serde_json::json!({
+                    "mode": r.mode,
+                    "concurrency": r.concurrency,
+                    "bare_msgs_per_s": r.bare.json(),
+                    "worker_msgs_per_s": r.worker.json(),
+                    "ratio": {
+                        "of_medians": r.worker.median() / r.bare.median(),
+                        "min": ratio.min(),
+                        "max": ratio.max(),
+                        "runs": r.ratios,
+                    },
+                })
+            }).collect::<Vec<_>>(),
+            "shell": (args.shell > 0).then(|| serde_json::json!({
+                "concurrency": shell_c,
+                "messages": args.shell,
+                "msgs_per_s": shell.json(),
+            })),
+        });
+        println!("{}", serde_json::to_string_pretty(&out).unwrap());
+    } else {
+        println!(
+            "{n} messages per run, {} runs per figure (median, min–max), {cores} cores",
+            args.runs
+        );
+        println!(
+            "{:<9} {:>5} {:>22} {:>22} {:>18}",
+            "mode", "conc", "bare msg/s", "worker msg/s", "worker/bare"
+        );
+        for r in &rows {
+            let ratio = Figure {
+                runs: r.ratios.clone(),
+            };
+            println!(
+                "{:<9} {:>5} {:>22} {:>22} {:>18}",
+                r.mode,
+                r.concurrency,
+                format!(
+                    "{:.0} ({:.0}–{:.0})",
+                    r.bare.median(),
+                    r.bare.min(),
+                    r.bare.max()
+                ),
+                format!(
+                    "{:.0} ({:.0}–{:.0})",
+                    r.worker.median(),
+                    r.worker.min(),
+                    r.worker.max()
+                ),
+                format!(
+                    "{:.2} ({:.2}–{:.2})",
+                    r.worker.median() / r.bare.median(),
+                    ratio.min(),
+                    ratio.max()
+                ),
+            );
+        }
+        if args.shell > 0 {
+            println!(
+                "shell executor (/bin/true), concurrency {shell_c}, {} messages: {:.0} msg/s ({:.0}–{:.0})",
+                args.shell,
+                shell.median(),
+                shell.min(),
+                shell.max()
+            );
+        }
+    }
     let _ = conn.close(200, "bye").await;
 }
