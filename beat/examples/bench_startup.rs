@@ -13,7 +13,7 @@
 //! queues and exchanges are deleted at the end, whatever happened.
 
 use anyhow::{bail, Context, Result};
-use chrono::{SecondsFormat, TimeDelta, Utc};
+use chrono::{TimeDelta, Utc};
 use drumline_beat::progress::load_last;
 use drumline_shared::config::Config;
 use drumline_shared::names::Names;
@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{cleanup, spawn_beat, SpawnedBeat};
+use common::{cleanup, spawn_beat, write_config, SpawnedBeat};
 
 /// One start of the real binary.
 struct Startup {
@@ -147,20 +147,6 @@ async fn bench(beat: &Path, jobs: usize, ns: &str, dir: &Path) -> Result<String>
         writeln!(out, "{step:<52} {result:>12}")?;
     }
     Ok(out)
-}
-
-fn write_config(path: &Path, ns: &str, jobs: usize) -> Result<()> {
-    // Daily, next instant 12 h from now: nothing is published while the bench runs.
-    let anchor = (Utc::now() + TimeDelta::hours(12)).to_rfc3339_opts(SecondsFormat::Secs, true);
-    let mut text = format!("namespace = \"{ns}\"\n\n[tasks.t]\ncommand = [\"/bin/true\"]\n");
-    for i in 0..jobs {
-        write!(
-            text,
-            "\n[[jobs]]\nname = \"job-{i:06}\"\ntask = \"t\"\nevery = \"1d\"\nanchor = \"{anchor}\"\n"
-        )?;
-    }
-    std::fs::write(path, text)?;
-    Ok(())
 }
 
 /// Starts the beat, waits for "beat leading", samples its memory, stops it (SIGTERM).

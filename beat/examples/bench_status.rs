@@ -17,7 +17,7 @@
 //! Its Redis keys, queues and exchanges are deleted at the end, whatever happened.
 
 use anyhow::{ensure, Context, Result};
-use chrono::{SecondsFormat, TimeDelta, Utc};
+use chrono::{TimeDelta, Utc};
 use drumline_shared::config::Config;
 use drumline_shared::names::Names;
 use drumline_shared::store::{last_instant_text, Claim, ClaimRequest, OverlapMode, Store};
@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 #[path = "common/mod.rs"]
 mod common;
-use common::cleanup;
+use common::{cleanup, write_config};
 
 /// Timed runs of the binary.
 const RUNS: usize = 3;
@@ -146,20 +146,6 @@ async fn bench(beat: &Path, records: usize, jobs: usize, ns: &str, dir: &Path) -
         writeln!(out, "{step:<62} {result:>20}")?;
     }
     Ok(out)
-}
-
-fn write_config(path: &Path, ns: &str, jobs: usize) -> Result<()> {
-    // Daily, next instant 12 h from now: nothing would come due.
-    let anchor = (Utc::now() + TimeDelta::hours(12)).to_rfc3339_opts(SecondsFormat::Secs, true);
-    let mut text = format!("namespace = \"{ns}\"\n\n[tasks.t]\ncommand = [\"/bin/true\"]\n");
-    for i in 0..jobs {
-        write!(
-            text,
-            "\n[[jobs]]\nname = \"job-{i:03}\"\ntask = \"t\"\nevery = \"1d\"\nanchor = \"{anchor}\"\n"
-        )?;
-    }
-    std::fs::write(path, text)?;
-    Ok(())
 }
 
 /// Fills Redis as a busy schedule leaves it (see the module doc).

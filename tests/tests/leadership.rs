@@ -129,6 +129,17 @@ fn wait_leader(env: &TestEnv, above: u64, within: Duration, beats: &[&Beat]) -> 
 }
 
 /// The beat holding `lease`.
+/// Two beats on `cfg`, once one leads: (the beats, its lease, the leader's index, the other's).
+fn two_beats(env: &TestEnv, cfg: &str) -> (Vec<Beat>, Lease, usize, usize) {
+    let beats = vec![
+        Beat::start(env, "beat-1", cfg, &[]),
+        Beat::start(env, "beat-2", cfg, &[]),
+    ];
+    let first = wait_leader(env, 0, WAIT, &beats.iter().collect::<Vec<_>>());
+    let old = holder(&beats, first);
+    (beats, first, old, 1 - old)
+}
+
 fn holder(beats: &[Beat], lease: Lease) -> usize {
     beats
         .iter()
@@ -383,13 +394,7 @@ async fn a_leader_stopped_past_its_lease_publishes_nothing_it_decides_after_resu
     let cfg = config(&env, "leader_lease = \"3s\"");
     let mut workers = workers(&env, &cfg, 2).await;
     let snoop = Snoop::start(&mut env, "default");
-    let mut beats = vec![
-        Beat::start(&env, "beat-1", &cfg, &[]),
-        Beat::start(&env, "beat-2", &cfg, &[]),
-    ];
-    let first = wait_leader(&env, 0, WAIT, &beats.iter().collect::<Vec<_>>());
-    let old = holder(&beats, first);
-    let new = 1 - old;
+    let (mut beats, first, old, new) = two_beats(&env, &cfg);
     assert!(
         wait_until(WAIT, || of_epoch(&snoop, first.epoch).len() >= 5
             && beats[old].metric(IS_LEADER) == Some(1.0)),
@@ -530,13 +535,7 @@ async fn sigterm_hands_leadership_over_within_a_third_of_the_lease() {
     let cfg = config(&env, "leader_lease = \"6s\"");
     let mut workers = workers(&env, &cfg, 1).await;
     let snoop = Snoop::start(&mut env, "default");
-    let mut beats = vec![
-        Beat::start(&env, "beat-1", &cfg, &[]),
-        Beat::start(&env, "beat-2", &cfg, &[]),
-    ];
-    let first = wait_leader(&env, 0, WAIT, &beats.iter().collect::<Vec<_>>());
-    let old = holder(&beats, first);
-    let new = 1 - old;
+    let (mut beats, first, old, new) = two_beats(&env, &cfg);
     assert!(
         wait_until(WAIT, || of_epoch(&snoop, first.epoch).len() >= 4
             && beats[new].metric(IS_LEADER) == Some(0.0)),

@@ -103,3 +103,20 @@ pub fn spawn_beat(beat: &std::path::Path, config: &std::path::Path) -> Result<Sp
         log_tail,
     })
 }
+
+/// Writes a config of `jobs` daily jobs (`job-000000`, …) whose next instant is 12 h away, so
+/// nothing comes due while a bench runs.
+pub fn write_config(path: &std::path::Path, ns: &str, jobs: usize) -> Result<()> {
+    use chrono::{SecondsFormat, TimeDelta, Utc};
+    use std::fmt::Write as _;
+    let anchor = (Utc::now() + TimeDelta::hours(12)).to_rfc3339_opts(SecondsFormat::Secs, true);
+    let mut text = format!("namespace = \"{ns}\"\n\n[tasks.t]\ncommand = [\"/bin/true\"]\n");
+    for i in 0..jobs {
+        write!(
+            text,
+            "\n[[jobs]]\nname = \"job-{i:06}\"\ntask = \"t\"\nevery = \"1d\"\nanchor = \"{anchor}\"\n"
+        )?;
+    }
+    std::fs::write(path, text)?;
+    Ok(())
+}
