@@ -25,6 +25,7 @@
 //! A topology mismatch found on a reconnect ends the worker with a config error, but only after
 //! the same drain: runs in flight are never dropped mid-way.
 
+use crate::acks::{Acks, Ticket};
 use crate::executor::KILL_GRACE;
 use crate::processor::{self, Processor};
 use crate::stats::Stats;
@@ -36,8 +37,7 @@ use drumline_shared::store::Store;
 use drumline_shared::topology;
 use futures_util::stream::{select_all, StreamExt};
 use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-    ConfirmSelectOptions,
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
 use lapin::Connection;
@@ -326,6 +326,7 @@ impl Dispatch {
         in_flight: &mut JoinSet<()>,
     ) -> SessionEnd {
         let mut deliveries = select_all(consumers);
+        let acks = Acks::start();
         loop {
             while in_flight.try_join_next().is_some() {}
             let slot = tokio::select! {
@@ -346,14 +347,15 @@ impl Dispatch {
                 },
                 _ = self.stop.cancelled() => return SessionEnd::Stopping,
             };
-            if !self.ready(&delivery).await {
+            let ticket = acks.taken(&delivery);
+            let Some(ticket) = self.ready(ticket).await else {
                 return SessionEnd::Stopping;
-            }
+            };
             let channel = match publisher.channel(conn).await {
                 Ok(channel) => channel,
                 Err(e) => {
                     warn!(error = %e, "cannot reopen the publisher channel; reconnecting");
-                    requeue(&delivery, &self.processor.stats).await;
+                    requeue(ticket, &self.processor.stats).await;
                     self.pacer.settled(Settled::BrokerTrouble);
                     return SessionEnd::Lost;
                 }
@@ -361,16 +363,16 @@ impl Dispatch {
             let processor = self.current.get();
             let pacer = self.pacer.clone();
             in_flight.spawn(async move {
-                let settled = processor.process(channel, delivery).await;
+                let settled = processor.process(channel, delivery, ticket).await;
                 pacer.settled(settled);
                 drop(slot);
             });
         }
     }
 
-    /// Waits out the pacer's pause, then (fail closed) the Redis gate, holding `delivery`
-    /// unacked; false when shutdown came first, the delivery then requeued.
-    async fn ready(&self, delivery: &lapin::message::Delivery) -> bool {
+    /// Waits out the pacer's pause, then (fail closed) the Redis gate, holding the delivery
+    /// unacked; `None` when shutdown came first, the delivery then requeued.
+    async fn ready(&self, ticket: Ticket) -> Option<Ticket> {
         // Paced after the delivery is in hand, not before: a requeued delivery comes straight
         // back, and must wait out the pause its own failure started.
         let mut stopped = tokio::select! {
@@ -389,9 +391,10 @@ impl Dispatch {
             };
         }
         if stopped {
-            requeue(delivery, &self.processor.stats).await;
+            requeue(ticket, &self.processor.stats).await;
+            return None;
         }
-        !stopped
+        Some(ticket)
     }
 }
 
@@ -413,12 +416,8 @@ async fn cancel_consumers(channel: &lapin::Channel, tags: &[String]) {
 }
 
 /// Hands a delivery back to the broker, bounded: on a dead channel it goes back anyway.
-async fn requeue(delivery: &lapin::message::Delivery, stats: &Stats) {
-    let nack = delivery.acker.nack(BasicNackOptions {
-        requeue: true,
-        ..Default::default()
-    });
-    if let Ok(Ok(())) = tokio::time::timeout(SETTLE_TIMEOUT, nack).await {
+async fn requeue(ticket: Ticket, stats: &Stats) {
+    if let Ok(Ok(())) = tokio::time::timeout(SETTLE_TIMEOUT, ticket.requeue()).await {
         stats.requeued.inc();
     }
 }

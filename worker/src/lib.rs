@@ -2,6 +2,7 @@
 //!
 //! - [`consumer`]  — the broker side: connect, declare, consume within the concurrency slots,
 //!   pace broker failures, reconnect, shut down in order (every step bounded).
+//! - `acks`        — a channel's acks, coalesced into `multiple` acks over recorded outcomes.
 //! - [`processor`] — one delivery start to finish: admit → claim → run → record → ack; performs
 //!   what [`decision`] says (the only place a delivery's broker and Redis effects happen).
 //! - [`decision`]  — what to do with a delivery, as pure functions: admit, then claim and run
@@ -28,6 +29,7 @@
 //! # Ok(()) }
 //! ```
 
+mod acks;
 #[cfg(feature = "cli")]
 pub mod commands;
 pub mod consumer;

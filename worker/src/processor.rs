@@ -4,6 +4,7 @@
 //! [`Store`]). Every path ends in exactly one ack or one requeue; nothing is requeued that would
 //! fail the same way again (those go to `{ns}.dead`).
 
+use crate::acks::Ticket;
 use crate::consumer::{Settled, SETTLE_TIMEOUT};
 use crate::decision::{self, Action, Outcome, Recheck, Rejected, RunResult};
 use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
@@ -22,7 +23,6 @@ use drumline_shared::store::{
 };
 use drumline_shared::topology;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::types::AMQPValue;
 use lapin::{BasicProperties, Channel};
 use std::collections::HashMap;
@@ -135,7 +135,13 @@ impl Processor {
     /// Processes one delivery and acks or requeues it; says how, so the consumer can pace
     /// itself when the broker side keeps failing. Settling is bounded: on a dead channel the
     /// broker redelivers anyway, and a stuck ack must not hold a concurrency slot.
-    pub async fn process(self: Arc<Self>, publisher: Channel, delivery: Delivery) -> Settled {
+    /// `ticket` settles it: acks are coalesced with the channel's others ([`crate::acks`]).
+    pub(crate) async fn process(
+        self: Arc<Self>,
+        publisher: Channel,
+        delivery: Delivery,
+        ticket: Ticket,
+    ) -> Settled {
         let mut broker_trouble = false;
         let disposition = match self.disposition(&publisher, &delivery).await {
             Ok(d) => d,
@@ -150,15 +156,12 @@ impl Processor {
                 Disposition::Requeue
             }
         };
+        drop(delivery);
         let settle = async {
             match disposition {
-                Disposition::Ack => delivery.acker.ack(BasicAckOptions::default()).await,
+                Disposition::Ack => ticket.ack().await,
                 Disposition::Requeue => {
-                    let requeue = BasicNackOptions {
-                        requeue: true,
-                        ..Default::default()
-                    };
-                    delivery.acker.nack(requeue).await?;
+                    ticket.requeue().await?;
                     self.stats.requeued.inc();
                     Ok(())
                 }
