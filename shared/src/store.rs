@@ -333,13 +333,25 @@ fn ending_claim(body: &str) -> Script {
 
 // ARGV[3] final state, ARGV[4] retention_ms. Also applies when the key is gone (our lease
 // expired and nobody claimed it since): the run did finish, and recording it is what stops it
-// from running again.
+// from running again. With a run record (ARGV[5] its JSON, not ''), the same call appends it to
+// the job's history KEYS[4] (capped at ARGV[6] entries) and sets KEYS[5] to ARGV[7] (the
+// record's end): the last success without expiry (ARGV[8] 'success'), the last failure kept for
+// the retention ('failure'), or nothing ('').
 static FINISH: LazyLock<Script> = LazyLock::new(|| {
     ending_claim(
         r#"
 if holds or redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], 'state', ARGV[3], 'token', ARGV[1])
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  if ARGV[5] ~= '' then
+    redis.call('LPUSH', KEYS[4], ARGV[5])
+    redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[6]) - 1)
+    if ARGV[8] == 'success' then
+      redis.call('SET', KEYS[5], ARGV[7])
+    elseif ARGV[8] == 'failure' then
+      redis.call('SET', KEYS[5], ARGV[7], 'PX', ARGV[4])
+    end
+  end
   return 1
 end
 return 0
@@ -621,7 +633,7 @@ impl Store {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let lease = lease.as_millis() as u64;
-        self.as_holder(&RENEW, key, job, token, lease, false).await
+        self.as_holder(&RENEW, key, job, token, lease).await
     }
 
     /// Ends our claim as `ending` says, the record kept for `retention`, job lock released (if
@@ -638,23 +650,80 @@ impl Store {
         ending: Ending,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let retention = retention.as_millis() as u64;
+        let retention_ms = retention.as_millis() as u64;
         match ending {
             Ending::Final(state) => {
-                let args = (state.as_str(), retention);
-                self.as_holder(&FINISH, key, job, token, args, true).await
+                self.finish_recorded(key, job, token, state, retention, None)
+                    .await
             }
             Ending::Retry { next_attempt } => {
-                let args = (next_attempt, retention);
-                self.as_holder(&RETRY, key, job, token, args, true).await
+                let mut call = self.holder_call(&RETRY, key, job, token);
+                call.arg((next_attempt, retention_ms));
+                self.durable(&RETRY, &call).await
             }
         }
     }
 
-    /// Runs one of the scripts only the claim's holder may run (RENEW, FINISH, RETRY,
-    /// RELEASE); they share their call: KEYS run key, job lock and running set, ARGV token,
-    /// the running set's member (none for ad-hoc), then `args`. A `durable` write (a final
-    /// state, `retrying`) waits for `wait_replicas`.
+    /// [`finish`](Self::finish) in a final `state`, and when the claim ended is ours (or
+    /// gone), in the same call: `record` appended to `job`'s history, its end as the job's last
+    /// success or failure (as [`record`](Self::record) does). One round trip where there were
+    /// two; nothing of the record is written when `false` comes back.
+    pub async fn finish_recorded(
+        &self,
+        key: &str,
+        job: Option<&str>,
+        token: &str,
+        state: Final,
+        retention: Duration,
+        record: Option<&RunRecord>,
+    ) -> Result<bool, StoreError> {
+        let retention_ms = retention.as_millis() as u64;
+        let mut call = self.holder_call(&FINISH, key, job, token);
+        call.arg((state.as_str(), retention_ms));
+        match (job, record) {
+            (Some(job), Some(record)) => {
+                let (last, kind) = if record.status == RunState::Done.as_str() {
+                    (self.names.last_success(job), "success")
+                } else if record.is_failure() {
+                    (self.names.last_failure(job), "failure")
+                } else {
+                    (self.names.last_success(job), "")
+                };
+                let json = serde_json::to_string(record).expect("a run record always serialises");
+                call.key(self.names.history(job))
+                    .key(last)
+                    .arg(json)
+                    .arg(HISTORY_LEN)
+                    .arg(&record.finished_at)
+                    .arg(kind);
+            }
+            _ => {
+                call.arg("");
+            }
+        }
+        self.durable(&FINISH, &call).await
+    }
+
+    /// The call every holder's script (RENEW, FINISH, RETRY, RELEASE) starts with: KEYS run
+    /// key, job lock and running set, ARGV token and the running set's member (none for
+    /// ad-hoc); the caller adds the script's own.
+    fn holder_call<'s>(
+        &self,
+        script: &'s Script,
+        key: &str,
+        job: Option<&str>,
+        token: &str,
+    ) -> ScriptInvocation<'s> {
+        let mut call = script.prepare_invoke();
+        call.key(self.names.run_key(key))
+            .key(self.job_lock(job))
+            .key(self.running_set(job))
+            .arg(token)
+            .arg(if job.is_some() { key } else { "" });
+        call
+    }
+
+    /// Runs a holder's script that is not a durable write (RENEW, RELEASE).
     async fn as_holder(
         &self,
         script: &Script,
@@ -662,20 +731,10 @@ impl Store {
         job: Option<&str>,
         token: &str,
         args: impl ToRedisArgs,
-        durable: bool,
     ) -> Result<bool, StoreError> {
-        let mut call = script.prepare_invoke();
-        call.key(self.names.run_key(key))
-            .key(self.job_lock(job))
-            .key(self.running_set(job))
-            .arg(token)
-            .arg(if job.is_some() { key } else { "" })
-            .arg(args);
-        if durable {
-            self.durable(script, &call).await
-        } else {
-            call.invoke_async(&mut self.conn.clone()).await
-        }
+        let mut call = self.holder_call(script, key, job, token);
+        call.arg(args);
+        call.invoke_async(&mut self.conn.clone()).await
     }
 
     /// Gives the claim up (a retry will claim again), out of the running set; `false` if it
@@ -686,8 +745,7 @@ impl Store {
         job: Option<&str>,
         token: &str,
     ) -> Result<bool, StoreError> {
-        self.as_holder(&RELEASE, key, job, token, None::<u8>, false)
-            .await
+        self.as_holder(&RELEASE, key, job, token, None::<u8>).await
     }
 
     /// Forgets a `dead` run state so a replayed copy can be claimed; any other state is kept

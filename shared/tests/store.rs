@@ -769,3 +769,73 @@ async fn status_reads_success_failure_running_and_oldest_per_job() {
     assert_eq!(h[2].last_failure, None);
     assert_eq!(h[2].oldest, None);
 }
+
+#[tokio::test]
+async fn a_final_state_and_its_run_record_land_in_one_call_and_only_for_the_holder() {
+    let s = store("finish_recorded").await;
+    let retention = Duration::from_secs(60);
+    let at = |text: &str| drumline_shared::envelope::parse_instant(text);
+    let history_len = |s: &TestStore| {
+        let key = s.names().history("j");
+        let mut conn = s.connection();
+        async move {
+            redis::cmd("LLEN")
+                .arg(key)
+                .query_async::<i64>(&mut conn)
+                .await
+                .unwrap()
+        }
+    };
+    assert!(matches!(
+        s.claim(&of_job("j@1", "a", "j")).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    let done = run("j@1", "done", "2026-03-08T07:00:03Z");
+    assert!(s
+        .finish_recorded("j@1", Some("j"), "a", Final::Done, retention, Some(&done))
+        .await
+        .unwrap());
+    assert_eq!(s.run_state("j@1").await.unwrap().as_deref(), Some("done"));
+    let h = s.job_histories(&["j"]).await.unwrap();
+    assert_eq!(h[0].last_success, at("2026-03-08T07:00:03Z"));
+    assert_eq!(h[0].running, 0);
+    assert_eq!(h[0].oldest.as_ref().map(|r| r.key.as_str()), Some("j@1"));
+    assert_eq!(history_len(&s).await, 1);
+
+    // Not the holder: neither the state nor the record is written.
+    assert!(matches!(
+        s.claim(&of_job("j@2", "b", "j")).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    let stolen = run("j@2", "dead", "2026-03-08T07:00:04Z");
+    assert!(!s
+        .finish_recorded("j@2", Some("j"), "x", Final::Dead, retention, Some(&stolen))
+        .await
+        .unwrap());
+    assert_eq!(
+        s.run_state("j@2").await.unwrap().as_deref(),
+        Some("running")
+    );
+    assert_eq!(history_len(&s).await, 1);
+    assert_eq!(s.job_histories(&["j"]).await.unwrap()[0].last_failure, None);
+
+    // The holder's dead run: the last failure, kept for the retention.
+    let dead = run("j@2", "dead", "2026-03-08T07:00:05Z");
+    assert!(s
+        .finish_recorded("j@2", Some("j"), "b", Final::Dead, retention, Some(&dead))
+        .await
+        .unwrap());
+    let h = s.job_histories(&["j"]).await.unwrap();
+    assert_eq!(h[0].last_failure, at("2026-03-08T07:00:05Z"));
+    assert_eq!(h[0].last_success, at("2026-03-08T07:00:03Z"));
+    assert_eq!(history_len(&s).await, 2);
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(s.names().last_failure("j"))
+        .query_async(&mut s.connection())
+        .await
+        .unwrap();
+    assert!(
+        ttl > 0 && ttl <= 60_000,
+        "last_failure lives as long as done_ttl: {ttl}"
+    );
+}

@@ -367,15 +367,14 @@ impl Processor {
     /// Marks a success `done` and records it; requeues when another worker claimed the
     /// instance before the result could be recorded.
     async fn done(&self, step: &Step<'_>, fence: u64) -> Result<Disposition, Interrupted> {
+        let record = self.run_record(step.env, Outcome::Done, step.started_at.clone(), None);
         if self
-            .finish_with_retries(step.env, step.token, Final::Done)
+            .finish_with_retries(step.env, step.token, Final::Done, record.as_ref())
             .await?
         {
             info!(fence, "done");
             self.stats.succeeded.inc();
             self.stats.outcome(&step.env.task, RunOutcome::Success);
-            self.record(step.env, Outcome::Done, step.started_at.clone(), None)
-                .await;
             Ok(Disposition::Ack)
         } else {
             warn!("succeeded, but another worker claimed the instance before it could be recorded; requeueing");
@@ -507,20 +506,16 @@ impl Processor {
         env: &Envelope,
         token: &str,
         state: Final,
+        record: Option<&RunRecord>,
     ) -> Result<bool, StoreError> {
         let retention = self.config.worker.done_ttl;
         let mut delay = Duration::from_millis(100);
         let give_up = Instant::now() + FINISH_RETRY_FOR;
+        let job = self.lock_job(env);
         loop {
             match self
                 .store
-                .finish(
-                    &env.key,
-                    self.lock_job(env),
-                    token,
-                    Ending::Final(state),
-                    retention,
-                )
+                .finish_recorded(&env.key, job, token, state, retention, record)
                 .await
             {
                 Ok(ours) => return Ok(ours),
@@ -549,25 +544,24 @@ impl Processor {
         let runs = env.attempt.saturating_add(1);
         self.dead_letter_env(step.publisher, step.delivery, env, reason, error, runs)
             .await?;
-        self.finish_with_retries(env, step.token, Final::Dead)
-            .await?;
         let started_at = step.started_at.clone();
-        self.record(env, Outcome::Dead, started_at, Some(error.to_owned()))
-            .await;
+        let record = self.run_record(env, Outcome::Dead, started_at, Some(error.to_owned()));
+        self.finish_with_retries(env, step.token, Final::Dead, record.as_ref())
+            .await?;
         self.stats.outcome(&env.task, RunOutcome::Dead);
         Ok(())
     }
 
-    /// Appends to the job's history (ad-hoc tasks have none).
-    async fn record(
+    /// The run record of `env`'s run, for its job's history (ad-hoc tasks have none).
+    fn run_record(
         &self,
         env: &Envelope,
         outcome: Outcome,
         started_at: Option<String>,
         error: Option<String>,
-    ) {
-        let Some(job) = &env.job else { return };
-        let record = RunRecord {
+    ) -> Option<RunRecord> {
+        env.job.as_ref()?;
+        Some(RunRecord {
             key: env.key.clone(),
             scheduled_for: envelope::format_instant(env.scheduled_for),
             status: outcome.as_str().to_owned(),
@@ -576,6 +570,22 @@ impl Processor {
             started_at,
             finished_at: now_text(),
             error,
+        })
+    }
+
+    /// Appends to the job's history (ad-hoc tasks have none); the outcomes that end a claim in
+    /// a final state record through [`Store::finish_recorded`] instead.
+    async fn record(
+        &self,
+        env: &Envelope,
+        outcome: Outcome,
+        started_at: Option<String>,
+        error: Option<String>,
+    ) {
+        let (Some(job), Some(record)) =
+            (&env.job, self.run_record(env, outcome, started_at, error))
+        else {
+            return;
         };
         let retention = self.config.worker.done_ttl;
         if let Err(e) = self.store.record(job, &record, retention).await {
