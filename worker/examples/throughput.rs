@@ -91,7 +91,12 @@ async fn confirm_channel(conn: &Connection) -> Channel {
 
 /// The bare consumer: each delivery its own task (decode, ack), at most `prefetch` in flight.
 /// Returns the time from connecting the consumer until the last of `n` acks was sent.
-async fn bare(conn: &Connection, bodies: &Bodies, prefetch: u16, together: bool) -> Duration {
+async fn bare(
+    conn: &Connection,
+    bodies: &Bodies,
+    prefetch: u16,
+    together: bool,
+) -> (Duration, [f64; 3]) {
     let n = bodies.len();
     let queue = format!("bench_bare_{}", short_id());
     let ch = confirm_channel(conn).await;
@@ -105,7 +110,7 @@ async fn bare(conn: &Connection, bodies: &Bodies, prefetch: u16, together: bool)
     if !together {
         publish_all(&ch, "", &queue, bodies).await;
     }
-    let start = Instant::now();
+    let (start, cpu) = (Instant::now(), Cpu::now());
     // Its own connection, as the worker has (and as RabbitMQ advises: a connection that also
     // publishes is throttled by flow control, which would slow its acks in `together`).
     let consumer_conn = Connection::connect(AMQP, ConnectionProperties::default())
@@ -148,13 +153,14 @@ async fn bare(conn: &Connection, bodies: &Bodies, prefetch: u16, together: bool)
     }
     all_acked.notified().await;
     let elapsed = start.elapsed();
+    let used = Cpu::now().per_message(cpu, n);
     consuming.await.unwrap();
     assert_eq!(acked.load(Ordering::Acquire), n);
     let _ = consumer_conn.close(200, "done").await;
     ch.queue_delete(&queue, QueueDeleteOptions::default())
         .await
         .unwrap();
-    elapsed
+    (elapsed, used)
 }
 
 fn config(ns: &str, concurrency: usize, shell: bool) -> Config {
@@ -186,7 +192,7 @@ async fn drumline(
     concurrency: usize,
     shell: bool,
     together: bool,
-) -> Duration {
+) -> (Duration, [f64; 3]) {
     let n = bodies.len();
     let ns = format!("bench_{}", short_id());
     let config = config(&ns, concurrency, shell);
@@ -220,7 +226,7 @@ async fn drumline(
         });
     }
     let stats = worker.stats();
-    let start = Instant::now();
+    let (start, cpu) = (Instant::now(), Cpu::now());
     let handle = tokio::spawn(worker.run(async move {
         let _ = stop_rx.await;
     }));
@@ -231,6 +237,7 @@ async fn drumline(
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let elapsed = start.elapsed();
+    let used = Cpu::now().per_message(cpu, n);
     assert!(
         shell || ran.load(Ordering::Relaxed) >= n,
         "the no-op handler ran for every message"
@@ -261,7 +268,7 @@ async fn drumline(
         .message_count();
     assert_eq!(left, 0, "the queue drained");
     cleanup(conn, &names, &mut redis).await;
-    elapsed
+    (elapsed, used)
 }
 
 /// True when all `n` keys are `done` (pipelined in batches of 10,000).
@@ -314,6 +321,69 @@ async fn cleanup(conn: &Connection, names: &Names, redis: &mut redis::aio::Multi
     }
 }
 
+/// CPU time used so far by this process, the broker and Redis (the processes listening on the
+/// bench's ports 5672 and 6379), from `/proc` (clock ticks of 10 ms): where a run's work went.
+/// The broker and Redis are shared, so their figures include whatever else uses them meanwhile.
+#[derive(Clone, Copy, Default)]
+struct Cpu([u64; 3]);
+
+impl Cpu {
+    fn now() -> Cpu {
+        let pid = |port| listener(port).map_or(0, |pid| ticks(&pid));
+        Cpu([ticks("self"), pid(5672), pid(6379)])
+    }
+
+    /// µs of CPU per message since `earlier`, over `n` messages: [this process, broker, Redis].
+    fn per_message(&self, earlier: Cpu, n: usize) -> [f64; 3] {
+        std::array::from_fn(|i| self.0[i].saturating_sub(earlier.0[i]) as f64 * 10_000.0 / n as f64)
+    }
+}
+
+/// The process listening on TCP `port` of this host: the socket's inode from `/proc/net/tcp`
+/// (and `tcp6`), then the process holding it among `/proc/*/fd`.
+fn listener(port: u16) -> Option<String> {
+    let inode = ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .find_map(|table| {
+            let text = std::fs::read_to_string(table).ok()?;
+            text.lines().skip(1).find_map(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let local_port = f.get(1)?.rsplit_once(':')?.1;
+                let listening = f.get(3) == Some(&"0A");
+                (listening && u16::from_str_radix(local_port, 16).ok()? == port)
+                    .then(|| f.get(9).map(|i| i.to_string()))?
+            })
+        })?;
+    let socket = format!("socket:[{inode}]");
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid = entry.file_name().to_string_lossy().into_owned();
+            let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
+            fds.flatten()
+                .any(|fd| {
+                    std::fs::read_link(fd.path()).is_ok_and(|l| l.to_string_lossy() == socket)
+                })
+                .then_some(pid)
+        })
+}
+
+/// utime + stime of `/proc/PID/stat`, in clock ticks.
+fn ticks(pid: &str) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces): state is the 3rd field overall.
+    let rest = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    field(11) + field(12)
+}
+
 /// Median and spread of a few runs' rates (msg/s).
 struct Figure {
     runs: Vec<f64>,
@@ -357,6 +427,18 @@ struct Row {
     worker: Figure,
     /// Per-run worker/bare ratios (runs interleaved, so each pair shares the machine's mood).
     ratios: Vec<f64>,
+    /// Per run, µs of CPU per message [this process, broker, Redis]: bare, then worker.
+    cpu: Vec<([f64; 3], [f64; 3])>,
+}
+
+impl Row {
+    /// Per process, the median over the runs of the CPU figure `pick` chooses.
+    fn cpu_medians(&self, pick: impl Fn(&([f64; 3], [f64; 3])) -> [f64; 3]) -> [f64; 3] {
+        std::array::from_fn(|i| {
+            let runs = self.cpu.iter().map(|c| pick(c)[i]).collect();
+            Figure { runs }.median()
+        })
+    }
 }
 
 struct Args {
@@ -433,18 +515,26 @@ async fn main() {
                 bare: Figure { runs: vec![] },
                 worker: Figure { runs: vec![] },
                 ratios: vec![],
+                cpu: vec![],
             };
             for run in 0..args.runs {
-                let b = rate(n, bare(&conn, &bodies[..n], c as u16, together).await);
-                let w = rate(n, drumline(&conn, &bodies[..n], c, false, together).await);
+                let (b, bare_cpu) = bare(&conn, &bodies[..n], c as u16, together).await;
+                let (w, worker_cpu) = drumline(&conn, &bodies[..n], c, false, together).await;
+                let (b, w) = (rate(n, b), rate(n, w));
+                let us = |[me, broker, redis]: [f64; 3]| {
+                    format!("{me:.0} here + {broker:.0} broker + {redis:.0} redis µs CPU/msg")
+                };
                 eprintln!(
-                    "{mode} c={c} run {}: bare {b:.0} msg/s, worker {w:.0} msg/s ({:.2})",
+                    "{mode} c={c} run {}: bare {b:.0} msg/s ({}), worker {w:.0} msg/s ({}) ({:.2})",
                     run + 1,
+                    us(bare_cpu),
+                    us(worker_cpu),
                     w / b
                 );
                 row.bare.runs.push(b);
                 row.worker.runs.push(w);
                 row.ratios.push(w / b);
+                row.cpu.push((bare_cpu, worker_cpu));
             }
             rows.push(row);
         }
@@ -453,7 +543,7 @@ async fn main() {
     let mut shell = Figure { runs: vec![] };
     if args.shell > 0 {
         for _ in 0..args.runs {
-            let d = drumline(&conn, &bodies[..args.shell], shell_c, true, false).await;
+            let (d, _) = drumline(&conn, &bodies[..args.shell], shell_c, true, false).await;
             shell.runs.push(rate(args.shell, d));
         }
     }
@@ -478,6 +568,10 @@ async fn main() {
                         "min": ratio.min(),
                         "max": ratio.max(),
                         "runs": r.ratios,
+                    },
+                    "cpu_us_per_msg": {
+                        "bare": r.cpu_medians(|c| c.0),
+                        "worker": r.cpu_medians(|c| c.1),
                     },
                 })
             }).collect::<Vec<_>>(),
@@ -523,6 +617,18 @@ async fn main() {
                     ratio.min(),
                     ratio.max()
                 ),
+            );
+        }
+        println!("CPU per message, µs (median of the runs): this process + broker + Redis");
+        for r in &rows {
+            let [a, b, c] = r.cpu_medians(|c| c.0);
+            let [d, e, f] = r.cpu_medians(|c| c.1);
+            println!(
+                "{:<9} {:>5}   bare {a:.0} + {b:.0} + {c:.0} = {:.0}   worker {d:.0} + {e:.0} + {f:.0} = {:.0}",
+                r.mode,
+                r.concurrency,
+                a + b + c,
+                d + e + f
             );
         }
         if args.shell > 0 {
