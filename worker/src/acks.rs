@@ -24,12 +24,15 @@ use lapin::acker::Acker;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use tokio::sync::{mpsc, oneshot};
 
-/// The acks of one consumer channel; one per broker session.
+/// The acks of one consumer channel; one per broker session. Taking and requeueing update the
+/// table in place; only an ack wakes the batcher.
 #[derive(Clone)]
 pub(crate) struct Acks {
-    tx: mpsc::UnboundedSender<Request>,
+    table: Arc<Mutex<Table<Acker, Reply>>>,
+    tx: mpsc::UnboundedSender<(u64, Acker, Reply)>,
 }
 
 /// A taken delivery's right to be settled once: [`Ticket::ack`] or [`Ticket::requeue`].
@@ -42,8 +45,8 @@ pub(crate) struct Ticket {
 /// Who waits for an ack frame to be sent.
 type Reply = oneshot::Sender<Result<(), lapin::Error>>;
 
-/// What the batcher hears about a tag; `A` acks it (an [`Acker`]), `R` waits for that.
-enum Request<A = Acker, R = Reply> {
+/// What the table hears about a tag; `A` acks it (an [`Acker`]), `R` waits for that.
+enum Request<A, R> {
     Taken(u64),
     Ack(u64, A, R),
     Requeued(u64),
@@ -62,13 +65,18 @@ impl Acks {
     /// Starts the batcher; it ends when the last [`Acks`] and [`Ticket`] are gone.
     pub(crate) fn start() -> Acks {
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(batch(rx));
-        Acks { tx }
+        let table = Arc::new(Mutex::new(Table::default()));
+        tokio::spawn(batch(table.clone(), rx));
+        Acks { table, tx }
     }
 
-    /// Registers `delivery` as taken; must be called in the order deliveries are received.
+    fn apply(&self, request: Request<Acker, Reply>) {
+        self.table.lock().expect("ack table lock").apply(request);
+    }
+
+    /// Registers `delivery` as taken, before anything else can settle it.
     pub(crate) fn taken(&self, delivery: &Delivery) -> Ticket {
-        let _ = self.tx.send(Request::Taken(delivery.delivery_tag));
+        self.apply(Request::Taken(delivery.delivery_tag));
         Ticket {
             tag: delivery.delivery_tag,
             acker: delivery.acker.clone(),
@@ -81,8 +89,12 @@ impl Ticket {
     /// Acks the delivery, possibly together with others; returns once the frame is sent.
     pub(crate) async fn ack(self) -> Result<(), lapin::Error> {
         let (done, result) = oneshot::channel();
-        let request = Request::Ack(self.tag, self.acker.clone(), done);
-        if self.acks.tx.send(request).is_err() {
+        if self
+            .acks
+            .tx
+            .send((self.tag, self.acker.clone(), done))
+            .is_err()
+        {
             // The batcher is gone (it never is while a ticket lives); ack alone.
             return self.acker.ack(BasicAckOptions::default()).await;
         }
@@ -98,20 +110,26 @@ impl Ticket {
             ..Default::default()
         };
         self.acker.nack(requeue).await?;
-        let _ = self.acks.tx.send(Request::Requeued(self.tag));
+        self.acks.apply(Request::Requeued(self.tag));
         Ok(())
     }
 }
 
-/// The batcher: waits for a request, takes every other one waiting, then acks.
-async fn batch(mut rx: mpsc::UnboundedReceiver<Request>) {
-    let mut table = Table::<Acker, Reply>::default();
+/// The batcher: waits for an ack request, takes every other one waiting, then acks.
+async fn batch(
+    table: Arc<Mutex<Table<Acker, Reply>>>,
+    mut rx: mpsc::UnboundedReceiver<(u64, Acker, Reply)>,
+) {
     let mut requests = Vec::new();
     while rx.recv_many(&mut requests, usize::MAX).await > 0 {
-        for request in requests.drain(..) {
-            table.apply(request);
-        }
-        for (acker, options, waiting) in table.acks() {
+        let sends = {
+            let mut table = table.lock().expect("ack table lock");
+            for (tag, acker, done) in requests.drain(..) {
+                table.apply(Request::Ack(tag, acker, done));
+            }
+            table.acks()
+        };
+        for (acker, options, waiting) in sends {
             let result = acker.ack(options).await;
             for done in waiting {
                 let _ = done.send(result.clone());
