@@ -409,7 +409,7 @@ struct Args {
 fn args() -> Args {
     let mut a = Args {
         messages: 50_000,
-        shell: 500,
+        shell: 2_000,
         shell_concurrency: vec![8, 32],
         concurrency: vec![32, 256],
         runs: 3,
@@ -540,7 +540,7 @@ async fn main() {
             "shell": (args.shell > 0).then(|| serde_json::json!({
                 "messages": args.shell,
                 "command": "/bin/true",
-                "runs": shell_rows.iter().map(|r| {
+                "by_concurrency": shell_rows.iter().map(|r| {
                     let ratio = Figure { runs: r.ratios.clone() };
                     serde_json::json!({
                         "concurrency": r.concurrency,
@@ -562,10 +562,12 @@ async fn main() {
             "{n} messages per run, {} runs per figure (median, min–max), {cores} cores",
             args.runs
         );
-        println!(
-            "{:<9} {:>5} {:>22} {:>22} {:>18}",
-            "mode", "conc", "bare msg/s", "worker msg/s", "worker/bare"
-        );
+        if !rows.is_empty() {
+            println!(
+                "{:<9} {:>5} {:>22} {:>22} {:>18}",
+                "mode", "conc", "bare msg/s", "worker msg/s", "worker/bare"
+            );
+        }
         for r in &rows {
             let ratio = Figure {
                 runs: r.ratios.clone(),

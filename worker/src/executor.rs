@@ -651,7 +651,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("drumline-exec-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
         let pids = dir.join("pids");
-        // The command is the supervisor's child; its `sleep` is a grandchild of the worker.
+        // The command leads the group; its `sleep` is a grandchild of the worker.
         let script = format!(
             "sleep 30 & echo \"$$ $!\" > {0}.tmp && mv {0}.tmp {0}; wait",
             pids.display()
