@@ -6,11 +6,15 @@
 //! done → history → ack. Both drain a pre-filled durable queue of the same persistent envelopes
 //! (`drain`), and, in mode `together`, consume while the same bodies are published with
 //! confirms. Each figure is `--runs` runs (bare and worker interleaved); the table shows the
-//! median and the spread (min–max). The shell executor running `/bin/true` is reported as a
-//! rate (fork/exec bound; a broker baseline says nothing about it).
+//! median and the spread (min–max). The shell executor running `/bin/true` (a drain of
+//! `--shell N` messages at each of `--shell-concurrency K,…`) is measured against its own
+//! ceiling: `/bin/true` spawned and awaited through `tokio::process::Command`, K at once, N
+//! spawns, no broker or Redis (ceiling and executor runs interleaved). `--messages 0` skips
+//! the broker figures.
 //!
 //! `cargo run --release -p drumline-worker --example throughput -- [--messages N]
-//!  [--shell N] [--concurrency 32,256] [--runs 3] [--mode drain|together|both] [--json]`
+//!  [--shell N] [--shell-concurrency 8,32] [--concurrency 32,256] [--runs 3]
+//!  [--mode drain|together|both] [--json]`
 //!
 //! Uses its own namespaces on 127.0.0.1 and deletes what it declared. Asserts nothing about
 //! speed (a benchmark, not a test); it does check that every message was handled.
@@ -271,6 +275,30 @@ async fn drumline(
     (elapsed, used)
 }
 
+/// The fork/exec ceiling: `n` runs of `/bin/true`, each spawned and awaited through
+/// `tokio::process::Command`, `k` at once. Returns the time until the last one was reaped.
+async fn ceiling(n: usize, k: usize) -> Duration {
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let mut spawners = tokio::task::JoinSet::new();
+    for _ in 0..k {
+        let next = next.clone();
+        spawners.spawn(async move {
+            while next.fetch_add(1, Ordering::Relaxed) < n {
+                let status = tokio::process::Command::new("/bin/true")
+                    .status()
+                    .await
+                    .expect("spawn /bin/true");
+                assert!(status.success());
+            }
+        });
+    }
+    while let Some(done) = spawners.join_next().await {
+        done.unwrap();
+    }
+    start.elapsed()
+}
+
 /// True when all `n` keys are `done` (pipelined in batches of 10,000).
 async fn all_done(redis: &mut redis::aio::MultiplexedConnection, names: &Names, n: usize) -> bool {
     for lo in (0..n).step_by(10_000) {
@@ -441,9 +469,19 @@ impl Row {
     }
 }
 
+/// The shell executor against the fork/exec ceiling at one concurrency.
+struct ShellRow {
+    concurrency: usize,
+    ceiling: Figure,
+    executor: Figure,
+    /// Per-run executor/ceiling ratios (runs interleaved).
+    ratios: Vec<f64>,
+}
+
 struct Args {
     messages: usize,
     shell: usize,
+    shell_concurrency: Vec<usize>,
     concurrency: Vec<usize>,
     runs: usize,
     modes: Vec<&'static str>,
@@ -453,27 +491,26 @@ struct Args {
 fn args() -> Args {
     let mut a = Args {
         messages: 50_000,
-        shell: 500,
+        shell: 2_000,
+        shell_concurrency: vec![8, 32],
         concurrency: vec![32, 256],
         runs: 3,
         modes: vec!["drain"],
         json: false,
     };
     let mut it = std::env::args().skip(1);
-    let usage = "usage: throughput [--messages N] [--shell N] [--concurrency 32,256] [--runs 3] \
-                 [--mode drain|together|both] [--json]";
+    let usage = "usage: throughput [--messages N] [--shell N] [--shell-concurrency 8,32] \
+                 [--concurrency 32,256] [--runs 3] [--mode drain|together|both] [--json]";
+    let list =
+        |v: String| -> Vec<usize> { v.split(',').map(|c| c.parse().expect(usage)).collect() };
     while let Some(flag) = it.next() {
         let mut value = || it.next().expect(usage);
         match flag.as_str() {
             "--messages" => a.messages = value().parse().expect(usage),
             "--shell" => a.shell = value().parse().expect(usage),
             "--runs" => a.runs = value().parse().expect(usage),
-            "--concurrency" => {
-                a.concurrency = value()
-                    .split(',')
-                    .map(|c| c.parse().expect(usage))
-                    .collect()
-            }
+            "--concurrency" => a.concurrency = list(value()),
+            "--shell-concurrency" => a.shell_concurrency = list(value()),
             "--mode" => {
                 a.modes = match value().as_str() {
                     "drain" => vec!["drain"],
@@ -486,7 +523,7 @@ fn args() -> Args {
             _ => panic!("{usage}"),
         }
     }
-    assert!(a.runs > 0 && a.messages > 0, "{usage}");
+    assert!(a.runs > 0 && (a.messages > 0 || a.shell > 0), "{usage}");
     a
 }
 
@@ -506,7 +543,9 @@ async fn main() {
     let n = args.messages;
 
     let mut rows = Vec::new();
-    for &mode in &args.modes {
+    // `--messages 0` skips the broker figures (the shell figures alone).
+    let modes = if n > 0 { &args.modes[..] } else { &[] };
+    for &mode in modes {
         let together = mode == "together";
         for &c in &args.concurrency {
             let mut row = Row {
@@ -539,12 +578,29 @@ async fn main() {
             rows.push(row);
         }
     }
-    let shell_c = args.concurrency[0];
-    let mut shell = Figure { runs: vec![] };
+    let mut shell_rows = Vec::new();
     if args.shell > 0 {
-        for _ in 0..args.runs {
-            let (d, _) = drumline(&conn, &bodies[..args.shell], shell_c, true, false).await;
-            shell.runs.push(rate(args.shell, d));
+        for &k in &args.shell_concurrency {
+            let mut row = ShellRow {
+                concurrency: k,
+                ceiling: Figure { runs: vec![] },
+                executor: Figure { runs: vec![] },
+                ratios: vec![],
+            };
+            for run in 0..args.runs {
+                let c = rate(args.shell, ceiling(args.shell, k).await);
+                let (d, _) = drumline(&conn, &bodies[..args.shell], k, true, false).await;
+                let e = rate(args.shell, d);
+                eprintln!(
+                    "shell K={k} run {}: fork/exec {c:.0}/s, executor {e:.0}/s ({:.2})",
+                    run + 1,
+                    e / c
+                );
+                row.ceiling.runs.push(c);
+                row.executor.runs.push(e);
+                row.ratios.push(e / c);
+            }
+            shell_rows.push(row);
         }
     }
     let cores = std::thread::available_parallelism()
@@ -576,9 +632,22 @@ async fn main() {
                 })
             }).collect::<Vec<_>>(),
             "shell": (args.shell > 0).then(|| serde_json::json!({
-                "concurrency": shell_c,
                 "messages": args.shell,
-                "msgs_per_s": shell.json(),
+                "command": "/bin/true",
+                "by_concurrency": shell_rows.iter().map(|r| {
+                    let ratio = Figure { runs: r.ratios.clone() };
+                    serde_json::json!({
+                        "concurrency": r.concurrency,
+                        "fork_exec_per_s": r.ceiling.json(),
+                        "executor_per_s": r.executor.json(),
+                        "ratio": {
+                            "of_medians": r.executor.median() / r.ceiling.median(),
+                            "min": ratio.min(),
+                            "max": ratio.max(),
+                            "runs": r.ratios,
+                        },
+                    })
+                }).collect::<Vec<_>>(),
             })),
         });
         println!("{}", serde_json::to_string_pretty(&out).unwrap());
@@ -587,10 +656,12 @@ async fn main() {
             "{n} messages per run, {} runs per figure (median, min–max), {cores} cores",
             args.runs
         );
-        println!(
-            "{:<9} {:>5} {:>22} {:>22} {:>18}",
-            "mode", "conc", "bare msg/s", "worker msg/s", "worker/bare"
-        );
+        if !rows.is_empty() {
+            println!(
+                "{:<9} {:>5} {:>22} {:>22} {:>18}",
+                "mode", "conc", "bare msg/s", "worker msg/s", "worker/bare"
+            );
+        }
         for r in &rows {
             let ratio = Figure {
                 runs: r.ratios.clone(),
@@ -633,12 +704,42 @@ async fn main() {
         }
         if args.shell > 0 {
             println!(
-                "shell executor (/bin/true), concurrency {shell_c}, {} messages: {:.0} msg/s ({:.0}–{:.0})",
-                args.shell,
-                shell.median(),
-                shell.min(),
-                shell.max()
+                "shell executor running /bin/true, {} messages per run, against fork/exec of \
+                 /bin/true through tokio::process, K at once",
+                args.shell
             );
+            println!(
+                "{:<9} {:>5} {:>22} {:>22} {:>18}",
+                "", "K", "fork/exec /s", "executor /s", "executor/ceiling"
+            );
+            for r in &shell_rows {
+                let ratio = Figure {
+                    runs: r.ratios.clone(),
+                };
+                println!(
+                    "{:<9} {:>5} {:>22} {:>22} {:>18}",
+                    "shell",
+                    r.concurrency,
+                    format!(
+                        "{:.0} ({:.0}–{:.0})",
+                        r.ceiling.median(),
+                        r.ceiling.min(),
+                        r.ceiling.max()
+                    ),
+                    format!(
+                        "{:.0} ({:.0}–{:.0})",
+                        r.executor.median(),
+                        r.executor.min(),
+                        r.executor.max()
+                    ),
+                    format!(
+                        "{:.2} ({:.2}–{:.2})",
+                        r.executor.median() / r.ceiling.median(),
+                        ratio.min(),
+                        ratio.max()
+                    ),
+                );
+            }
         }
     }
     let _ = conn.close(200, "bye").await;
