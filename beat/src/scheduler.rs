@@ -74,6 +74,13 @@ const SHARED_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// Longest sleep: the loop looks at the clock at least once a second to notice wall-clock jumps.
 const MAX_WAIT: Duration = Duration::from_secs(1);
 
+/// How long before the next instant the beat wakes. tokio's timer ticks in whole milliseconds
+/// and wakes up to about one tick late, and a wake first reads the paused set (a Redis round
+/// trip): both fit in this margin, and the rest of the way to the instant is slept with the OS
+/// timer ([`sleep_precisely`]), so a job's messages leave within a fraction of a millisecond of
+/// its instant rather than one to two milliseconds after it.
+const WAKE_EARLY: Duration = Duration::from_millis(3);
+
 /// Why a job could not move forward now; it is planned again after a backoff. Shared (`Arc`)
 /// because one failure — the broker or Redis unreachable — stalls every job of a batch.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -475,6 +482,12 @@ impl Beat {
             if let Some(wait) = self.wait(now) {
                 return Ok(Next::Wait(wait));
             }
+            // Woken early on purpose (at most `WAKE_EARLY`): the rest of the way, precisely,
+            // then round again, so a clock that moved meanwhile is looked at with the lease.
+            if let Some(early) = self.until_next(now) {
+                sleep_precisely(early).await;
+                continue;
+            }
             // Many batches can be due at once (100,000 jobs on the minute): let a signal in
             // between them — never inside one, between a confirm and its progress write.
             tokio::select! {
@@ -519,15 +532,22 @@ impl Beat {
         }
     }
 
-    /// How long until the next job is due, at most [`MAX_WAIT`]; `None` when one is due now.
+    /// How long to sleep before the next job is due, waking [`WAKE_EARLY`] before it, at most
+    /// [`MAX_WAIT`]; `None` when one is due now or within `WAKE_EARLY`.
     fn wait(&self, now: DateTime<Utc>) -> Option<Duration> {
         match self.queue.peek() {
-            Some(Reverse((due, _))) if *due <= now => None,
             Some(Reverse((due, _))) => {
-                Some(MAX_WAIT.min((*due - now).to_std().unwrap_or_default()))
+                let until = (*due - now).to_std().unwrap_or_default();
+                (until > WAKE_EARLY).then(|| MAX_WAIT.min(until - WAKE_EARLY))
             }
             None => Some(MAX_WAIT),
         }
+    }
+
+    /// How long until the next job is due; `None` when it is due now (or nothing is queued).
+    fn until_next(&self, now: DateTime<Utc>) -> Option<Duration> {
+        let Reverse((due, _)) = self.queue.peek()?;
+        (*due - now).to_std().ok().filter(|d| !d.is_zero())
     }
 
     /// Puts every job of the batch back in the queue — at its next instant when it moved on,
@@ -686,6 +706,19 @@ fn take_due(
         }
     }
     batch
+}
+
+/// Sleeps `d` (at most [`WAKE_EARLY`]) with the OS timer on a blocking thread: it wakes within
+/// tens of microseconds, where tokio's timer rounds up to its next millisecond tick.
+async fn sleep_precisely(d: Duration) {
+    let d = d.min(WAKE_EARLY);
+    if tokio::task::spawn_blocking(move || std::thread::sleep(d))
+        .await
+        .is_err()
+    {
+        // No blocking thread (the runtime is shutting down): the coarse timer will do.
+        tokio::time::sleep(d).await;
+    }
 }
 
 /// Wait before the `failures`-th consecutive try of a job whose own message failed.
