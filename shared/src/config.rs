@@ -173,7 +173,8 @@ pub enum Misfire {
     Skip,
 }
 
-/// One checked `[[jobs]]` entry.
+/// One checked `[[jobs]]` entry. A config may hold 100,000 of them: what can be derived is
+/// not stored (the schedule's text), and nothing of it is cloned per job.
 #[derive(Debug, Clone)]
 pub struct Job {
     /// Unique name; part of every idempotency key.
@@ -182,8 +183,6 @@ pub struct Job {
     pub task: String,
     /// When it is due.
     pub schedule: Schedule,
-    /// The rule as written (`cron "…"` / `every 30s`), for display.
-    pub schedule_text: String,
     /// Zone the cron is evaluated in. Default UTC.
     pub timezone: Tz,
     /// Handed to the task.
@@ -200,6 +199,19 @@ pub struct Job {
     pub max_catch_up: usize,
     /// Logical queue. Default `default`.
     pub queue: String,
+}
+
+impl Job {
+    /// The rule (`cron "…"` / `every 30s`), for display.
+    pub fn schedule_text(&self) -> String {
+        match &self.schedule {
+            Schedule::Cron { cron, .. } => format!("cron \"{}\"", cron.as_str()),
+            Schedule::Every { every, .. } => match every.to_std() {
+                Ok(every) => format!("every {}", duration::format(every)),
+                Err(_) => format!("every {every}"),
+            },
+        }
+    }
 }
 
 /// One checked `[tasks.*]` entry.
@@ -800,7 +812,7 @@ fn check_job_keys(j: RawJob, tasks: &BTreeMap<String, Task>) -> Result<Job, (Str
         Some(name) => check!(parse_timezone(name).map_err(|e| ("timezone", e.to_string()))),
         None => chrono_tz::UTC,
     };
-    let (schedule, schedule_text) = check!(job_schedule(&j, timezone));
+    let schedule = check!(job_schedule(&j, timezone));
     let (overlap, misfire, max_catch_up) = check!(job_policy(&j));
     let queue = j.queue.as_deref().unwrap_or("default");
     check!(check_name(queue).map_err(|m| ("queue", format!("{queue:?} {m}"))));
@@ -828,7 +840,6 @@ fn check_job_keys(j: RawJob, tasks: &BTreeMap<String, Task>) -> Result<Job, (Str
         name: j.name,
         task: j.task,
         schedule,
-        schedule_text,
         timezone,
         args,
         expires,
@@ -879,8 +890,8 @@ fn check_task_ref(task: &str, tasks: &BTreeMap<String, Task>) -> Result<(), KeyE
     ))
 }
 
-/// The job's schedule and its text for logs, from exactly one of `cron` and `every`.
-fn job_schedule(j: &RawJob, timezone: Tz) -> Result<(Schedule, String), KeyError> {
+/// The job's schedule, from exactly one of `cron` and `every`.
+fn job_schedule(j: &RawJob, timezone: Tz) -> Result<Schedule, KeyError> {
     match (&j.cron, &j.every) {
         (Some(_), Some(_)) => Err((
             "cron",
@@ -895,23 +906,20 @@ fn job_schedule(j: &RawJob, timezone: Tz) -> Result<(Schedule, String), KeyError
     }
 }
 
-fn cron_schedule(j: &RawJob, cron: &str, tz: Tz) -> Result<(Schedule, String), KeyError> {
+fn cron_schedule(j: &RawJob, cron: &str, tz: Tz) -> Result<Schedule, KeyError> {
     if j.anchor.is_some() {
         return Err(("anchor", "only applies to `every` jobs".into()));
     }
     let cron_expr = CronExpr::parse(cron).map_err(|e| ("cron", e.to_string()))?;
-    Ok((
-        Schedule::Cron {
-            cron: cron_expr,
-            tz,
-            gap: j.dst_gap.unwrap_or_default(),
-            fold: j.dst_fold.unwrap_or_default(),
-        },
-        format!("cron \"{cron}\""),
-    ))
+    Ok(Schedule::Cron {
+        cron: Box::new(cron_expr),
+        tz,
+        gap: j.dst_gap.unwrap_or_default(),
+        fold: j.dst_fold.unwrap_or_default(),
+    })
 }
 
-fn every_schedule(j: &RawJob, every_text: &str) -> Result<(Schedule, String), KeyError> {
+fn every_schedule(j: &RawJob, every_text: &str) -> Result<Schedule, KeyError> {
     let every = duration::parse(every_text).map_err(|e| ("every", e))?;
     if every.is_zero() {
         return Err(("every", "must be greater than zero".into()));
@@ -928,14 +936,11 @@ fn every_schedule(j: &RawJob, every_text: &str) -> Result<(Schedule, String), Ke
             })?,
         None => DateTime::UNIX_EPOCH,
     };
-    Ok((
-        Schedule::Every {
-            every: chrono::Duration::from_std(every)
-                .map_err(|_| ("every", "is too large".to_owned()))?,
-            anchor,
-        },
-        format!("every {}", duration::format(every)),
-    ))
+    Ok(Schedule::Every {
+        every: chrono::Duration::from_std(every)
+            .map_err(|_| ("every", "is too large".to_owned()))?,
+        anchor,
+    })
 }
 
 /// The job's overlap and misfire policies and its catch-up bound, checked together.
@@ -1216,7 +1221,7 @@ mod tests {
         );
         assert_eq!(j.misfire_grace, Duration::from_secs(3600));
         assert_eq!(j.queue, "default");
-        assert_eq!(j.schedule_text, "every 30s");
+        assert_eq!(j.schedule_text(), "every 30s");
         let t = &c.tasks["t"];
         assert_eq!(
             (t.max_retries, t.retry_base, t.retry_max),
