@@ -12,6 +12,7 @@ use serde::Deserialize;
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 mod chunks;
@@ -179,8 +180,9 @@ pub enum Misfire {
 pub struct Job {
     /// Unique name; part of every idempotency key.
     pub name: String,
-    /// The `[tasks.*]` entry it runs.
-    pub task: String,
+    /// The `[tasks.*]` entry it runs. Shared (`Arc`) by every job that names it: a config may
+    /// hold 100,000 jobs and a handful of tasks.
+    pub task: Arc<str>,
     /// When it is due.
     pub schedule: Schedule,
     /// Zone the cron is evaluated in. Default UTC.
@@ -197,8 +199,8 @@ pub struct Job {
     pub misfire_grace: Duration,
     /// Most missed instances `catch_up` publishes. Default 100.
     pub max_catch_up: usize,
-    /// Logical queue. Default `default`.
-    pub queue: String,
+    /// Logical queue. Default `default`. Shared (`Arc`) by every job that names it.
+    pub queue: Arc<str>,
 }
 
 impl Job {
@@ -542,8 +544,8 @@ impl Config {
     pub fn all_queues(&self) -> Vec<String> {
         let mut queues: Vec<String> = self.worker.queues.clone();
         for job in &self.jobs {
-            if !queues.contains(&job.queue) {
-                queues.push(job.queue.clone());
+            if !queues.iter().any(|q| **q == *job.queue) {
+                queues.push(job.queue.to_string());
             }
         }
         queues
@@ -689,6 +691,8 @@ struct JobChecker<'t> {
     tasks: &'t BTreeMap<String, Task>,
     jobs: Vec<Job>,
     seen: HashSet<String>,
+    /// Task and queue names, one `Arc` each for all the jobs that name them.
+    interned: HashSet<Arc<str>>,
 }
 
 impl<'t> JobChecker<'t> {
@@ -697,6 +701,7 @@ impl<'t> JobChecker<'t> {
             tasks,
             jobs: Vec::with_capacity(capacity),
             seen: HashSet::with_capacity(capacity),
+            interned: HashSet::new(),
         }
     }
 
@@ -709,7 +714,8 @@ impl<'t> JobChecker<'t> {
                 "duplicate job name: job names must be unique".into(),
             ));
         }
-        self.jobs.push(check_job(fail, j, self.tasks)?);
+        self.jobs
+            .push(check_job(fail, j, self.tasks, &mut self.interned)?);
         Ok(())
     }
 
@@ -792,12 +798,21 @@ fn check_env(
 
 /// One job; an error is placed at `job "NAME"` (built only then: a 100,000-job file makes no
 /// string per job to say where it is).
-fn check_job(fail: &Failer, j: RawJob, tasks: &BTreeMap<String, Task>) -> Result<Job, ConfigError> {
-    check_job_keys(j, tasks)
+fn check_job(
+    fail: &Failer,
+    j: RawJob,
+    tasks: &BTreeMap<String, Task>,
+    interned: &mut HashSet<Arc<str>>,
+) -> Result<Job, ConfigError> {
+    check_job_keys(j, tasks, interned)
         .map_err(|(name, (key, message))| fail.at(Some(&format!("job {name:?}")), key, message))
 }
 
-fn check_job_keys(j: RawJob, tasks: &BTreeMap<String, Task>) -> Result<Job, (String, KeyError)> {
+fn check_job_keys(
+    j: RawJob,
+    tasks: &BTreeMap<String, Task>,
+    interned: &mut HashSet<Arc<str>>,
+) -> Result<Job, (String, KeyError)> {
     macro_rules! check {
         ($e:expr) => {
             match $e {
@@ -816,7 +831,7 @@ fn check_job_keys(j: RawJob, tasks: &BTreeMap<String, Task>) -> Result<Job, (Str
     let (overlap, misfire, max_catch_up) = check!(job_policy(&j));
     let queue = j.queue.as_deref().unwrap_or("default");
     check!(check_name(queue).map_err(|m| ("queue", format!("{queue:?} {m}"))));
-    let queue = queue.to_owned();
+    let queue = intern(interned, queue);
     let args = match &j.args {
         None => serde_json::json!({}),
         Some(v) => check!(serde_json::to_value(v).map_err(|e| ("args", e.to_string()))),
@@ -837,8 +852,8 @@ fn check_job_keys(j: RawJob, tasks: &BTreeMap<String, Task>) -> Result<Job, (Str
         Zero::Allowed
     ));
     Ok(Job {
+        task: intern(interned, &j.task),
         name: j.name,
-        task: j.task,
         schedule,
         timezone,
         args,
@@ -849,6 +864,18 @@ fn check_job_keys(j: RawJob, tasks: &BTreeMap<String, Task>) -> Result<Job, (Str
         max_catch_up,
         queue,
     })
+}
+
+/// The one `Arc` of `name` in `interned`.
+fn intern(interned: &mut HashSet<Arc<str>>, name: &str) -> Arc<str> {
+    match interned.get(name) {
+        Some(shared) => shared.clone(),
+        None => {
+            let shared: Arc<str> = name.into();
+            interned.insert(shared.clone());
+            shared
+        }
+    }
 }
 
 /// A job's duration `key`, as [`Failer::duration`] checks it.
@@ -1220,7 +1247,7 @@ mod tests {
             (Overlap::Skip, Misfire::RunOnce, 100)
         );
         assert_eq!(j.misfire_grace, Duration::from_secs(3600));
-        assert_eq!(j.queue, "default");
+        assert_eq!(&*j.queue, "default");
         assert_eq!(j.schedule_text(), "every 30s");
         let t = &c.tasks["t"];
         assert_eq!(
