@@ -12,7 +12,7 @@ use std::time::Instant;
 
 fn cron(expr: &str, tz: &str, fold: DstFold) -> Schedule {
     Schedule::Cron {
-        cron: expr.parse::<CronExpr>().expect("valid cron"),
+        cron: expr.parse::<CronExpr>().expect("valid cron").into(),
         tz: parse_timezone(tz).expect("valid zone"),
         gap: DstGap::Shift,
         fold,

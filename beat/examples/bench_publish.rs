@@ -1,6 +1,7 @@
 //! Publishing many instances due at once, for `scripts/bench`:
-//! `bench_publish [--jobs N] PATH/TO/drumline-beat [PATH/TO/other-drumline-beat …]`
-//! (default 10,000 jobs).
+//! `bench_publish [--jobs N] [--runs R] PATH/TO/drumline-beat [PATH/TO/other-drumline-beat …]`
+//! (default 10,000 jobs, 3 runs; each run measures every beat and then the bare broker, and
+//! the report gives the median and min–max of each, and the ratio per run).
 //!
 //! For each beat binary, in a namespace of its own: a config of N `every = "1m"` jobs whose
 //! `anchor` puts one instant of every job at the same instant T, a few seconds after the beat
@@ -54,84 +55,132 @@ struct BeatRun {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<()> {
-    let usage = "usage: bench_publish [--jobs N] PATH/TO/drumline-beat [OTHER-BEAT …]";
-    let mut jobs = 10_000usize;
+    let usage = "usage: bench_publish [--jobs N] [--runs R] PATH/TO/drumline-beat [OTHER-BEAT …]";
+    let (mut jobs, mut runs) = (10_000usize, 3usize);
     let mut beats = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
-        if arg == "--jobs" {
-            jobs = args.next().context(usage)?.parse().context("--jobs N")?;
-        } else {
-            beats.push(PathBuf::from(arg));
+        match arg.as_str() {
+            "--jobs" => jobs = args.next().context(usage)?.parse().context("--jobs N")?,
+            "--runs" => runs = args.next().context(usage)?.parse().context("--runs R")?,
+            _ => beats.push(PathBuf::from(arg)),
         }
     }
-    ensure!(!beats.is_empty() && jobs > 0, "{usage}");
+    ensure!(!beats.is_empty() && jobs > 0 && runs > 0, "{usage}");
 
     let base = format!(
         "bench_pub_{}_{}",
         std::process::id(),
         Utc::now().timestamp_millis()
     );
+    // Interleaved: each run measures every beat, then the bare broker, so they share the
+    // machine's noise.
+    let mut beat_runs: Vec<Vec<BeatRun>> = beats.iter().map(|_| Vec::new()).collect();
+    let mut bare_runs = Vec::new();
+    for run in 0..runs {
+        for (i, beat) in beats.iter().enumerate() {
+            let ns = format!("{base}_{run}_{i}");
+            let dir = std::env::temp_dir().join(&ns);
+            std::fs::create_dir_all(&dir)?;
+            let result = bench_beat(beat, jobs, &ns, &dir).await;
+            let cleaned = cleanup(&ns).await;
+            let _ = std::fs::remove_dir_all(&dir);
+            let measured = result.with_context(|| format!("beat {}", beat.display()))?;
+            cleaned.context("cleanup")?;
+            beat_runs[i].push(measured);
+        }
+        let ns = format!("{base}_{run}_bare");
+        let bare = bench_bare(jobs, &ns).await;
+        let cleaned = cleanup(&ns).await;
+        bare_runs.push(bare.context("bare broker")?);
+        cleaned.context("cleanup")?;
+    }
+
     let mut out = String::new();
     writeln!(
         out,
-        "publishing one instance of each of {jobs} jobs due at the same instant"
+        "publishing one instance of each of {jobs} jobs due at the same instant, {runs} runs: \
+         median (min–max)"
     )?;
-    writeln!(out, "{:<58} {:>10} {:>11}", "", "time", "msg/s")?;
-    let row = |out: &mut String, what: &str, d: Duration| {
+    writeln!(out, "{:<52} {:>26} {:>8}", "", "time", "msg/s")?;
+    let row = |out: &mut String, what: &str, times: &[Duration]| {
+        let median = median(times);
         let _ = writeln!(
             out,
-            "{what:<58} {:>7.0} ms {:>11.0}",
-            d.as_secs_f64() * 1000.0,
-            jobs as f64 / d.as_secs_f64()
+            "{what:<52} {:>26} {:>8.0}",
+            spread(times),
+            jobs as f64 / median.as_secs_f64()
         );
     };
-    let mut runs = Vec::new();
-    for (i, beat) in beats.iter().enumerate() {
-        let ns = format!("{base}_{i}");
-        let dir = std::env::temp_dir().join(&ns);
-        std::fs::create_dir_all(&dir)?;
-        let result = bench_beat(beat, jobs, &ns, &dir).await;
-        let cleaned = cleanup(&ns).await;
-        let _ = std::fs::remove_dir_all(&dir);
-        let run = result.with_context(|| format!("beat {}", beat.display()))?;
-        cleaned.context("cleanup")?;
-        runs.push((beat, run));
-    }
-    let ns = format!("{base}_bare");
-    let bare = bench_bare(jobs, &ns).await;
-    let cleaned = cleanup(&ns).await;
-    let bare = bare.context("bare broker")?;
-    cleaned.context("cleanup")?;
-
-    for (beat, run) in &runs {
+    for (beat, runs) in beats.iter().zip(&beat_runs) {
+        let all: Vec<Duration> = runs.iter().map(|r| r.all_queued).collect();
+        let first: Vec<Duration> = runs.iter().map(|r| r.first_seen).collect();
         row(
             &mut out,
-            &format!("beat {}: T -> all N queued", beat.display()),
-            run.all_queued,
+            &format!("beat {}: T -> all N queued", name(beat)),
+            &all,
         );
         writeln!(
             out,
-            "{:<58} {:>7.0} ms",
+            "{:<52} {:>26}",
             "  (T -> first message seen)",
-            run.first_seen.as_secs_f64() * 1000.0
+            spread(&first)
         )?;
     }
     row(
         &mut out,
         "bare broker: N pipelined publishes -> last confirm",
-        bare,
+        &bare_runs,
     );
-    for (beat, run) in &runs {
+    for (beat, runs) in beats.iter().zip(&beat_runs) {
+        // Per run, against the bare broker of the same run.
+        let mut ratios: Vec<f64> = runs
+            .iter()
+            .zip(&bare_runs)
+            .map(|(r, b)| r.all_queued.as_secs_f64() / b.as_secs_f64())
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        let all: Vec<Duration> = runs.iter().map(|r| r.all_queued).collect();
         writeln!(
             out,
-            "ratio beat / bare broker ({}): {:.1}",
-            beat.display(),
-            run.all_queued.as_secs_f64() / bare.as_secs_f64()
+            "ratio beat / bare broker ({}): {:.2} of the medians (per run {:.2}–{:.2})",
+            name(beat),
+            median(&all).as_secs_f64() / median(&bare_runs).as_secs_f64(),
+            ratios[0],
+            ratios[ratios.len() - 1]
         )?;
     }
     print!("{out}");
     Ok(())
+}
+
+/// The binary's file name and its directory's, enough to tell builds apart.
+fn name(beat: &Path) -> String {
+    let mut parts: Vec<_> = beat.iter().rev().take(3).collect();
+    parts.reverse();
+    parts.iter().collect::<PathBuf>().display().to_string()
+}
+
+fn median(times: &[Duration]) -> Duration {
+    let mut sorted = times.to_vec();
+    sorted.sort();
+    sorted[sorted.len() / 2]
+}
+
+/// `median (min–max)` in ms; just the value for one run.
+fn spread(times: &[Duration]) -> String {
+    let ms = |d: Duration| format!("{:.0}", d.as_secs_f64() * 1000.0);
+    let mut sorted = times.to_vec();
+    sorted.sort();
+    match sorted.as_slice() {
+        [one] => format!("{} ms", ms(*one)),
+        all => format!(
+            "{} ms ({}–{})",
+            ms(all[all.len() / 2]),
+            ms(all[0]),
+            ms(all[all.len() - 1])
+        ),
+    }
 }
 
 async fn bench_beat(beat: &Path, jobs: usize, ns: &str, dir: &Path) -> Result<BeatRun> {

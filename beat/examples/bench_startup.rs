@@ -1,18 +1,25 @@
 //! Beat start-up with many jobs, for `scripts/bench`:
-//! `bench_startup PATH/TO/drumline-beat [JOBS]` (default 100,000).
+//! `bench_startup [--jobs N] [--runs R] PATH/TO/drumline-beat [PATH/TO/other-drumline-beat …]`
+//! (default 100,000 jobs, 3 runs).
 //!
-//! Writes a config of JOBS `every` jobs (one task) in a namespace of its own, then measures:
-//! - parsing and checking that config (in process);
-//! - loading every job's last instant from Redis, one `GET` per job (how the beat used to do
-//!   it) against pipelined `MGET` batches ([`drumline_beat::progress::load_last`]);
-//! - the real binary: time from spawn until it logs "beat leading", and its resident memory
-//!   (VmRSS, and the peak VmHWM, from /proc/PID/status), on a first start and resumed with
-//!   every job's last instant persisted.
+//! Writes a config of N `every` jobs (one task) in a namespace of its own, then measures, R
+//! times each (median and min–max):
+//! - parsing and checking that config in process, and what it costs on the heap: the bytes the
+//!   checked config holds afterwards and the most that were live while it loaded (a counting
+//!   allocator; VmRSS cannot tell, the C allocator keeps freed pages);
+//! - loading every job's last instant from Redis with pipelined `MGET` batches
+//!   ([`drumline_beat::progress::load_last`]), against one `GET` per job (how the beat used to
+//!   do it; once, it takes seconds);
+//! - each real binary: time from spawn until it logs "beat leading", its resident memory then
+//!   and 2 s later (VmRSS) and its peak (VmHWM), from /proc/PID/status; on a first start (no
+//!   progress in Redis) and resumed (every job's last instant persisted). With several binaries
+//!   (say a build of an older commit) their runs are interleaved, so they share the machine's
+//!   noise.
 //!
 //! Nothing comes due while it runs (daily jobs whose next instant is 12 h away). Its Redis keys,
 //! queues and exchanges are deleted at the end, whatever happened.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use chrono::{TimeDelta, Utc};
 use drumline_beat::progress::load_last;
 use drumline_shared::config::Config;
@@ -27,7 +34,13 @@ use std::time::{Duration, Instant};
 mod common;
 use common::{cleanup, spawn_beat, write_config, SpawnedBeat};
 
-/// One start of the real binary.
+#[path = "common/counting.rs"]
+mod counting;
+
+#[global_allocator]
+static HEAP: counting::Counting = counting::Counting;
+
+/// One start of a real binary.
 struct Startup {
     until_started: Duration,
     rss_kib: u64,
@@ -35,17 +48,27 @@ struct Startup {
     settled_rss_kib: u64,
 }
 
+/// The starts of one binary: first starts and resumed ones.
+#[derive(Default)]
+struct Starts {
+    first: Vec<Startup>,
+    resumed: Vec<Startup>,
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<()> {
+    let usage = "usage: bench_startup [--jobs N] [--runs R] PATH/TO/drumline-beat [OTHER-BEAT …]";
+    let (mut jobs, mut runs) = (100_000usize, 3usize);
+    let mut beats = Vec::new();
     let mut args = std::env::args().skip(1);
-    let beat = PathBuf::from(
-        args.next()
-            .context("usage: bench_startup PATH/TO/drumline-beat [JOBS]")?,
-    );
-    let jobs: usize = match args.next() {
-        Some(n) => n.parse().context("JOBS must be a number")?,
-        None => 100_000,
-    };
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--jobs" => jobs = args.next().context(usage)?.parse().context("--jobs N")?,
+            "--runs" => runs = args.next().context(usage)?.parse().context("--runs R")?,
+            _ => beats.push(PathBuf::from(arg)),
+        }
+    }
+    ensure!(!beats.is_empty() && jobs > 0 && runs > 0, "{usage}");
     let ns = format!(
         "bench_{}_{}",
         std::process::id(),
@@ -53,7 +76,7 @@ async fn main() -> Result<()> {
     );
     let dir = std::env::temp_dir().join(&ns);
     std::fs::create_dir_all(&dir)?;
-    let result = bench(&beat, jobs, &ns, &dir).await;
+    let result = bench(&beats, jobs, runs, &ns, &dir).await;
     let cleaned = cleanup(&ns).await;
     let _ = std::fs::remove_dir_all(&dir);
     let report = result?;
@@ -62,14 +85,30 @@ async fn main() -> Result<()> {
     Ok(())
 }
 
-async fn bench(beat: &Path, jobs: usize, ns: &str, dir: &Path) -> Result<String> {
+async fn bench(
+    beats: &[PathBuf],
+    jobs: usize,
+    runs: usize,
+    ns: &str,
+    dir: &Path,
+) -> Result<String> {
     let config_path = dir.join("drumline.toml");
     write_config(&config_path, ns, jobs)?;
     let size_mib = std::fs::metadata(&config_path)?.len() as f64 / (1 << 20) as f64;
 
-    let parsing = Instant::now();
+    // In process: time, and the heap the load needs and keeps.
+    let mut parses = Vec::new();
+    let (mut held, mut peak) = (0, 0);
+    for _ in 0..runs {
+        let before = counting::reset_peak();
+        let parsing = Instant::now();
+        let config = Config::load(&config_path).map_err(|e| anyhow::anyhow!("{e}"))?;
+        parses.push(parsing.elapsed());
+        held = counting::live() - before;
+        peak = counting::peak() - before;
+        drop(config);
+    }
     let config = Config::load(&config_path).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let parse = parsing.elapsed();
 
     let store = Store::connect(
         &config.redis_url,
@@ -78,10 +117,121 @@ async fn bench(beat: &Path, jobs: usize, ns: &str, dir: &Path) -> Result<String>
     )
     .await?;
 
-    // Binary, first start: no job has progress yet.
-    let first = start_beat(beat, &config_path)?;
+    let mut starts: Vec<Starts> = beats.iter().map(|_| Starts::default()).collect();
+    let mut batched = Vec::new();
+    let mut one_by_one = None;
+    for _ in 0..runs {
+        // First start: no job has progress yet (the last run's start is deleted).
+        for (beat, starts) in beats.iter().zip(&mut starts) {
+            cleanup(ns).await.context("cleanup between runs")?;
+            starts.first.push(start_beat(beat, &config_path)?);
+        }
+        // Every job's last instant persisted, as after a restart.
+        persist_progress(&store, &config).await?;
+        if one_by_one.is_none() {
+            let started = Instant::now();
+            for job in &config.jobs {
+                store.last_published(&job.name).await?;
+            }
+            one_by_one = Some(started.elapsed());
+        }
+        let started = Instant::now();
+        let loaded = load_last(&store, &config.jobs).await?;
+        batched.push(started.elapsed());
+        if loaded.iter().any(Option::is_none) {
+            bail!("load_last missed some persisted instants");
+        }
+        for (beat, starts) in beats.iter().zip(&mut starts) {
+            starts.resumed.push(start_beat(beat, &config_path)?);
+        }
+    }
 
-    // Every job's last instant persisted, as after a restart.
+    let mut out = String::new();
+    writeln!(
+        out,
+        "beat start-up, {jobs} `every` jobs (config {size_mib:.1} MiB), {runs} runs: median (min–max)"
+    )?;
+    writeln!(out, "{:<56} {:>24}", "step", "result")?;
+    let mib = |bytes: usize| format!("{:.1} MiB", bytes as f64 / (1 << 20) as f64);
+    let mut rows: Vec<(String, String)> = vec![
+        (
+            "parse + check the config (in process)".into(),
+            spread(&parses, ms),
+        ),
+        ("  heap held by the checked config".into(), mib(held)),
+        ("  heap peak while loading it".into(), mib(peak)),
+        (
+            "load last instants: one GET per job (old, once)".into(),
+            one_by_one.map(ms).unwrap_or_default(),
+        ),
+        (
+            "load last instants: pipelined MGET batches".into(),
+            spread(&batched, ms),
+        ),
+    ];
+    for (beat, starts) in beats.iter().zip(&starts) {
+        let name = if beats.len() == 1 {
+            "binary".to_owned()
+        } else {
+            format!("{}", beat.display())
+        };
+        for (kind, runs) in [("first start", &starts.first), ("resumed", &starts.resumed)] {
+            let of = |f: fn(&Startup) -> u64| runs.iter().map(f).collect::<Vec<u64>>();
+            rows.extend([
+                (
+                    format!("{name}, {kind}: spawn -> \"beat leading\""),
+                    spread(
+                        &runs.iter().map(|s| s.until_started).collect::<Vec<_>>(),
+                        ms,
+                    ),
+                ),
+                (
+                    format!("{name}, {kind}: VmRSS at start"),
+                    spread(&of(|s| s.rss_kib), kib),
+                ),
+                (
+                    format!("{name}, {kind}: VmRSS 2 s later"),
+                    spread(&of(|s| s.settled_rss_kib), kib),
+                ),
+                (
+                    format!("{name}, {kind}: VmHWM (peak)"),
+                    spread(&of(|s| s.hwm_kib), kib),
+                ),
+            ]);
+        }
+    }
+    for (step, result) in rows {
+        writeln!(out, "{step:<56} {result:>24}")?;
+    }
+    Ok(out)
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn kib(k: u64) -> String {
+    format!("{:.1} MiB", k as f64 / 1024.0)
+}
+
+/// `median (min–max)` of `values`, each shown by `show`; just the value for one run.
+fn spread<T: Ord + Copy>(values: &[T], show: fn(T) -> String) -> String {
+    let mut sorted = values.to_vec();
+    sorted.sort();
+    match sorted.as_slice() {
+        [] => String::new(),
+        [one] => show(*one),
+        all => format!(
+            "{} ({}–{})",
+            show(all[all.len() / 2]),
+            show(all[0]),
+            show(all[all.len() - 1])
+        ),
+    }
+}
+
+/// Sets every job's `{ns}:beat:last:{job}` to an hour ago.
+async fn persist_progress(store: &Store, config: &Config) -> Result<()> {
     let last = last_instant_text(Utc::now() - TimeDelta::hours(1));
     let mut conn = store.connection();
     for batch in config.jobs.chunks(10_000) {
@@ -91,62 +241,7 @@ async fn bench(beat: &Path, jobs: usize, ns: &str, dir: &Path) -> Result<String>
         }
         pipe.query_async::<()>(&mut conn).await?;
     }
-
-    let one_by_one = Instant::now();
-    for job in &config.jobs {
-        store.last_published(&job.name).await?;
-    }
-    let one_by_one = one_by_one.elapsed();
-
-    let batched = Instant::now();
-    let loaded = load_last(&store, &config.jobs).await?;
-    let batched = batched.elapsed();
-    if loaded.iter().any(Option::is_none) {
-        bail!("load_last missed some persisted instants");
-    }
-
-    let resumed = start_beat(beat, &config_path)?;
-
-    let mut out = String::new();
-    writeln!(
-        out,
-        "beat start-up, {jobs} `every` jobs (config {size_mib:.1} MiB)"
-    )?;
-    writeln!(out, "{:<52} {:>12}", "step", "result")?;
-    let ms = |d: Duration| format!("{:.0} ms", d.as_secs_f64() * 1000.0);
-    let mib = |kib: u64| format!("{:.1} MiB", kib as f64 / 1024.0);
-    let rows = [
-        ("parse + check the config (in process)", ms(parse)),
-        ("load last instants: one GET per job (old)", ms(one_by_one)),
-        (
-            "load last instants: pipelined MGET batches (new)",
-            ms(batched),
-        ),
-        (
-            "binary, first start: spawn -> \"beat leading\"",
-            ms(first.until_started),
-        ),
-        ("binary, first start: VmRSS at start", mib(first.rss_kib)),
-        (
-            "binary, first start: VmRSS 2 s later (broker up)",
-            mib(first.settled_rss_kib),
-        ),
-        ("binary, first start: VmHWM (peak)", mib(first.hwm_kib)),
-        (
-            "binary, resumed: spawn -> \"beat leading\"",
-            ms(resumed.until_started),
-        ),
-        ("binary, resumed: VmRSS at start", mib(resumed.rss_kib)),
-        (
-            "binary, resumed: VmRSS 2 s later (broker up)",
-            mib(resumed.settled_rss_kib),
-        ),
-        ("binary, resumed: VmHWM (peak)", mib(resumed.hwm_kib)),
-    ];
-    for (step, result) in rows {
-        writeln!(out, "{step:<52} {result:>12}")?;
-    }
-    Ok(out)
+    Ok(())
 }
 
 /// Starts the beat, waits for "beat leading", samples its memory, stops it (SIGTERM).

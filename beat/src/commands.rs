@@ -18,12 +18,14 @@ use std::path::Path;
 /// page on `metrics_addr`.
 pub async fn run(config: Config, metrics_addr: Option<SocketAddr>) -> Result<(), Failure> {
     let stats = scheduler::BeatStats::default();
+    // One config for the beat and the status page (a clone would copy every job).
+    let config = std::sync::Arc::new(config);
     if let Some(addr) = metrics_addr {
         let mut registry = prometheus_client::registry::Registry::default();
         stats.register(&mut registry);
         let health_stats = stats.clone();
         let health = std::sync::Arc::new(move || health_stats.health());
-        let page = page::routes(std::sync::Arc::new(config.clone()));
+        let page = page::routes(config.clone());
         drumline_shared::metrics::serve_with(addr, registry, health, page)
             .await
             .map_err(|e| Failure::usage(format!("--metrics-addr {addr}: {e}")))?;

@@ -114,7 +114,7 @@ mod tests {
         assert_eq!(env.job.as_deref(), Some(j.name.as_str()));
         assert_eq!(
             (env.task.as_str(), env.queue.as_str()),
-            (j.task.as_str(), "default")
+            (&*j.task, "default")
         );
         assert_eq!(env.args, serde_json::json!({"n": 1}));
         assert_eq!(env.expires_at, Some(at("2026-03-02T12:15:30.123Z")));

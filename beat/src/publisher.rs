@@ -244,8 +244,8 @@ impl Publisher {
 fn job_queues(config: &Config) -> Vec<String> {
     let mut queues: Vec<String> = Vec::new();
     for job in &config.jobs {
-        if !queues.contains(&job.queue) {
-            queues.push(job.queue.clone());
+        if !queues.iter().any(|q| **q == *job.queue) {
+            queues.push(job.queue.to_string());
         }
     }
     queues

@@ -195,7 +195,7 @@ fn job_status(job: &Job, history: JobHistory, paused: bool, now: DateTime<Utc>) 
     let from = last.map_or(now, |l| l.max(now));
     JobStatus {
         job: job.name.clone(),
-        schedule: job.schedule_text.clone(),
+        schedule: job.schedule_text(),
         timezone: job.timezone.name().to_owned(),
         next_due: job.schedule.next_after(from).map(format_instant),
         last_published: last.map(format_instant),
@@ -274,7 +274,7 @@ mod tests {
 
     fn cron(expr: &str) -> Schedule {
         Schedule::Cron {
-            cron: CronExpr::parse(expr).unwrap(),
+            cron: CronExpr::parse(expr).unwrap().into(),
             tz: chrono_tz::UTC,
             gap: DstGap::Shift,
             fold: DstFold::First,

@@ -12,7 +12,13 @@ use serde::Deserialize;
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
+
+mod chunks;
+
+/// `[[jobs]]` parsed per piece when a file is cut ([`chunks`]).
+const JOBS_PER_PIECE: usize = 1000;
 
 /// Env var that overrides `[broker] url`.
 pub const ENV_AMQP_URL: &str = "DRUMLINE_AMQP_URL";
@@ -168,17 +174,17 @@ pub enum Misfire {
     Skip,
 }
 
-/// One checked `[[jobs]]` entry.
+/// One checked `[[jobs]]` entry. A config may hold 100,000 of them: what can be derived is
+/// not stored (the schedule's text), and nothing of it is cloned per job.
 #[derive(Debug, Clone)]
 pub struct Job {
     /// Unique name; part of every idempotency key.
     pub name: String,
-    /// The `[tasks.*]` entry it runs.
-    pub task: String,
+    /// The `[tasks.*]` entry it runs. Shared (`Arc`) by every job that names it: a config may
+    /// hold 100,000 jobs and a handful of tasks.
+    pub task: Arc<str>,
     /// When it is due.
     pub schedule: Schedule,
-    /// The rule as written (`cron "…"` / `every 30s`), for display.
-    pub schedule_text: String,
     /// Zone the cron is evaluated in. Default UTC.
     pub timezone: Tz,
     /// Handed to the task.
@@ -193,8 +199,21 @@ pub struct Job {
     pub misfire_grace: Duration,
     /// Most missed instances `catch_up` publishes. Default 100.
     pub max_catch_up: usize,
-    /// Logical queue. Default `default`.
-    pub queue: String,
+    /// Logical queue. Default `default`. Shared (`Arc`) by every job that names it.
+    pub queue: Arc<str>,
+}
+
+impl Job {
+    /// The rule (`cron "…"` / `every 30s`), for display.
+    pub fn schedule_text(&self) -> String {
+        match &self.schedule {
+            Schedule::Cron { cron, .. } => format!("cron \"{}\"", cron.as_str()),
+            Schedule::Every { every, .. } => match every.to_std() {
+                Ok(every) => format!("every {}", duration::format(every)),
+                Err(_) => format!("every {every}"),
+            },
+        }
+    }
 }
 
 /// One checked `[tasks.*]` entry.
@@ -236,8 +255,8 @@ struct RawConfig<J, T> {
     beat: RawBeat,
     #[serde(default)]
     worker: RawWorker,
-    #[serde(default = "Vec::new")]
-    jobs: Vec<J>,
+    /// `None` when the file has no `[[jobs]]` (and, in the rest of a cut file, must be).
+    jobs: Option<Vec<J>>,
     #[serde(default = "BTreeMap::new")]
     tasks: BTreeMap<String, T>,
 }
@@ -412,43 +431,43 @@ impl Config {
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Self, ConfigError> {
         let fail = Failer { file: path };
-        // Fast path: straight into the typed form (a 100,000-job file parses in about a second).
-        // Only when that fails, parse again keeping jobs and tasks as tables, so the error can
-        // name the job or task it is about.
-        let raw: RawConfig<RawJob, RawTask> = match toml::from_str(text) {
-            Ok(raw) => raw,
-            Err(fast) => return Err(fail.pinpoint(text, fast)),
+        // Parsed a piece at a time when the file can be cut ([`chunks`]); else, or when a
+        // piece does not parse, the whole file at once, which gives every error as it always
+        // has.
+        let (prefix, jobs) = match Self::parse_in_pieces(text, &fail) {
+            Some(parsed) => parsed?,
+            None => Self::parse_whole(text, &fail)?,
         };
-
-        let namespace = raw.namespace.unwrap_or_else(|| "drumline".to_owned());
-        check_name(&namespace)
-            .map_err(|m| fail.at(None, "namespace", format!("{namespace:?} {m}")))?;
-        let beat = check_beat(&fail, &raw.beat)?;
-        let worker = check_worker(&fail, raw.worker)?;
-        let tasks = check_tasks(&fail, raw.tasks)?;
-        let jobs = check_jobs(&fail, raw.jobs, &tasks)?;
+        let Prefix {
+            namespace,
+            beat,
+            worker,
+            tasks,
+            broker: raw_broker,
+            redis: raw_redis,
+        } = prefix;
         let amqp_env = env(ENV_AMQP_URL);
-        let broker = check_broker(&fail, amqp_env.is_some(), &raw.broker)?;
+        let broker = check_broker(&fail, amqp_env.is_some(), &raw_broker)?;
         let broker_url = fail.url(
             ENV_AMQP_URL,
             amqp_env,
             "[broker]",
-            raw.broker.url,
+            raw_broker.url,
             "amqp://guest:guest@127.0.0.1:5672/%2f",
             url::check_amqp,
         )?;
-        let redis_wait = check_redis_wait(&fail, &raw.redis)?;
+        let redis_wait = check_redis_wait(&fail, &raw_redis)?;
         let broker = broker.or_single(&broker_url);
         let broker_url = broker.urls[0].clone();
         let redis_url = fail.url(
             ENV_REDIS_URL,
             env(ENV_REDIS_URL),
             "[redis]",
-            raw.redis.url,
+            raw_redis.url,
             "redis://127.0.0.1:6379/0",
             url::check_redis,
         )?;
-        if redis_url.starts_with("redis+sentinel:") && raw.redis.ca_file.is_some() {
+        if redis_url.starts_with("redis+sentinel:") && raw_redis.ca_file.is_some() {
             let m = "is not supported with redis+sentinel:// (Sentinel connections are plain TCP)";
             return Err(fail.at(Some("[redis]"), "ca_file", m.into()));
         }
@@ -458,14 +477,62 @@ impl Config {
             broker_url,
             broker,
             redis_url,
-            broker_ca_file: fail.ca_file("[broker]", raw.broker.ca_file)?,
+            broker_ca_file: fail.ca_file("[broker]", raw_broker.ca_file)?,
             redis_wait,
-            redis_ca_file: fail.ca_file("[redis]", raw.redis.ca_file)?,
+            redis_ca_file: fail.ca_file("[redis]", raw_redis.ca_file)?,
             beat,
             worker,
             jobs,
             tasks,
         })
+    }
+
+    /// The whole file parsed at once: straight into the typed form; only when that fails,
+    /// again keeping jobs and tasks as tables, so the error can name the job or task it is
+    /// about.
+    fn parse_whole(text: &str, fail: &Failer) -> Result<(Prefix, Vec<Job>), ConfigError> {
+        let mut raw: RawConfig<RawJob, RawTask> = match toml::from_str(text) {
+            Ok(raw) => raw,
+            Err(fast) => return Err(fail.pinpoint(text, fast)),
+        };
+        let raw_jobs = raw.jobs.take().unwrap_or_default();
+        let prefix = check_prefix(fail, raw)?;
+        let mut jobs = JobChecker::new(&prefix.tasks, raw_jobs.len());
+        for j in raw_jobs {
+            jobs.add(fail, j)?;
+        }
+        let jobs = jobs.done();
+        Ok((prefix, jobs))
+    }
+
+    /// The file cut into pieces ([`chunks`]) and parsed one piece at a time, each piece's jobs
+    /// checked before the next is parsed (no more than one piece's raw form is held): the
+    /// result, or an error the whole file gives too, or `None` for the caller to parse the
+    /// whole file.
+    fn parse_in_pieces(
+        text: &str,
+        fail: &Failer,
+    ) -> Option<Result<(Prefix, Vec<Job>), ConfigError>> {
+        let cut = chunks::cut(text, JOBS_PER_PIECE)?;
+        let raw: RawConfig<RawJob, RawTask> = toml::from_str(&cut.rest).ok()?;
+        if raw.jobs.is_some() {
+            return None;
+        }
+        // An error stands only if the whole file parses (else the parse error comes first).
+        let prefix = match check_prefix(fail, raw) {
+            Ok(prefix) => prefix,
+            Err(e) => return all_parse(&cut.jobs).then_some(Err(e)),
+        };
+        let mut jobs = JobChecker::new(&prefix.tasks, 0);
+        for (i, piece) in cut.jobs.iter().enumerate() {
+            for j in toml::from_str::<RawJobs>(piece).ok()?.jobs {
+                if let Err(e) = jobs.add(fail, j) {
+                    return all_parse(&cut.jobs[i + 1..]).then_some(Err(e));
+                }
+            }
+        }
+        let jobs = jobs.done();
+        Some(Ok((prefix, jobs)))
     }
 
     /// The job named `name`.
@@ -477,8 +544,8 @@ impl Config {
     pub fn all_queues(&self) -> Vec<String> {
         let mut queues: Vec<String> = self.worker.queues.clone();
         for job in &self.jobs {
-            if !queues.contains(&job.queue) {
-                queues.push(job.queue.clone());
+            if !queues.iter().any(|q| **q == *job.queue) {
+                queues.push(job.queue.to_string());
             }
         }
         queues
@@ -579,26 +646,84 @@ fn check_tasks(
     Ok(tasks)
 }
 
-/// The `[[jobs]]`, in file order; names must be unique.
-fn check_jobs(
-    fail: &Failer,
-    raw: Vec<RawJob>,
-    tasks: &BTreeMap<String, Task>,
-) -> Result<Vec<Job>, ConfigError> {
-    let mut jobs = Vec::with_capacity(raw.len());
-    let mut seen = HashSet::with_capacity(raw.len());
-    for j in raw {
-        let place = format!("job {:?}", j.name);
-        if !seen.insert(j.name.clone()) {
+/// Whether every piece of jobs parses.
+fn all_parse(pieces: &[&str]) -> bool {
+    pieces.iter().all(|p| toml::from_str::<RawJobs>(p).is_ok())
+}
+
+/// A piece of a cut file's jobs region ([`chunks`]).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawJobs {
+    jobs: Vec<RawJob>,
+}
+
+/// What is checked before the jobs (namespace, `[beat]`, `[worker]`, `[tasks.*]`, in that
+/// order), and the raw sections checked after them.
+struct Prefix {
+    namespace: String,
+    beat: BeatConfig,
+    worker: WorkerConfig,
+    tasks: BTreeMap<String, Task>,
+    broker: RawBroker,
+    redis: RawRedis,
+}
+
+/// Checks everything of `raw` that comes before the jobs.
+fn check_prefix<J>(fail: &Failer, raw: RawConfig<J, RawTask>) -> Result<Prefix, ConfigError> {
+    let namespace = raw.namespace.unwrap_or_else(|| "drumline".to_owned());
+    check_name(&namespace).map_err(|m| fail.at(None, "namespace", format!("{namespace:?} {m}")))?;
+    let beat = check_beat(fail, &raw.beat)?;
+    let worker = check_worker(fail, raw.worker)?;
+    let tasks = check_tasks(fail, raw.tasks)?;
+    Ok(Prefix {
+        namespace,
+        beat,
+        worker,
+        tasks,
+        broker: raw.broker,
+        redis: raw.redis,
+    })
+}
+
+/// The `[[jobs]]`, checked one by one in file order; names must be unique.
+struct JobChecker<'t> {
+    tasks: &'t BTreeMap<String, Task>,
+    jobs: Vec<Job>,
+    seen: HashSet<String>,
+    /// Task and queue names, one `Arc` each for all the jobs that name them.
+    interned: HashSet<Arc<str>>,
+}
+
+impl<'t> JobChecker<'t> {
+    fn new(tasks: &'t BTreeMap<String, Task>, capacity: usize) -> Self {
+        JobChecker {
+            tasks,
+            jobs: Vec::with_capacity(capacity),
+            seen: HashSet::with_capacity(capacity),
+            interned: HashSet::new(),
+        }
+    }
+
+    /// Checks the next job.
+    fn add(&mut self, fail: &Failer, j: RawJob) -> Result<(), ConfigError> {
+        if !self.seen.insert(j.name.clone()) {
             return Err(fail.at(
-                Some(&place),
+                Some(&format!("job {:?}", j.name)),
                 "name",
                 "duplicate job name: job names must be unique".into(),
             ));
         }
-        jobs.push(check_job(fail, &place, j, tasks)?);
+        self.jobs
+            .push(check_job(fail, j, self.tasks, &mut self.interned)?);
+        Ok(())
     }
-    Ok(jobs)
+
+    /// The checked jobs, in file order.
+    fn done(mut self) -> Vec<Job> {
+        self.jobs.shrink_to_fit();
+        self.jobs
+    }
 }
 
 fn check_task(fail: &Failer, place: &str, name: String, t: RawTask) -> Result<Task, ConfigError> {
@@ -671,50 +796,103 @@ fn check_env(
     Ok(env)
 }
 
+/// One job; an error is placed at `job "NAME"` (built only then: a 100,000-job file makes no
+/// string per job to say where it is).
 fn check_job(
     fail: &Failer,
-    place: &str,
     j: RawJob,
     tasks: &BTreeMap<String, Task>,
+    interned: &mut HashSet<Arc<str>>,
 ) -> Result<Job, ConfigError> {
-    let at = |(key, message): KeyError| fail.at(Some(place), key, message);
-    check_name(&j.name).map_err(|m| at(("name", m.to_string())))?;
-    check_task_ref(&j.task, tasks).map_err(at)?;
+    check_job_keys(j, tasks, interned)
+        .map_err(|(name, (key, message))| fail.at(Some(&format!("job {name:?}")), key, message))
+}
+
+fn check_job_keys(
+    j: RawJob,
+    tasks: &BTreeMap<String, Task>,
+    interned: &mut HashSet<Arc<str>>,
+) -> Result<Job, (String, KeyError)> {
+    macro_rules! check {
+        ($e:expr) => {
+            match $e {
+                Ok(v) => v,
+                Err(e) => return Err((j.name, e)),
+            }
+        };
+    }
+    check!(check_name(&j.name).map_err(|m| ("name", m.to_string())));
+    check!(check_task_ref(&j.task, tasks));
     let timezone = match &j.timezone {
-        Some(name) => parse_timezone(name).map_err(|e| at(("timezone", e.to_string())))?,
+        Some(name) => check!(parse_timezone(name).map_err(|e| ("timezone", e.to_string()))),
         None => chrono_tz::UTC,
     };
-    let (schedule, schedule_text) = job_schedule(&j, timezone).map_err(at)?;
-    let (overlap, misfire, max_catch_up) = job_policy(&j).map_err(at)?;
-    let queue = j.queue.unwrap_or_else(|| "default".to_owned());
-    check_name(&queue).map_err(|m| at(("queue", format!("{queue:?} {m}"))))?;
-    let args = match j.args {
+    let schedule = check!(job_schedule(&j, timezone));
+    let (overlap, misfire, max_catch_up) = check!(job_policy(&j));
+    let queue = j.queue.as_deref().unwrap_or("default");
+    check!(check_name(queue).map_err(|m| ("queue", format!("{queue:?} {m}"))));
+    let queue = intern(interned, queue);
+    let args = match &j.args {
         None => serde_json::json!({}),
-        Some(v) => serde_json::to_value(v).map_err(|e| at(("args", e.to_string())))?,
+        Some(v) => check!(serde_json::to_value(v).map_err(|e| ("args", e.to_string()))),
     };
+    let expires = match &j.expires {
+        Some(_) => Some(check!(job_duration(
+            "expires",
+            &j.expires,
+            0,
+            Zero::Refused
+        ))),
+        None => None,
+    };
+    let misfire_grace = check!(job_duration(
+        "misfire_grace",
+        &j.misfire_grace,
+        3600,
+        Zero::Allowed
+    ));
     Ok(Job {
+        task: intern(interned, &j.task),
         name: j.name,
-        task: j.task,
         schedule,
-        schedule_text,
         timezone,
         args,
-        expires: match &j.expires {
-            Some(_) => Some(fail.duration(place, "expires", &j.expires, 0, Zero::Refused)?),
-            None => None,
-        },
+        expires,
         overlap,
         misfire,
-        misfire_grace: fail.duration(
-            place,
-            "misfire_grace",
-            &j.misfire_grace,
-            3600,
-            Zero::Allowed,
-        )?,
+        misfire_grace,
         max_catch_up,
         queue,
     })
+}
+
+/// The one `Arc` of `name` in `interned`.
+fn intern(interned: &mut HashSet<Arc<str>>, name: &str) -> Arc<str> {
+    match interned.get(name) {
+        Some(shared) => shared.clone(),
+        None => {
+            let shared: Arc<str> = name.into();
+            interned.insert(shared.clone());
+            shared
+        }
+    }
+}
+
+/// A job's duration `key`, as [`Failer::duration`] checks it.
+fn job_duration(
+    key: &'static str,
+    raw: &Option<String>,
+    default_secs: u64,
+    zero: Zero,
+) -> Result<Duration, KeyError> {
+    let d = match raw {
+        None => Duration::from_secs(default_secs),
+        Some(text) => duration::parse(text).map_err(|m| (key, m))?,
+    };
+    if zero == Zero::Refused && d.is_zero() {
+        return Err((key, "must be greater than zero".into()));
+    }
+    Ok(d)
 }
 
 /// A refusal of one key of a job: the key and the message, placed by the caller.
@@ -739,8 +917,8 @@ fn check_task_ref(task: &str, tasks: &BTreeMap<String, Task>) -> Result<(), KeyE
     ))
 }
 
-/// The job's schedule and its text for logs, from exactly one of `cron` and `every`.
-fn job_schedule(j: &RawJob, timezone: Tz) -> Result<(Schedule, String), KeyError> {
+/// The job's schedule, from exactly one of `cron` and `every`.
+fn job_schedule(j: &RawJob, timezone: Tz) -> Result<Schedule, KeyError> {
     match (&j.cron, &j.every) {
         (Some(_), Some(_)) => Err((
             "cron",
@@ -755,23 +933,20 @@ fn job_schedule(j: &RawJob, timezone: Tz) -> Result<(Schedule, String), KeyError
     }
 }
 
-fn cron_schedule(j: &RawJob, cron: &str, tz: Tz) -> Result<(Schedule, String), KeyError> {
+fn cron_schedule(j: &RawJob, cron: &str, tz: Tz) -> Result<Schedule, KeyError> {
     if j.anchor.is_some() {
         return Err(("anchor", "only applies to `every` jobs".into()));
     }
     let cron_expr = CronExpr::parse(cron).map_err(|e| ("cron", e.to_string()))?;
-    Ok((
-        Schedule::Cron {
-            cron: cron_expr,
-            tz,
-            gap: j.dst_gap.unwrap_or_default(),
-            fold: j.dst_fold.unwrap_or_default(),
-        },
-        format!("cron \"{cron}\""),
-    ))
+    Ok(Schedule::Cron {
+        cron: Box::new(cron_expr),
+        tz,
+        gap: j.dst_gap.unwrap_or_default(),
+        fold: j.dst_fold.unwrap_or_default(),
+    })
 }
 
-fn every_schedule(j: &RawJob, every_text: &str) -> Result<(Schedule, String), KeyError> {
+fn every_schedule(j: &RawJob, every_text: &str) -> Result<Schedule, KeyError> {
     let every = duration::parse(every_text).map_err(|e| ("every", e))?;
     if every.is_zero() {
         return Err(("every", "must be greater than zero".into()));
@@ -788,14 +963,11 @@ fn every_schedule(j: &RawJob, every_text: &str) -> Result<(Schedule, String), Ke
             })?,
         None => DateTime::UNIX_EPOCH,
     };
-    Ok((
-        Schedule::Every {
-            every: chrono::Duration::from_std(every)
-                .map_err(|_| ("every", "is too large".to_owned()))?,
-            anchor,
-        },
-        format!("every {}", duration::format(every)),
-    ))
+    Ok(Schedule::Every {
+        every: chrono::Duration::from_std(every)
+            .map_err(|_| ("every", "is too large".to_owned()))?,
+        anchor,
+    })
 }
 
 /// The job's overlap and misfire policies and its catch-up bound, checked together.
@@ -1075,8 +1247,8 @@ mod tests {
             (Overlap::Skip, Misfire::RunOnce, 100)
         );
         assert_eq!(j.misfire_grace, Duration::from_secs(3600));
-        assert_eq!(j.queue, "default");
-        assert_eq!(j.schedule_text, "every 30s");
+        assert_eq!(&*j.queue, "default");
+        assert_eq!(j.schedule_text(), "every 30s");
         let t = &c.tasks["t"];
         assert_eq!(
             (t.max_retries, t.retry_base, t.retry_max),

@@ -623,8 +623,9 @@ fn fold_lookback(tz: Tz, after: i64) -> Option<i64> {
 pub enum Schedule {
     /// Cron evaluated in a time zone with explicit DST policies.
     Cron {
-        /// The expression.
-        cron: CronExpr,
+        /// The expression (boxed: it is most of a cron schedule's size, and an `every`
+        /// schedule, which many-job configs are made of, need not carry its room).
+        cron: Box<CronExpr>,
         /// The zone whose wall clock the expression reads.
         tz: Tz,
         /// Policy for wall times in a spring-forward gap.
@@ -1000,7 +1001,7 @@ mod tests {
 
     fn cron(expr: &str, zone: &str, gap: DstGap, fold: DstFold) -> Schedule {
         Schedule::Cron {
-            cron: CronExpr::parse(expr).unwrap(),
+            cron: CronExpr::parse(expr).unwrap().into(),
             tz: tz(zone),
             gap,
             fold,
@@ -1823,7 +1824,7 @@ mod tests {
                     }
                 }
                 let to = from + 2 * 86_400;
-                let s = Schedule::Cron { cron: cron.clone(), tz, gap, fold };
+                let s = Schedule::Cron { cron: cron.clone().into(), tz, gap, fold };
                 let expected = brute(&s, from, to);
 
                 let mut got = BTreeMap::new();
