@@ -400,7 +400,7 @@ async fn cancel_consumers(channel: &lapin::Channel, tags: &[String]) {
     let cancel = async {
         for tag in tags {
             let _ = channel
-                .basic_cancel(tag, BasicCancelOptions::default())
+                .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
                 .await;
         }
     };
@@ -418,14 +418,14 @@ async fn requeue(delivery: &lapin::message::Delivery, stats: &Stats) {
         requeue: true,
         ..Default::default()
     });
-    if let Ok(Ok(())) = tokio::time::timeout(SETTLE_TIMEOUT, nack).await {
+    if let Ok(Ok(true)) = tokio::time::timeout(SETTLE_TIMEOUT, nack).await {
         stats.requeued.inc();
     }
 }
 
 /// Closes `conn`, bounded: a connection the broker dropped does not always answer.
 async fn close(conn: Connection, why: &str) {
-    if tokio::time::timeout(BROKER_CALL_TIMEOUT, conn.close(200, why))
+    if tokio::time::timeout(BROKER_CALL_TIMEOUT, conn.close(200, why.into()))
         .await
         .is_err()
     {
@@ -495,7 +495,7 @@ impl Publisher {
     /// A usable publisher channel on `conn`: the current one, or a fresh one if it was closed.
     async fn channel(&mut self, conn: &Connection) -> Result<lapin::Channel, SessionError> {
         if !self.0.status().connected() {
-            warn!(state = ?self.0.status().state(), "the publisher channel was closed; reopening it");
+            warn!(status = ?self.0.status(), "the publisher channel was closed; reopening it");
             let open = async {
                 let channel = conn.create_channel().await?;
                 channel
@@ -617,8 +617,8 @@ async fn open_session(
     for queue in &config.worker.queues {
         let consumer = channel
             .basic_consume(
-                &names.work_queue(queue),
-                &format!("{worker_id}/{queue}"),
+                names.work_queue(queue).into(),
+                format!("{worker_id}/{queue}").into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
             )

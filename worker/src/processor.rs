@@ -152,13 +152,15 @@ impl Processor {
         };
         let settle = async {
             match disposition {
-                Disposition::Ack => delivery.acker.ack(BasicAckOptions::default()).await,
+                Disposition::Ack => {
+                    topology::settled(delivery.acker.ack(BasicAckOptions::default()).await)
+                }
                 Disposition::Requeue => {
                     let requeue = BasicNackOptions {
                         requeue: true,
                         ..Default::default()
                     };
-                    delivery.acker.nack(requeue).await?;
+                    topology::settled(delivery.acker.nack(requeue).await)?;
                     self.stats.requeued.inc();
                     Ok(())
                 }
