@@ -222,13 +222,13 @@ impl Probe {
             exclusive: true,
             ..Default::default()
         };
-        ch.queue_declare(&queue, exclusive, FieldTable::default())
+        ch.queue_declare(queue.as_str().into(), exclusive, FieldTable::default())
             .await?;
         let exchange = drumline_shared::names::Names::new(ns).tasks_exchange();
         ch.queue_bind(
-            &queue,
-            &exchange,
-            "default",
+            queue.as_str().into(),
+            exchange.as_str().into(),
+            "default".into(),
             QueueBindOptions::default(),
             FieldTable::default(),
         )
@@ -238,7 +238,12 @@ impl Probe {
             ..Default::default()
         };
         let consumer = ch
-            .basic_consume(&queue, "probe", no_ack, FieldTable::default())
+            .basic_consume(
+                queue.as_str().into(),
+                "probe".into(),
+                no_ack,
+                FieldTable::default(),
+            )
             .await?;
         let seen = Arc::new(Mutex::new(Vec::new()));
         let s = seen.clone();
@@ -259,7 +264,7 @@ impl Probe {
 
     /// (instant, received) of every message seen, in ns.
     async fn stop(self) -> Vec<(i64, i64)> {
-        let _ = self.amqp.close(200, "bench done").await;
+        let _ = self.amqp.close(200, "bench done".into()).await;
         std::mem::take(&mut *self.seen.lock().unwrap())
     }
 }

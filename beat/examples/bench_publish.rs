@@ -26,8 +26,8 @@ use drumline_shared::store::last_instant_text;
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueuePurgeOptions,
 };
-use lapin::publisher_confirm::Confirmation;
 use lapin::types::FieldTable;
+use lapin::Confirmation;
 use lapin::{Channel, Connection, ConnectionProperties};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -230,7 +230,7 @@ async fn bench_beat(beat: &Path, jobs: usize, ns: &str, dir: &Path) -> Result<Be
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
-        let _ = amqp.close(200, "bench").await;
+        let _ = amqp.close(200, "bench".into()).await;
         Ok(BeatRun {
             all_queued,
             first_seen: first_seen.unwrap_or_default(),
@@ -251,7 +251,7 @@ async fn bench_beat(beat: &Path, jobs: usize, ns: &str, dir: &Path) -> Result<Be
     let count = queue_len(&amqp.create_channel().await?, &queue)
         .await
         .context("queue")?;
-    let _ = amqp.close(200, "bench").await;
+    let _ = amqp.close(200, "bench".into()).await;
     ensure!(count as usize == jobs, "{count} messages for {jobs} jobs");
     let persisted = count_progress(&names, jobs, due).await?;
     ensure!(
@@ -281,7 +281,7 @@ async fn queue_len(channel: &Channel, queue: &str) -> Option<u32> {
         ..Default::default()
     };
     channel
-        .queue_declare(queue, passive, FieldTable::default())
+        .queue_declare(queue.into(), passive, FieldTable::default())
         .await
         .ok()
         .map(|q| q.message_count())
@@ -328,7 +328,7 @@ async fn bench_bare(jobs: usize, ns: &str) -> Result<Duration> {
     .await?;
     let queue = names.work_queue("default");
     channel
-        .queue_purge(&queue, QueuePurgeOptions::default())
+        .queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
         .await?;
     let due = Utc::now().duration_trunc(TimeDelta::seconds(1))?;
     let envelopes: Vec<Envelope> = (0..jobs)
@@ -352,8 +352,8 @@ async fn bench_bare(jobs: usize, ns: &str) -> Result<Duration> {
         confirms.push(
             channel
                 .basic_publish(
-                    &exchange,
-                    "default",
+                    exchange.as_str().into(),
+                    "default".into(),
                     BasicPublishOptions {
                         mandatory: true,
                         ..Default::default()
@@ -376,6 +376,6 @@ async fn bench_bare(jobs: usize, ns: &str) -> Result<Duration> {
         count as usize == jobs,
         "{count} messages for {jobs} published"
     );
-    let _ = amqp.close(200, "bench").await;
+    let _ = amqp.close(200, "bench".into()).await;
     Ok(elapsed)
 }

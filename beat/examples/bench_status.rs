@@ -83,7 +83,7 @@ async fn bench(beat: &Path, records: usize, jobs: usize, ns: &str, dir: &Path) -
         config.worker.dead_ttl,
     )
     .await?;
-    let _ = conn.close(200, "topology declared").await;
+    let _ = conn.close(200, "topology declared".into()).await;
     let store = Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names).await?;
     let job_names: Vec<&str> = config.jobs.iter().map(|j| j.name.as_str()).collect();
 

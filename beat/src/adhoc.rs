@@ -127,7 +127,7 @@ pub async fn publish(
         env.properties(Utc::now(), 0),
     )
     .await;
-    let _ = conn.close(200, "published").await;
+    let _ = conn.close(200, "published".into()).await;
     Ok(published?)
 }
 

@@ -12,7 +12,7 @@ use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use drumline_shared::topology::{self, TopologyError};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::publisher_confirm::Confirmation;
+use lapin::Confirmation;
 use lapin::{Channel, Connection};
 use std::collections::HashSet;
 use std::time::Duration;
@@ -155,8 +155,8 @@ impl Publisher {
             }
             let sent = channel
                 .basic_publish(
-                    &exchange,
-                    &env.queue,
+                    exchange.as_str().into(),
+                    env.queue.as_str().into(),
                     BasicPublishOptions {
                         mandatory: true,
                         ..Default::default()
@@ -230,7 +230,7 @@ impl Publisher {
 
     async fn drop_session(&mut self, why: &str) {
         if let Some((conn, _)) = self.session.take() {
-            let _ = conn.close(200, why).await;
+            let _ = conn.close(200, why.into()).await;
         }
     }
 
@@ -273,10 +273,13 @@ mod tests {
         let names = Names::new(config.namespace.clone());
         let amqp = topology::connect(&config).await.unwrap();
         let ch = amqp.create_channel().await.unwrap();
-        ch.queue_delete(&names.work_queue("b"), QueueDeleteOptions::default())
-            .await
-            .unwrap();
-        let _ = amqp.close(200, "bye").await;
+        ch.queue_delete(
+            names.work_queue("b").as_str().into(),
+            QueueDeleteOptions::default(),
+        )
+        .await
+        .unwrap();
+        let _ = amqp.close(200, "bye".into()).await;
 
         let at = Utc::now();
         let batch: Vec<Envelope> = (0..40)

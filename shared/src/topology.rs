@@ -5,14 +5,15 @@ use crate::config::{Config, QueueType};
 use crate::names::Names;
 use crate::tls::read_ca_file;
 use crate::url::Redacted;
+use async_rs::TokioRuntime;
 use lapin::options::BasicPublishOptions;
 use lapin::options::ConfirmSelectOptions;
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::protocol::AMQPSoftError;
-use lapin::publisher_confirm::Confirmation;
-use lapin::tcp::{RustlsConnector, RustlsConnectorConfig, TcpStream};
+use lapin::tcp::{AsyncTcpStream, RustlsConnectorConfig};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::uri::{AMQPScheme, AMQPUri};
+use lapin::Confirmation;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -132,7 +133,7 @@ pub async fn declare(
     }
     channel
         .exchange_declare(
-            &names.tasks_exchange(),
+            names.tasks_exchange().into(),
             ExchangeKind::Direct,
             exchange_options(),
             FieldTable::default(),
@@ -140,7 +141,7 @@ pub async fn declare(
         .await?;
     channel
         .exchange_declare(
-            &dead,
+            dead.as_str().into(),
             ExchangeKind::Fanout,
             exchange_options(),
             FieldTable::default(),
@@ -178,7 +179,7 @@ async fn declare_queue(
     queue_type: QueueType,
 ) -> Result<(), TopologyError> {
     channel
-        .queue_declare(queue, durable(), args)
+        .queue_declare(queue.into(), durable(), args)
         .await
         .map_err(|source| mismatch(queue, source, queue_type))?;
     Ok(())
@@ -193,9 +194,9 @@ async fn bind(
 ) -> Result<(), TopologyError> {
     channel
         .queue_bind(
-            queue,
-            exchange,
-            routing_key,
+            queue.into(),
+            exchange.into(),
+            routing_key.into(),
             QueueBindOptions::default(),
             FieldTable::default(),
         )
@@ -205,8 +206,8 @@ async fn bind(
 
 /// The reply code of the broker's channel or connection close behind `e`, if it was one.
 pub fn reply_code(e: &lapin::Error) -> Option<u16> {
-    match e {
-        lapin::Error::ProtocolError(amqp) => Some(amqp.get_id()),
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => Some(amqp.get_id()),
         _ => None,
     }
 }
@@ -310,8 +311,6 @@ pub fn failover_order(n: usize, last: Option<usize>) -> impl Iterator<Item = usi
 /// Connects to `url`; with `ca_file` an `amqps://` server must present a certificate issued by a
 /// CA in that file (and only then: the system roots are not consulted). `ca_file` is unused by
 /// plain `amqp://`.
-// The closure's error type is lapin's (`HandshakeResult`), large but not ours to choose.
-#[allow(clippy::result_large_err)]
 pub async fn connect_to(url: &str, ca_file: Option<&Path>) -> Result<Connection, lapin::Error> {
     let Some(ca_file) = ca_file else {
         return Connection::connect(url, ConnectionProperties::default()).await;
@@ -321,25 +320,41 @@ pub async fn connect_to(url: &str, ca_file: Option<&Path>) -> Result<Connection,
         return Connection::connect_uri(uri, ConnectionProperties::default()).await;
     }
     let ca = read_ca_file(ca_file).map_err(io_error)?;
+    // Not lapin's `OwnedTLSConfig::cert_chain`: that adds the file's CAs to the system roots.
     let mut roots = RustlsConnectorConfig::default();
     roots.add_parsable_certificates(ca.certs);
-    let connector: RustlsConnector = roots.connector_with_no_client_auth();
+    let connector = Arc::new(roots.connector_with_no_client_auth().map_err(io_error)?);
     // What lapin's own connector does (amq-protocol-tcp), with our roots instead of the system's.
-    let connect = Box::new(move |uri: &AMQPUri| {
-        let addr = format!("{}:{}", uri.authority.host, uri.authority.port);
+    let connect = async move |uri: AMQPUri, runtime: TokioRuntime| {
+        let host = uri.authority.host.clone();
+        let tls = async {
+            let addrs: Vec<_> = tokio::net::lookup_host((host.as_str(), uri.authority.port))
+                .await?
+                .collect();
+            AsyncTcpStream::connect(&runtime, addrs)
+                .await?
+                .into_rustls(&connector, &host)
+                .await
+        };
         let stream = match uri.query.connection_timeout {
-            Some(ms) => TcpStream::connect_timeout(addr, Duration::from_millis(ms)),
-            None => TcpStream::connect(addr),
-        }?;
-        let stream = stream.into_rustls(&connector, &uri.authority.host)?;
-        stream.set_nonblocking(true)?;
-        Ok(stream)
-    });
-    Connection::connector(uri, connect, ConnectionProperties::default()).await
+            Some(ms) => tokio::time::timeout(Duration::from_millis(ms), tls)
+                .await
+                .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())),
+            None => tls.await,
+        };
+        stream.map_err(lapin::Error::from)
+    };
+    Connection::connector(
+        uri,
+        TokioRuntime::tokio_current(),
+        connect,
+        ConnectionProperties::default(),
+    )
+    .await
 }
 
 fn io_error(e: impl std::fmt::Display) -> lapin::Error {
-    lapin::Error::IOError(Arc::new(std::io::Error::other(e.to_string())))
+    std::io::Error::other(e.to_string()).into()
 }
 
 /// Connects to `config`'s broker for a one-shot command (ad-hoc publish, dlq): one confirm-mode
@@ -371,7 +386,7 @@ pub async fn dead_letter_count(config: &Config, names: &Names) -> Result<u64, la
             ..Default::default()
         };
         match channel
-            .queue_declare(&names.dead(), passive, FieldTable::default())
+            .queue_declare(names.dead().into(), passive, FieldTable::default())
             .await
         {
             Ok(queue) => Ok(u64::from(queue.message_count())),
@@ -380,7 +395,7 @@ pub async fn dead_letter_count(config: &Config, names: &Names) -> Result<u64, la
         }
     }
     .await;
-    let _ = conn.close(200, "status read").await;
+    let _ = conn.close(200, "status read".into()).await;
     count
 }
 
@@ -409,10 +424,23 @@ pub async fn declare_delay_queue(
     );
     args.insert("x-dead-letter-routing-key".into(), string(queue));
     channel
-        .queue_declare(&name, durable(), args)
+        .queue_declare(name.as_str().into(), durable(), args)
         .await
         .map_err(|source| mismatch(&name, source, QueueType::Classic))?;
     Ok(name)
+}
+
+/// An ack, nack or reject's answer from lapin as a `Result`: lapin 4 answers `Ok(false)`, not
+/// an error, when it did not send it (the delivery's channel is closed, or the delivery was
+/// already settled); the broker then redelivers the message, so for the caller it failed.
+pub fn settled(sent: Result<bool, lapin::Error>) -> Result<(), lapin::Error> {
+    match sent {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(io_error(
+            "not sent: the delivery's channel is closed or the delivery was already settled",
+        )),
+        Err(e) => Err(e),
+    }
 }
 
 /// Why a publish was not confirmed.
@@ -447,7 +475,7 @@ pub async fn publish_confirmed(
         ..Default::default()
     };
     let confirmation = channel
-        .basic_publish(exchange, routing_key, options, body, props)
+        .basic_publish(exchange.into(), routing_key.into(), options, body, props)
         .await?
         .await?;
     match confirmation {
@@ -465,7 +493,8 @@ mod tests {
     use lapin::protocol::{AMQPError, AMQPErrorKind};
 
     fn closed(kind: AMQPSoftError) -> lapin::Error {
-        lapin::Error::ProtocolError(AMQPError::new(AMQPErrorKind::Soft(kind), "closed".into()))
+        lapin::ErrorKind::ProtocolError(AMQPError::new(AMQPErrorKind::Soft(kind), "closed".into()))
+            .into()
     }
 
     #[test]
@@ -478,16 +507,17 @@ mod tests {
         let e = mismatch("q", closed(AMQPSoftError::ACCESSREFUSED), classic);
         assert!(matches!(e, TopologyError::Amqp(_)), "{e}");
         assert_eq!(e.reply_code(), Some(403));
-        let e = mismatch("q", lapin::Error::ChannelsLimitReached, classic);
+        let e = mismatch("q", lapin::ErrorKind::ChannelsLimitReached.into(), classic);
         assert!(matches!(e, TopologyError::Amqp(_)) && e.reply_code().is_none());
     }
 
     #[test]
     fn a_changed_queue_type_names_the_key_and_the_migration() {
-        let refused = lapin::Error::ProtocolError(AMQPError::new(
+        let refused = lapin::ErrorKind::ProtocolError(AMQPError::new(
             AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED),
             "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'n.dead'".into(),
-        ));
+        ))
+        .into();
         let e = mismatch("n.dead", refused, QueueType::Quorum).to_string();
         for needle in [
             "exists as a classic queue",

@@ -187,8 +187,8 @@ impl TestEnv {
             .await
             .expect("confirm");
         ch.basic_publish(
-            &self.names().tasks_exchange(),
-            queue,
+            self.names().tasks_exchange().as_str().into(),
+            queue.into(),
             BasicPublishOptions::default(),
             body,
             props,
@@ -197,7 +197,7 @@ impl TestEnv {
         .expect("publish")
         .await
         .expect("confirm");
-        let _ = conn.close(200, "bye").await;
+        let _ = conn.close(200, "bye".into()).await;
     }
 
     /// Number of messages ready in queue `name` (passive declare), or `None` if it does not exist.
@@ -206,7 +206,7 @@ impl TestEnv {
         let ch = conn.create_channel().await.expect("channel");
         let result = ch
             .queue_declare(
-                name,
+                name.into(),
                 QueueDeclareOptions {
                     passive: true,
                     ..Default::default()
@@ -216,7 +216,7 @@ impl TestEnv {
             .await
             .ok()
             .map(|q| q.message_count());
-        let _ = conn.close(200, "bye").await;
+        let _ = conn.close(200, "bye".into()).await;
         result
     }
 
@@ -226,7 +226,7 @@ impl TestEnv {
         let ch = conn.create_channel().await.expect("channel");
         let exists = ch
             .exchange_declare(
-                name,
+                name.into(),
                 lapin::ExchangeKind::Direct,
                 lapin::options::ExchangeDeclareOptions {
                     passive: true,
@@ -236,7 +236,7 @@ impl TestEnv {
             )
             .await
             .is_ok();
-        let _ = conn.close(200, "bye").await;
+        let _ = conn.close(200, "bye".into()).await;
         exists
     }
 
@@ -247,17 +247,19 @@ impl TestEnv {
             queues.extend(extra);
             for q in queues {
                 if let Ok(ch) = conn.create_channel().await {
-                    let _ = ch.queue_delete(&q, QueueDeleteOptions::default()).await;
+                    let _ = ch
+                        .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                        .await;
                 }
             }
             for x in [names.tasks_exchange(), names.dead()] {
                 if let Ok(ch) = conn.create_channel().await {
                     let _ = ch
-                        .exchange_delete(&x, ExchangeDeleteOptions::default())
+                        .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
                         .await;
                 }
             }
-            let _ = conn.close(200, "cleanup").await;
+            let _ = conn.close(200, "cleanup".into()).await;
         }
         if let Ok(client) = redis::Client::open(REDIS_URL) {
             if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
@@ -1032,8 +1034,8 @@ impl StreamPublisher {
         let (_, ch) = self.channel.as_ref().expect("just set");
         let confirm = async {
             ch.basic_publish(
-                &names.tasks_exchange(),
-                &envelope.queue,
+                names.tasks_exchange().as_str().into(),
+                envelope.queue.as_str().into(),
                 BasicPublishOptions::default(),
                 &envelope.encode(),
                 envelope.properties(chrono::Utc::now(), 0),

@@ -187,7 +187,7 @@ async fn record(
         loop {
             tokio::select! {
                 _ = &mut stop => {
-                    let _ = conn.close(200, "snoop done").await;
+                    let _ = conn.close(200, "snoop done".into()).await;
                     return;
                 }
                 next = consumer.next() => {
@@ -237,7 +237,7 @@ async fn bind(target: &Target) -> Result<(Connection, lapin::Consumer), String> 
         };
         if ch
             .exchange_declare(
-                &target.exchange,
+                target.exchange.as_str().into(),
                 ExchangeKind::Direct,
                 passive,
                 FieldTable::default(),
@@ -258,13 +258,13 @@ async fn bind(target: &Target) -> Result<(Connection, lapin::Consumer), String> 
         durable: true,
         ..Default::default()
     };
-    ch.queue_declare(queue, durable, FieldTable::default())
+    ch.queue_declare(queue.as_str().into(), durable, FieldTable::default())
         .await
         .map_err(|e| format!("declare {queue}: {e}"))?;
     ch.queue_bind(
-        queue,
-        &target.exchange,
-        &target.routing_key,
+        queue.as_str().into(),
+        target.exchange.as_str().into(),
+        target.routing_key.as_str().into(),
         QueueBindOptions::default(),
         FieldTable::default(),
     )
@@ -272,8 +272,8 @@ async fn bind(target: &Target) -> Result<(Connection, lapin::Consumer), String> 
     .map_err(|e| format!("bind {queue}: {e}"))?;
     let consumer = ch
         .basic_consume(
-            queue,
-            "snoop",
+            queue.as_str().into(),
+            "snoop".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
@@ -292,8 +292,8 @@ async fn send_marker(url: &str, queue: &str, body: &str) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?;
     ch.basic_publish(
-        "",
-        queue,
+        "".into(),
+        queue.into(),
         BasicPublishOptions::default(),
         body.as_bytes(),
         BasicProperties::default(),
@@ -302,7 +302,7 @@ async fn send_marker(url: &str, queue: &str, body: &str) -> Result<(), String> {
     .map_err(|e| e.to_string())?
     .await
     .map_err(|e| e.to_string())?;
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
     Ok(())
 }
 

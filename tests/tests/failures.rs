@@ -50,7 +50,7 @@ async fn dead_letters(env: &TestEnv) -> Vec<(String, String, i64, String)> {
     let mut out = Vec::new();
     let dead = env.names().dead();
     while let Some(msg) = ch
-        .basic_get(&dead, BasicGetOptions::default())
+        .basic_get(dead.as_str().into(), BasicGetOptions::default())
         .await
         .unwrap()
     {
@@ -70,7 +70,7 @@ async fn dead_letters(env: &TestEnv) -> Vec<(String, String, i64, String)> {
         ));
         msg.delivery.ack(BasicAckOptions::default()).await.unwrap();
     }
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
     out.sort();
     out
 }

@@ -46,7 +46,10 @@ async fn take_dead_letters(env: &TestEnv) -> Vec<(Option<String>, String)> {
     let ch = conn.create_channel().await.unwrap();
     let mut out = Vec::new();
     while let Some(msg) = ch
-        .basic_get(&env.names().dead(), BasicGetOptions::default())
+        .basic_get(
+            env.names().dead().as_str().into(),
+            BasicGetOptions::default(),
+        )
         .await
         .unwrap()
     {
@@ -57,7 +60,7 @@ async fn take_dead_letters(env: &TestEnv) -> Vec<(Option<String>, String)> {
         ));
         msg.delivery.ack(BasicAckOptions::default()).await.unwrap();
     }
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
     out
 }
 

@@ -16,7 +16,7 @@ async fn ready(url: &str, queue: &str) -> u32 {
     let ch = conn.create_channel().await.expect("channel");
     let n = ch
         .queue_declare(
-            queue,
+            queue.into(),
             QueueDeclareOptions {
                 passive: true,
                 ..Default::default()
@@ -25,7 +25,7 @@ async fn ready(url: &str, queue: &str) -> u32 {
         )
         .await
         .map_or(0, |q| q.message_count());
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
     n
 }
 
@@ -93,7 +93,7 @@ async fn a_job_the_broker_refuses_does_not_hold_up_the_others() {
     let ch = conn.create_channel().await.expect("channel");
     let mut keys = Vec::new();
     while let Some(m) = ch
-        .basic_get(&queue, BasicGetOptions::default())
+        .basic_get(queue.as_str().into(), BasicGetOptions::default())
         .await
         .expect("get")
     {
@@ -110,7 +110,7 @@ async fn a_job_the_broker_refuses_does_not_hold_up_the_others() {
             .await
             .expect("ack");
     }
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
     let distinct: BTreeSet<&String> = keys.iter().collect();
     assert_eq!(
         distinct.len(),

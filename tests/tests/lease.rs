@@ -53,7 +53,7 @@ async fn consumers(env: &drumline_e2e::TestEnv) -> u32 {
     let ch = conn.create_channel().await.expect("channel");
     let count = ch
         .queue_declare(
-            &env.names().work_queue("default"),
+            env.names().work_queue("default").as_str().into(),
             QueueDeclareOptions {
                 passive: true,
                 ..Default::default()
@@ -63,7 +63,7 @@ async fn consumers(env: &drumline_e2e::TestEnv) -> u32 {
         .await
         .map(|q| q.consumer_count())
         .unwrap_or(0);
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
     count
 }
 

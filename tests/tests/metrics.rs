@@ -65,14 +65,14 @@ async fn drain_dead_letters(env: &TestEnv) -> usize {
     let options = BasicGetOptions { no_ack: true };
     let mut n = 0;
     while ch
-        .basic_get(&env.names().dead(), options)
+        .basic_get(env.names().dead().as_str().into(), options)
         .await
         .unwrap()
         .is_some()
     {
         n += 1;
     }
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
     n
 }
 

@@ -100,7 +100,7 @@ fn queue_len_at(url: &str, env: &TestEnv) -> u32 {
             };
             if let Ok(q) = ch
                 .queue_declare(
-                    &env.names().work_queue("default"),
+                    env.names().work_queue("default").as_str().into(),
                     passive,
                     FieldTable::default(),
                 )
@@ -109,7 +109,7 @@ fn queue_len_at(url: &str, env: &TestEnv) -> u32 {
                 len = q.message_count();
             }
         }
-        let _ = conn.close(200, "bye").await;
+        let _ = conn.close(200, "bye".into()).await;
         len
     })
 }
@@ -136,7 +136,7 @@ fn drain_at(url: &str, env: &TestEnv) -> Vec<Message> {
         let queue = env.names().work_queue("default");
         let mut out = Vec::new();
         while let Some(msg) = ch
-            .basic_get(&queue, BasicGetOptions { no_ack: true })
+            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
             .await
             .expect("basic_get")
         {
@@ -151,7 +151,7 @@ fn drain_at(url: &str, env: &TestEnv) -> Vec<Message> {
                     .with_timezone(&Utc),
             });
         }
-        let _ = conn.close(200, "bye").await;
+        let _ = conn.close(200, "bye".into()).await;
         out
     })
 }

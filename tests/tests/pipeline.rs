@@ -359,7 +359,7 @@ async fn poison_messages_are_dead_lettered_and_duplicates_run_once() {
     let ch = conn.create_channel().await.unwrap();
     let mut reasons = Vec::new();
     while let Some(msg) = ch
-        .basic_get(&dead, BasicGetOptions::default())
+        .basic_get(dead.as_str().into(), BasicGetOptions::default())
         .await
         .unwrap()
     {
@@ -374,7 +374,7 @@ async fn poison_messages_are_dead_lettered_and_duplicates_run_once() {
     }
     reasons.sort();
     assert_eq!(reasons, vec!["malformed", "unknown_task"]);
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
 
     let (duplicates_seen, succeeded_seen) = (duplicates(), succeeded());
     assert!(worker.terminate(Duration::from_secs(20)).success());
@@ -444,12 +444,12 @@ async fn when_the_shutdown_grace_runs_out_the_task_is_abandoned_for_redelivery()
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.unwrap();
     let left = ch
-        .basic_get(&queue, BasicGetOptions { no_ack: true })
+        .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
         .await
         .unwrap()
         .expect("the message left for redelivery");
     let envelope = drumline_shared::envelope::Envelope::decode(&left.delivery.data).unwrap();
     assert_eq!(envelope.key, "k-grace");
     assert!(left.delivery.redelivered, "handed back by the worker");
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
 }

@@ -244,8 +244,8 @@ command = {cmd}
             for key in &keys {
                 let e = adhoc(key, "append");
                 ch.basic_publish(
-                    &exchange,
-                    &e.queue,
+                    exchange.as_str().into(),
+                    e.queue.as_str().into(),
                     BasicPublishOptions::default(),
                     &e.encode(),
                     e.properties(Utc::now(), 0),
@@ -256,7 +256,7 @@ command = {cmd}
                 .expect("confirm");
                 tokio::time::sleep(Duration::from_millis(25)).await;
             }
-            let _ = conn.close(200, "bye").await;
+            let _ = conn.close(200, "bye".into()).await;
         }
     });
     let adhoc_ran = |env: &drumline_e2e::TestEnv| {

@@ -27,8 +27,8 @@ async fn publish_to(url: &str, ns: &str, envelope: &drumline_shared::envelope::E
         .await
         .expect("confirm");
     ch.basic_publish(
-        &format!("{ns}.tasks"),
-        &envelope.queue,
+        format!("{ns}.tasks").as_str().into(),
+        envelope.queue.as_str().into(),
         BasicPublishOptions::default(),
         &envelope.encode(),
         envelope.properties(chrono::Utc::now(), 0),
@@ -37,7 +37,7 @@ async fn publish_to(url: &str, ns: &str, envelope: &drumline_shared::envelope::E
     .expect("publish")
     .await
     .expect("confirm");
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
 }
 
 /// Waits until the worker declared `{ns}.q.default` on the broker at `url`.
@@ -51,10 +51,10 @@ async fn wait_for_queue(url: &str, queue: &str) -> bool {
                 ..Default::default()
             };
             let exists = ch
-                .queue_declare(queue, passive, FieldTable::default())
+                .queue_declare(queue.into(), passive, FieldTable::default())
                 .await
                 .is_ok();
-            let _ = conn.close(200, "bye").await;
+            let _ = conn.close(200, "bye".into()).await;
             if exists {
                 return true;
             }
@@ -197,10 +197,13 @@ async fn a_reconnect_does_not_add_runs_beyond_concurrency() {
 async fn break_dead_exchange(env: &drumline_e2e::TestEnv) {
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.expect("channel");
-    ch.exchange_delete(&env.names().dead(), ExchangeDeleteOptions::default())
-        .await
-        .expect("exchange.delete");
-    let _ = conn.close(200, "bye").await;
+    ch.exchange_delete(
+        env.names().dead().as_str().into(),
+        ExchangeDeleteOptions::default(),
+    )
+    .await
+    .expect("exchange.delete");
+    let _ = conn.close(200, "bye".into()).await;
 }
 
 /// Puts `{ns}.dead` (the exchange and its binding to the queue) back.
@@ -209,7 +212,7 @@ async fn repair_dead_exchange(env: &drumline_e2e::TestEnv) {
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.expect("channel");
     ch.exchange_declare(
-        &dead,
+        dead.as_str().into(),
         ExchangeKind::Fanout,
         ExchangeDeclareOptions {
             durable: true,
@@ -220,15 +223,15 @@ async fn repair_dead_exchange(env: &drumline_e2e::TestEnv) {
     .await
     .expect("exchange.declare");
     ch.queue_bind(
-        &dead,
-        &dead,
-        "",
+        dead.as_str().into(),
+        dead.as_str().into(),
+        "".into(),
         QueueBindOptions::default(),
         FieldTable::default(),
     )
     .await
     .expect("queue.bind");
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
 }
 
 /// A worker (with `/metrics` on the returned port, `[tasks.append]` and `worker_toml`) whose
@@ -408,13 +411,13 @@ async fn a_topology_mismatch_on_reconnect_lets_in_flight_runs_finish() {
         .await
         .expect("amqp connection");
     let ch = conn.create_channel().await.expect("channel");
-    ch.queue_delete(&dead, QueueDeleteOptions::default())
+    ch.queue_delete(dead.as_str().into(), QueueDeleteOptions::default())
         .await
         .expect("queue.delete");
     let mut args = FieldTable::default();
     args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(1234));
     ch.queue_declare(
-        &dead,
+        dead.as_str().into(),
         QueueDeclareOptions {
             durable: true,
             ..Default::default()
@@ -423,7 +426,7 @@ async fn a_topology_mismatch_on_reconnect_lets_in_flight_runs_finish() {
     )
     .await
     .expect("queue.declare");
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
     rabbit.close_connections();
     assert_eq!(
         env.lines("events").len(),

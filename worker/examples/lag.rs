@@ -29,8 +29,8 @@ use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::publisher_confirm::PublisherConfirm;
 use lapin::types::FieldTable;
+use lapin::PublisherConfirm;
 use lapin::{Channel, Connection, ConnectionProperties};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -112,8 +112,8 @@ async fn publish_steady(
         env.args = serde_json::json!({"t": now_ns(), "count": i >= warmup});
         let confirm = ch
             .basic_publish(
-                exchange,
-                key,
+                exchange.into(),
+                key.into(),
                 BasicPublishOptions::default(),
                 &env.encode(),
                 env.properties(now, 0),
@@ -152,7 +152,7 @@ async fn bare(conn: &Connection, args: &Args) -> Vec<u64> {
     let queue = format!("bench_lag_bare_{}", short_id());
     let ch = confirm_channel(conn).await;
     ch.queue_declare(
-        &queue,
+        queue.as_str().into(),
         QueueDeclareOptions {
             durable: true,
             ..Default::default()
@@ -171,8 +171,8 @@ async fn bare(conn: &Connection, args: &Args) -> Vec<u64> {
         .unwrap();
     let mut consumer = consumer_ch
         .basic_consume(
-            &queue,
-            "bench",
+            queue.as_str().into(),
+            "bench".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
@@ -193,9 +193,9 @@ async fn bare(conn: &Connection, args: &Args) -> Vec<u64> {
     let n = args.messages();
     publish_steady(&ch, ("", &queue), n, args.warmup(), args.rate).await;
     all_seen(&samples, n).await;
-    let _ = consumer_conn.close(200, "done").await;
+    let _ = consumer_conn.close(200, "done".into()).await;
     consuming.abort();
-    ch.queue_delete(&queue, QueueDeleteOptions::default())
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
         .await
         .unwrap();
     let lags = std::mem::take(&mut *samples.lags.lock().unwrap());
@@ -262,10 +262,10 @@ async fn wait_for_consumer(conn: &Connection, queue: &str) {
     loop {
         let ch = conn.create_channel().await.unwrap();
         let q = ch
-            .queue_declare(queue, passive, FieldTable::default())
+            .queue_declare(queue.into(), passive, FieldTable::default())
             .await
             .unwrap();
-        let _ = ch.close(200, "checked").await;
+        let _ = ch.close(200, "checked".into()).await;
         if q.consumer_count() > 0 {
             return;
         }
@@ -277,11 +277,13 @@ async fn wait_for_consumer(conn: &Connection, queue: &str) {
 async fn cleanup(conn: &Connection, names: &Names) {
     let ch = conn.create_channel().await.unwrap();
     for q in [names.work_queue("default"), names.dead()] {
-        let _ = ch.queue_delete(&q, QueueDeleteOptions::default()).await;
+        let _ = ch
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await;
     }
     for x in [names.tasks_exchange(), names.dead()] {
         let _ = ch
-            .exchange_delete(&x, ExchangeDeleteOptions::default())
+            .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
             .await;
     }
     let mut redis = redis::Client::open(REDIS)
@@ -483,5 +485,5 @@ async fn main() {
             );
         }
     }
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
 }

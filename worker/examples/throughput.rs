@@ -70,8 +70,8 @@ async fn publish_all(ch: &Channel, exchange: &str, key: &str, bodies: &Bodies) {
     for (body, props) in bodies {
         pending.push(
             ch.basic_publish(
-                exchange,
-                key,
+                exchange.into(),
+                key.into(),
                 BasicPublishOptions::default(),
                 body,
                 props.clone(),
@@ -108,7 +108,7 @@ async fn bare(
         durable: true,
         ..Default::default()
     };
-    ch.queue_declare(&queue, durable, FieldTable::default())
+    ch.queue_declare(queue.as_str().into(), durable, FieldTable::default())
         .await
         .unwrap();
     if !together {
@@ -127,8 +127,8 @@ async fn bare(
         .unwrap();
     let mut consumer = consumer_ch
         .basic_consume(
-            &queue,
-            "bench",
+            queue.as_str().into(),
+            "bench".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
@@ -160,8 +160,8 @@ async fn bare(
     let used = Cpu::now().per_message(cpu, n);
     consuming.await.unwrap();
     assert_eq!(acked.load(Ordering::Acquire), n);
-    let _ = consumer_conn.close(200, "done").await;
-    ch.queue_delete(&queue, QueueDeleteOptions::default())
+    let _ = consumer_conn.close(200, "done".into()).await;
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
         .await
         .unwrap();
     (elapsed, used)
@@ -266,7 +266,11 @@ async fn drumline(
         .create_channel()
         .await
         .unwrap()
-        .queue_declare(&names.work_queue("default"), passive, FieldTable::default())
+        .queue_declare(
+            names.work_queue("default").as_str().into(),
+            passive,
+            FieldTable::default(),
+        )
         .await
         .unwrap()
         .message_count();
@@ -317,11 +321,13 @@ async fn all_done(redis: &mut redis::aio::MultiplexedConnection, names: &Names, 
 async fn cleanup(conn: &Connection, names: &Names, redis: &mut redis::aio::MultiplexedConnection) {
     let ch = conn.create_channel().await.unwrap();
     for q in [names.work_queue("default"), names.dead()] {
-        let _ = ch.queue_delete(&q, QueueDeleteOptions::default()).await;
+        let _ = ch
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await;
     }
     for x in [names.tasks_exchange(), names.dead()] {
         let _ = ch
-            .exchange_delete(&x, ExchangeDeleteOptions::default())
+            .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
             .await;
     }
     let mut cursor = 0u64;
@@ -742,5 +748,5 @@ async fn main() {
             }
         }
     }
-    let _ = conn.close(200, "bye").await;
+    let _ = conn.close(200, "bye".into()).await;
 }

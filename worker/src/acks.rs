@@ -20,9 +20,10 @@
 //! for good: no `multiple` ack ever covers it, and the broker redelivers it when the channel
 //! closes. A requeue is sent alone by its [`Ticket`], then marked done.
 
-use lapin::acker::Acker;
+use drumline_shared::topology;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::Acker;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use tokio::sync::{mpsc, oneshot};
@@ -96,10 +97,13 @@ impl Ticket {
             .is_err()
         {
             // The batcher is gone (it never is while a ticket lives); ack alone.
-            return self.acker.ack(BasicAckOptions::default()).await;
+            return topology::settled(self.acker.ack(BasicAckOptions::default()).await);
         }
         // The batcher drops the reply only when it stops, with the channel.
-        let gone = lapin::Error::InvalidChannelState(lapin::ChannelState::Closed);
+        let gone = lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
+            lapin::ChannelState::Closed,
+            "the ack batcher stopped with its channel",
+        ));
         result.await.unwrap_or(Err(gone))
     }
 
@@ -109,7 +113,7 @@ impl Ticket {
             requeue: true,
             ..Default::default()
         };
-        self.acker.nack(requeue).await?;
+        topology::settled(self.acker.nack(requeue).await)?;
         self.acks.apply(Request::Requeued(self.tag));
         Ok(())
     }
@@ -130,7 +134,7 @@ async fn batch(
             table.acks()
         };
         for (acker, options, waiting) in sends {
-            let result = acker.ack(options).await;
+            let result = topology::settled(acker.ack(options).await);
             for done in waiting {
                 let _ = done.send(result.clone());
             }

@@ -403,7 +403,7 @@ async fn cancel_consumers(channel: &lapin::Channel, tags: &[String]) {
     let cancel = async {
         for tag in tags {
             let _ = channel
-                .basic_cancel(tag, BasicCancelOptions::default())
+                .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
                 .await;
         }
     };
@@ -424,7 +424,7 @@ async fn requeue(ticket: Ticket, stats: &Stats) {
 
 /// Closes `conn`, bounded: a connection the broker dropped does not always answer.
 async fn close(conn: Connection, why: &str) {
-    if tokio::time::timeout(BROKER_CALL_TIMEOUT, conn.close(200, why))
+    if tokio::time::timeout(BROKER_CALL_TIMEOUT, conn.close(200, why.into()))
         .await
         .is_err()
     {
@@ -494,7 +494,7 @@ impl Publisher {
     /// A usable publisher channel on `conn`: the current one, or a fresh one if it was closed.
     async fn channel(&mut self, conn: &Connection) -> Result<lapin::Channel, SessionError> {
         if !self.0.status().connected() {
-            warn!(state = ?self.0.status().state(), "the publisher channel was closed; reopening it");
+            warn!(status = ?self.0.status(), "the publisher channel was closed; reopening it");
             let open = async {
                 let channel = conn.create_channel().await?;
                 channel
@@ -616,8 +616,8 @@ async fn open_session(
     for queue in &config.worker.queues {
         let consumer = channel
             .basic_consume(
-                &names.work_queue(queue),
-                &format!("{worker_id}/{queue}"),
+                names.work_queue(queue).into(),
+                format!("{worker_id}/{queue}").into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
             )

@@ -140,7 +140,7 @@ impl DeadQueue {
         let (names, conn, channel) = open_dead(config).await?;
         let mut messages = Vec::new();
         while let Some(m) = channel
-            .basic_get(&names.dead(), BasicGetOptions { no_ack: false })
+            .basic_get(names.dead().into(), BasicGetOptions { no_ack: false })
             .await?
         {
             messages.push(m);
@@ -187,7 +187,7 @@ impl DeadQueue {
             )
             .await
             .map_err(|e| DlqError::NotConfirmed(env.key.clone(), e))?;
-            m.delivery.ack(BasicAckOptions::default()).await?;
+            topology::settled(m.delivery.ack(BasicAckOptions::default()).await)?;
             done.push(env.key);
         }
         Ok((done, refused))
@@ -195,8 +195,8 @@ impl DeadQueue {
 
     /// Returns the unreplayed messages to the queue.
     pub async fn close(self) {
-        let _ = self.channel.close(200, "dlq done").await;
-        let _ = self.conn.close(200, "dlq done").await;
+        let _ = self.channel.close(200, "dlq done".into()).await;
+        let _ = self.conn.close(200, "dlq done".into()).await;
     }
 }
 
@@ -204,9 +204,9 @@ impl DeadQueue {
 pub async fn purge(config: &Config) -> Result<u32, DlqError> {
     let (names, conn, channel) = open_dead(config).await?;
     let n = channel
-        .queue_purge(&names.dead(), QueuePurgeOptions::default())
+        .queue_purge(names.dead().into(), QueuePurgeOptions::default())
         .await?;
-    let _ = conn.close(200, "purged").await;
+    let _ = conn.close(200, "purged".into()).await;
     Ok(n)
 }
 

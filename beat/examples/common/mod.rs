@@ -48,15 +48,17 @@ pub async fn cleanup(ns: &str) -> Result<()> {
     // A channel per deletion: one that fails (already gone) closes its channel.
     for queue in [names.work_queue("default"), names.dead()] {
         let ch = amqp.create_channel().await?;
-        let _ = ch.queue_delete(&queue, QueueDeleteOptions::default()).await;
+        let _ = ch
+            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
     }
     for exchange in [names.tasks_exchange(), names.dead()] {
         let ch = amqp.create_channel().await?;
         let _ = ch
-            .exchange_delete(&exchange, ExchangeDeleteOptions::default())
+            .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
             .await;
     }
-    let _ = amqp.close(200, "bench done").await;
+    let _ = amqp.close(200, "bench done".into()).await;
     Ok(())
 }
 

@@ -81,17 +81,19 @@ async fn cleanup(ns: String) {
         let queues = ["default", "a", "b"].map(|q| names.work_queue(q));
         for queue in queues.into_iter().chain([names.dead()]) {
             if let Ok(ch) = amqp.create_channel().await {
-                let _ = ch.queue_delete(&queue, QueueDeleteOptions::default()).await;
+                let _ = ch
+                    .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                    .await;
             }
         }
         for exchange in [names.tasks_exchange(), names.dead()] {
             if let Ok(ch) = amqp.create_channel().await {
                 let _ = ch
-                    .exchange_delete(&exchange, ExchangeDeleteOptions::default())
+                    .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
                     .await;
             }
         }
-        let _ = amqp.close(200, "bye").await;
+        let _ = amqp.close(200, "bye".into()).await;
     }
 }
 
@@ -285,14 +287,14 @@ async fn jobs_due_together_are_published_in_batches_each_instant_once() {
         ..Default::default()
     };
     let declared = ch
-        .queue_declare(&queue, passive, FieldTable::default())
+        .queue_declare(queue.as_str().into(), passive, FieldTable::default())
         .await
         .unwrap();
     assert_eq!(declared.message_count() as usize, jobs + catch_up);
     let mut catch = Vec::new();
     let mut others = Vec::new();
     while let Some(msg) = ch
-        .basic_get(&queue, BasicGetOptions { no_ack: true })
+        .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
         .await
         .unwrap()
     {
@@ -302,7 +304,7 @@ async fn jobs_due_together_are_published_in_batches_each_instant_once() {
             _ => others.push(env.key),
         }
     }
-    let _ = amqp.close(200, "bye").await;
+    let _ = amqp.close(200, "bye".into()).await;
     let want: Vec<_> = (0..catch_up as i64)
         .map(|k| missed_from + TimeDelta::minutes(k))
         .collect();
