@@ -11,6 +11,14 @@
 //! blocking threads come and go, so every task is spawned from one dedicated thread that lives
 //! as long as the worker process.
 //!
+//! The signal is set by util-linux `setpriv --pdeathsig HUP`, which then execs the supervisor:
+//! with no code of ours between fork and exec, std starts it with `posix_spawn` (a vfork-style
+//! clone) instead of forking the worker, whose page-table copy grew with the worker's memory and
+//! was most of a short task's cost (issue 11). Without `setpriv` the signal is set in a
+//! `pre_exec` hook (a fork). Either way the supervisor checks that its parent is still the
+//! worker (its pid is the supervisor's first argument) before it starts the command: a worker
+//! that died before the signal was set could not trigger it.
+//!
 //! Dropping a run's future (the worker does when a run outlives its lease deadline, or when it
 //! abandons a connection's runs) SIGKILLs the whole group. The task's environment is the
 //! worker's minus the broker and Redis URLs and `[worker] env_remove`, plus `[tasks.NAME] env`
@@ -24,6 +32,7 @@ use nix::unistd::Pid;
 use std::collections::BTreeMap;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::mpsc;
 use std::sync::{Mutex, OnceLock};
@@ -32,13 +41,18 @@ use tokio::io::AsyncWriteExt;
 use tokio::process::{Child, Command};
 use tokio::sync::oneshot;
 
-/// The supervisor script, run as `/bin/sh -c SUPERVISOR drumline-task COMMAND…`. It starts
+/// The supervisor script, run as `/bin/sh -c SUPERVISOR drumline-task WORKER_PID COMMAND…`.
+/// Its parent-death signal is set before it runs; if the worker died before that (its parent
+/// is no longer `WORKER_PID`), nobody would signal it, so it exits before starting anything. It
+/// starts
 /// the command in the background (stdin passed through explicitly: a background job's stdin
 /// would otherwise be /dev/null), waits for it, and exits with its status. On SIGHUP (the
 /// worker died) it SIGKILLs its process group, itself included. SIGTERM and SIGINT get a no-op
 /// handler so the supervisor outlives a polite stop of the group (the command receives those
 /// signals directly, with default dispositions) and still reports the command's status.
 pub const SUPERVISOR: &str = r#"trap 'kill -KILL 0' HUP
+[ "$PPID" = "$1" ] || exit 125
+shift
 trap ':' TERM INT
 exec 3<&0
 "$@" <&3 3<&- &
@@ -98,16 +112,30 @@ impl ShellExecutor {
     }
 
     async fn run(self, ctx: TaskContext) -> Result<(), HandlerError> {
-        let mut cmd = Command::new("/bin/sh");
+        let mut cmd = match setpriv() {
+            // `setpriv` sets the signal and execs the supervisor: no code of ours runs between
+            // fork and exec, so the supervisor is started by `posix_spawn` (no copy of the
+            // worker's page tables, which grows with the worker's memory).
+            Some(setpriv) => {
+                let mut cmd = Command::new(setpriv);
+                cmd.args(["--pdeathsig", "HUP", "--", "/bin/sh"]);
+                cmd
+            }
+            None => {
+                let mut cmd = Command::new("/bin/sh");
+                set_parent_death_signal(&mut cmd);
+                cmd
+            }
+        };
         cmd.arg("-c")
             .arg(SUPERVISOR)
             .arg("drumline-task")
+            .arg(std::process::id().to_string())
             .args(&self.command);
         self.environment(&mut cmd, &ctx);
         cmd.stdin(Stdio::piped())
             .kill_on_drop(true)
             .process_group(0);
-        set_parent_death_signal(&mut cmd);
         let mut child = spawn(cmd).await.map_err(|e| {
             HandlerError::Retryable(format!("cannot start {:?}: {e}", self.command[0]))
         })?;
@@ -198,6 +226,29 @@ async fn stop(child: &mut Child, group: Option<Group>, grace: Duration) {
     // Dropping `group` kills what is left of it.
 }
 
+/// util-linux `setpriv`, when it is installed and can set a parent-death signal (2.33 and
+/// later); checked once.
+fn setpriv() -> Option<&'static Path> {
+    static SETPRIV: OnceLock<Option<PathBuf>> = OnceLock::new();
+    SETPRIV
+        .get_or_init(|| {
+            let path = ["/usr/bin/setpriv", "/bin/setpriv"]
+                .iter()
+                .map(PathBuf::from)
+                .find(|p| p.is_file())?;
+            let works = std::process::Command::new(&path)
+                .args(["--pdeathsig", "HUP", "--", "/bin/sh", "-c", ":"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            works.then_some(path)
+        })
+        .as_deref()
+}
+
+/// Without `setpriv`: the signal set between fork and exec (a fork of the whole worker).
 #[allow(unsafe_code)]
 fn set_parent_death_signal(cmd: &mut Command) {
     let parent = std::process::id() as i32;
@@ -286,6 +337,34 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
         panic!("{what}");
+    }
+
+    /// Its parent-death signal came too late when its parent is no longer the worker: then
+    /// the supervisor starts nothing.
+    #[test]
+    fn the_supervisor_starts_nothing_when_its_parent_is_not_the_worker() {
+        let dir = std::env::temp_dir().join(format!("drumline-sup-{}", uuid::Uuid::new_v4()));
+        let marker = dir.to_string_lossy().into_owned();
+        let run = |worker_pid: String| {
+            std::process::Command::new("/bin/sh")
+                .args(["-c", SUPERVISOR, "drumline-task", &worker_pid])
+                .args(["/usr/bin/touch", &marker])
+                .status()
+                .expect("sh")
+        };
+        let refused = run("1".into());
+        assert_eq!(refused.code(), Some(125));
+        assert!(
+            !dir.exists(),
+            "the command ran under a supervisor nobody would signal"
+        );
+        let ran = run(std::process::id().to_string());
+        assert_eq!(ran.code(), Some(0));
+        assert!(
+            dir.exists(),
+            "the command runs when the parent is the worker"
+        );
+        let _ = std::fs::remove_file(&dir);
     }
 
     /// One test, not several: the spawner thread belongs to the first runtime that uses it.
