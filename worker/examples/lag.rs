@@ -19,26 +19,23 @@
 //! speed (a benchmark, not a test); it does check that every message was handled.
 
 use chrono::Utc;
-use drumline_shared::config::Config;
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use drumline_shared::topology;
 use drumline_worker::{HandlerError, TaskContext, Worker};
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::FieldTable;
 use lapin::PublisherConfirm;
 use lapin::{Channel, Connection, ConnectionProperties};
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::time::Instant;
 
-const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-const REDIS: &str = "redis://127.0.0.1:6379/0";
+mod common;
+use common::{bare_consumer, cleanup, config, confirm_channel, durable_queue, short_id, AMQP};
 
 /// Wall-clock ns since the epoch (the same clock for the publisher and the consumer).
 fn now_ns() -> u64 {
@@ -46,10 +43,6 @@ fn now_ns() -> u64 {
         .duration_since(UNIX_EPOCH)
         .expect("after 1970")
         .as_nanos() as u64
-}
-
-fn short_id() -> String {
-    uuid::Uuid::new_v4().simple().to_string()[..8].to_string()
 }
 
 /// The lags (ns) of the counted messages; the warm-up ones are left out.
@@ -126,14 +119,6 @@ async fn publish_steady(
     confirms.await.unwrap();
 }
 
-async fn confirm_channel(conn: &Connection) -> Channel {
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    ch
-}
-
 /// Waits (up to 30 s) until `samples` saw all `n` messages.
 async fn all_seen(samples: &Samples, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -151,33 +136,8 @@ async fn all_seen(samples: &Samples, n: usize) {
 async fn bare(conn: &Connection, args: &Args) -> Vec<u64> {
     let queue = format!("bench_lag_bare_{}", short_id());
     let ch = confirm_channel(conn).await;
-    ch.queue_declare(
-        queue.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    let consumer_conn = Connection::connect(AMQP, ConnectionProperties::default())
-        .await
-        .expect("broker");
-    let consumer_ch = consumer_conn.create_channel().await.unwrap();
-    consumer_ch
-        .basic_qos(args.concurrency as u16, BasicQosOptions { global: false })
-        .await
-        .unwrap();
-    let mut consumer = consumer_ch
-        .basic_consume(
-            queue.as_str().into(),
-            "bench".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    durable_queue(&ch, &queue).await;
+    let (consumer_conn, mut consumer) = bare_consumer(&queue, args.concurrency as u16).await;
     let samples = Arc::new(Samples::default());
     let s = samples.clone();
     let consuming = tokio::spawn(async move {
@@ -202,23 +162,10 @@ async fn bare(conn: &Connection, args: &Args) -> Vec<u64> {
     lags
 }
 
-fn config(ns: &str, concurrency: usize) -> Config {
-    Config::parse(
-        &format!("namespace = \"{ns}\"\n[worker]\nconcurrency = {concurrency}\n[tasks.noop]\n"),
-        Path::new("bench.toml"),
-        |name| match name {
-            "DRUMLINE_AMQP_URL" => Some(AMQP.into()),
-            "DRUMLINE_REDIS_URL" => Some(REDIS.into()),
-            _ => None,
-        },
-    )
-    .expect("config")
-}
-
 /// The worker library, every guarantee on, a no-op handler that notes its lag first.
 async fn drumline(conn: &Connection, args: &Args) -> Vec<u64> {
     let ns = format!("bench_lag_{}", short_id());
-    let config = config(&ns, args.concurrency);
+    let config = config(&ns, args.concurrency, None);
     let names = Names::new(ns.clone());
     let ch = confirm_channel(conn).await;
     topology::declare(
@@ -271,48 +218,6 @@ async fn wait_for_consumer(conn: &Connection, queue: &str) {
         }
         assert!(Instant::now() < deadline, "the worker never consumed");
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-async fn cleanup(conn: &Connection, names: &Names) {
-    let ch = conn.create_channel().await.unwrap();
-    for q in [names.work_queue("default"), names.dead()] {
-        let _ = ch
-            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-            .await;
-    }
-    for x in [names.tasks_exchange(), names.dead()] {
-        let _ = ch
-            .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
-            .await;
-    }
-    let mut redis = redis::Client::open(REDIS)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let mut cursor = 0u64;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{}:*", names.namespace()))
-            .arg("COUNT")
-            .arg(5000)
-            .query_async(&mut redis)
-            .await
-            .unwrap();
-        if !keys.is_empty() {
-            let _: () = redis::cmd("UNLINK")
-                .arg(&keys)
-                .query_async(&mut redis)
-                .await
-                .unwrap();
-        }
-        if next == 0 {
-            break;
-        }
-        cursor = next;
     }
 }
 

@@ -20,25 +20,24 @@
 //! speed (a benchmark, not a test); it does check that every message was handled.
 
 use chrono::Utc;
-use drumline_shared::config::Config;
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use drumline_shared::topology;
 use drumline_worker::{HandlerError, TaskContext, Worker};
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-const REDIS: &str = "redis://127.0.0.1:6379/0";
+mod common;
+use common::{
+    bare_consumer, cleanup, config, confirm_channel, durable_queue, short_id, AMQP, REDIS,
+};
 
 type Bodies = [(Vec<u8>, BasicProperties)];
 
@@ -60,11 +59,6 @@ fn envelope(i: usize) -> Envelope {
     }
 }
 
-fn short_id() -> String {
-    uuid::Uuid::new_v4().simple().to_string()[..8].to_string()
-}
-
-/// Publishes all, then awaits all confirms (pipelined, as a producer would).
 async fn publish_all(ch: &Channel, exchange: &str, key: &str, bodies: &Bodies) {
     let mut pending = Vec::with_capacity(bodies.len());
     for (body, props) in bodies {
@@ -85,14 +79,6 @@ async fn publish_all(ch: &Channel, exchange: &str, key: &str, bodies: &Bodies) {
     }
 }
 
-async fn confirm_channel(conn: &Connection) -> Channel {
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    ch
-}
-
 /// The bare consumer: each delivery its own task (decode, ack), at most `prefetch` in flight.
 /// Returns the time from connecting the consumer until the last of `n` acks was sent.
 async fn bare(
@@ -104,36 +90,12 @@ async fn bare(
     let n = bodies.len();
     let queue = format!("bench_bare_{}", short_id());
     let ch = confirm_channel(conn).await;
-    let durable = QueueDeclareOptions {
-        durable: true,
-        ..Default::default()
-    };
-    ch.queue_declare(queue.as_str().into(), durable, FieldTable::default())
-        .await
-        .unwrap();
+    durable_queue(&ch, &queue).await;
     if !together {
         publish_all(&ch, "", &queue, bodies).await;
     }
     let (start, cpu) = (Instant::now(), Cpu::now());
-    // Its own connection, as the worker has (and as RabbitMQ advises: a connection that also
-    // publishes is throttled by flow control, which would slow its acks in `together`).
-    let consumer_conn = Connection::connect(AMQP, ConnectionProperties::default())
-        .await
-        .expect("broker");
-    let consumer_ch = consumer_conn.create_channel().await.unwrap();
-    consumer_ch
-        .basic_qos(prefetch, BasicQosOptions { global: false })
-        .await
-        .unwrap();
-    let mut consumer = consumer_ch
-        .basic_consume(
-            queue.as_str().into(),
-            "bench".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let (consumer_conn, mut consumer) = bare_consumer(&queue, prefetch).await;
     let acked = Arc::new(AtomicUsize::new(0));
     let all_acked = Arc::new(tokio::sync::Notify::new());
     let (a, done) = (acked.clone(), all_acked.clone());
@@ -167,26 +129,6 @@ async fn bare(
     (elapsed, used)
 }
 
-fn config(ns: &str, concurrency: usize, shell: bool) -> Config {
-    let command = if shell {
-        "command = [\"/bin/true\"]\n"
-    } else {
-        ""
-    };
-    Config::parse(
-        &format!(
-            "namespace = \"{ns}\"\n[worker]\nconcurrency = {concurrency}\n[tasks.noop]\n{command}"
-        ),
-        Path::new("bench.toml"),
-        |name| match name {
-            "DRUMLINE_AMQP_URL" => Some(AMQP.into()),
-            "DRUMLINE_REDIS_URL" => Some(REDIS.into()),
-            _ => None,
-        },
-    )
-    .expect("config")
-}
-
 /// The drumline worker library with every guarantee on. Returns the time from starting the
 /// worker until it has recorded all `n` runs `done` (counted by its own `succeeded` counter);
 /// afterwards, untimed, checks that Redis holds every key `done` and the queue is empty.
@@ -199,7 +141,7 @@ async fn drumline(
 ) -> (Duration, [f64; 3]) {
     let n = bodies.len();
     let ns = format!("bench_{}", short_id());
-    let config = config(&ns, concurrency, shell);
+    let config = config(&ns, concurrency, shell.then_some("/bin/true"));
     let names = Names::new(ns.clone());
     let ch = confirm_channel(conn).await;
     topology::declare(
@@ -275,7 +217,7 @@ async fn drumline(
         .unwrap()
         .message_count();
     assert_eq!(left, 0, "the queue drained");
-    cleanup(conn, &names, &mut redis).await;
+    cleanup(conn, &names).await;
     (elapsed, used)
 }
 
@@ -316,43 +258,6 @@ async fn all_done(redis: &mut redis::aio::MultiplexedConnection, names: &Names, 
         }
     }
     true
-}
-
-async fn cleanup(conn: &Connection, names: &Names, redis: &mut redis::aio::MultiplexedConnection) {
-    let ch = conn.create_channel().await.unwrap();
-    for q in [names.work_queue("default"), names.dead()] {
-        let _ = ch
-            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-            .await;
-    }
-    for x in [names.tasks_exchange(), names.dead()] {
-        let _ = ch
-            .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
-            .await;
-    }
-    let mut cursor = 0u64;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{}:*", names.namespace()))
-            .arg("COUNT")
-            .arg(5000)
-            .query_async(redis)
-            .await
-            .unwrap();
-        if !keys.is_empty() {
-            let _: () = redis::cmd("DEL")
-                .arg(&keys)
-                .query_async(redis)
-                .await
-                .unwrap();
-        }
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
 }
 
 /// CPU time used so far by this process, the broker and Redis (the processes listening on the
