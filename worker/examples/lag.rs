@@ -20,8 +20,6 @@
 
 use chrono::Utc;
 use drumline_shared::envelope::Envelope;
-use drumline_shared::names::Names;
-use drumline_shared::topology;
 use drumline_worker::{HandlerError, TaskContext, Worker};
 use futures_util::StreamExt;
 use lapin::options::{
@@ -35,7 +33,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::time::Instant;
 
 mod common;
-use common::{bare_consumer, cleanup, config, confirm_channel, durable_queue, short_id, AMQP};
+use common::{
+    bare_consumer, cleanup, confirm_channel, durable_queue, median, namespace, short_id, AMQP,
+};
 
 /// Wall-clock ns since the epoch (the same clock for the publisher and the consumer).
 fn now_ns() -> u64 {
@@ -164,19 +164,7 @@ async fn bare(conn: &Connection, args: &Args) -> Vec<u64> {
 
 /// The worker library, every guarantee on, a no-op handler that notes its lag first.
 async fn drumline(conn: &Connection, args: &Args) -> Vec<u64> {
-    let ns = format!("bench_lag_{}", short_id());
-    let config = config(&ns, args.concurrency, None);
-    let names = Names::new(ns.clone());
-    let ch = confirm_channel(conn).await;
-    topology::declare(
-        &ch,
-        &names,
-        &config.worker.queues,
-        config.worker.dead_ttl,
-        config.broker.queue_type,
-    )
-    .await
-    .expect("declare");
+    let (config, names, ch) = namespace(conn, "bench_lag", args.concurrency, None).await;
     let samples = Arc::new(Samples::default());
     let s = samples.clone();
     let worker = Worker::new(config).handler("noop", move |ctx: TaskContext| {
@@ -250,16 +238,6 @@ impl Percentiles {
 
 fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(|a, b| a.total_cmp(b));
-    let m = xs.len() / 2;
-    if xs.len() % 2 == 1 {
-        xs[m]
-    } else {
-        (xs[m - 1] + xs[m]) / 2.0
-    }
 }
 
 /// Median and min–max over the runs of each percentile.

@@ -22,7 +22,6 @@
 use chrono::Utc;
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
-use drumline_shared::topology;
 use drumline_worker::{HandlerError, TaskContext, Worker};
 use futures_util::StreamExt;
 use lapin::options::{
@@ -36,7 +35,8 @@ use std::time::{Duration, Instant};
 
 mod common;
 use common::{
-    bare_consumer, cleanup, config, confirm_channel, durable_queue, short_id, AMQP, REDIS,
+    bare_consumer, cleanup, confirm_channel, durable_queue, median, namespace, short_id, AMQP,
+    REDIS,
 };
 
 type Bodies = [(Vec<u8>, BasicProperties)];
@@ -140,19 +140,8 @@ async fn drumline(
     together: bool,
 ) -> (Duration, [f64; 3]) {
     let n = bodies.len();
-    let ns = format!("bench_{}", short_id());
-    let config = config(&ns, concurrency, shell.then_some("/bin/true"));
-    let names = Names::new(ns.clone());
-    let ch = confirm_channel(conn).await;
-    topology::declare(
-        &ch,
-        &names,
-        &config.worker.queues,
-        config.worker.dead_ttl,
-        config.broker.queue_type,
-    )
-    .await
-    .expect("declare");
+    let command = shell.then_some("/bin/true");
+    let (config, names, ch) = namespace(conn, "bench", concurrency, command).await;
     let exchange = names.tasks_exchange();
     if !together {
         publish_all(&ch, &exchange, "default", bodies).await;
@@ -335,13 +324,7 @@ impl Figure {
         r
     }
     fn median(&self) -> f64 {
-        let r = self.sorted();
-        let m = r.len() / 2;
-        if r.len() % 2 == 1 {
-            r[m]
-        } else {
-            (r[m - 1] + r[m]) / 2.0
-        }
+        median(self.runs.clone())
     }
     fn min(&self) -> f64 {
         self.sorted()[0]

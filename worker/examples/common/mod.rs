@@ -4,6 +4,7 @@
 
 use drumline_shared::config::Config;
 use drumline_shared::names::Names;
+use drumline_shared::topology;
 use lapin::options::{
     BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions, ExchangeDeleteOptions,
     QueueDeclareOptions, QueueDeleteOptions,
@@ -35,6 +36,41 @@ pub fn config(ns: &str, concurrency: usize, command: Option<&str>) -> Config {
         },
     )
     .expect("config")
+}
+
+/// A fresh namespace `{prefix}_{id}` for one worker run: its config (see [`config`]), names,
+/// and a confirm channel on `conn` with the namespace's topology declared.
+pub async fn namespace(
+    conn: &Connection,
+    prefix: &str,
+    concurrency: usize,
+    command: Option<&str>,
+) -> (Config, Names, Channel) {
+    let ns = format!("{prefix}_{}", short_id());
+    let config = config(&ns, concurrency, command);
+    let names = Names::new(ns);
+    let ch = confirm_channel(conn).await;
+    topology::declare(
+        &ch,
+        &names,
+        &config.worker.queues,
+        config.worker.dead_ttl,
+        config.broker.queue_type,
+    )
+    .await
+    .expect("declare");
+    (config, names, ch)
+}
+
+/// The median of `xs` (the mean of the middle two for an even count).
+pub fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    let m = xs.len() / 2;
+    if xs.len() % 2 == 1 {
+        xs[m]
+    } else {
+        (xs[m - 1] + xs[m]) / 2.0
+    }
 }
 
 pub async fn confirm_channel(conn: &Connection) -> Channel {
