@@ -150,13 +150,13 @@ pub async fn trigger(
 }
 
 /// `backfill`: every instant of `job` in `[from, to)`, published with confirms (or listed with
-/// `dry_run`).
+/// `dry_run`); with `wait`, then follows them until each is finished.
 pub async fn backfill(
     config: &Config,
     job: &str,
     (from, to): (&str, &str),
     max: usize,
-    dry_run: bool,
+    (dry_run, wait): (bool, bool),
 ) -> Result<(), Failure> {
     let job = find_job(config, job)?;
     let range = (instant_arg("--from", from)?, instant_arg("--to", to)?);
@@ -187,7 +187,42 @@ pub async fn backfill(
         envelopes.len(),
         job.name
     );
+    if wait {
+        let keys: Vec<String> = envelopes.into_iter().map(|e| e.key).collect();
+        wait_finished(config, &keys).await?;
+    }
     Ok(())
+}
+
+/// How often `backfill --wait` looks at the instances, and how often it repeats an unchanged
+/// count (so a stalled backfill still shows it is waiting).
+const WAIT_POLL: std::time::Duration = std::time::Duration::from_millis(250);
+const WAIT_REPEAT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Prints `N/M done` as the instances `keys` finish (done, dead, or skipped) and returns once
+/// every one has (docs/design.md#waiting-copies-wake-up). A backfilled copy never expires.
+async fn wait_finished(config: &Config, keys: &[String]) -> Result<(), Failure> {
+    let store = store(config).await?;
+    let total = keys.len();
+    let mut shown: Option<(usize, tokio::time::Instant)> = None;
+    loop {
+        let states = store.run_states(keys).await.map_err(|e| {
+            Failure::other(format!("redis: cannot read the instances' states: {e}"))
+        })?;
+        let finished = states
+            .iter()
+            .filter(|s| matches!(s.as_deref(), Some("done" | "dead" | "skipped")))
+            .count();
+        let repeat = shown.is_some_and(|(_, at)| at.elapsed() >= WAIT_REPEAT);
+        if shown.map(|(n, _)| n) != Some(finished) || repeat {
+            println!("{finished}/{total} done");
+            shown = Some((finished, tokio::time::Instant::now()));
+        }
+        if finished == total {
+            return Ok(());
+        }
+        tokio::time::sleep(WAIT_POLL).await;
+    }
 }
 
 /// An RFC 3339 instant given as `flag`.

@@ -105,6 +105,9 @@ enum Command {
         /// List the instants without publishing.
         #[arg(long)]
         dry_run: bool,
+        /// Then print `N/M done` as the instants finish, and exit when all have.
+        #[arg(long, conflicts_with = "dry_run")]
+        wait: bool,
         /// Refuse a range with more instants than this.
         #[arg(long, default_value_t = drumline_beat::operate::DEFAULT_BACKFILL_MAX)]
         max: usize,
@@ -173,8 +176,9 @@ async fn dispatch(cli: Cli) -> Result<(), Failure> {
             from,
             to,
             dry_run,
+            wait,
             max,
-        }) => commands::backfill(&config, &job, (&from, &to), max, dry_run).await,
+        }) => commands::backfill(&config, &job, (&from, &to), max, (dry_run, wait)).await,
         Some(Command::Status { job, json }) => {
             commands::show_status(&config, job.as_deref(), json).await
         }

@@ -129,6 +129,13 @@ impl Names {
         format!("{}:job:{job}:running", self.ns)
     }
 
+    /// `{ns}:waiters:{job}` — copies of the job's instances waiting for its overlap lock, in
+    /// arrival order; the worker that releases the lock publishes the first again
+    /// (docs/design.md#waiting-copies-wake-up).
+    pub fn waiters(&self, job: &str) -> String {
+        format!("{}:waiters:{job}", self.ns)
+    }
+
     /// `{ns}:beat:leader` — the leader lease.
     pub fn beat_leader(&self) -> String {
         format!("{}:beat:leader", self.ns)

@@ -98,6 +98,57 @@ pub enum Ending {
     },
 }
 
+/// What ending a claim did ([`Store::finish`], [`Store::release`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ended {
+    /// The claim was ours (or its record gone) and the ending is recorded, now or by an
+    /// earlier try of the same write; `false`: another claim holds the instance, nothing
+    /// was written.
+    pub ours: bool,
+    /// The first copy that waited for the job's overlap lock, which this ending released: the
+    /// caller publishes it again (docs/design.md#waiting-copies-wake-up).
+    pub woken: Option<Waiter>,
+}
+
+impl Ended {
+    /// Reads a script's `{code, woken}` reply.
+    fn read((code, woken): (i64, Option<Vec<u8>>)) -> Result<Self, StoreError> {
+        Ok(Ended {
+            ours: code > 0,
+            woken: woken.as_deref().and_then(Waiter::decode),
+        })
+    }
+}
+
+/// A copy waiting for its job's overlap lock, as `{ns}:waiters:{job}` keeps it: the encoded
+/// envelope and the leadership epoch it was published under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Waiter {
+    /// `x-drumline-epoch` of the copy.
+    pub epoch: u64,
+    /// The envelope, encoded.
+    pub body: Vec<u8>,
+}
+
+impl Waiter {
+    /// `{epoch} {body}`.
+    fn encode(&self) -> Vec<u8> {
+        let mut out = format!("{} ", self.epoch).into_bytes();
+        out.extend_from_slice(&self.body);
+        out
+    }
+
+    /// Reads [`encode`](Self::encode)'s form; `None` for anything else.
+    fn decode(bytes: &[u8]) -> Option<Self> {
+        let space = bytes.iter().position(|b| *b == b' ')?;
+        let epoch = std::str::from_utf8(&bytes[..space]).ok()?.parse().ok()?;
+        Some(Waiter {
+            epoch,
+            body: bytes[space + 1..].to_vec(),
+        })
+    }
+}
+
 /// Outcome of a claim attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
@@ -116,6 +167,10 @@ pub enum Claim {
     Busy {
         /// The lease's remaining time.
         retry_in: Duration,
+        /// This copy is a later attempt than the one running: that run has ended (only a
+        /// failed run publishes the next attempt) and its hand-over is on its way, so the
+        /// copy may look again well before the lease would lapse.
+        handover: bool,
     },
     /// `overlap = "skip"` and the job's previous instance still runs: recorded `skipped`.
     Skipped {
@@ -235,16 +290,46 @@ fn keeping_running_set(body: &str) -> Script {
     Script::new(&format!("{RUNNING_SET}{body}"))
 }
 
-// KEYS[1] run key, KEYS[2] fence counter, KEYS[3] job overlap lock (a hash {key, token}),
-// KEYS[4] the job's running set; ARGV token, worker, attempt, lease_ms, overlap (skip | queue |
-// allow), retention_ms, run key name as the lock and the running set record it, expired (1 |
-// 0), counted (1 for a job's instance, 0 for ad-hoc). With overlap `allow` KEYS[3] is unused;
-// uncounted, KEYS[4] is. Dedupe comes first, so an expired copy of a finished instance is a
-// duplicate; a copy older than the recorded attempt is a duplicate, so copies never fork a
-// retry chain. Only a claim that is granted enters the running set (never a `skipped` one).
+// The run record `{ns}:run:{key}` outlives its lease (docs/design.md#attempts-outlive-the-lease):
+// it is kept for the retention (`done_ttl`) after its last write, and the lease is its own
+// field `lease_until` (ms, Redis `TIME`). `lease_left(run, now)` reads it; a record written
+// before the field existed falls back to the key's TTL, which was its lease then.
+const LEASE: &str = r#"
+local function lease_left(run, now)
+  local deadline = tonumber(redis.call('HGET', run, 'lease_until'))
+  if deadline then return deadline - now end
+  return redis.call('PTTL', run)
+end
+local function keep_for(retention_ms, lease_ms)
+  return math.max(tonumber(retention_ms), tonumber(lease_ms))
+end
+"#;
+
+// CLAIM
+// KEYS[1] -> {ns}:run:{key}          the run record (state, attempt, fence, token, lease_until)
+// KEYS[2] -> {ns}:fence              the fencing counter
+// KEYS[3] -> {ns}:job_running:{job}  the job's overlap lock, a hash {key, token} (unused with
+//                                    overlap `allow`)
+// KEYS[4] -> {ns}:running:{job}      the job's running set (unused when not counted)
+// ARGV[1] -> token                   ARGV[2] -> worker id
+// ARGV[3] -> the copy's attempt      ARGV[4] -> lease in ms
+// ARGV[5] -> overlap: skip | queue | allow
+// ARGV[6] -> retention in ms (how long the record is kept after its last write)
+// ARGV[7] -> the key, as the lock and the running set record it
+// ARGV[8] -> 1 when the copy's expires_at has passed, else 0
+// ARGV[9] -> 1 for a job's instance (counted in the running set), 0 for ad-hoc
+// Output: {'claimed', fence} | {'duplicate', state} | {'expired'}
+//       | {'busy', ms left, '1' when the copy's attempt is later than the running one's}
+//       | {'skipped', holder} | {'waiting', ms left on the lock, holder}
+// Dedupe comes first, so an expired copy of a finished instance is a duplicate. A copy older
+// than the recorded attempt is a duplicate whether or not the lease lapsed, so attempts never
+// go backwards and copies never fork a retry chain; a lapsed lease of the recorded attempt is
+// taken over with a new fence. Only a granted claim enters the running set.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
-    keeping_running_set(
+    keeping_running_set(&format!(
+        "{LEASE}{}",
         r#"
+local now = now_ms()
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'done' or state == 'skipped' or state == 'dead' then
   return {'duplicate', state}
@@ -254,8 +339,11 @@ if state == 'running' or state == 'retrying' then
   if tonumber(ARGV[3]) < recorded then return {'duplicate', state} end
 end
 if state == 'running' then
-  local ttl = redis.call('PTTL', KEYS[1])
-  if ttl > 0 then return {'busy', tostring(ttl)} end
+  local left = lease_left(KEYS[1], now)
+  if left > 0 then
+    local recorded = tonumber(redis.call('HGET', KEYS[1], 'attempt')) or 0
+    return {'busy', tostring(left), tonumber(ARGV[3]) > recorded and '1' or '0'}
+  end
 end
 if ARGV[8] == '1' then return {'expired'} end
 if ARGV[5] ~= 'allow' then
@@ -276,8 +364,8 @@ end
 local fence = redis.call('INCR', KEYS[2])
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'state', 'running', 'token', ARGV[1], 'worker', ARGV[2],
-  'fence', fence, 'attempt', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  'fence', fence, 'attempt', ARGV[3], 'lease_until', now + tonumber(ARGV[4]))
+redis.call('PEXPIRE', KEYS[1], keep_for(ARGV[6], ARGV[4]))
 if ARGV[5] ~= 'allow' then
   redis.call('DEL', KEYS[3])
   redis.call('HSET', KEYS[3], 'key', ARGV[7], 'token', ARGV[1])
@@ -285,20 +373,35 @@ if ARGV[5] ~= 'allow' then
 end
 if ARGV[9] == '1' then mark_running(KEYS[4], ARGV[7], ARGV[4]) end
 return {'claimed', tostring(fence)}
-"#,
-    )
+"#
+    ))
 });
 
-// The call every holder's script shares (RENEW, FINISH, RETRY, RELEASE): KEYS[1] run key,
-// KEYS[2] job lock, KEYS[3] the job's running set; ARGV[1] token, ARGV[2] the key as the
-// running set records it ('' for an ad-hoc task: not counted, KEYS[3] unused), then the
-// script's own. RENEW: ARGV[3] lease_ms; the running entry moves with the lease.
+// The call every holder's script shares (RENEW, FINISH, RETRY, RELEASE):
+// KEYS[1] -> {ns}:run:{key}          KEYS[2] -> {ns}:job_running:{job} (the job lock)
+// KEYS[3] -> {ns}:running:{job}      (unused for an ad-hoc task)
+// KEYS[4] -> {ns}:waiters:{job}      (unused by RENEW)
+// ARGV[1] -> the claim's token       ARGV[2] -> the key as the running set records it ('' for
+//                                               an ad-hoc task: not counted)
+// then the script's own ARGV.
+//
+// RENEW: ARGV[3] -> lease in ms. The record's own TTL (the retention, set by the claim) is
+// only lengthened when the new lease would outlive it.
+// Output: 1 renewed | 0 not ours, not running, or the lease already lapsed (a lapsed lease may
+// have been taken over; its holder must stop, as it would have had the record expired).
+// The running entry and the job lock move with the lease.
 static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    keeping_running_set(
+    keeping_running_set(&format!(
+        "{LEASE}{}",
         r#"
+local now = now_ms()
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
-   and redis.call('HGET', KEYS[1], 'state') == 'running' then
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+   and redis.call('HGET', KEYS[1], 'state') == 'running'
+   and lease_left(KEYS[1], now) > 0 then
+  redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[3]))
+  if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then
+    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  end
   if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
     redis.call('PEXPIRE', KEYS[2], ARGV[3])
   end
@@ -306,18 +409,22 @@ if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
   return 1
 end
 return 0
-"#,
-    )
+"#
+    ))
 });
 
 // The start every script that ends a claim shares: the job lock is released if it is ours,
-// whatever happens to the run key; `ours` says whether the run key carries our token, `holds`
-// whether it is still our running claim. The running entry goes when the run key is ours or
-// gone (with our lease lapsed, nobody else runs it); another claim's entry for the same key
-// stays.
+// whatever happens to the run key, and then the first copy waiting for it (KEYS[4], the job's
+// waiters) is taken off the registry as `woken`, for the caller to publish again
+// (docs/design.md#waiting-copies-wake-up). `ours` says whether the run key carries our token,
+// `holds` whether it is still our running claim. The running entry goes when the run key is
+// ours or gone (with our lease lapsed, nobody else runs it); another claim's entry for the same
+// key stays. Each script returns {code, woken or false}.
 const END_CLAIM: &str = r#"
+local woken = false
 if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
   redis.call('DEL', KEYS[2])
+  woken = redis.call('LPOP', KEYS[4])
 end
 local ours = redis.call('HGET', KEYS[1], 'token') == ARGV[1]
 local holds = ours and redis.call('HGET', KEYS[1], 'state') == 'running'
@@ -331,58 +438,106 @@ fn ending_claim(body: &str) -> Script {
     Script::new(&format!("{END_CLAIM}{body}"))
 }
 
-// ARGV[3] final state, ARGV[4] retention_ms. Also applies when the key is gone (our lease
-// expired and nobody claimed it since): the run did finish, and recording it is what stops it
-// from running again. With a run record (ARGV[5] its JSON, not ''), the same call appends it to
-// the job's history KEYS[4] (capped at ARGV[6] entries) and sets KEYS[5] to ARGV[7] (the
-// record's end): the last success without expiry (ARGV[8] 'success'), the last failure kept for
-// the retention ('failure'), or nothing ('').
+// FINISH: ARGV[3] -> final state (done | dead), ARGV[4] -> retention in ms, ARGV[5] -> the
+// run record's JSON ('' for none), ARGV[6] -> history cap, ARGV[7] -> the record's end,
+// ARGV[8] -> success | failure | '' (which "last" key ARGV[7] goes to);
+// KEYS[4] -> {ns}:history:{job}, KEYS[5] -> {ns}:last_success:{job} or last_failure.
+// Output: {code, woken}; code 1 written | 2 written before by this token (a repeat whose first reply was lost or
+// whose WAIT fell short: docs/design.md#outcome-writes-are-idempotent) | 0 another claim
+// holds the instance now, nothing written.
+// Written while the claim is ours and running, lapsed or not (nobody took it over), or when
+// the record is gone: the run did finish, and recording it is what stops it running again.
 static FINISH: LazyLock<Script> = LazyLock::new(|| {
     ending_claim(
         r#"
+if ours and redis.call('HGET', KEYS[1], 'state') == ARGV[3] then return {2, woken} end
 if holds or redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], 'state', ARGV[3], 'token', ARGV[1])
+  redis.call('HDEL', KEYS[1], 'lease_until')
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
   if ARGV[5] ~= '' then
-    redis.call('LPUSH', KEYS[4], ARGV[5])
-    redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[6]) - 1)
+    redis.call('LPUSH', KEYS[5], ARGV[5])
+    redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[6]) - 1)
     if ARGV[8] == 'success' then
-      redis.call('SET', KEYS[5], ARGV[7])
+      redis.call('SET', KEYS[6], ARGV[7])
     elseif ARGV[8] == 'failure' then
-      redis.call('SET', KEYS[5], ARGV[7], 'PX', ARGV[4])
+      redis.call('SET', KEYS[6], ARGV[7], 'PX', ARGV[4])
     end
   end
-  return 1
+  return {1, woken}
 end
-return 0
+return {0, woken}
 "#,
     )
 });
 
-// ARGV[3] next attempt, ARGV[4] retention_ms. A failed run hands the instance to its retry: the
-// state stays, marked `retrying` with the attempt that may claim it next, so older copies are
-// duplicates instead of a second chain.
+// RETRY: ARGV[3] -> the next attempt, ARGV[4] -> retention in ms.
+// Output: {code, woken}; code 1 handed over | 2 handed over before by this token (a repeat)
+// | 0 not ours.
+// A failed run hands the instance to its retry: the record stays, `retrying` with the attempt
+// that may claim it next (older copies are duplicates, not a second chain) and our token (so
+// a repeat recognises its own hand-over).
 static RETRY: LazyLock<Script> = LazyLock::new(|| {
     ending_claim(
         r#"
-if not holds then return 0 end
+if ours and redis.call('HGET', KEYS[1], 'state') == 'retrying'
+   and redis.call('HGET', KEYS[1], 'attempt') == ARGV[3] then
+  return {2, woken}
+end
+if not holds then return {0, woken} end
 redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[3])
-redis.call('HDEL', KEYS[1], 'token')
+redis.call('HDEL', KEYS[1], 'lease_until')
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return {1, woken}
+"#,
+    )
+});
+
+// RELEASE: no further ARGV. Output: {1 released | 0 not ours, woken}.
+// Gives the claim up (shutdown abandoned the run; its copy is requeued): the record stays,
+// with its attempt, so older copies are still duplicates; its lease is marked lapsed and the
+// token dropped, so the requeued copy takes it over at once with a new fence.
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    ending_claim(
+        r#"
+if ours then
+  redis.call('HSET', KEYS[1], 'lease_until', 0)
+  redis.call('HDEL', KEYS[1], 'token')
+  return {1, woken}
+end
+return {0, woken}
+"#,
+    )
+});
+
+// PARK (docs/design.md#waiting-copies-wake-up)
+// KEYS[1] -> {ns}:job:{job}:running  the job's overlap lock
+// KEYS[2] -> {ns}:waiters:{job}      the copies waiting for it
+// ARGV[1] -> the waiting copy (see `Waiter`), ARGV[2] -> how long the registry is kept, in ms
+// Output: 1 parked | 0 the lock is free already (the copy should look again now)
+// Checked against the lock in the same call, so a release can never slip between a copy
+// finding the lock held and registering.
+static PARK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('RPUSH', KEYS[2], ARGV[1])
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+end
 return 1
 "#,
     )
 });
 
-// No further ARGV: the run key is deleted if the claim is ours, in any state.
-static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    ending_claim(
+// WAKE
+// KEYS[1] -> {ns}:job:{job}:running, KEYS[2] -> {ns}:waiters:{job}
+// Output: the first waiting copy, when the lock is free and one waits; else nil.
+static WAKE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
         r#"
-if ours then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+return redis.call('LPOP', KEYS[2])
 "#,
     )
 });
@@ -649,7 +804,7 @@ impl Store {
         token: &str,
         ending: Ending,
         retention: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Ended, StoreError> {
         let retention_ms = retention.as_millis() as u64;
         match ending {
             Ending::Final(state) => {
@@ -659,7 +814,7 @@ impl Store {
             Ending::Retry { next_attempt } => {
                 let mut call = self.holder_call(&RETRY, key, job, token);
                 call.arg((next_attempt, retention_ms));
-                self.durable(&RETRY, &call).await
+                Ended::read(self.durable(&RETRY, &call).await?)
             }
         }
     }
@@ -676,7 +831,7 @@ impl Store {
         state: Final,
         retention: Duration,
         record: Option<&RunRecord>,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Ended, StoreError> {
         let retention_ms = retention.as_millis() as u64;
         let mut call = self.holder_call(&FINISH, key, job, token);
         call.arg((state.as_str(), retention_ms));
@@ -701,7 +856,7 @@ impl Store {
                 call.arg("");
             }
         }
-        self.durable(&FINISH, &call).await
+        Ended::read(self.durable(&FINISH, &call).await?)
     }
 
     /// The call every holder's script (RENEW, FINISH, RETRY, RELEASE) starts with: KEYS run
@@ -718,12 +873,13 @@ impl Store {
         call.key(self.names.run_key(key))
             .key(self.job_lock(job))
             .key(self.running_set(job))
+            .key(self.names.waiters(job.unwrap_or("")))
             .arg(token)
             .arg(if job.is_some() { key } else { "" });
         call
     }
 
-    /// Runs a holder's script that is not a durable write (RENEW, RELEASE).
+    /// Runs a holder's script that is not a durable write and answers yes or no (RENEW).
     async fn as_holder(
         &self,
         script: &Script,
@@ -737,15 +893,44 @@ impl Store {
         call.invoke_async(&mut self.conn.clone()).await
     }
 
-    /// Gives the claim up (a retry will claim again), out of the running set; `false` if it
-    /// was not ours.
+    /// Gives the claim up (its copy is requeued and takes over at once), out of the running
+    /// set; the record keeps its attempt. `ours` is `false` if it was not ours.
     pub async fn release(
         &self,
         key: &str,
         job: Option<&str>,
         token: &str,
+    ) -> Result<Ended, StoreError> {
+        let call = self.holder_call(&RELEASE, key, job, token);
+        Ended::read(call.invoke_async(&mut self.conn.clone()).await?)
+    }
+
+    /// Registers `waiter`, a copy that found `job`'s overlap lock held, to be published again
+    /// by the worker that releases the lock; the registry is kept for `keep`. `false` when the
+    /// lock is free already: the copy should look again now.
+    pub async fn park(
+        &self,
+        job: &str,
+        waiter: &Waiter,
+        keep: Duration,
     ) -> Result<bool, StoreError> {
-        self.as_holder(&RELEASE, key, job, token, None::<u8>).await
+        PARK.key(self.names.job_running(job))
+            .key(self.names.waiters(job))
+            .arg(waiter.encode())
+            .arg((keep.as_millis() as u64).max(1))
+            .invoke_async(&mut self.conn.clone())
+            .await
+    }
+
+    /// The first copy waiting for `job`'s overlap lock, taken off the registry, when the lock
+    /// is free (a copy that ended without releasing it, a duplicate say, passes the turn on).
+    pub async fn wake(&self, job: &str) -> Result<Option<Waiter>, StoreError> {
+        let entry: Option<Vec<u8>> = WAKE
+            .key(self.names.job_running(job))
+            .key(self.names.waiters(job))
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(entry.as_deref().and_then(Waiter::decode))
     }
 
     /// Forgets a `dead` run state so a replayed copy can be claimed; any other state is kept
@@ -756,6 +941,22 @@ impl Store {
             .key(self.names.run_key(key))
             .invoke_async(&mut conn)
             .await
+    }
+
+    /// The `state` of each of `keys`, in order (`None`: no record), a few hundred per round
+    /// trip.
+    pub async fn run_states(&self, keys: &[String]) -> Result<Vec<Option<String>>, StoreError> {
+        let mut conn = self.conn.clone();
+        let mut out = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(HISTORY_TRIP) {
+            let mut pipe = redis::pipe();
+            for key in chunk {
+                pipe.hget(self.names.run_key(key), "state");
+            }
+            let states: Vec<Option<String>> = pipe.query_async(&mut conn).await?;
+            out.extend(states);
+        }
+        Ok(out)
     }
 
     /// The `state` field of an instance, if any.
@@ -967,6 +1168,7 @@ fn parse_claim(reply: &[String]) -> Option<Claim> {
         },
         "busy" => Claim::Busy {
             retry_in: millis(1)?,
+            handover: reply.get(2).is_some_and(|h| h == "1"),
         },
         "skipped" => Claim::Skipped { running: text(1)? },
         "waiting" => Claim::Waiting {

@@ -78,7 +78,8 @@ async fn claim_is_exclusive_and_fences_increase() {
         panic!("first claim must win")
     };
     match s.claim(&req("k1", "b", OverlapMode::Allow)).await.unwrap() {
-        Claim::Busy { retry_in } => {
+        Claim::Busy { retry_in, handover } => {
+            assert!(!handover);
             assert!(retry_in <= Duration::from_secs(5) && retry_in > Duration::ZERO)
         }
         other => panic!("{other:?}"),
@@ -88,8 +89,8 @@ async fn claim_is_exclusive_and_fences_increase() {
         .renew("k1", None, "b", Duration::from_secs(5))
         .await
         .unwrap());
-    assert!(!s
-        .finish(
+    assert!(
+        !s.finish(
             "k1",
             None,
             "b",
@@ -97,14 +98,16 @@ async fn claim_is_exclusive_and_fences_increase() {
             Duration::from_secs(60)
         )
         .await
-        .unwrap());
-    assert!(!s.release("k1", None, "b").await.unwrap());
+        .unwrap()
+        .ours
+    );
+    assert!(!s.release("k1", None, "b").await.unwrap().ours);
     assert!(s
         .renew("k1", None, "a", Duration::from_secs(5))
         .await
         .unwrap());
-    assert!(s
-        .finish(
+    assert!(
+        s.finish(
             "k1",
             None,
             "a",
@@ -112,7 +115,9 @@ async fn claim_is_exclusive_and_fences_increase() {
             Duration::from_secs(60)
         )
         .await
-        .unwrap());
+        .unwrap()
+        .ours
+    );
     assert_eq!(
         s.claim(&req("k1", "c", OverlapMode::Allow)).await.unwrap(),
         Claim::Duplicate {
@@ -124,7 +129,7 @@ async fn claim_is_exclusive_and_fences_increase() {
     else {
         panic!()
     };
-    assert!(s.release("k2", None, "a").await.unwrap());
+    assert!(s.release("k2", None, "a").await.unwrap().ours);
     let Claim::Claimed { fence: f3 } = s.claim(&req("k2", "b", OverlapMode::Allow)).await.unwrap()
     else {
         panic!()
@@ -147,8 +152,8 @@ async fn an_expired_lease_can_be_taken_over() {
         Claim::Claimed { .. }
     ));
     // The old holder's late result is refused while another claim holds the key.
-    assert!(!s
-        .finish(
+    assert!(
+        !s.finish(
             "k",
             None,
             "a",
@@ -156,7 +161,9 @@ async fn an_expired_lease_can_be_taken_over() {
             Duration::from_secs(60)
         )
         .await
-        .unwrap());
+        .unwrap()
+        .ours
+    );
     assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("running"));
 }
 
@@ -188,8 +195,8 @@ async fn overlap_lock_skips_or_queues_other_instances_of_the_job() {
         Claim::Waiting { .. }
     ));
     // Finishing frees the job for the next instance.
-    assert!(s
-        .finish(
+    assert!(
+        s.finish(
             "j@1",
             Some("j"),
             "a",
@@ -197,7 +204,9 @@ async fn overlap_lock_skips_or_queues_other_instances_of_the_job() {
             Duration::from_secs(60)
         )
         .await
-        .unwrap());
+        .unwrap()
+        .ours
+    );
     assert!(matches!(
         s.claim(&req("j@3", "c", OverlapMode::Queue("j")))
             .await
@@ -380,8 +389,8 @@ async fn a_retry_keeps_its_place_and_older_copies_are_duplicates() {
         panic!("first claim must win")
     };
     // Only the holder hands the instance to its retry; the job lock goes with it.
-    assert!(!s
-        .finish(
+    assert!(
+        !s.finish(
             "k",
             Some("j"),
             "b",
@@ -389,9 +398,11 @@ async fn a_retry_keeps_its_place_and_older_copies_are_duplicates() {
             Duration::from_secs(60)
         )
         .await
-        .unwrap());
-    assert!(s
-        .finish(
+        .unwrap()
+        .ours
+    );
+    assert!(
+        s.finish(
             "k",
             Some("j"),
             "a",
@@ -399,7 +410,9 @@ async fn a_retry_keeps_its_place_and_older_copies_are_duplicates() {
             Duration::from_secs(60)
         )
         .await
-        .unwrap());
+        .unwrap()
+        .ours
+    );
     assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("retrying"));
     assert!(matches!(
         s.claim(&req("j@other", "x", OverlapMode::Skip("j")))
@@ -465,9 +478,10 @@ async fn a_finished_run_is_recorded_even_when_its_lease_lapsed_unclaimed() {
         Claim::Claimed { .. }
     ));
     tokio::time::sleep(Duration::from_millis(250)).await;
-    assert_eq!(s.run_state("k").await.unwrap(), None);
-    assert!(s
-        .finish(
+    // The record outlives its lease (docs/design.md#attempts-outlive-the-lease).
+    assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("running"));
+    assert!(
+        s.finish(
             "k",
             None,
             "a",
@@ -475,12 +489,145 @@ async fn a_finished_run_is_recorded_even_when_its_lease_lapsed_unclaimed() {
             Duration::from_secs(60)
         )
         .await
-        .unwrap());
+        .unwrap()
+        .ours
+    );
     assert_eq!(
         s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap(),
         Claim::Duplicate {
             state: RunState::Done
         }
+    );
+}
+
+/// A claim of `key` at `attempt` with a lease of `lease_ms`.
+fn at_attempt<'a>(key: &'a str, token: &'a str, attempt: u32, lease_ms: u64) -> ClaimRequest<'a> {
+    ClaimRequest {
+        attempt,
+        lease: Duration::from_millis(lease_ms),
+        ..req(key, token, OverlapMode::Allow)
+    }
+}
+
+/// See: issues/16. After attempt 1's lease lapses, a copy of attempt 0 is a duplicate; attempt
+/// 1's own copy takes the instance over with a new fence, and the record (attempt included) is
+/// kept for the retention, not the lease.
+#[tokio::test]
+async fn a_lapsed_lease_keeps_its_attempt() {
+    let s = store("lapsed_attempt").await;
+    let Claim::Claimed { fence: f1 } = s.claim(&at_attempt("k", "a", 1, 100)).await.unwrap() else {
+        panic!("claimed")
+    };
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert!(!s
+        .renew("k", None, "a", Duration::from_secs(5))
+        .await
+        .unwrap());
+    assert_eq!(
+        s.claim(&at_attempt("k", "b", 0, 5000)).await.unwrap(),
+        Claim::Duplicate {
+            state: RunState::Running
+        }
+    );
+    let Claim::Claimed { fence: f2 } = s.claim(&at_attempt("k", "c", 1, 5000)).await.unwrap()
+    else {
+        panic!("the recorded attempt takes over")
+    };
+    assert!(f2 > f1);
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(s.names().run_key("k"))
+        .query_async(&mut s.connection())
+        .await
+        .unwrap();
+    assert!(ttl > 5000, "kept for the retention: {ttl}");
+
+    // A release (shutdown abandoned the run) keeps the attempt too, and frees the lease.
+    assert!(s.release("k", None, "c").await.unwrap().ours);
+    assert_eq!(
+        s.claim(&at_attempt("k", "d", 0, 5000)).await.unwrap(),
+        Claim::Duplicate {
+            state: RunState::Running
+        }
+    );
+    assert!(matches!(
+        s.claim(&at_attempt("k", "e", 1, 5000)).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+}
+
+/// See: issues/16 "Outcome writes are not idempotent". Repeating `done`, `dead` or the retry
+/// hand-over with the same token (its first reply lost) reports it recorded and writes
+/// nothing twice; another token's repeat is refused.
+#[tokio::test]
+async fn outcome_writes_repeat_by_their_own_token() {
+    let s = store("idempotent").await;
+    let retention = Duration::from_secs(60);
+    let done = Ending::Final(Final::Done);
+    assert!(matches!(
+        s.claim(&of_job("j@1", "a", "j")).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    let record = run("j@1", "done", "2026-03-08T07:00:01Z");
+    for _ in 0..2 {
+        assert!(
+            s.finish_recorded("j@1", Some("j"), "a", Final::Done, retention, Some(&record))
+                .await
+                .unwrap()
+                .ours
+        );
+    }
+    let entries: i64 = redis::cmd("LLEN")
+        .arg(s.names().history("j"))
+        .query_async(&mut s.connection())
+        .await
+        .unwrap();
+    assert_eq!(entries, 1, "one history entry, not two");
+    assert!(
+        !s.finish("j@1", None, "b", done, retention)
+            .await
+            .unwrap()
+            .ours
+    );
+
+    let retry = Ending::Retry { next_attempt: 1 };
+    assert!(matches!(
+        s.claim(&req("k", "a", OverlapMode::Allow)).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    assert!(
+        s.finish("k", None, "a", retry, retention)
+            .await
+            .unwrap()
+            .ours
+    );
+    assert!(
+        s.finish("k", None, "a", retry, retention)
+            .await
+            .unwrap()
+            .ours
+    );
+    assert!(
+        !s.finish("k", None, "b", retry, retention)
+            .await
+            .unwrap()
+            .ours
+    );
+    // The retry copy claims as usual, and the hand-over's token no longer finishes anything.
+    assert!(matches!(
+        s.claim(&at_attempt("k", "c", 1, 5000)).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    assert!(
+        !s.finish("k", None, "a", retry, retention)
+            .await
+            .unwrap()
+            .ours
+    );
+    assert!(
+        !s.finish("k", None, "a", done, retention)
+            .await
+            .unwrap()
+            .ours
     );
 }
 
@@ -601,10 +748,12 @@ async fn running_set_follows_claim_renew_and_every_ending() {
 
     // Finish, retry and release each take the key out; an instance with `overlap = allow` is
     // counted as well.
-    assert!(s
-        .finish("j@1", Some("j"), "a", Ending::Final(Final::Done), retention)
-        .await
-        .unwrap());
+    assert!(
+        s.finish("j@1", Some("j"), "a", Ending::Final(Final::Done), retention)
+            .await
+            .unwrap()
+            .ours
+    );
     assert!(score(&s, "j", "j@1").await.is_none());
     assert!(matches!(
         s.claim(&of_job("j@3", "d", "j")).await.unwrap(),
@@ -620,16 +769,20 @@ async fn running_set_follows_claim_renew_and_every_ending() {
     ));
     assert_eq!(running(&s, "j").await, 3);
     let retry = Ending::Retry { next_attempt: 1 };
-    assert!(s
-        .finish("j@3", Some("j"), "d", retry, retention)
-        .await
-        .unwrap());
-    assert!(s.release("j@4", Some("j"), "e").await.unwrap());
+    assert!(
+        s.finish("j@3", Some("j"), "d", retry, retention)
+            .await
+            .unwrap()
+            .ours
+    );
+    assert!(s.release("j@4", Some("j"), "e").await.unwrap().ours);
     let dead = Ending::Final(Final::Dead);
-    assert!(s
-        .finish("j@5", Some("j"), "f", dead, retention)
-        .await
-        .unwrap());
+    assert!(
+        s.finish("j@5", Some("j"), "f", dead, retention)
+            .await
+            .unwrap()
+            .ours
+    );
     assert_eq!(running_set(&s, "j").await, vec![]);
     assert_eq!(running(&s, "j").await, 0);
     // The retry's claim counts again.
@@ -686,11 +839,13 @@ async fn an_expired_lease_is_not_counted_and_the_next_writer_drops_it() {
     ));
     let done = Ending::Final(Final::Done);
     let retention = Duration::from_secs(60);
-    assert!(!s
-        .finish("j@1", Some("j"), "a", done, retention)
-        .await
-        .unwrap());
-    assert!(!s.release("j@1", Some("j"), "a").await.unwrap());
+    assert!(
+        !s.finish("j@1", Some("j"), "a", done, retention)
+            .await
+            .unwrap()
+            .ours
+    );
+    assert!(!s.release("j@1", Some("j"), "a").await.unwrap().ours);
     assert!(score(&s, "j", "j@1").await.is_some());
     assert_eq!(running(&s, "j").await, 3);
 }
@@ -791,10 +946,12 @@ async fn a_final_state_and_its_run_record_land_in_one_call_and_only_for_the_hold
         Claim::Claimed { .. }
     ));
     let done = run("j@1", "done", "2026-03-08T07:00:03Z");
-    assert!(s
-        .finish_recorded("j@1", Some("j"), "a", Final::Done, retention, Some(&done))
-        .await
-        .unwrap());
+    assert!(
+        s.finish_recorded("j@1", Some("j"), "a", Final::Done, retention, Some(&done))
+            .await
+            .unwrap()
+            .ours
+    );
     assert_eq!(s.run_state("j@1").await.unwrap().as_deref(), Some("done"));
     let h = s.job_histories(&["j"]).await.unwrap();
     assert_eq!(h[0].last_success, at("2026-03-08T07:00:03Z"));
@@ -808,10 +965,12 @@ async fn a_final_state_and_its_run_record_land_in_one_call_and_only_for_the_hold
         Claim::Claimed { .. }
     ));
     let stolen = run("j@2", "dead", "2026-03-08T07:00:04Z");
-    assert!(!s
-        .finish_recorded("j@2", Some("j"), "x", Final::Dead, retention, Some(&stolen))
-        .await
-        .unwrap());
+    assert!(
+        !s.finish_recorded("j@2", Some("j"), "x", Final::Dead, retention, Some(&stolen))
+            .await
+            .unwrap()
+            .ours
+    );
     assert_eq!(
         s.run_state("j@2").await.unwrap().as_deref(),
         Some("running")
@@ -821,10 +980,12 @@ async fn a_final_state_and_its_run_record_land_in_one_call_and_only_for_the_hold
 
     // The holder's dead run: the last failure, kept for the retention.
     let dead = run("j@2", "dead", "2026-03-08T07:00:05Z");
-    assert!(s
-        .finish_recorded("j@2", Some("j"), "b", Final::Dead, retention, Some(&dead))
-        .await
-        .unwrap());
+    assert!(
+        s.finish_recorded("j@2", Some("j"), "b", Final::Dead, retention, Some(&dead))
+            .await
+            .unwrap()
+            .ours
+    );
     let h = s.job_histories(&["j"]).await.unwrap();
     assert_eq!(h[0].last_failure, at("2026-03-08T07:00:05Z"));
     assert_eq!(h[0].last_success, at("2026-03-08T07:00:03Z"));

@@ -712,6 +712,21 @@ impl TestEnv {
             .expect("redis")
     }
 
+    /// True once nobody's lease on instance `key` is live: no record, or its `lease_until`
+    /// (ms, Redis `TIME`) has passed (docs/design.md#attempts-outlive-the-lease).
+    pub async fn lease_lapsed(&self, key: &str) -> bool {
+        let mut redis = self.redis().await;
+        let (until, (secs, micros)): (Option<u64>, (u64, u64)) = redis::pipe()
+            .cmd("HGET")
+            .arg(self.names().run_key(key))
+            .arg("lease_until")
+            .cmd("TIME")
+            .query_async(&mut redis)
+            .await
+            .expect("redis");
+        until.is_none_or(|until| until <= secs * 1000 + micros / 1000)
+    }
+
     /// Waits until `{ns}.q.default` exists, i.e. a worker has declared its topology.
     pub async fn wait_for_topology(&self, worker: &Proc) {
         let queue = self.names().work_queue("default");

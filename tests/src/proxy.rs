@@ -27,6 +27,9 @@ pub enum Fault {
     Delay(Duration),
     /// Accept connections but forward nothing, in either direction, until switched back.
     Blackhole,
+    /// A server that is gone: every open connection is closed and new ones are closed at
+    /// once, so the client sees resets and refusals (a Redis blip), never a timeout.
+    Reset,
 }
 
 /// A running proxy on a free 127.0.0.1 port.
@@ -88,9 +91,14 @@ async fn passable(fault: &mut watch::Receiver<Fault>) -> bool {
     fault.wait_for(|f| *f != Fault::Blackhole).await.is_ok()
 }
 
+/// True while the fault is [`Fault::Reset`]: the connection must close.
+fn resetting(fault: &watch::Receiver<Fault>) -> bool {
+    *fault.borrow() == Fault::Reset
+}
+
 async fn connection(client: TcpStream, target: SocketAddr, mut fault: watch::Receiver<Fault>) {
     // A blackholed network does not reach the server either: connect only once it passes.
-    if !passable(&mut fault).await {
+    if !passable(&mut fault).await || resetting(&fault) {
         return;
     }
     let Ok(server) = TcpStream::connect(target).await else {
@@ -111,7 +119,8 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut fault: watch:
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         // While blackholed nothing is read, so bytes pile up in the kernel as on a dead link.
-        if !passable(&mut fault).await {
+        if !passable(&mut fault).await || resetting(&fault) {
+            let _ = to.shutdown().await;
             return;
         }
         let n = tokio::select! {
@@ -135,6 +144,10 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut fault: watch:
             let now = *fault.borrow_and_update();
             match now {
                 Fault::Pass => break,
+                Fault::Reset => {
+                    let _ = to.shutdown().await;
+                    return;
+                }
                 Fault::Delay(d) => {
                     tokio::time::sleep(d).await;
                     break;

@@ -177,6 +177,30 @@ impl SentinelSet {
         port
     }
 
+    /// SIGSTOP of data node `port` (a replica that stalls: it neither replicates nor
+    /// acknowledges until [`thaw`](Self::thaw)).
+    pub fn freeze(&self, port: u16) {
+        self.signal(port, "-STOP");
+    }
+
+    /// SIGCONT of data node `port`.
+    pub fn thaw(&self, port: u16) {
+        self.signal(port, "-CONT");
+    }
+
+    fn signal(&self, port: u16, signal: &str) {
+        let pid = self
+            .children
+            .get(&port)
+            .expect("a node this set started")
+            .id();
+        let status = Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill {signal} {pid}");
+    }
+
     /// Waits until every Sentinel names a primary other than `old` and that node says it is
     /// one; returns its port and how long that took from `since`.
     pub fn wait_failover(&self, old: u16, since: Instant, within: Duration) -> (u16, Duration) {

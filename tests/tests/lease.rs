@@ -68,8 +68,9 @@ async fn consumers(env: &drumline_e2e::TestEnv) -> u32 {
 }
 
 /// Watches the lease of instance `key` (held now) from outside, until another token holds it
-/// or it expires. The returned value ends as the latest instant (ms since the epoch) the lease
-/// could expire at: (when we asked) + PTTL, over every answer naming the first holder's token.
+/// or it lapses. The returned value ends as the latest instant (ms since the epoch, Redis
+/// `TIME` on this machine's clock) the lease could lapse at: the record's `lease_until`, over
+/// every answer naming the first holder's token (docs/design.md#attempts-outlive-the-lease).
 async fn watch_lease_end(
     env: &drumline_e2e::TestEnv,
     key: &str,
@@ -86,23 +87,26 @@ async fn watch_lease_end(
     let ends = lease_ends_ms.clone();
     let sampler = tokio::spawn(async move {
         loop {
-            let asked = now_ms();
-            let (token, pttl): (Option<String>, i64) = redis::pipe()
+            let (token, until): (Option<String>, Option<u128>) = redis::pipe()
                 .atomic()
                 .cmd("HGET")
                 .arg(&key)
                 .arg("token")
-                .cmd("PTTL")
+                .cmd("HGET")
                 .arg(&key)
+                .arg("lease_until")
                 .query_async(&mut redis)
                 .await
                 .expect("redis");
-            if token.as_deref() != Some(holder.as_str()) || pttl < 0 {
+            let Some(until) = until.filter(|u| *u > now_ms()) else {
+                return;
+            };
+            if token.as_deref() != Some(holder.as_str()) {
                 return;
             }
             {
                 let mut ends = ends.lock().unwrap();
-                *ends = (*ends).max(asked + pttl as u128);
+                *ends = (*ends).max(until);
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -340,11 +344,11 @@ async fn a_success_whose_lease_lapsed_before_done_landed_is_recorded_not_rerun()
     );
 
     // The task succeeds while the worker cannot reach Redis: its `done` write is held in the
-    // proxy until the lease has run out and the key is gone, then it lands.
+    // proxy until the lease has run out (nobody took the instance over), then it lands.
     proxy.set(Fault::Blackhole);
     std::fs::write(&release, "").unwrap();
     assert!(wait_until(WAIT, || env.lines("events").len() == 2));
-    let lapsed = wait_until_async(WAIT, || async { env.run_state("k-race").await.is_none() }).await;
+    let lapsed = wait_until_async(WAIT, || env.lease_lapsed("k-race")).await;
     assert!(lapsed, "the lease never lapsed");
     proxy.set(Fault::Pass);
 

@@ -453,3 +453,72 @@ command = ["/bin/true"]
         .unwrap();
     assert!(keys.is_empty(), "{keys:?}");
 }
+
+/// See: issues/16 "Backfill crawls". Twenty instants of a short `skip` job (a backfill queues
+/// them) on two workers: each waiting copy starts within a second of the previous instance's
+/// end (it is woken, not left to its delay queue), and `backfill --wait` prints `N/M done`
+/// until `20/20 done`, then exits 0.
+#[tokio::test(flavor = "multi_thread")]
+async fn backfill_wait_follows_every_instant_and_waiting_copies_are_woken() {
+    let env = setup("ops_backfill_wait");
+    let stamps = env.path("stamps");
+    let script = format!(
+        "echo \"start $DRUMLINE_KEY $(date +%s%3N)\" >> {s}; sleep 0.005; \
+         echo \"end $DRUMLINE_KEY $(date +%s%3N)\" >> {s}",
+        s = stamps.display()
+    );
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[worker]\nconcurrency = 2\n\n[[jobs]]\nname = \"short\"\ntask = \"short\"\n\
+             every = \"1m\"\n\n[tasks.short]\ncommand = [\"/bin/sh\", \"-c\", {}]\n",
+            toml_string(&script)
+        ),
+    );
+    let cfg = cfg.to_str().unwrap();
+    let workers = [
+        env.worker("w1", &["--config", cfg]),
+        env.worker("w2", &["--config", cfg]),
+    ];
+    env.wait_for_topology(&workers[0]).await;
+    let (from, to) = ("2026-01-01T00:00:00Z", "2026-01-01T00:20:00Z");
+    let args = [
+        "--config", cfg, "backfill", "short", "--from", from, "--to", to, "--wait",
+    ];
+    let mut backfill = env.beat("backfill", &args);
+    // Without waking, the waiting copies come back a lease (30 s) later each.
+    let status = backfill.wait(Duration::from_secs(60));
+    let out = backfill.log();
+    assert!(status.success(), "{out}");
+    let progress: Vec<&str> = out.lines().filter(|l| l.ends_with(" done")).collect();
+    assert_eq!(progress.last(), Some(&"20/20 done"), "{out}");
+    assert!(
+        progress.len() >= 2,
+        "progress as the instants finish: {progress:?}"
+    );
+
+    // One run each, and each start within a second of the end before it.
+    let mut starts = Vec::new();
+    let mut ends = Vec::new();
+    for line in env.lines("stamps") {
+        let mut parts = line.split(' ');
+        let (what, key, ms) = (parts.next(), parts.next(), parts.next());
+        let ms: u64 = ms.and_then(|m| m.parse().ok()).expect("a stamp");
+        match what {
+            Some("start") => starts.push((ms, key.unwrap().to_owned())),
+            _ => ends.push(ms),
+        }
+    }
+    let keys: std::collections::BTreeSet<&String> = starts.iter().map(|(_, k)| k).collect();
+    assert_eq!((starts.len(), keys.len()), (20, 20), "{starts:?}");
+    starts.sort();
+    ends.sort();
+    for (i, (start, key)) in starts.iter().enumerate().skip(1) {
+        let previous_end = ends[i - 1];
+        assert!(
+            *start < previous_end + 1000,
+            "{key} started {} ms after the previous instance ended",
+            start - previous_end
+        );
+    }
+}

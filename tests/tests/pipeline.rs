@@ -429,14 +429,18 @@ async fn when_the_shutdown_grace_runs_out_the_task_is_abandoned_for_redelivery()
     );
     assert!(!pid_alive(task_pid), "the abandoned task was killed");
     assert!(env.lines("effects").is_empty());
-    // The claim is released and the message is back for another worker.
+    // The claim is released (the record keeps its attempt, its lease lapsed and its token
+    // gone: docs/design.md#attempts-outlive-the-lease) and the message is back for another
+    // worker.
     let mut redis = env.redis().await;
-    let exists: bool = redis::cmd("EXISTS")
+    let token: Option<String> = redis::cmd("HGET")
         .arg(env.names().run_key("k-grace"))
+        .arg("token")
         .query_async(&mut redis)
         .await
         .unwrap();
-    assert!(!exists, "claim released");
+    assert_eq!(token, None, "claim released");
+    assert!(env.lease_lapsed("k-grace").await, "claim released");
     let queue = env.names().work_queue("default");
     assert_eq!(env.queue_len(&queue).await, Some(1), "left for redelivery");
     // The one message left is k-grace, handed back by the worker (the abandoned run), not

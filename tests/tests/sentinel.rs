@@ -76,10 +76,12 @@ async fn wait_replicas_counts_acknowledgements_and_fails_closed() {
     ));
     let done = Ending::Final(Final::Done);
     let retention = Duration::from_secs(600);
-    assert!(both
-        .finish("k1", None, "token", done, retention)
-        .await
-        .unwrap());
+    assert!(
+        both.finish("k1", None, "token", done, retention)
+            .await
+            .unwrap()
+            .ours
+    );
     for replica in set.nodes.iter().filter(|p| **p != primary) {
         assert_eq!(
             hget(*replica, &names.run_key("k1")).as_deref(),
@@ -395,4 +397,62 @@ async fn a_primary_failover_without_wait_replicas_is_reported() {
         out.lost
     );
     set.heal();
+}
+
+/// See: issues/16 "Outcome writes are not idempotent". `wait_replicas = 2` and one replica
+/// stalls (SIGSTOP) for 3 s around the end of a 2 s task: `done` lands on the primary but
+/// `WAIT` falls short, so the write is repeated until both replicas have it. The repeat must
+/// find its own token's `done` and count a success: never `lease_lost`, never a second run.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_repeated_outcome_write_finds_its_own_result() {
+    let set = SentinelSet::shared().await;
+    let env = setup("e2e_wait_repeat");
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[redis]\nurl = {url}\nwait_replicas = 2\nwait_timeout = \"300ms\"\n\n\
+             [tasks.slow]\ncommand = [\"/bin/sh\", \"-c\", {cmd}]\n",
+            url = toml_string(&set.url(0)),
+            cmd = toml_string(&format!(
+                "echo $DRUMLINE_KEY >> {started}; sleep 2; echo $DRUMLINE_KEY >> {ran}",
+                started = env.path("started").display(),
+                ran = env.path("ran").display()
+            )),
+        ),
+    );
+    let (args, port) = drumline_e2e::with_metrics(&["--config", cfg.to_str().unwrap()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let worker = env.worker("worker", &args);
+    env.wait_for_topology(&worker).await;
+    env.publish(&adhoc("k-stall", "slow")).await;
+    assert!(
+        wait_until(WAIT, || !env.lines("started").is_empty()),
+        "{}",
+        worker.log_tail(20)
+    );
+    let primary = set.primary().expect("a primary");
+    let replica = *set.nodes.iter().find(|p| **p != primary).unwrap();
+    set.freeze(replica);
+    // The fault's length, not a synchronisation: the stall outlasts the task, so `done` is
+    // written while the replica cannot acknowledge.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    set.thaw(replica);
+
+    let success = r#"drumline_worker_runs_total{task="slow",outcome="success"}"#;
+    let counted = wait_until(WAIT, || drumline_e2e::metric(port, success) == Some(1.0));
+    let lost = r#"drumline_worker_runs_total{task="slow",outcome="lease_lost"}"#;
+    assert!(
+        counted,
+        "success not counted; lease_lost = {:?}\n{}",
+        drumline_e2e::metric(port, lost),
+        worker.log_tail(30)
+    );
+    assert_eq!(
+        drumline_e2e::metric(port, lost),
+        None,
+        "{}",
+        worker.log_tail(30)
+    );
+    assert_eq!(env.lines("ran"), ["k-stall"]);
+    assert_eq!(env.lines("started"), ["k-stall"]);
 }

@@ -13,6 +13,10 @@ use std::time::Duration;
 /// Margin added to a busy lease's remaining time before we look again.
 pub const BUSY_RECHECK_MARGIN: Duration = Duration::from_millis(250);
 
+/// The longest a retry copy waits (before the margin) for the hand-over of the attempt before
+/// it, which that attempt's worker keeps retrying (docs/design.md#outcome-writes-are-idempotent).
+pub const HANDOVER_RECHECK: Duration = Duration::from_secs(1);
+
 /// A message refused before anything touches Redis: dead-letter it and ack.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejected {
@@ -184,10 +188,15 @@ pub fn decide(
         // duplicate, not a failure.
         (Claim::Expired, _) => Action::Expire,
         // Someone else runs it under a live lease. If they die, the lease expires and this
-        // copy, back from the delay queue, takes over.
-        (Claim::Busy { retry_in }, _) => Action::Recheck {
+        // copy, back from the delay queue, takes over. A later attempt than the running one
+        // waits for a hand-over already on its way: it looks again soon.
+        (Claim::Busy { retry_in, handover }, _) => Action::Recheck {
             why: Recheck::Busy,
-            delay: *retry_in + BUSY_RECHECK_MARGIN,
+            delay: if *handover {
+                (*retry_in).min(HANDOVER_RECHECK)
+            } else {
+                *retry_in
+            } + BUSY_RECHECK_MARGIN,
         },
         (Claim::Waiting { retry_in, running }, _) => Action::Recheck {
             why: Recheck::Waiting {
@@ -334,7 +343,21 @@ mod tests {
     fn busy_and_waiting_recheck_after_the_lease_plus_a_margin() {
         let retry_in = Duration::from_millis(1000);
         assert_eq!(
-            before(Claim::Busy { retry_in }),
+            before(Claim::Busy {
+                retry_in,
+                handover: false
+            }),
+            Action::Recheck {
+                why: Recheck::Busy,
+                delay: Duration::from_millis(1250)
+            }
+        );
+        // A later attempt waits for the hand-over, not for the whole lease.
+        assert_eq!(
+            before(Claim::Busy {
+                retry_in: Duration::from_secs(30),
+                handover: true
+            }),
             Action::Recheck {
                 why: Recheck::Busy,
                 delay: Duration::from_millis(1250)

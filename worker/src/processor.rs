@@ -19,7 +19,8 @@ use drumline_shared::envelope::{
 };
 use drumline_shared::names::Names;
 use drumline_shared::store::{
-    now_text, Claim, ClaimRequest, Ending, Final, OverlapMode, RunRecord, Store, StoreError,
+    now_text, Claim, ClaimRequest, Ended, Ending, Final, OverlapMode, RunRecord, Store, StoreError,
+    Waiter,
 };
 use drumline_shared::topology;
 use lapin::message::Delivery;
@@ -32,8 +33,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn, Instrument};
 
-/// How long a finished run's final state is retried before the delivery is requeued: long enough
-/// to ride out a Redis blip or a Sentinel failover (2–3 s with `down-after-milliseconds 1000`).
+/// How long an outcome write is retried from its first failure before the worker gives up on
+/// it: long enough to ride out a Redis blip or a Sentinel failover (2–3 s with
+/// `down-after-milliseconds 1000`).
 pub const FINISH_RETRY_FOR: Duration = Duration::from_secs(10);
 
 /// Everything processing needs that outlives one broker connection.
@@ -298,6 +300,7 @@ impl Processor {
                 info!(state = %state, redelivered = step.delivery.redelivered, "duplicate delivery: already finished or retried");
                 self.stats.duplicates.inc();
                 self.stats.outcome(&env.task, RunOutcome::Duplicate);
+                self.pass_the_turn(publisher, env).await;
             }
             Action::Expire => {
                 info!("expired before it could run");
@@ -314,6 +317,7 @@ impl Processor {
                 )
                 .await?;
                 self.record(env, Outcome::Expired, None, None).await;
+                self.pass_the_turn(publisher, env).await;
             }
             Action::Recheck { why, delay } => {
                 let delay_ms = delay.as_millis() as u64;
@@ -321,12 +325,17 @@ impl Processor {
                     Recheck::Busy => {
                         debug!(delay_ms, "held under another live lease; re-checking later")
                     }
-                    Recheck::Waiting { running } => debug!(running = %running, delay_ms,
+                    Recheck::Waiting { ref running } => debug!(running = %running, delay_ms,
                         "waiting for the job's previous instance (overlap = queue)"),
                 }
                 self.stats.busy.inc();
                 self.publish_delayed(publisher, step.delivery, env, delay)
                     .await?;
+                if let (Recheck::Waiting { .. }, OverlapMode::Queue(job)) =
+                    (&why, self.overlap(env))
+                {
+                    self.park(step, job, delay).await?;
+                }
             }
             Action::Skip { running } => {
                 info!(running = %running, "skipped: the job's previous instance still runs (overlap = skip)");
@@ -354,10 +363,13 @@ impl Processor {
                 warn!("shutdown grace exhausted: abandoned; releasing the claim for redelivery");
                 self.stats.abandoned.inc();
                 self.stats.outcome(&env.task, RunOutcome::Abandoned);
-                let _ = self
+                if let Ok(ended) = self
                     .store
                     .release(&env.key, self.lock_job(env), step.token)
-                    .await;
+                    .await
+                {
+                    self.wake(publisher, ended.woken).await;
+                }
                 return Ok(Disposition::Requeue);
             }
         }
@@ -368,10 +380,11 @@ impl Processor {
     /// instance before the result could be recorded.
     async fn done(&self, step: &Step<'_>, fence: u64) -> Result<Disposition, Interrupted> {
         let record = self.run_record(step.env, Outcome::Done, step.started_at.clone(), None);
-        if self
+        let ended = self
             .finish_with_retries(step.env, step.token, Final::Done, record.as_ref())
-            .await?
-        {
+            .await?;
+        self.wake(step.publisher, ended.woken).await;
+        if ended.ours {
             info!(fence, "done");
             self.stats.succeeded.inc();
             self.stats.outcome(&step.env.task, RunOutcome::Success);
@@ -408,12 +421,85 @@ impl Processor {
             next_attempt: next.attempt,
         };
         let retention = self.config.worker.done_ttl;
-        self.store
-            .finish(&env.key, self.lock_job(env), step.token, ending, retention)
-            .await?;
+        let job = self.lock_job(env);
+        let handed = outcome_write_retried(|| {
+            self.store
+                .finish(&env.key, job, step.token, ending, retention)
+        })
+        .await;
+        match handed {
+            Ok(Ended { ours: true, woken }) => self.wake(step.publisher, woken).await,
+            Ok(Ended { ours: false, woken }) => {
+                self.wake(step.publisher, woken).await;
+                // Our lease lapsed and another copy took the instance over: its attempt is
+                // recorded, and ours is a duplicate when it arrives.
+                warn!("the retry is published, but another claim holds the instance now");
+            }
+            Err(e) => {
+                // The retry copy is confirmed and carries the instance: once our lease lapses
+                // it takes over (its attempt is never older than the recorded one). Requeueing
+                // this copy instead would repeat this attempt.
+                error!(error = %e, "redis unreachable: the retry is published but not handed over; pausing (fail closed)");
+                self.gate.close();
+            }
+        }
         self.stats.retried.inc();
         self.stats.outcome(&env.task, RunOutcome::Retry);
         Ok(())
+    }
+
+    /// Registers a copy that found its job's overlap lock held, so the worker that releases
+    /// the lock publishes it again at once (docs/design.md#waiting-copies-wake-up); the copy
+    /// just sent to the delay queue stays as the fallback, and dedupe absorbs whichever of the
+    /// two comes second. When the lock was released meanwhile, the copy is published now.
+    async fn park(&self, step: &Step<'_>, job: &str, delay: Duration) -> Result<(), Interrupted> {
+        let waiter = Waiter {
+            epoch: epoch_of(step.delivery),
+            body: step.env.encode(),
+        };
+        // Kept until well after the fallback copy: an entry woken later is only a duplicate.
+        let keep = delay * 2 + Duration::from_secs(1);
+        if !self.store.park(job, &waiter, keep).await? {
+            debug!("the job's lock was released meanwhile: looking again now");
+            self.publish_woken(step.publisher, waiter).await?;
+        }
+        Ok(())
+    }
+
+    /// After a copy of a job with an overlap lock ended without holding the lock (a
+    /// duplicate, an expired copy), wakes the next waiting copy if the lock is free: the copy
+    /// may itself have been woken, and the turn must not stop with it.
+    async fn pass_the_turn(&self, publisher: &Channel, env: &Envelope) {
+        let (OverlapMode::Queue(job) | OverlapMode::Skip(job)) = self.overlap(env) else {
+            return;
+        };
+        match self.store.wake(job).await {
+            Ok(woken) => self.wake(publisher, woken).await,
+            Err(e) => debug!(error = %e, "could not look for a waiting copy"),
+        }
+    }
+
+    /// Publishes a copy taken off the job's waiters to its work queue. Best effort: its own
+    /// fallback copy is in a delay queue already.
+    async fn wake(&self, publisher: &Channel, woken: Option<Waiter>) {
+        let Some(waiter) = woken else { return };
+        if let Err(e) = self.publish_woken(publisher, waiter).await {
+            warn!(error = %e, "could not wake a waiting copy; it looks again from its delay queue");
+        }
+    }
+
+    /// Publishes `waiter` to its work queue with confirms.
+    async fn publish_woken(&self, publisher: &Channel, waiter: Waiter) -> Result<(), Interrupted> {
+        let Ok(env) = Envelope::decode(&waiter.body) else {
+            warn!("an unreadable waiting copy was dropped; its delay queue copy remains");
+            return Ok(());
+        };
+        let props = env.properties(Utc::now(), waiter.epoch);
+        // Straight to the work queue (the default exchange), as re-check copies go straight
+        // to their delay queue: the tasks exchange carries only what producers publish.
+        let queue = self.names.work_queue(&env.queue);
+        debug!(key = %env.key, "waking a waiting copy");
+        Ok(topology::publish_confirmed(publisher, "", &queue, false, &waiter.body, props).await?)
     }
 
     /// Runs the handler under the lease watchdog. `claimed_at` is when the claim was sent: the
@@ -499,34 +585,23 @@ impl Processor {
         stopped
     }
 
-    /// Marks `key` finished, retrying a Redis blip or a Sentinel failover for up to
-    /// [`FINISH_RETRY_FOR`]: a success we fail to record would run again once the lease expires.
+    /// Marks `key` finished, retrying a Redis blip or a Sentinel failover
+    /// ([`outcome_write_retried`]): a success we fail to record would run again once the lease
+    /// expires.
     async fn finish_with_retries(
         &self,
         env: &Envelope,
         token: &str,
         state: Final,
         record: Option<&RunRecord>,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Ended, StoreError> {
         let retention = self.config.worker.done_ttl;
-        let mut delay = Duration::from_millis(100);
-        let give_up = Instant::now() + FINISH_RETRY_FOR;
         let job = self.lock_job(env);
-        loop {
-            match self
-                .store
+        outcome_write_retried(|| {
+            self.store
                 .finish_recorded(&env.key, job, token, state, retention, record)
-                .await
-            {
-                Ok(ours) => return Ok(ours),
-                Err(e) if Instant::now() + delay < give_up => {
-                    warn!(error = %e, "could not record the result yet; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(1));
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        })
+        .await
     }
 
     /// Dead-letters after a run, marks the instance `dead` and records it.
@@ -546,8 +621,10 @@ impl Processor {
             .await?;
         let started_at = step.started_at.clone();
         let record = self.run_record(env, Outcome::Dead, started_at, Some(error.to_owned()));
-        self.finish_with_retries(env, step.token, Final::Dead, record.as_ref())
+        let ended = self
+            .finish_with_retries(env, step.token, Final::Dead, record.as_ref())
             .await?;
+        self.wake(step.publisher, ended.woken).await;
         self.stats.outcome(&env.task, RunOutcome::Dead);
         Ok(())
     }
@@ -656,6 +733,33 @@ impl Processor {
             topology::publish_confirmed(publisher, &self.names.dead(), "", false, body, out)
                 .await?,
         )
+    }
+}
+
+/// Runs an outcome write (`done`, `dead`, the retry hand-over) until it answers, retrying a
+/// Redis error (a blip, a failover, a `WAIT` shortfall) for up to [`FINISH_RETRY_FOR`] from
+/// the first failure. Repeating is safe: a write that landed although its reply was lost is
+/// found by its own token and reported recorded (docs/design.md#outcome-writes-are-idempotent).
+async fn outcome_write_retried<F, Fut>(mut write: F) -> Result<Ended, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Ended, StoreError>>,
+{
+    let mut delay = Duration::from_millis(100);
+    let mut give_up = None;
+    loop {
+        match write().await {
+            Ok(ended) => return Ok(ended),
+            Err(e) => {
+                let give_up = *give_up.get_or_insert_with(|| Instant::now() + FINISH_RETRY_FOR);
+                if Instant::now() + delay >= give_up {
+                    return Err(e);
+                }
+                warn!(error = %e, "could not record the outcome yet; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(1));
+            }
+        }
     }
 }
 
