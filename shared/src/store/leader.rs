@@ -1,5 +1,5 @@
-//! The beat's leader lease and the progress only its holder may write (DESIGN §9
-//! "Leadership"). `{ns}:beat:leader` holds `{host, pid, epoch, since, token}` with a TTL of one
+//! The beat's leader lease and the progress only its holder may write
+//! (docs/design.md#leadership). `{ns}:beat:leader` holds `{host, pid, epoch, since, token}` with a TTL of one
 //! lease; each acquisition takes the next `{ns}:beat:epoch`. Every script compares the caller's
 //! token with the lease's, so a beat that lost the lease (a pause, a partition) can neither
 //! renew it, release another's, nor move any job's progress. Each reply carries Redis `TIME`:
