@@ -1,19 +1,22 @@
-//! Leadership (DESIGN §9): any number of beats run, one leads. A background task holds or
-//! seeks the leader lease through the [`Store`] — a standby tries every `leader_lease/3`, the
-//! leader renews every `leader_lease/3` — and publishes what it knows as a [`Lead`]. The
-//! scheduler publishes only under a [`Term`] that [`Term::holds`]: the lease was renewed less
-//! than `leader_lease − leader_lease/3` ago by the monotonic clock, counted from when the renewal
-//! was *sent*. So the leader stops before any other beat can take over, and a leader resumed
-//! after SIGSTOP publishes nothing until a renewal went through. Progress writes are fenced in
-//! Redis by the lease's token besides (a deposed leader moves nothing).
+//! Leadership (docs/design.md#leadership): any number of beats run, one leads. A background
+//! task holds or seeks the leader lease through the [`Store`] — a standby tries every
+//! `leader_lease/3`, the leader renews every `leader_lease/3` — and publishes what it knows as
+//! a [`Lead`]. The scheduler publishes only under a [`Term`] that [`Term::holds`]: the lease
+//! was renewed less than `leader_lease − leader_lease/3` ago, counted from when the renewal was
+//! *sent*, on [`WINDOW_CLOCK`] — a clock that counts the time a suspended host slept. So the
+//! leader stops before any other beat can take over, and a leader resumed after SIGSTOP or a
+//! suspend of its host publishes nothing until a renewal went through. Progress writes are
+//! fenced in Redis by the lease's token besides (a deposed leader moves nothing).
 //!
-//! The pure rules — how long a reply lets a leader publish, which clock a leader plans with —
-//! are functions of their inputs ([`publish_until`], [`planning_now`]); the task is their only
-//! effect, and touches Redis only through the [`Store`].
+//! The pure rules — how long a reply lets a leader publish, whether a term may publish now,
+//! which clock a leader plans with — are functions of their inputs ([`publish_until`],
+//! [`Lead::publishes`], [`planning_now`]); clocks are read through [`Clocks`], so tests can play
+//! a suspend; the task is their only effect, and touches Redis only through the [`Store`].
 
 use crate::stats::BeatStats;
 use chrono::{DateTime, TimeDelta, Utc};
 use drumline_shared::store::{Candidate, LeaseMode, LeaseOutcome, Store};
+use nix::time::{clock_gettime, ClockId};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -24,35 +27,88 @@ use tracing::{info, warn};
 /// Longest wait for Redis when a stopping leader releases its lease.
 const RESIGN_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The clock a publish window is measured on. `CLOCK_MONOTONIC` (tokio's and std's `Instant`)
+/// stops while the host is suspended: a host resumed after a suspend longer than the lease would
+/// find its window still open, while Redis let the lease lapse and another beat leads.
+/// `CLOCK_BOOTTIME` is the same clock but for counting the suspend.
+pub const WINDOW_CLOCK: ClockId = ClockId::CLOCK_BOOTTIME;
+
+/// A reading of [`WINDOW_CLOCK`]: the time since its origin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Stamp(Duration);
+
+impl Stamp {
+    /// The reading `d` after this one.
+    pub fn after(self, d: Duration) -> Stamp {
+        Stamp(self.0 + d)
+    }
+
+    /// How long from this reading to `later` (zero when it is not later).
+    pub fn until(self, later: Stamp) -> Duration {
+        later.0.saturating_sub(self.0)
+    }
+}
+
+/// The host's clocks, read by id: the beat reads the kernel's ([`Kernel`]); tests play a host
+/// whose clocks a suspend moves apart.
+pub trait Clocks: Send + Sync {
+    /// What `clock` reads now: the time since its origin.
+    fn read(&self, clock: ClockId) -> Duration;
+
+    /// [`WINDOW_CLOCK`] now.
+    fn now(&self) -> Stamp {
+        Stamp(self.read(WINDOW_CLOCK))
+    }
+}
+
+/// The kernel's clocks (`clock_gettime`).
+pub struct Kernel;
+
+impl Clocks for Kernel {
+    fn read(&self, clock: ClockId) -> Duration {
+        // Fails only for a clock the kernel lacks (CLOCK_BOOTTIME exists since Linux 2.6.39).
+        clock_gettime(clock)
+            .map(Duration::from)
+            .expect("the kernel keeps this clock")
+    }
+}
+
 /// What this beat knows of the lease, as of the last reply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lead {
     /// Our epoch while we hold the lease; `None` on a standby.
     pub epoch: Option<u64>,
-    /// When publishing stops unless a renewal moves it (monotonic).
-    pub valid_until: Instant,
-    /// Redis `TIME` at the last reply, with the monotonic instant the reply arrived (`None`
-    /// before one): Redis's clock now is the reading plus the monotonic time since, whatever
-    /// this host's wall clock does meanwhile (an NTP step cannot move it).
-    pub redis_clock: Option<(DateTime<Utc>, Instant)>,
+    /// When publishing stops unless a renewal moves it.
+    pub valid_until: Stamp,
+    /// Redis `TIME` at the last reply, with the reading of [`WINDOW_CLOCK`] when the reply
+    /// arrived (`None` before one): Redis's clock now is the reading plus the time since,
+    /// whatever this host's wall clock does meanwhile (an NTP step cannot move it, a suspend is
+    /// counted).
+    pub redis_clock: Option<(DateTime<Utc>, Stamp)>,
 }
 
 impl Lead {
-    /// Redis `TIME` now, as the last reading and the monotonic clock since tell it. Measured
-    /// from the reply's arrival, the latest instant the reading can stand for, so it never runs
-    /// ahead of Redis however the round trip split.
-    pub fn redis_now(&self) -> Option<DateTime<Utc>> {
+    /// Redis `TIME` at `now`, as the last reading and the time since tell it. Measured from the
+    /// reply's arrival, the latest instant the reading can stand for, so it never runs ahead of
+    /// Redis however the round trip split.
+    pub fn redis_now(&self, now: Stamp) -> Option<DateTime<Utc>> {
         self.redis_clock.map(|(reading, received)| {
-            reading + TimeDelta::from_std(received.elapsed()).unwrap_or_default()
+            reading + TimeDelta::from_std(received.until(now)).unwrap_or_default()
         })
+    }
+
+    /// Whether the term of `epoch` may publish at `now`: it still holds the lease, and the
+    /// window its last grant opened has not closed.
+    pub fn publishes(&self, epoch: u64, now: Stamp) -> bool {
+        self.epoch == Some(epoch) && now < self.valid_until
     }
 }
 
 /// How long a lease try sent at `sent` and granted lets this beat publish: `lease − lease/3`,
 /// a third of the lease before any other beat can acquire it (the lease's TTL started at
 /// the earliest when the try was sent).
-pub fn publish_until(sent: Instant, lease: Duration) -> Instant {
-    sent + (lease - lease / 3)
+pub fn publish_until(sent: Stamp, lease: Duration) -> Stamp {
+    sent.after(lease - lease / 3)
 }
 
 /// The instant a leader plans with: its own wall clock, kept within `threshold` of Redis `TIME`
@@ -79,6 +135,7 @@ pub struct Leadership {
     tx: Arc<watch::Sender<Lead>>,
     task: JoinHandle<()>,
     threshold: Duration,
+    clocks: Arc<dyn Clocks>,
 }
 
 /// One leadership term: what the scheduler publishes under, from a gain to its loss.
@@ -90,6 +147,7 @@ pub struct Term {
     tx: Arc<watch::Sender<Lead>>,
     candidate: Arc<Candidate>,
     threshold: Duration,
+    clocks: Arc<dyn Clocks>,
 }
 
 impl Leadership {
@@ -100,9 +158,10 @@ impl Leadership {
             host: drumline_shared::names::host_name(),
             pid: std::process::id(),
         });
+        let clocks: Arc<dyn Clocks> = Arc::new(Kernel);
         let (tx, lead) = watch::channel(Lead {
             epoch: None,
-            valid_until: Instant::now(),
+            valid_until: clocks.now(),
             redis_clock: None,
         });
         let tx = Arc::new(tx);
@@ -110,7 +169,7 @@ impl Leadership {
             store.clone(),
             candidate.clone(),
             (lease, threshold),
-            tx.clone(),
+            (tx.clone(), clocks.clone()),
             stats,
         ));
         Leadership {
@@ -120,6 +179,7 @@ impl Leadership {
             tx,
             task,
             threshold,
+            clocks,
         }
     }
 
@@ -127,13 +187,15 @@ impl Leadership {
     pub async fn next_term(&mut self) -> Term {
         loop {
             let lead = *self.lead.borrow_and_update();
-            if let Some(epoch) = lead.epoch.filter(|_| Instant::now() < lead.valid_until) {
+            let now = self.clocks.now();
+            if let Some(epoch) = lead.epoch.filter(|epoch| lead.publishes(*epoch, now)) {
                 return Term {
                     epoch,
                     lead: self.lead.clone(),
                     tx: self.tx.clone(),
                     candidate: self.candidate.clone(),
                     threshold: self.threshold,
+                    clocks: self.clocks.clone(),
                 };
             }
             // The task only ever drops the sender when this beat stops.
@@ -170,8 +232,7 @@ impl Term {
     /// Whether this beat may publish now: it still holds the lease of this term, renewed
     /// recently enough that no other beat can have taken it.
     pub fn holds(&self) -> bool {
-        let lead = self.lead.borrow();
-        lead.epoch == Some(self.epoch) && Instant::now() < lead.valid_until
+        self.lead.borrow().publishes(self.epoch, self.clocks.now())
     }
 
     /// Whether the term is over (the task saw the lease lost or taken): `holds` can be false
@@ -187,13 +248,14 @@ impl Term {
         if self.holds() || self.ended() {
             return;
         }
+        let left = self.clocks.now().until(until);
         tokio::select! {
             r = self.lead.changed() => {
                 if r.is_err() {
                     std::future::pending::<()>().await;
                 }
             }
-            _ = tokio::time::sleep_until(until), if Instant::now() < until => {}
+            _ = tokio::time::sleep(left), if !left.is_zero() => {}
         }
     }
 
@@ -209,7 +271,8 @@ impl Term {
 
     /// The instant to plan with now ([`planning_now`]).
     pub fn now(&self) -> DateTime<Utc> {
-        planning_now(Utc::now(), self.lead.borrow().redis_now(), self.threshold)
+        let redis = self.lead.borrow().redis_now(self.clocks.now());
+        planning_now(Utc::now(), redis, self.threshold)
     }
 
     /// Redis refused a progress write of this term: the lease is someone else's. Ends the term
@@ -234,11 +297,12 @@ impl Term {
 /// no longer than its window to publish: when that passes without an answer (Redis down, or
 /// this beat cut off from it), the term ends here — the beat says it is a standby instead of
 /// claiming a lease it can no longer show it holds — and it comes back through `acquire`.
+/// Deadlines are read on [`WINDOW_CLOCK`]; tokio's timers only pace the tries.
 async fn keep(
     store: Store,
     who: Arc<Candidate>,
     (lease, threshold): (Duration, Duration),
-    tx: Arc<watch::Sender<Lead>>,
+    (tx, clocks): (Arc<watch::Sender<Lead>>, Arc<dyn Clocks>),
     stats: BeatStats,
 ) {
     let every = lease / 3;
@@ -250,17 +314,20 @@ async fn keep(
             valid_until,
             ..
         } = *tx.borrow();
-        let sent = Instant::now();
+        let paced = Instant::now();
+        let sent = clocks.now();
         let local = Utc::now();
         let (mode, answer_by) = match leading {
-            None => (LeaseMode::Acquire, sent + every),
-            Some(_) => (LeaseMode::Renew, valid_until.max(sent + retry)),
+            None => (LeaseMode::Acquire, sent.after(every)),
+            Some(_) => (LeaseMode::Renew, valid_until.max(sent.after(retry))),
         };
-        let reply = tokio::time::timeout_at(answer_by, store.lead(&who, lease, mode)).await;
+        let reply =
+            tokio::time::timeout(sent.until(answer_by), store.lead(&who, lease, mode)).await;
         let pause = match reply {
             Ok(Ok(reply)) => {
-                let received = Instant::now();
-                let local_then = local + TimeDelta::from_std(sent.elapsed()).unwrap_or_default();
+                let received = clocks.now();
+                let local_then =
+                    local + TimeDelta::from_std(sent.until(received)).unwrap_or_default();
                 clock_off = warn_clock(reply.redis_time - local_then, threshold, clock_off);
                 report(leading, reply.outcome, &stats);
                 tx.send_modify(|lead| {
@@ -275,7 +342,7 @@ async fn keep(
                     _ => "no answer in time".to_owned(),
                 };
                 warn!(error = %error, leading = leading.is_some(), "cannot reach redis for the leader lease; retrying");
-                if let Some(epoch) = leading.filter(|_| Instant::now() >= valid_until) {
+                if let Some(epoch) = leading.filter(|_| clocks.now() >= valid_until) {
                     warn!(epoch, "leadership lost: no renewal within the lease's publishing window; standing by");
                     stats.set_leader(false, 0);
                     tx.send_modify(|lead| lead.epoch = None);
@@ -283,7 +350,7 @@ async fn keep(
                 retry
             }
         };
-        tokio::time::sleep_until(sent + pause).await;
+        tokio::time::sleep_until(paced + pause).await;
     }
 }
 
@@ -301,7 +368,7 @@ fn warn_clock(skew: TimeDelta, threshold: Duration, was_off: bool) -> bool {
 }
 
 /// The new [`Lead`] after a lease try sent at `sent` answered `outcome`.
-fn apply(lead: &mut Lead, outcome: LeaseOutcome, sent: Instant, lease: Duration) {
+fn apply(lead: &mut Lead, outcome: LeaseOutcome, sent: Stamp, lease: Duration) {
     match outcome {
         LeaseOutcome::Acquired { epoch } | LeaseOutcome::Renewed { epoch } => {
             lead.epoch = Some(epoch);
@@ -340,28 +407,120 @@ fn report(leading: Option<u64>, outcome: LeaseOutcome, stats: &BeatStats) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
 
     const LEASE: Duration = Duration::from_secs(9);
 
+    /// A host whose clocks the test moves: running moves both, a suspend only the boot clock
+    /// (the kernel stops `CLOCK_MONOTONIC` while it sleeps; `CLOCK_BOOTTIME` counts the sleep).
+    #[derive(Default)]
+    struct Host {
+        monotonic: Mutex<Duration>,
+        boottime: Mutex<Duration>,
+    }
+
+    impl Host {
+        fn run(&self, d: Duration) {
+            *self.monotonic.lock().unwrap() += d;
+            *self.boottime.lock().unwrap() += d;
+        }
+
+        fn suspend(&self, d: Duration) {
+            *self.boottime.lock().unwrap() += d;
+        }
+    }
+
+    impl Clocks for Host {
+        fn read(&self, clock: ClockId) -> Duration {
+            if clock == ClockId::CLOCK_MONOTONIC {
+                *self.monotonic.lock().unwrap()
+            } else if clock == ClockId::CLOCK_BOOTTIME {
+                *self.boottime.lock().unwrap()
+            } else {
+                panic!("the host keeps no {clock:?}")
+            }
+        }
+    }
+
+    /// A term of `epoch` on `host`, and the sender the lease task would move it with.
+    fn term(host: &Arc<Host>, epoch: u64, lead: Lead) -> (Arc<watch::Sender<Lead>>, Term) {
+        let (tx, rx) = watch::channel(lead);
+        let tx = Arc::new(tx);
+        let term = Term {
+            epoch,
+            lead: rx,
+            tx: tx.clone(),
+            candidate: Arc::new(Candidate {
+                token: "t".into(),
+                host: "h".into(),
+                pid: 1,
+            }),
+            threshold: Duration::from_secs(5),
+            clocks: host.clone(),
+        };
+        (tx, term)
+    }
+
+    fn standby(host: &Host) -> Lead {
+        Lead {
+            epoch: None,
+            valid_until: host.now(),
+            redis_clock: None,
+        }
+    }
+
     #[test]
     fn a_grant_lets_the_leader_publish_for_two_thirds_of_the_lease_from_the_send() {
-        let sent = Instant::now();
-        assert_eq!(publish_until(sent, LEASE), sent + Duration::from_secs(6));
-        let mut lead = Lead {
-            epoch: None,
-            valid_until: sent,
-            redis_clock: None,
-        };
+        let host = Host::default();
+        host.run(Duration::from_secs(100));
+        let sent = host.now();
+        assert_eq!(
+            publish_until(sent, LEASE),
+            sent.after(Duration::from_secs(6))
+        );
+        let mut lead = standby(&host);
         apply(&mut lead, LeaseOutcome::Acquired { epoch: 7 }, sent, LEASE);
         assert_eq!(
             (lead.epoch, lead.valid_until),
-            (Some(7), sent + Duration::from_secs(6))
+            (Some(7), sent.after(Duration::from_secs(6)))
         );
-        let later = sent + Duration::from_secs(3);
+        let later = sent.after(Duration::from_secs(3));
         apply(&mut lead, LeaseOutcome::Renewed { epoch: 7 }, later, LEASE);
-        assert_eq!(lead.valid_until, later + Duration::from_secs(6));
+        assert_eq!(lead.valid_until, later.after(Duration::from_secs(6)));
+        assert!(lead.publishes(7, later.after(Duration::from_millis(5999))));
+        assert!(!lead.publishes(7, later.after(Duration::from_secs(6))));
+        assert!(!lead.publishes(8, later));
         apply(&mut lead, LeaseOutcome::Refused { holder: 8 }, later, LEASE);
         assert_eq!(lead.epoch, None);
+    }
+
+    // See: issues/16 (item 7)
+    #[test]
+    fn a_host_resumed_from_a_suspend_finds_its_window_over() {
+        let host = Arc::new(Host::default());
+        let (tx, term) = term(&host, 3, standby(&host));
+        let granted = host.now();
+        let reading: DateTime<Utc> = "2026-03-02T12:00:00Z".parse().unwrap();
+        tx.send_modify(|l| {
+            apply(l, LeaseOutcome::Acquired { epoch: 3 }, granted, LEASE);
+            l.redis_clock = Some((reading, granted));
+        });
+        host.run(Duration::from_secs(1));
+        assert!(term.holds());
+        // The host sleeps for a minute: Redis lets the lease (9 s) lapse, another beat leads.
+        // Its monotonic clock stood still meanwhile; its boot clock did not.
+        host.suspend(Duration::from_secs(60));
+        assert!(
+            !term.holds(),
+            "a host resumed from a suspend publishes on a lapsed lease"
+        );
+        // Over until a renewal comes back (refused: the term ends), not ended by the clock.
+        assert!(!term.ended());
+        // Redis TIME, as this beat estimates it, counts the minute too.
+        assert_eq!(
+            tx.borrow().redis_now(host.now()),
+            Some(reading + TimeDelta::seconds(61))
+        );
     }
 
     #[test]
@@ -389,99 +548,56 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_term_stops_holding_when_its_renewal_is_late_and_ends_when_refused() {
-        let (tx, lead) = watch::channel(Lead {
-            epoch: None,
-            valid_until: Instant::now(),
-            redis_clock: None,
-        });
-        let tx = Arc::new(tx);
-        tx.send_modify(|l| {
-            apply(
-                l,
-                LeaseOutcome::Acquired { epoch: 3 },
-                Instant::now(),
-                LEASE,
-            )
-        });
-        let term = Term {
-            epoch: 3,
-            lead,
-            tx: tx.clone(),
-            candidate: Arc::new(Candidate {
-                token: "t".into(),
-                host: "h".into(),
-                pid: 1,
-            }),
-            threshold: Duration::from_secs(5),
-        };
+    #[test]
+    fn a_term_stops_holding_when_its_renewal_is_late_and_ends_when_refused() {
+        let host = Arc::new(Host::default());
+        let (tx, term) = term(&host, 3, standby(&host));
+        let now = || host.now();
+        tx.send_modify(|l| apply(l, LeaseOutcome::Acquired { epoch: 3 }, now(), LEASE));
         assert!(term.holds() && !term.ended());
         // A SIGSTOP or a slow Redis: no renewal for two thirds of the lease.
-        tokio::time::advance(Duration::from_secs(6)).await;
+        host.run(Duration::from_secs(6));
         assert!(!term.holds() && !term.ended());
         // The renewal, when it comes, is refused: the term is over.
-        tx.send_modify(|l| {
-            apply(
-                l,
-                LeaseOutcome::Refused { holder: 4 },
-                Instant::now(),
-                LEASE,
-            )
-        });
+        tx.send_modify(|l| apply(l, LeaseOutcome::Refused { holder: 4 }, now(), LEASE));
         assert!(term.ended());
         // A later acquisition is another term, not this one.
-        tx.send_modify(|l| {
-            apply(
-                l,
-                LeaseOutcome::Acquired { epoch: 5 },
-                Instant::now(),
-                LEASE,
-            )
-        });
+        tx.send_modify(|l| apply(l, LeaseOutcome::Acquired { epoch: 5 }, now(), LEASE));
         assert!(!term.holds() && term.ended());
     }
 
     #[test]
     fn progress_refused_by_redis_ends_the_term_at_once() {
-        let (tx, lead) = watch::channel(Lead {
+        let host = Arc::new(Host::default());
+        let lead = Lead {
             epoch: Some(3),
-            valid_until: Instant::now() + LEASE,
+            valid_until: host.now().after(LEASE),
             redis_clock: None,
-        });
-        let term = Term {
-            epoch: 3,
-            lead,
-            tx: Arc::new(tx),
-            candidate: Arc::new(Candidate {
-                token: "t".into(),
-                host: "h".into(),
-                pid: 1,
-            }),
-            threshold: Duration::from_secs(5),
         };
+        let (_tx, term) = term(&host, 3, lead);
         term.deposed();
         assert!(term.ended() && !term.holds());
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn redis_time_runs_on_the_monotonic_clock_from_the_last_reading() {
+    #[test]
+    fn redis_time_runs_on_the_window_clock_from_the_last_reading() {
+        let host = Host::default();
         let reading: DateTime<Utc> = "2026-03-02T12:00:00Z".parse().unwrap();
         let lead = Lead {
             epoch: Some(1),
-            valid_until: Instant::now() + LEASE,
-            redis_clock: Some((reading, Instant::now())),
+            valid_until: host.now().after(LEASE),
+            redis_clock: Some((reading, host.now())),
         };
-        tokio::time::advance(Duration::from_millis(2500)).await;
+        host.run(Duration::from_millis(2500));
         // Whatever this host's wall clock says (an NTP step included), Redis's clock is the
-        // reading plus the monotonic time since it arrived.
+        // reading plus the time since it arrived.
         assert_eq!(
-            lead.redis_now(),
+            lead.redis_now(host.now()),
             Some(reading + TimeDelta::milliseconds(2500))
         );
         let stepped: DateTime<Utc> = "2026-03-02T13:00:02.5Z".parse().unwrap();
         assert_eq!(
-            planning_now(stepped, lead.redis_now(), Duration::from_secs(5)),
+            planning_now(stepped, lead.redis_now(host.now()), Duration::from_secs(5)),
             "2026-03-02T12:00:07.5Z".parse::<DateTime<Utc>>().unwrap()
         );
     }

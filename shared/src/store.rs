@@ -7,7 +7,7 @@ use crate::envelope::parse_instant;
 use crate::names::Names;
 use chrono::{DateTime, SecondsFormat, Utc};
 use redis::aio::ConnectionManager;
-use redis::{AsyncCommands, Script, ScriptInvocation, ToRedisArgs};
+use redis::{AsyncCommands, Script, ScriptInvocation};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::LazyLock;
@@ -644,9 +644,12 @@ impl Store {
         })
     }
 
-    /// Makes the durable writes (`done`, `dead`, `retrying`, progress) wait for `wait`'s
-    /// replicas: `WAIT` is pipelined right after the write, and fewer acknowledgements than
-    /// asked is an error, handled like any Redis error (the caller fails closed).
+    /// Makes the durable writes (`done`, `dead`, `retrying`, progress, the claim and its
+    /// renewals, the leader lease) wait for `wait`'s replicas: `WAIT` is pipelined right after
+    /// the write, and fewer acknowledgements than asked is an error, handled like any Redis
+    /// error (the caller fails closed) — and a reason to ask the Sentinels for the primary
+    /// again ([`Conn`]): a primary cut off from its replicas grants no lease and no claim.
+    /// See `docs/design.md#leadership`.
     pub fn with_wait(mut self, wait: WaitReplicas) -> Self {
         self.wait = (wait.replicas > 0).then_some((wait.replicas, wait.timeout));
         self
@@ -663,7 +666,8 @@ impl Store {
     }
 
     /// Takes `WAIT`'s reply off the end of `replies` (when [`push_wait`](Self::push_wait)
-    /// added it): fewer replicas than asked is an error.
+    /// added it): fewer replicas than asked is an error, and the Sentinels are asked whether
+    /// the primary moved (one cut off from its replicas may have been replaced).
     fn check_wait(&self, replies: &mut Vec<redis::Value>) -> Result<(), StoreError> {
         let Some((replicas, timeout)) = self.wait else {
             return Ok(());
@@ -673,6 +677,7 @@ impl Store {
             None => -1,
         };
         if acked < i64::from(replicas) {
+            self.conn.primary_in_doubt();
             return Err(StoreError::from((
                 redis::ErrorKind::Extension,
                 "too few replicas acknowledged the write (wait_replicas)",
@@ -727,7 +732,9 @@ impl Store {
     }
 
     /// Tries to claim instance `key` for `lease`. With an overlap mode other than `Allow` the
-    /// claim also takes the job's overlap lock; a `skipped` state is kept for `retention`.
+    /// claim also takes the job's overlap lock; a `skipped` state is kept for `retention`. A
+    /// durable write ([`with_wait`](Self::with_wait)): with too few replicas it is an error,
+    /// whatever the script answered.
     pub async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let ClaimRequest {
             key,
@@ -740,10 +747,9 @@ impl Store {
             retention,
             expired,
         } = *req;
-        let mut conn = self.conn.clone();
         let (mode, lock_job) = overlap.parts();
-        let reply: Vec<String> = CLAIM
-            .key(self.names.run_key(key))
+        let mut call = CLAIM.prepare_invoke();
+        call.key(self.names.run_key(key))
             .key(self.names.fence())
             .key(self.job_lock(lock_job))
             .key(self.running_set(job))
@@ -755,9 +761,9 @@ impl Store {
             .arg(retention.as_millis() as u64)
             .arg(key)
             .arg(if expired { "1" } else { "0" })
-            .arg(if job.is_some() { "1" } else { "0" })
-            .invoke_async(&mut conn)
-            .await?;
+            .arg(if job.is_some() { "1" } else { "0" });
+        // Waited for like an outcome: a claim only a cut-off primary knows is no claim.
+        let reply: Vec<String> = self.durable(&CLAIM, &call).await?;
         parse_claim(&reply).ok_or_else(|| {
             StoreError::from((
                 redis::ErrorKind::UnexpectedReturnType,
@@ -779,7 +785,8 @@ impl Store {
 
     /// Extends our lease (and moves the instance's entry in its job's running set); `false`
     /// means it is no longer ours. `job` is the instance's job ([`ClaimRequest::job`]); the
-    /// job's overlap lock is renewed only when this claim holds it.
+    /// job's overlap lock is renewed only when this claim holds it. A durable write, like the
+    /// claim ([`with_wait`](Self::with_wait)).
     pub async fn renew(
         &self,
         key: &str,
@@ -787,8 +794,9 @@ impl Store {
         token: &str,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let lease = lease.as_millis() as u64;
-        self.as_holder(&RENEW, key, job, token, lease).await
+        let mut call = self.holder_call(&RENEW, key, job, token);
+        call.arg(lease.as_millis() as u64);
+        self.durable(&RENEW, &call).await
     }
 
     /// Ends our claim as `ending` says, the record kept for `retention`, job lock released (if
@@ -877,20 +885,6 @@ impl Store {
             .arg(token)
             .arg(if job.is_some() { key } else { "" });
         call
-    }
-
-    /// Runs a holder's script that is not a durable write and answers yes or no (RENEW).
-    async fn as_holder(
-        &self,
-        script: &Script,
-        key: &str,
-        job: Option<&str>,
-        token: &str,
-        args: impl ToRedisArgs,
-    ) -> Result<bool, StoreError> {
-        let mut call = self.holder_call(script, key, job, token);
-        call.arg(args);
-        call.invoke_async(&mut self.conn.clone()).await
     }
 
     /// Gives the claim up (its copy is requeued and takes over at once), out of the running

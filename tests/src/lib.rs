@@ -5,6 +5,7 @@
 pub mod proxy;
 pub mod sentinel;
 pub mod snoop;
+pub mod suspend;
 pub mod tls;
 
 use drumline_shared::names::Names;

@@ -8,10 +8,14 @@
 //! held during a blackhole are delivered when the proxy passes again, as TCP would after a
 //! partition heals.
 //!
+//! A fault may also be set for the connections from one source address only
+//! ([`Proxy::set_from`]): with each side of a network on its own loopback address (127.0.0.1,
+//! 127.0.0.2, …), that is a partition between hosts that still lets the others through.
+//!
 //! The proxy runs on its own small tokio runtime, so sync and async tests can use it alike;
 //! dropping it closes every connection.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -32,11 +36,28 @@ pub enum Fault {
     Reset,
 }
 
+/// The faults in force: one for every connection, and one per source address named.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Rules {
+    all: Fault,
+    from: Vec<(IpAddr, Fault)>,
+}
+
+impl Rules {
+    /// The fault for a connection from `peer`.
+    fn of(&self, peer: IpAddr) -> Fault {
+        self.from
+            .iter()
+            .find(|(ip, _)| *ip == peer)
+            .map_or(self.all, |(_, fault)| *fault)
+    }
+}
+
 /// A running proxy on a free 127.0.0.1 port.
 pub struct Proxy {
     /// The port clients connect to.
     pub port: u16,
-    fault: watch::Sender<Fault>,
+    rules: watch::Sender<Rules>,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
@@ -52,23 +73,39 @@ impl Proxy {
             .enable_all()
             .build()
             .expect("proxy runtime");
-        let (fault, rx) = watch::channel(Fault::Pass);
+        let (rules, rx) = watch::channel(Rules {
+            all: Fault::Pass,
+            from: Vec::new(),
+        });
         runtime.spawn(async move {
             let listener = TcpListener::from_std(listener).expect("proxy listener");
-            while let Ok((client, _)) = listener.accept().await {
-                tokio::spawn(connection(client, target, rx.clone()));
+            while let Ok((client, peer)) = listener.accept().await {
+                let fault = View {
+                    rules: rx.clone(),
+                    peer: peer.ip(),
+                };
+                tokio::spawn(connection(client, target, fault));
             }
         });
         Self {
             port,
-            fault,
+            rules,
             runtime: Some(runtime),
         }
     }
 
-    /// Switches the fault for every connection, open or future.
+    /// Switches the fault for every connection, open or future (but those from an address
+    /// given its own with [`set_from`](Self::set_from)).
     pub fn set(&self, fault: Fault) {
-        self.fault.send_replace(fault);
+        self.rules.send_modify(|rules| rules.all = fault);
+    }
+
+    /// Switches the fault for the connections, open or future, whose source address is `peer`.
+    pub fn set_from(&self, peer: IpAddr, fault: Fault) {
+        self.rules.send_modify(|rules| {
+            rules.from.retain(|(ip, _)| *ip != peer);
+            rules.from.push((peer, fault));
+        });
     }
 
     /// A `redis://` URL through this proxy (database 0).
@@ -86,19 +123,42 @@ impl Drop for Proxy {
     }
 }
 
-/// Waits until the fault lets bytes through; `false` when the proxy is gone.
-async fn passable(fault: &mut watch::Receiver<Fault>) -> bool {
-    fault.wait_for(|f| *f != Fault::Blackhole).await.is_ok()
+/// One connection's view of the rules: the fault for its source address.
+#[derive(Clone)]
+struct View {
+    rules: watch::Receiver<Rules>,
+    peer: IpAddr,
 }
 
-/// True while the fault is [`Fault::Reset`]: the connection must close.
-fn resetting(fault: &watch::Receiver<Fault>) -> bool {
-    *fault.borrow() == Fault::Reset
+impl View {
+    /// The fault now (marked seen, for [`changed`](Self::changed)).
+    fn now(&mut self) -> Fault {
+        self.rules.borrow_and_update().of(self.peer)
+    }
+
+    /// Waits until the rules change; `false` when the proxy is gone.
+    async fn changed(&mut self) -> bool {
+        self.rules.changed().await.is_ok()
+    }
+
+    /// True while the fault is [`Fault::Reset`]: the connection must close.
+    fn resetting(&self) -> bool {
+        self.rules.borrow().of(self.peer) == Fault::Reset
+    }
+
+    /// Waits until the fault lets bytes through; `false` when the proxy is gone.
+    async fn passable(&mut self) -> bool {
+        let peer = self.peer;
+        self.rules
+            .wait_for(|rules| rules.of(peer) != Fault::Blackhole)
+            .await
+            .is_ok()
+    }
 }
 
-async fn connection(client: TcpStream, target: SocketAddr, mut fault: watch::Receiver<Fault>) {
+async fn connection(client: TcpStream, target: SocketAddr, mut fault: View) {
     // A blackholed network does not reach the server either: connect only once it passes.
-    if !passable(&mut fault).await || resetting(&fault) {
+    if !fault.passable().await || fault.resetting() {
         return;
     }
     let Ok(server) = TcpStream::connect(target).await else {
@@ -115,11 +175,11 @@ async fn connection(client: TcpStream, target: SocketAddr, mut fault: watch::Rec
 }
 
 /// Copies one direction, obeying the fault.
-async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut fault: watch::Receiver<Fault>) {
+async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut fault: View) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         // While blackholed nothing is read, so bytes pile up in the kernel as on a dead link.
-        if !passable(&mut fault).await || resetting(&fault) {
+        if !fault.passable().await || fault.resetting() {
             let _ = to.shutdown().await;
             return;
         }
@@ -132,7 +192,7 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut fault: watch:
                 Ok(n) => n,
             },
             changed = fault.changed() => {
-                if changed.is_err() {
+                if !changed {
                     return;
                 }
                 continue;
@@ -141,8 +201,7 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut fault: watch:
         // The fault is judged again when forwarding: a chunk read just before a switch to
         // blackhole is held too.
         loop {
-            let now = *fault.borrow_and_update();
-            match now {
+            match fault.now() {
                 Fault::Pass => break,
                 Fault::Reset => {
                     let _ = to.shutdown().await;
@@ -153,7 +212,7 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut fault: watch:
                     break;
                 }
                 Fault::Blackhole => {
-                    if !passable(&mut fault).await {
+                    if !fault.passable().await {
                         return;
                     }
                 }
@@ -236,5 +295,47 @@ mod tests {
         let mut held = [0u8; 4];
         fresh.read_exact(&mut held).unwrap();
         assert_eq!(&held, b"four");
+    }
+
+    /// A blocking stream to the proxy from source address `from`.
+    fn connect_from(from: &str, proxy: &Proxy) -> std::net::TcpStream {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let stream = runtime
+            .block_on(async {
+                let socket = tokio::net::TcpSocket::new_v4()?;
+                socket.bind(format!("{from}:0").parse().unwrap())?;
+                socket.connect(([127, 0, 0, 1], proxy.port).into()).await
+            })
+            .unwrap()
+            .into_std()
+            .unwrap();
+        stream.set_nonblocking(false).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        stream
+    }
+
+    #[test]
+    fn a_fault_from_one_source_address_leaves_the_others_through() {
+        let proxy = Proxy::start(echo_server());
+        let mut near = connect_from("127.0.0.1", &proxy);
+        let mut far = connect_from("127.0.0.2", &proxy);
+        assert_eq!(round_trip(&mut far, b"one").unwrap(), b"one");
+
+        proxy.set_from("127.0.0.2".parse().unwrap(), Fault::Blackhole);
+        assert!(round_trip(&mut far, b"two").is_err());
+        assert!(round_trip(&mut connect_from("127.0.0.2", &proxy), b"new").is_err());
+        assert_eq!(round_trip(&mut near, b"three").unwrap(), b"three");
+        let mut fresh = connect_from("127.0.0.1", &proxy);
+        assert_eq!(round_trip(&mut fresh, b"four").unwrap(), b"four");
+
+        proxy.set_from("127.0.0.2".parse().unwrap(), Fault::Pass);
+        let mut held = [0u8; 3];
+        far.read_exact(&mut held).unwrap();
+        assert_eq!(&held, b"two");
     }
 }

@@ -6,10 +6,18 @@
 //! (a test may kill and restart its nodes; [`SentinelSet::heal`] puts it back together). It is
 //! torn down when the test binary exits: a small watchdog process kills every node and removes
 //! the directory once the binary's pid is gone (statics are never dropped).
+//!
+//! [`SentinelSet::behind_proxy`] starts a set of a test's own whose first primary the replicas
+//! and Sentinels reach only through a [`Proxy`], from their own loopback address
+//! ([`FAR_SIDE`]), while clients reach it through the same proxy from 127.0.0.1: cutting
+//! [`FAR_SIDE`] at the proxy cuts the primary off from its replicas and Sentinels and from
+//! nobody else. That set is torn down when dropped.
 
 use super::{free_port, wait_until};
+use crate::proxy::Proxy;
 use std::collections::HashMap;
 use std::fs::{self, File};
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -22,6 +30,9 @@ pub const MASTER: &str = "drumline";
 pub const DOWN_AFTER_MS: u64 = 1000;
 /// `failover-timeout`.
 pub const FAILOVER_TIMEOUT_MS: u64 = 5000;
+/// The source address of the replicas' and Sentinels' connections in a set
+/// [`behind_proxy`](SentinelSet::behind_proxy).
+pub const FAR_SIDE: IpAddr = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
 
 /// The deployment (see the module docs).
 pub struct SentinelSet {
@@ -34,8 +45,11 @@ pub struct SentinelSet {
     down: Vec<u16>,
     /// Every process started, by port (reaped when killed).
     children: HashMap<u16, Child>,
+    /// In a set [`behind_proxy`](Self::behind_proxy), the proxy in front of the first
+    /// primary; its port is that primary's address for everyone.
+    pub front: Option<Proxy>,
     /// Tears the set down when the test binary exits.
-    _watchdog: Child,
+    watchdog: Child,
 }
 
 static SHARED: OnceLock<Mutex<SentinelSet>> = OnceLock::new();
@@ -44,14 +58,22 @@ impl SentinelSet {
     /// The binary's deployment, started on first use, healthy (every node up, two replicas
     /// online), held until the guard is dropped.
     pub async fn shared() -> MutexGuard<'static, SentinelSet> {
-        let set = SHARED.get_or_init(|| Mutex::new(SentinelSet::start()));
+        let set = SHARED.get_or_init(|| Mutex::new(SentinelSet::start(false)));
         // A test that failed while holding it may have left a node down: heal it.
         let mut guard = set.lock().await;
         guard.heal();
         guard
     }
 
-    fn start() -> Self {
+    /// A set of the caller's own (not shared) whose first primary sits behind
+    /// [`front`](Self::front) (see the module docs); healthy when it returns, torn down when
+    /// dropped. `front.set_from(FAR_SIDE, Fault::Blackhole)` cuts that primary off from its
+    /// replicas and Sentinels; the clients' connections (from 127.0.0.1) still pass.
+    pub fn behind_proxy() -> Self {
+        Self::start(true)
+    }
+
+    fn start(behind_proxy: bool) -> Self {
         let dir = std::env::temp_dir().join("drumline-tests").join(format!(
             "sentinel-{}",
             &uuid::Uuid::new_v4().simple().to_string()[..8]
@@ -60,19 +82,23 @@ impl SentinelSet {
         let nodes: Vec<u16> = (0..3).map(|_| free_port()).collect();
         let sentinels: Vec<u16> = (0..3).map(|_| free_port()).collect();
         let watchdog = watchdog(&dir);
+        let front = behind_proxy.then(|| Proxy::start(([127, 0, 0, 1], nodes[0]).into()));
         let mut set = Self {
             dir,
             nodes,
             sentinels,
             down: Vec::new(),
             children: HashMap::new(),
-            _watchdog: watchdog,
+            front,
+            watchdog,
         };
+        // Everyone's address of the first primary.
+        let first = set.front.as_ref().map_or(set.nodes[0], |p| p.port);
         for (i, port) in set.nodes.clone().into_iter().enumerate() {
             let conf = set.dir.join(format!("redis-{port}.conf"));
             fs::create_dir_all(set.dir.join(format!("data-{port}"))).expect("mkdir");
             fs::write(&conf, set.node_conf(port)).expect("conf");
-            let primary = (i > 0).then_some(set.nodes[0]);
+            let primary = (i > 0).then_some(first);
             set.spawn_node(port, primary);
         }
         for port in set.sentinels.clone() {
@@ -85,29 +111,44 @@ impl SentinelSet {
             set.children.insert(port, child);
             wait_port(port);
         }
-        set.wait_healthy(set.nodes[0]);
+        set.wait_healthy(first);
         set
+    }
+
+    /// `port` and `bind` of a node's or Sentinel's config. Behind a proxy its connections
+    /// leave from [`FAR_SIDE`] and it listens there too (a Sentinel announces the address its
+    /// link to the primary leaves from), accepting both addresses (protected mode admits
+    /// 127.0.0.1 only).
+    fn listen_conf(&self, port: u16) -> String {
+        let far = if self.front.is_some() {
+            format!(" {FAR_SIDE}\nbind-source-addr {FAR_SIDE}\nprotected-mode no")
+        } else {
+            String::new()
+        };
+        format!("port {port}\nbind 127.0.0.1{far}\n")
     }
 
     fn node_conf(&self, port: u16) -> String {
         let d = self.dir.display();
         format!(
-            "port {port}\nbind 127.0.0.1\ndir {d}/data-{port}\npidfile {d}/redis-{port}.pid\n\
+            "{}dir {d}/data-{port}\npidfile {d}/redis-{port}.pid\n\
              logfile {d}/redis-{port}.log\nappendonly yes\nappendfsync everysec\nsave \"\"\n\
-             repl-diskless-sync yes\nrepl-diskless-sync-delay 0\n"
+             repl-diskless-sync yes\nrepl-diskless-sync-delay 0\n",
+            self.listen_conf(port)
         )
     }
 
     fn sentinel_conf(&self, port: u16) -> String {
         let d = self.dir.display();
-        let primary = self.nodes[0];
+        let primary = self.front.as_ref().map_or(self.nodes[0], |p| p.port);
         format!(
-            "port {port}\nbind 127.0.0.1\ndir {d}\npidfile {d}/sentinel-{port}.pid\n\
+            "{}dir {d}\npidfile {d}/sentinel-{port}.pid\n\
              logfile {d}/sentinel-{port}.log\n\
              sentinel monitor {MASTER} 127.0.0.1 {primary} 2\n\
              sentinel down-after-milliseconds {MASTER} {DOWN_AFTER_MS}\n\
              sentinel failover-timeout {MASTER} {FAILOVER_TIMEOUT_MS}\n\
-             sentinel parallel-syncs {MASTER} 2\n"
+             sentinel parallel-syncs {MASTER} 2\n",
+            self.listen_conf(port)
         )
     }
 
@@ -254,6 +295,20 @@ impl SentinelSet {
             "the sentinel set did not become whole; see {}",
             self.dir.display()
         );
+    }
+}
+
+impl Drop for SentinelSet {
+    /// Kills every process of the set and removes its directory (the shared set, a static, is
+    /// left to its watchdog).
+    fn drop(&mut self) {
+        for child in self.children.values_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = self.watchdog.kill();
+        let _ = self.watchdog.wait();
+        let _ = fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -8,6 +8,7 @@
 use chrono::{DateTime, Utc};
 use drumline_e2e::proxy::{Fault, Proxy};
 use drumline_e2e::snoop::{Snoop, Snooped};
+use drumline_e2e::suspend::Suspender;
 use drumline_e2e::{
     assert_contiguous_exactly_once, faketime_ahead, instant_of, metric, setup, wait_until,
     with_metrics, Proc, TestEnv, REDIS_URL,
@@ -524,6 +525,104 @@ async fn a_leader_stopped_past_its_lease_publishes_nothing_it_decides_after_resu
         "the progress is the newest instant published"
     );
     settle_and_check(&env, &snoop, &mut workers, 10);
+}
+
+// See: issues/16 (item 7)
+/// A leader's host suspended past its lease, played by [`Suspender`]: SIGSTOP, then SIGCONT with
+/// the beat's `CLOCK_MONOTONIC` held back by the stop, so that after resuming its monotonic
+/// clock says almost no time passed while its boot clock and wall clock say seconds did. A
+/// standby leads meanwhile. The resumed beat's Redis connections are closed and Redis refuses
+/// new ones (as after a suspend long enough to break them), so every call fails at once and
+/// what it does next it decides on its own clocks: it must find its publish window over and
+/// hand nothing to the broker under its old epoch.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leader_resumed_from_a_host_suspend_publishes_nothing_on_its_lapsed_lease() {
+    let mut env = setup("lead_suspend");
+    let cfg = config(&env, "leader_lease = \"3s\"");
+    let mut workers = workers(&env, &cfg, 1).await;
+    let snoop = Snoop::start(&mut env, "default");
+    let proxy = Proxy::start("127.0.0.1:6379".parse().expect("addr"));
+    let suspender = Suspender::new(&env.dir);
+    let mut vars = suspender.env();
+    vars.push(("DRUMLINE_REDIS_URL", proxy.redis_url()));
+    let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut beats = vec![Beat::start(&env, "beat-suspended", &cfg, &vars)];
+    let first = wait_leader(&env, 0, WAIT, &[&beats[0]]);
+    assert_eq!(first.pid, beats[0].pid);
+    beats.push(Beat::start(&env, "beat-standby", &cfg, &[]));
+    assert!(
+        wait_until(WAIT, || of_epoch(&snoop, first.epoch).len() >= 3
+            && beats[1].metric(IS_LEADER) == Some(0.0)),
+        "{}",
+        beats[0].proc.log_tail(20)
+    );
+
+    // Suspended just after a renewal landed, with its whole window (2 s) ahead by its clocks.
+    let mut redis = redis_sync();
+    let renewed_deadline = Instant::now() + WAIT;
+    loop {
+        let pttl: i64 = redis::cmd("PTTL")
+            .arg(env.names().beat_leader())
+            .query(&mut redis)
+            .expect("PTTL");
+        if (2800..2950).contains(&pttl) {
+            break;
+        }
+        assert!(
+            Instant::now() < renewed_deadline,
+            "the lease is not renewed"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let asleep = suspender.suspend(beats[0].pid as i32);
+    // Stopped: whatever it decides later than this (its wall clock is the test's), it decided
+    // after resuming.
+    let suspended = Utc::now();
+    let second = wait_leader(&env, first.epoch, Duration::from_secs(20), &[&beats[1]]);
+    assert_eq!(second.pid, beats[1].pid, "the standby took over");
+    assert!(
+        wait_until(WAIT, || of_epoch(&snoop, second.epoch).len() >= 2),
+        "{}",
+        beats[1].proc.log_tail(20)
+    );
+    drop(proxy);
+    let slept = asleep.resume();
+    let resumed_at = Instant::now();
+    // It stands by, and hands nothing to the broker for longer than its window (2 s) as its
+    // monotonic clock would count it from its last renewal.
+    let stood_by = wait_until(Duration::from_secs(5), || {
+        beats[0].metric(IS_LEADER) == Some(0.0)
+    });
+    let quiet_until = resumed_at + Duration::from_secs(4);
+    while Instant::now() < quiet_until {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = beats[0].proc.log_tail(20);
+    for b in beats.iter_mut() {
+        assert!(
+            b.proc.terminate(Duration::from_secs(10)).success(),
+            "{}",
+            b.proc.log_tail(20)
+        );
+    }
+    let after_resume: Vec<_> = snoop
+        .settle()
+        .into_iter()
+        .filter(|m| m.epoch == Some(first.epoch as i64) && m.envelope.published_at > suspended)
+        .map(|m| m.envelope.key)
+        .collect();
+    println!(
+        "suspend: the leader slept {slept:?} (lease 3 s); after resuming it published {} \
+         copies under its old epoch",
+        after_resume.len()
+    );
+    assert!(
+        after_resume.is_empty(),
+        "the resumed leader published on its lapsed lease (it slept {slept:?}, lease 3 s): \
+         {after_resume:?}\n{log}"
+    );
+    assert!(stood_by, "the resumed leader still says it leads\n{log}");
+    settle_and_check(&env, &snoop, &mut workers, 6);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -4,9 +4,13 @@
 //! [`SentinelSet`] (primary + 2 replicas + 3 Sentinels), never the shared Redis.
 
 use chrono::Utc;
-use drumline_e2e::sentinel::SentinelSet;
+use drumline_e2e::proxy::Fault;
+use drumline_e2e::sentinel::{SentinelSet, FAR_SIDE};
 use drumline_e2e::snoop::Snoop;
-use drumline_e2e::{adhoc, counts, instant_of, setup, toml_string, wait_until, AMQP_URL};
+use drumline_e2e::{
+    adhoc, assert_contiguous_exactly_once, counts, instant_of, metric, setup, toml_string,
+    wait_until, with_metrics, Proc, AMQP_URL,
+};
 use drumline_shared::names::Names;
 use drumline_shared::store::{
     Candidate, Claim, ClaimRequest, Ending, Final, LeaseMode, LeaseOutcome, OverlapMode,
@@ -15,6 +19,8 @@ use drumline_shared::store::{
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{Connection, ConnectionProperties};
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -90,36 +96,54 @@ async fn wait_replicas_counts_acknowledgements_and_fails_closed() {
         );
     }
 
-    // Three asked, two exist: never a success, for a final state, a retry hand-over or
-    // the beat's progress.
+    // Three asked, two exist: never a success, for a claim, its renewal, a final state, a
+    // retry hand-over, the leader lease or the beat's progress.
     let three = store.clone().with_wait(WaitReplicas {
         replicas: 3,
         timeout: Duration::from_millis(300),
     });
+    let short = |e: redis::RedisError| assert!(e.to_string().contains("2 of 3"), "{e}");
+    short(three.claim(&request("k1b")).await.expect_err("a claim"));
     for (key, ending) in [
         ("k2", Ending::Final(Final::Dead)),
         ("k3", Ending::Retry { next_attempt: 1 }),
     ] {
         assert!(matches!(
-            three.claim(&request(key)).await.unwrap(),
+            store.claim(&request(key)).await.unwrap(),
             Claim::Claimed { .. }
         ));
-        let e = three
-            .finish(key, None, "token", ending, retention)
-            .await
-            .expect_err("too few replicas must be an error");
-        assert!(e.to_string().contains("2 of 3"), "{e}");
+        let lease = Duration::from_secs(30);
+        short(
+            three
+                .renew(key, None, "token", lease)
+                .await
+                .expect_err("a renewal"),
+        );
+        short(
+            three
+                .finish(key, None, "token", ending, retention)
+                .await
+                .expect_err("an end"),
+        );
     }
     let who = Candidate {
         token: "beat".to_owned(),
         host: "test".to_owned(),
         pid: 1,
     };
-    let lead = three
-        .lead(&who, Duration::from_secs(10), LeaseMode::Acquire)
-        .await
-        .unwrap();
-    assert!(matches!(lead.outcome, LeaseOutcome::Acquired { .. }));
+    let lease = Duration::from_secs(10);
+    short(
+        three
+            .lead(&who, lease, LeaseMode::Acquire)
+            .await
+            .expect_err("a lease"),
+    );
+    // `WAIT` rolls nothing back: the primary has the lease, it only did not count.
+    let lead = store.lead(&who, lease, LeaseMode::Renew).await.unwrap();
+    assert!(
+        matches!(lead.outcome, LeaseOutcome::Renewed { .. }),
+        "{lead:?}"
+    );
     let progress = three
         .advance_progress("beat", &[("job", Utc::now())], Duration::from_secs(5), 10)
         .await;
@@ -455,4 +479,214 @@ async fn a_repeated_outcome_write_finds_its_own_result() {
     );
     assert_eq!(env.lines("ran"), ["k-stall"]);
     assert_eq!(env.lines("started"), ["k-stall"]);
+}
+
+/// A beat's metrics port, by label, for the leader sampler.
+type Beats = Arc<Mutex<Vec<(String, u16)>>>;
+
+/// Every `IS_LEADER` sample in which two beats said they led at once, until `stop` is set.
+fn sample_leaders(beats: Beats, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Vec<String>> {
+    std::thread::spawn(move || {
+        let mut overlaps = Vec::new();
+        while !stop.load(Ordering::Relaxed) {
+            let ports = beats.lock().expect("beats").clone();
+            let leading: Vec<String> = ports
+                .iter()
+                .filter(|(_, port)| metric(*port, "drumline_beat_is_leader") == Some(1.0))
+                .map(|(label, port)| {
+                    let epoch = metric(*port, "drumline_beat_leader_epoch").unwrap_or(-1.0);
+                    format!("{label} (epoch {epoch})")
+                })
+                .collect();
+            if leading.len() > 1 {
+                overlaps.push(format!(
+                    "{} ms: {}",
+                    Utc::now().timestamp_millis(),
+                    leading.join(", ")
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        overlaps
+    })
+}
+
+/// `{ns}:beat:leader` on data node `port`, as `(pid, epoch)`.
+fn lease_on(port: u16, names: &Names) -> Option<(u64, u64)> {
+    let mut conn = redis::Client::open(SentinelSet::node_url(port))
+        .ok()?
+        .get_connection_with_timeout(Duration::from_millis(500))
+        .ok()?;
+    let text: Option<String> = redis::cmd("GET")
+        .arg(names.beat_leader())
+        .query(&mut conn)
+        .ok()?;
+    let lease: serde_json::Value = serde_json::from_str(&text?).ok()?;
+    Some((lease["pid"].as_u64()?, lease["epoch"].as_u64()?))
+}
+
+// See: issues/16 (item 7)
+/// The primary is cut off from its replicas and Sentinels (at the proxy in front of it) but
+/// not from the beats and workers; the Sentinels promote a replica. With `wait_replicas = 1`
+/// the lease and the claims carry `WAIT`, so the cut-off primary keeps no leader and takes no
+/// claim: its clients ask the Sentinels again and follow the new primary. Never two beats
+/// leading at once (their gauges, sampled), the publishing terms do not overlap (the broker's
+/// copies), a leader on the new primary resumes the ticks, and every instant runs once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_primary_cut_off_from_its_replicas_keeps_no_leader_and_takes_no_claim() {
+    let set = tokio::task::spawn_blocking(SentinelSet::behind_proxy)
+        .await
+        .expect("sentinel set");
+    let front = set.front.as_ref().expect("a proxy in front of the primary");
+    let mut env = setup("e2e_sentinel_cut");
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            r#"
+[redis]
+url = {url}
+wait_replicas = 1
+wait_timeout = "500ms"
+
+[beat]
+leader_lease = "3s"
+
+[worker]
+lease = "6s"
+
+[[jobs]]
+name = "tick"
+task = "append"
+every = "1s"
+misfire = "catch_up"
+overlap = "allow"
+
+[tasks.append]
+command = {cmd}
+"#,
+            url = toml_string(&set.url(0)),
+            cmd = env.append_key_command("effects", 0.0)
+        ),
+    );
+    let cfg = cfg.to_str().unwrap();
+    let names = env.names();
+    let mut workers = vec![env.worker("w-before", &["--config", cfg])];
+    env.wait_for_topology(&workers[0]).await;
+    let snoop = Snoop::start(&mut env, "default");
+    let beat = |label: &str| {
+        let (args, port) = with_metrics(&["--config", cfg]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        (env.beat(label, &args), port)
+    };
+    let (a, a_port) = beat("beat-a");
+    let (b, b_port) = beat("beat-b");
+    let mut beats = vec![a, b];
+    let ports: Beats = Arc::new(Mutex::new(vec![
+        ("beat-a".into(), a_port),
+        ("beat-b".into(), b_port),
+    ]));
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() >= 3),
+        "{}",
+        beats[0].log_tail(20)
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = sample_leaders(ports.clone(), stop.clone());
+
+    let cut_at = Instant::now();
+    front.set_from(FAR_SIDE, Fault::Blackhole);
+    let (new, failover) = set.wait_failover(front.port, cut_at, Duration::from_secs(30));
+    let failed_over = Utc::now();
+    // A beat and a worker that start now ask the Sentinels and find the new primary.
+    let (c, c_port) = beat("beat-c");
+    beats.push(c);
+    ports.lock().unwrap().push(("beat-c".into(), c_port));
+    workers.push(env.worker("w-after", &["--config", cfg]));
+
+    let ticks_after = |env: &drumline_e2e::TestEnv| {
+        env.lines("effects")
+            .iter()
+            .filter(|k| instant_of(k) > failed_over)
+            .count()
+    };
+    let pids: Vec<u64> = beats.iter().map(|b| b.pid() as u64).collect();
+    let led = wait_until(Duration::from_secs(30), || {
+        lease_on(new, &names).is_some_and(|(pid, _)| pids.contains(&pid)) && ticks_after(&env) >= 3
+    });
+    let resumed = cut_at.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let overlaps = sampler.join().expect("sampler");
+    let logs = |beats: &[Proc], workers: &[Proc]| {
+        beats
+            .iter()
+            .chain(workers)
+            .map(|p| p.log_tail(12))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert!(
+        overlaps.is_empty(),
+        "two beats led at once after the primary was cut off from its replicas:\n{}\n{}",
+        overlaps[..overlaps.len().min(5)].join("\n"),
+        logs(&beats, &workers)
+    );
+    assert!(
+        led,
+        "no leader on the new primary {new} resumed the ticks within 30 s of the failover \
+         (lease there: {:?})\n{}",
+        lease_on(new, &names),
+        logs(&beats, &workers)
+    );
+    println!(
+        "primary cut off from its replicas: sentinels promoted {new} {failover:?} after the cut; \
+         ticks resumed under a leader on it {resumed:?} after the cut"
+    );
+
+    for b in &mut beats {
+        assert!(
+            b.terminate(Duration::from_secs(15)).success(),
+            "{}",
+            b.log_tail(20)
+        );
+    }
+    let published = snoop.settle();
+    // The terms follow one another: each epoch's last decision comes before the next one's
+    // first (the old leader may have published instants its progress could not record; the
+    // next one publishes them again, and the workers dedupe them).
+    let mut terms: std::collections::BTreeMap<i64, (chrono::DateTime<Utc>, chrono::DateTime<Utc>)> =
+        Default::default();
+    for m in published.iter().filter(|m| !m.via_delay) {
+        let at = m.envelope.published_at;
+        let term = terms.entry(m.epoch.unwrap_or(-1)).or_insert((at, at));
+        term.0 = term.0.min(at);
+        term.1 = term.1.max(at);
+    }
+    let terms: Vec<_> = terms.into_iter().collect();
+    for pair in terms.windows(2) {
+        assert!(
+            pair[0].1 .1 < pair[1].1 .0,
+            "terms overlap: epoch {} published until {}, epoch {} from {}",
+            pair[0].0,
+            pair[0].1 .1,
+            pair[1].0,
+            pair[1].1 .0
+        );
+    }
+    let keys: BTreeSet<String> = published.into_iter().map(|m| m.envelope.key).collect();
+    assert!(
+        wait_until(WAIT, || {
+            let ran: BTreeSet<String> = env.lines("effects").into_iter().collect();
+            keys.is_subset(&ran)
+        }),
+        "published instances did not all run\n{}",
+        logs(&beats, &workers)
+    );
+    for w in &mut workers {
+        assert!(
+            w.terminate(Duration::from_secs(30)).success(),
+            "{}",
+            w.log_tail(20)
+        );
+    }
+    assert_contiguous_exactly_once(&env.lines("effects"), 8);
 }

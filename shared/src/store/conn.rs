@@ -2,7 +2,9 @@
 //!
 //! With `redis://` or `rediss://` it is a redis-rs `ConnectionManager` and nothing more. With
 //! `redis+sentinel://` the primary is asked of the Sentinels (each in turn, in URL order) at
-//! connect, and again after a connection error or a `READONLY` reply: when they name another
+//! connect, and again after a connection error, a `READONLY` reply or a `WAIT` that fell short
+//! ([`Conn::primary_in_doubt`]: a primary cut off from its replicas while its clients still
+//! reach it may have been replaced, and nothing else would tell them): when they name another
 //! primary, the manager is swapped for one connected to it, so the beat and the workers follow
 //! a failover without a restart. The call that saw the error still fails (the caller fails
 //! closed, as with any Redis error); only the calls after the swap go to the new primary.
@@ -105,6 +107,12 @@ impl Conn {
             .read()
             .unwrap_or_else(PoisonError::into_inner);
         current.primary.clone()
+    }
+
+    /// The primary may have been replaced though it still answers (a `WAIT` fell short): ask
+    /// the Sentinels again, in the background. Nothing without Sentinel.
+    pub(super) fn primary_in_doubt(&self) {
+        self.refresh();
     }
 
     /// After a failed call: ask the Sentinels again (in the background) when the failure can

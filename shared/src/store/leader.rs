@@ -1,5 +1,5 @@
-//! The beat's leader lease and the progress only its holder may write (DESIGN §9
-//! "Leadership"). `{ns}:beat:leader` holds `{host, pid, epoch, since, token}` with a TTL of one
+//! The beat's leader lease and the progress only its holder may write
+//! (docs/design.md#leadership). `{ns}:beat:leader` holds `{host, pid, epoch, since, token}` with a TTL of one
 //! lease; each acquisition takes the next `{ns}:beat:epoch`. Every script compares the caller's
 //! token with the lease's, so a beat that lost the lease (a pause, a partition) can neither
 //! renew it, release another's, nor move any job's progress. Each reply carries Redis `TIME`:
@@ -194,28 +194,29 @@ impl Store {
     /// One lease try for `lease`: [`LeaseMode::Acquire`] takes the lease when no beat holds it
     /// (a new epoch) or extends it when `who` holds it already; [`LeaseMode::Renew`] only
     /// extends it, and is [`LeaseOutcome::Refused`] when `who` does not hold it any more (it
-    /// lapsed, or another beat took it).
+    /// lapsed, or another beat took it). With `wait_replicas` ([`Store::with_wait`]), an error
+    /// unless that many replicas have the lease.
     pub async fn lead(
         &self,
         who: &Candidate,
         lease: Duration,
         mode: LeaseMode,
     ) -> Result<LeaseReply, StoreError> {
-        let mut conn = self.conn.clone();
         let mode = match mode {
             LeaseMode::Acquire => "acquire",
             LeaseMode::Renew => "renew",
         };
-        let (code, epoch, ms): (i64, u64, i64) = LEAD
-            .key(self.names.beat_leader())
+        let mut call = LEAD.prepare_invoke();
+        call.key(self.names.beat_leader())
             .key(self.names.beat_epoch())
             .arg(&who.token)
             .arg(lease.as_millis().max(1) as u64)
             .arg(&who.host)
             .arg(who.pid)
-            .arg(mode)
-            .invoke_async(&mut conn)
-            .await?;
+            .arg(mode);
+        // A durable write: with `wait_replicas`, a lease too few replicas have is no lease, so
+        // a primary cut off from its replicas keeps no leader (docs/design.md#leadership).
+        let (code, epoch, ms): (i64, u64, i64) = self.durable(&LEAD, &call).await?;
         let outcome = match code {
             1 => LeaseOutcome::Acquired { epoch },
             2 => LeaseOutcome::Renewed { epoch },
