@@ -1,5 +1,6 @@
-//! The shell executor against the real worker binary: what a task's environment holds, and a
-//! timeout that holds even when the task never reads its stdin.
+//! The shell executor against the real worker binary: what a task's environment holds, what
+//! it cannot read of the worker's (run as a non-root user), and a timeout that holds even when
+//! the task never reads its stdin.
 
 use drumline_e2e::{adhoc, setup, toml_string, wait_until, wait_until_async, AMQP_URL, REDIS_URL};
 use std::collections::BTreeMap;

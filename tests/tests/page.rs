@@ -3,7 +3,9 @@
 //! does first) renders `/` and the test asserts on the DOM it dumps — a row per job, the
 //! leader, PAUSED on the paused job, STALE on the stale one — and on `/api/status`, the
 //! `status --json` document; after SIGHUP it shows the reloaded jobs. A stuck Redis makes a
-//! 503 with the reason, not a hung page.
+//! 503 with the reason, not a hung page. Bounded work per request: concurrent requests share
+//! one broker connection, at most four are answered at once (the others 503 with
+//! `Retry-After`), and at most `limit` jobs are listed, with the total.
 //!
 //! `DRUMLINE_PAGE_SCREENSHOT=/abs/path.png` also saves the browser's screenshot of the page
 //! there (how docs/status-page.png is made).
