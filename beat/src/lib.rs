@@ -13,6 +13,7 @@
 //! - [`operate`]   — `pause`, `resume`, `trigger`, `backfill`: operating a running schedule.
 //! - [`status`]    — `drumline-beat status`: per-job health from Redis, with a stale warning.
 //! - [`page`]      — the read-only status page (`/`, `/api/status`) on `--metrics-addr`.
+//! - [`dead_letters`] — the page's dead-letter count: one broker connection, cached 5 s.
 //! - [`commands`]  — the bodies of the binary's commands: output and exit-code-carrying failures.
 //!
 //! Redis is reached only through [`drumline_shared::store::Store`]; schedule math lives in
@@ -20,6 +21,7 @@
 
 pub mod adhoc;
 pub mod commands;
+pub mod dead_letters;
 pub mod leader;
 pub mod misfire;
 pub mod next;

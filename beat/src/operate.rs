@@ -18,15 +18,19 @@ pub const DEFAULT_BACKFILL_MAX: usize = 1000;
 pub struct BadRequest(pub String);
 
 /// `trigger`: one instance of `job` due now (truncated to the millisecond, the one instant
-/// codec's precision; a millisecond later when now is one of its scheduled instants), as the job — its task, queue, `expires`, and its args unless `args`
-/// replaces them — with the key `{job}@{now}`. Carries epoch 0 (not the leader's).
+/// codec's precision; a millisecond later when now is one of its scheduled instants), as the
+/// job — its task, queue, `expires`, and its args unless `args` replaces them — with the key
+/// `{job}@{now}`. Carries epoch 0 (not the leader's). Constant work whatever the schedule
+/// (docs/design.md#bounded-work).
 pub fn trigger(job: &Job, args: Option<serde_json::Value>, now: DateTime<Utc>) -> Envelope {
     let mut at = now
         .duration_trunc(TimeDelta::milliseconds(1))
         .unwrap_or(now);
     // On a scheduled instant's very millisecond the key would be that instance's, and one of
-    // the two would be deduplicated away: the trigger takes the next millisecond.
-    while job.schedule.next_after(at - TimeDelta::nanoseconds(1)) == Some(at) {
+    // the two would be deduplicated away: the trigger takes the next millisecond. Once, not
+    // until a free one is found (that never ended for `every = "1ms"`): a checked config's
+    // instants are at least `MIN_EVERY` (100 ms) apart, so the next millisecond is free.
+    if job.schedule.next_after(at - TimeDelta::nanoseconds(1)) == Some(at) {
         at += TimeDelta::milliseconds(1);
     }
     let expires_at = job
@@ -131,6 +135,23 @@ mod tests {
         assert_eq!(env.key, format!("{}@2026-03-02T12:10:00.001Z", j.name));
         let between = trigger(&j, None, at("2026-03-02T12:10:00.5Z"));
         assert_eq!(between.key, format!("{}@2026-03-02T12:10:00.500Z", j.name));
+        // The fastest schedule a config allows.
+        let fast = job("every = \"100ms\"");
+        let env = trigger(&fast, None, at("2026-03-02T12:10:00.3Z"));
+        assert_eq!(env.key, format!("{}@2026-03-02T12:10:00.301Z", fast.name));
+    }
+
+    #[test]
+    fn a_trigger_returns_whatever_the_schedule() {
+        // Every millisecond an instant (a config refuses it; a program can still build it):
+        // the trigger still returns, a millisecond on.
+        let mut j = job("every = \"1m\"");
+        j.schedule = drumline_shared::schedule::Schedule::Every {
+            every: TimeDelta::milliseconds(1),
+            anchor: DateTime::UNIX_EPOCH,
+        };
+        let env = trigger(&j, None, at("2026-03-02T12:10:00.3Z"));
+        assert_eq!(env.key, format!("{}@2026-03-02T12:10:00.301Z", j.name));
     }
 
     #[test]

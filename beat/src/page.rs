@@ -1,13 +1,20 @@
 //! The status page on the beat's `--metrics-addr` (DESIGN §9 "Status page"): `/`, the
 //! `status` report as HTML that refreshes itself and needs no JavaScript, and `/api/status`,
 //! the `status --json` document. Read-only: only `GET` (and `HEAD`) routes, nothing written.
-//! Every request builds the report afresh with the code `status` uses ([`status::read_from`]),
-//! within [`PAGE_WAIT`]: a stuck Redis makes a 503 with the reason, never a hung page. On
-//! SIGHUP the page re-reads the config file as the scheduler does and shows the reloaded
-//! `[[jobs]]` (a file that does not load leaves it on the jobs it had; the scheduler logs why).
+//! Every request builds the report afresh with the code `status` uses
+//! ([`status::read_window`]), within [`PAGE_WAIT`]: a stuck Redis makes a 503 with the reason,
+//! never a hung page. On SIGHUP the page re-reads the config file as the scheduler does and
+//! shows the reloaded `[[jobs]]` (a file that does not load leaves it on the jobs it had; the
+//! scheduler logs why).
+//!
+//! Bounded work for every request (docs/design.md#bounded-work): one Redis connection and one
+//! broker connection ([`DeadLetters`], its count cached for 5 s) shared by all requests; at
+//! most [`MAX_RENDERS`] reports built at once, a request beyond them answered 503 with
+//! `Retry-After: 1` at once; at most `limit` jobs listed ([`Window`]).
 
+use crate::dead_letters::DeadLetters;
 use crate::status::{self, JobStatus, Status};
-use axum::extract::State;
+use axum::extract::{RawQuery, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -19,9 +26,10 @@ use drumline_shared::names::Names;
 use drumline_shared::signals::Hangups;
 use drumline_shared::store::Store;
 use std::fmt::Write;
+use std::ops::Range;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
-use tokio::sync::OnceCell;
+use tokio::sync::{OnceCell, Semaphore};
 
 /// How long a request waits for the report before answering 503. Longer than `status`' own
 /// wait for the broker (which only leaves the dead letters unknown), so only Redis trips it.
@@ -30,12 +38,25 @@ pub const PAGE_WAIT: Duration = Duration::from_secs(4);
 /// The page's `<meta http-equiv="refresh">`, in seconds.
 pub const REFRESH_SECONDS: u32 = 5;
 
-/// What the handlers share: the config (its jobs replaced on SIGHUP) and one Redis
-/// connection, made at the first request (and tried again at the next one if that failed).
+/// Most requests of `/` and `/api/status` (together) being answered at once; another one is
+/// answered 503 with `Retry-After: 1` at once.
+pub const MAX_RENDERS: usize = 4;
+
+/// Jobs listed when the request does not say `limit`.
+pub const DEFAULT_LIMIT: usize = 500;
+
+/// Most jobs one request lists, whatever its `limit`.
+pub const MAX_LIMIT: usize = 1000;
+
+/// What the handlers share: the config (its jobs replaced on SIGHUP), one Redis connection,
+/// made at the first request (and tried again at the next one if that failed), the cached
+/// dead-letter count with its broker connection, and the render slots.
 #[derive(Clone)]
 struct Page {
     config: Arc<RwLock<Arc<Config>>>,
     store: Arc<OnceCell<Store>>,
+    dead_letters: Arc<DeadLetters>,
+    renders: Arc<Semaphore>,
 }
 
 impl Page {
@@ -50,8 +71,10 @@ impl Page {
 /// runtime).
 pub fn routes(config: Arc<Config>) -> Router {
     let page = Page {
+        dead_letters: Arc::new(DeadLetters::new(config.clone())),
         config: Arc::new(RwLock::new(config)),
         store: Arc::new(OnceCell::new()),
+        renders: Arc::new(Semaphore::new(MAX_RENDERS)),
     };
     tokio::spawn(follow_reloads(page.config.clone()));
     Router::new()
@@ -80,8 +103,89 @@ async fn follow_reloads(config: Arc<RwLock<Arc<Config>>>) {
     }
 }
 
-/// The report now, or why not (Redis failed or did not answer within [`PAGE_WAIT`]).
-async fn report(page: &Page, now: DateTime<Utc>) -> Result<Status, String> {
+/// Which jobs a request lists: `?offset=N&limit=M` (both optional; other parameters are
+/// ignored). `limit` defaults to [`DEFAULT_LIMIT`] and is cut to [`MAX_LIMIT`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    /// Position (from 0, config order) of the first job listed.
+    pub offset: usize,
+    /// Most jobs listed.
+    pub limit: usize,
+}
+
+impl Default for Window {
+    fn default() -> Self {
+        Self {
+            offset: 0,
+            limit: DEFAULT_LIMIT,
+        }
+    }
+}
+
+impl Window {
+    /// The window a query string asks for, or why it is refused (a value that is not a
+    /// non-negative integer).
+    pub fn from_query(query: Option<&str>) -> Result<Self, String> {
+        let mut window = Self::default();
+        for pair in query.unwrap_or("").split('&') {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let slot = match key {
+                "offset" => &mut window.offset,
+                "limit" => &mut window.limit,
+                _ => continue,
+            };
+            *slot = value
+                .parse()
+                .map_err(|_| format!("{key}: {value:?} is not a non-negative integer"))?;
+        }
+        window.limit = window.limit.min(MAX_LIMIT);
+        Ok(window)
+    }
+
+    /// The positions listed.
+    fn range(self) -> Range<usize> {
+        self.offset..self.offset.saturating_add(self.limit)
+    }
+}
+
+/// The answer to a request that finds all [`MAX_RENDERS`] render slots taken.
+fn busy(page: &Page, json: bool) -> Response {
+    let reason = format!("busy: {MAX_RENDERS} requests are being answered; retry in 1 s");
+    let (content_type, body) = if json {
+        (
+            "application/json",
+            serde_json::json!({ "error": reason }).to_string(),
+        )
+    } else {
+        (
+            "text/html; charset=utf-8",
+            render_error(&reason, &page.config().namespace, Utc::now()),
+        )
+    };
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::RETRY_AFTER, "1"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+/// A 400 for a query that does not parse.
+fn bad_query(reason: String) -> Response {
+    (
+        StatusCode::BAD_REQUEST,
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        reason,
+    )
+        .into_response()
+}
+
+/// The report on `window` now, or why not (Redis failed or did not answer within
+/// [`PAGE_WAIT`]).
+async fn report(page: &Page, window: Window, now: DateTime<Utc>) -> Result<Status, String> {
     let config = &page.config();
     let read = async {
         let store = page
@@ -91,7 +195,8 @@ async fn report(page: &Page, now: DateTime<Utc>) -> Result<Status, String> {
                 Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names)
             })
             .await?;
-        status::read_from(store, config, None, now).await
+        let dead_letters = page.dead_letters.count();
+        status::read_window(store, config, window.range(), dead_letters, now).await
     };
     match tokio::time::timeout(PAGE_WAIT, read).await {
         Ok(Ok(status)) => Ok(status),
@@ -100,12 +205,19 @@ async fn report(page: &Page, now: DateTime<Utc>) -> Result<Status, String> {
     }
 }
 
-async fn html_page(State(page): State<Page>) -> Response {
+async fn html_page(State(page): State<Page>, RawQuery(query): RawQuery) -> Response {
+    let window = match Window::from_query(query.as_deref()) {
+        Ok(window) => window,
+        Err(reason) => return bad_query(reason),
+    };
+    let Ok(_slot) = page.renders.clone().try_acquire_owned() else {
+        return busy(&page, false);
+    };
     let now = Utc::now();
-    let (code, body) = match report(&page, now).await {
+    let (code, body) = match report(&page, window, now).await {
         Ok(status) => (
             StatusCode::OK,
-            render(&status, &page.config().namespace, now),
+            render(&status, window, &page.config().namespace, now),
         ),
         Err(reason) => {
             tracing::warn!(reason = %reason, "status page: no report");
@@ -123,8 +235,15 @@ async fn html_page(State(page): State<Page>) -> Response {
         .into_response()
 }
 
-async fn api_status(State(page): State<Page>) -> Response {
-    let (code, body) = match report(&page, Utc::now()).await {
+async fn api_status(State(page): State<Page>, RawQuery(query): RawQuery) -> Response {
+    let window = match Window::from_query(query.as_deref()) {
+        Ok(window) => window,
+        Err(reason) => return bad_query(reason),
+    };
+    let Ok(_slot) = page.renders.clone().try_acquire_owned() else {
+        return busy(&page, true);
+    };
+    let (code, body) = match report(&page, window, Utc::now()).await {
         Ok(status) => (
             StatusCode::OK,
             serde_json::to_string_pretty(&status).expect("serialisable"),
@@ -287,8 +406,45 @@ fn row(job: &JobStatus, now: DateTime<Utc>) -> String {
     )
 }
 
-/// The status page for `status` of `namespace`, as of `now`: pure, so the tests can read it.
-pub fn render(status: &Status, namespace: &str, now: DateTime<Utc>) -> String {
+/// Which jobs of how many are listed, with links to the windows before and after.
+fn shown(out: &mut String, status: &Status, window: Window) {
+    let listed = status.jobs.len();
+    let total = status.total;
+    let _ = if listed > 0 {
+        write!(
+            out,
+            "<p id=\"shown\">Jobs {}–{} of {total}",
+            window.offset + 1,
+            window.offset + listed
+        )
+    } else {
+        write!(
+            out,
+            "<p id=\"shown\">No jobs listed from {}; {total} in all",
+            window.offset + 1
+        )
+    };
+    let limit = window.limit.max(1);
+    if window.offset > 0 && total > 0 {
+        let before = window.offset.min(total).saturating_sub(limit);
+        let _ = write!(
+            out,
+            " · <a rel=\"prev\" href=\"/?offset={before}&amp;limit={limit}\">previous</a>"
+        );
+    }
+    if window.offset + listed < total && listed > 0 {
+        let after = window.offset + listed;
+        let _ = write!(
+            out,
+            " · <a rel=\"next\" href=\"/?offset={after}&amp;limit={limit}\">next</a>"
+        );
+    }
+    out.push_str("</p>\n");
+}
+
+/// The status page for `status` of `namespace`, listing `window` of its jobs, as of `now`:
+/// pure, so the tests can read it.
+pub fn render(status: &Status, window: Window, namespace: &str, now: DateTime<Utc>) -> String {
     let mut out = String::with_capacity(2048 + 512 * status.jobs.len());
     open(&mut out, namespace, now);
     match &status.leader {
@@ -322,12 +478,13 @@ pub fn render(status: &Status, namespace: &str, now: DateTime<Utc>) -> String {
              not answer)</p>\n",
         ),
     }
+    shown(&mut out, status, window);
     out.push_str(
         "<table id=\"jobs\">\n<thead><tr><th>Job</th><th>Schedule</th><th>Zone</th>\
          <th>Next due</th><th>Last published</th><th>Last success</th><th>Last failure</th>\
          <th>Running</th><th>Paused</th><th>Stale</th></tr></thead>\n<tbody>\n",
     );
-    if status.jobs.is_empty() {
+    if status.total == 0 {
         out.push_str("<tr><td colspan=\"10\" class=\"none\">No jobs in the config.</td></tr>\n");
     }
     for job in &status.jobs {
@@ -392,6 +549,7 @@ mod tests {
                 since: "2026-11-30T11:00:00Z".into(),
             }),
             dead_letters: Some(3),
+            total: 3,
             jobs: vec![job("heartbeat"), paused, stale],
         }
     }
@@ -406,7 +564,7 @@ mod tests {
 
     #[test]
     fn a_row_per_job_with_its_markers() {
-        let page = render(&status(), "prod", now());
+        let page = render(&status(), Window::default(), "prod", now());
         assert!(page.starts_with("<!DOCTYPE html>"));
         assert!(page.contains("<meta http-equiv=\"refresh\" content=\"5\">"));
         assert!(!page.contains("<script"), "no JavaScript needed");
@@ -431,7 +589,7 @@ mod tests {
 
     #[test]
     fn leader_and_dead_letters() {
-        let page = render(&status(), "prod", now());
+        let page = render(&status(), Window::default(), "prod", now());
         assert!(
             page.contains("<span class=\"host\">beat-1</span>"),
             "{page}"
@@ -444,7 +602,7 @@ mod tests {
         let mut none = status();
         none.leader = None;
         none.dead_letters = None;
-        let page = render(&none, "prod", now());
+        let page = render(&none, Window::default(), "prod", now());
         assert!(page.contains("No leader"));
         assert!(page.contains("Dead letters: unknown"));
     }
@@ -456,7 +614,7 @@ mod tests {
         hostile.jobs[0].job = "a\"b<c>&'".into();
         hostile.jobs[0].schedule = "<b>".into();
         hostile.jobs[0].last_failure = Some("\"><img src=x>".into());
-        let page = render(&hostile, "ns<&>", now());
+        let page = render(&hostile, Window::default(), "ns<&>", now());
         assert!(!page.contains("<script>") && !page.contains("<img") && !page.contains("<b>"));
         assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
         assert!(page.contains("data-job=\"a&quot;b&lt;c&gt;&amp;&#39;\""));
@@ -470,8 +628,91 @@ mod tests {
     fn no_jobs() {
         let mut empty = status();
         empty.jobs.clear();
-        let page = render(&empty, "prod", now());
+        empty.total = 0;
+        let page = render(&empty, Window::default(), "prod", now());
         assert!(page.contains("No jobs in the config."));
+    }
+
+    #[test]
+    fn the_window_comes_from_the_query() {
+        let window = |q: Option<&str>| Window::from_query(q);
+        assert_eq!(window(None), Ok(Window::default()));
+        assert_eq!(window(None).unwrap().limit, 500);
+        assert_eq!(
+            window(Some("limit=2&offset=501&refresh=1")),
+            Ok(Window {
+                offset: 501,
+                limit: 2
+            })
+        );
+        assert_eq!(window(Some("limit=1000000")).unwrap().limit, MAX_LIMIT);
+        assert_eq!(window(Some("")), Ok(Window::default()));
+        let bad = window(Some("limit=many")).unwrap_err();
+        assert!(bad.contains("limit") && bad.contains("many"), "{bad}");
+        assert!(window(Some("offset=-1")).is_err());
+        assert_eq!(
+            Window {
+                offset: usize::MAX,
+                limit: 7
+            }
+            .range(),
+            usize::MAX..usize::MAX
+        );
+    }
+
+    #[test]
+    fn which_jobs_of_how_many_with_links_to_the_others() {
+        let mut many = status();
+        many.total = 10;
+        let window = Window {
+            offset: 3,
+            limit: 3,
+        };
+        let page = render(&many, window, "prod", now());
+        assert!(page.contains("Jobs 4–6 of 10"), "{page}");
+        assert!(
+            page.contains("href=\"/?offset=0&amp;limit=3\">previous"),
+            "{page}"
+        );
+        assert!(
+            page.contains("href=\"/?offset=6&amp;limit=3\">next"),
+            "{page}"
+        );
+        let first = render(
+            &many,
+            Window {
+                offset: 0,
+                limit: 3,
+            },
+            "prod",
+            now(),
+        );
+        assert!(first.contains("Jobs 1–3 of 10") && !first.contains("previous"));
+        let last = render(
+            &many,
+            Window {
+                offset: 7,
+                limit: 3,
+            },
+            "prod",
+            now(),
+        );
+        assert!(
+            last.contains("Jobs 8–10 of 10") && !last.contains(">next<"),
+            "{last}"
+        );
+        many.jobs.clear();
+        let past = render(
+            &many,
+            Window {
+                offset: 20,
+                limit: 3,
+            },
+            "prod",
+            now(),
+        );
+        assert!(past.contains("No jobs listed from 21; 10 in all"), "{past}");
+        assert!(!past.contains("No jobs in the config."));
     }
 
     #[test]

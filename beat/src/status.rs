@@ -4,7 +4,7 @@
 //! Costs O(jobs), whatever the number of run records (DESIGN §9): Redis through the [`Store`]
 //! in one round trip per batch of jobs (plus one `SMEMBERS` of the paused set), the broker
 //! through one passive queue declare. The beat's status page ([`crate::page`]) builds the same
-//! document with [`read_from`].
+//! document for a window of the jobs with [`read_window`].
 
 use chrono::{DateTime, Utc};
 use drumline_shared::config::{Config, Job};
@@ -16,6 +16,8 @@ use drumline_shared::store::{JobHistory, Store, StoreError};
 use drumline_shared::topology;
 use serde::Serialize;
 use std::collections::HashSet;
+use std::future::Future;
+use std::ops::Range;
 use std::time::Duration;
 
 /// How long `status` waits for the broker before showing the dead letters as unknown.
@@ -55,7 +57,10 @@ pub struct Status {
     pub leader: Option<Leader>,
     /// Messages in the dead-letter queue `{ns}.dead`; null when the broker could not be asked.
     pub dead_letters: Option<u64>,
-    /// One entry per job, in config order.
+    /// How many jobs the report is about: the config's (or the one job asked for). `jobs`
+    /// lists all of them, except on the status page, which lists a window of them.
+    pub total: usize,
+    /// One entry per job listed, in config order.
     pub jobs: Vec<JobStatus>,
 }
 
@@ -89,6 +94,10 @@ pub async fn read(
     now: DateTime<Utc>,
 ) -> Result<Status, StoreError> {
     let names = Names::new(config.namespace.clone());
+    let jobs: Vec<&Job> = match only {
+        Some(job) => vec![job],
+        None => config.jobs.iter().collect(),
+    };
     let redis = async {
         let store = Store::connect(
             &config.redis_url,
@@ -96,48 +105,36 @@ pub async fn read(
             names.clone(),
         )
         .await?;
-        read_redis(&store, config, only).await
+        read_redis(&store, &jobs).await
     };
     let (redis, dead_letters) = tokio::join!(redis, dead_letters(config, &names));
-    Ok(assemble(config, only, now, redis?, dead_letters))
+    Ok(assemble(&jobs, jobs.len(), now, redis?, dead_letters))
 }
 
-/// [`read`] through a store already connected (the status page keeps one).
-pub async fn read_from(
+/// The report on the jobs of `window` (positions in the config, cut to its length) through a
+/// store already connected, with the dead-letter count `dead_letters` resolves to (read
+/// meanwhile): the status page's, which keeps its own store and count. Redis work is
+/// O(window), whatever the number of jobs.
+pub async fn read_window(
     store: &Store,
     config: &Config,
-    only: Option<&Job>,
+    window: Range<usize>,
+    dead_letters: impl Future<Output = Option<u64>>,
     now: DateTime<Utc>,
 ) -> Result<Status, StoreError> {
-    let names = Names::new(config.namespace.clone());
-    let (redis, dead_letters) = tokio::join!(
-        read_redis(store, config, only),
-        dead_letters(config, &names)
-    );
-    Ok(assemble(config, only, now, redis?, dead_letters))
+    let total = config.jobs.len();
+    let window = window.start.min(total)..window.end.clamp(window.start.min(total), total);
+    let jobs: Vec<&Job> = config.jobs[window].iter().collect();
+    let (redis, dead_letters) = tokio::join!(read_redis(store, &jobs), dead_letters);
+    Ok(assemble(&jobs, total, now, redis?, dead_letters))
 }
 
 /// What Redis holds for the report: the leader, the paused set, each job's history.
 type RedisPart = (Option<Leader>, HashSet<String>, Vec<JobHistory>);
 
-/// The jobs of the report: `only`, or every job of the config.
-fn selected<'c>(config: &'c Config, only: Option<&'c Job>) -> Vec<&'c Job> {
-    match only {
-        Some(job) => vec![job],
-        None => config.jobs.iter().collect(),
-    }
-}
-
 /// The Redis reads of a report, sent together: O(jobs) whatever the number of run records.
-async fn read_redis(
-    store: &Store,
-    config: &Config,
-    only: Option<&Job>,
-) -> Result<RedisPart, StoreError> {
-    let job_names: Vec<&str> = selected(config, only)
-        .iter()
-        .map(|j| j.name.as_str())
-        .collect();
+async fn read_redis(store: &Store, jobs: &[&Job]) -> Result<RedisPart, StoreError> {
+    let job_names: Vec<&str> = jobs.iter().map(|j| j.name.as_str()).collect();
     // Sent together on the one multiplexed connection.
     tokio::try_join!(
         store.leader(),
@@ -146,16 +143,16 @@ async fn read_redis(
     )
 }
 
-/// The report, from what Redis and the broker said.
+/// The report on `jobs` of `total`, from what Redis and the broker said.
 fn assemble(
-    config: &Config,
-    only: Option<&Job>,
+    jobs: &[&Job],
+    total: usize,
     now: DateTime<Utc>,
     (leader, paused, histories): RedisPart,
     dead_letters: Option<u64>,
 ) -> Status {
-    let jobs = selected(config, only)
-        .into_iter()
+    let jobs = jobs
+        .iter()
         .zip(histories)
         .map(|(job, history)| {
             let is_paused = paused.contains(&job.name);
@@ -165,6 +162,7 @@ fn assemble(
     Status {
         leader,
         dead_letters,
+        total,
         jobs,
     }
 }
@@ -298,6 +296,7 @@ mod tests {
         let status = Status {
             leader: None,
             dead_letters: Some(0),
+            total: 3,
             jobs: vec![
                 line("a", false, false),
                 line("b", true, false),

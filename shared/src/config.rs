@@ -593,6 +593,11 @@ pub const MAX_WAIT_REPLICAS: u32 = 100;
 /// Shortest `[beat] leader_lease`.
 pub const MIN_LEADER_LEASE: Duration = Duration::from_secs(1);
 
+/// Shortest `every` of a job: every request about a job (`trigger`, `next`, the status page)
+/// then does bounded work (docs/design.md#bounded-work), and instants are whole milliseconds
+/// apart with room to spare.
+pub const MIN_EVERY: Duration = Duration::from_millis(100);
+
 /// The `[worker]` section.
 fn check_worker(fail: &Failer, w: RawWorker) -> Result<WorkerConfig, ConfigError> {
     let at = |key, message: &str| fail.at(Some("[worker]"), key, message.into());
@@ -951,9 +956,14 @@ fn every_schedule(j: &RawJob, every_text: &str) -> Result<Schedule, KeyError> {
     if every.is_zero() {
         return Err(("every", "must be greater than zero".into()));
     }
-    if every < Duration::from_millis(1) {
-        // Instants are kept to the millisecond in Redis; finer periods would collide.
-        return Err(("every", "must be at least 1ms".into()));
+    if every < MIN_EVERY {
+        return Err((
+            "every",
+            format!(
+                "{every_text:?} is too short: must be at least {}",
+                duration::format(MIN_EVERY)
+            ),
+        ));
     }
     let anchor = match &j.anchor {
         Some(text) => DateTime::parse_from_rfc3339(text)
@@ -1297,7 +1307,15 @@ mod tests {
             "job \"j\": key `every`: \"soon\" is not a duration",
         );
         job_err_has("every = \"0s\"", "key `every`: must be greater than zero");
-        job_err_has("every = \"500us\"", "key `every`: must be at least 1ms");
+        job_err_has(
+            "every = \"500us\"",
+            "key `every`: \"500us\" is too short: must be at least 100ms",
+        );
+        job_err_has("every = \"99ms\"", "key `every`: \"99ms\" is too short");
+        assert!(parse(&format!(
+            "[[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"100ms\"\n{TASKS}"
+        ))
+        .is_ok());
         err_has("[worker]\nlease = \"forever\"\n", "[worker]: key `lease`");
         err_has(
             "[beat]\nleader_lease = \"500ms\"\n",

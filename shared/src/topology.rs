@@ -379,24 +379,31 @@ pub async fn open_channel(
 /// never declared holds none (0). Opens a connection of its own and closes it.
 pub async fn dead_letter_count(config: &Config, names: &Names) -> Result<u64, lapin::Error> {
     let conn = connect(config).await?;
-    let count = async {
-        let channel = conn.create_channel().await?;
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        match channel
-            .queue_declare(names.dead().into(), passive, FieldTable::default())
-            .await
-        {
-            Ok(queue) => Ok(u64::from(queue.message_count())),
-            Err(e) if reply_code(&e) == Some(AMQPSoftError::NOTFOUND.get_id()) => Ok(0),
-            Err(e) => Err(e),
-        }
-    }
-    .await;
+    let count = dead_letter_count_on(&conn, names).await;
     let _ = conn.close(200, "status read".into()).await;
     count
+}
+
+/// [`dead_letter_count`] on a connection the caller keeps (the beat's status page), through a
+/// channel of its own that is closed afterwards.
+pub async fn dead_letter_count_on(conn: &Connection, names: &Names) -> Result<u64, lapin::Error> {
+    let channel = conn.create_channel().await?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    match channel
+        .queue_declare(names.dead().into(), passive, FieldTable::default())
+        .await
+    {
+        Ok(queue) => {
+            let _ = channel.close(200, "status read".into()).await;
+            Ok(u64::from(queue.message_count()))
+        }
+        // The broker closed the channel with its answer.
+        Err(e) if reply_code(&e) == Some(AMQPSoftError::NOTFOUND.get_id()) => Ok(0),
+        Err(e) => Err(e),
+    }
 }
 
 /// Declares (or refreshes) the delay queue for `delay` on `queue` and returns its name. Every

@@ -110,14 +110,35 @@ impl TestEnv {
         self.spawn_with_env("drumline-worker", label, args, vars)
     }
 
+    /// Starts `drumline-worker` with `args` and `vars` as the unprivileged user `nobody` (group
+    /// `nogroup`, no supplementary groups), through util-linux `setpriv`, which execs it: the
+    /// pid is the worker's. Its config and everything its tasks write must be open to `nobody`.
+    pub fn worker_as_nobody(&self, label: &str, args: &[&str], vars: &[(&str, &str)]) -> Proc {
+        let mut cmd = Command::new("setpriv");
+        cmd.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"])
+            .arg(binary("drumline-worker"));
+        self.launch(cmd, "drumline-worker", label, args, vars)
+    }
+
     fn spawn(&self, bin: &str, label: &str, args: &[&str]) -> Proc {
         self.spawn_with_env(bin, label, args, &[])
     }
 
     fn spawn_with_env(&self, bin: &str, label: &str, args: &[&str], vars: &[(&str, &str)]) -> Proc {
+        self.launch(Command::new(binary(bin)), bin, label, args, vars)
+    }
+
+    fn launch(
+        &self,
+        mut cmd: Command,
+        bin: &str,
+        label: &str,
+        args: &[&str],
+        vars: &[(&str, &str)],
+    ) -> Proc {
         let log = self.path(&format!("{label}.log"));
         let out = File::create(&log).expect("log file");
-        let child = Command::new(binary(bin))
+        let child = cmd
             .args(args)
             .env("RUST_LOG", "info")
             .env_remove("DRUMLINE_CONFIG")

@@ -1,5 +1,6 @@
-//! The shell executor against the real worker binary: what a task's environment holds, and a
-//! timeout that holds even when the task never reads its stdin.
+//! The shell executor against the real worker binary: what a task's environment holds, what
+//! it cannot read of the worker's (run as a non-root user), and a timeout that holds even when
+//! the task never reads its stdin.
 
 use drumline_e2e::{adhoc, setup, toml_string, wait_until, wait_until_async, AMQP_URL, REDIS_URL};
 use std::collections::BTreeMap;
@@ -126,4 +127,80 @@ max_retries = 0
         "dead-lettered once (retries exhausted)"
     );
     assert!(env.lines("effects").is_empty());
+}
+
+/// A task running as the worker's own (non-root) user cannot read the worker's environment,
+/// where its broker and Redis URLs and their passwords are, nor its supervisor's: both make
+/// themselves non-dumpable before they start anything (DESIGN §10 "Tasks cannot read the
+/// worker"). Root may read any process's environment, so the worker runs as `nobody` here, as
+/// the README says to run workers; the task asks its supervisor's status for the worker's pid.
+// See: issues/16
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_as_the_workers_user_cannot_read_the_workers_environment() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = setup("e2e_nondumpable");
+    // Where the task (as `nobody`) may write.
+    let out = env.path("out");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let report = out.join("report");
+    let script = format!(
+        r#"sup=$PPID
+worker=$(awk '/^PPid:/ {{print $2}}' /proc/$sup/status)
+{{
+  echo "uid $(id -u) worker $worker"
+  for who in worker:$worker supervisor:$sup; do
+    if tr '\0' '\n' < /proc/${{who#*:}}/environ; then
+      echo "${{who%%:*}} environ: readable"
+    else
+      echo "${{who%%:*}} environ: denied"
+    fi
+  done
+}} > {0}.tmp 2>&1
+mv {0}.tmp {0}"#,
+        report.display()
+    );
+    let config = env.config(
+        "drumline.toml",
+        &format!(
+            "[worker]\nenv_remove = [\"DRUMLINE_TEST_SECRET\"]\n\
+             [tasks.peek]\ncommand = [\"/bin/sh\", \"-c\", {}]\n",
+            toml_string(&script).replace('\n', "\\n")
+        ),
+    );
+    let password = format!("pw-{}", uuid::Uuid::new_v4().simple());
+    let secret = format!("secret-{}", uuid::Uuid::new_v4().simple());
+    // Redis accepts any password for its password-less `default` user.
+    let redis_url = format!("redis://default:{password}@127.0.0.1:6379/0");
+    let worker = env.worker_as_nobody(
+        "worker",
+        &["--config", config.to_str().unwrap()],
+        &[
+            ("DRUMLINE_AMQP_URL", AMQP_URL),
+            ("DRUMLINE_REDIS_URL", &redis_url),
+            ("DRUMLINE_TEST_SECRET", &secret),
+        ],
+    );
+    env.wait_for_topology(&worker).await;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", worker.pid())).unwrap();
+    assert!(
+        status.contains("\nUid:\t65534\t"),
+        "the worker is not nobody:\n{status}"
+    );
+    env.publish(&adhoc("k-peek", "peek")).await;
+    assert!(
+        wait_until(WAIT, || report.exists()),
+        "the task never ran\n{}",
+        worker.log_tail(30)
+    );
+    let text = std::fs::read_to_string(&report).unwrap();
+    assert!(
+        text.starts_with(&format!("uid 65534 worker {}\n", worker.pid())),
+        "{text}"
+    );
+    assert!(text.contains("\nworker environ: denied\n"), "{text}");
+    assert!(text.contains("\nsupervisor environ: denied\n"), "{text}");
+    for leaked in [password.as_str(), secret.as_str(), "guest:guest"] {
+        assert!(!text.contains(leaked), "{leaked} leaked:\n{text}");
+    }
 }

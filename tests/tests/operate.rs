@@ -4,7 +4,7 @@
 
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use drumline_e2e::{
-    counts, setup, toml_string, wait_until, wait_until_async, with_metrics, TestEnv,
+    binary, counts, setup, toml_string, wait_until, wait_until_async, with_metrics, TestEnv,
 };
 use std::time::Duration;
 
@@ -521,4 +521,98 @@ async fn backfill_wait_follows_every_instant_and_waiting_copies_are_woken() {
             start - previous_end
         );
     }
+}
+
+/// `drumline-beat --config CFG ARGS…` killed if it has not exited within `limit`: (exit code,
+/// stdout, stderr), or `None` when it had to be killed.
+fn beat_cmd_within(cfg: &str, args: &[&str], limit: Duration) -> Option<(i32, String, String)> {
+    use std::io::Read;
+    let mut child = std::process::Command::new(binary("drumline-beat"))
+        .arg("--config")
+        .arg(cfg)
+        .args(args)
+        .env_remove("DRUMLINE_CONFIG")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("drumline-beat");
+    let deadline = std::time::Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    Some((status.code().unwrap_or(-1), out, err))
+}
+
+/// `trigger` returns for every valid job (DESIGN §10 "Bounded work for every request"). It
+/// used to look for a millisecond that is not one of the job's instants, which never ends for
+/// `every = "1ms"`; such a job is now refused (exit 2, naming the key) and the fastest valid
+/// job, `every = "100ms"`, is triggered on a millisecond of its own and runs once.
+// See: issues/16
+#[tokio::test(flavor = "multi_thread")]
+async fn trigger_returns_for_the_fastest_job_and_refuses_a_faster_one() {
+    let env = setup("ops_trigger_fast");
+    // Not a limit on speed: a trigger still running after this long is hung.
+    let hung = Duration::from_secs(15);
+    let job = |every: &str| {
+        format!(
+            "[[jobs]]\nname = \"fast\"\ntask = \"append\"\nevery = \"{every}\"\n\
+             [tasks.append]\ncommand = {}\n",
+            env.append_key_command("effects", 0.0)
+        )
+    };
+    let too_fast = env.config("1ms.toml", &job("1ms"));
+    let answer = beat_cmd_within(too_fast.to_str().unwrap(), &["trigger", "fast"], hung);
+    let (code, out, err) =
+        answer.unwrap_or_else(|| panic!("trigger of a 1ms job hung for {hung:?}"));
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("key `every`"), "{err}");
+
+    let cfg = env.config("drumline.toml", &job("100ms"));
+    let cfg = cfg.to_str().unwrap();
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    env.wait_for_topology(&worker).await;
+    let mut keys = Vec::new();
+    for _ in 0..5 {
+        let answer = beat_cmd_within(cfg, &["trigger", "fast"], hung);
+        let (code, out, err) =
+            answer.unwrap_or_else(|| panic!("trigger of a 100ms job hung for {hung:?}"));
+        assert_eq!(code, 0, "{out}{err}");
+        let key = triggered_key(&out);
+        // Never one of the job's instants (multiples of 100 ms): those keys are the beat's.
+        let ms = instant_of(&key).timestamp_subsec_millis();
+        assert_ne!(ms % 100, 0, "{key} is a scheduled instant's key");
+        keys.push(key);
+    }
+    assert!(
+        wait_until(WAIT, || env.lines("effects").len() >= keys.len()),
+        "{}",
+        worker.log_tail(20)
+    );
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    let mut ran = env.lines("effects");
+    ran.sort();
+    keys.sort();
+    assert_eq!(ran, keys, "each trigger ran once");
 }

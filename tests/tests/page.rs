@@ -3,7 +3,9 @@
 //! does first) renders `/` and the test asserts on the DOM it dumps — a row per job, the
 //! leader, PAUSED on the paused job, STALE on the stale one — and on `/api/status`, the
 //! `status --json` document; after SIGHUP it shows the reloaded jobs. A stuck Redis makes a
-//! 503 with the reason, not a hung page.
+//! 503 with the reason, not a hung page. Bounded work per request: concurrent requests share
+//! one broker connection, at most four are answered at once (the others 503 with
+//! `Retry-After`), and at most `limit` jobs are listed, with the total.
 //!
 //! `DRUMLINE_PAGE_SCREENSHOT=/abs/path.png` also saves the browser's screenshot of the page
 //! there (how docs/status-page.png is made).
@@ -198,6 +200,8 @@ command = ["/bin/sleep", "10"]
                 && jobs[3]["running"].as_u64() >= Some(1)
                 && jobs[2]["stale"] == true
                 && jobs[2]["last_failure"].is_string()
+                // Read from the broker at most every 5 s: it may lag the dead letter.
+                && s["dead_letters"].as_u64() >= Some(1)
         })
     });
     assert!(
@@ -231,6 +235,10 @@ command = ["/bin/sleep", "10"]
     };
     assert_eq!(shape(&api), shape(&cli), "{api}\n{cli}");
     assert_eq!(api["leader"], cli["leader"]);
+    assert_eq!(
+        (&api["total"], &cli["total"]),
+        (&Value::from(5), &Value::from(5))
+    );
     assert!(api["dead_letters"].as_u64() >= Some(1), "{api}");
     let flags: Vec<(bool, bool)> = api["jobs"]
         .as_array()
@@ -272,6 +280,7 @@ command = ["/bin/sleep", "10"]
         "{dom}"
     );
     assert_eq!(dom.matches("<tr class=\"job").count(), 5, "{dom}");
+    assert!(dom.contains("Jobs 1–5 of 5"), "{dom}");
     for name in [
         "heartbeat",
         "nightly-report",
@@ -428,5 +437,254 @@ async fn a_stuck_redis_makes_a_503_with_the_reason_not_a_hung_page() {
         }
     }
     drop(stuck);
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+}
+
+/// The established TCP connections of process `pid` to the broker's port 5672: its socket
+/// inodes (`/proc/PID/fd`) found in the kernel's TCP tables.
+fn broker_connections(pid: i32) -> usize {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|dir| {
+            dir.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .filter_map(|target| {
+                    let text = target.to_string_lossy().into_owned();
+                    Some(text.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .flat_map(|text| text.lines().skip(1).map(str::to_owned).collect::<Vec<_>>())
+        .filter(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            // remote address, state (01 = ESTABLISHED), inode
+            fields.len() > 9
+                && fields[2].ends_with(":1628")
+                && fields[3] == "01"
+                && inodes.contains(fields[9])
+        })
+        .count()
+}
+
+/// Sends `paths` all at once, one thread each: (path, code, head, body, when it was answered).
+fn burst(port: u16, paths: &[&str]) -> Vec<(String, u16, String, String, Instant)> {
+    let start = std::sync::Arc::new(std::sync::Barrier::new(paths.len()));
+    let threads: Vec<_> = paths
+        .iter()
+        .map(|path| {
+            let (start, path) = (start.clone(), path.to_string());
+            std::thread::spawn(move || {
+                start.wait();
+                let (code, head, body) = http(port, "GET", &path).expect("an answer");
+                (path, code, head, body, Instant::now())
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+/// 300 concurrent requests to `/` and `/api/status` (DESIGN §10 "Bounded work for every
+/// request"): the page opens at most one broker connection of its own at any time (it used to
+/// open one per request: 74 at once), every request is answered (200, or 503 with
+/// `Retry-After` while four others are being rendered), and the dead-letter count is known.
+// See: issues/16
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_requests_share_one_broker_connection() {
+    let env = setup("e2e_page_conns");
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[[jobs]]\nname = \"daily\"\ntask = \"append\"\ncron = \"0 3 * * *\"\n\
+             [tasks.append]\ncommand = {}\n",
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let port = unused_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut beat = env.beat(
+        "beat",
+        &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
+    );
+    let pid = beat.pid();
+    // The beat's own (publishing) connection, before the page made any.
+    assert!(
+        wait_until(WAIT, || broker_connections(pid) >= 1
+            && http_get(port, "/healthz").is_some()),
+        "{}",
+        beat.log_tail(20)
+    );
+    let own = broker_connections(pid);
+
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let mut most = 0;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                most = most.max(broker_connections(pid));
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            most.max(broker_connections(pid))
+        })
+    };
+    let paths: Vec<&str> = (0..300)
+        .map(|i| if i % 2 == 0 { "/" } else { "/api/status" })
+        .collect();
+    let answers = burst(port, &paths);
+    // And a few one after another, each after the cached count may have expired.
+    let mut later = Vec::new();
+    for _ in 0..3 {
+        later.push(http(port, "GET", "/api/status").expect("an answer"));
+    }
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let most = sampler.join().unwrap();
+    assert!(
+        most <= own + 1,
+        "{most} broker connections at once; the beat's own: {own}"
+    );
+
+    let ok = answers.iter().filter(|a| a.1 == 200).count();
+    let busy = answers
+        .iter()
+        .filter(|a| a.1 == 503 && header(&a.2, "retry-after") == "1")
+        .count();
+    eprintln!(
+        "{most} broker connections at most (the beat's own: {own}); {ok} rendered, {busy} busy"
+    );
+    assert_eq!(ok + busy, 300, "every request answered 200 or busy");
+    assert!(ok >= 1, "none rendered");
+    for (code, _, body) in later {
+        assert_eq!(code, 200, "{body}");
+        let status: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(status["dead_letters"], 0, "{body}");
+    }
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+}
+
+/// At most four requests are rendered at once (DESIGN §10): with Redis stuck, four requests
+/// wait for it (and get the 503 that says so after the page's wait); the other eight of twelve
+/// concurrent requests are answered 503 with `Retry-After: 1` at once, before any of the four.
+// See: issues/16
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fifth_concurrent_request_is_answered_503_with_retry_after_at_once() {
+    let env = setup("e2e_page_busy");
+    let stuck = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let redis_port = stuck.local_addr().unwrap().port();
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[redis]\nurl = {}\n[[jobs]]\nname = \"heartbeat\"\ntask = \"append\"\nevery = \"1s\"\n\
+             [tasks.append]\ncommand = {}\n",
+            toml_string(&format!("redis://127.0.0.1:{redis_port}/0")),
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let port = unused_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut beat = env.beat(
+        "beat",
+        &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
+    );
+    assert!(
+        wait_until(WAIT, || http_get(port, "/healthz").is_some()),
+        "{}",
+        beat.log_tail(20)
+    );
+    let paths: Vec<&str> = (0..12)
+        .map(|i| if i % 2 == 0 { "/" } else { "/api/status" })
+        .collect();
+    let answers = burst(port, &paths);
+    let (busy, slow): (Vec<_>, Vec<_>) = answers
+        .iter()
+        .partition(|a| header(&a.2, "retry-after") == "1");
+    assert_eq!(
+        (busy.len(), slow.len()),
+        (8, 4),
+        "busy and rendered answers: {:?}",
+        answers
+            .iter()
+            .map(|a| (&a.0, a.1, &a.3))
+            .collect::<Vec<_>>()
+    );
+    for (path, code, _, body, _) in &answers {
+        assert_eq!(*code, 503, "{path}: {body}");
+    }
+    for (path, _, _, body, _) in &slow {
+        assert!(body.contains("redis"), "{path}: {body}");
+    }
+    let first_slow = slow.iter().map(|a| a.4).min().unwrap();
+    for (path, _, head, body, at) in &busy {
+        assert!(*at < first_slow, "{path}: busy only after a render ended");
+        if path == "/api/status" {
+            assert_eq!(header(head, "content-type"), "application/json");
+            let error: Value = serde_json::from_str(body).unwrap();
+            assert!(error["error"].is_string(), "{body}");
+        } else {
+            assert_eq!(header(head, "content-type"), "text/html; charset=utf-8");
+        }
+    }
+    drop(stuck);
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+}
+
+/// The page lists at most `limit` jobs (default 500), from `offset`, and shows the total
+/// (DESIGN §10); `/api/status` carries `total` beside the listed `jobs`.
+// See: issues/16
+#[tokio::test(flavor = "multi_thread")]
+async fn the_page_lists_at_most_limit_jobs_and_shows_the_total() {
+    let env = setup("e2e_page_rows");
+    let jobs: String = (0..503)
+        .map(|i| format!("[[jobs]]\nname = \"j{i:03}\"\ntask = \"t\"\ncron = \"0 3 * * *\"\n"))
+        .collect();
+    let cfg = env.config(
+        "drumline.toml",
+        &format!("{jobs}[tasks.t]\ncommand = [\"/bin/true\"]\n"),
+    );
+    let port = unused_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut beat = env.beat(
+        "beat",
+        &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
+    );
+    assert!(
+        wait_until(WAIT, || api_status(port).is_some()),
+        "{}",
+        beat.log_tail(20)
+    );
+    let names = |doc: &Value| -> Vec<String> {
+        doc["jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|j| j["job"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let first = api_status(port).unwrap();
+    assert_eq!(first["total"], 503);
+    let listed = names(&first);
+    assert_eq!(listed.len(), 500);
+    assert_eq!((listed[0].as_str(), listed[499].as_str()), ("j000", "j499"));
+
+    let (code, body) = http_get(port, "/api/status?limit=2&offset=501").unwrap();
+    assert_eq!(code, 200, "{body}");
+    let tail: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(names(&tail), ["j501", "j502"]);
+    assert_eq!(tail["total"], 503);
+    let (_, body) = http_get(port, "/api/status?offset=600").unwrap();
+    let past: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((names(&past).len(), &past["total"]), (0, &Value::from(503)));
+    let (code, _) = http_get(port, "/api/status?limit=many").unwrap();
+    assert_eq!(code, 400);
+
+    let (code, page) = http_get(port, "/").unwrap();
+    assert_eq!(code, 200);
+    assert_eq!(page.matches("<tr class=\"job").count(), 500);
+    assert!(page.contains("Jobs 1–500 of 503"), "{page}");
+    let (_, page) = http_get(port, "/?offset=500").unwrap();
+    assert_eq!(page.matches("<tr class=\"job").count(), 3);
+    assert!(page.contains("Jobs 501–503 of 503"), "{page}");
+    assert!(page.contains("data-job=\"j502\""));
     assert!(beat.terminate(Duration::from_secs(10)).success());
 }

@@ -335,3 +335,33 @@ fn passwords_of_unreachable_servers_never_reach_the_logs() {
         );
     }
 }
+
+/// `every` is at least 100 ms (DESIGN §10 "Bounded work for every request"): a shorter period is
+/// refused by every command, naming the job and the key; exactly 100 ms is fine.
+// See: issues/16
+#[test]
+fn an_every_under_100ms_is_refused_naming_the_key() {
+    let env = setup("e2e_every_min");
+    for every in ["1ms", "99ms"] {
+        refused(
+            &env,
+            &format!("every {every}"),
+            &format!("[[jobs]]\nname = \"fast\"\ntask = \"t\"\nevery = \"{every}\"\n{TASK}"),
+            &["job \"fast\"", "key `every`", "100ms"],
+        );
+    }
+    let path = env.config(
+        "100ms.toml",
+        &format!("[[jobs]]\nname = \"fast\"\ntask = \"t\"\nevery = \"100ms\"\n{TASK}"),
+    );
+    let (code, stdout, stderr) = run_with_env(
+        "drumline-beat",
+        &[
+            "--config".into(),
+            path.to_str().unwrap().into(),
+            "check".into(),
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+}

@@ -424,6 +424,14 @@ fn args() -> Args {
 #[tokio::main]
 async fn main() {
     let args = args();
+    // The shell executor's supervisor: cargo puts it in target/<profile>/, one level above
+    // this example (target/<profile>/examples/).
+    if let Some(dir) = std::env::current_exe()
+        .ok()
+        .and_then(|e| Some(e.parent()?.parent()?.to_owned()))
+    {
+        drumline_worker::executor::use_supervisor(dir.join(drumline_worker::executor::SUPERVISOR));
+    }
     let conn = Connection::connect(AMQP, ConnectionProperties::default())
         .await
         .expect("broker");

@@ -1,23 +1,25 @@
 //! The built-in shell executor (DESIGN §4): `command = ["path", "arg"]`, run without a shell,
 //! the envelope's `args` on stdin, the context in `DRUMLINE_*` variables.
 //!
-//! A task process never outlives its worker, children included. Each task runs in its own
-//! process group (so a timeout or cancellation kills the whole tree) under a tiny `/bin/sh`
-//! supervisor ([`SUPERVISOR`]) that leads the group. The supervisor gets
-//! `PR_SET_PDEATHSIG = SIGHUP`: when the worker dies, even by `kill -9`, the kernel sends it
-//! SIGHUP and it kills its whole group with SIGKILL, so no orphan (not even a grandchild) can
-//! complete the instance a second time. A parent-death signal on the task itself would reach
-//! only the first process. PDEATHSIG fires when the *spawning thread* exits, and tokio's
-//! blocking threads come and go, so every task is spawned from one dedicated thread that lives
-//! as long as the worker process.
+//! A task process never outlives its worker, children included, and cannot read the worker.
+//! Each task runs in its own process group (so a timeout or cancellation kills the whole tree)
+//! under a small supervisor, `drumline-supervisor` ([`crate::supervisor`]), that leads the
+//! group. The supervisor makes itself non-dumpable (as the worker did at start,
+//! [`make_non_dumpable`]), so a task running as the worker's user can read neither's
+//! `/proc/<pid>/environ` nor ptrace them (docs/design.md#tasks-cannot-read-the-worker), and
+//! asks for `PR_SET_PDEATHSIG = SIGHUP`: when the worker dies, even by `kill -9`, the kernel
+//! sends it SIGHUP and it kills its whole group with SIGKILL, so no orphan (not even a
+//! grandchild) can complete the instance a second time. A parent-death signal on the task
+//! itself would reach only the first process. PDEATHSIG fires when the *spawning thread* exits,
+//! and tokio's blocking threads come and go, so every task is spawned from one dedicated thread
+//! that lives as long as the worker process.
 //!
-//! The signal is set by util-linux `setpriv --pdeathsig HUP`, which then execs the supervisor:
-//! with no code of ours between fork and exec, std starts it with `posix_spawn` (a vfork-style
-//! clone) instead of forking the worker, whose page-table copy grew with the worker's memory and
-//! was most of a short task's cost (issue 11). Without `setpriv` the signal is set in a
-//! `pre_exec` hook (a fork). Either way the supervisor checks that its parent is still the
-//! worker (its pid is the supervisor's first argument) before it starts the command: a worker
-//! that died before the signal was set could not trigger it.
+//! The supervisor sets both flags itself, after its exec (an exec makes a process dumpable
+//! again, so the worker could not set that one for it), and then checks that its parent is
+//! still the worker (its pid is the supervisor's first argument): a worker that died before the
+//! signal was asked for could not trigger it. With no code of ours between fork and exec, std
+//! starts the supervisor with `posix_spawn` (a vfork-style clone) instead of forking the
+//! worker, whose page-table copy grew with the worker's memory (issue 11).
 //!
 //! Dropping a run's future (the worker does when a run outlives its lease deadline, or when it
 //! abandons a connection's runs) SIGKILLs the whole group. The task's environment is the
@@ -41,28 +43,16 @@ use tokio::io::AsyncWriteExt;
 use tokio::process::{Child, Command};
 use tokio::sync::oneshot;
 
-/// The supervisor script, run as `/bin/sh -c SUPERVISOR drumline-task WORKER_PID COMMAND…`.
-/// Its parent-death signal is set before it runs; if the worker died before that (its parent
-/// is no longer `WORKER_PID`), nobody would signal it, so it exits before starting anything. It
-/// starts
-/// the command in the background (stdin passed through explicitly: a background job's stdin
-/// would otherwise be /dev/null), waits for it, and exits with its status. On SIGHUP (the
-/// worker died) it SIGKILLs its process group, itself included. SIGTERM and SIGINT get a no-op
-/// handler so the supervisor outlives a polite stop of the group (the command receives those
-/// signals directly, with default dispositions) and still reports the command's status.
-pub const SUPERVISOR: &str = r#"trap 'kill -KILL 0' HUP
-[ "$PPID" = "$1" ] || exit 125
-shift
-trap ':' TERM INT
-exec 3<&0
-"$@" <&3 3<&- &
-child=$!
-exec 3<&-
-while :; do
-  wait "$child"
-  status=$?
-  kill -0 "$child" 2>/dev/null || exit "$status"
-done"#;
+/// The supervisor's program name, looked for beside the worker's executable, then on `PATH`.
+pub const SUPERVISOR: &str = "drumline-supervisor";
+
+/// Makes this process non-dumpable (`PR_SET_DUMPABLE = 0`): a process of the same (non-root)
+/// user, such as a task, can then neither read its `/proc/<pid>/environ` or `mem`, where the
+/// broker and Redis URLs are, nor ptrace it. [`crate::Worker::run`] calls it before anything
+/// is spawned. Root reads any process's environment regardless: run workers as a non-root user.
+pub fn make_non_dumpable() -> io::Result<()> {
+    nix::sys::prctl::set_dumpable(false).map_err(io::Error::from)
+}
 
 /// The longest grace between SIGTERM and SIGKILL when a task is stopped. The worker gives a
 /// shorter one ([`TaskContext::kill_grace`]) when the lease leaves less room.
@@ -112,26 +102,9 @@ impl ShellExecutor {
     }
 
     async fn run(self, ctx: TaskContext) -> Result<(), HandlerError> {
-        let mut cmd = match setpriv() {
-            // `setpriv` sets the signal and execs the supervisor: no code of ours runs between
-            // fork and exec, so the supervisor is started by `posix_spawn` (no copy of the
-            // worker's page tables, which grows with the worker's memory).
-            Some(setpriv) => {
-                let mut cmd = Command::new(setpriv);
-                cmd.args(["--pdeathsig", "HUP", "--", "/bin/sh"]);
-                cmd
-            }
-            None => {
-                let mut cmd = Command::new("/bin/sh");
-                set_parent_death_signal(&mut cmd);
-                cmd
-            }
-        };
-        cmd.arg("-c")
-            .arg(SUPERVISOR)
-            .arg("drumline-task")
-            .arg(std::process::id().to_string())
-            .args(&self.command);
+        let supervisor = supervisor().map_err(HandlerError::Retryable)?;
+        let mut cmd = Command::new(supervisor);
+        cmd.arg(std::process::id().to_string()).args(&self.command);
         self.environment(&mut cmd, &ctx);
         cmd.stdin(Stdio::piped())
             .kill_on_drop(true)
@@ -226,44 +199,46 @@ async fn stop(child: &mut Child, group: Option<Group>, grace: Duration) {
     // Dropping `group` kills what is left of it.
 }
 
-/// util-linux `setpriv`, when it is installed and can set a parent-death signal (2.33 and
-/// later); checked once.
-fn setpriv() -> Option<&'static Path> {
-    static SETPRIV: OnceLock<Option<PathBuf>> = OnceLock::new();
-    SETPRIV
+/// Where the supervisor is: the path given to [`use_supervisor`], else `drumline-supervisor`
+/// beside the running executable (where the release and `cargo build` put it), else on `PATH`;
+/// looked for once. `Err` says where it was looked for.
+pub fn supervisor() -> Result<&'static Path, String> {
+    SUPERVISOR_PATH
         .get_or_init(|| {
-            let path = ["/usr/bin/setpriv", "/bin/setpriv"]
+            let beside = std::env::current_exe()
+                .ok()
+                .and_then(|exe| Some(exe.parent()?.join(SUPERVISOR)));
+            let on_path: Vec<PathBuf> = std::env::var_os("PATH")
+                .map(|path| {
+                    std::env::split_paths(&path)
+                        .map(|dir| dir.join(SUPERVISOR))
+                        .collect()
+                })
+                .unwrap_or_default();
+            beside
                 .iter()
-                .map(PathBuf::from)
-                .find(|p| p.is_file())?;
-            let works = std::process::Command::new(&path)
-                .args(["--pdeathsig", "HUP", "--", "/bin/sh", "-c", ":"])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success());
-            works.then_some(path)
+                .chain(&on_path)
+                .find(|p| p.is_file())
+                .cloned()
+                .ok_or_else(|| {
+                    let beside = beside.map_or("-".into(), |p| p.display().to_string());
+                    format!(
+                        "{SUPERVISOR} (which runs every shell task) is missing: not at {beside} \
+                         nor on PATH; install it beside drumline-worker"
+                    )
+                })
         })
         .as_deref()
+        .map_err(Clone::clone)
 }
 
-/// Without `setpriv`: the signal set between fork and exec (a fork of the whole worker).
-#[allow(unsafe_code)]
-fn set_parent_death_signal(cmd: &mut Command) {
-    let parent = std::process::id() as i32;
-    // SAFETY: the closure runs in the forked child before exec and only makes two
-    // async-signal-safe system calls (prctl, getppid); it allocates nothing and takes no lock.
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::sys::prctl::set_pdeathsig(Signal::SIGHUP).map_err(io::Error::from)?;
-            // The worker may have died between fork and prctl: then nobody will signal us.
-            if nix::unistd::getppid().as_raw() != parent {
-                return Err(io::Error::other("worker exited before the task started"));
-            }
-            Ok(())
-        });
-    }
+static SUPERVISOR_PATH: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+
+/// Runs shell tasks under the supervisor at `path` instead of looking for it (for a program
+/// that embeds the worker and installs `drumline-supervisor` elsewhere). Call it before the
+/// first task runs; `false` when the supervisor was already chosen.
+pub fn use_supervisor(path: PathBuf) -> bool {
+    SUPERVISOR_PATH.set(Ok(path)).is_ok()
 }
 
 type SpawnRequest = (Command, oneshot::Sender<io::Result<Child>>);
@@ -301,113 +276,4 @@ async fn spawn(cmd: Command) -> io::Result<Child> {
         .map_err(|_| io::Error::other("spawner thread is gone"))?;
     rx.await
         .map_err(|_| io::Error::other("spawner thread is gone"))?
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::path::Path;
-    use tokio_util::sync::CancellationToken;
-
-    fn alive(pid: i32) -> bool {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| !s.contains(") Z "))
-            .unwrap_or(false)
-    }
-
-    fn context() -> TaskContext {
-        TaskContext {
-            task: "t".into(),
-            key: "k".into(),
-            job: None,
-            scheduled_for: chrono::Utc::now(),
-            attempt: 0,
-            fencing_token: 1,
-            args: serde_json::json!({}),
-            cancel: CancellationToken::new(),
-            kill_grace: Duration::from_millis(100),
-        }
-    }
-
-    async fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
-        for _ in 0..200 {
-            if condition() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("{what}");
-    }
-
-    /// Its parent-death signal came too late when its parent is no longer the worker: then
-    /// the supervisor starts nothing.
-    #[test]
-    fn the_supervisor_starts_nothing_when_its_parent_is_not_the_worker() {
-        let dir = std::env::temp_dir().join(format!("drumline-sup-{}", uuid::Uuid::new_v4()));
-        let marker = dir.to_string_lossy().into_owned();
-        let run = |worker_pid: String| {
-            std::process::Command::new("/bin/sh")
-                .args(["-c", SUPERVISOR, "drumline-task", &worker_pid])
-                .args(["/usr/bin/touch", &marker])
-                .status()
-                .expect("sh")
-        };
-        let refused = run("1".into());
-        assert_eq!(refused.code(), Some(125));
-        assert!(
-            !dir.exists(),
-            "the command ran under a supervisor nobody would signal"
-        );
-        let ran = run(std::process::id().to_string());
-        assert_eq!(ran.code(), Some(0));
-        assert!(
-            dir.exists(),
-            "the command runs when the parent is the worker"
-        );
-        let _ = std::fs::remove_file(&dir);
-    }
-
-    /// One test, not several: the spawner thread belongs to the first runtime that uses it.
-    #[tokio::test]
-    async fn dropping_a_run_kills_its_whole_group() {
-        let dir = std::env::temp_dir().join(format!("drumline-exec-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let pids = dir.join("pids");
-        // The command is the supervisor's child; its `sleep` is a grandchild of the worker.
-        let script = format!(
-            "sleep 30 & echo \"$$ $!\" > {0}.tmp && mv {0}.tmp {0}; wait",
-            pids.display()
-        );
-        let task = Task {
-            name: "t".into(),
-            command: Some(vec!["/bin/sh".into(), "-c".into(), script]),
-            timeout: None,
-            max_retries: 0,
-            retry_base: Duration::from_secs(1),
-            retry_max: Duration::from_secs(1),
-            permanent_exit_codes: vec![],
-            env: BTreeMap::new(),
-        };
-        let executor = ShellExecutor::for_task(&task, &[]).unwrap();
-        let run = tokio::spawn(executor.call(context()));
-        wait_for("the task never started", || Path::new(&pids).exists()).await;
-        let text = std::fs::read_to_string(&pids).unwrap();
-        let pids: Vec<i32> = text
-            .split_whitespace()
-            .map(|p| p.parse().unwrap())
-            .collect();
-        assert_eq!(pids.len(), 2, "{text}");
-        assert!(pids.iter().all(|&p| alive(p)));
-
-        // As the worker does with in-flight runs when it abandons a connection.
-        run.abort();
-        assert!(run.await.unwrap_err().is_cancelled());
-        for pid in pids {
-            wait_for(&format!("process {pid} outlived its dropped run"), || {
-                !alive(pid)
-            })
-            .await;
-        }
-        let _ = std::fs::remove_dir_all(&dir);
-    }
 }

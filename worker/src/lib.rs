@@ -10,6 +10,8 @@
 //! - [`lease`]     — the watchdog that renews a claim and cancels a run whose lease is lost.
 //! - [`retry`]     — where a retry is decided: exponential backoff with jitter, exhaustion.
 //! - [`executor`]  — the built-in shell executor (process groups, parent-death signal).
+//! - [`supervisor`] — `drumline-supervisor`, which leads each task's process group:
+//!   non-dumpable, killed with its group when the worker dies.
 //! - [`handler`]   — the handler API for Rust users: context in, decision-shaped error out.
 //! - [`stats`]     — counters.
 //! - [`dlq`]       — `dlq list | replay | purge`: the dead letters.
@@ -41,6 +43,7 @@ pub mod lease;
 pub mod processor;
 pub mod retry;
 pub mod stats;
+pub mod supervisor;
 
 pub use handler::{Handler, HandlerError, TaskContext};
 
@@ -115,11 +118,23 @@ impl Worker {
         self
     }
 
-    /// Runs until `shutdown` completes, then stops in order (see [`consumer::run`]).
+    /// Runs until `shutdown` completes, then stops in order (see [`consumer::run`]). First,
+    /// before anything is spawned, makes this process non-dumpable so that tasks running as
+    /// the same user cannot read its environment or memory
+    /// (docs/design.md#tasks-cannot-read-the-worker), and, when a task runs a `command`, finds
+    /// the supervisor that runs it ([`executor::supervisor`]; missing: a config error).
     pub async fn run(
         self,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<Arc<stats::Stats>, WorkerError> {
+        executor::make_non_dumpable()
+            .map_err(|e| WorkerError::Fatal(format!("cannot make the worker non-dumpable: {e}")))?;
+        let shell = |(name, task): (&String, &drumline_shared::config::Task)| {
+            task.command.is_some() && !self.handlers.contains_key(name)
+        };
+        if self.config.tasks.iter().any(shell) {
+            executor::supervisor().map_err(WorkerError::Config)?;
+        }
         let handlers = processor::resolve_handlers(&self.config, &self.handlers)
             .map_err(WorkerError::Config)?;
         let reload = self.reload_on_sighup.then(|| consumer::Reload {

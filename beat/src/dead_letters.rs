@@ -1,0 +1,99 @@
+//! The dead-letter count the status page shows (docs/design.md#bounded-work): read through one
+//! broker connection of the page's own, kept between requests, one read at a time, and cached
+//! for [`FRESH_FOR`]. However many requests come, the page holds at most that one connection
+//! and asks the broker at most once per [`FRESH_FOR`].
+
+use drumline_shared::config::Config;
+use drumline_shared::names::Names;
+use drumline_shared::topology;
+use lapin::Connection;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Mutex;
+
+/// How long a count read from the broker is shown before it is read again (a failed read too:
+/// an unreachable broker is asked again only after that long).
+pub const FRESH_FOR: Duration = Duration::from_secs(5);
+
+/// How long one read (connecting included) may take before the count is shown as unknown.
+pub const READ_WAIT: Duration = Duration::from_secs(3);
+
+/// The page's count and the connection it is read through.
+pub struct DeadLetters {
+    config: Arc<Config>,
+    names: Names,
+    state: Arc<Mutex<State>>,
+}
+
+/// Held (locked) for the whole of a read, so there is never a second read, nor a second
+/// connection, beside it.
+#[derive(Default)]
+struct State {
+    conn: Option<Connection>,
+    /// When the last read ended and what it found (`None`: the broker did not say).
+    last: Option<(Instant, Option<u64>)>,
+}
+
+impl DeadLetters {
+    /// For `config`'s broker and namespace (neither changes on reload); connects at the first
+    /// read.
+    pub fn new(config: Arc<Config>) -> Self {
+        let names = Names::new(config.namespace.clone());
+        Self {
+            config,
+            names,
+            state: Arc::default(),
+        }
+    }
+
+    /// The messages in `{ns}.dead` as read at most [`FRESH_FOR`] ago, or `None` (logged) when
+    /// the broker could not say within [`READ_WAIT`]. A caller that finds a read under way
+    /// waits for it and takes its answer.
+    pub async fn count(&self) -> Option<u64> {
+        let mut state = self.state.clone().lock_owned().await;
+        if let Some((at, count)) = state.last {
+            if at.elapsed() < FRESH_FOR {
+                return count;
+            }
+        }
+        let (config, names) = (self.config.clone(), self.names.clone());
+        // A task of its own, holding the lock: a request that gives up (its client left) does
+        // not cancel the read half-way through a connect, which could leave that connection
+        // open beside the next one.
+        let read = tokio::spawn(async move {
+            let count = read(&mut state, &config, &names).await;
+            state.last = Some((Instant::now(), count));
+            count
+        });
+        read.await.unwrap_or(None)
+    }
+}
+
+/// One read, within [`READ_WAIT`]; a connection that failed is dropped (closed), and the next
+/// read connects afresh.
+async fn read(state: &mut State, config: &Config, names: &Names) -> Option<u64> {
+    let attempt = async {
+        if !state.conn.as_ref().is_some_and(|c| c.status().connected()) {
+            state.conn = None;
+            state.conn = Some(topology::connect(config).await?);
+        }
+        let conn = state.conn.as_ref().expect("connected just now");
+        topology::dead_letter_count_on(conn, names).await
+    };
+    match tokio::time::timeout(READ_WAIT, attempt).await {
+        Ok(Ok(count)) => Some(count),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "status page: dead letters unknown");
+            state.conn = None;
+            None
+        }
+        Err(_) => {
+            tracing::warn!(
+                wait_ms = READ_WAIT.as_millis() as u64,
+                "status page: the broker did not answer; dead letters unknown"
+            );
+            state.conn = None;
+            None
+        }
+    }
+}
