@@ -4,7 +4,7 @@
 //! A delay starts at `min`, doubles per call up to `max`, and gains a random extra of up to
 //! `jitter` times itself: jitter only lengthens a delay, so a delay is never shorter than the
 //! un-jittered one and never longer than `max · (1 + jitter)`. The random draw can be passed in
-//! ([`Backoff::next_with`], [`Backoff::nth`]) so tests are exact.
+//! ([`Backoff::next_delay_with`], [`Backoff::nth`]) so tests are exact.
 
 use std::time::Duration;
 
@@ -30,8 +30,8 @@ pub enum BackoffError {
     Jitter(f64),
 }
 
-/// An exponential backoff: `min`, doubled per [`next`](Self::next) up to `max`, plus up to
-/// `jitter` of each delay at random; [`reset`](Self::reset) starts again from `min`.
+/// An exponential backoff: `min`, doubled per [`next_delay`](Self::next_delay) up to `max`,
+/// plus up to `jitter` of each delay at random; [`reset`](Self::reset) starts again from `min`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Backoff {
     min: Duration,
@@ -65,25 +65,25 @@ impl Backoff {
     }
 
     /// The next delay, with a random jitter draw (none is drawn when `jitter` is 0).
-    pub fn next(&mut self) -> Duration {
+    pub fn next_delay(&mut self) -> Duration {
         let unit = if self.jitter > 0.0 {
             rand::random::<f64>()
         } else {
             0.0
         };
-        self.next_with(unit)
+        self.next_delay_with(unit)
     }
 
     /// The next delay with the jitter draw `unit` in `[0, 1]` (clamped; NaN counts as 0):
     /// `unit` 0 adds nothing, 1 adds the whole `jitter` fraction. Then doubles, up to `max`.
-    pub fn next_with(&mut self, unit: f64) -> Duration {
+    pub fn next_delay_with(&mut self, unit: f64) -> Duration {
         let delay = self.jittered(self.upcoming, unit);
         self.upcoming = self.upcoming.saturating_mul(2).min(self.max);
         delay
     }
 
-    /// The un-jittered delay the next call to [`next`](Self::next) starts from (to log it
-    /// before it is taken).
+    /// The un-jittered delay the next call to [`next_delay`](Self::next_delay) starts from (to
+    /// log it before it is taken).
     pub fn peek(&self) -> Duration {
         self.upcoming
     }
@@ -94,7 +94,8 @@ impl Backoff {
     }
 
     /// The delay after `n` doublings, statelessly: `min(max, min · 2^n)` lengthened by `unit`
-    /// as in [`next_with`](Self::next_with) — what the `n+1`-th call after a reset returns.
+    /// as in [`next_delay_with`](Self::next_delay_with): what the `n+1`-th call after a
+    /// [`reset`](Self::reset) returns.
     pub fn nth(&self, n: u32, unit: f64) -> Duration {
         // In nanoseconds, where `min · 2^n` cannot overflow before it passes `max`.
         let nanos = match n {
@@ -129,22 +130,30 @@ mod tests {
     #[test]
     fn doubles_from_min_up_to_max() {
         let mut b = Backoff::new(MS(200), MS(5000), 0.0).unwrap();
-        let delays: Vec<_> = (0..7).map(|_| b.next().as_millis()).collect();
+        let delays: Vec<_> = (0..7).map(|_| b.next_delay().as_millis()).collect();
         assert_eq!(delays, [200, 400, 800, 1600, 3200, 5000, 5000]);
         assert_eq!(b.peek(), MS(5000));
         b.reset();
-        assert_eq!((b.peek(), b.next()), (MS(200), MS(200)));
+        assert_eq!((b.peek(), b.next_delay()), (MS(200), MS(200)));
     }
 
     #[test]
     fn jitter_only_lengthens_by_its_fraction() {
         let mut b = Backoff::new(MS(1000), MS(10_000), 0.2).unwrap();
-        assert_eq!(b.next_with(0.0), MS(1000));
-        assert_eq!(b.next_with(0.5), MS(2200));
-        assert_eq!(b.next_with(1.0), MS(4800));
-        assert_eq!(b.next_with(7.0), MS(9600), "a draw above 1 counts as 1");
-        assert_eq!(b.next_with(-3.0), MS(10_000), "a draw below 0 counts as 0");
-        assert_eq!(b.next_with(f64::NAN), MS(10_000), "NaN counts as 0");
+        assert_eq!(b.next_delay_with(0.0), MS(1000));
+        assert_eq!(b.next_delay_with(0.5), MS(2200));
+        assert_eq!(b.next_delay_with(1.0), MS(4800));
+        assert_eq!(
+            b.next_delay_with(7.0),
+            MS(9600),
+            "a draw above 1 counts as 1"
+        );
+        assert_eq!(
+            b.next_delay_with(-3.0),
+            MS(10_000),
+            "a draw below 0 counts as 0"
+        );
+        assert_eq!(b.next_delay_with(f64::NAN), MS(10_000), "NaN counts as 0");
     }
 
     #[test]
@@ -188,7 +197,7 @@ mod tests {
     #[test]
     fn huge_bounds_saturate_instead_of_panicking() {
         let mut b = Backoff::new(Duration::MAX, Duration::MAX, 1.0).unwrap();
-        assert_eq!(b.next_with(1.0), Duration::MAX);
+        assert_eq!(b.next_delay_with(1.0), Duration::MAX);
         assert_eq!(b.nth(40, 1.0), Duration::MAX);
     }
 
@@ -217,7 +226,7 @@ mod tests {
             let mut b = Backoff::new(min, max, jitter).unwrap();
             let ceiling = max + max.mul_f64(jitter);
             for unit in draws {
-                let d = b.next_with(unit);
+                let d = b.next_delay_with(unit);
                 prop_assert!(d >= min, "{d:?} below min {min:?}");
                 prop_assert!(d <= ceiling, "{d:?} above {ceiling:?}");
             }
@@ -228,7 +237,7 @@ mod tests {
             let mut b = Backoff::new(min, max, 0.0).unwrap();
             let mut last = Duration::ZERO;
             for _ in 0..calls {
-                let d = b.next();
+                let d = b.next_delay();
                 prop_assert!(d >= last, "{d:?} after {last:?}");
                 prop_assert!(d <= max);
                 last = d;
@@ -239,11 +248,11 @@ mod tests {
         fn reset_goes_back_to_min((min, max, jitter) in settings(), calls in 0usize..80) {
             let mut b = Backoff::new(min, max, jitter).unwrap();
             for _ in 0..calls {
-                b.next();
+                b.next_delay();
             }
             b.reset();
             prop_assert_eq!(b.peek(), min);
-            prop_assert_eq!(b.next_with(0.0), min);
+            prop_assert_eq!(b.next_delay_with(0.0), min);
         }
 
         #[test]
@@ -253,7 +262,7 @@ mod tests {
         ) {
             let mut b = Backoff::new(min, max, jitter).unwrap();
             for (n, unit) in draws.into_iter().enumerate() {
-                prop_assert_eq!(b.nth(n as u32, unit), b.next_with(unit));
+                prop_assert_eq!(b.nth(n as u32, unit), b.next_delay_with(unit));
             }
         }
     }
