@@ -64,6 +64,33 @@ impl Backoff {
         })
     }
 
+    /// [`new`](Self::new) for constants: settings `new` refuses fail the build in a `const`
+    /// item (and panic elsewhere).
+    ///
+    /// ```
+    /// # use drumline_shared::backoff::Backoff;
+    /// # use std::time::Duration;
+    /// const RECONNECT: Backoff =
+    ///     Backoff::constant(Duration::from_millis(200), Duration::from_secs(5), 0.0);
+    /// assert_eq!(RECONNECT.nth(1, 0.0), Duration::from_millis(400));
+    /// ```
+    ///
+    /// ```compile_fail
+    /// # use drumline_shared::backoff::Backoff;
+    /// # use std::time::Duration;
+    /// const SPINS: Backoff = Backoff::constant(Duration::ZERO, Duration::from_secs(5), 0.0);
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// When [`new`](Self::new) refuses the settings.
+    pub const fn constant(min: Duration, max: Duration, jitter: f64) -> Self {
+        match Self::new(min, max, jitter) {
+            Ok(backoff) => backoff,
+            Err(_) => panic!("Backoff::new refuses these settings"),
+        }
+    }
+
     /// The next delay, with a random jitter draw (none is drawn when `jitter` is 0).
     pub fn next_delay(&mut self) -> Duration {
         let unit = if self.jitter > 0.0 {
@@ -117,6 +144,15 @@ impl Backoff {
         let unit = if unit >= 0.0 { unit.min(1.0) } else { 0.0 };
         let extra = Duration::try_from_secs_f64(self.jitter * unit * d.as_secs_f64());
         d.saturating_add(extra.unwrap_or(Duration::MAX))
+    }
+}
+
+/// `(min, max)` without jitter, checked as [`Backoff::new`] checks it.
+impl TryFrom<(Duration, Duration)> for Backoff {
+    type Error = BackoffError;
+
+    fn try_from((min, max): (Duration, Duration)) -> Result<Self, BackoffError> {
+        Backoff::new(min, max, 0.0)
     }
 }
 
@@ -192,6 +228,21 @@ mod tests {
             Err(BackoffError::Jitter(j)) if j.is_nan()
         ));
         assert!(Backoff::new(MS(1), MS(1), 1.0).is_ok());
+        assert_eq!(
+            Backoff::try_from((MS(1), MS(2))),
+            Backoff::new(MS(1), MS(2), 0.0)
+        );
+        assert_eq!(
+            Backoff::try_from((Duration::ZERO, MS(2))),
+            Err(BackoffError::ZeroMin)
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "Backoff::new refuses these settings")]
+    fn a_constant_with_bad_settings_panics_at_run_time() {
+        let max = std::hint::black_box(MS(1));
+        Backoff::constant(MS(2), max, 0.0);
     }
 
     #[test]
