@@ -28,6 +28,7 @@ use crate::reload;
 use crate::stats::report_dropped;
 pub use crate::stats::BeatStats;
 use chrono::{DateTime, Utc};
+use drumline_shared::backoff::Backoff;
 use drumline_shared::config::{Config, Job};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
@@ -67,12 +68,17 @@ pub const ISOLATED_BACKOFF: Duration = Duration::from_millis(200);
 /// Longest wait between two tries of a job whose own message keeps failing.
 pub const ISOLATED_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
-/// First wait when the broker or Redis stalled a batch; doubled per such batch up to
-/// [`SHARED_BACKOFF_MAX`], back to this after a batch without one.
-const SHARED_BACKOFF: Duration = Duration::from_millis(200);
+/// A job whose own message failed: [`ISOLATED_BACKOFF`] doubled per consecutive failure up to
+/// [`ISOLATED_BACKOFF_MAX`], without jitter.
+const ISOLATED: Backoff = Backoff::constant(ISOLATED_BACKOFF, ISOLATED_BACKOFF_MAX, 0.0);
 
-/// Longest wait between two batches the broker or Redis stalled.
-const SHARED_BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// The wait when the broker or Redis stalled a batch: 200 ms, doubled per such batch up to
+/// 5 s, back to 200 ms after a batch without one.
+const SHARED: Backoff = Backoff::constant(Duration::from_millis(200), Duration::from_secs(5), 0.0);
+
+/// Between tries to reach Redis at start: 200 ms, doubled up to 5 s.
+const REDIS_CONNECT: Backoff =
+    Backoff::constant(Duration::from_millis(200), Duration::from_secs(5), 0.0);
 
 /// Longest sleep: the loop looks at the clock at least once a second to notice wall-clock jumps.
 const MAX_WAIT: Duration = Duration::from_secs(1);
@@ -175,8 +181,8 @@ struct Beat {
     threshold: Duration,
     /// Jobs whose last attempt stalled (`failures > 0`), for the gauge.
     stuck: i64,
-    /// The next wait when the broker or Redis stalls a batch.
-    backoff: Duration,
+    /// The waits when the broker or Redis stalls batches in a row.
+    backoff: Backoff,
     /// Jobs paused (`{ns}:paused`), as last read: their instants are dropped, not published.
     paused: HashSet<String>,
 }
@@ -384,7 +390,7 @@ impl Beat {
             states,
             threshold,
             stuck: 0,
-            backoff: SHARED_BACKOFF,
+            backoff: SHARED,
             paused: HashSet::new(),
         }
     }
@@ -634,7 +640,7 @@ impl Beat {
         } else {
             if listed {
                 warn!(job = %job.name, error = %stall,
-                    retry_in_ms = self.backoff.as_millis() as u64, "job stalled; will retry");
+                    retry_in_ms = self.backoff.peek().as_millis() as u64, "job stalled; will retry");
             }
             due.due
         };
@@ -644,11 +650,11 @@ impl Beat {
 
     /// After a batch with `stalled` stalls, `shared` of them the broker's or Redis's: logs the
     /// ones not listed, and moves the shared backoff — reset when nothing shared stalled (the
-    /// loop goes on now), else returned as the wait and doubled up to [`SHARED_BACKOFF_MAX`].
+    /// loop goes on now), else its next delay returned as the wait ([`SHARED`]).
     fn after_batch(&mut self, stalled: usize, shared: usize) -> Option<Duration> {
         let more = stalled.saturating_sub(STALLS_LISTED);
         if shared == 0 {
-            self.backoff = SHARED_BACKOFF;
+            self.backoff.reset();
             if more > 0 {
                 warn!(more, "more jobs stalled; will retry them alone");
             }
@@ -657,13 +663,11 @@ impl Beat {
         if more > 0 {
             warn!(
                 more,
-                retry_in_ms = self.backoff.as_millis() as u64,
+                retry_in_ms = self.backoff.peek().as_millis() as u64,
                 "more jobs stalled; will retry"
             );
         }
-        let wait = self.backoff;
-        self.backoff = (self.backoff * 2).min(SHARED_BACKOFF_MAX);
-        Some(wait)
+        Some(self.backoff.next_delay())
     }
 }
 
@@ -743,8 +747,7 @@ async fn sleep_precisely(d: Duration) {
 
 /// Wait before the `failures`-th consecutive try of a job whose own message failed.
 fn isolated_backoff(failures: u32) -> Duration {
-    let doublings = failures.saturating_sub(1).min(16);
-    (ISOLATED_BACKOFF * 2u32.pow(doublings)).min(ISOLATED_BACKOFF_MAX)
+    ISOLATED.nth(failures.saturating_sub(1), 0.0)
 }
 
 /// The messages of a batch: `envelopes` in send order, and for each job position with something
@@ -977,9 +980,8 @@ async fn save(
 /// Connects to Redis, retrying until it answers (it holds each job's progress).
 async fn connect_redis(config: &Config) -> Store {
     let names = Names::new(config.namespace.clone());
-    let backoff = (Duration::from_millis(200), Duration::from_secs(5));
     let ca_file = config.redis_ca_file.as_deref();
-    Store::connect_retrying(&config.redis_url, ca_file, names, backoff, |e| {
+    Store::connect_retrying(&config.redis_url, ca_file, names, REDIS_CONNECT, |e| {
         error!(error = %e, redis = %Redacted(&config.redis_url),
             "redis unreachable; the beat waits for it (it holds each job's progress)");
     })

@@ -1,5 +1,7 @@
 //! drumline-shared: the pieces the beat and the workers agree on.
 //!
+//! - [`backoff`]  — the one exponential backoff (min, max, jitter; checked once) every reconnect,
+//!   pacing and retry path uses.
 //! - [`config`]   — `drumline.toml`: raw form, checked form, one clear error per bad key (a
 //!   large file parsed 1,000 `[[jobs]]` at a time).
 //! - [`envelope`] — the v1 task message body and its AMQP properties/headers.
@@ -21,6 +23,7 @@
 //! The feature `bin-support` (off by default) adds what only the binaries need: clap, axum,
 //! tracing-subscriber and prometheus-client stay out of a library user's build.
 
+pub mod backoff;
 pub mod config;
 pub mod duration;
 pub mod envelope;

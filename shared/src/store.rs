@@ -3,6 +3,7 @@
 //! renew, complete or release it) and a fencing token from a monotonic counter (handlers pass it
 //! to the systems they write, which reject writes with an older fence).
 
+use crate::backoff::Backoff;
 use crate::envelope::parse_instant;
 use crate::names::Names;
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -1093,24 +1094,33 @@ impl Store {
         Ok(out)
     }
 
-    /// [`connect`](Self::connect), tried until Redis answers: between tries it waits `min`,
-    /// doubling up to `max`, and hands each failure to `failed` (to log it as the caller sees
-    /// it: the beat waits, the worker fails closed).
-    pub async fn connect_retrying(
+    /// [`connect`](Self::connect), tried until Redis answers: between tries it waits as
+    /// `backoff` says, and hands each failure to `failed` (to log it as the caller sees it: the
+    /// beat waits, the worker fails closed). `backoff` is a [`Backoff`], or a `(min, max)` pair
+    /// without jitter.
+    ///
+    /// # Panics
+    ///
+    /// On a `(min, max)` pair [`Backoff::new`] refuses (a zero `min`, `max` below it); a
+    /// [`Backoff`] was checked where it was made.
+    pub async fn connect_retrying<B>(
         url: &str,
         ca_file: Option<&Path>,
         names: Names,
-        (min, max): (Duration, Duration),
+        backoff: B,
         mut failed: impl FnMut(&StoreError),
-    ) -> Self {
-        let mut backoff = min;
+    ) -> Self
+    where
+        B: TryInto<Backoff>,
+        B::Error: std::fmt::Debug,
+    {
+        let mut backoff = backoff.try_into().expect("a valid Redis connect backoff");
         loop {
             match Self::connect(url, ca_file, names.clone()).await {
                 Ok(store) => return store,
                 Err(e) => {
                     failed(&e);
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(max);
+                    tokio::time::sleep(backoff.next_delay()).await;
                 }
             }
         }

@@ -13,6 +13,7 @@ use crate::retry;
 use crate::stats::{RunOutcome, Stats, UNKNOWN_TASK};
 use crate::Gate;
 use chrono::Utc;
+use drumline_shared::backoff::Backoff;
 use drumline_shared::config::{Config, Overlap, Task};
 use drumline_shared::envelope::{
     self, long_string, DeadReason, Envelope, H_ATTEMPTS, H_ERROR, H_REASON,
@@ -37,6 +38,10 @@ use tracing::{debug, error, info, warn, Instrument};
 /// it: long enough to ride out a Redis blip or a Sentinel failover (2–3 s with
 /// `down-after-milliseconds 1000`).
 pub const FINISH_RETRY_FOR: Duration = Duration::from_secs(10);
+
+/// Between tries of an outcome write: 100 ms, doubled up to 1 s.
+const FINISH_BACKOFF: Backoff =
+    Backoff::constant(Duration::from_millis(100), Duration::from_secs(1), 0.0);
 
 /// Everything processing needs that outlives one broker connection.
 pub struct Processor {
@@ -745,19 +750,19 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<Ended, StoreError>>,
 {
-    let mut delay = Duration::from_millis(100);
+    let mut backoff = FINISH_BACKOFF;
     let mut give_up = None;
     loop {
         match write().await {
             Ok(ended) => return Ok(ended),
             Err(e) => {
                 let give_up = *give_up.get_or_insert_with(|| Instant::now() + FINISH_RETRY_FOR);
+                let delay = backoff.next_delay();
                 if Instant::now() + delay >= give_up {
                     return Err(e);
                 }
                 warn!(error = %e, "could not record the outcome yet; retrying");
                 tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(1));
             }
         }
     }

@@ -1,8 +1,12 @@
 //! Where a retry is decided (DESIGN §4 step 7): the delay before attempt `n+1` is
 //! `d = min(retry_max, retry_base · 2^n)` plus up to 20 % jitter, never less than `d`.
 
+use drumline_shared::backoff::Backoff;
 use drumline_shared::config::Task;
 use std::time::Duration;
+
+/// The most jitter adds to a retry delay: a fifth of it.
+pub const RETRY_JITTER: f64 = 0.2;
 
 /// What to do after a failed run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,12 +31,17 @@ pub fn decide(task: &Task, attempt: u32, jitter: f64) -> Decision {
     }
 }
 
-/// `min(max, base·2^attempt)` plus `jitter·20 %` of it, rounded up to whole milliseconds.
+/// `min(max, base·2^attempt)` plus `jitter·20 %` of it ([`Backoff::nth`] of the backoff from
+/// `base` to `max` with [`RETRY_JITTER`]), rounded up to whole milliseconds. The config check
+/// refuses a zero `retry_base` and a `retry_max` below it; a [`Task`] built by hand with such
+/// values retries after `min(base, max)`, without jitter.
 pub fn backoff(base: Duration, max: Duration, attempt: u32, jitter: f64) -> Duration {
-    let factor = 2u32.saturating_pow(attempt.min(31));
-    let d = base.saturating_mul(factor).min(max);
-    let extra = d.mul_f64(0.2 * jitter.clamp(0.0, 1.0));
-    let total = d + extra;
+    let total = match Backoff::new(base, max, RETRY_JITTER) {
+        // Doublings stop at 31, as they always have: `retry_base · 2^31` is the longest delay
+        // a short `retry_base` reaches (2^31 ms, 24.9 days, from 1 ms).
+        Ok(backoff) => backoff.nth(attempt.min(31), jitter),
+        Err(_) => base.min(max),
+    };
     // Whole milliseconds, rounded up: the delay queue's TTL is in ms and must not undercut d.
     Duration::from_millis(total.as_nanos().div_ceil(1_000_000) as u64)
 }
