@@ -749,14 +749,41 @@ impl TestEnv {
         until.is_none_or(|until| until <= secs * 1000 + micros / 1000)
     }
 
-    /// Waits until `{ns}.q.default` exists, i.e. a worker has declared its topology.
+    /// Waits until a worker consumes `{ns}.q.default`, i.e. has declared and bound its topology.
     pub async fn wait_for_topology(&self, worker: &Proc) {
         let queue = self.names().work_queue("default");
-        let declared = wait_until_async(Duration::from_secs(60), || async {
-            self.queue_len(&queue).await.is_some()
+        // A consumer, not only the queue: the worker declares its queues first and binds them
+        // to `{ns}.tasks` after, so a message published as soon as the queue exists can find
+        // no binding and be dropped. It consumes only once everything is declared and bound.
+        let consuming = wait_until_async(Duration::from_secs(60), || async {
+            self.queue_consumers(&queue).await.is_some_and(|n| n > 0)
         })
         .await;
-        assert!(declared, "{queue} never appeared\n{}", worker.log_tail(20));
+        assert!(
+            consuming,
+            "nobody consumes {queue}\n{}",
+            worker.log_tail(20)
+        );
+    }
+
+    /// Number of consumers of queue `name` (passive declare), or `None` if it does not exist.
+    pub async fn queue_consumers(&self, name: &str) -> Option<u32> {
+        let conn = self.amqp().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let result = ch
+            .queue_declare(
+                name.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .ok()
+            .map(|q| q.consumer_count());
+        let _ = conn.close(200, "bye".into()).await;
+        result
     }
 }
 
