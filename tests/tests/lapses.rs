@@ -79,14 +79,14 @@ async fn a_lapsed_lease_does_not_let_an_earlier_attempt_run_again() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let late = env.worker("worker-late", &args);
     let late_queue = env.names().work_queue("late");
-    assert!(
-        wait_until_async(WAIT, || async {
-            env.queue_len(&late_queue).await.is_some()
-        })
-        .await,
-        "{}",
-        late.log_tail(20)
-    );
+    // Consumed, so declared and bound: a copy published now is routed.
+    let consumed = wait_until_async(WAIT, || async {
+        env.queue_consumers(&late_queue)
+            .await
+            .is_some_and(|n| n > 0)
+    })
+    .await;
+    assert!(consumed, "{}", late.log_tail(20));
     let mut copy = adhoc("k-lapse", "t");
     copy.queue = "late".into();
     env.publish(&copy).await;
