@@ -24,7 +24,8 @@ pub enum PublishError {
     /// Connection, channel or confirm failure.
     #[error("broker: {0}")]
     Amqp(#[from] lapin::Error),
-    /// The broker refused our topology (a changed argument); needs a human.
+    /// The broker refused our topology (a changed argument: needs a human), or did not answer
+    /// a call on the way to a session within the connect timeout (retried).
     #[error(transparent)]
     Topology(#[from] TopologyError),
     /// The broker nacked the message.
@@ -98,7 +99,10 @@ impl Publisher {
                 dead_ttl: self.dead_ttl,
                 queue_type: self.queue_type,
             };
-            let session = self.nodes.open_session(&what).await?;
+            let session = self.nodes.open_session(&what).await.map_err(|e| match e {
+                TopologyError::Amqp(e) => PublishError::Amqp(e),
+                e => PublishError::Topology(e),
+            })?;
             info!(namespace = %self.names.namespace(), "connected to the broker; topology declared");
             self.session = Some(session);
         }

@@ -933,7 +933,7 @@ async fn publish(
     let sending = publisher.publish_batch(&sent.envelopes, term.epoch, || term.holds());
     match sending.await {
         Ok(outcomes) => Ok(outcomes),
-        Err(e @ PublishError::Topology(_)) => Err(e),
+        Err(e @ PublishError::Topology(TopologyError::Mismatch { .. })) => Err(e),
         Err(e) => {
             let e = Arc::new(e);
             for (p, span) in &sent.spans {
