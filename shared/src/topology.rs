@@ -374,7 +374,8 @@ impl Nodes {
     /// this process before: a reconnect) sends the bindings without awaiting them, and a
     /// declaration that does not answer in time is logged and the session goes on: what it
     /// declares exists, and a hung node in the cluster must not stop the publishing
-    /// (docs/design.md#reconnecting-past-a-hung-node). A refused declaration (406) fails it either way.
+    /// (docs/design.md#reconnecting-past-a-hung-node). A refused declaration (406) fails it
+    /// either way.
     pub async fn open_session(
         &self,
         what: &Declaration<'_>,

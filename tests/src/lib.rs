@@ -712,14 +712,37 @@ impl TestEnv {
             .expect("redis")
     }
 
-    /// Waits until `{ns}.q.default` exists, i.e. a worker has declared its topology.
+    /// Waits until `{ns}.q.default` has a consumer, i.e. a worker has declared its topology,
+    /// bindings included (the queue alone exists before its binding: a message published in
+    /// between would be dropped), and consumes.
     pub async fn wait_for_topology(&self, worker: &Proc) {
         let queue = self.names().work_queue("default");
         let declared = wait_until_async(Duration::from_secs(60), || async {
-            self.queue_len(&queue).await.is_some()
+            self.queue_consumers(&queue).await.is_some_and(|n| n > 0)
         })
         .await;
-        assert!(declared, "{queue} never appeared\n{}", worker.log_tail(20));
+        assert!(
+            declared,
+            "{queue} never got a consumer\n{}",
+            worker.log_tail(20)
+        );
+    }
+
+    /// Number of consumers of queue `name` (passive declare), or `None` if it does not exist.
+    pub async fn queue_consumers(&self, name: &str) -> Option<u32> {
+        let conn = self.amqp().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let result = ch
+            .queue_declare(name.into(), passive, FieldTable::default())
+            .await
+            .ok()
+            .map(|q| q.consumer_count());
+        let _ = conn.close(200, "bye".into()).await;
+        result
     }
 }
 
@@ -774,7 +797,7 @@ pub fn with_metrics(args: &[&str]) -> (Vec<String>, u16) {
 /// dirs; the cookie is the `rabbitmq` user's, which every node started here shares), for the
 /// tests that kill a node under quorum queues. Never touches the shared node on 5672. Started
 /// by the test that needs it and torn down (every node killed, its directory removed) when
-/// dropped, at the end of that test binary's one cluster test.
+/// dropped, at the end of the test that started it.
 pub struct RabbitCluster {
     /// The nodes; `nodes[0]` is the one the others joined.
     pub nodes: Vec<PrivateRabbit>,

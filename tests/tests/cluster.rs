@@ -15,6 +15,9 @@ use std::time::{Duration, Instant};
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// One cluster at a time: three nodes booting take most of a 2-core machine.
+static ONE_CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// How the node leading the work queue goes away, and comes back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
@@ -96,6 +99,7 @@ async fn node_fails(scenario: Scenario) {
         fault_after,
         ticks_back_within,
     } = scenario;
+    let _alone = ONE_CLUSTER.lock().await;
     let env = setup("e2e_quorum_cluster");
     let booting = Instant::now();
     let mut cluster = RabbitCluster::start("qc");
