@@ -4,10 +4,12 @@
 //!   publishes, records progress.
 //! - [`leader`]    — the leader lease: seeks or renews it, and says whether this beat may publish.
 //! - [`misfire`]   — the misfire decision ([`misfire::plan`], pure): what to publish or drop.
-//! - [`progress`]  — each job's `{ns}:beat:last:{job}`: loaded at start, saved after confirms.
+//! - [`progress`]  — each job's `{ns}:beat:last:{job}` (and the rule it was recorded under):
+//!   loaded at start, saved after confirms.
 //! - [`stats`]     — the beat's counters (Prometheus), health, and the report of drops.
 //! - [`publisher`] — confirm-mode publishing, topology on (re)connect.
-//! - [`reload`]    — SIGHUP: which jobs of a reloaded config keep their progress (pure).
+//! - [`reload`]    — SIGHUP: which jobs of a reloaded config keep their progress, and how a new
+//!   term resumes each job from the rule its progress was recorded under (pure).
 //! - [`next`]      — `drumline-beat next`: upcoming instants with DST annotations.
 //! - [`adhoc`]     — `drumline-beat publish`: one ad-hoc task, same envelope and guarantees.
 //! - [`operate`]   — `pause`, `resume`, `trigger`, `backfill`: operating a running schedule.

@@ -46,6 +46,15 @@ pub async fn load_last(
         .collect())
 }
 
+/// Every job's recorded rule ([`reload::rule`](crate::reload::rule), `{ns}:beat:rule:{job}`;
+/// `None`: none recorded), in `jobs` order, loaded like [`load_last`].
+pub async fn load_rules(store: &Store, jobs: &[Job]) -> Result<Vec<Option<String>>, StoreError> {
+    let names: Vec<&str> = jobs.iter().map(|j| j.name.as_str()).collect();
+    store
+        .progress_rules(&names, LOAD_BATCH, LOAD_PIPELINE)
+        .await
+}
+
 /// Where a job's progress stands after one batch: `sent` are the instants published for it
 /// (oldest first), `confirmed[i]` whether the broker confirmed `sent[i]`, and `decided_up_to`
 /// the plan's newest decided instant when `sent` was the whole of its plan (`None` when the
@@ -102,6 +111,32 @@ pub async fn save(
         Err(e) => {
             let e = Arc::new(e);
             vec![Some(e); progress.len()]
+        }
+    }
+}
+
+/// [`save`] for jobs whose rule is not recorded yet: writes each `(job, instant, rule)` as the
+/// job's progress and the rule it is recorded under, in one fenced script per call.
+pub async fn start(
+    store: &Store,
+    token: &str,
+    max_ahead: Duration,
+    starts: &[(&str, DateTime<Utc>, &str)],
+) -> Vec<Option<Arc<ProgressError>>> {
+    if starts.is_empty() {
+        return Vec::new();
+    }
+    match store
+        .start_progress(token, starts, max_ahead, SAVE_PER_CALL)
+        .await
+    {
+        Ok(outcomes) => outcomes
+            .into_iter()
+            .map(|r| r.err().map(Arc::new))
+            .collect(),
+        Err(e) => {
+            let e = Arc::new(e);
+            vec![Some(e); starts.len()]
         }
     }
 }

@@ -11,7 +11,7 @@ use drumline_shared::config::{Config, QueueType};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use drumline_shared::topology::{self, TopologyError};
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::BasicPublishOptions;
 use lapin::Confirmation;
 use lapin::{Channel, Connection};
 use std::collections::HashSet;
@@ -24,7 +24,8 @@ pub enum PublishError {
     /// Connection, channel or confirm failure.
     #[error("broker: {0}")]
     Amqp(#[from] lapin::Error),
-    /// The broker refused our topology (a changed argument); needs a human.
+    /// The broker refused our topology (a changed argument: needs a human), or did not answer
+    /// a call on the way to a session within the connect timeout (retried).
     #[error(transparent)]
     Topology(#[from] TopologyError),
     /// The broker nacked the message.
@@ -90,22 +91,20 @@ impl Publisher {
             self.session = None;
         }
         if self.session.is_none() {
-            // After a lost connection, the other nodes first (`[broker] urls`).
-            let conn = self.nodes.connect().await?;
-            let channel = conn.create_channel().await?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await?;
-            topology::declare(
-                &channel,
-                &self.names,
-                &self.queues,
-                self.dead_ttl,
-                self.queue_type,
-            )
-            .await?;
+            // After a lost connection, the other nodes first (`[broker] urls`); every call
+            // bounded, a re-declaration not awaited (docs/design.md#reconnecting-past-a-hung-node).
+            let what = topology::Declaration {
+                names: &self.names,
+                queues: &self.queues,
+                dead_ttl: self.dead_ttl,
+                queue_type: self.queue_type,
+            };
+            let session = self.nodes.open_session(&what).await.map_err(|e| match e {
+                TopologyError::Amqp(e) => PublishError::Amqp(e),
+                e => PublishError::Topology(e),
+            })?;
             info!(namespace = %self.names.namespace(), "connected to the broker; topology declared");
-            self.session = Some((conn, channel));
+            self.session = Some(session);
         }
         Ok(&self.session.as_ref().expect("just set").1)
     }
@@ -133,7 +132,7 @@ impl Publisher {
             Err(_) => true,
         };
         if broker_failed {
-            self.drop_session("publish failed").await;
+            self.drop_session("publish failed");
         }
         outcomes
     }
@@ -228,15 +227,19 @@ impl Publisher {
         Ok(outcomes)
     }
 
-    async fn drop_session(&mut self, why: &str) {
+    fn drop_session(&mut self, why: &'static str) {
         if let Some((conn, _)) = self.session.take() {
-            let _ = conn.close(200, why.into()).await;
+            // Not awaited: a hung node never answers, and the next publish reconnects now.
+            topology::close_later(conn, why);
         }
     }
 
-    /// Closes the connection.
+    /// Closes the connection (waiting at most the connect timeout for the broker).
     pub async fn close(&mut self) {
-        self.drop_session("beat stopping").await;
+        if let Some((conn, _)) = self.session.take() {
+            let closing = conn.close(200, "beat stopping".into());
+            let _ = tokio::time::timeout(topology::CONNECT_TIMEOUT, closing).await;
+        }
     }
 }
 

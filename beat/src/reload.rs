@@ -3,8 +3,16 @@
 //! (`cron`, `every`, `anchor`, `timezone`, DST policies) ran before; an added job — or a
 //! re-added one, whatever Redis still holds for it — and a rescheduled one start from the
 //! reload as on a first start; a removed job stops. Pure: the scheduler applies it.
+//!
+//! The same rule holds across beats (docs/design.md#reload-on-a-standby): progress is recorded
+//! with its job's [`rule`] (`{ns}:beat:rule:{job}`), and a beat that starts leading
+//! ([`resume`]) goes on from a job's progress only when it was recorded under the schedule the
+//! beat runs; otherwise the job was rescheduled since (a standby reloaded, or started with
+//! another file, while another beat led) and starts from the new term, as a reload starts it.
 
+use chrono::SecondsFormat;
 use drumline_shared::config::Job;
+use drumline_shared::schedule::{DstFold, DstGap, Schedule};
 use std::collections::HashMap;
 
 /// For each job of `new`, the index in `old` of the job whose state it keeps, if any.
@@ -22,6 +30,69 @@ pub fn carried(old: &[Job], new: &[Job]) -> Vec<Option<usize>> {
                 .filter(|i| old[*i].schedule == job.schedule)
         })
         .collect()
+}
+
+/// The text a job's progress is recorded under (`{ns}:beat:rule:{job}`): every part of its
+/// schedule that [`carried`] compares, so two schedules are equal exactly when their rules
+/// are. Spelled out here, not taken from a `Display`, so that it stays the same across
+/// releases (a changed text would restart every job at the next term).
+pub fn rule(schedule: &Schedule) -> String {
+    match schedule {
+        Schedule::Cron {
+            cron,
+            tz,
+            gap,
+            fold,
+        } => {
+            let gap = match gap {
+                DstGap::Shift => "shift",
+                DstGap::Skip => "skip",
+            };
+            let fold = match fold {
+                DstFold::First => "first",
+                DstFold::Second => "second",
+                DstFold::Both => "both",
+            };
+            format!(
+                "cron {:?} in {} dst_gap {gap} dst_fold {fold}",
+                cron.as_str(),
+                tz.name()
+            )
+        }
+        Schedule::Every { every, anchor } => format!(
+            "every {}.{:09}s from {}",
+            every.num_seconds(),
+            every.subsec_nanos(),
+            anchor.to_rfc3339_opts(SecondsFormat::AutoSi, true)
+        ),
+    }
+}
+
+/// What a beat that starts leading makes of a job's recorded progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// Nothing recorded: the job starts now, as on a first start (its rule is recorded with
+    /// its start).
+    Start,
+    /// Recorded under the job's rule: the job goes on from its progress.
+    Continue,
+    /// Recorded without a rule (by a release before rules were): the job goes on from its
+    /// progress, and its rule is recorded.
+    Adopt,
+    /// Recorded under another rule: the job was rescheduled since, so it starts now, as a
+    /// reload starts a rescheduled job (nothing before is caught up), and its rule is recorded.
+    Restart,
+}
+
+/// How a beat that starts leading resumes `job`, from whether it has progress recorded
+/// (`recorded`) and the rule recorded with it.
+pub fn resume(job: &Job, recorded: bool, recorded_rule: Option<&str>) -> Resume {
+    match (recorded, recorded_rule) {
+        (false, _) => Resume::Start,
+        (true, None) => Resume::Adopt,
+        (true, Some(r)) if r == rule(&job.schedule) => Resume::Continue,
+        (true, Some(_)) => Resume::Restart,
+    }
 }
 
 /// What a reload did, for its log line.
@@ -90,6 +161,22 @@ mod tests {
         );
         let carried = carried(&old, &new);
         assert_eq!(carried, vec![None, None, None, Some(0)]);
+        // Across beats: the rule recorded with the progress tells the same.
+        for (job, from) in new.iter().zip(&carried) {
+            let recorded = old.iter().find(|o| o.name == job.name);
+            let rule = recorded.map(|o| rule(&o.schedule));
+            let expected = match (recorded, from) {
+                (None, _) => Resume::Start,
+                (Some(_), Some(_)) => Resume::Continue,
+                (Some(_), None) => Resume::Restart,
+            };
+            assert_eq!(
+                resume(job, recorded.is_some(), rule.as_deref()),
+                expected,
+                "{}",
+                job.name
+            );
+        }
         assert_eq!(
             Summary::of(&carried, old.len()),
             Summary {
@@ -97,6 +184,72 @@ mod tests {
                 started: 3,
                 removed: 3
             }
+        );
+    }
+
+    /// The one job `j` with `rule_keys`.
+    fn one(rule_keys: &str) -> Job {
+        let text = format!("[[jobs]]\nname = \"j\"\ntask = \"t\"\n{rule_keys}\n");
+        jobs(&text).remove(0)
+    }
+
+    #[test]
+    fn a_rule_names_every_part_of_the_schedule_and_nothing_else() {
+        let every = one("every = \"1s\"");
+        assert_eq!(
+            rule(&every.schedule),
+            "every 1.000000000s from 1970-01-01T00:00:00Z"
+        );
+        let cron = one("cron = \"0 3 * * *\"\ntimezone = \"Europe/Paris\"");
+        assert_eq!(
+            rule(&cron.schedule),
+            "cron \"0 3 * * *\" in Europe/Paris dst_gap shift dst_fold first"
+        );
+        // Each part of a schedule changes the rule, as it changes what `carried` compares.
+        let variants = [
+            "every = \"1s\"",
+            "every = \"1500ms\"",
+            "every = \"1s\"\nanchor = \"2026-01-01T00:00:00.5Z\"",
+            "cron = \"0 3 * * *\"",
+            "cron = \"0 4 * * *\"",
+            "cron = \"0 3 * * *\"\ntimezone = \"Europe/Paris\"",
+            "cron = \"0 3 * * *\"\ntimezone = \"Europe/Paris\"\ndst_gap = \"skip\"",
+            "cron = \"0 3 * * *\"\ntimezone = \"Europe/Paris\"\ndst_fold = \"both\"",
+        ];
+        let jobs: Vec<Job> = variants.iter().map(|v| one(v)).collect();
+        for (i, a) in jobs.iter().enumerate() {
+            for (k, b) in jobs.iter().enumerate() {
+                let same_rule = rule(&a.schedule) == rule(&b.schedule);
+                assert_eq!(
+                    same_rule,
+                    a.schedule == b.schedule,
+                    "{} / {}",
+                    variants[i],
+                    variants[k]
+                );
+                assert_eq!(same_rule, i == k, "{} / {}", variants[i], variants[k]);
+            }
+        }
+        // Other keys do not.
+        let expiring = one("every = \"1s\"\nexpires = \"1m\"\nmisfire = \"skip\"");
+        assert_eq!(rule(&expiring.schedule), rule(&every.schedule));
+    }
+
+    #[test]
+    fn progress_goes_on_only_under_the_rule_it_was_recorded_with() {
+        let j = one("every = \"1s\"");
+        let own = rule(&j.schedule);
+        assert_eq!(resume(&j, false, None), Resume::Start);
+        assert_eq!(resume(&j, false, Some("every 5s")), Resume::Start);
+        assert_eq!(resume(&j, true, Some(&own)), Resume::Continue);
+        assert_eq!(resume(&j, true, None), Resume::Adopt);
+        assert_eq!(
+            resume(
+                &j,
+                true,
+                Some("every 2.000000000s from 1970-01-01T00:00:00Z")
+            ),
+            Resume::Restart
         );
     }
 }

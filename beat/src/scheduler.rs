@@ -24,7 +24,7 @@ use crate::leader::{Leadership, Term};
 use crate::misfire::{self, plan, Plan};
 use crate::progress::{self, progress_after};
 use crate::publisher::{PublishError, Publisher};
-use crate::reload;
+use crate::reload::{self, Resume};
 use crate::stats::report_dropped;
 pub use crate::stats::BeatStats;
 use chrono::{DateTime, Utc};
@@ -121,6 +121,10 @@ struct JobState {
     /// `last` is ahead of what Redis holds (not written yet, or a write failed): written
     /// before anything is published for the job.
     unsaved: bool,
+    /// The job's rule ([`reload::rule`]) is not recorded with its progress yet (a start, or
+    /// progress from a release before rules): written with the next write of its progress,
+    /// before anything is published for the job.
+    rule_unsaved: bool,
     /// Consecutive attempts that stalled; 0 when the last one moved.
     failures: u32,
     /// One of its messages failed in a batch: it is published in a batch of its own until
@@ -144,15 +148,21 @@ type Queue = BinaryHeap<Reverse<(DateTime<Utc>, usize)>>;
 
 impl JobState {
     /// A job's state from its persisted progress `last`; without one (a first start, or a job
-    /// added or rescheduled by a reload) it starts at `start`, unsaved.
+    /// added or rescheduled by a reload) it starts at `start`, unsaved, its rule with it.
     fn from(job: &Job, last: Option<DateTime<Utc>>, start: DateTime<Utc>) -> Self {
         JobState {
             last: last.unwrap_or(start),
             next: job.schedule.next_after(last.unwrap_or(start)),
             unsaved: last.is_none(),
+            rule_unsaved: last.is_none(),
             failures: 0,
             alone: false,
         }
+    }
+
+    /// Something of the job is not in Redis yet: written before anything is published for it.
+    fn to_write(&self) -> bool {
+        self.unsaved || self.rule_unsaved
     }
 }
 
@@ -160,6 +170,32 @@ impl JobState {
 /// milliseconds), so nothing before it counts as missed.
 fn first_start(now: DateTime<Utc>) -> DateTime<Utc> {
     parse_last_instant(&last_instant_text(now)).unwrap_or(now)
+}
+
+/// How a new term resumes each job ([`reload::resume`]), logging the jobs rescheduled since
+/// their progress was recorded (those start from the new term).
+fn resumes(jobs: &[Job], lasts: &[Option<DateTime<Utc>>], rules: &[Option<String>]) -> Vec<Resume> {
+    let resumes: Vec<Resume> = jobs
+        .iter()
+        .zip(lasts.iter().zip(rules))
+        .map(|(job, (last, rule))| reload::resume(job, last.is_some(), rule.as_deref()))
+        .collect();
+    let restarted: Vec<&str> = jobs
+        .iter()
+        .zip(&resumes)
+        .filter(|(_, r)| **r == Resume::Restart)
+        .map(|(job, _)| job.name.as_str())
+        .collect();
+    for job in restarted.iter().take(STALLS_LISTED) {
+        info!(job = %job, "rescheduled since its progress was recorded: starts now, as on a reload");
+    }
+    if restarted.len() > STALLS_LISTED {
+        info!(
+            more = restarted.len() - STALLS_LISTED,
+            "more jobs rescheduled since their progress was recorded start now"
+        );
+    }
+    resumes
 }
 
 /// The due queue of `states`: each job at its next instant.
@@ -249,7 +285,9 @@ enum Next {
 }
 
 /// Term after term until `shutdown`: wait to lead, load progress, lead. SIGHUP replaces
-/// `config` (a standby's takes effect at its next term; a leader's at once, [`Beat::reload`]).
+/// `config` (a standby's takes effect at its next term, where the reload rules are applied to
+/// the progress recorded by whoever led, [`reload::resume`]; a leader's at once,
+/// [`Beat::reload`]).
 async fn serve<F: Future<Output = ()>>(
     config: &mut Arc<Config>,
     store: &Store,
@@ -324,8 +362,9 @@ fn reload(config: &Config) -> Option<Arc<Config>> {
 }
 
 impl Beat {
-    /// Loads every job's progress (retrying while Redis fails; `None` on shutdown) and persists
-    /// every new job's start, for `term`.
+    /// Loads every job's progress and the rule it was recorded under (retrying while Redis
+    /// fails; `None` on shutdown), restarts from now the jobs rescheduled since
+    /// ([`reload::resume`]), and persists every new job's start, for `term`.
     async fn start<F: Future<Output = ()>>(
         config: &Arc<Config>,
         store: &Store,
@@ -333,9 +372,15 @@ impl Beat {
         shutdown: &mut Pin<&mut F>,
     ) -> Option<Beat> {
         let loading = Instant::now();
-        let lasts = loop {
-            match progress::load_last(store, &config.jobs).await {
-                Ok(lasts) => break lasts,
+        let (lasts, rules) = loop {
+            let loaded = match progress::load_last(store, &config.jobs).await {
+                Ok(lasts) => progress::load_rules(store, &config.jobs)
+                    .await
+                    .map(|rules| (lasts, rules)),
+                Err(e) => Err(e),
+            };
+            match loaded {
+                Ok(loaded) => break loaded,
                 Err(e) => {
                     error!(error = %e, "cannot read the jobs' progress from redis; retrying");
                     tokio::select! {
@@ -345,8 +390,21 @@ impl Beat {
                 }
             }
         };
-        let resumed = lasts.iter().filter(|l| l.is_some()).count();
+        let resumes = resumes(&config.jobs, &lasts, &rules);
+        // A job rescheduled since its progress was recorded starts now, as a reload starts it.
+        let lasts = lasts
+            .into_iter()
+            .zip(&resumes)
+            .map(|(last, r)| last.filter(|_| *r != Resume::Restart))
+            .collect();
+        let resumed = resumes
+            .iter()
+            .filter(|r| matches!(r, Resume::Continue | Resume::Adopt))
+            .count();
         let mut beat = Beat::new(config.clone(), lasts, term.now());
+        for (state, r) in beat.states.iter_mut().zip(&resumes) {
+            state.rule_unsaved |= *r == Resume::Adopt;
+        }
         // Paused jobs are known before anything is published for this term.
         beat.paused = loop {
             match store.paused().await {
@@ -426,12 +484,13 @@ impl Beat {
         self.persist_new_starts(store, term).await;
     }
 
-    /// Persists every new job's start, so that a beat that dies before a job's first instant
-    /// and stays down reports those misses when it comes back. A job whose write fails keeps it
-    /// unsaved: written before anything is published for it.
+    /// Persists every new job's start (and every rule not recorded yet), so that a beat that
+    /// dies before a job's first instant and stays down reports those misses when it comes
+    /// back. A job whose write fails keeps it unsaved: written before anything is published
+    /// for it.
     async fn persist_new_starts(&mut self, store: &Store, term: &Term) {
         let new: Vec<usize> = (0..self.states.len())
-            .filter(|i| self.states[*i].unsaved)
+            .filter(|i| self.states[*i].to_write())
             .collect();
         let mut failures: Vec<(usize, Arc<ProgressError>)> = Vec::new();
         // A round trip per slice: the whole of a first start's 100,000 writes in one pipeline
@@ -781,7 +840,7 @@ async fn advance(
     let mut stalls: Vec<Option<Stall>> = vec![None; batch.len()];
     settle_drops(jobs, states, batch, stats);
     let unsaved: Vec<usize> = (0..batch.len())
-        .filter(|p| states[batch[*p].job].unsaved)
+        .filter(|p| states[batch[*p].job].to_write())
         .collect();
     save_batch(store, term, jobs, states, batch, &unsaved, &mut stalls).await;
 
@@ -804,7 +863,7 @@ async fn advance(
     let unsaved: Vec<usize> = (0..batch.len())
         .filter(|p| {
             let persist_failed = matches!(stalls[*p], Some(Stall::Persist(_)));
-            !persist_failed && states[batch[*p].job].unsaved
+            !persist_failed && states[batch[*p].job].to_write()
         })
         .collect();
     save_batch(store, term, jobs, states, batch, &unsaved, &mut stalls).await;
@@ -877,7 +936,7 @@ async fn publish(
     let sending = publisher.publish_batch(&sent.envelopes, term.epoch, || term.holds());
     match sending.await {
         Ok(outcomes) => Ok(outcomes),
-        Err(e @ PublishError::Topology(_)) => Err(e),
+        Err(e @ PublishError::Topology(TopologyError::Mismatch { .. })) => Err(e),
         Err(e) => {
             let e = Arc::new(e);
             for (p, span) in &sent.spans {
@@ -947,8 +1006,9 @@ async fn save_batch(
 }
 
 /// Writes `states[i].last` as job `i`'s persisted progress (never moving it back) for each `i`
-/// in `which` ([`progress::save`], fenced by `term`); clears `unsaved` where that worked. Ends
-/// the term when Redis says the lease is not ours. Returns each one's failure, if any, in
+/// in `which` ([`progress::save`], fenced by `term`), with the job's rule where it is not
+/// recorded yet ([`progress::start`]); clears `unsaved` and `rule_unsaved` where that worked.
+/// Ends the term when Redis says the lease is not ours. Returns each one's failure, if any, in
 /// `which` order.
 async fn save(
     store: &Store,
@@ -957,11 +1017,40 @@ async fn save(
     states: &mut [JobState],
     which: &[usize],
 ) -> Vec<Option<Arc<ProgressError>>> {
-    let progress: Vec<(&str, DateTime<Utc>)> = which
+    let (starting, moving): (Vec<usize>, Vec<usize>) =
+        which.iter().partition(|i| states[**i].rule_unsaved);
+    let progress: Vec<(&str, DateTime<Utc>)> = moving
         .iter()
         .map(|i| (jobs[*i].name.as_str(), states[*i].last))
         .collect();
-    let outcomes = progress::save(store, term.token(), term.max_ahead(), &progress).await;
+    let rules: Vec<String> = starting
+        .iter()
+        .map(|i| reload::rule(&jobs[*i].schedule))
+        .collect();
+    let starts: Vec<(&str, DateTime<Utc>, &str)> = starting
+        .iter()
+        .zip(&rules)
+        .map(|(i, rule)| (jobs[*i].name.as_str(), states[*i].last, rule.as_str()))
+        .collect();
+    let (token, max_ahead) = (term.token(), term.max_ahead());
+    let mut moved = progress::save(store, token, max_ahead, &progress)
+        .await
+        .into_iter();
+    let mut started = progress::start(store, token, max_ahead, &starts)
+        .await
+        .into_iter();
+    // Back in `which` order.
+    let outcomes: Vec<Option<Arc<ProgressError>>> = which
+        .iter()
+        .map(|i| {
+            let outcome = if states[*i].rule_unsaved {
+                started.next()
+            } else {
+                moved.next()
+            };
+            outcome.flatten()
+        })
+        .collect();
     if outcomes
         .iter()
         .flatten()
@@ -972,6 +1061,7 @@ async fn save(
     for (i, failed) in which.iter().zip(&outcomes) {
         if failed.is_none() {
             states[*i].unsaved = false;
+            states[*i].rule_unsaved = false;
         }
     }
     outcomes
@@ -1002,6 +1092,7 @@ mod tests {
                 last: at(LAST),
                 next: None,
                 unsaved: false,
+                rule_unsaved: false,
                 failures: 0,
                 alone: false,
             })

@@ -13,7 +13,8 @@
 //! - [`signals`]  — SIGTERM/SIGINT: orderly stop, a second signal exits at once.
 //! - [`store`]    — Redis state as atomic Lua scripts: claim, renew, complete, release, last instant.
 //! - [`table`]    — aligned plain-text tables for the commands' human output.
-//! - [`topology`] — declaring the exchanges and queues on RabbitMQ.
+//! - [`topology`] — connecting to RabbitMQ (every call within the connect timeout), declaring the
+//!   exchanges and queues.
 //! - [`tls`]      — the CA files of `[broker] ca_file` / `[redis] ca_file`.
 //! - [`duration`] — humantime durations in config and on the command line.
 //! - [`url`]      — broker and Redis URLs: checked at load, printed with the password as `***`.

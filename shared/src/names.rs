@@ -151,6 +151,11 @@ impl Names {
         format!("{}:beat:last:{job}", self.ns)
     }
 
+    /// `{ns}:beat:rule:{job}` — the rule (schedule) the job's progress was recorded under.
+    pub fn beat_rule(&self, job: &str) -> String {
+        format!("{}:beat:rule:{job}", self.ns)
+    }
+
     /// `{ns}:paused` — the set of paused jobs.
     pub fn paused(&self) -> String {
         format!("{}:paused", self.ns)
@@ -265,6 +270,7 @@ mod tests {
         assert_eq!(n.job_running("j"), "acme:job:j:running");
         assert_eq!(n.beat_leader(), "acme:beat:leader");
         assert_eq!(n.beat_last("j"), "acme:beat:last:j");
+        assert_eq!(n.beat_rule("j"), "acme:beat:rule:j");
         assert_eq!(n.history("j"), "acme:history:j");
         assert_eq!(n.last_success("j"), "acme:last_success:j");
         assert_eq!(n.last_failure("j"), "acme:last_failure:j");

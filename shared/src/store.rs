@@ -17,6 +17,7 @@ use std::time::Duration;
 mod conn;
 mod leader;
 mod operate;
+mod rules;
 pub use conn::Conn;
 pub use leader::{Candidate, LeaseMode, LeaseOutcome, LeaseReply, ProgressError};
 

@@ -1,5 +1,12 @@
 //! Declaring drumline's exchanges and queues (DESIGN §3). Declarations are idempotent, so the
 //! beat and every worker declare what they use at start and after every reconnect.
+//!
+//! Every broker call on the way to a session (a node's connection, each channel's opening,
+//! `confirm.select`, each declaration) is bounded by [`CONNECT_TIMEOUT`]: a hung node accepts
+//! TCP and then answers nothing, and while a cluster has not given up on one of its nodes, a
+//! binding (a write of the cluster's metadata) waits for it. A reconnect, which declares what
+//! this process declared before, therefore sends its bindings without awaiting them and goes on
+//! when a declaration does not answer in time (docs/design.md#reconnecting-past-a-hung-node).
 
 use crate::config::{Config, QueueType};
 use crate::names::Names;
@@ -15,6 +22,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::Confirmation;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,9 +41,11 @@ const DELAY_QUEUE_IDLE: Duration = Duration::from_secs(60);
 /// declare (406), so it never changes.
 pub const QUORUM_DELIVERY_LIMIT: i32 = 1_000_000;
 
-/// How long one node may take to accept a connection before the next node is tried (with more
-/// than one node: a node that does not answer must not hold up the failover).
-pub const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The connect timeout: how long one node may take to accept a connection (TCP, TLS, the AMQP
+/// handshake) before the next node is tried, and how long any other broker call on the way to a
+/// session may take (opening a channel, `confirm.select`, each declaration). A node that does
+/// not answer must not hold up the failover.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why declaring failed, with the fix where we know it.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +63,48 @@ pub enum TopologyError {
     /// Anything else from the broker.
     #[error(transparent)]
     Amqp(#[from] lapin::Error),
+    /// The broker did not answer `what` within [`CONNECT_TIMEOUT`].
+    #[error("the broker did not answer {what} within {}s", CONNECT_TIMEOUT.as_secs())]
+    Timeout {
+        /// The call: `connection`, `channel.open`, `confirm.select`, `queue.declare`, …
+        what: &'static str,
+    },
+}
+
+/// `call` bounded by [`CONNECT_TIMEOUT`]; `what` names it in the error.
+pub async fn bounded<T, E: Into<TopologyError>>(
+    what: &'static str,
+    call: impl Future<Output = Result<T, E>>,
+) -> Result<T, TopologyError> {
+    match tokio::time::timeout(CONNECT_TIMEOUT, call).await {
+        Ok(answer) => answer.map_err(Into::into),
+        Err(_) => Err(TopologyError::Timeout { what }),
+    }
+}
+
+/// What a process declares: the dead-letter queue and exchange, the work queues for `queues`
+/// and the tasks exchange, with their bindings (see [`declare`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Declaration<'a> {
+    /// The namespace's names.
+    pub names: &'a Names,
+    /// The logical queues (`{ns}.q.{queue}`).
+    pub queues: &'a [String],
+    /// `x-message-ttl` of the dead-letter queue.
+    pub dead_ttl: Duration,
+    /// `[broker] queue_type`.
+    pub queue_type: QueueType,
+}
+
+/// How a declaration sends its bindings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Bindings {
+    /// Each awaited (bounded): the first declaration, after which the topology must exist.
+    Awaited,
+    /// Sent with `nowait`, not awaited: a re-declaration, where they exist already. The
+    /// broker's channel may sit on them until the cluster gives up on a hung node, so the
+    /// channel they were sent on is used for nothing else.
+    Sent,
 }
 
 /// The fix for a refused declare: a changed `queue_type` has its own (the broker names
@@ -113,14 +165,30 @@ pub async fn declare(
     dead_ttl: Duration,
     queue_type: QueueType,
 ) -> Result<(), TopologyError> {
+    let what = Declaration {
+        names,
+        queues,
+        dead_ttl,
+        queue_type,
+    };
+    declare_with(channel, &what, Bindings::Awaited).await
+}
+
+/// [`declare`], every call bounded by [`CONNECT_TIMEOUT`], the bindings as `bindings` says.
+async fn declare_with(
+    channel: &Channel,
+    what: &Declaration<'_>,
+    bindings: Bindings,
+) -> Result<(), TopologyError> {
+    let (names, queue_type) = (what.names, what.queue_type);
     let dead = names.dead();
     let mut dead_args = typed(queue_type);
     dead_args.insert(
         "x-message-ttl".into(),
-        AMQPValue::LongLongInt(dead_ttl.as_millis() as i64),
+        AMQPValue::LongLongInt(what.dead_ttl.as_millis() as i64),
     );
     declare_queue(channel, &dead, dead_args, queue_type).await?;
-    for queue in queues {
+    for queue in what.queues {
         let mut args = typed(queue_type);
         args.insert("x-dead-letter-exchange".into(), string(&dead));
         if queue_type == QueueType::Quorum {
@@ -131,31 +199,23 @@ pub async fn declare(
         }
         declare_queue(channel, &names.work_queue(queue), args, queue_type).await?;
     }
-    channel
-        .exchange_declare(
-            names.tasks_exchange().into(),
-            ExchangeKind::Direct,
+    let exchanges = [
+        (names.tasks_exchange(), ExchangeKind::Direct),
+        (dead.clone(), ExchangeKind::Fanout),
+    ];
+    for (exchange, kind) in exchanges {
+        let declared = channel.exchange_declare(
+            exchange.as_str().into(),
+            kind,
             exchange_options(),
             FieldTable::default(),
-        )
-        .await?;
-    channel
-        .exchange_declare(
-            dead.as_str().into(),
-            ExchangeKind::Fanout,
-            exchange_options(),
-            FieldTable::default(),
-        )
-        .await?;
-    bind(channel, &dead, &dead, "").await?;
-    for queue in queues {
-        bind(
-            channel,
-            &names.work_queue(queue),
-            &names.tasks_exchange(),
-            queue,
-        )
-        .await?;
+        );
+        bounded("exchange.declare", declared).await?;
+    }
+    bind(channel, &dead, &dead, "", bindings).await?;
+    for queue in what.queues {
+        let work = names.work_queue(queue);
+        bind(channel, &work, &names.tasks_exchange(), queue, bindings).await?;
     }
     Ok(())
 }
@@ -178,29 +238,35 @@ async fn declare_queue(
     args: FieldTable,
     queue_type: QueueType,
 ) -> Result<(), TopologyError> {
-    channel
-        .queue_declare(queue.into(), durable(), args)
-        .await
-        .map_err(|source| mismatch(queue, source, queue_type))?;
+    let declared = async {
+        channel
+            .queue_declare(queue.into(), durable(), args)
+            .await
+            .map_err(|source| mismatch(queue, source, queue_type))
+    };
+    bounded("queue.declare", declared).await?;
     Ok(())
 }
 
-/// Binds `queue` to `exchange` by `routing_key`.
+/// Binds `queue` to `exchange` by `routing_key`, as `bindings` says.
 async fn bind(
     channel: &Channel,
     queue: &str,
     exchange: &str,
     routing_key: &str,
+    bindings: Bindings,
 ) -> Result<(), TopologyError> {
-    channel
-        .queue_bind(
-            queue.into(),
-            exchange.into(),
-            routing_key.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let options = QueueBindOptions {
+        nowait: bindings == Bindings::Sent,
+    };
+    let bound = channel.queue_bind(
+        queue.into(),
+        exchange.into(),
+        routing_key.into(),
+        options,
+        FieldTable::default(),
+    );
+    bounded("queue.bind", bound).await?;
     Ok(())
 }
 
@@ -219,6 +285,7 @@ impl TopologyError {
             TopologyError::Mismatch { source, .. } | TopologyError::Amqp(source) => {
                 reply_code(source)
             }
+            TopologyError::Timeout { .. } => None,
         }
     }
 }
@@ -243,13 +310,16 @@ pub async fn connect(config: &Config) -> Result<Connection, lapin::Error> {
     Nodes::new(config).connect().await
 }
 
-/// The broker's nodes (`[broker] urls`) and which one the last connection went to, so that a
-/// reconnect after a lost connection tries the other nodes first (see [`failover_order`]).
+/// The broker's nodes (`[broker] urls`), which one the last connection went to, so that a
+/// reconnect after a lost connection tries the other nodes first (see [`failover_order`]), and
+/// the work queues this process declared, so that a reconnect knows what exists already.
 #[derive(Debug)]
 pub struct Nodes {
     urls: Vec<String>,
     ca_file: Option<PathBuf>,
     last: Mutex<Option<usize>>,
+    /// `None` until the first declaration of this process went through.
+    declared: Mutex<Option<Vec<String>>>,
 }
 
 impl Nodes {
@@ -259,30 +329,26 @@ impl Nodes {
             urls: config.broker.urls.clone(),
             ca_file: config.broker_ca_file.clone(),
             last: Mutex::new(None),
+            declared: Mutex::new(None),
         }
     }
 
-    /// Connects to the first node that answers, in [`failover_order`] after the node of the
-    /// last connection; `Err` is the last node's error once every node failed (one pass: the
-    /// caller's backoff spaces the passes). With several nodes each gets
-    /// [`NODE_CONNECT_TIMEOUT`].
+    /// Connects to the first node that answers within [`CONNECT_TIMEOUT`], in
+    /// [`failover_order`] after the node of the last connection; `Err` is the last node's
+    /// error once every node failed (one pass: the caller's backoff spaces the passes).
     pub async fn connect(&self) -> Result<Connection, lapin::Error> {
-        let last = *self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let last = *lock(&self.last);
         let several = self.urls.len() > 1;
         let mut error = None;
         for i in failover_order(self.urls.len(), last) {
             let url = &self.urls[i];
             let attempt = connect_to(url, self.ca_file.as_deref());
-            let result = if several {
-                tokio::time::timeout(NODE_CONNECT_TIMEOUT, attempt)
-                    .await
-                    .unwrap_or_else(|_| Err(io_error("the node did not answer in time")))
-            } else {
-                attempt.await
-            };
+            let result = tokio::time::timeout(CONNECT_TIMEOUT, attempt)
+                .await
+                .unwrap_or_else(|_| Err(io_error("the node did not answer in time")));
             match result {
                 Ok(conn) => {
-                    *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(i);
+                    *lock(&self.last) = Some(i);
                     if several {
                         info!(broker = %Redacted(url), node = i + 1, "connected to broker node");
                     }
@@ -298,6 +364,96 @@ impl Nodes {
         }
         Err(error.unwrap_or_else(|| io_error("no broker URL configured")))
     }
+
+    /// A session: a connection ([`connect`](Self::connect)), `what` declared on a channel of
+    /// its own, and a confirm-mode channel to publish on; every call bounded by
+    /// [`CONNECT_TIMEOUT`].
+    ///
+    /// The first declaration of `what`'s queues awaits each binding, and fails the session
+    /// when anything does not answer. A re-declaration (every queue of `what` was declared by
+    /// this process before: a reconnect) sends the bindings without awaiting them, and a
+    /// declaration that does not answer in time is logged and the session goes on: what it
+    /// declares exists, and a hung node in the cluster must not stop the publishing
+    /// (docs/design.md#reconnecting-past-a-hung-node). A refused declaration (406) fails it
+    /// either way.
+    pub async fn open_session(
+        &self,
+        what: &Declaration<'_>,
+    ) -> Result<(Connection, Channel), TopologyError> {
+        let conn = self.connect().await?;
+        match self.declare_and_open(&conn, what).await {
+            Ok(channel) => Ok((conn, channel)),
+            Err(e) => {
+                close_later(conn, "session not opened");
+                Err(e)
+            }
+        }
+    }
+
+    async fn declare_and_open(
+        &self,
+        conn: &Connection,
+        what: &Declaration<'_>,
+    ) -> Result<Channel, TopologyError> {
+        let again = {
+            let declared = lock(&self.declared);
+            declared
+                .as_ref()
+                .is_some_and(|done| what.queues.iter().all(|q| done.contains(q)))
+        };
+        let bindings = if again {
+            Bindings::Sent
+        } else {
+            Bindings::Awaited
+        };
+        let declaring = bounded("channel.open", conn.create_channel()).await?;
+        let declared = declare_with(&declaring, what, bindings).await;
+        close_channel_later(declaring);
+        match declared {
+            Err(e @ TopologyError::Timeout { .. }) if again => {
+                warn!(namespace = %what.names.namespace(), error = %e,
+                    "re-declaring the topology did not finish (a hung node in the cluster?); \
+                     it was declared before, so the session goes on");
+            }
+            Err(e) => return Err(e),
+            Ok(()) => {
+                let mut declared = lock(&self.declared);
+                let declared = declared.get_or_insert_with(Vec::new);
+                for queue in what.queues {
+                    if !declared.contains(queue) {
+                        declared.push(queue.clone());
+                    }
+                }
+            }
+        }
+        let channel = bounded("channel.open", conn.create_channel()).await?;
+        bounded(
+            "confirm.select",
+            channel.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await?;
+        Ok(channel)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Closes `conn` in the background, waiting at most [`CONNECT_TIMEOUT`] for the broker's
+/// answer (a hung node never gives one), so that the caller can reconnect at once.
+pub fn close_later(conn: Connection, why: &'static str) {
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(CONNECT_TIMEOUT, conn.close(200, why.into())).await;
+    });
+}
+
+/// Closes a channel used only to declare, in the background (it may still wait on bindings
+/// sent without awaiting them).
+fn close_channel_later(channel: Channel) {
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(CONNECT_TIMEOUT, channel.close(200, "declared".into())).await;
+    });
 }
 
 /// The order in which `n` nodes are tried when the last connection went to node `last`: the
@@ -358,20 +514,21 @@ fn io_error(e: impl std::fmt::Display) -> lapin::Error {
 }
 
 /// Connects to `config`'s broker for a one-shot command (ad-hoc publish, dlq): one confirm-mode
-/// channel, the topology for `queues` declared. Close the connection when done.
+/// channel, the topology for `queues` declared (see [`Nodes::open_session`]). Close the
+/// connection when done.
 pub async fn open_channel(
     config: &Config,
     names: &Names,
     queues: &[String],
     dead_ttl: Duration,
 ) -> Result<(Connection, Channel), TopologyError> {
-    let conn = connect(config).await?;
-    let channel = conn.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    declare(&channel, names, queues, dead_ttl, config.broker.queue_type).await?;
-    Ok((conn, channel))
+    let what = Declaration {
+        names,
+        queues,
+        dead_ttl,
+        queue_type: config.broker.queue_type,
+    };
+    Nodes::new(config).open_session(&what).await
 }
 
 /// How many messages wait in the dead-letter queue `{ns}.dead` (for `status`), asked with a
@@ -535,6 +692,25 @@ mod tests {
         ] {
             assert!(e.contains(needle), "{needle:?} not in {e}");
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_that_does_not_answer_is_abandoned_after_the_connect_timeout() {
+        let started = tokio::time::Instant::now();
+        let hung = std::future::pending::<Result<(), lapin::Error>>();
+        let e = bounded("queue.bind", hung).await.unwrap_err();
+        assert!(
+            matches!(e, TopologyError::Timeout { what: "queue.bind" }),
+            "{e}"
+        );
+        assert_eq!(started.elapsed(), CONNECT_TIMEOUT);
+        assert_eq!(e.reply_code(), None);
+        assert_eq!(
+            e.to_string(),
+            "the broker did not answer queue.bind within 5s"
+        );
+        let answered = bounded("queue.declare", async { Ok::<_, lapin::Error>(7) });
+        assert_eq!(answered.await.unwrap(), 7);
     }
 
     #[test]

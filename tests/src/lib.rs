@@ -838,7 +838,7 @@ pub fn with_metrics(args: &[&str]) -> (Vec<String>, u16) {
 /// dirs; the cookie is the `rabbitmq` user's, which every node started here shares), for the
 /// tests that kill a node under quorum queues. Never touches the shared node on 5672. Started
 /// by the test that needs it and torn down (every node killed, its directory removed) when
-/// dropped, at the end of that test binary's one cluster test.
+/// dropped, at the end of the test that started it.
 pub struct RabbitCluster {
     /// The nodes; `nodes[0]` is the one the others joined.
     pub nodes: Vec<PrivateRabbit>,

@@ -1,9 +1,9 @@
 //! Quorum queues on a 3-node RabbitMQ cluster (DESIGN §9 "Scale-out"): one beat and two
 //! workers on different nodes (`[broker] urls` in different orders), a 1 s `catch_up` job and
-//! a stream of 2,000 ad-hoc tasks; the node leading the work queue is killed with SIGKILL
-//! mid-stream and restarted. Every scheduled instant and every ad-hoc key runs exactly once;
-//! the time to recover is printed. The cluster is private (never the shared node) and is torn
-//! down when the test ends.
+//! a stream of ad-hoc tasks; mid-stream a node fails and is brought back: the node leading the
+//! work queue is killed with SIGKILL, or the node the beat publishes through hangs (SIGSTOP).
+//! Every scheduled instant and every ad-hoc key runs exactly once; the time to recover is
+//! printed. The cluster is private (never the shared node) and is torn down when the test ends.
 
 use drumline_e2e::{
     adhoc, assert_contiguous_exactly_once, counts, instant_of, setup, toml_string, wait_until,
@@ -13,10 +13,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const ADHOC: usize = 2_000;
-/// The node is killed once this many ad-hoc tasks are confirmed.
-const KILL_AFTER: usize = 600;
 const WAIT: Duration = Duration::from_secs(60);
+
+/// One cluster at a time: three nodes booting take most of a 2-core machine.
+static ONE_CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// How the node leading the work queue goes away, and comes back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,28 +25,85 @@ enum Fault {
     /// peers notice immediately.
     Kill9,
     /// SIGSTOP, then SIGCONT: its sockets stay open, so clients notice only by AMQP heartbeats
-    /// and peers by the Erlang distribution's ticks.
+    /// (or a confirm that does not come) and peers by the Erlang distribution's ticks; until the
+    /// peers give up on it (`net_ticktime`, about a minute), every declaration that writes the
+    /// cluster's metadata (a binding) waits.
     Freeze,
+}
+
+/// Which node fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Victim {
+    /// The node leading the work queue (where the beat, which declared it, publishes).
+    WorkQueueLeader,
+    /// The node the beat publishes through, which does not lead the work queue (a worker on
+    /// another node declared it first).
+    BeatsNode,
+}
+
+/// One run of the scenario.
+struct Scenario {
+    fault: Fault,
+    victim: Victim,
+    /// Appended to every URL drumline is given (e.g. `?heartbeat=5`).
+    query: &'static str,
+    /// Ad-hoc tasks in the stream.
+    adhoc: usize,
+    /// The fault comes once this many ad-hoc tasks are confirmed.
+    fault_after: usize,
+    /// The longest the scheduled ticks may stop: an instant due after the fault has run within
+    /// this long of it.
+    ticks_back_within: Duration,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn quorum_queues_lose_and_repeat_nothing_when_the_leader_node_is_killed() {
-    leader_node_fails(Fault::Kill9, "").await;
+    node_fails(Scenario {
+        fault: Fault::Kill9,
+        victim: Victim::WorkQueueLeader,
+        query: "",
+        adhoc: 2_000,
+        fault_after: 600,
+        ticks_back_within: Duration::from_secs(240),
+    })
+    .await;
 }
 
-/// Not in the suite: with RabbitMQ's and the client's default timeouts a frozen node is found
-/// out after about a minute. Run by hand (`-- --ignored --nocapture`) to measure it.
+/// A hung node (docs/design.md#reconnecting-past-a-hung-node): the beat publishing through it
+/// notices by its confirm deadline or the heartbeat and reconnects to another node, where its
+/// re-declaration must not wait for the cluster to give up on the hung node (a binding would,
+/// about a minute): ticks are back within 15 s. The hung node does not lead the work queue: on
+/// RabbitMQ 3.10 a channel's first publish to a quorum queue asks the node recorded as its
+/// leader, so with that node hung no new channel anywhere can publish to it until the cluster
+/// gives up on the node, whatever the client does. See: issues/16
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "slow (minutes): measures failover from a frozen node"]
-async fn quorum_queues_lose_and_repeat_nothing_when_the_leader_node_freezes() {
-    leader_node_fails(Fault::Freeze, "?heartbeat=5").await;
+async fn quorum_queues_lose_and_repeat_nothing_when_the_beats_node_hangs() {
+    node_fails(Scenario {
+        fault: Fault::Freeze,
+        victim: Victim::BeatsNode,
+        query: "?heartbeat=5",
+        adhoc: 600,
+        fault_after: 300,
+        ticks_back_within: Duration::from_secs(15),
+    })
+    .await;
 }
 
-/// The scenario of the module docs with `fault`; `query` is appended to every URL drumline
-/// is given (e.g. `?heartbeat=5`).
-async fn leader_node_fails(fault: Fault, query: &str) {
+/// The scenario of the module docs, as `scenario` says.
+async fn node_fails(scenario: Scenario) {
+    let Scenario {
+        fault,
+        victim,
+        query,
+        adhoc: adhoc_tasks,
+        fault_after,
+        ticks_back_within,
+    } = scenario;
+    let _alone = ONE_CLUSTER.lock().await;
     let env = setup("e2e_quorum_cluster");
+    let booting = Instant::now();
     let mut cluster = RabbitCluster::start("qc");
+    println!("cluster formed in {:.1} s", booting.elapsed().as_secs_f64());
     let names = env.names();
     let queue = names.work_queue("default");
     let config = |file: &str, order: [usize; 3]| {
@@ -87,46 +144,72 @@ command = {adhoc}
         path.to_str().unwrap().to_owned()
     };
 
-    // The beat declares the queues on node 0, which then leads them (most likely).
-    let beat_cfg = config("beat.toml", [0, 1, 2]);
-    let started = chrono::Utc::now();
-    let mut beat = env.beat("beat", &["--config", &beat_cfg]);
-    let mut leader = None;
-    assert!(
-        wait_until(WAIT, || {
-            leader = cluster.leader_of(1, &queue);
-            leader.is_some()
-        }),
-        "{queue} has no leader\n{}",
-        beat.log_tail(20)
-    );
-    let leader = leader.unwrap();
+    // Whoever declares the queues first, on its node, makes that node lead them (most likely).
+    let lead_of = |proc: &drumline_e2e::Proc| {
+        let mut leader = None;
+        assert!(
+            wait_until(WAIT, || {
+                leader = cluster.leader_of(1, &queue);
+                leader.is_some()
+            }),
+            "{queue} has no leader\n{}",
+            proc.log_tail(20)
+        );
+        leader.unwrap()
+    };
+    let started;
+    let (beat, workers, leader, victim, stream_node) = match victim {
+        Victim::WorkQueueLeader => {
+            // The beat declares on node 0; one worker starts on the leader (it must fail
+            // over), the other on another node.
+            started = chrono::Utc::now();
+            let beat = env.beat("beat", &["--config", &config("beat.toml", [0, 1, 2])]);
+            let leader = lead_of(&beat);
+            let (next, last) = ((leader + 1) % 3, (leader + 2) % 3);
+            let workers = [
+                env.worker(
+                    "w1",
+                    &["--config", &config("w1.toml", [leader, next, last])],
+                ),
+                env.worker(
+                    "w2",
+                    &["--config", &config("w2.toml", [last, leader, next])],
+                ),
+            ];
+            (beat, workers, leader, leader, next)
+        }
+        Victim::BeatsNode => {
+            // A worker declares on node 1, which leads; the beat and the other worker start on
+            // node 0 (they must fail over).
+            let w2 = env.worker("w2", &["--config", &config("w2.toml", [1, 2, 0])]);
+            let leader = lead_of(&w2);
+            assert_ne!(leader, 0, "node 0 must not lead {queue}");
+            started = chrono::Utc::now();
+            let beat = env.beat("beat", &["--config", &config("beat.toml", [0, 1, 2])]);
+            let w1 = env.worker("w1", &["--config", &config("w1.toml", [0, 2, 1])]);
+            (beat, [w1, w2], leader, 0, 2)
+        }
+    };
+    let mut beat = beat;
+    let mut workers = workers;
     assert_eq!(cluster.queue_type(1, &queue).as_deref(), Some("quorum"));
     assert_eq!(
         cluster.queue_type(1, &names.dead()).as_deref(),
         Some("quorum")
     );
-    let (next, last) = ((leader + 1) % 3, (leader + 2) % 3);
     println!(
-        "work queue leader: node {leader} ({})",
+        "work queue leader: node {leader} ({}); {fault:?} of node {victim}",
         cluster.node_name(leader)
     );
-    // One worker starts on the leader (it must fail over), the other on another node.
-    let w1_cfg = config("w1.toml", [leader, next, last]);
-    let w2_cfg = config("w2.toml", [last, leader, next]);
-    let mut workers = [
-        env.worker("w1", &["--config", &w1_cfg]),
-        env.worker("w2", &["--config", &w2_cfg]),
-    ];
 
     // The ad-hoc stream goes through a node that stays up.
     let confirmed = Arc::new(AtomicUsize::new(0));
     let stream = {
         let confirmed = confirmed.clone();
         let names = names.clone();
-        let mut publisher = StreamPublisher::new(&cluster.url(next));
+        let mut publisher = StreamPublisher::new(&cluster.url(stream_node));
         tokio::spawn(async move {
-            for i in 0..ADHOC {
+            for i in 0..adhoc_tasks {
                 let envelope = adhoc(&format!("a-{i:04}"), "adhoc");
                 publisher
                     .publish(&names, &envelope, Duration::from_secs(240))
@@ -139,7 +222,7 @@ command = {adhoc}
         })
     };
     assert!(
-        wait_until(WAIT, || confirmed.load(Ordering::SeqCst) >= KILL_AFTER
+        wait_until(WAIT, || confirmed.load(Ordering::SeqCst) >= fault_after
             && env.lines("ticks").len() >= 3),
         "the stream did not start: {} confirmed, ticks {:?}\n{}\n{}",
         confirmed.load(Ordering::SeqCst),
@@ -152,15 +235,16 @@ command = {adhoc}
     let killed_at_wall = chrono::Utc::now();
     let sent_at_kill = confirmed.load(Ordering::SeqCst);
     match fault {
-        Fault::Kill9 => cluster.kill9(leader),
-        Fault::Freeze => cluster.freeze(leader),
+        Fault::Kill9 => cluster.kill9(victim),
+        Fault::Freeze => cluster.freeze(victim),
     }
 
-    // Recovered: an instant due after the kill ran (the beat failed over and published it, the
-    // queue elected a leader, a worker ran it), and so did an ad-hoc task sent after the kill.
+    // Recovered: an instant due after the fault ran (the beat failed over and published it,
+    // the queue had a leader, a worker ran it), and so did an ad-hoc task sent after it. The
+    // wait ends early once the ticks are overdue.
     let mut tick_recovery = None;
     let mut adhoc_recovery = None;
-    let recovered = wait_until(Duration::from_secs(240), || {
+    wait_until(Duration::from_secs(240), || {
         if tick_recovery.is_none()
             && env
                 .lines("ticks")
@@ -177,46 +261,56 @@ command = {adhoc}
         {
             adhoc_recovery = Some(killed_at.elapsed());
         }
-        tick_recovery.is_some() && adhoc_recovery.is_some()
+        let overdue = tick_recovery.is_none() && killed_at.elapsed() > ticks_back_within;
+        overdue || (tick_recovery.is_some() && adhoc_recovery.is_some())
     });
-    assert!(
-        recovered,
-        "no recovery after killing node {leader}: ticks {tick_recovery:?}, ad-hoc {adhoc_recovery:?}\n{}\n{}\n{}",
-        beat.log_tail(20),
-        workers[0].log_tail(20),
-        workers[1].log_tail(20)
-    );
-    let new_leader = cluster.leader_of(next, &queue);
+    let (Some(tick_recovery), Some(adhoc_recovery)) = (
+        tick_recovery.filter(|t| *t <= ticks_back_within),
+        adhoc_recovery,
+    ) else {
+        panic!(
+            "{fault:?} of node {victim}: no instant due after it ran within {ticks_back_within:?} \
+             (ran after {tick_recovery:?}; last tick {:?}), or no ad-hoc task sent after it \
+             ran (after {adhoc_recovery:?})\n{}\n{}\n{}",
+            env.lines("ticks").last(),
+            beat.log_tail(20),
+            workers[0].log_tail(20),
+            workers[1].log_tail(20)
+        );
+    };
     println!(
-        "{fault:?}: node {leader} (the leader) after {sent_at_kill} ad-hoc tasks; new leader {new_leader:?}; \
+        "{fault:?}: node {victim} (leader: node {leader}) after {sent_at_kill} ad-hoc tasks; \
          recovered in {:.1} s (scheduled) and {:.1} s (ad-hoc)",
-        tick_recovery.unwrap().as_secs_f64(),
-        adhoc_recovery.unwrap().as_secs_f64()
+        tick_recovery.as_secs_f64(),
+        adhoc_recovery.as_secs_f64()
     );
-    assert!(new_leader.is_some_and(|n| n != leader));
 
     // The node comes back and rejoins; the stream finishes.
     let restarted_at = Instant::now();
     match fault {
-        Fault::Kill9 => cluster.start_again(leader),
-        Fault::Freeze => cluster.thaw(leader),
+        Fault::Kill9 => cluster.start_again(victim),
+        Fault::Freeze => cluster.thaw(victim),
     }
     assert!(
-        wait_until(WAIT, || cluster.running_nodes(next).len() == 3),
-        "node {leader} did not rejoin: {:?}",
-        cluster.running_nodes(next)
+        wait_until(WAIT, || cluster.running_nodes(stream_node).len() == 3),
+        "node {victim} did not rejoin: {:?}",
+        cluster.running_nodes(stream_node)
     );
     println!(
-        "node {leader} back in the cluster after {:.1} s",
+        "node {victim} back in the cluster after {:.1} s",
         restarted_at.elapsed().as_secs_f64()
     );
+    // Asked once the node is back: with a node hung, `rabbitmqctl list_queues` waits for it.
+    let new_leader = cluster.leader_of(stream_node, &queue);
+    println!("leader of {queue}: {new_leader:?}");
+    assert!(new_leader.is_some_and(|n| n != victim));
     let retries = tokio::time::timeout(Duration::from_secs(240), stream)
         .await
         .expect("the ad-hoc stream did not finish")
         .expect("the ad-hoc stream panicked");
     assert!(
-        wait_until(WAIT, || counts(&env.lines("adhoc")).len() >= ADHOC),
-        "{} of {ADHOC} ad-hoc tasks ran\n{}\n{}",
+        wait_until(WAIT, || counts(&env.lines("adhoc")).len() >= adhoc_tasks),
+        "{} of {adhoc_tasks} ad-hoc tasks ran\n{}\n{}",
         counts(&env.lines("adhoc")).len(),
         workers[0].log_tail(20),
         workers[1].log_tail(20)
@@ -249,7 +343,7 @@ command = {adhoc}
     let adhoc_runs = counts(&env.lines("adhoc"));
     let twice: Vec<_> = adhoc_runs.iter().filter(|(_, n)| **n > 1).collect();
     assert!(twice.is_empty(), "ad-hoc tasks ran twice: {twice:?}");
-    assert_eq!(adhoc_runs.len(), ADHOC, "every ad-hoc key runs");
+    assert_eq!(adhoc_runs.len(), adhoc_tasks, "every ad-hoc key runs");
     let ticks = env.lines("ticks");
     assert_contiguous_exactly_once(&ticks, 10);
     assert_eq!(
@@ -258,7 +352,7 @@ command = {adhoc}
         "every published instant ran, nothing else"
     );
     println!(
-        "{ADHOC} ad-hoc tasks and {} instants ran exactly once; the publisher repeated {retries} sends",
+        "{adhoc_tasks} ad-hoc tasks and {} instants ran exactly once; the publisher repeated {retries} sends",
         ticks.len()
     );
 }
@@ -277,8 +371,11 @@ async fn published_ticks(
         .expect("the beat's progress");
     let last = drumline_shared::store::parse_last_instant(&last).expect("an instant");
     let first = instant_of(&env.lines("ticks").into_iter().min().expect("ticks ran"));
+    // Within 10 s: a beat that starts on a loaded machine takes a few seconds to connect to
+    // three nodes and lead (3.2 s seen in CI); what matters is that every instant from the
+    // first on ran, which the caller checks.
     assert!(
-        first > started && first <= started + chrono::TimeDelta::seconds(3),
+        first > started && first <= started + chrono::TimeDelta::seconds(10),
         "the first tick {first} is not the first instant after the beat started at {started}"
     );
     let mut keys = Vec::new();

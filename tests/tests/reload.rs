@@ -1,10 +1,11 @@
 //! Reload on SIGHUP (DESIGN §9 "Reload"), end to end with the real binaries: a changed config
 //! takes effect without a restart — added jobs start from the reload, removed ones stop, a
 //! rescheduled one follows its new rule without catching up — and a broken file is refused
-//! while the running schedule goes on.
+//! while the running schedule goes on. A standby that reloaded applies the same rules when it
+//! comes to lead.
 
 use chrono::{DateTime, TimeDelta, Utc};
-use drumline_e2e::{counts, setup, wait_until, TestEnv};
+use drumline_e2e::{counts, http_get, setup, wait_until, with_metrics, TestEnv, REDIS_URL};
 use std::path::Path;
 use std::time::Duration;
 
@@ -237,4 +238,154 @@ async fn sighup_gives_the_worker_new_tasks_for_the_deliveries_that_follow() {
     );
     let runs = counts(&env.lines("effects"));
     assert!(runs.values().all(|n| *n == 1), "{runs:?}");
+}
+
+/// A config file `file` for two beats: a 3 s leader lease, `jobs` (name, rule) all `catch_up`
+/// and running the append task.
+fn standby_config(env: &TestEnv, file: &str, jobs: &[(&str, &str)]) -> std::path::PathBuf {
+    let mut body = String::from(
+        "[beat]\nleader_lease = \"3s\"\n\n[worker]\nconcurrency = 4\nlease = \"3s\"\n",
+    );
+    for (name, rule) in jobs {
+        body.push_str(&format!(
+            "\n[[jobs]]\nname = \"{name}\"\ntask = \"append\"\n{rule}\nmisfire = \"catch_up\"\noverlap = \"allow\"\n"
+        ));
+    }
+    body.push_str(&format!(
+        "\n[tasks.append]\ncommand = {}\n",
+        env.append_key_command("effects", 0.0)
+    ));
+    env.config(file, &body)
+}
+
+/// The leader lease `{ns}:beat:leader`: (pid, epoch, since).
+fn leader(env: &TestEnv) -> Option<(u32, u64, DateTime<Utc>)> {
+    let mut redis = redis::Client::open(REDIS_URL)
+        .and_then(|c| c.get_connection())
+        .expect("redis");
+    let text: Option<String> = redis::cmd("GET")
+        .arg(env.names().beat_leader())
+        .query(&mut redis)
+        .expect("redis GET");
+    let lease: serde_json::Value = serde_json::from_str(&text?).ok()?;
+    let since = DateTime::parse_from_rfc3339(lease["since"].as_str()?).ok()?;
+    Some((
+        lease["pid"].as_u64()? as u32,
+        lease["epoch"].as_u64()?,
+        since.with_timezone(&Utc),
+    ))
+}
+
+/// The schedule `job` has in the `/api/status` a beat serves on `port` (its running config).
+fn schedule_on(port: u16, job: &str) -> Option<String> {
+    let (200, body) = http_get(port, "/api/status")? else {
+        return None;
+    };
+    let status: serde_json::Value = serde_json::from_str(&body).ok()?;
+    status["jobs"]
+        .as_array()?
+        .iter()
+        .find(|j| j["job"] == job)
+        .and_then(|j| j["schedule"].as_str().map(str::to_owned))
+}
+
+/// A standby applies the reload rules when it comes to lead (docs/design.md#reload-on-a-standby):
+/// with both beats reloaded, the leader's restart of a rescheduled job is what the standby
+/// resumes (the failover gap caught up); with only the standby reloaded, the job it
+/// rescheduled starts from its term, not from the progress the old leader recorded under the
+/// old schedule. See: issues/16
+#[tokio::test(flavor = "multi_thread")]
+async fn a_standby_that_reloaded_applies_the_reload_rules_when_it_leads() {
+    let env = setup("reload_standby");
+    // v1 on both: `both` every 2 s, `only_b` every hour (never due while the test runs).
+    let v1 = [("both", "every = \"2s\""), ("only_b", "every = \"1h\"")];
+    let a_cfg = standby_config(&env, "a.toml", &v1);
+    let b_cfg = standby_config(&env, "b.toml", &v1);
+    let mut worker = env.worker("worker", &["--config", config_str(&b_cfg)]);
+    let mut a = env.beat("beat-a", &["--config", config_str(&a_cfg)]);
+    assert!(
+        wait_until(WAIT, || leader(&env).is_some_and(|l| l.0 == a.pid() as u32)),
+        "{}",
+        a.log_tail(20)
+    );
+    let (b_args, b_port) = with_metrics(&["--config", config_str(&b_cfg)]);
+    let b_args: Vec<&str> = b_args.iter().map(String::as_str).collect();
+    let mut b = env.beat("beat-b", &b_args);
+    assert!(
+        wait_until(WAIT, || runs_of(&env, "both").len() >= 2),
+        "{}",
+        a.log_tail(20)
+    );
+
+    // v2 on both, both reloaded: `both` every second. The leader restarts it from the reload.
+    let v2 = [("both", "every = \"1s\""), ("only_b", "every = \"1h\"")];
+    standby_config(&env, "a.toml", &v2);
+    standby_config(&env, "b.toml", &v2);
+    hup(&a);
+    hup(&b);
+    let reloaded_at = Utc::now();
+    let after_reload = |env: &TestEnv| -> Vec<DateTime<Utc>> {
+        runs_of(env, "both")
+            .into_iter()
+            .filter(|t| *t > reloaded_at + TimeDelta::seconds(1))
+            .collect()
+    };
+    assert!(
+        wait_until(WAIT, || after_reload(&env).len() >= 3),
+        "{}",
+        a.log_tail(20)
+    );
+
+    // v3 on the standby only: `only_b` every second. The leader never hears of it.
+    standby_config(
+        &env,
+        "b.toml",
+        &[("both", "every = \"1s\""), ("only_b", "every = \"1s\"")],
+    );
+    hup(&b);
+    assert!(
+        wait_until(WAIT, || schedule_on(b_port, "only_b").as_deref()
+            == Some("every 1s")),
+        "the standby did not reload: {:?}\n{}",
+        schedule_on(b_port, "only_b"),
+        b.log_tail(20)
+    );
+    a.kill9();
+    let mut lease = None;
+    assert!(
+        wait_until(WAIT, || {
+            lease = leader(&env).filter(|l| l.0 == b.pid() as u32);
+            lease.is_some()
+        }),
+        "the standby did not take over\n{}",
+        b.log_tail(20)
+    );
+    let (_, _, since) = lease.expect("just checked");
+    assert!(
+        wait_until(WAIT, || runs_of(&env, "only_b").len() >= 3
+            && after_reload(&env)
+                .last()
+                .is_some_and(|t| *t > since + TimeDelta::seconds(2))),
+        "only_b {:?}, both {:?}\n{}",
+        runs_of(&env, "only_b"),
+        after_reload(&env).last(),
+        b.log_tail(20)
+    );
+    assert!(b.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+
+    // Rescheduled on the standby alone: it starts from the standby's term, as a reload starts
+    // a rescheduled job; nothing before is caught up from the progress the old leader recorded
+    // under the old rule.
+    let only_b = runs_of(&env, "only_b");
+    assert!(
+        only_b[0] > since,
+        "only_b was caught up from before the standby led at {since}: {only_b:?}"
+    );
+    assert_spaced(&only_b, 1, "only_b");
+    // Rescheduled on both: the leader's restart is kept, and the standby caught up the
+    // failover's gap from it (every second, straight through the kill).
+    let both = after_reload(&env);
+    assert!(*both.first().unwrap() < since && *both.last().unwrap() > since);
+    assert_spaced(&both, 1, "both after the reload, across the failover");
 }

@@ -568,6 +568,17 @@ enum SessionError {
     Fatal(String),
 }
 
+impl From<topology::TopologyError> for SessionError {
+    /// A refused declaration needs a human; anything else is retried.
+    fn from(e: topology::TopologyError) -> Self {
+        match e {
+            topology::TopologyError::Amqp(e) => SessionError::Amqp(e),
+            topology::TopologyError::Timeout { what } => SessionError::Timeout(what),
+            e @ topology::TopologyError::Mismatch { .. } => SessionError::Fatal(e.to_string()),
+        }
+    }
+}
+
 type Session = (
     Connection,
     lapin::Channel,
@@ -580,49 +591,32 @@ async fn open_session(
     (names, nodes): (&Names, &topology::Nodes),
     worker_id: &str,
 ) -> Result<Session, SessionError> {
-    // After a lost connection, the other nodes first (`[broker] urls`).
-    let conn = nodes.connect().await?;
-    let publisher = conn.create_channel().await?;
-    publisher
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    match topology::declare(
-        &publisher,
+    // After a lost connection, the other nodes first (`[broker] urls`); every call bounded, a
+    // re-declaration not awaited (docs/design.md#reconnecting-past-a-hung-node).
+    let what = topology::Declaration {
         names,
-        &config.worker.queues,
-        config.worker.dead_ttl,
-        config.broker.queue_type,
-    )
-    .await
-    {
-        Ok(()) => {}
-        Err(topology::TopologyError::Amqp(e)) => return Err(e.into()),
-        Err(e @ topology::TopologyError::Mismatch { .. }) => {
-            return Err(SessionError::Fatal(e.to_string()))
-        }
-    }
-    let channel = conn.create_channel().await?;
+        queues: &config.worker.queues,
+        dead_ttl: config.worker.dead_ttl,
+        queue_type: config.broker.queue_type,
+    };
+    let (conn, publisher) = nodes.open_session(&what).await?;
+    let channel = topology::bounded("channel.open", conn.create_channel()).await?;
     // Per consumer (global = false): quorum queues refuse a channel-wide prefetch (3.10 and 4.x
     // close the connection, 540 NOT_IMPLEMENTED, at basic.consume). Each queue's consumer may
     // hold `concurrency` unacked deliveries; the slots (the semaphore) bound what runs, so
     // with several queues the extra deliveries only wait, unacked, for a slot.
-    channel
-        .basic_qos(
-            config.worker.concurrency.min(u16::MAX as usize) as u16,
-            BasicQosOptions { global: false },
-        )
-        .await?;
+    let prefetch = config.worker.concurrency.min(u16::MAX as usize) as u16;
+    let qos = channel.basic_qos(prefetch, BasicQosOptions { global: false });
+    topology::bounded("basic.qos", qos).await?;
     let mut consumers = Vec::new();
     for queue in &config.worker.queues {
-        let consumer = channel
-            .basic_consume(
-                names.work_queue(queue).into(),
-                format!("{worker_id}/{queue}").into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        consumers.push(consumer);
+        let consume = channel.basic_consume(
+            names.work_queue(queue).into(),
+            format!("{worker_id}/{queue}").into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        );
+        consumers.push(topology::bounded("basic.consume", consume).await?);
     }
     Ok((conn, publisher, channel, consumers))
 }

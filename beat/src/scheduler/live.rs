@@ -186,6 +186,65 @@ async fn progress_writes_only_move_forward_and_fail_job_by_job() {
 }
 
 #[tokio::test]
+async fn a_start_records_its_rule_with_its_progress_and_only_for_the_lease_holder() {
+    let ns = Ns::new("rules");
+    let store = ns.store().await;
+    let (t1, t2) = (at("2026-03-02T12:00:00Z"), at("2026-03-02T12:01:00Z"));
+    let far = Duration::from_secs(86400 * 365 * 100);
+    let rules = |jobs: &'static [&'static str]| {
+        let store = &store;
+        async move { store.progress_rules(jobs, 1, 1).await.expect("rules") }
+    };
+    // Without the lease nothing is written.
+    let refused = store
+        .start_progress("nobody", &[("a", t1, "r1")], far, 10)
+        .await;
+    assert!(
+        matches!(refused, Err(ProgressError::Deposed)),
+        "{refused:?}"
+    );
+    assert_eq!(rules(&["a"]).await, vec![None]);
+    let holder = Candidate {
+        token: "holder".to_owned(),
+        host: "test".to_owned(),
+        pid: std::process::id(),
+    };
+    store
+        .lead(&holder, Duration::from_secs(10), LeaseMode::Acquire)
+        .await
+        .unwrap();
+    // With it: the progress (never moved back) and the rule, job by job, in calls of 1.
+    let out = store
+        .start_progress("holder", &[("a", t2, "r1"), ("b", t1, "r1")], far, 1)
+        .await
+        .unwrap();
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    let out = store
+        .start_progress("holder", &[("a", t1, "r2")], far, 1)
+        .await
+        .unwrap();
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    let text = |t| Some(last_instant_text(t));
+    assert_eq!(lasts(&store, &["a", "b"]).await, vec![text(t2), text(t1)]);
+    assert_eq!(
+        rules(&["a", "b", "c"]).await,
+        vec![Some("r2".to_owned()), Some("r1".to_owned()), None]
+    );
+    // An instant too far ahead of Redis TIME writes neither.
+    let ahead = Utc::now() + TimeDelta::hours(1);
+    let out = store
+        .start_progress("holder", &[("c", ahead, "r1")], Duration::from_secs(1), 1)
+        .await
+        .unwrap();
+    assert!(
+        matches!(out[0], Err(ProgressError::Ahead { .. })),
+        "{out:?}"
+    );
+    assert_eq!(rules(&["c"]).await, vec![None]);
+    store.resign_lead("holder").await.unwrap();
+}
+
+#[tokio::test]
 async fn a_new_jobs_start_is_persisted_so_misses_before_its_first_instant_are_reported() {
     let ns = Ns::new("first_start");
     let store = ns.store().await;

@@ -80,7 +80,7 @@ pub enum ProgressError {
 
 /// The lease's JSON is written by the script (so `since` and `epoch` come from Redis), and a
 /// token is compared by decoding it: a value that is not our JSON is someone else's.
-const HELD_BY: &str = r#"
+pub(super) const HELD_BY: &str = r#"
 local function held_by(key, token)
   local cur = redis.call('GET', key)
   if not cur then return nil end

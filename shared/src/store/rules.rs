@@ -1,0 +1,142 @@
+//! The rule each job's progress was recorded under, `{ns}:beat:rule:{job}`
+//! (docs/design.md#reload-on-a-standby): a leader that starts a job (a first start, an added
+//! job, a rescheduled one) writes the job's start and its rule in one fenced script, so that
+//! whichever beat leads next can tell whether the progress it finds belongs to the schedule it
+//! runs or to one it replaced.
+
+use super::leader::HELD_BY;
+use super::{last_instant_text, Store, StoreError};
+use crate::store::ProgressError;
+use chrono::{DateTime, Utc};
+use redis::Script;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+// KEYS[1] lease, then per job its progress key and its rule key; ARGV[1] token, ARGV[2] most ms
+// ahead of TIME, then per job its instant as fixed-width RFC 3339 text (string order is time
+// order), as Unix ms, and its rule. Returns {0} when the token does not hold the lease (nothing
+// written), else {1, per job: 1 written (the progress moved forward only, never back; the rule
+// set), 0 refused as ahead (nothing written), -1 its progress is not a string (nothing written)}.
+static START_FENCED: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        "{HELD_BY}{}",
+        r#"
+if not held_by(KEYS[1], ARGV[1]) then return {0} end
+local limit = now_ms() + tonumber(ARGV[2])
+local out = {1}
+for j = 1, (#KEYS - 1) / 2 do
+  local text, ms, rule = ARGV[3 * j], tonumber(ARGV[3 * j + 1]), ARGV[3 * j + 2]
+  if ms > limit then
+    out[j + 1] = 0
+  else
+    local cur = redis.pcall('GET', KEYS[2 * j])
+    if type(cur) == 'table' and cur.err then
+      out[j + 1] = -1
+    else
+      if cur == false or cur < text then redis.call('SET', KEYS[2 * j], text) end
+      redis.call('SET', KEYS[2 * j + 1], rule)
+      out[j + 1] = 1
+    end
+  end
+end
+return out
+"#
+    ))
+});
+
+impl Store {
+    /// Each job's recorded rule, in `jobs` order (`None`: none recorded, as for progress
+    /// written before rules were). One pipelined round trip per `per_mget`·`per_trip` jobs.
+    pub async fn progress_rules(
+        &self,
+        jobs: &[&str],
+        per_mget: usize,
+        per_trip: usize,
+    ) -> Result<Vec<Option<String>>, StoreError> {
+        let mut conn = self.conn.clone();
+        let per_mget = per_mget.max(1);
+        let mut out = Vec::with_capacity(jobs.len());
+        for group in jobs.chunks(per_mget * per_trip.max(1)) {
+            let mut pipe = redis::pipe();
+            for batch in group.chunks(per_mget) {
+                let keys: Vec<String> = batch.iter().map(|j| self.names.beat_rule(j)).collect();
+                pipe.cmd("MGET").arg(keys);
+            }
+            let replies: Vec<Vec<Option<String>>> = pipe.query_async(&mut conn).await?;
+            out.extend(replies.into_iter().flatten());
+        }
+        if out.len() != jobs.len() {
+            return Err(unexpected("MGET returned fewer values than keys"));
+        }
+        Ok(out)
+    }
+
+    /// Writes each `(job, instant, rule)` as the job's progress (never moving it back) and the
+    /// rule it is recorded under, while `token` holds the leader lease and no instant is more
+    /// than `max_ahead` past Redis `TIME`: as [`Store::advance_progress`], `per_call` jobs per
+    /// script call, one round trip, one outcome per entry.
+    pub async fn start_progress(
+        &self,
+        token: &str,
+        starts: &[(&str, DateTime<Utc>, &str)],
+        max_ahead: Duration,
+        per_call: usize,
+    ) -> Result<Vec<Result<(), ProgressError>>, ProgressError> {
+        if starts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut conn = self.conn.clone();
+        let chunks: Vec<&[(&str, DateTime<Utc>, &str)]> = starts.chunks(per_call.max(1)).collect();
+        let mut pipe = redis::pipe();
+        // EVALSHA needs the script cached (a restarted Redis forgot it): load it in the same
+        // round trip.
+        pipe.load_script(&START_FENCED).ignore();
+        for chunk in &chunks {
+            let mut call = START_FENCED.prepare_invoke();
+            call.key(self.names.beat_leader())
+                .arg(token)
+                .arg(max_ahead.as_millis() as u64);
+            for (job, at, rule) in *chunk {
+                call.key(self.names.beat_last(job))
+                    .key(self.names.beat_rule(job))
+                    .arg(last_instant_text(*at))
+                    .arg(at.timestamp_millis())
+                    .arg(*rule);
+            }
+            pipe.invoke_script(&call);
+        }
+        self.push_wait(&mut pipe);
+        let mut replies: Vec<redis::Value> = pipe.query_async(&mut conn).await?;
+        self.check_wait(&mut replies)?;
+        let replies: Vec<Vec<i64>> =
+            redis::from_redis_value(redis::Value::Array(replies)).map_err(StoreError::from)?;
+        if replies.len() != chunks.len() {
+            return Err(unexpected("a pipeline returned fewer replies than calls").into());
+        }
+        let mut out = Vec::with_capacity(starts.len());
+        for (chunk, reply) in chunks.iter().zip(replies) {
+            match reply.split_first() {
+                Some((1, codes)) if codes.len() == chunk.len() => out.extend(
+                    chunk
+                        .iter()
+                        .zip(codes)
+                        .map(|((_, at, _), code)| match code {
+                            1 => Ok(()),
+                            0 => Err(ProgressError::Ahead { at: *at }),
+                            _ => Err(
+                                unexpected("the job's progress key holds a non-string value")
+                                    .into(),
+                            ),
+                        }),
+                ),
+                Some((0, _)) => return Err(ProgressError::Deposed),
+                _ => return Err(unexpected("the start script returned an unknown reply").into()),
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn unexpected(what: &'static str) -> StoreError {
+    StoreError::from((redis::ErrorKind::UnexpectedReturnType, what))
+}
