@@ -61,7 +61,7 @@ const REDIS_IDLE_CHECK_EVERY: Duration = Duration::from_secs(2);
 pub(crate) const SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a broker call on the shutdown or reconnect path may take (cancel the consumers,
 /// reopen a channel, close the connection); a dead connection does not always answer.
-const BROKER_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+pub(crate) const BROKER_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 /// After the grace: the most that cancelled runs get to stop their tasks and settle.
 pub const ABANDON_WAIT: Duration = KILL_GRACE.saturating_add(SETTLE_TIMEOUT);
 
@@ -296,7 +296,12 @@ impl Dispatch {
             let tags: Vec<String> = consumers.iter().map(|c| c.tag().to_string()).collect();
             let mut publisher = Publisher(publisher);
             match self
-                .consume(&conn, &mut publisher, consumers, in_flight)
+                .consume(
+                    (&conn, &consumer_channel),
+                    &mut publisher,
+                    consumers,
+                    in_flight,
+                )
                 .await
             {
                 SessionEnd::Stopping => {
@@ -320,18 +325,19 @@ impl Dispatch {
     /// gate; each is spawned to the [`Processor`] with the slot.
     async fn consume(
         &self,
-        conn: &Connection,
+        (conn, channel): (&Connection, &lapin::Channel),
         publisher: &mut Publisher,
         consumers: Vec<lapin::Consumer>,
         in_flight: &mut JoinSet<()>,
     ) -> SessionEnd {
         let mut deliveries = select_all(consumers);
-        let acks = Acks::start();
+        let acks = Acks::start(channel.clone());
         loop {
             while in_flight.try_join_next().is_some() {}
             let slot = tokio::select! {
                 slot = self.slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
                 _ = self.stop.cancelled() => return SessionEnd::Stopping,
+                _ = acks.stalled() => return stalled(),
             };
             let delivery = tokio::select! {
                 next = deliveries.next() => match next {
@@ -346,6 +352,7 @@ impl Dispatch {
                     }
                 },
                 _ = self.stop.cancelled() => return SessionEnd::Stopping,
+                _ = acks.stalled() => return stalled(),
             };
             let ticket = acks.taken(&delivery);
             let Some(ticket) = self.ready(ticket).await else {
@@ -396,6 +403,13 @@ impl Dispatch {
         }
         Some(ticket)
     }
+}
+
+/// The session's ack table stalled (docs/design.md#acks): its channel is being closed, and
+/// the broker redelivers what was not acked on it.
+fn stalled() -> SessionEnd {
+    warn!("a delivery could not be settled within the settle timeout; starting a new session");
+    SessionEnd::Lost
 }
 
 /// Cancels the session's consumers, bounded: the channel may be dead.
