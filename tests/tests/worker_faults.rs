@@ -701,3 +701,34 @@ async fn healthz_is_503_while_a_configured_queue_has_no_consumer() {
         worker.log_tail(20)
     );
 }
+
+// See: issues/16
+#[tokio::test(flavor = "multi_thread")]
+async fn a_queue_recreated_as_another_type_under_the_worker_ends_it_with_exit_2() {
+    let mut env = setup("e2e_queue_retyped");
+    let (mut worker, _port, _cfg) = worker_on_two_queues(&mut env).await;
+    let qa = env.names().work_queue("qa");
+    // Re-created as a quorum queue before the worker declares it again (retried if the worker
+    // was first), as a `queue_type` migration done under a running worker would.
+    let retyped = wait_until_async(WAIT, || async {
+        delete_queue(&env, &qa).await;
+        let conn = env.amqp().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        let declared = ch.queue_declare(qa.as_str().into(), durable, args).await;
+        let _ = conn.close(200, "bye".into()).await;
+        declared.is_ok()
+    })
+    .await;
+    assert!(retyped, "could never re-create {qa} as a quorum queue");
+    let status = worker.wait(WAIT);
+    assert_eq!(status.code(), Some(2), "{}", worker.log_tail(20));
+}
