@@ -393,8 +393,29 @@ impl Dispatch {
         let mut waiting: VecDeque<Delivery> = VecDeque::new();
         let mut resubscribing = FuturesUnordered::new();
         let mut held = false;
-        let end = loop {
+        let end = 'session: loop {
             while in_flight.try_join_next().is_some() {}
+            // The usual case without a wait: a slot free, no pause, Redis up.
+            while !waiting.is_empty()
+                && !self.stop.is_cancelled()
+                && self.pacer.idle()
+                && self.processor.gate.is_open()
+            {
+                let Ok(slot) = self.slots.clone().try_acquire_owned() else {
+                    break;
+                };
+                if std::mem::take(&mut held) {
+                    info!("redis is back; resuming");
+                }
+                let delivery = waiting.pop_front().expect("a delivery waits");
+                let taken = (delivery, slot);
+                if let Err(end) = self
+                    .dispatch((conn, &mut *publisher), &acks, taken, in_flight)
+                    .await
+                {
+                    break 'session end;
+                }
+            }
             if !held && !waiting.is_empty() && !self.processor.gate.is_open() {
                 error!("redis unreachable: holding deliveries until it answers again");
                 held = true;
@@ -440,23 +461,9 @@ impl Dispatch {
                         info!("redis is back; resuming");
                     }
                     let delivery = waiting.pop_front().expect("a delivery waits");
-                    let ticket = acks.taken(&delivery);
-                    let channel = match publisher.channel(conn).await {
-                        Ok(channel) => channel,
-                        Err(e) => {
-                            warn!(error = %e, "cannot reopen the publisher channel; reconnecting");
-                            requeue(ticket, stats).await;
-                            self.pacer.settled(Settled::BrokerTrouble);
-                            break SessionEnd::Lost;
-                        }
-                    };
-                    let processor = self.current.get();
-                    let pacer = self.pacer.clone();
-                    in_flight.spawn(async move {
-                        let settled = processor.process(channel, delivery, ticket).await;
-                        pacer.settled(settled);
-                        drop(slot);
-                    });
+                    if let Err(end) = self.dispatch((conn, &mut *publisher), &acks, (delivery, slot), in_flight).await {
+                        break end;
+                    }
                 }
             }
         };
@@ -480,6 +487,35 @@ impl Dispatch {
             let _ = tokio::time::timeout(SETTLE_TIMEOUT, handed_back).await;
         }
         end
+    }
+
+    /// Spawns the run of `delivery` to the [`Processor`], holding `slot` until it is settled;
+    /// the session ends when no publisher channel can be had (the delivery requeued).
+    async fn dispatch(
+        &self,
+        (conn, publisher): (&Connection, &mut Publisher),
+        acks: &Acks,
+        (delivery, slot): (Delivery, OwnedSemaphorePermit),
+        in_flight: &mut JoinSet<()>,
+    ) -> Result<(), SessionEnd> {
+        let ticket = acks.taken(&delivery);
+        let channel = match publisher.channel(conn).await {
+            Ok(channel) => channel,
+            Err(e) => {
+                warn!(error = %e, "cannot reopen the publisher channel; reconnecting");
+                requeue(ticket, &self.processor.stats).await;
+                self.pacer.settled(Settled::BrokerTrouble);
+                return Err(SessionEnd::Lost);
+            }
+        };
+        let processor = self.current.get();
+        let pacer = self.pacer.clone();
+        in_flight.spawn(async move {
+            let settled = processor.process(channel, delivery, ticket).await;
+            pacer.settled(settled);
+            drop(slot);
+        });
+        Ok(())
     }
 
     /// A free slot, once the pacer's pause is over and (fail closed) the Redis gate is open.
@@ -697,6 +733,12 @@ impl Pacer {
             Settled::Acked => *pace = Pace::default(),
             Settled::Requeued | Settled::Unsettled => {}
         }
+    }
+
+    /// True when no pause is in force.
+    fn idle(&self) -> bool {
+        let until = self.state.lock().expect("pacer lock poisoned").until;
+        until.is_none_or(|t| t <= Instant::now())
     }
 
     /// Returns once no pause is in force.
