@@ -529,6 +529,28 @@ async fn delete_queue(env: &TestEnv, name: &str) {
     let _ = conn.close(200, "bye".into()).await;
 }
 
+/// Deletes queue `name` and declares it at once as `options` and `args` say, on `conn`, before
+/// the worker that consumed it declares it again: the channel is open before the delete, so
+/// the declare follows it by one round trip, while the worker needs a channel of its own and two
+/// declares. Tried again while the worker is first.
+async fn replace_queue(
+    conn: &Connection,
+    name: &str,
+    options: QueueDeclareOptions,
+    args: FieldTable,
+) -> bool {
+    wait_until_async(WAIT, || async {
+        let ch = conn.create_channel().await.expect("channel");
+        let _ = ch
+            .queue_delete(name.into(), QueueDeleteOptions::default())
+            .await;
+        ch.queue_declare(name.into(), options, args.clone())
+            .await
+            .is_ok()
+    })
+    .await
+}
+
 /// A worker consuming `qa` and `qb` (task `append` writes its key to `effects`), with
 /// `/metrics` on the returned port, once both queues have its consumer.
 async fn worker_on_two_queues(env: &mut TestEnv) -> (Proc, u16, std::path::PathBuf) {
@@ -630,20 +652,13 @@ async fn healthz_is_503_while_a_configured_queue_has_no_consumer() {
     let qa = env.names().work_queue("qa");
 
     // Hold `qa` away from the worker: deleted, then declared exclusive to the test's own
-    // connection before the worker declares it again (retried if the worker was first).
+    // connection before the worker declares it again.
     let holder = env.amqp().await;
-    let held = wait_until_async(WAIT, || async {
-        delete_queue(&env, &qa).await;
-        let ch = holder.create_channel().await.expect("channel");
-        let exclusive = QueueDeclareOptions {
-            exclusive: true,
-            ..Default::default()
-        };
-        ch.queue_declare(qa.as_str().into(), exclusive, FieldTable::default())
-            .await
-            .is_ok()
-    })
-    .await;
+    let exclusive = QueueDeclareOptions {
+        exclusive: true,
+        ..Default::default()
+    };
+    let held = replace_queue(&holder, &qa, exclusive, FieldTable::default()).await;
     assert!(held, "could never take {qa} away from the worker");
 
     let unhealthy = wait_until(WAIT, || {
@@ -708,26 +723,20 @@ async fn a_queue_recreated_as_another_type_under_the_worker_ends_it_with_exit_2(
     let mut env = setup("e2e_queue_retyped");
     let (mut worker, _port, _cfg) = worker_on_two_queues(&mut env).await;
     let qa = env.names().work_queue("qa");
-    // Re-created as a quorum queue before the worker declares it again (retried if the worker
-    // was first), as a `queue_type` migration done under a running worker would.
-    let retyped = wait_until_async(WAIT, || async {
-        delete_queue(&env, &qa).await;
-        let conn = env.amqp().await;
-        let ch = conn.create_channel().await.expect("channel");
-        let mut args = FieldTable::default();
-        args.insert(
-            "x-queue-type".into(),
-            AMQPValue::LongString("quorum".into()),
-        );
-        let durable = QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        };
-        let declared = ch.queue_declare(qa.as_str().into(), durable, args).await;
-        let _ = conn.close(200, "bye".into()).await;
-        declared.is_ok()
-    })
-    .await;
+    // Re-created as a quorum queue before the worker declares it again, as a `queue_type`
+    // migration done under a running worker would.
+    let conn = env.amqp().await;
+    let mut quorum = FieldTable::default();
+    quorum.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let retyped = replace_queue(&conn, &qa, durable, quorum).await;
+    let _ = conn.close(200, "bye".into()).await;
     assert!(retyped, "could never re-create {qa} as a quorum queue");
     let status = worker.wait(WAIT);
     assert_eq!(status.code(), Some(2), "{}", worker.log_tail(20));
