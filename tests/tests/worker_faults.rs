@@ -1,10 +1,12 @@
 //! The broker side of a worker under faults: its concurrency holds across reconnects, a closed
 //! publisher channel is reopened without spinning, a topology mismatch on reconnect lets the
-//! runs in flight finish, and SIGTERM ends it in time whatever state its channels are in.
+//! runs in flight finish, SIGTERM ends it in time whatever state its channels are in, and a
+//! queue deleted under it is declared and consumed again while `/healthz` says so.
 //! Destructive faults use a private RabbitMQ node, never the shared one.
 
 use drumline_e2e::{
-    adhoc, http_get, setup, toml_string, unused_port, wait_until, PrivateRabbit, Proc, TestEnv,
+    adhoc, http_get, setup, toml_string, unused_port, wait_until, wait_until_async, with_metrics,
+    PrivateRabbit, Proc, TestEnv,
 };
 use lapin::options::{
     BasicPublishOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
@@ -497,4 +499,245 @@ async fn sigterm_ends_a_worker_whose_broker_froze() {
     );
     let status = worker.wait(Duration::from_secs(1));
     assert!(status.success(), "{status:?}\n{}", worker.log_tail(20));
+}
+
+/// Consumers of queue `name` on the shared broker (passive declare); `None` while it does not
+/// exist.
+async fn consumers_of(env: &TestEnv, name: &str) -> Option<u32> {
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.expect("channel");
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let count = ch
+        .queue_declare(name.into(), passive, FieldTable::default())
+        .await
+        .ok()
+        .map(|q| q.consumer_count());
+    let _ = conn.close(200, "bye".into()).await;
+    count
+}
+
+/// Deletes queue `name` as an operator would (a `queue_type` migration starts so).
+async fn delete_queue(env: &TestEnv, name: &str) {
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.expect("channel");
+    ch.queue_delete(name.into(), QueueDeleteOptions::default())
+        .await
+        .expect("queue.delete");
+    let _ = conn.close(200, "bye".into()).await;
+}
+
+/// Deletes queue `name` and declares it at once as `options` and `args` say, on `conn`, before
+/// the worker that consumed it declares it again: the channel is open before the delete, so
+/// the declare follows it by one round trip, while the worker needs a channel of its own and two
+/// declares. Tried again while the worker is first.
+async fn replace_queue(
+    conn: &Connection,
+    name: &str,
+    options: QueueDeclareOptions,
+    args: FieldTable,
+) -> bool {
+    wait_until_async(WAIT, || async {
+        let ch = conn.create_channel().await.expect("channel");
+        let _ = ch
+            .queue_delete(name.into(), QueueDeleteOptions::default())
+            .await;
+        ch.queue_declare(name.into(), options, args.clone())
+            .await
+            .is_ok()
+    })
+    .await
+}
+
+/// A worker consuming `qa` and `qb` (task `append` writes its key to `effects`), with
+/// `/metrics` on the returned port, once both queues have its consumer.
+async fn worker_on_two_queues(env: &mut TestEnv) -> (Proc, u16, std::path::PathBuf) {
+    let names = env.names();
+    env.forget_queue_later(names.work_queue("qa"));
+    env.forget_queue_later(names.work_queue("qb"));
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[worker]\nqueues = [\"qa\", \"qb\"]\n[tasks.append]\ncommand = {}\n",
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let (args, port) = with_metrics(&["--config", cfg.to_str().unwrap()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let worker = env.worker("worker", &args);
+    let up = wait_until_async(WAIT, || async {
+        consumers_of(env, &names.work_queue("qa")).await == Some(1)
+            && consumers_of(env, &names.work_queue("qb")).await == Some(1)
+    })
+    .await;
+    assert!(
+        up,
+        "the worker never consumed both queues\n{}",
+        worker.log_tail(20)
+    );
+    (worker, port, cfg)
+}
+
+/// An ad-hoc task `append` with key `key` for logical queue `queue`.
+fn append_on(key: &str, queue: &str) -> drumline_shared::envelope::Envelope {
+    let mut envelope = adhoc(key, "append");
+    envelope.queue = queue.to_owned();
+    envelope
+}
+
+// See: issues/16 (a worker consuming two queues silently stopped consuming one)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_queue_deleted_under_the_worker_is_declared_again_and_consumed() {
+    let mut env = setup("e2e_queue_deleted");
+    let (mut worker, _port, cfg) = worker_on_two_queues(&mut env).await;
+    let qa = env.names().work_queue("qa");
+
+    delete_queue(&env, &qa).await;
+    let deleted = Instant::now();
+    let back = wait_until_async(Duration::from_secs(5), || async {
+        consumers_of(&env, &qa).await == Some(1)
+    })
+    .await;
+    assert!(
+        back,
+        "{qa} has no consumer 5 s after it was deleted (consumers: {:?})\n{}",
+        consumers_of(&env, &qa).await,
+        worker.log_tail(20)
+    );
+    eprintln!(
+        "{qa} consumed again {:?} after it was deleted",
+        deleted.elapsed()
+    );
+    // Declared again as at start: the worker's own declare of it is accepted as equivalent.
+    let config = drumline_shared::config::Config::load(&cfg).expect("config");
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.expect("channel");
+    let same = drumline_shared::topology::declare(
+        &ch,
+        &env.names(),
+        &["qa".to_owned()],
+        config.worker.dead_ttl,
+        config.broker.queue_type,
+    )
+    .await;
+    assert!(
+        same.is_ok(),
+        "{qa} was declared with other arguments: {same:?}"
+    );
+    let _ = conn.close(200, "bye".into()).await;
+
+    env.publish(&append_on("k-a", "qa")).await;
+    env.publish(&append_on("k-b", "qb")).await;
+    let both = wait_until(WAIT, || {
+        let mut lines = env.lines("effects");
+        lines.sort();
+        lines == ["k-a", "k-b"]
+    });
+    assert!(both, "{:?}\n{}", env.lines("effects"), worker.log_tail(20));
+    assert!(
+        worker.terminate(Duration::from_secs(20)).success(),
+        "{}",
+        worker.log_tail(20)
+    );
+}
+
+// See: issues/16
+#[tokio::test(flavor = "multi_thread")]
+async fn healthz_is_503_while_a_configured_queue_has_no_consumer() {
+    let mut env = setup("e2e_queue_unconsumed");
+    let (mut worker, port, _cfg) = worker_on_two_queues(&mut env).await;
+    assert_eq!(http_get(port, "/healthz").map(|r| r.0), Some(200));
+    let qa = env.names().work_queue("qa");
+
+    // Hold `qa` away from the worker: deleted, then declared exclusive to the test's own
+    // connection before the worker declares it again.
+    let holder = env.amqp().await;
+    let exclusive = QueueDeclareOptions {
+        exclusive: true,
+        ..Default::default()
+    };
+    let held = replace_queue(&holder, &qa, exclusive, FieldTable::default()).await;
+    assert!(held, "could never take {qa} away from the worker");
+
+    let unhealthy = wait_until(WAIT, || {
+        http_get(port, "/healthz").is_some_and(|(code, body)| code == 503 && body.contains("qa"))
+    });
+    assert!(
+        unhealthy,
+        "/healthz says {:?} while {qa} has no consumer of the worker\n{}",
+        http_get(port, "/healthz"),
+        worker.log_tail(20)
+    );
+    let consumers = |queue: &str| {
+        drumline_e2e::metric(
+            port,
+            &format!("drumline_worker_consumers{{queue=\"{queue}\"}}"),
+        )
+    };
+    assert_eq!((consumers("qa"), consumers("qb")), (Some(0.0), Some(1.0)));
+    // The other queue is served meanwhile.
+    env.publish(&append_on("k-b", "qb")).await;
+    assert!(
+        wait_until(WAIT, || env.lines("effects") == ["k-b"]),
+        "{:?}\n{}",
+        env.lines("effects"),
+        worker.log_tail(20)
+    );
+
+    // Released (the exclusive queue goes with its connection): consumed again within 5 s.
+    let _ = holder.close(200, "bye".into()).await;
+    let released = Instant::now();
+    let healthy = wait_until(Duration::from_secs(5), || {
+        http_get(port, "/healthz").is_some_and(|(code, _)| code == 200)
+    });
+    assert!(
+        healthy,
+        "/healthz says {:?} 5 s after {qa} could be declared again\n{}",
+        http_get(port, "/healthz"),
+        worker.log_tail(20)
+    );
+    eprintln!(
+        "/healthz ok {:?} after {qa} was released",
+        released.elapsed()
+    );
+    assert_eq!(consumers("qa"), Some(1.0));
+    env.publish(&append_on("k-a", "qa")).await;
+    assert!(
+        wait_until(WAIT, || env.lines("effects") == ["k-b", "k-a"]),
+        "{:?}\n{}",
+        env.lines("effects"),
+        worker.log_tail(20)
+    );
+    assert!(
+        worker.terminate(Duration::from_secs(20)).success(),
+        "{}",
+        worker.log_tail(20)
+    );
+}
+
+// See: issues/16
+#[tokio::test(flavor = "multi_thread")]
+async fn a_queue_recreated_as_another_type_under_the_worker_ends_it_with_exit_2() {
+    let mut env = setup("e2e_queue_retyped");
+    let (mut worker, _port, _cfg) = worker_on_two_queues(&mut env).await;
+    let qa = env.names().work_queue("qa");
+    // Re-created as a quorum queue before the worker declares it again, as a `queue_type`
+    // migration done under a running worker would.
+    let conn = env.amqp().await;
+    let mut quorum = FieldTable::default();
+    quorum.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let retyped = replace_queue(&conn, &qa, durable, quorum).await;
+    let _ = conn.close(200, "bye".into()).await;
+    assert!(retyped, "could never re-create {qa} as a quorum queue");
+    let status = worker.wait(WAIT);
+    assert_eq!(status.code(), Some(2), "{}", worker.log_tail(20));
 }

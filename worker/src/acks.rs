@@ -16,17 +16,27 @@
 //! Each pass takes every request waiting, acks the run of ready tags just above `floor` with
 //! one frame and acks any other ready tag alone, so an ack never waits for a slower delivery.
 //! A tag the batcher has not seen taken (a delivery still buffered for another consumer) stops
-//! the run. A delivery dropped without an outcome (its run aborted at shutdown) stays `taken`
-//! for good: no `multiple` ack ever covers it, and the broker redelivers it when the channel
-//! closes. A requeue is sent alone by its [`Ticket`], then marked done.
+//! the run. A requeue is sent alone by its [`Ticket`], then marked done.
+//!
+//! The bookkeeping is bounded (docs/design.md#acks). Done tags are kept as runs (`from..=to`),
+//! so behind a delivery that runs for hours the table holds about one entry per delivery in
+//! flight or buffered, not one per delivery acked since. And a delivery is never left unsettled
+//! for the rest of the session: a [`Ticket`] dropped before its ack or requeue went out (its
+//! settle cut off by the settle timeout, refused, or its run dropped) stalls the channel: the
+//! batcher closes it, so the broker redelivers every delivery not acked on it (dedupe absorbs
+//! the ones whose outcome is recorded), and [`Acks::stalled`] tells the consumer to start a new
+//! session.
 
+use crate::consumer::BROKER_CALL_TIMEOUT;
 use drumline_shared::topology;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
-use lapin::Acker;
+use lapin::{Acker, Channel};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
 
 /// The acks of one consumer channel; one per broker session. Taking and requeueing update the
 /// table in place; only an ack wakes the batcher.
@@ -34,13 +44,17 @@ use tokio::sync::{mpsc, oneshot};
 pub(crate) struct Acks {
     table: Arc<Mutex<Table<Acker, Reply>>>,
     tx: mpsc::UnboundedSender<(u64, Acker, Reply)>,
+    /// Cancelled when a delivery could not be settled: the channel is closed.
+    stalled: CancellationToken,
 }
 
 /// A taken delivery's right to be settled once: [`Ticket::ack`] or [`Ticket::requeue`].
+/// Dropped without either having gone out, it stalls the channel ([`Acks::stalled`]).
 pub(crate) struct Ticket {
     tag: u64,
     acker: Acker,
     acks: Acks,
+    settled: bool,
 }
 
 /// Who waits for an ack frame to be sent.
@@ -53,22 +67,23 @@ enum Request<A, R> {
     Requeued(u64),
 }
 
+/// A tag above the floor that is not settled yet.
 enum Entry<A, R> {
     /// Taken; no outcome yet.
     Taken,
     /// Outcome recorded; the ack is asked for.
     Ready(A, R),
-    /// Settled alone (acked out of order, or requeued).
-    Done,
 }
 
 impl Acks {
-    /// Starts the batcher; it ends when the last [`Acks`] and [`Ticket`] are gone.
-    pub(crate) fn start() -> Acks {
+    /// Starts the batcher of `channel`'s acks; it ends when the last [`Acks`] and [`Ticket`]
+    /// are gone, or once it closed the stalled channel.
+    pub(crate) fn start(channel: Channel) -> Acks {
         let (tx, rx) = mpsc::unbounded_channel();
         let table = Arc::new(Mutex::new(Table::default()));
-        tokio::spawn(batch(table.clone(), rx));
-        Acks { table, tx }
+        let stalled = CancellationToken::new();
+        tokio::spawn(batch(table.clone(), rx, (channel, stalled.clone())));
+        Acks { table, tx, stalled }
     }
 
     fn apply(&self, request: Request<Acker, Reply>) {
@@ -82,50 +97,79 @@ impl Acks {
             tag: delivery.delivery_tag,
             acker: delivery.acker.clone(),
             acks: self.clone(),
+            settled: false,
         }
+    }
+
+    /// Completes once a delivery of the channel could not be settled; the channel is then
+    /// being closed, and its session must be replaced.
+    pub(crate) async fn stalled(&self) {
+        self.stalled.cancelled().await
     }
 }
 
 impl Ticket {
     /// Acks the delivery, possibly together with others; returns once the frame is sent.
-    pub(crate) async fn ack(self) -> Result<(), lapin::Error> {
+    pub(crate) async fn ack(mut self) -> Result<(), lapin::Error> {
         let (done, result) = oneshot::channel();
-        if self
+        let result = if self
             .acks
             .tx
             .send((self.tag, self.acker.clone(), done))
             .is_err()
         {
-            // The batcher is gone (it never is while a ticket lives); ack alone.
-            return topology::settled(self.acker.ack(BasicAckOptions::default()).await);
-        }
-        // The batcher drops the reply only when it stops, with the channel.
-        let gone = lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
-            lapin::ChannelState::Closed,
-            "the ack batcher stopped with its channel",
-        ));
-        result.await.unwrap_or(Err(gone))
+            // The batcher is gone (the channel stalled); ack alone.
+            topology::settled(self.acker.ack(BasicAckOptions::default()).await)
+        } else {
+            // The batcher drops the reply only when it stops, with the channel.
+            let gone = lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
+                lapin::ChannelState::Closed,
+                "the ack batcher stopped with its channel",
+            ));
+            result.await.unwrap_or(Err(gone))
+        };
+        self.settled = result.is_ok();
+        result
     }
 
     /// Hands the delivery back to the broker, alone.
-    pub(crate) async fn requeue(self) -> Result<(), lapin::Error> {
+    pub(crate) async fn requeue(mut self) -> Result<(), lapin::Error> {
         let requeue = BasicNackOptions {
             requeue: true,
             ..Default::default()
         };
         topology::settled(self.acker.nack(requeue).await)?;
         self.acks.apply(Request::Requeued(self.tag));
+        self.settled = true;
         Ok(())
     }
 }
 
-/// The batcher: waits for an ack request, takes every other one waiting, then acks.
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.acks.stalled.cancel();
+        }
+    }
+}
+
+/// The batcher: waits for an ack request, takes every other one waiting, then acks; closes
+/// the channel once it stalled.
 async fn batch(
     table: Arc<Mutex<Table<Acker, Reply>>>,
     mut rx: mpsc::UnboundedReceiver<(u64, Acker, Reply)>,
+    (channel, stalled): (Channel, CancellationToken),
 ) {
     let mut requests = Vec::new();
-    while rx.recv_many(&mut requests, usize::MAX).await > 0 {
+    loop {
+        let received = tokio::select! {
+            biased;
+            _ = stalled.cancelled() => break,
+            n = rx.recv_many(&mut requests, usize::MAX) => n,
+        };
+        if received == 0 {
+            return;
+        }
         let sends = {
             let mut table = table.lock().expect("ack table lock");
             for (tag, acker, done) in requests.drain(..) {
@@ -140,12 +184,24 @@ async fn batch(
             }
         }
     }
+    // A channel the broker or a reconnect already closed has given its deliveries back.
+    if channel.status().connected() {
+        warn!(
+            channel = channel.id(),
+            "a delivery could not be settled in time: closing its channel, so that the broker \
+             redelivers every delivery not acked on it"
+        );
+        let close = channel.close(200, "a delivery could not be settled".into());
+        let _ = tokio::time::timeout(BROKER_CALL_TIMEOUT, close).await;
+    }
 }
 
-/// The tags above `floor` and what is known of each.
+/// The tags above `floor` and what is known of each: the unsettled ones in `entries`, the
+/// ones settled alone as runs in `done` (first tag → last tag).
 struct Table<A, R> {
     floor: u64,
     entries: BTreeMap<u64, Entry<A, R>>,
+    done: BTreeMap<u64, u64>,
 }
 
 impl<A, R> Default for Table<A, R> {
@@ -153,6 +209,7 @@ impl<A, R> Default for Table<A, R> {
         Table {
             floor: 0,
             entries: BTreeMap::new(),
+            done: BTreeMap::new(),
         }
     }
 }
@@ -170,24 +227,41 @@ impl<A, R> Table<A, R> {
                 self.entries.insert(tag, Entry::Ready(acker, done));
             }
             Request::Requeued(tag) => {
-                self.entries.insert(tag, Entry::Done);
+                self.entries.remove(&tag);
+                self.settled_alone(tag);
             }
         }
     }
 
+    /// Adds `tag` to the done runs, joining the run that ends just below it and the one that
+    /// starts just above it.
+    fn settled_alone(&mut self, tag: u64) {
+        let mut from = tag;
+        if let Some((&start, &end)) = self.done.range(..tag).next_back() {
+            if end + 1 == tag {
+                from = start;
+            }
+        }
+        let to = self.done.remove(&(tag + 1)).unwrap_or(tag);
+        self.done.insert(from, to);
+    }
+
     /// The acks to send now: one `multiple` ack for the ready run just above `floor` (which
-    /// then moves up), and one ack for each other ready tag.
+    /// then moves up, over the done runs too), and one ack for each other ready tag.
     fn acks(&mut self) -> Vec<Pending<A, R>> {
         let mut out = Vec::new();
         let (mut last, mut waiting) = (None, Vec::new());
         loop {
             let next = self.floor + 1;
+            if let Some(to) = self.done.remove(&next) {
+                self.floor = to;
+                continue;
+            }
             match self.entries.remove(&next) {
                 Some(Entry::Ready(acker, done)) => {
                     last = Some(acker);
                     waiting.push(done);
                 }
-                Some(Entry::Done) => {}
                 Some(taken @ Entry::Taken) => {
                     self.entries.insert(next, taken);
                     break;
@@ -201,11 +275,15 @@ impl<A, R> Table<A, R> {
             let multiple = waiting.len() > 1;
             out.push((acker, BasicAckOptions { multiple }, waiting));
         }
-        for entry in self.entries.values_mut() {
-            if matches!(entry, Entry::Ready(..)) {
-                let Entry::Ready(acker, done) = std::mem::replace(entry, Entry::Done) else {
-                    unreachable!("just matched")
-                };
+        let ready: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|(_, entry)| matches!(entry, Entry::Ready(..)))
+            .map(|(&tag, _)| tag)
+            .collect();
+        for tag in ready {
+            if let Some(Entry::Ready(acker, done)) = self.entries.remove(&tag) {
+                self.settled_alone(tag);
                 out.push((acker, BasicAckOptions::default(), vec![done]));
             }
         }
@@ -300,5 +378,140 @@ mod tests {
         t.apply(Request::Taken(7));
         assert_eq!(sends(&mut t, vec![ack(7)]), vec![(7, false, vec![7])]);
         assert_eq!(t.floor, 3, "nothing is ever acked with `multiple` past 4");
+    }
+    /// Entries the table holds (its bookkeeping).
+    fn held(t: &Table<u64, u64>) -> usize {
+        t.entries.len() + t.done.len()
+    }
+
+    #[test]
+    fn the_table_stays_small_behind_a_delivery_that_runs_long() {
+        // 1 runs for as long as 10,000 others are taken and acked alone behind it.
+        let mut t = Table::default();
+        t.apply(Request::Taken(1));
+        for tag in 2..=10_001 {
+            t.apply(Request::Taken(tag));
+            assert_eq!(sends(&mut t, vec![ack(tag)]), vec![(tag, false, vec![tag])]);
+        }
+        assert!(
+            held(&t) <= 2,
+            "{} tags held behind one running delivery",
+            held(&t)
+        );
+        // 1 ends: the floor moves past every tag acked alone, with one frame for 1 alone.
+        assert_eq!(sends(&mut t, vec![ack(1)]), vec![(1, false, vec![1])]);
+        assert_eq!((t.floor, held(&t)), (10_001, 0));
+        t.apply(Request::Taken(10_002));
+        t.apply(Request::Taken(10_003));
+        assert_eq!(
+            sends(&mut t, vec![ack(10_002), ack(10_003)]),
+            vec![(10_003, true, vec![10_002, 10_003])],
+            "coalescing resumes from the floor"
+        );
+    }
+
+    #[test]
+    fn requeued_tags_merge_into_runs_the_floor_passes() {
+        let mut t = Table::default();
+        let mut requests: Vec<_> = (1..=6).map(Request::Taken).collect();
+        requests.extend([
+            Request::Requeued(3),
+            Request::Requeued(5),
+            Request::Requeued(4),
+        ]);
+        assert_eq!(sends(&mut t, requests), vec![]);
+        assert!(held(&t) <= 4, "3, 4 and 5 are one run: {} held", held(&t));
+        assert_eq!(
+            sends(&mut t, vec![ack(2), ack(1), ack(6)]),
+            vec![(6, true, vec![1, 2, 6])]
+        );
+        assert_eq!((t.floor, held(&t)), (6, 0));
+    }
+
+    /// The shared broker `scripts/test` starts.
+    const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+    // See: issues/16 (a channel's ack table could grow for a whole session behind one delivery
+    // that never settles). Against the real broker: lapin and RabbitMQ decide what an ack and a
+    // closed channel do to the deliveries; a private queue, exclusive to the test's connection.
+    #[tokio::test]
+    async fn a_delivery_that_is_not_settled_closes_the_channel_and_comes_back() {
+        use futures_util::StreamExt;
+        use lapin::options::{BasicConsumeOptions, BasicGetOptions, QueueDeclareOptions};
+        use lapin::types::FieldTable;
+        use lapin::{BasicProperties, Connection, ConnectionProperties};
+        use std::time::{Duration, Instant};
+
+        let conn = Connection::connect(AMQP, ConnectionProperties::default())
+            .await
+            .expect("amqp connection");
+        let channel = conn.create_channel().await.expect("channel");
+        let exclusive = QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        };
+        let queue = channel
+            .queue_declare("".into(), exclusive, FieldTable::default())
+            .await
+            .expect("queue.declare")
+            .name()
+            .clone();
+        for body in [b"one", b"two", b"six"] {
+            channel
+                .basic_publish(
+                    "".into(),
+                    queue.clone(),
+                    Default::default(),
+                    body,
+                    BasicProperties::default(),
+                )
+                .await
+                .expect("publish");
+        }
+        let mut consumer = channel
+            .basic_consume(
+                queue.clone(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("basic.consume");
+        let acks = Acks::start(channel.clone());
+        let mut tickets = Vec::new();
+        for _ in 0..3 {
+            let delivery = consumer
+                .next()
+                .await
+                .expect("a delivery")
+                .expect("delivery");
+            tickets.push((acks.taken(&delivery), delivery.data));
+        }
+        let (unsettled, body) = tickets.remove(0);
+        for (ticket, _) in tickets {
+            ticket.ack().await.expect("ack");
+        }
+        // Its settle is cut off (the settle timeout fired, or its run died): dropped unsettled.
+        drop(unsettled);
+
+        let other = conn.create_channel().await.expect("channel");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let back = loop {
+            let got = other
+                .basic_get(queue.clone(), BasicGetOptions::default())
+                .await
+                .expect("basic.get");
+            if let Some(message) = got {
+                break Some(message);
+            }
+            if Instant::now() > deadline {
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let _ = conn.close(200, "bye".into()).await;
+        let back = back.expect("the delivery that was not settled never came back to the queue");
+        assert_eq!(back.delivery.data, body);
+        assert!(back.delivery.redelivered);
     }
 }

@@ -11,10 +11,18 @@
 //! before it takes the next delivery, doubling the pause each time ([`Pacer`]): a failure that
 //! repeats can neither spin nor reconnect at full speed.
 //!
+//! Every consumer of a session is listened to all the time, busy or not. One that the broker
+//! cancels (its queue deleted, its leader moved, a consumer timeout) is logged, its queue is
+//! declared again as at start and consumed again, retried every second at most, while the
+//! other queues go on; meanwhile `drumline_worker_consumers{queue}` is 0 and `/healthz` 503
+//! (docs/design.md#cancelled-consumers). A consumer that ends with its channel, and a delivery
+//! that cannot be settled in time (docs/design.md#acks), start a new session.
+//!
 //! Shutdown order (DESIGN §4 step 10); every step is bounded, so whatever state the deliveries
 //! and channels are in, SIGTERM ends the worker within `shutdown_grace` + the executor's kill
 //! grace + a few seconds:
-//! 1. stop consuming: cancel the consumers (bounded: the channel may be dead);
+//! 1. stop consuming: cancel the consumers (bounded: the channel may be dead) and hand back
+//!    the deliveries they already sent that no run has taken;
 //! 2. drain: let in-flight runs finish and settle (ack or requeue), up to `shutdown_grace`;
 //! 3. cancel what still runs (handlers are told; shell tasks get SIGTERM, then SIGKILL) and
 //!    wait for those to settle, up to [`ABANDON_WAIT`];
@@ -35,17 +43,19 @@ use drumline_shared::names::Names;
 use drumline_shared::signals::Hangups;
 use drumline_shared::store::Store;
 use drumline_shared::topology;
-use futures_util::stream::{select_all, StreamExt};
+use futures_util::stream::{self, BoxStream, FuturesUnordered, SelectAll, StreamExt};
+use futures_util::FutureExt;
+use lapin::message::Delivery;
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
 use lapin::Connection;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -61,7 +71,12 @@ const REDIS_IDLE_CHECK_EVERY: Duration = Duration::from_secs(2);
 pub(crate) const SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a broker call on the shutdown or reconnect path may take (cancel the consumers,
 /// reopen a channel, close the connection); a dead connection does not always answer.
-const BROKER_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+pub(crate) const BROKER_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long declaring a queue again, or consuming it again, may take before it is retried.
+const REDECLARE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The longest pause between two tries to declare a queue again: its consumer comes back
+/// within about a second of the queue becoming declarable.
+const REDECLARE_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// After the grace: the most that cancelled runs get to stop their tasks and settle.
 pub const ABANDON_WAIT: Duration = KILL_GRACE.saturating_add(SETTLE_TIMEOUT);
 
@@ -110,6 +125,7 @@ async fn work(
     let reload = reload.map(|r| (r, Hangups::new()));
     let names = Names::new(config.namespace.clone());
     let worker_id = worker_id();
+    stats.expect_queues(&config.worker.queues);
     info!(worker = %worker_id, namespace = %config.namespace, queues = ?config.worker.queues,
           concurrency = config.worker.concurrency, "worker starting");
 
@@ -254,8 +270,36 @@ struct Dispatch {
 enum SessionEnd {
     /// Shutdown: keep the connection for the drain.
     Stopping,
-    /// The connection or the consumers are gone: reconnect.
+    /// The connection or the consumer channel is gone, or a delivery could not be settled:
+    /// reconnect.
     Lost,
+    /// A queue declared again after the broker cancelled its consumer exists with other
+    /// arguments: drain (keeping the connection), then end the worker.
+    Fatal(String),
+}
+
+/// What a session's consumers yield: a delivery, a failure, or the end of a consumer (cancelled
+/// by the broker, or with its channel).
+// Nearly every event is a delivery, which moves once into the waiting line: boxing it would add
+// an allocation to each.
+#[allow(clippy::large_enum_variant)]
+enum Event {
+    Delivery(Delivery),
+    Failed(String, lapin::Error),
+    Ended(String),
+}
+
+/// The deliveries of `consumer` (of logical queue `queue`), then its end as an event of its
+/// own: a consumer that ends alone must be noticed, not dropped from a merged stream.
+fn events(queue: String, consumer: lapin::Consumer) -> BoxStream<'static, Event> {
+    let failed = queue.clone();
+    consumer
+        .map(move |next| match next {
+            Ok(delivery) => Event::Delivery(delivery),
+            Err(e) => Event::Failed(failed.clone(), e),
+        })
+        .chain(stream::once(async move { Event::Ended(queue) }))
+        .boxed()
 }
 
 impl Dispatch {
@@ -293,108 +337,253 @@ impl Dispatch {
             backoff = BACKOFF_MIN;
             stats.broker_connected.set(1);
             info!("consuming");
-            let tags: Vec<String> = consumers.iter().map(|c| c.tag().to_string()).collect();
             let mut publisher = Publisher(publisher);
-            match self
-                .consume(&conn, &mut publisher, consumers, in_flight)
-                .await
-            {
-                SessionEnd::Stopping => {
-                    cancel_consumers(&consumer_channel, &tags).await;
-                    return Served {
-                        connection: Some((conn, publisher, consumer_channel)),
-                        fatal: None,
-                    };
-                }
+            let end = self
+                .consume(
+                    (&conn, &consumer_channel),
+                    &mut publisher,
+                    consumers,
+                    in_flight,
+                )
+                .await;
+            for queue in &config.worker.queues {
+                stats.consuming(queue, false);
+            }
+            let fatal = match end {
                 SessionEnd::Lost => {
                     stats.broker_connected.set(0);
                     close(conn, "reconnecting").await;
+                    continue;
                 }
-            }
+                SessionEnd::Stopping => None,
+                SessionEnd::Fatal(message) => {
+                    error!(error = %message, in_flight = in_flight.len(),
+                           "cannot serve with this topology; finishing the runs in flight first");
+                    Some(message)
+                }
+            };
+            return Served {
+                connection: Some((conn, publisher, consumer_channel)),
+                fatal,
+            };
         }
         Served::default()
     }
 
-    /// Takes deliveries while the session lasts: a free slot first (runs from an older
-    /// connection still hold theirs), then the delivery, then the pacer's pause and the Redis
-    /// gate; each is spawned to the [`Processor`] with the slot.
+    /// Takes deliveries while the session lasts. Every consumer is always listened to, so the
+    /// end of one is noticed at once whatever runs (docs/design.md#cancelled-consumers): its
+    /// queue is declared again and re-subscribed while the others go on. A delivery is handed
+    /// to the [`Processor`] once a slot is free (runs from an older connection still hold
+    /// theirs), the pacer's pause is over and the Redis gate is open; until then it waits
+    /// unacked, as it would in the consumer's buffer.
     async fn consume(
         &self,
-        conn: &Connection,
+        (conn, channel): (&Connection, &lapin::Channel),
         publisher: &mut Publisher,
-        consumers: Vec<lapin::Consumer>,
+        consumers: Vec<(String, lapin::Consumer)>,
         in_flight: &mut JoinSet<()>,
     ) -> SessionEnd {
-        let mut deliveries = select_all(consumers);
-        let acks = Acks::start();
-        loop {
+        let stats = &self.processor.stats;
+        let acks = Acks::start(channel.clone());
+        let mut merged = SelectAll::new();
+        for (queue, consumer) in consumers {
+            stats.consuming(&queue, true);
+            merged.push(events(queue, consumer));
+        }
+        let mut waiting: VecDeque<Delivery> = VecDeque::new();
+        let mut resubscribing = FuturesUnordered::new();
+        let mut held = false;
+        let end = 'session: loop {
             while in_flight.try_join_next().is_some() {}
-            let slot = tokio::select! {
-                slot = self.slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
-                _ = self.stop.cancelled() => return SessionEnd::Stopping,
-            };
-            let delivery = tokio::select! {
-                next = deliveries.next() => match next {
-                    Some(Ok(delivery)) => delivery,
-                    Some(Err(e)) => {
-                        warn!(error = %e, "broker connection lost; reconnecting");
-                        return SessionEnd::Lost;
+            // The usual case without a wait: a slot free, no pause, Redis up.
+            while !waiting.is_empty()
+                && !self.stop.is_cancelled()
+                && self.pacer.idle()
+                && self.processor.gate.is_open()
+            {
+                let Ok(slot) = self.slots.clone().try_acquire_owned() else {
+                    break;
+                };
+                if std::mem::take(&mut held) {
+                    info!("redis is back; resuming");
+                }
+                let delivery = waiting.pop_front().expect("a delivery waits");
+                let taken = (delivery, slot);
+                if let Err(end) = self
+                    .dispatch((conn, &mut *publisher), &acks, taken, in_flight)
+                    .await
+                {
+                    break 'session end;
+                }
+            }
+            if !held && !waiting.is_empty() && !self.processor.gate.is_open() {
+                error!("redis unreachable: holding deliveries until it answers again");
+                held = true;
+            }
+            tokio::select! {
+                biased;
+                _ = self.stop.cancelled() => break SessionEnd::Stopping,
+                _ = acks.stalled() => {
+                    warn!("a delivery could not be settled within the settle timeout; starting a new session");
+                    break SessionEnd::Lost;
+                }
+                event = merged.next(), if !merged.is_empty() => match event {
+                    Some(Event::Delivery(delivery)) => waiting.push_back(delivery),
+                    Some(Event::Failed(queue, e)) => {
+                        warn!(queue = %queue, error = %e, "consumer failed: broker connection or channel lost; reconnecting");
+                        break SessionEnd::Lost;
                     }
-                    None => {
-                        warn!("consumer cancelled by the broker; reconnecting");
-                        return SessionEnd::Lost;
+                    Some(Event::Ended(queue)) => {
+                        stats.consuming(&queue, false);
+                        if !channel.status().connected() {
+                            warn!(queue = %queue, "the consumer channel closed; reconnecting");
+                            break SessionEnd::Lost;
+                        }
+                        warn!(queue = %queue, "the broker cancelled this worker's consumer (queue deleted, leader moved or consumer timeout); declaring the queue again and re-subscribing");
+                        resubscribing.push(self.resubscribe((conn, channel), queue));
+                    }
+                    None => {}
+                },
+                Some(resubscribed) = resubscribing.next() => match resubscribed {
+                    Ok((queue, consumer)) => {
+                        info!(queue = %queue, "re-subscribed");
+                        stats.consuming(&queue, true);
+                        merged.push(events(queue, consumer));
+                    }
+                    Err(SessionError::Fatal(message)) => break SessionEnd::Fatal(message),
+                    Err(e) => {
+                        warn!(error = %e, "cannot re-subscribe; reconnecting");
+                        break SessionEnd::Lost;
                     }
                 },
-                _ = self.stop.cancelled() => return SessionEnd::Stopping,
-            };
-            let ticket = acks.taken(&delivery);
-            let Some(ticket) = self.ready(ticket).await else {
-                return SessionEnd::Stopping;
-            };
-            let channel = match publisher.channel(conn).await {
-                Ok(channel) => channel,
-                Err(e) => {
-                    warn!(error = %e, "cannot reopen the publisher channel; reconnecting");
-                    requeue(ticket, &self.processor.stats).await;
-                    self.pacer.settled(Settled::BrokerTrouble);
-                    return SessionEnd::Lost;
+                slot = self.ready(), if !waiting.is_empty() => {
+                    if std::mem::take(&mut held) {
+                        info!("redis is back; resuming");
+                    }
+                    let delivery = waiting.pop_front().expect("a delivery waits");
+                    if let Err(end) = self.dispatch((conn, &mut *publisher), &acks, (delivery, slot), in_flight).await {
+                        break end;
+                    }
+                }
+            }
+        };
+        if !matches!(end, SessionEnd::Lost) {
+            // Stop consuming, then hand back what the consumers already sent (a reconnect
+            // would give it back anyway), bounded: other workers can take it during the drain.
+            let tags: Vec<String> = (self.processor.config.worker.queues.iter())
+                .map(|queue| consumer_tag(&self.processor.worker_id, queue))
+                .collect();
+            cancel_consumers(channel, &tags).await;
+            while let Some(Some(event)) = merged.next().now_or_never() {
+                if let Event::Delivery(delivery) = event {
+                    waiting.push_back(delivery);
+                }
+            }
+            let handed_back = async {
+                for delivery in waiting {
+                    requeue(acks.taken(&delivery), stats).await;
                 }
             };
-            let processor = self.current.get();
-            let pacer = self.pacer.clone();
-            in_flight.spawn(async move {
-                let settled = processor.process(channel, delivery, ticket).await;
-                pacer.settled(settled);
-                drop(slot);
-            });
+            let _ = tokio::time::timeout(SETTLE_TIMEOUT, handed_back).await;
         }
+        end
     }
 
-    /// Waits out the pacer's pause, then (fail closed) the Redis gate, holding the delivery
-    /// unacked; `None` when shutdown came first, the delivery then requeued.
-    async fn ready(&self, ticket: Ticket) -> Option<Ticket> {
-        // Paced after the delivery is in hand, not before: a requeued delivery comes straight
-        // back, and must wait out the pause its own failure started.
-        let mut stopped = tokio::select! {
-            _ = self.pacer.wait() => false,
-            _ = self.stop.cancelled() => true,
+    /// Spawns the run of `delivery` to the [`Processor`], holding `slot` until it is settled;
+    /// the session ends when no publisher channel can be had (the delivery requeued).
+    async fn dispatch(
+        &self,
+        (conn, publisher): (&Connection, &mut Publisher),
+        acks: &Acks,
+        (delivery, slot): (Delivery, OwnedSemaphorePermit),
+        in_flight: &mut JoinSet<()>,
+    ) -> Result<(), SessionEnd> {
+        let ticket = acks.taken(&delivery);
+        let channel = match publisher.channel(conn).await {
+            Ok(channel) => channel,
+            Err(e) => {
+                warn!(error = %e, "cannot reopen the publisher channel; reconnecting");
+                requeue(ticket, &self.processor.stats).await;
+                self.pacer.settled(Settled::BrokerTrouble);
+                return Err(SessionEnd::Lost);
+            }
         };
-        let gate = &self.processor.gate;
-        if !stopped && !gate.is_open() {
-            error!("redis unreachable: holding deliveries until it answers again");
-            stopped = tokio::select! {
-                _ = gate.wait_open() => {
-                    info!("redis is back; resuming");
-                    false
-                }
-                _ = self.stop.cancelled() => true,
+        let processor = self.current.get();
+        let pacer = self.pacer.clone();
+        in_flight.spawn(async move {
+            let settled = processor.process(channel, delivery, ticket).await;
+            pacer.settled(settled);
+            drop(slot);
+        });
+        Ok(())
+    }
+
+    /// A free slot, once the pacer's pause is over and (fail closed) the Redis gate is open.
+    /// Asked for only with a delivery in hand: a requeued delivery comes straight back, and
+    /// must wait out the pause its own failure started.
+    async fn ready(&self) -> OwnedSemaphorePermit {
+        let slot = self.slots.clone().acquire_owned().await;
+        self.pacer.wait().await;
+        self.processor.gate.wait_open().await;
+        slot.expect("the semaphore is never closed")
+    }
+
+    /// Declares `queue` again as at start (same arguments, on a channel of its own: a refused
+    /// declare closes its channel) and consumes it again on `channel`, retrying every second
+    /// at most while the declare fails; a declare refused for other arguments is fatal.
+    async fn resubscribe(
+        &self,
+        (conn, channel): (&Connection, &lapin::Channel),
+        queue: String,
+    ) -> Result<(String, lapin::Consumer), SessionError> {
+        let config = &self.processor.config;
+        let mut backoff = BACKOFF_MIN;
+        for attempt in 1u32.. {
+            // With no other consumer left to tell of it, a lost connection shows here.
+            if !conn.status().connected() || !channel.status().connected() {
+                return Err(SessionError::Gone);
+            }
+            let declare = async {
+                let side = conn.create_channel().await?;
+                topology::declare(
+                    &side,
+                    &self.processor.names,
+                    std::slice::from_ref(&queue),
+                    config.worker.dead_ttl,
+                    config.broker.queue_type,
+                )
+                .await
+                .map_err(|e| match e {
+                    topology::TopologyError::Amqp(e) => SessionError::Amqp(e),
+                    mismatch => SessionError::Fatal(mismatch.to_string()),
+                })
             };
+            let declared = tokio::time::timeout(REDECLARE_TIMEOUT, declare)
+                .await
+                .unwrap_or(Err(SessionError::Timeout("declaring a queue again")));
+            match declared {
+                Ok(()) => break,
+                Err(fatal @ SessionError::Fatal(_)) => return Err(fatal),
+                // Once, then every tenth: the queue may stay locked (another connection's
+                // exclusive queue) for long.
+                Err(e) if attempt == 1 || attempt % 10 == 0 => {
+                    warn!(queue = %queue, attempt, error = %e, "cannot declare the queue again; retrying");
+                }
+                Err(_) => {}
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(REDECLARE_BACKOFF_MAX);
         }
-        if stopped {
-            requeue(ticket, &self.processor.stats).await;
-            return None;
-        }
-        Some(ticket)
+        let consumer = subscribe(
+            channel,
+            &self.processor.names,
+            &queue,
+            &self.processor.worker_id,
+        );
+        let consumer = tokio::time::timeout(REDECLARE_TIMEOUT, consumer)
+            .await
+            .map_err(|_| SessionError::Timeout("consuming a queue again"))??;
+        Ok((queue, consumer))
     }
 }
 
@@ -546,6 +735,12 @@ impl Pacer {
         }
     }
 
+    /// True when no pause is in force.
+    fn idle(&self) -> bool {
+        let until = self.state.lock().expect("pacer lock poisoned").until;
+        until.is_none_or(|t| t <= Instant::now())
+    }
+
     /// Returns once no pause is in force.
     async fn wait(&self) {
         loop {
@@ -564,6 +759,8 @@ enum SessionError {
     Amqp(#[from] lapin::Error),
     #[error("the broker did not answer in time ({0})")]
     Timeout(&'static str),
+    #[error("the connection or the consumer channel is gone")]
+    Gone,
     #[error("{0}")]
     Fatal(String),
 }
@@ -583,7 +780,7 @@ type Session = (
     Connection,
     lapin::Channel,
     lapin::Channel,
-    Vec<lapin::Consumer>,
+    Vec<(String, lapin::Consumer)>,
 );
 
 async fn open_session(
@@ -610,15 +807,33 @@ async fn open_session(
     topology::bounded("basic.qos", qos).await?;
     let mut consumers = Vec::new();
     for queue in &config.worker.queues {
-        let consume = channel.basic_consume(
-            names.work_queue(queue).into(),
-            format!("{worker_id}/{queue}").into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        );
-        consumers.push(topology::bounded("basic.consume", consume).await?);
+        let subscribed = subscribe(&channel, names, queue, worker_id);
+        let consumer = topology::bounded("basic.consume", subscribed).await?;
+        consumers.push((queue.clone(), consumer));
     }
     Ok((conn, publisher, channel, consumers))
+}
+
+/// This worker's consumer tag on `queue`: the same in every session and after a re-subscribe.
+fn consumer_tag(worker_id: &str, queue: &str) -> String {
+    format!("{worker_id}/{queue}")
+}
+
+/// Consumes `{ns}.q.{queue}` on `channel`.
+async fn subscribe(
+    channel: &lapin::Channel,
+    names: &Names,
+    queue: &str,
+    worker_id: &str,
+) -> Result<lapin::Consumer, lapin::Error> {
+    channel
+        .basic_consume(
+            names.work_queue(queue).into(),
+            consumer_tag(worker_id, queue).into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
 }
 
 async fn connect_redis(config: &Config, names: &Names) -> Store {

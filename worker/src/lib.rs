@@ -1,8 +1,10 @@
 //! drumline-worker: consumes task messages, deduplicates through Redis, runs handlers.
 //!
 //! - [`consumer`]  — the broker side: connect, declare, consume within the concurrency slots,
-//!   pace broker failures, reconnect, shut down in order (every step bounded).
-//! - `acks`        — a channel's acks, coalesced into `multiple` acks over recorded outcomes.
+//!   declare and consume again a queue whose consumer the broker cancelled, pace broker
+//!   failures, reconnect, shut down in order (every step bounded).
+//! - `acks`        — a channel's acks, coalesced into `multiple` acks over recorded outcomes;
+//!   bounded (a delivery not settled in time closes the channel).
 //! - [`processor`] — one delivery start to finish: admit → claim → run → record → ack; performs
 //!   what [`decision`] says (the only place a delivery's broker and Redis effects happen).
 //! - [`decision`]  — what to do with a delivery, as pure functions: admit, then claim and run

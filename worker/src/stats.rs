@@ -11,6 +11,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// The `task` label of a task this worker does not know (or of a message that did not decode).
@@ -80,6 +81,13 @@ pub struct TaskLabels {
     pub task: String,
 }
 
+/// Labels of `drumline_worker_consumers`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct QueueLabels {
+    /// A logical queue of this worker's config.
+    pub queue: String,
+}
+
 /// A family of histograms with [`SECONDS_BUCKETS`].
 pub type Seconds = Family<TaskLabels, Histogram, fn() -> Histogram>;
 
@@ -117,6 +125,11 @@ pub struct Stats {
     pub broker_connected: Gauge,
     /// 1 while Redis answers (0: failing closed, not taking work).
     pub redis_up: Gauge,
+    /// Per configured queue: 1 while this worker has a consumer on it
+    /// (`drumline_worker_consumers{queue}`).
+    pub consumers: Family<QueueLabels, Gauge>,
+    /// The configured queues, each of which must have a consumer for `/healthz` to say ok.
+    queues: Mutex<Vec<String>>,
     /// Deliveries per task and [`RunOutcome`] (`drumline_worker_runs_total{task, outcome}`).
     pub runs: Family<RunLabels, Counter>,
     /// Run start − `scheduled_for`, per task, in seconds (retries included: their
@@ -144,6 +157,8 @@ impl Default for Stats {
             running: Gauge::default(),
             broker_connected: Gauge::default(),
             redis_up: Gauge::default(),
+            consumers: Family::default(),
+            queues: Mutex::default(),
             runs: Family::default(),
             lag: Family::new_with_constructor(seconds_histogram),
             run_time: Family::new_with_constructor(seconds_histogram),
@@ -186,6 +201,11 @@ impl Stats {
         for (name, help, gauge) in gauges {
             registry.register(format!("drumline_worker_{name}"), help, gauge.clone());
         }
+        registry.register(
+            "drumline_worker_consumers",
+            "1 while this worker consumes the queue, per configured queue",
+            self.consumers.clone(),
+        );
         registry.register(
             "drumline_worker_runs",
             "Deliveries by task (unknown: not in this worker's config) and outcome",
@@ -245,6 +265,23 @@ impl Stats {
             .observe(took.as_secs_f64());
     }
 
+    /// The queues this worker is configured to consume (each shown 0 until consumed).
+    pub fn expect_queues(&self, queues: &[String]) {
+        for queue in queues {
+            self.consuming(queue, false);
+        }
+        *self.queues.lock().unwrap_or_else(|e| e.into_inner()) = queues.to_vec();
+    }
+
+    /// Whether this worker has a consumer on `queue` now.
+    pub fn consuming(&self, queue: &str, yes: bool) {
+        self.consumers
+            .get_or_create(&QueueLabels {
+                queue: queue.to_owned(),
+            })
+            .set(i64::from(yes));
+    }
+
     /// One line for logs.
     pub fn summary(&self) -> String {
         format!(
@@ -261,13 +298,32 @@ impl Stats {
         )
     }
 
-    /// `Ok` when the worker can take work: connected to the broker and Redis answering.
+    /// `Ok` when the worker can take work: connected to the broker, Redis answering, and a
+    /// consumer on every configured queue.
     pub fn health(&self) -> Result<(), String> {
         match (self.broker_connected.get(), self.redis_up.get()) {
-            (1, 1) => Ok(()),
-            (0, _) => Err("not connected to the broker".into()),
-            _ => Err("redis unreachable: failing closed".into()),
+            (1, 1) => {}
+            (0, _) => return Err("not connected to the broker".into()),
+            _ => return Err("redis unreachable: failing closed".into()),
         }
+        let queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let unconsumed: Vec<&str> = queues
+            .iter()
+            .filter(|queue| {
+                let labels = QueueLabels {
+                    queue: queue.to_string(),
+                };
+                self.consumers.get_or_create(&labels).get() != 1
+            })
+            .map(String::as_str)
+            .collect();
+        if unconsumed.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "no consumer on queue {}: the broker cancelled it; declaring it again and re-subscribing",
+            unconsumed.join(", ")
+        ))
     }
 }
 
@@ -312,5 +368,21 @@ mod tests {
         assert!((chrono::Utc::now().timestamp() - stamp).abs() < 60);
         // Failures leave no last-success series.
         assert!(!text.contains("last_success_timestamp_seconds{task=\"unknown\"}"));
+    }
+
+    #[test]
+    fn health_names_every_configured_queue_without_a_consumer() {
+        let stats = Stats::default();
+        stats.expect_queues(&["qa".to_owned(), "qb".to_owned()]);
+        stats.broker_connected.set(1);
+        stats.redis_up.set(1);
+        stats.consuming("qb", true);
+        let reason = stats.health().unwrap_err();
+        assert!(reason.starts_with("no consumer on queue qa:"), "{reason}");
+        stats.consuming("qa", true);
+        assert_eq!(stats.health(), Ok(()));
+        // The broker connection comes first.
+        stats.broker_connected.set(0);
+        assert_eq!(stats.health(), Err("not connected to the broker".into()));
     }
 }
