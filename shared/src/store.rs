@@ -1097,25 +1097,14 @@ impl Store {
 
     /// [`connect`](Self::connect), tried until Redis answers: between tries it waits as
     /// `backoff` says, and hands each failure to `failed` (to log it as the caller sees it: the
-    /// beat waits, the worker fails closed). `backoff` is a [`Backoff`], or a `(min, max)` pair
-    /// without jitter.
-    ///
-    /// # Panics
-    ///
-    /// On a `(min, max)` pair [`Backoff::new`] refuses (a zero `min`, `max` below it); a
-    /// [`Backoff`] was checked where it was made.
-    pub async fn connect_retrying<B>(
+    /// beat waits, the worker fails closed).
+    pub async fn connect_retrying(
         url: &str,
         ca_file: Option<&Path>,
         names: Names,
-        backoff: B,
+        mut backoff: Backoff,
         mut failed: impl FnMut(&StoreError),
-    ) -> Self
-    where
-        B: TryInto<Backoff>,
-        B::Error: std::fmt::Debug,
-    {
-        let mut backoff = backoff.try_into().expect("a valid Redis connect backoff");
+    ) -> Self {
         loop {
             match Self::connect(url, ca_file, names.clone()).await {
                 Ok(store) => return store,

@@ -38,6 +38,7 @@ use crate::executor::KILL_GRACE;
 use crate::processor::{self, Processor};
 use crate::stats::Stats;
 use crate::{Gate, Handler, WorkerError};
+use drumline_shared::backoff::Backoff;
 use drumline_shared::config::{Config, WorkerConfig};
 use drumline_shared::names::Names;
 use drumline_shared::signals::Hangups;
@@ -63,8 +64,12 @@ use tracing::{error, info, warn};
 
 const BACKOFF_MIN: Duration = Duration::from_millis(200);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Between tries to reach the broker (and Redis at start).
+const RECONNECT: Backoff = Backoff::constant(BACKOFF_MIN, BACKOFF_MAX, 0.0);
 /// The longest pause before the next delivery while the broker side keeps failing.
 const PACE_MAX: Duration = Duration::from_secs(10);
+/// The pause before the next delivery after `n` broker-side failures in a row.
+const PACING: Backoff = Backoff::constant(BACKOFF_MIN, PACE_MAX, 0.0);
 const REDIS_PROBE_EVERY: Duration = Duration::from_millis(500);
 const REDIS_IDLE_CHECK_EVERY: Duration = Duration::from_secs(2);
 /// How long one ack or requeue may take before the delivery is left to the broker.
@@ -74,9 +79,9 @@ pub(crate) const SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
 pub(crate) const BROKER_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long declaring a queue again, or consuming it again, may take before it is retried.
 const REDECLARE_TIMEOUT: Duration = Duration::from_secs(2);
-/// The longest pause between two tries to declare a queue again: its consumer comes back
-/// within about a second of the queue becoming declarable.
-const REDECLARE_BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// Between two tries to declare a queue again (at most a second apart): its consumer comes
+/// back within about a second of the queue becoming declarable.
+const REDECLARE: Backoff = Backoff::constant(BACKOFF_MIN, Duration::from_secs(1), 0.0);
 /// After the grace: the most that cancelled runs get to stop their tasks and settle.
 pub const ABANDON_WAIT: Duration = KILL_GRACE.saturating_add(SETTLE_TIMEOUT);
 
@@ -308,7 +313,7 @@ impl Dispatch {
     async fn serve(&self, names: &Names, in_flight: &mut JoinSet<()>) -> Served {
         let config = &self.processor.config;
         let stats = &self.processor.stats;
-        let mut backoff = BACKOFF_MIN;
+        let mut backoff = RECONNECT;
         while !self.stop.is_cancelled() {
             let session = tokio::select! {
                 s = open_session(config, (names, &self.nodes), &self.processor.worker_id) => s,
@@ -325,16 +330,16 @@ impl Dispatch {
                     };
                 }
                 Err(e) => {
-                    warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "cannot reach the broker; retrying");
+                    let delay = backoff.next_delay();
+                    warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "cannot reach the broker; retrying");
                     tokio::select! {
-                        _ = tokio::time::sleep(backoff) => {}
+                        _ = tokio::time::sleep(delay) => {}
                         _ = self.stop.cancelled() => break,
                     }
-                    backoff = (backoff * 2).min(BACKOFF_MAX);
                     continue;
                 }
             };
-            backoff = BACKOFF_MIN;
+            backoff.reset();
             stats.broker_connected.set(1);
             info!("consuming");
             let mut publisher = Publisher(publisher);
@@ -537,7 +542,7 @@ impl Dispatch {
         queue: String,
     ) -> Result<(String, lapin::Consumer), SessionError> {
         let config = &self.processor.config;
-        let mut backoff = BACKOFF_MIN;
+        let mut backoff = REDECLARE;
         for attempt in 1u32.. {
             // With no other consumer left to tell of it, a lost connection shows here.
             if !conn.status().connected() || !channel.status().connected() {
@@ -571,8 +576,7 @@ impl Dispatch {
                 }
                 Err(_) => {}
             }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(REDECLARE_BACKOFF_MAX);
+            tokio::time::sleep(backoff.next_delay()).await;
         }
         let consumer = subscribe(
             channel,
@@ -719,9 +723,7 @@ impl Pacer {
         let mut pace = self.state.lock().expect("pacer lock poisoned");
         match settled {
             Settled::BrokerTrouble => {
-                let pause = BACKOFF_MIN
-                    .saturating_mul(2u32.saturating_pow(pace.failures.min(16)))
-                    .min(PACE_MAX);
+                let pause = PACING.nth(pace.failures, 0.0);
                 pace.failures = pace.failures.saturating_add(1);
                 pace.until = Some(Instant::now() + pause);
                 warn!(
@@ -841,7 +843,7 @@ async fn connect_redis(config: &Config, names: &Names) -> Store {
         &config.redis_url,
         config.redis_ca_file.as_deref(),
         names.clone(),
-        (BACKOFF_MIN, BACKOFF_MAX),
+        RECONNECT,
         |e| error!(error = %e, "redis unreachable at start; not consuming until it answers (fail closed)"),
     )
     .await
