@@ -370,3 +370,53 @@ async fn a_success_whose_lease_lapsed_before_done_landed_is_recorded_not_rerun()
         "ran once"
     );
 }
+
+/// A Rust handler that panics must not leave its lease renewed for ever: the instance's lease
+/// lapses, so a redelivered copy can take it over (the run's watchdog stops with the run).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_panicking_rust_handler_leaves_no_lease_renewed_behind() {
+    use drumline_shared::config::{Config, ENV_AMQP_URL, ENV_REDIS_URL};
+    use drumline_worker::{HandlerError, TaskContext, Worker};
+
+    let env = setup("e2e_panic_lease");
+    let config_path = env.config(
+        "drumline.toml",
+        "[worker]\nconcurrency = 1\nlease = \"2s\"\n\n[tasks.boom]\n",
+    );
+    let config = Config::parse(
+        &std::fs::read_to_string(&config_path).unwrap(),
+        &config_path,
+        |name| match name {
+            ENV_REDIS_URL => Some(drumline_e2e::REDIS_URL.to_owned()),
+            ENV_AMQP_URL => Some(drumline_e2e::AMQP_URL.to_owned()),
+            _ => None,
+        },
+    )
+    .unwrap();
+    let started = Arc::new(Mutex::new(false));
+    let started_in = started.clone();
+    let worker = Worker::new(config).handler("boom", move |_ctx: TaskContext| {
+        let started = started_in.clone();
+        async move {
+            *started.lock().unwrap() = true;
+            // Long enough for the watchdog to have renewed once.
+            tokio::time::sleep(Duration::from_millis(900)).await;
+            if *started.lock().unwrap() {
+                panic!("the handler panics on purpose");
+            }
+            Ok::<(), HandlerError>(())
+        }
+    });
+    let stop = shutdown_trigger();
+    let running = tokio::spawn(worker.run(stop.1));
+    let up = wait_until_async(WAIT, || async { consumers(&env).await == 1 }).await;
+    assert!(up, "the in-process worker never consumed");
+    env.publish(&adhoc("k-boom", "boom")).await;
+    let began = wait_until_async(WAIT, || async { *started.lock().unwrap() }).await;
+    assert!(began, "the handler never ran");
+    // The lease (2 s) lapses a few seconds after the panic at the latest.
+    let lapsed = wait_until_async(Duration::from_secs(8), || env.lease_lapsed("k-boom")).await;
+    assert!(lapsed, "the lease of a panicked run is still renewed");
+    let _ = stop.0.send(());
+    running.abort();
+}

@@ -537,6 +537,9 @@ impl Processor {
             lost.clone(),
             expiry_tx,
         ));
+        // Stops the watchdog if this future is dropped or unwinds before the run's end is
+        // handed to `Renewing` (a handler that panics): a lease must never outlive its run.
+        let stop_on_drop = stop_watchdog.drop_guard();
         let ctx = context(env, fence, cancel.clone(), budget.kill_grace());
         self.stats.running.inc();
         let stopped = self
@@ -544,7 +547,7 @@ impl Processor {
             .await;
         self.stats.running.dec();
         let renewing = Renewing {
-            stop: stop_watchdog,
+            stop: stop_on_drop.disarm(),
             watchdog,
         };
         match stopped {
