@@ -1,5 +1,5 @@
 //! `drumline-beat publish`: one ad-hoc task, same envelope and same guarantees as a scheduled
-//! instance (DESIGN §3, §7). Its key is `--key` or a fresh UUID; it is due at publish time +
+//! instance (docs/design.md). Its key is `--key` or a fresh UUID; it is due at publish time +
 //! `--delay` (waiting in a delay queue meanwhile); `--expires` counts from the due instant.
 
 use chrono::{DateTime, Utc};

@@ -1,4 +1,4 @@
-//! The misfire decision (DESIGN §2): which instants of a job in `(last, now]` to publish and
+//! The misfire decision (docs/design.md): which instants of a job in `(last, now]` to publish and
 //! which to drop, and why. Pure — [`plan`] takes the job, the last decided instant and `now` —
 //! so every policy is tested on fixed instants. Touches nothing: no clock, no Redis, no broker.
 
@@ -196,7 +196,7 @@ pub fn plan(job: &Job, last: DateTime<Utc>, now: DateTime<Utc>, threshold: Durat
     }
 }
 
-/// The plan of a paused job (DESIGN §9): what `plan` would publish is dropped as
+/// The plan of a paused job (docs/design.md): what `plan` would publish is dropped as
 /// [`Dropped::Paused`] instead (after what it drops anyway, which is older), so progress moves
 /// past it and a resumed job never publishes it.
 pub fn paused(plan: Plan) -> Plan {

@@ -1,5 +1,5 @@
 //! `drumline-beat next`: upcoming instants in UTC and local time, with DST annotations, as an
-//! aligned table or (`--json`) as `[{job, utc, local, offset, note}]` (DESIGN §7–8).
+//! aligned table or (`--json`) as `[{job, utc, local, offset, note}]` (docs/design.md–8).
 
 use chrono::{DateTime, Offset, SecondsFormat, Utc};
 use drumline_shared::config::Job;

@@ -1,4 +1,4 @@
-//! Operating a running schedule (DESIGN §9 "Operations at run time"): `pause` and `resume` (a
+//! Operating a running schedule (docs/design.md "Operations at run time"): `pause` and `resume` (a
 //! set in Redis the leader reads every second), `trigger` (one instance now, as the job) and
 //! `backfill` (every instant of a past range, with the job's normal keys). What to publish is
 //! decided by pure functions ([`trigger`], [`backfill`]); the commands in

@@ -1,4 +1,4 @@
-//! The status page on the beat's `--metrics-addr` (DESIGN §9 "Status page"): `/`, the
+//! The status page on the beat's `--metrics-addr` (docs/design.md "Status page"): `/`, the
 //! `status` report as HTML that refreshes itself and needs no JavaScript, and `/api/status`,
 //! the `status --json` document. Read-only: only `GET` (and `HEAD`) routes, nothing written.
 //! Every request builds the report afresh with the code `status` uses

@@ -1,4 +1,4 @@
-//! The beat's progress (DESIGN §2): one instant per job, `{ns}:beat:last:{job}`, meaning
+//! The beat's progress (docs/design.md): one instant per job, `{ns}:beat:last:{job}`, meaning
 //! everything up to it has been decided (published, or dropped and reported). Loaded at each
 //! gain of leadership and written after the broker confirmed, always through the [`Store`] and
 //! fenced by the leader lease's token; it only moves forward, and never past Redis `TIME` +

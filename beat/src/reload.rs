@@ -1,4 +1,4 @@
-//! SIGHUP for the beat (DESIGN §9 "Reload"): which jobs of a reloaded config carry their
+//! SIGHUP for the beat (docs/design.md "Reload"): which jobs of a reloaded config carry their
 //! progress over. A job keeps its state when a job of the same name with the same schedule
 //! (`cron`, `every`, `anchor`, `timezone`, DST policies) ran before; an added job — or a
 //! re-added one, whatever Redis still holds for it — and a rescheduled one start from the

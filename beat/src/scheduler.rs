@@ -1,4 +1,4 @@
-//! The beat loop (DESIGN §2): wakes when jobs come due, asks [`plan`] what to publish,
+//! The beat loop (docs/design.md): wakes when jobs come due, asks [`plan`] what to publish,
 //! publishes through the [`Publisher`], and moves each job's [`progress`] once the broker
 //! confirmed. Touches Redis only through the [`Store`] (via [`progress`]), the broker only
 //! through the [`Publisher`]. What a batch takes (`take_due`) and what a stall means
@@ -128,7 +128,7 @@ struct JobState {
     /// Consecutive attempts that stalled; 0 when the last one moved.
     failures: u32,
     /// One of its messages failed in a batch: it is published in a batch of its own until
-    /// one succeeds (DESIGN §9: a job that cannot be published never holds up the others).
+    /// one succeeds (docs/design.md: a job that cannot be published never holds up the others).
     alone: bool,
 }
 
@@ -824,7 +824,7 @@ struct Sent {
 /// failed write left unsaved) — a job whose write fails publishes nothing now; publish every
 /// message of the batch, then await the confirms; move each job to the newest instant of its
 /// contiguous confirmed prefix ([`progress_after`]); persist all of it in one round trip. Progress
-/// is written only after the broker confirmed (DESIGN §2). A failed write stalls the job, like
+/// is written only after the broker confirmed (docs/design.md). A failed write stalls the job, like
 /// a broker failure: this beat remembers the progress (it never republishes an instant it
 /// recorded), writes it first when it retries, and instances that come due meanwhile are
 /// misses — the beat could not reach Redis.

@@ -1,7 +1,7 @@
 //! `drumline-beat status`: per job, its schedule, next due instant, last published, last
 //! success and failure, instances running now, and a stale warning — the answer to "did my job
-//! silently stop running?" (DESIGN §7–8) — plus the dead letters waiting in `{ns}.dead`.
-//! Costs O(jobs), whatever the number of run records (DESIGN §9): Redis through the [`Store`]
+//! silently stop running?" (docs/design.md–8) — plus the dead letters waiting in `{ns}.dead`.
+//! Costs O(jobs), whatever the number of run records (docs/design.md): Redis through the [`Store`]
 //! in one round trip per batch of jobs (plus one `SMEMBERS` of the paused set), the broker
 //! through one passive queue declare. The beat's status page ([`crate::page`]) builds the same
 //! document for a window of the jobs with [`read_window`].

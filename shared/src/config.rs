@@ -1,4 +1,4 @@
-//! `drumline.toml` in two steps (DESIGN §6): a raw, deserialised form, then a checked
+//! `drumline.toml` in two steps (docs/design.md): a raw, deserialised form, then a checked
 //! [`Config`] in which cron strings, durations, zones and task references are already resolved.
 //! A bad config yields one [`ConfigError`] naming the file, the job or task, and the key.
 
@@ -324,10 +324,10 @@ struct RawTask {
 }
 
 // ---------------------------------------------------------------------------------------------
-// [broker] (DESIGN §9 "Scale-out"): the nodes and the queue type
+// [broker] (docs/design.md "Scale-out"): the nodes and the queue type
 
 /// What `[broker] queue_type` declares the work queues and `{ns}.dead` as. Delay queues are
-/// classic whatever this says (DESIGN §9).
+/// classic whatever this says (docs/design.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum QueueType {

@@ -1,4 +1,4 @@
-//! The v1 task message (DESIGN §3): the JSON body, the idempotency key, and the AMQP
+//! The v1 task message (docs/design.md): the JSON body, the idempotency key, and the AMQP
 //! properties and headers every publisher sets.
 
 use crate::names::{check_key, check_name, InvalidName};
@@ -23,7 +23,7 @@ pub const H_ERROR: &str = "x-drumline-error";
 /// Header on dead letters: runs made.
 pub const H_ATTEMPTS: &str = "x-drumline-attempts";
 
-/// Why a message was dead-lettered: the value of the [`H_REASON`] header (DESIGN §9).
+/// Why a message was dead-lettered: the value of the [`H_REASON`] header (docs/design.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DeadReason {
     /// The handler said not to try again.
@@ -107,7 +107,7 @@ pub enum DecodeError {
     Version(u32),
 }
 
-/// Formats an instant the way every drumline message and key writes it (DESIGN §9, the one
+/// Formats an instant the way every drumline message and key writes it (docs/design.md, the one
 /// codec): RFC 3339 UTC with `Z`, whole seconds when the instant has no fraction, else exactly
 /// milliseconds (`2026-03-08T07:30:00Z`, `2026-03-08T07:30:00.250Z`). Sub-millisecond parts
 /// are dropped.
@@ -130,7 +130,7 @@ pub fn parse_instant(text: &str) -> Option<DateTime<Utc>> {
         .map(|t| t.with_timezone(&Utc))
 }
 
-/// Why a decoded envelope is refused (dead-lettered `malformed`, DESIGN §9).
+/// Why a decoded envelope is refused (dead-lettered `malformed`, docs/design.md).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Malformed {
     /// The idempotency key breaks the key rule.
@@ -205,7 +205,7 @@ impl Envelope {
         serde_json::to_vec(self).expect("an envelope always serialises")
     }
 
-    /// Checks a delivered envelope before anything else is done with it (DESIGN §9): field
+    /// Checks a delivered envelope before anything else is done with it (docs/design.md): field
     /// lengths and characters; a scheduled instance's key is `{job}@{scheduled_for}`
     /// (compared as instants); an ad-hoc key does not look like an instance of a job for which
     /// `is_job` is true.
@@ -245,7 +245,7 @@ impl Envelope {
 
     /// AMQP properties: persistent, JSON, `message_id` = key, timestamp, expiration and the
     /// drumline headers, `x-drumline-epoch` included: the leader's epoch on what the beat
-    /// publishes, 0 on ad-hoc tasks and replays, the original's on retries (DESIGN §9).
+    /// publishes, 0 on ad-hoc tasks and replays, the original's on retries (docs/design.md).
     pub fn properties(&self, now: DateTime<Utc>, epoch: u64) -> BasicProperties {
         let mut headers = FieldTable::default();
         headers.insert(H_TASK.into(), long_string(&self.task));

@@ -1,4 +1,4 @@
-//! The binaries' edge: how a command failed, and the exit code that carries (DESIGN §7: 0 ok,
+//! The binaries' edge: how a command failed, and the exit code that carries (docs/design.md: 0 ok,
 //! 2 bad usage or config, 1 anything else). Both mains end in [`report`].
 
 use std::fmt::Display;

@@ -1,9 +1,9 @@
 //! Every exchange, queue and Redis key name, derived from the namespace in one place
-//! (DESIGN §3, §5), so a grep finds them all and tests isolate by namespace.
+//! (docs/design.md), so a grep finds them all and tests isolate by namespace.
 
 use std::time::Duration;
 
-/// Most bytes in a namespace, job, task or queue name (DESIGN §9 "Limits and validation").
+/// Most bytes in a namespace, job, task or queue name (docs/design.md "Limits and validation").
 /// With the fixed parts around them, every derived AMQP name stays below the 255-byte
 /// short-string limit.
 pub const MAX_NAME_BYTES: usize = 100;
@@ -178,7 +178,7 @@ impl Names {
 
     /// `{ns}:running:{job}` — the job's instances running now: a sorted set of idempotency
     /// keys scored by lease expiry (ms since the epoch, Redis `TIME`), so the entry of a killed
-    /// worker ages out (DESIGN §9 "`status` costs O(jobs)").
+    /// worker ages out (docs/design.md "`status` costs O(jobs)").
     pub fn running(&self, job: &str) -> String {
         format!("{}:running:{job}", self.ns)
     }

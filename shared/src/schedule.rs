@@ -1,6 +1,6 @@
 //! Schedule math: when is a job due? Pure code, time injected, no I/O.
 //!
-//! Two kinds of rule (DESIGN.md §2):
+//! Two kinds of rule (docs/design.md):
 //!
 //! - **Cron** ([`CronExpr`]): 5 fields (`min hour dom month dow`, seconds = 0) or 6 fields (leading
 //!   seconds), evaluated on the *wall clock* of an IANA zone, with explicit policies for wall times

@@ -23,7 +23,7 @@ pub async fn shutdown(what: &'static str) {
     });
 }
 
-/// SIGHUP, the reload request of both binaries (DESIGN §9 "Reload").
+/// SIGHUP, the reload request of both binaries (docs/design.md "Reload").
 pub struct Hangups(Option<tokio::signal::unix::Signal>);
 
 impl Hangups {

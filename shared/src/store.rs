@@ -1,4 +1,4 @@
-//! Redis state (DESIGN §4–5). Every read-modify-write is one Lua script, so two workers (or two
+//! Redis state (docs/design.md–5). Every read-modify-write is one Lua script, so two workers (or two
 //! beats) can never interleave inside it. A claim carries a random token (only its holder may
 //! renew, complete or release it) and a fencing token from a monotonic counter (handlers pass it
 //! to the systems they write, which reject writes with an older fence).
@@ -24,7 +24,7 @@ pub use leader::{Candidate, LeaseMode, LeaseOutcome, LeaseReply, ProgressError};
 /// Store errors are connection-level: the worker fails closed on them.
 pub type StoreError = redis::RedisError;
 
-/// The `state` field of `{ns}:run:{key}` (DESIGN §5, §9).
+/// The `state` field of `{ns}:run:{key}` (docs/design.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RunState {
     /// Claimed under a live (or expired, if its holder died) lease.
@@ -216,7 +216,7 @@ pub struct ClaimRequest<'a> {
     pub expired: bool,
 }
 
-/// What a claim does about the job's other instances (DESIGN §4 step 4).
+/// What a claim does about the job's other instances (docs/design.md step 4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OverlapMode<'a> {
     /// No job (ad-hoc) or `overlap = "allow"`: no job lock.
@@ -581,7 +581,7 @@ pub struct Store {
     wait: Option<(u32, Duration)>,
 }
 
-/// `[redis] wait_replicas` (DESIGN §9 "Scale-out"): how many replicas must have a durable
+/// `[redis] wait_replicas` (docs/design.md "Scale-out"): how many replicas must have a durable
 /// write (`done`, `dead`, `retrying`, progress) before it counts, and how long to wait for
 /// them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,4 +1,4 @@
-//! The CA files of `[broker] ca_file` and `[redis] ca_file` (DESIGN §9 "URLs and TLS").
+//! The CA files of `[broker] ca_file` and `[redis] ca_file` (docs/design.md "URLs and TLS").
 //!
 //! `amqps://` and `rediss://` trust the system roots unless a CA file is set; then they trust
 //! exactly the certificates in that file (PEM), not the system roots as well. Both the broker

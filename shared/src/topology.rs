@@ -1,4 +1,4 @@
-//! Declaring drumline's exchanges and queues (DESIGN §3). Declarations are idempotent, so the
+//! Declaring drumline's exchanges and queues (docs/design.md). Declarations are idempotent, so the
 //! beat and every worker declare what they use at start and after every reconnect.
 //!
 //! Every broker call on the way to a session (a node's connection, each channel's opening,
@@ -575,7 +575,7 @@ pub async fn declare_delay_queue(
     let name = names.delay_queue(queue, delay);
     let ms = delay.as_millis().max(1) as i64;
     // Classic whatever `[broker] queue_type` says: quorum queues do not renew `x-expires` on
-    // re-declaration, and a delay queue must expire once idle (DESIGN §9).
+    // re-declaration, and a delay queue must expire once idle (docs/design.md).
     let mut args = typed(QueueType::Classic);
     args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(ms));
     args.insert(

@@ -1,4 +1,4 @@
-//! Broker and Redis URLs (DESIGN §9 "URLs and TLS"): checked when the config is loaded, and
+//! Broker and Redis URLs (docs/design.md "URLs and TLS"): checked when the config is loaded, and
 //! never printed with their password ([`Redacted`] shows it as `***`).
 //!
 //! A URL that does not parse is refused without echoing it: the input may hold a password in
@@ -98,7 +98,7 @@ pub fn check_redis(text: &str) -> Result<(), UrlError> {
 }
 
 /// `redis+sentinel://[:PASSWORD@]host:port[,host:port…]/MASTER_NAME[/DB]` after the scheme's
-/// colon (DESIGN §9 "Scale-out").
+/// colon (docs/design.md "Scale-out").
 fn check_sentinel(rest: &str) -> Result<(), UrlError> {
     parse_sentinel_rest(rest).map(drop)
 }

@@ -1,4 +1,4 @@
-//! Quorum queues on a 3-node RabbitMQ cluster (DESIGN §9 "Scale-out"): one beat and two
+//! Quorum queues on a 3-node RabbitMQ cluster (docs/design.md "Scale-out"): one beat and two
 //! workers on different nodes (`[broker] urls` in different orders), a 1 s `catch_up` job and
 //! a stream of ad-hoc tasks; mid-stream a node fails and is brought back: the node leading the
 //! work queue is killed with SIGKILL, or the node the beat publishes through hangs (SIGSTOP).

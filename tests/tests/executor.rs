@@ -131,7 +131,7 @@ max_retries = 0
 
 /// A task running as the worker's own (non-root) user cannot read the worker's environment,
 /// where its broker and Redis URLs and their passwords are, nor its supervisor's: both make
-/// themselves non-dumpable before they start anything (DESIGN §10 "Tasks cannot read the
+/// themselves non-dumpable before they start anything (docs/design.md "Tasks cannot read the
 /// worker"). Root may read any process's environment, so the worker runs as `nobody` here, as
 /// the README says to run workers; the task asks its supervisor's status for the worker's pid.
 // See: issues/16

@@ -1,4 +1,4 @@
-//! Hostile and inconsistent messages (DESIGN §9 "Limits and validation"): whoever can publish
+//! Hostile and inconsistent messages (docs/design.md "Limits and validation"): whoever can publish
 //! to `{ns}.tasks` can run a configured task, but cannot make a worker loop, stall, or record
 //! anything for a scheduled instance it does not carry. Dead-letter reasons are exact.
 

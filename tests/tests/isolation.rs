@@ -1,5 +1,5 @@
 //! A beat job that cannot be published (any reason) never stops the other jobs from being
-//! published (DESIGN §9 "Limits and validation").
+//! published (docs/design.md "Limits and validation").
 
 use drumline_e2e::{http_get, setup, unused_port, wait_until, PrivateRabbit};
 use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};

@@ -1,4 +1,4 @@
-//! Leadership (DESIGN §9, issue 8): start several beats, one leads; a dead, stopped, paused or
+//! Leadership (docs/design.md, issue 8): start several beats, one leads; a dead, stopped, paused or
 //! clock-skewed leader is replaced without missing or doubling an instance. Real beats and
 //! workers, real RabbitMQ and Redis. A "snoop" queue bound like the work queue sees every
 //! message with its `x-drumline-epoch` and its arrival time; effects are the keys the task

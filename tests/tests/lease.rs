@@ -1,4 +1,4 @@
-//! Lease loss under a partition (DESIGN §9 "Lease loss stops the run in time"): a worker that
+//! Lease loss under a partition (docs/design.md "Lease loss stops the run in time"): a worker that
 //! cannot reach Redis while the others can must have killed its task before its lease could
 //! be taken, so two copies of one instance never run at once.
 

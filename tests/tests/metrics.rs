@@ -1,4 +1,4 @@
-//! Labelled metrics (DESIGN §9 "Metrics with labels"): after a known workload, a worker's and a
+//! Labelled metrics (docs/design.md "Metrics with labels"): after a known workload, a worker's and a
 //! beat's `/metrics` hold exactly that workload, series by series; and the example alert rules
 //! (`examples/alerts.yml`) pass `promtool`.
 //!

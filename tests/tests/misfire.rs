@@ -1,4 +1,4 @@
-//! Misfire policies end to end (DESIGN §2): the real beat against the real broker and Redis,
+//! Misfire policies end to end (docs/design.md): the real beat against the real broker and Redis,
 //! no worker. A test writes the job's persisted last instant `{ns}:beat:last:{job}` in the past
 //! (as a beat that was down, or a forward clock jump, would leave it), starts the beat, waits
 //! until it has decided up to the newest missed instant, stops it, and reads back every message

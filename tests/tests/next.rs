@@ -1,4 +1,4 @@
-//! `drumline-beat next` (DESIGN §7–8): upcoming instants in UTC and local time with DST
+//! `drumline-beat next` (docs/design.md–8): upcoming instants in UTC and local time with DST
 //! annotations, as JSON for machines and as an aligned table for people. The New York dates are
 //! 2026's transitions: 2026-03-08 02:00 → 03:00 (gap), 2026-11-01 02:00 → 01:00 (fold).
 

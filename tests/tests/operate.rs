@@ -1,4 +1,4 @@
-//! Operating a running schedule (DESIGN §9 "Operations at run time"), end to end with the real
+//! Operating a running schedule (docs/design.md "Operations at run time"), end to end with the real
 //! beat, worker, RabbitMQ and Redis: `pause`/`resume`, `trigger`, `backfill`, and the bad input
 //! each refuses (exit 2, nothing published or changed). Effects are lines the tasks append.
 
@@ -565,7 +565,7 @@ fn beat_cmd_within(cfg: &str, args: &[&str], limit: Duration) -> Option<(i32, St
     Some((status.code().unwrap_or(-1), out, err))
 }
 
-/// `trigger` returns for every valid job (DESIGN §10 "Bounded work for every request"). It
+/// `trigger` returns for every valid job (docs/design.md "Bounded work for every request"). It
 /// used to look for a millisecond that is not one of the job's instants, which never ends for
 /// `every = "1ms"`; such a job is now refused (exit 2, naming the key) and the fastest valid
 /// job, `every = "100ms"`, is triggered on a millisecond of its own and runs once.

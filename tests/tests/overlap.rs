@@ -1,4 +1,4 @@
-//! Overlap policies (DESIGN §4 step 4), end to end: a 1 s job whose task takes longer than a
+//! Overlap policies (docs/design.md step 4), end to end: a 1 s job whose task takes longer than a
 //! second. `skip` records the overlapping instances `skipped` and never runs two at once;
 //! `queue` runs every instance, one after another.
 

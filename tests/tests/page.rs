@@ -1,4 +1,4 @@
-//! The beat's read-only status page (DESIGN §9 "Status page"), loaded in a real browser:
+//! The beat's read-only status page (docs/design.md "Status page"), loaded in a real browser:
 //! headless Chromium (Debian `chromium`; `scripts/services chromium` installs it, scripts/test
 //! does first) renders `/` and the test asserts on the DOM it dumps — a row per job, the
 //! leader, PAUSED on the paused job, STALE on the stale one — and on `/api/status`, the
@@ -485,7 +485,7 @@ fn burst(port: u16, paths: &[&str]) -> Vec<(String, u16, String, String, Instant
     threads.into_iter().map(|t| t.join().unwrap()).collect()
 }
 
-/// 300 concurrent requests to `/` and `/api/status` (DESIGN §10 "Bounded work for every
+/// 300 concurrent requests to `/` and `/api/status` (docs/design.md "Bounded work for every
 /// request"): the page opens at most one broker connection of its own at any time (it used to
 /// open one per request: 74 at once), every request is answered (200, or 503 with
 /// `Retry-After` while four others are being rendered), and the dead-letter count is known.
@@ -563,7 +563,7 @@ async fn concurrent_requests_share_one_broker_connection() {
     assert!(beat.terminate(Duration::from_secs(10)).success());
 }
 
-/// At most four requests are rendered at once (DESIGN §10): with Redis stuck, four requests
+/// At most four requests are rendered at once (docs/design.md): with Redis stuck, four requests
 /// wait for it (and get the 503 that says so after the page's wait); the other eight of twelve
 /// concurrent requests are answered 503 with `Retry-After: 1` at once, before any of the four.
 // See: issues/16
@@ -630,7 +630,7 @@ async fn a_fifth_concurrent_request_is_answered_503_with_retry_after_at_once() {
 }
 
 /// The page lists at most `limit` jobs (default 500), from `offset`, and shows the total
-/// (DESIGN §10); `/api/status` carries `total` beside the listed `jobs`.
+/// (docs/design.md); `/api/status` carries `total` beside the listed `jobs`.
 // See: issues/16
 #[tokio::test(flavor = "multi_thread")]
 async fn the_page_lists_at_most_limit_jobs_and_shows_the_total() {

@@ -1,4 +1,4 @@
-//! `[broker] queue_type` and `urls` on the shared broker (DESIGN §9 "Scale-out"): a quorum
+//! `[broker] queue_type` and `urls` on the shared broker (docs/design.md "Scale-out"): a quorum
 //! namespace runs scheduled, ad-hoc and retried work end to end on one node; a namespace whose
 //! queues exist as another type is refused at start (exit 2, the fix named, nothing declared);
 //! a node list whose first node does not answer is served by the next, and

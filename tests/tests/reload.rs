@@ -1,4 +1,4 @@
-//! Reload on SIGHUP (DESIGN §9 "Reload"), end to end with the real binaries: a changed config
+//! Reload on SIGHUP (docs/design.md "Reload"), end to end with the real binaries: a changed config
 //! takes effect without a restart — added jobs start from the reload, removed ones stop, a
 //! rescheduled one follows its new rule without catching up — and a broken file is refused
 //! while the running schedule goes on. A standby that reloaded applies the same rules when it

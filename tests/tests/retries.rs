@@ -1,4 +1,4 @@
-//! Retries keep their place (DESIGN §9): however many copies of an instance exist (two beats, a
+//! Retries keep their place (docs/design.md): however many copies of an instance exist (two beats, a
 //! re-check copy, a redelivery, a publisher that sent it three times), the instance runs at most
 //! `max_retries + 1` times and is dead-lettered once.
 

@@ -1,4 +1,4 @@
-//! Redis Sentinel (DESIGN §9 "Scale-out"): the store follows a failover without a restart,
+//! Redis Sentinel (docs/design.md "Scale-out"): the store follows a failover without a restart,
 //! `wait_replicas` makes too few acknowledgements an error, and a beat with two workers loses
 //! nothing and runs nothing twice when the primary is killed mid-stream. Uses the private
 //! [`SentinelSet`] (primary + 2 replicas + 3 Sentinels), never the shared Redis.

@@ -1,4 +1,4 @@
-//! `rediss://` and `amqps://` (DESIGN §9 "URLs and TLS"), with a throw-away CA each test makes
+//! `rediss://` and `amqps://` (docs/design.md "URLs and TLS"), with a throw-away CA each test makes
 //! with `openssl`: a private TLS-only `redis-server`, and `stunnel` in front of the shared
 //! RabbitMQ. The server certificates are trusted through `ca_file`; without it (system roots)
 //! the connection is refused and nothing runs.

@@ -1,4 +1,4 @@
-//! Limits and validation (DESIGN §9): names and keys within their limits, every config error
+//! Limits and validation (docs/design.md): names and keys within their limits, every config error
 //! naming file, place and key, URLs checked at load and their passwords never printed.
 
 use drumline_e2e::{binary, setup, unused_port, wait_until, TestEnv};
@@ -336,7 +336,7 @@ fn passwords_of_unreachable_servers_never_reach_the_logs() {
     }
 }
 
-/// `every` is at least 100 ms (DESIGN §10 "Bounded work for every request"): a shorter period is
+/// `every` is at least 100 ms (docs/design.md "Bounded work for every request"): a shorter period is
 /// refused by every command, naming the job and the key; exactly 100 ms is fine.
 // See: issues/16
 #[test]

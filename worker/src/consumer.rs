@@ -18,7 +18,7 @@
 //! (docs/design.md#cancelled-consumers). A consumer that ends with its channel, and a delivery
 //! that cannot be settled in time (docs/design.md#acks), start a new session.
 //!
-//! Shutdown order (DESIGN §4 step 10); every step is bounded, so whatever state the deliveries
+//! Shutdown order (docs/design.md step 10); every step is bounded, so whatever state the deliveries
 //! and channels are in, SIGTERM ends the worker within `shutdown_grace` + the executor's kill
 //! grace + a few seconds:
 //! 1. stop consuming: cancel the consumers (bounded: the channel may be dead) and hand back

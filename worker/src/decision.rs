@@ -1,4 +1,4 @@
-//! What the worker does with a delivery, as pure functions (DESIGN §4, §9): [`admit`] checks
+//! What the worker does with a delivery, as pure functions (docs/design.md): [`admit`] checks
 //! the raw message, [`decide`] turns the claim and the run's result into one [`Action`]. No
 //! I/O here: the processor performs the action, so every branch is a plain `#[test]`.
 
@@ -26,7 +26,7 @@ pub struct Rejected {
     pub error: String,
 }
 
-/// Checks a delivery's body before anything else (DESIGN §9): a message over `max_bytes`, one
+/// Checks a delivery's body before anything else (docs/design.md): a message over `max_bytes`, one
 /// that does not decode, or one that breaks the envelope's limits (`is_job` says whether a job
 /// name is one we know) is rejected; it must not touch Redis or make us loop.
 pub fn admit(
@@ -63,7 +63,7 @@ pub fn unknown_task(task: &str) -> Rejected {
 /// How a run ended, as far as the decision is concerned.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RunResult {
-    /// The handler returned `Ok` (recorded even if the lease lapsed meanwhile, DESIGN §9).
+    /// The handler returned `Ok` (recorded even if the lease lapsed meanwhile, docs/design.md).
     Succeeded,
     /// The handler returned an error while the lease was still ours.
     Failed(HandlerError),
@@ -85,7 +85,7 @@ pub enum Recheck {
     },
 }
 
-/// The `status` of a job history entry (`RunRecord.status`, DESIGN §5).
+/// The `status` of a job history entry (`RunRecord.status`, docs/design.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     /// The run succeeded.

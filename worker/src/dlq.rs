@@ -1,4 +1,4 @@
-//! `drumline-worker dlq list | replay | purge` (DESIGN §7–8): the dead letters in `{ns}.dead`,
+//! `drumline-worker dlq list | replay | purge` (docs/design.md–8): the dead letters in `{ns}.dead`,
 //! both those the worker put there (headers `x-drumline-reason`/`-error`/`-attempts`) and those
 //! the broker dead-lettered because they expired while queued (`x-death`).
 //!

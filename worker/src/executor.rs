@@ -1,4 +1,4 @@
-//! The built-in shell executor (DESIGN §4): `command = ["path", "arg"]`, run without a shell,
+//! The built-in shell executor (docs/design.md): `command = ["path", "arg"]`, run without a shell,
 //! the envelope's `args` on stdin, the context in `DRUMLINE_*` variables.
 //!
 //! A task process never outlives its worker, children included, and cannot read the worker.
@@ -24,7 +24,7 @@
 //! Dropping a run's future (the worker does when a run outlives its lease deadline, or when it
 //! abandons a connection's runs) SIGKILLs the whole group. The task's environment is the
 //! worker's minus the broker and Redis URLs and `[worker] env_remove`, plus `[tasks.NAME] env`
-//! and the context (DESIGN §9 "Task environment").
+//! and the context (docs/design.md "Task environment").
 
 use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
 use drumline_shared::config::{Task, ENV_AMQP_URL, ENV_REDIS_URL};
@@ -73,7 +73,7 @@ pub struct ShellExecutor {
 impl ShellExecutor {
     /// The executor for `task`, or `None` when it has no `command`. `env_remove` is
     /// `[worker] env_remove`: inherited variables the task must not see, on top of the
-    /// broker and Redis URLs (DESIGN §9 "Task environment").
+    /// broker and Redis URLs (docs/design.md "Task environment").
     pub fn for_task(task: &Task, env_remove: &[String]) -> Option<Self> {
         let mut remove = vec![ENV_AMQP_URL.to_owned(), ENV_REDIS_URL.to_owned()];
         remove.extend(env_remove.iter().cloned());
@@ -116,7 +116,7 @@ impl ShellExecutor {
         let group = child.id().map(|id| Group(Pid::from_raw(id as i32)));
 
         // Fed alongside the wait, never before it: a task that does not read its stdin must
-        // not keep the timeout and the cancellation from firing (DESIGN §9).
+        // not keep the timeout and the cancellation from firing (docs/design.md).
         let stdin = child.stdin.take();
         let args = serde_json::to_vec(&ctx.args).unwrap_or_default();
         let feed = async move {
@@ -176,7 +176,7 @@ impl Handler for ShellExecutor {
 
 /// A task's process group, SIGKILLed when this is dropped. `kill_on_drop` alone would reach
 /// only the supervisor, and the command (the supervisor's child) would live on as an orphan
-/// when the worker drops a run's future (DESIGN §9).
+/// when the worker drops a run's future (docs/design.md).
 struct Group(Pid);
 
 impl Drop for Group {

@@ -28,7 +28,7 @@ pub struct TaskContext {
     pub args: serde_json::Value,
     /// Fires when the run must stop: lease lost, timeout, or shutdown grace exhausted. A
     /// cancelled run's result is not recorded. Once it fires, the worker drops the handler's
-    /// future shortly before the lease could expire (DESIGN §9 "Lease loss stops the run in
+    /// future shortly before the lease could expire (docs/design.md "Lease loss stops the run in
     /// time"), so a handler that ignores it is stopped anyway at its next `.await`.
     pub cancel: CancellationToken,
     /// How long a handler may take to stop once `cancel` fires: the shell executor's wait

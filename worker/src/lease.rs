@@ -1,4 +1,4 @@
-//! The lease watchdog (DESIGN §4 step 5, §8, §9 "Lease loss stops the run in time"): renews the
+//! The lease watchdog (docs/design.md, "Lease loss stops the run in time"): renews the
 //! claim every `lease/3` and cancels the handler early enough that the task is dead before the
 //! lease could expire when renewals fail. Validity is judged on the monotonic clock from the
 //! moment the last successful renewal (or the claim) was *sent* — Redis applied it later, so

@@ -1,4 +1,4 @@
-//! One delivery, start to finish (DESIGN §4): admit → claim → run (with the lease watchdog) →
+//! One delivery, start to finish (docs/design.md): admit → claim → run (with the lease watchdog) →
 //! record → ack. What to do at each step is decided in [`crate::decision`] (pure); this module
 //! performs it ([`Processor::execute`]): it may touch the broker (publish, ack) and Redis (the
 //! [`Store`]). Every path ends in exactly one ack or one requeue; nothing is requeued that would
@@ -62,7 +62,7 @@ pub struct Processor {
     /// Fires when the shutdown grace ran out: in-flight handlers are cancelled.
     pub abandon: CancellationToken,
     /// Job name → overlap policy, from this worker's config. A job the worker's config does not
-    /// list gets DESIGN's default, `skip`.
+    /// list gets the default, `skip`.
     pub overlap: HashMap<String, Overlap>,
 }
 
@@ -110,7 +110,7 @@ impl Processor {
     }
 
     /// The overlap rule for `env`'s job; ad-hoc tasks have none. A backfilled instance of a
-    /// `skip` job queues instead: a backfill asks every instant to run (DESIGN §9).
+    /// `skip` job queues instead: a backfill asks every instant to run (docs/design.md).
     fn overlap<'e>(&self, env: &'e Envelope) -> OverlapMode<'e> {
         let Some(job) = env.job.as_deref() else {
             return OverlapMode::Allow;
@@ -198,7 +198,7 @@ impl Processor {
         }
     }
 
-    /// Admits the delivery (size and shape, before anything touches Redis: DESIGN §9), then
+    /// Admits the delivery (size and shape, before anything touches Redis: docs/design.md), then
     /// handles its envelope inside the task's span.
     async fn disposition(
         &self,
@@ -278,7 +278,7 @@ impl Processor {
         self.execute(&step, action).await
     }
 
-    /// Asks Redis for the instance (DESIGN §4 steps 3–4: dedupe, expiry, lease, overlap).
+    /// Asks Redis for the instance (docs/design.md steps 3–4: dedupe, expiry, lease, overlap).
     async fn claim(&self, env: &Envelope, token: &str) -> Result<Claim, StoreError> {
         self.store
             .claim(&ClaimRequest {
@@ -508,7 +508,7 @@ impl Processor {
     }
 
     /// Runs the handler under the lease watchdog. `claimed_at` is when the claim was sent: the
-    /// lease runs from there (DESIGN §9 "Lease loss stops the run in time"). A finished run
+    /// lease runs from there (docs/design.md "Lease loss stops the run in time"). A finished run
     /// comes with its [`Renewing`] watchdog, which renews the lease until it is dropped.
     async fn run(
         &self,
@@ -556,7 +556,7 @@ impl Processor {
                 (RunResult::Abandoned, None)
             }
             // A success is recorded even if the lease was lost meanwhile: `done` lands when
-            // the claim is still ours or nobody took it (DESIGN §9).
+            // the claim is still ours or nobody took it (docs/design.md).
             Stopped::Returned(Ok(())) => (RunResult::Succeeded, Some(renewing)),
             Stopped::Returned(Err(e)) if !lost.is_cancelled() => {
                 (RunResult::Failed(e), Some(renewing))
@@ -710,7 +710,7 @@ impl Processor {
             .await
     }
 
-    /// Publishes `body` to `{ns}.dead` with the reason headers (DESIGN §3) and waits for the
+    /// Publishes `body` to `{ns}.dead` with the reason headers (docs/design.md) and waits for the
     /// confirm. Keeps the original properties, minus any per-message expiration.
     async fn dead_letter(
         &self,

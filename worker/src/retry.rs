@@ -1,4 +1,4 @@
-//! Where a retry is decided (DESIGN §4 step 7): the delay before attempt `n+1` is
+//! Where a retry is decided (docs/design.md step 7): the delay before attempt `n+1` is
 //! `d = min(retry_max, retry_base · 2^n)` plus up to 20 % jitter, never less than `d`.
 
 use drumline_shared::backoff::Backoff;

@@ -115,7 +115,7 @@ pub struct Stats {
     pub expired: Counter,
     /// Runs cancelled when the shutdown grace ran out.
     pub abandoned: Counter,
-    /// Deliveries dead-lettered `malformed` (undecodable, or breaking the limits of DESIGN §9).
+    /// Deliveries dead-lettered `malformed` (undecodable, or breaking the limits of docs/design.md).
     pub malformed: Counter,
     /// Deliveries handed back to the broker (nack with requeue) to be decided again.
     pub requeued: Counter,

@@ -1,4 +1,4 @@
-//! The one connection every [`Store`](super::Store) call goes through (DESIGN §9 "Scale-out").
+//! The one connection every [`Store`](super::Store) call goes through (docs/design.md "Scale-out").
 //!
 //! With `redis://` or `rediss://` it is a redis-rs `ConnectionManager` and nothing more. With
 //! `redis+sentinel://` the primary is asked of the Sentinels (each in turn, in URL order) at

@@ -1,4 +1,4 @@
-//! What operators change at run time (DESIGN §9 "Operations at run time"): the set of paused
+//! What operators change at run time (docs/design.md "Operations at run time"): the set of paused
 //! jobs, `{ns}:paused`. The leader reads it about once a second.
 
 use super::{Store, StoreError};
