@@ -224,20 +224,23 @@ impl TestEnv {
 
     /// Number of messages ready in queue `name` (passive declare), or `None` if it does not exist.
     pub async fn queue_len(&self, name: &str) -> Option<u32> {
+        self.queue_counts(name).await.map(|(messages, _)| messages)
+    }
+
+    /// (ready messages, consumers) of queue `name` (passive declare), or `None` if it does not
+    /// exist.
+    async fn queue_counts(&self, name: &str) -> Option<(u32, u32)> {
         let conn = self.amqp().await;
         let ch = conn.create_channel().await.expect("channel");
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
         let result = ch
-            .queue_declare(
-                name.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
+            .queue_declare(name.into(), passive, FieldTable::default())
             .await
             .ok()
-            .map(|q| q.message_count());
+            .map(|q| (q.message_count(), q.consumer_count()));
         let _ = conn.close(200, "bye".into()).await;
         result
     }
@@ -768,22 +771,9 @@ impl TestEnv {
 
     /// Number of consumers of queue `name` (passive declare), or `None` if it does not exist.
     pub async fn queue_consumers(&self, name: &str) -> Option<u32> {
-        let conn = self.amqp().await;
-        let ch = conn.create_channel().await.expect("channel");
-        let result = ch
-            .queue_declare(
-                name.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
+        self.queue_counts(name)
             .await
-            .ok()
-            .map(|q| q.consumer_count());
-        let _ = conn.close(200, "bye".into()).await;
-        result
+            .map(|(_, consumers)| consumers)
     }
 }
 
