@@ -114,9 +114,17 @@ impl TestEnv {
     /// `nogroup`, no supplementary groups), through util-linux `setpriv`, which execs it: the
     /// pid is the worker's. Its config and everything its tasks write must be open to `nobody`.
     pub fn worker_as_nobody(&self, label: &str, args: &[&str], vars: &[(&str, &str)]) -> Proc {
+        // Copies of the worker and its supervisor (found beside the worker) in the scratch
+        // directory: the build directory may sit where `nobody` cannot enter (a clone under a
+        // 0700 `mktemp -d`).
+        let bin = self.path("bin");
+        fs::create_dir_all(&bin).expect("mkdir bin");
+        for name in ["drumline-worker", "drumline-supervisor"] {
+            fs::copy(binary(name), bin.join(name)).expect("copy a binary for nobody");
+        }
         let mut cmd = Command::new("setpriv");
         cmd.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"])
-            .arg(binary("drumline-worker"));
+            .arg(bin.join("drumline-worker"));
         self.launch(cmd, "drumline-worker", label, args, vars)
     }
 
