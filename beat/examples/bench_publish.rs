@@ -318,7 +318,7 @@ async fn bench_bare(jobs: usize, ns: &str) -> Result<Duration> {
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await?;
-    drumline_shared::topology::declare(
+    drumline_shared::broker::declare(
         &channel,
         &names,
         &["default".to_owned()],

@@ -18,10 +18,10 @@
 
 use anyhow::{ensure, Context, Result};
 use chrono::{TimeDelta, Utc};
+use drumline_shared::broker;
 use drumline_shared::config::Config;
 use drumline_shared::names::Names;
 use drumline_shared::store::{last_instant_text, Claim, ClaimRequest, OverlapMode, Store};
-use drumline_shared::topology;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -76,7 +76,7 @@ async fn bench(beat: &Path, records: usize, jobs: usize, ns: &str, dir: &Path) -
     write_config(&config_path, ns, jobs)?;
     let config = Config::load(&config_path).map_err(|e| anyhow::anyhow!("{e}"))?;
     let names = Names::new(ns);
-    let (conn, _) = topology::open_channel(
+    let (conn, _) = broker::open_channel(
         &config,
         &names,
         &["default".to_owned()],

@@ -3,10 +3,10 @@
 //! `--delay` (waiting in a delay queue meanwhile); `--expires` counts from the due instant.
 
 use chrono::{DateTime, Utc};
+use drumline_shared::broker::{self, BrokerError};
 use drumline_shared::config::{check_name, Config};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::{check_key, Names};
-use drumline_shared::topology::{self, TopologyError};
 use std::time::Duration;
 
 /// What the command line asked for.
@@ -87,25 +87,10 @@ pub fn envelope(
     })
 }
 
-/// Why publishing failed.
-#[derive(Debug, thiserror::Error)]
-pub enum PublishFailed {
-    /// Connecting, or declaring the queues, failed (a broker error or a refused topology).
-    #[error(transparent)]
-    Topology(#[from] TopologyError),
-    /// Not confirmed: nacked, unroutable, or the connection failed.
-    #[error(transparent)]
-    Confirm(#[from] topology::ConfirmError),
-}
-
 /// Publishes `env` (through a delay queue when `delay` > 0) with confirms.
-pub async fn publish(
-    config: &Config,
-    env: &Envelope,
-    delay: Duration,
-) -> Result<(), PublishFailed> {
+pub async fn publish(config: &Config, env: &Envelope, delay: Duration) -> Result<(), BrokerError> {
     let names = Names::new(config.namespace.clone());
-    let (conn, channel) = topology::open_channel(
+    let (conn, channel) = broker::open_channel(
         config,
         &names,
         std::slice::from_ref(&env.queue),
@@ -115,10 +100,10 @@ pub async fn publish(
     let (exchange, routing_key) = if delay.is_zero() {
         (names.tasks_exchange(), env.queue.clone())
     } else {
-        let queue = topology::declare_delay_queue(&channel, &names, &env.queue, delay).await?;
+        let queue = broker::declare_delay_queue(&channel, &names, &env.queue, delay).await?;
         (String::new(), queue)
     };
-    let published = topology::publish_confirmed(
+    let published = broker::publish_confirmed(
         &channel,
         &exchange,
         &routing_key,
@@ -128,7 +113,7 @@ pub async fn publish(
     )
     .await;
     let _ = conn.close(200, "published".into()).await;
-    Ok(published?)
+    published
 }
 
 #[cfg(test)]

@@ -1,14 +1,13 @@
 //! The bodies of `drumline-beat`'s commands: each takes a loaded config, prints its output and
 //! returns `Ok` or a [`Failure`] that carries the exit code. `main.rs` only parses and dispatches.
 
-use crate::publisher::PublishError;
 use crate::{adhoc, next, operate, page, scheduler, status};
 use chrono::{DateTime, Utc};
+use drumline_shared::broker::BrokerError;
 use drumline_shared::config::{Config, Job};
 use drumline_shared::exit::Failure;
 use drumline_shared::names::Names;
 use drumline_shared::store::Store;
-use drumline_shared::topology::TopologyError;
 use drumline_shared::url::Redacted;
 use serde::Serialize;
 use std::net::SocketAddr;
@@ -35,7 +34,7 @@ pub async fn run(config: Config, metrics_addr: Option<SocketAddr>) -> Result<(),
     match scheduler::run(config, stats, stopping).await {
         Ok(_) => Ok(()),
         // A queue declared with other arguments (say a changed dead_ttl) is a config problem.
-        Err(e @ PublishError::Topology(TopologyError::Mismatch { .. })) => Err(Failure::usage(e)),
+        Err(e @ BrokerError::Mismatch { .. }) => Err(Failure::usage(e)),
         Err(e) => Err(Failure::other(e)),
     }
 }
@@ -172,7 +171,7 @@ pub async fn backfill(
     let outcomes = publisher.publish_batch(&envelopes, 0, || true).await;
     publisher.close().await;
     let outcomes = outcomes.map_err(|e| match e {
-        e @ PublishError::Topology(TopologyError::Mismatch { .. }) => Failure::usage(e),
+        e @ BrokerError::Mismatch { .. } => Failure::usage(e),
         e => Failure::other(e),
     })?;
     let failed = outcomes.iter().filter(|o| o.is_err()).count();
@@ -242,9 +241,9 @@ async fn store(config: &Config) -> Result<Store, Failure> {
 }
 
 /// `publish` and `trigger`: a refused topology is a config problem (exit 2).
-fn publish_failure(e: adhoc::PublishFailed) -> Failure {
+fn publish_failure(e: BrokerError) -> Failure {
     match e {
-        e @ adhoc::PublishFailed::Topology(TopologyError::Mismatch { .. }) => Failure::usage(e),
+        e @ BrokerError::Mismatch { .. } => Failure::usage(e),
         e => Failure::other(e),
     }
 }

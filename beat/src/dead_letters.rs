@@ -3,9 +3,9 @@
 //! for [`FRESH_FOR`]. However many requests come, the page holds at most that one connection
 //! and asks the broker at most once per [`FRESH_FOR`].
 
+use drumline_shared::broker;
 use drumline_shared::config::Config;
 use drumline_shared::names::Names;
-use drumline_shared::topology;
 use lapin::Connection;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -75,10 +75,10 @@ async fn read(state: &mut State, config: &Config, names: &Names) -> Option<u64> 
     let attempt = async {
         if !state.conn.as_ref().is_some_and(|c| c.status().connected()) {
             state.conn = None;
-            state.conn = Some(topology::connect(config).await?);
+            state.conn = Some(broker::connect(config).await?);
         }
         let conn = state.conn.as_ref().expect("connected just now");
-        topology::dead_letter_count_on(conn, names).await
+        broker::dead_letter_count_on(conn, names).await
     };
     match tokio::time::timeout(READ_WAIT, attempt).await {
         Ok(Ok(count)) => Some(count),

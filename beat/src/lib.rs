@@ -7,7 +7,8 @@
 //! - [`progress`]  — each job's `{ns}:beat:last:{job}` (and the rule it was recorded under):
 //!   loaded at start, saved after confirms.
 //! - [`stats`]     — the beat's counters (Prometheus), health, and the report of drops.
-//! - [`publisher`] — confirm-mode publishing, topology on (re)connect.
+//! - [`publisher`] — the beat's broker session: batches published with confirms, topology on
+//!   (re)connect.
 //! - [`reload`]    — SIGHUP: which jobs of a reloaded config keep their progress, and how a new
 //!   term resumes each job from the rule its progress was recorded under (pure).
 //! - [`next`]      — `drumline-beat next`: upcoming instants with DST annotations.

@@ -2,55 +2,22 @@
 //! on every (re)connect. A publish counts only once the broker confirmed it and it was routed;
 //! any failure drops the connection so the next publish reconnects.
 //!
-//! [`Publisher::publish_batch`] sends a whole batch before awaiting the first confirm, so a
-//! batch costs about one round trip to the broker rather than one per message (the confirms of
-//! the first messages come back while the last ones are still being sent).
+//! [`Publisher::publish_batch`] sends a whole batch before awaiting the first confirm
+//! ([`broker::publish_batch`]), so a batch costs about one round trip to the broker rather than
+//! one per message.
 
 use chrono::Utc;
+use drumline_shared::broker::{self, BrokerError, Outgoing};
 use drumline_shared::config::{Config, QueueType};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
-use drumline_shared::topology::{self, TopologyError};
-use lapin::options::BasicPublishOptions;
-use lapin::Confirmation;
 use lapin::{Channel, Connection};
-use std::collections::HashSet;
 use std::time::Duration;
 use tracing::info;
 
-/// Why a publish did not go through.
-#[derive(Debug, thiserror::Error)]
-pub enum PublishError {
-    /// Connection, channel or confirm failure.
-    #[error("broker: {0}")]
-    Amqp(#[from] lapin::Error),
-    /// The broker refused our topology (a changed argument: needs a human), or did not answer
-    /// a call on the way to a session within the connect timeout (retried).
-    #[error(transparent)]
-    Topology(#[from] TopologyError),
-    /// The broker nacked the message.
-    #[error("the broker refused the message (nack)")]
-    Nacked,
-    /// No queue is bound for the routing key.
-    #[error("the message could not be routed to {0}")]
-    Unroutable(String),
-    /// The broker did not confirm within [`CONFIRM_DEADLINE`] (a resource alarm blocks the
-    /// connection, or it hangs): the connection is dropped and the job retried.
-    #[error("the broker did not confirm within {}s", CONFIRM_DEADLINE.as_secs())]
-    Unconfirmed,
-    /// Not sent: this beat may not publish any more (its leadership lapsed mid-batch).
-    #[error("not sent: this beat stopped leading")]
-    NotLeading,
-}
-
-/// Longest wait for a batch's confirms: a broker that blocks publishers (a memory or disk
-/// alarm) or hangs must not hold the beat in one batch (shutdown and leadership are checked
-/// between batches).
-pub const CONFIRM_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
-
 /// Publishes envelopes with confirms.
 pub struct Publisher {
-    nodes: topology::Nodes,
+    nodes: broker::Nodes,
     queue_type: QueueType,
     names: Names,
     queues: Vec<String>,
@@ -62,7 +29,7 @@ impl Publisher {
     /// A publisher for `config`'s broker; connects lazily.
     pub fn new(config: &Config) -> Self {
         Self {
-            nodes: topology::Nodes::new(config),
+            nodes: broker::Nodes::new(config),
             queue_type: config.broker.queue_type,
             names: Names::new(config.namespace.clone()),
             queues: job_queues(config),
@@ -82,7 +49,7 @@ impl Publisher {
     }
 
     /// Connects and declares the topology if not connected.
-    pub async fn connect(&mut self) -> Result<&Channel, PublishError> {
+    pub async fn connect(&mut self) -> Result<&Channel, BrokerError> {
         if self
             .session
             .as_ref()
@@ -93,16 +60,13 @@ impl Publisher {
         if self.session.is_none() {
             // After a lost connection, the other nodes first (`[broker] urls`); every call
             // bounded, a re-declaration not awaited (docs/design.md#reconnecting-past-a-hung-node).
-            let what = topology::Declaration {
+            let what = broker::Declaration {
                 names: &self.names,
                 queues: &self.queues,
                 dead_ttl: self.dead_ttl,
                 queue_type: self.queue_type,
             };
-            let session = self.nodes.open_session(&what).await.map_err(|e| match e {
-                TopologyError::Amqp(e) => PublishError::Amqp(e),
-                e => PublishError::Topology(e),
-            })?;
+            let session = self.nodes.open_session(&what).await?;
             info!(namespace = %self.names.namespace(), "connected to the broker; topology declared");
             self.session = Some(session);
         }
@@ -116,18 +80,18 @@ impl Publisher {
     /// failure the connection is dropped, so the next publish starts from a clean one.
     ///
     /// `may_send` is asked before each message is handed to the client: once it says no (the
-    /// beat's leadership lapsed), the rest fail with [`PublishError::NotLeading`] unsent.
+    /// beat's leadership lapsed), the rest fail with [`BrokerError::Withdrawn`] unsent.
     pub async fn publish_batch(
         &mut self,
         batch: &[Envelope],
         epoch: u64,
         may_send: impl FnMut() -> bool,
-    ) -> Result<Vec<Result<(), PublishError>>, PublishError> {
+    ) -> Result<Vec<Result<(), BrokerError>>, BrokerError> {
         let outcomes = self.try_publish_batch(batch, epoch, may_send).await;
         let broker_failed = match &outcomes {
             Ok(all) => all.iter().any(|o| {
                 o.as_ref()
-                    .is_err_and(|e| !matches!(e, PublishError::NotLeading))
+                    .is_err_and(|e| !matches!(e, BrokerError::Withdrawn))
             }),
             Err(_) => true,
         };
@@ -141,96 +105,25 @@ impl Publisher {
         &mut self,
         batch: &[Envelope],
         epoch: u64,
-        mut may_send: impl FnMut() -> bool,
-    ) -> Result<Vec<Result<(), PublishError>>, PublishError> {
+        may_send: impl FnMut() -> bool,
+    ) -> Result<Vec<Result<(), BrokerError>>, BrokerError> {
         let exchange = self.names.tasks_exchange();
         let channel = self.connect().await?;
-        let mut pending = Vec::with_capacity(batch.len());
-        let mut send_failure = None;
-        for env in batch {
-            if !may_send() {
-                send_failure = Some(PublishError::NotLeading);
-                break;
-            }
-            let sent = channel
-                .basic_publish(
-                    exchange.as_str().into(),
-                    env.queue.as_str().into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..Default::default()
-                    },
-                    &env.encode(),
-                    env.properties(Utc::now(), epoch),
-                )
-                .await;
-            match sent {
-                Ok(confirm) => pending.push(confirm),
-                Err(e) => {
-                    // The channel is gone: nothing after this goes out either.
-                    send_failure = Some(PublishError::Amqp(e));
-                    break;
-                }
-            }
-        }
-        let mut outcomes = Vec::with_capacity(batch.len());
-        // The broker returns an unroutable (`mandatory`) message before it confirms it, but
-        // lapin hands the returned message to whichever confirm completes next — with a
-        // `multiple` ack, possibly another message's. So it is matched by its message id (the
-        // idempotency key), and the confirm that carried it stands for its own message.
-        let mut returned: HashSet<String> = HashSet::new();
-        let deadline = tokio::time::Instant::now() + CONFIRM_DEADLINE;
-        for (env, confirm) in batch.iter().zip(pending) {
-            let Ok(confirmed) = tokio::time::timeout_at(deadline, confirm).await else {
-                outcomes.push(Err(PublishError::Unconfirmed));
-                continue;
-            };
-            let outcome = match confirmed {
-                Ok(Confirmation::Ack(None) | Confirmation::NotRequested) => Ok(()),
-                Ok(Confirmation::Nack(None)) => Err(PublishError::Nacked),
-                Ok(carrier @ (Confirmation::Ack(Some(_)) | Confirmation::Nack(Some(_)))) => {
-                    let acked = carrier.is_ack();
-                    match carrier
-                        .take_message()
-                        .and_then(|m| m.properties.message_id().clone())
-                    {
-                        Some(id) => {
-                            returned.insert(id.to_string());
-                            if acked {
-                                Ok(())
-                            } else {
-                                Err(PublishError::Nacked)
-                            }
-                        }
-                        // No id to match: count it against the message that carried it.
-                        None => Err(PublishError::Unroutable(self.names.work_queue(&env.queue))),
-                    }
-                }
-                Err(e) => Err(PublishError::Amqp(e)),
-            };
-            outcomes.push(outcome);
-        }
-        if let Some(e) = send_failure {
-            // What stopped the sending stands for every message it kept back.
-            outcomes.resize_with(batch.len(), || match &e {
-                PublishError::Amqp(e) => Err(PublishError::Amqp(e.clone())),
-                _ => Err(PublishError::NotLeading),
-            });
-        }
-        if !returned.is_empty() {
-            for (env, outcome) in batch.iter().zip(&mut outcomes) {
-                if returned.contains(&env.key) {
-                    *outcome = Err(PublishError::Unroutable(self.names.work_queue(&env.queue)));
-                }
-            }
-        }
-        Ok(outcomes)
+        let messages = batch
+            .iter()
+            .map(|env| Outgoing {
+                routing_key: env.queue.to_string(),
+                body: env.encode(),
+                properties: env.properties(Utc::now(), epoch),
+            })
+            .collect();
+        Ok(broker::publish_batch(channel, &exchange, messages, may_send).await)
     }
 
     fn drop_session(&mut self, why: &'static str) {
         if let Some((conn, _)) = self.session.take() {
             // Not awaited: a hung node never answers, and the next publish reconnects now.
-            topology::close_later(conn, why);
+            broker::close_later(conn, why);
         }
     }
 
@@ -238,7 +131,7 @@ impl Publisher {
     pub async fn close(&mut self) {
         if let Some((conn, _)) = self.session.take() {
             let closing = conn.close(200, "beat stopping".into());
-            let _ = tokio::time::timeout(topology::CONNECT_TIMEOUT, closing).await;
+            let _ = tokio::time::timeout(broker::CONNECT_TIMEOUT, closing).await;
         }
     }
 }
@@ -274,7 +167,7 @@ mod tests {
         publisher.connect().await.expect("broker");
         // Queue `b` goes away after the topology was declared: its messages route nowhere.
         let names = Names::new(config.namespace.clone());
-        let amqp = topology::connect(&config).await.unwrap();
+        let amqp = broker::connect(&config).await.unwrap();
         let ch = amqp.create_channel().await.unwrap();
         ch.queue_delete(
             names.work_queue("b").as_str().into(),
@@ -298,7 +191,7 @@ mod tests {
             .expect("sent");
         for (env, outcome) in batch.iter().zip(&outcomes) {
             match (env.queue.as_str(), outcome) {
-                ("a", Ok(())) | ("b", Err(PublishError::Unroutable(_))) => {}
+                ("a", Ok(())) | ("b", Err(BrokerError::Unroutable(_))) => {}
                 _ => panic!("{}: {outcome:?}", env.key),
             }
         }

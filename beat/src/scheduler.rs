@@ -23,18 +23,18 @@
 use crate::leader::{Leadership, Term};
 use crate::misfire::{self, plan, Plan};
 use crate::progress::{self, progress_after};
-use crate::publisher::{PublishError, Publisher};
+use crate::publisher::Publisher;
 use crate::reload::{self, Resume};
 use crate::stats::report_dropped;
 pub use crate::stats::BeatStats;
 use chrono::{DateTime, Utc};
 use drumline_shared::backoff::Backoff;
+use drumline_shared::broker::BrokerError;
 use drumline_shared::config::{Config, Job};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use drumline_shared::signals::Hangups;
 use drumline_shared::store::{last_instant_text, parse_last_instant, ProgressError, Store};
-use drumline_shared::topology::TopologyError;
 use drumline_shared::url::Redacted;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet};
@@ -98,10 +98,10 @@ enum Stall {
     /// channel that some message of the batch closed). The job is tried again alone, so that
     /// whatever is wrong with its message cannot fail the others' again.
     #[error(transparent)]
-    Publish(Arc<PublishError>),
+    Publish(Arc<BrokerError>),
     /// Nothing of the batch could be sent (no connection): every job waits for the broker.
     #[error(transparent)]
-    Unsent(Arc<PublishError>),
+    Unsent(Arc<BrokerError>),
     /// The term stopped holding mid-batch (a renewal late), so the job's messages were not
     /// sent. Not the job's fault: it is planned again, at its due instant, once the term holds.
     #[error("not sent: this beat stopped leading mid-batch")]
@@ -233,7 +233,7 @@ pub async fn run(
     config: impl Into<Arc<Config>>,
     stats: BeatStats,
     shutdown: impl Future<Output = ()>,
-) -> Result<BeatStats, PublishError> {
+) -> Result<BeatStats, BrokerError> {
     tokio::pin!(shutdown);
     // Listen for SIGHUP from the start: its default action would end the process.
     let mut hangups = Hangups::new();
@@ -294,7 +294,7 @@ async fn serve<F: Future<Output = ()>>(
     (publisher, leadership, hangups): (&mut Publisher, &mut Leadership, &mut Hangups),
     stats: &BeatStats,
     shutdown: &mut Pin<&mut F>,
-) -> Result<(), PublishError> {
+) -> Result<(), BrokerError> {
     connect_broker(config, publisher).await?;
     loop {
         let mut term = loop {
@@ -519,7 +519,7 @@ impl Beat {
         stats: &BeatStats,
         (term, hangups): (&mut Term, &mut Hangups),
         shutdown: &mut Pin<&mut F>,
-    ) -> Result<Ended, PublishError> {
+    ) -> Result<Ended, BrokerError> {
         loop {
             match self
                 .run_due(store, publisher, stats, term, shutdown)
@@ -555,7 +555,7 @@ impl Beat {
         stats: &BeatStats,
         term: &Term,
         shutdown: &mut Pin<&mut F>,
-    ) -> Result<Next, PublishError> {
+    ) -> Result<Next, BrokerError> {
         self.read_paused(store).await;
         loop {
             // Leadership is checked before each batch (and before each message is sent).
@@ -732,11 +732,9 @@ impl Beat {
 
 /// Connects eagerly so topology exists before the first instant. A refused topology needs a
 /// human (`Err`); any other failure is logged and retried by the first batch's publish.
-async fn connect_broker(config: &Config, publisher: &mut Publisher) -> Result<(), PublishError> {
+async fn connect_broker(config: &Config, publisher: &mut Publisher) -> Result<(), BrokerError> {
     match publisher.connect().await {
-        Err(PublishError::Topology(t @ TopologyError::Mismatch { .. })) => {
-            Err(PublishError::Topology(t))
-        }
+        Err(e @ BrokerError::Mismatch { .. }) => Err(e),
         Err(e) => {
             warn!(error = %e, broker = %Redacted(&config.broker_url), "broker not reachable yet; will retry");
             Ok(())
@@ -836,7 +834,7 @@ async fn advance(
     publisher: &mut Publisher,
     stats: &BeatStats,
     term: &Term,
-) -> Result<Vec<Option<Stall>>, PublishError> {
+) -> Result<Vec<Option<Stall>>, BrokerError> {
     let mut stalls: Vec<Option<Stall>> = vec![None; batch.len()];
     settle_drops(jobs, states, batch, stats);
     let unsaved: Vec<usize> = (0..batch.len())
@@ -849,7 +847,7 @@ async fn advance(
     // `outcomes` is in `envelopes` order: each job's run of them, in `spans` order.
     let mut outcomes = outcomes.into_iter();
     for (p, span) in &sent.spans {
-        let results: Vec<Result<(), PublishError>> = outcomes.by_ref().take(span.len()).collect();
+        let results: Vec<Result<(), BrokerError>> = outcomes.by_ref().take(span.len()).collect();
         if stalls[*p].is_none() {
             let due = &batch[*p];
             let (job, state) = (&jobs[due.job], &mut states[due.job]);
@@ -929,14 +927,14 @@ async fn publish(
     sent: &Sent,
     stalls: &mut [Option<Stall>],
     term: &Term,
-) -> Result<Vec<Result<(), PublishError>>, PublishError> {
+) -> Result<Vec<Result<(), BrokerError>>, BrokerError> {
     if sent.envelopes.is_empty() {
         return Ok(Vec::new());
     }
     let sending = publisher.publish_batch(&sent.envelopes, term.epoch, || term.holds());
     match sending.await {
         Ok(outcomes) => Ok(outcomes),
-        Err(e @ PublishError::Topology(TopologyError::Mismatch { .. })) => Err(e),
+        Err(e @ BrokerError::Mismatch { .. }) => Err(e),
         Err(e) => {
             let e = Arc::new(e);
             for (p, span) in &sent.spans {
@@ -957,7 +955,7 @@ fn record_confirmed(
     state: &mut JobState,
     due: &Due,
     envelopes: &[Envelope],
-    results: Vec<Result<(), PublishError>>,
+    results: Vec<Result<(), BrokerError>>,
     stats: &BeatStats,
 ) -> Option<Stall> {
     let confirmed: Vec<bool> = results.iter().map(Result::is_ok).collect();
@@ -977,7 +975,7 @@ fn record_confirmed(
         state.unsaved = true;
     }
     match results.into_iter().find_map(Result::err)? {
-        PublishError::NotLeading => Some(Stall::NotLeading),
+        BrokerError::Withdrawn => Some(Stall::NotLeading),
         failed => Some(Stall::Publish(Arc::new(failed))),
     }
 }

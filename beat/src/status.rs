@@ -7,13 +7,13 @@
 //! document for a window of the jobs with [`read_window`].
 
 use chrono::{DateTime, Utc};
+use drumline_shared::broker;
 use drumline_shared::config::{Config, Job};
 use drumline_shared::envelope::{format_instant, parse_instant};
 use drumline_shared::names::Names;
 use drumline_shared::schedule::Schedule;
 pub use drumline_shared::store::Leader;
 use drumline_shared::store::{JobHistory, Store, StoreError};
-use drumline_shared::topology;
 use serde::Serialize;
 use std::collections::HashSet;
 use std::future::Future;
@@ -170,7 +170,7 @@ fn assemble(
 /// The number of messages in `{ns}.dead`, or `None` (logged) when the broker cannot say within
 /// [`BROKER_WAIT`].
 async fn dead_letters(config: &Config, names: &Names) -> Option<u64> {
-    match tokio::time::timeout(BROKER_WAIT, topology::dead_letter_count(config, names)).await {
+    match tokio::time::timeout(BROKER_WAIT, broker::dead_letter_count(config, names)).await {
         Ok(Ok(count)) => Some(count),
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "broker: dead letters unknown");

@@ -1,5 +1,7 @@
 //! drumline-shared: the pieces the beat and the workers agree on.
 //!
+//! - [`broker`]   — the one door to RabbitMQ: connect and fail over, declare, publish with
+//!   confirms and returns, settle, count dead letters.
 //! - [`backoff`]  — the one exponential backoff (min, max, jitter; checked once) every reconnect,
 //!   pacing and retry path uses.
 //! - [`config`]   — `drumline.toml`: raw form, checked form, one clear error per bad key (a
@@ -13,8 +15,6 @@
 //! - [`signals`]  — SIGTERM/SIGINT: orderly stop, a second signal exits at once.
 //! - [`store`]    — Redis state as atomic Lua scripts: claim, renew, complete, release, last instant.
 //! - [`table`]    — aligned plain-text tables for the commands' human output.
-//! - [`topology`] — connecting to RabbitMQ (every call within the connect timeout), declaring the
-//!   exchanges and queues.
 //! - [`tls`]      — the CA files of `[broker] ca_file` / `[redis] ca_file`.
 //! - [`duration`] — humantime durations in config and on the command line.
 //! - [`url`]      — broker and Redis URLs: checked at load, printed with the password as `***`.
@@ -25,6 +25,7 @@
 //! tracing-subscriber and prometheus-client stay out of a library user's build.
 
 pub mod backoff;
+pub mod broker;
 pub mod config;
 pub mod duration;
 pub mod envelope;
@@ -40,5 +41,4 @@ pub mod signals;
 pub mod store;
 pub mod table;
 pub mod tls;
-pub mod topology;
 pub mod url;

@@ -21,8 +21,50 @@ mod rules;
 pub use conn::Conn;
 pub use leader::{Candidate, LeaseMode, LeaseOutcome, LeaseReply, ProgressError};
 
-/// Store errors are connection-level: the worker fails closed on them.
-pub type StoreError = redis::RedisError;
+/// Why a store call failed. Every kind is connection-level for the caller: the worker fails
+/// closed on it, the beat waits (docs/design.md#redis).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Redis could not be reached, or answered with an error.
+    #[error(transparent)]
+    Redis(#[from] redis::RedisError),
+    /// A durable write reached fewer replicas than `[redis] wait_replicas` asks within its
+    /// timeout: it may be lost in a failover, so it does not count.
+    #[error(
+        "too few replicas acknowledged the write (wait_replicas): {acked} of {wanted} within \
+         {timeout:?}"
+    )]
+    TooFewReplicas {
+        /// Replicas that acknowledged (`-1`: no `WAIT` reply).
+        acked: i64,
+        /// `[redis] wait_replicas`.
+        wanted: u32,
+        /// `[redis] wait_timeout`.
+        timeout: Duration,
+    },
+    /// A reply of a shape no script or command gives: a broken server or proxy.
+    #[error("unexpected reply from redis: {0}")]
+    BadReply(String),
+    /// A setting checked at load no longer works when connecting (the CA file changed).
+    #[error("{0}")]
+    Setting(String),
+    /// No Sentinel named a primary for the master name.
+    #[error("no primary from the sentinels: {0}")]
+    NoPrimary(String),
+}
+
+impl From<redis::ParsingError> for StoreError {
+    fn from(e: redis::ParsingError) -> Self {
+        StoreError::BadReply(e.to_string())
+    }
+}
+
+impl StoreError {
+    /// A [`StoreError::BadReply`] saying what was wrong.
+    pub(crate) fn bad_reply(what: impl Into<String>) -> Self {
+        StoreError::BadReply(what.into())
+    }
+}
 
 /// The `state` field of `{ns}:run:{key}` (docs/design.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -606,13 +648,7 @@ impl Store {
     ) -> Result<Self, StoreError> {
         if let Some(sentinel) = crate::url::parse_sentinel(url) {
             // Checked at config load already; the error never quotes the URL.
-            let sentinel = sentinel.map_err(|e| {
-                StoreError::from((
-                    redis::ErrorKind::InvalidClientConfig,
-                    "redis url",
-                    e.to_string(),
-                ))
-            })?;
+            let sentinel = sentinel.map_err(|e| StoreError::Setting(format!("redis url: {e}")))?;
             let conn = Conn::sentinel(sentinel).await?;
             return Ok(Self {
                 conn,
@@ -623,13 +659,8 @@ impl Store {
         let client = match ca_file {
             Some(path) => {
                 // Checked at config load already; this only fails if the file changed since.
-                let ca = crate::tls::read_ca_file(path).map_err(|e| {
-                    StoreError::from((
-                        redis::ErrorKind::InvalidClientConfig,
-                        "ca_file",
-                        e.to_string(),
-                    ))
-                })?;
+                let ca = crate::tls::read_ca_file(path)
+                    .map_err(|e| StoreError::Setting(format!("ca_file: {e}")))?;
                 let certs = redis::TlsCertificates {
                     client_tls: None,
                     root_cert: Some(ca.pem),
@@ -671,20 +702,20 @@ impl Store {
     /// added it): fewer replicas than asked is an error, and the Sentinels are asked whether
     /// the primary moved (one cut off from its replicas may have been replaced).
     fn check_wait(&self, replies: &mut Vec<redis::Value>) -> Result<(), StoreError> {
-        let Some((replicas, timeout)) = self.wait else {
+        let Some((wanted, timeout)) = self.wait else {
             return Ok(());
         };
         let acked: i64 = match replies.pop() {
             Some(value) => redis::from_redis_value(value)?,
             None => -1,
         };
-        if acked < i64::from(replicas) {
+        if acked < i64::from(wanted) {
             self.conn.primary_in_doubt();
-            return Err(StoreError::from((
-                redis::ErrorKind::Extension,
-                "too few replicas acknowledged the write (wait_replicas)",
-                format!("{acked} of {replicas} within {timeout:?}"),
-            )));
+            return Err(StoreError::TooFewReplicas {
+                acked,
+                wanted,
+                timeout,
+            });
         }
         Ok(())
     }
@@ -698,7 +729,7 @@ impl Store {
     ) -> Result<T, StoreError> {
         let mut conn = self.conn.clone();
         if self.wait.is_none() {
-            return call.invoke_async(&mut conn).await;
+            return Ok(call.invoke_async(&mut conn).await?);
         }
         let mut pipe = redis::pipe();
         pipe.load_script(script).ignore().invoke_script(call);
@@ -707,10 +738,7 @@ impl Store {
         self.check_wait(&mut replies)?;
         match replies.pop() {
             Some(value) => Ok(redis::from_redis_value(value)?),
-            None => Err(StoreError::from((
-                redis::ErrorKind::UnexpectedReturnType,
-                "no reply from the script",
-            ))),
+            None => Err(StoreError::bad_reply("no reply from the script")),
         }
     }
 
@@ -766,13 +794,8 @@ impl Store {
             .arg(if job.is_some() { "1" } else { "0" });
         // Waited for like an outcome: a claim only a cut-off primary knows is no claim.
         let reply: Vec<String> = self.durable(&CLAIM, &call).await?;
-        parse_claim(&reply).ok_or_else(|| {
-            StoreError::from((
-                redis::ErrorKind::UnexpectedReturnType,
-                "unexpected reply from the claim script",
-                format!("{reply:?}"),
-            ))
-        })
+        parse_claim(&reply)
+            .ok_or_else(|| StoreError::bad_reply(format!("from the claim script: {reply:?}")))
     }
 
     /// The overlap lock key for `job`; ad-hoc claims pass a key no script writes to.
@@ -916,6 +939,7 @@ impl Store {
             .arg((keep.as_millis() as u64).max(1))
             .invoke_async(&mut self.conn.clone())
             .await
+            .map_err(StoreError::from)
     }
 
     /// The first copy waiting for `job`'s overlap lock, taken off the registry, when the lock
@@ -937,6 +961,7 @@ impl Store {
             .key(self.names.run_key(key))
             .invoke_async(&mut conn)
             .await
+            .map_err(StoreError::from)
     }
 
     /// The `state` of each of `keys`, in order (`None`: no record), a few hundred per round
@@ -958,7 +983,7 @@ impl Store {
     /// The `state` field of an instance, if any.
     pub async fn run_state(&self, key: &str) -> Result<Option<String>, StoreError> {
         let mut conn = self.conn.clone();
-        conn.hget(self.names.run_key(key), "state").await
+        Ok(conn.hget(self.names.run_key(key), "state").await?)
     }
 
     /// Appends a run record to the job's capped history; on `done` also sets `last_success`,
@@ -987,7 +1012,7 @@ impl Store {
             pipe.pset_ex(self.names.last_failure(job), &record.finished_at, ms)
                 .ignore();
         }
-        pipe.query_async::<()>(&mut conn).await
+        Ok(pipe.query_async::<()>(&mut conn).await?)
     }
 
     /// The last published instant of `job`, if any.
@@ -1025,10 +1050,9 @@ impl Store {
         }
         if out.len() != jobs.len() {
             // MGET answers one value per key; anything else is a broken server or proxy.
-            return Err(StoreError::from((
-                redis::ErrorKind::UnexpectedReturnType,
+            return Err(StoreError::bad_reply(
                 "MGET returned fewer values than keys",
-            )));
+            ));
         }
         Ok(out)
     }
@@ -1066,10 +1090,7 @@ impl Store {
                 None => Vec::new(),
             };
             if replies.len() != 4 * chunk.len() || running.len() != chunk.len() {
-                return Err(StoreError::from((
-                    redis::ErrorKind::UnexpectedReturnType,
-                    "status: fewer replies than jobs",
-                )));
+                return Err(StoreError::bad_reply("status: fewer replies than jobs"));
             }
             type Row = (
                 Option<String>,

@@ -14,7 +14,7 @@ use drumline_e2e::{
 use drumline_shared::names::Names;
 use drumline_shared::store::{
     Candidate, Claim, ClaimRequest, Ending, Final, LeaseMode, LeaseOutcome, OverlapMode,
-    ProgressError, Store, WaitReplicas,
+    ProgressError, Store, StoreError, WaitReplicas,
 };
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{Connection, ConnectionProperties};
@@ -102,7 +102,19 @@ async fn wait_replicas_counts_acknowledgements_and_fails_closed() {
         replicas: 3,
         timeout: Duration::from_millis(300),
     });
-    let short = |e: redis::RedisError| assert!(e.to_string().contains("2 of 3"), "{e}");
+    let short = |e: StoreError| {
+        assert!(
+            matches!(
+                e,
+                StoreError::TooFewReplicas {
+                    acked: 2,
+                    wanted: 3,
+                    ..
+                }
+            ),
+            "{e}"
+        )
+    };
     short(three.claim(&request("k1b")).await.expect_err("a claim"));
     for (key, ending) in [
         ("k2", Ending::Final(Final::Dead)),
@@ -148,7 +160,10 @@ async fn wait_replicas_counts_acknowledgements_and_fails_closed() {
         .advance_progress("beat", &[("job", Utc::now())], Duration::from_secs(5), 10)
         .await;
     assert!(
-        matches!(progress, Err(ProgressError::Redis(_))),
+        matches!(
+            progress,
+            Err(ProgressError::Redis(StoreError::TooFewReplicas { .. }))
+        ),
         "{progress:?}"
     );
     // Without the wait the same write is a success.

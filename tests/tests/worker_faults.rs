@@ -614,7 +614,7 @@ async fn a_queue_deleted_under_the_worker_is_declared_again_and_consumed() {
     let config = drumline_shared::config::Config::load(&cfg).expect("config");
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.expect("channel");
-    let same = drumline_shared::topology::declare(
+    let same = drumline_shared::broker::declare(
         &ch,
         &env.names(),
         &["qa".to_owned()],

@@ -27,16 +27,35 @@
 //! the ones whose outcome is recorded), and [`Acks::stalled`] tells the consumer to start a new
 //! session.
 
-use crate::consumer::BROKER_CALL_TIMEOUT;
-use drumline_shared::topology;
+use drumline_shared::broker;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::{Acker, Channel};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
+
+/// How long one ack or requeue may take before the delivery is left to the broker.
+pub(crate) const SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a broker call on the shutdown or reconnect path may take (cancel the consumers,
+/// reopen a channel, close the connection); a dead connection does not always answer.
+pub(crate) const BROKER_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How [`Processor::process`](crate::processor::Processor::process) settled a delivery; the consumer paces itself by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// Acked.
+    Acked,
+    /// Requeued for a reason that is not the broker's (Redis, a lost lease, shutdown).
+    Requeued,
+    /// Requeued because the broker side failed: a publish, a declare, a closed channel.
+    BrokerTrouble,
+    /// Not settled (the channel is gone, or did not answer in time); the broker redelivers.
+    Unsettled,
+}
 
 /// The acks of one consumer channel; one per broker session. Taking and requeueing update the
 /// table in place; only an ack wakes the batcher.
@@ -119,7 +138,7 @@ impl Ticket {
             .is_err()
         {
             // The batcher is gone (the channel stalled); ack alone.
-            topology::settled(self.acker.ack(BasicAckOptions::default()).await)
+            broker::settled(self.acker.ack(BasicAckOptions::default()).await)
         } else {
             // The batcher drops the reply only when it stops, with the channel.
             let gone = lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
@@ -138,7 +157,7 @@ impl Ticket {
             requeue: true,
             ..Default::default()
         };
-        topology::settled(self.acker.nack(requeue).await)?;
+        broker::settled(self.acker.nack(requeue).await)?;
         self.acks.apply(Request::Requeued(self.tag));
         self.settled = true;
         Ok(())
@@ -178,7 +197,7 @@ async fn batch(
             table.acks()
         };
         for (acker, options, waiting) in sends {
-            let result = topology::settled(acker.ack(options).await);
+            let result = broker::settled(acker.ack(options).await);
             for done in waiting {
                 let _ = done.send(result.clone());
             }

@@ -33,23 +33,21 @@
 //! A topology mismatch found on a reconnect ends the worker with a config error, but only after
 //! the same drain: runs in flight are never dropped mid-way.
 
-use crate::acks::{Acks, Ticket};
+use crate::acks::{Acks, Settled, Ticket, BROKER_CALL_TIMEOUT, SETTLE_TIMEOUT};
 use crate::executor::KILL_GRACE;
 use crate::processor::{self, Processor};
 use crate::stats::Stats;
 use crate::{Gate, Handler, WorkerError};
 use drumline_shared::backoff::Backoff;
+use drumline_shared::broker::{self, BrokerError};
 use drumline_shared::config::{Config, WorkerConfig};
 use drumline_shared::names::Names;
 use drumline_shared::signals::Hangups;
 use drumline_shared::store::Store;
-use drumline_shared::topology;
 use futures_util::stream::{self, BoxStream, FuturesUnordered, SelectAll, StreamExt};
 use futures_util::FutureExt;
 use lapin::message::Delivery;
-use lapin::options::{
-    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
-};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::Connection;
 use std::collections::{HashMap, VecDeque};
@@ -72,11 +70,6 @@ const PACE_MAX: Duration = Duration::from_secs(10);
 const PACING: Backoff = Backoff::constant(BACKOFF_MIN, PACE_MAX, 0.0);
 const REDIS_PROBE_EVERY: Duration = Duration::from_millis(500);
 const REDIS_IDLE_CHECK_EVERY: Duration = Duration::from_secs(2);
-/// How long one ack or requeue may take before the delivery is left to the broker.
-pub(crate) const SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long a broker call on the shutdown or reconnect path may take (cancel the consumers,
-/// reopen a channel, close the connection); a dead connection does not always answer.
-pub(crate) const BROKER_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long declaring a queue again, or consuming it again, may take before it is retried.
 const REDECLARE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Between two tries to declare a queue again (at most a second apart): its consumer comes
@@ -84,19 +77,6 @@ const REDECLARE_TIMEOUT: Duration = Duration::from_secs(2);
 const REDECLARE: Backoff = Backoff::constant(BACKOFF_MIN, Duration::from_secs(1), 0.0);
 /// After the grace: the most that cancelled runs get to stop their tasks and settle.
 pub const ABANDON_WAIT: Duration = KILL_GRACE.saturating_add(SETTLE_TIMEOUT);
-
-/// How [`Processor::process`] settled a delivery; the consumer paces itself by it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Settled {
-    /// Acked.
-    Acked,
-    /// Requeued for a reason that is not the broker's (Redis, a lost lease, shutdown).
-    Requeued,
-    /// Requeued because the broker side failed: a publish, a declare, a closed channel.
-    BrokerTrouble,
-    /// Not settled (the channel is gone, or did not answer in time); the broker redelivers.
-    Unsettled,
-}
 
 /// Runs a worker until `shutdown` completes, then stops in order (see the module docs).
 pub async fn run(
@@ -160,7 +140,7 @@ async fn work(
     let mut in_flight = JoinSet::new();
     let dispatch = Dispatch {
         slots: Arc::new(Semaphore::new(config.worker.concurrency.max(1))),
-        nodes: topology::Nodes::new(&config),
+        nodes: broker::Nodes::new(&config),
         pacer: Arc::new(Pacer::default()),
         processor: processor.clone(),
         current,
@@ -251,7 +231,7 @@ async fn reload_on_hangup(current: Arc<Current>, mut reload: Reload, mut hangups
 struct Served {
     /// Kept open through the drain: acks travel on the consumer channel, and lapin closes a
     /// channel when its last handle is dropped.
-    connection: Option<(Connection, Publisher, lapin::Channel)>,
+    connection: Option<(Connection, PublishChannel, lapin::Channel)>,
     /// A topology mismatch: the worker cannot serve with this config.
     fatal: Option<String>,
 }
@@ -261,7 +241,7 @@ struct Served {
 struct Dispatch {
     slots: Arc<Semaphore>,
     /// The broker's nodes; a reconnect tries the others first.
-    nodes: topology::Nodes,
+    nodes: broker::Nodes,
     pacer: Arc<Pacer>,
     /// The first processor: the session settings, counters and gate (shared by every
     /// reloaded one).
@@ -342,7 +322,7 @@ impl Dispatch {
             backoff.reset();
             stats.broker_connected.set(1);
             info!("consuming");
-            let mut publisher = Publisher(publisher);
+            let mut publisher = PublishChannel(publisher);
             let end = self
                 .consume(
                     (&conn, &consumer_channel),
@@ -384,7 +364,7 @@ impl Dispatch {
     async fn consume(
         &self,
         (conn, channel): (&Connection, &lapin::Channel),
-        publisher: &mut Publisher,
+        publisher: &mut PublishChannel,
         consumers: Vec<(String, lapin::Consumer)>,
         in_flight: &mut JoinSet<()>,
     ) -> SessionEnd {
@@ -498,7 +478,7 @@ impl Dispatch {
     /// the session ends when no publisher channel can be had (the delivery requeued).
     async fn dispatch(
         &self,
-        (conn, publisher): (&Connection, &mut Publisher),
+        (conn, publisher): (&Connection, &mut PublishChannel),
         acks: &Acks,
         (delivery, slot): (Delivery, OwnedSemaphorePermit),
         in_flight: &mut JoinSet<()>,
@@ -550,7 +530,7 @@ impl Dispatch {
             }
             let declare = async {
                 let side = conn.create_channel().await?;
-                topology::declare(
+                broker::declare(
                     &side,
                     &self.processor.names,
                     std::slice::from_ref(&queue),
@@ -559,8 +539,8 @@ impl Dispatch {
                 )
                 .await
                 .map_err(|e| match e {
-                    topology::TopologyError::Amqp(e) => SessionError::Amqp(e),
-                    mismatch => SessionError::Fatal(mismatch.to_string()),
+                    BrokerError::Amqp(e) => SessionError::Amqp(e),
+                    refused => SessionError::Fatal(refused.to_string()),
                 })
             };
             let declared = tokio::time::timeout(REDECLARE_TIMEOUT, declare)
@@ -679,22 +659,17 @@ async fn join_all(set: &mut JoinSet<()>, within: Duration) -> bool {
     tokio::time::timeout(within, all).await.is_ok()
 }
 
-/// The session's confirm-mode publishing channel, reopened when the broker closed it (a
-/// refused publish or declare closes the channel, not the connection).
-struct Publisher(lapin::Channel);
+/// The session's confirm-mode publishing channel (retries, dead letters, woken waiters),
+/// reopened when the broker closed it (a refused publish or declare closes the channel, not the
+/// connection).
+struct PublishChannel(lapin::Channel);
 
-impl Publisher {
-    /// A usable publisher channel on `conn`: the current one, or a fresh one if it was closed.
+impl PublishChannel {
+    /// A usable publishing channel on `conn`: the current one, or a fresh one if it was closed.
     async fn channel(&mut self, conn: &Connection) -> Result<lapin::Channel, SessionError> {
         if !self.0.status().connected() {
             warn!(status = ?self.0.status(), "the publisher channel was closed; reopening it");
-            let open = async {
-                let channel = conn.create_channel().await?;
-                channel
-                    .confirm_select(ConfirmSelectOptions::default())
-                    .await?;
-                Ok::<_, lapin::Error>(channel)
-            };
+            let open = broker::open_confirm_channel(conn);
             self.0 = tokio::time::timeout(BROKER_CALL_TIMEOUT, open)
                 .await
                 .map_err(|_| SessionError::Timeout("reopening the publisher channel"))??;
@@ -765,15 +740,19 @@ enum SessionError {
     Gone,
     #[error("{0}")]
     Fatal(String),
+    /// A publish on the way (not produced by opening a session; retried like a lost channel).
+    #[error(transparent)]
+    Publish(BrokerError),
 }
 
-impl From<topology::TopologyError> for SessionError {
+impl From<BrokerError> for SessionError {
     /// A refused declaration needs a human; anything else is retried.
-    fn from(e: topology::TopologyError) -> Self {
+    fn from(e: BrokerError) -> Self {
         match e {
-            topology::TopologyError::Amqp(e) => SessionError::Amqp(e),
-            topology::TopologyError::Timeout { what } => SessionError::Timeout(what),
-            e @ topology::TopologyError::Mismatch { .. } => SessionError::Fatal(e.to_string()),
+            BrokerError::Amqp(e) => SessionError::Amqp(e),
+            BrokerError::Timeout { what } => SessionError::Timeout(what),
+            e @ BrokerError::Mismatch { .. } => SessionError::Fatal(e.to_string()),
+            e => SessionError::Publish(e),
         }
     }
 }
@@ -787,30 +766,30 @@ type Session = (
 
 async fn open_session(
     config: &Config,
-    (names, nodes): (&Names, &topology::Nodes),
+    (names, nodes): (&Names, &broker::Nodes),
     worker_id: &str,
 ) -> Result<Session, SessionError> {
     // After a lost connection, the other nodes first (`[broker] urls`); every call bounded, a
     // re-declaration not awaited (docs/design.md#reconnecting-past-a-hung-node).
-    let what = topology::Declaration {
+    let what = broker::Declaration {
         names,
         queues: &config.worker.queues,
         dead_ttl: config.worker.dead_ttl,
         queue_type: config.broker.queue_type,
     };
     let (conn, publisher) = nodes.open_session(&what).await?;
-    let channel = topology::bounded("channel.open", conn.create_channel()).await?;
+    let channel = broker::bounded("channel.open", conn.create_channel()).await?;
     // Per consumer (global = false): quorum queues refuse a channel-wide prefetch (3.10 and 4.x
     // close the connection, 540 NOT_IMPLEMENTED, at basic.consume). Each queue's consumer may
     // hold `concurrency` unacked deliveries; the slots (the semaphore) bound what runs, so
     // with several queues the extra deliveries only wait, unacked, for a slot.
     let prefetch = config.worker.concurrency.min(u16::MAX as usize) as u16;
     let qos = channel.basic_qos(prefetch, BasicQosOptions { global: false });
-    topology::bounded("basic.qos", qos).await?;
+    broker::bounded("basic.qos", qos).await?;
     let mut consumers = Vec::new();
     for queue in &config.worker.queues {
         let subscribed = subscribe(&channel, names, queue, worker_id);
-        let consumer = topology::bounded("basic.consume", subscribed).await?;
+        let consumer = broker::bounded("basic.consume", subscribed).await?;
         consumers.push((queue.clone(), consumer));
     }
     Ok((conn, publisher, channel, consumers))

@@ -8,13 +8,13 @@
 //! confirm, clears the instance's `dead` state in Redis, and only then acks the dead letter.
 
 use chrono::{DateTime, TimeZone, Utc};
+use drumline_shared::broker::{self, BrokerError};
 use drumline_shared::config::Config;
 use drumline_shared::envelope::{
     format_instant, header_int, header_str, Envelope, H_ATTEMPTS, H_ERROR, H_REASON, H_TASK,
 };
 use drumline_shared::names::Names;
 use drumline_shared::store::Store;
-use drumline_shared::topology;
 use lapin::message::BasicGetMessage;
 use lapin::options::{BasicAckOptions, BasicGetOptions, QueuePurgeOptions};
 use lapin::types::{AMQPValue, FieldTable};
@@ -44,18 +44,21 @@ pub struct DeadLetter {
 /// Why a dlq command failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DlqError {
-    /// Broker trouble.
-    #[error("broker: {0}")]
-    Amqp(#[from] lapin::Error),
+    /// Broker trouble, or the topology refused.
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
     /// Redis trouble (replay must clear the `dead` state).
     #[error("redis: {0}")]
-    Redis(#[from] redis::RedisError),
-    /// Topology refused.
-    #[error(transparent)]
-    Topology(#[from] topology::TopologyError),
+    Redis(#[from] drumline_shared::store::StoreError),
     /// The broker did not confirm a replayed copy.
     #[error("the broker did not accept the replayed copy of {0}: {1}")]
-    NotConfirmed(String, topology::ConfirmError),
+    NotConfirmed(String, BrokerError),
+}
+
+impl From<lapin::Error> for DlqError {
+    fn from(e: lapin::Error) -> Self {
+        DlqError::Broker(e.into())
+    }
 }
 
 /// Describes one dead-lettered message.
@@ -114,7 +117,7 @@ fn table_str(table: &FieldTable, key: &str) -> Option<String> {
 /// The namespace's names and a channel on which the worker's topology (so `{ns}.dead`) is declared.
 async fn open_dead(config: &Config) -> Result<(Names, Connection, Channel), DlqError> {
     let names = Names::new(config.namespace.clone());
-    let (conn, channel) = topology::open_channel(
+    let (conn, channel) = broker::open_channel(
         config,
         &names,
         &config.worker.queues,
@@ -177,7 +180,7 @@ impl DeadQueue {
             env.expires_at = None;
             env.published_at = Utc::now();
             store.clear_dead(&env.key).await?;
-            topology::publish_confirmed(
+            broker::publish_confirmed(
                 &self.channel,
                 &self.names.tasks_exchange(),
                 &env.queue,
@@ -187,7 +190,7 @@ impl DeadQueue {
             )
             .await
             .map_err(|e| DlqError::NotConfirmed(env.key.clone(), e))?;
-            topology::settled(m.delivery.ack(BasicAckOptions::default()).await)?;
+            broker::settled(m.delivery.ack(BasicAckOptions::default()).await)?;
             done.push(env.key);
         }
         Ok((done, refused))

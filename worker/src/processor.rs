@@ -4,8 +4,7 @@
 //! [`Store`]). Every path ends in exactly one ack or one requeue; nothing is requeued that would
 //! fail the same way again (those go to `{ns}.dead`).
 
-use crate::acks::Ticket;
-use crate::consumer::{Settled, SETTLE_TIMEOUT};
+use crate::acks::{Settled, Ticket, SETTLE_TIMEOUT};
 use crate::decision::{self, Action, Outcome, Recheck, Rejected, RunResult};
 use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
 use crate::lease::{self, LeaseLost};
@@ -14,6 +13,7 @@ use crate::stats::{RunOutcome, Stats, UNKNOWN_TASK};
 use crate::Gate;
 use chrono::Utc;
 use drumline_shared::backoff::Backoff;
+use drumline_shared::broker::{self, BrokerError};
 use drumline_shared::config::{Config, Overlap, Task};
 use drumline_shared::envelope::{
     self, long_string, DeadReason, Envelope, H_ATTEMPTS, H_ERROR, H_REASON,
@@ -23,7 +23,6 @@ use drumline_shared::store::{
     now_text, Claim, ClaimRequest, Ended, Ending, Final, OverlapMode, RunRecord, Store, StoreError,
     Waiter,
 };
-use drumline_shared::topology;
 use lapin::message::Delivery;
 use lapin::types::AMQPValue;
 use lapin::{BasicProperties, Channel};
@@ -79,12 +78,14 @@ enum Disposition {
 pub(crate) enum Interrupted {
     #[error("redis: {0}")]
     Redis(#[from] StoreError),
-    #[error("broker: {0}")]
-    Broker(#[from] lapin::Error),
-    #[error("topology: {0}")]
-    Topology(#[from] topology::TopologyError),
-    #[error("publish: {0}")]
-    Publish(#[from] topology::ConfirmError),
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+}
+
+impl From<lapin::Error> for Interrupted {
+    fn from(e: lapin::Error) -> Self {
+        Interrupted::Broker(e.into())
+    }
 }
 
 impl Processor {
@@ -504,7 +505,7 @@ impl Processor {
         // to their delay queue: the tasks exchange carries only what producers publish.
         let queue = self.names.work_queue(&env.queue);
         debug!(key = %env.key, "waking a waiting copy");
-        Ok(topology::publish_confirmed(publisher, "", &queue, false, &waiter.body, props).await?)
+        Ok(broker::publish_confirmed(publisher, "", &queue, false, &waiter.body, props).await?)
     }
 
     /// Runs the handler under the lease watchdog. `claimed_at` is when the claim was sent: the
@@ -689,10 +690,9 @@ impl Processor {
         delay: Duration,
     ) -> Result<(), Interrupted> {
         let delay = retry::bucket(delay);
-        let queue =
-            topology::declare_delay_queue(publisher, &self.names, &env.queue, delay).await?;
+        let queue = broker::declare_delay_queue(publisher, &self.names, &env.queue, delay).await?;
         let props = env.properties(Utc::now(), epoch_of(delivery));
-        Ok(topology::publish_confirmed(publisher, "", &queue, false, &env.encode(), props).await?)
+        Ok(broker::publish_confirmed(publisher, "", &queue, false, &env.encode(), props).await?)
     }
 
     /// Dead-letters an envelope; `runs` = runs made (the `x-drumline-attempts` header).
@@ -737,10 +737,7 @@ impl Processor {
         if let Some(ct) = props.content_type() {
             out = out.with_content_type(ct.clone());
         }
-        Ok(
-            topology::publish_confirmed(publisher, &self.names.dead(), "", false, body, out)
-                .await?,
-        )
+        Ok(broker::publish_confirmed(publisher, &self.names.dead(), "", false, body, out).await?)
     }
 }
 

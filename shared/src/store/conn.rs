@@ -117,7 +117,7 @@ impl Conn {
 
     /// After a failed call: ask the Sentinels again (in the background) when the failure can
     /// mean the primary moved.
-    fn saw_error(&self, e: &StoreError) {
+    fn saw_error(&self, e: &redis::RedisError) {
         if may_have_failed_over(e) {
             self.refresh();
         }
@@ -199,7 +199,7 @@ impl Shared {
 }
 
 /// A connection-level error or a `READONLY` reply: the primary may have moved.
-fn may_have_failed_over(e: &StoreError) -> bool {
+fn may_have_failed_over(e: &redis::RedisError) -> bool {
     e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
@@ -219,22 +219,19 @@ async fn ask_sentinels(url: &SentinelUrl) -> Result<(String, u16), StoreError> {
         match ask_sentinel(host, *port, &url.master).await {
             Ok(Some(primary)) => return Ok(primary),
             Ok(None) => {
-                last = Some(StoreError::from((
-                    ErrorKind::MasterNameNotFoundBySentinel,
-                    "the sentinel does not monitor this master name",
-                    format!("{host}:{port} does not know {:?}", url.master),
+                last = Some(StoreError::NoPrimary(format!(
+                    "{host}:{port} does not monitor the master name {:?}",
+                    url.master
                 )))
             }
             Err(e) => {
-                last = Some(StoreError::from((
-                    ErrorKind::Io,
-                    "the sentinel did not answer",
-                    format!("{host}:{port}: {e}"),
+                last = Some(StoreError::NoPrimary(format!(
+                    "{host}:{port} did not answer: {e}"
                 )))
             }
         }
     }
-    Err(last.unwrap_or_else(|| StoreError::from((ErrorKind::EmptySentinelList, "no sentinel"))))
+    Err(last.unwrap_or_else(|| StoreError::NoPrimary("no sentinel in the URL".into())))
 }
 
 async fn ask_sentinel(
@@ -256,6 +253,7 @@ async fn ask_sentinel(
         .arg(master)
         .query_async(&mut conn)
         .await
+        .map_err(StoreError::from)
 }
 
 async fn connect_primary(
@@ -269,7 +267,7 @@ async fn connect_primary(
     let info = ConnectionAddr::Tcp(host.clone(), *port)
         .into_connection_info()?
         .set_redis_settings(redis);
-    ConnectionManager::new_with_config(Client::open(info)?, manager_config()).await
+    Ok(ConnectionManager::new_with_config(Client::open(info)?, manager_config()).await?)
 }
 
 impl ConnectionLike for Conn {

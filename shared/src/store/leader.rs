@@ -78,6 +78,12 @@ pub enum ProgressError {
     },
 }
 
+impl From<redis::RedisError> for ProgressError {
+    fn from(e: redis::RedisError) -> Self {
+        ProgressError::Redis(e.into())
+    }
+}
+
 /// The lease's JSON is written by the script (so `since` and `epoch` come from Redis), and a
 /// token is compared by decoding it: a value that is not our JSON is someone else's.
 pub(super) const HELD_BY: &str = r#"
@@ -240,6 +246,7 @@ impl Store {
             .arg(token)
             .invoke_async(&mut conn)
             .await
+            .map_err(StoreError::from)
     }
 
     /// Moves each `(job, instant)`'s progress forward (never back) while `token` holds the
@@ -258,7 +265,6 @@ impl Store {
         if progress.is_empty() {
             return Ok(Vec::new());
         }
-        let mut conn = self.conn.clone();
         let chunks: Vec<&[(&str, DateTime<Utc>)]> = progress.chunks(per_call.max(1)).collect();
         let mut pipe = redis::pipe();
         // EVALSHA needs the script cached (a restarted Redis forgot it): load it in the same
@@ -276,6 +282,22 @@ impl Store {
             }
             pipe.invoke_script(&call);
         }
+        self.fenced_write(pipe, &chunks, |(_, at)| *at, "progress")
+            .await
+    }
+
+    /// Sends `pipe`, one fenced progress call per chunk of `chunks` (each entry's instant is
+    /// `at` of it), as a durable write and reads each call's reply: `1` and one code per entry
+    /// (`1` written, `0` ahead of Redis `TIME`), or `0` when the lease is not the caller's. The
+    /// `what` script names a reply of any other shape.
+    pub(super) async fn fenced_write<E>(
+        &self,
+        mut pipe: redis::Pipeline,
+        chunks: &[&[E]],
+        at: impl Fn(&E) -> DateTime<Utc>,
+        what: &'static str,
+    ) -> Result<Vec<Result<(), ProgressError>>, ProgressError> {
+        let mut conn = self.conn.clone();
         self.push_wait(&mut pipe);
         let mut replies: Vec<redis::Value> = pipe.query_async(&mut conn).await?;
         self.check_wait(&mut replies)?;
@@ -284,20 +306,23 @@ impl Store {
         if replies.len() != chunks.len() {
             return Err(unexpected("a pipeline returned fewer replies than calls").into());
         }
-        let mut out = Vec::with_capacity(progress.len());
+        let mut out = Vec::with_capacity(chunks.iter().map(|c| c.len()).sum());
         for (chunk, reply) in chunks.iter().zip(replies) {
             match reply.split_first() {
                 Some((1, codes)) if codes.len() == chunk.len() => {
-                    out.extend(chunk.iter().zip(codes).map(|((_, at), code)| match code {
+                    out.extend(chunk.iter().zip(codes).map(|(entry, code)| match code {
                         1 => Ok(()),
-                        0 => Err(ProgressError::Ahead { at: *at }),
+                        0 => Err(ProgressError::Ahead { at: at(entry) }),
                         _ => Err(
                             unexpected("the job's progress key holds a non-string value").into(),
                         ),
                     }))
                 }
                 Some((0, _)) => return Err(ProgressError::Deposed),
-                _ => return Err(unexpected("the progress script returned an unknown reply").into()),
+                _ => {
+                    let e = format!("the {what} script returned an unknown reply");
+                    return Err(StoreError::bad_reply(e).into());
+                }
             }
         }
         Ok(out)
@@ -313,7 +338,7 @@ impl Store {
 }
 
 fn unexpected(what: &'static str) -> StoreError {
-    StoreError::from((redis::ErrorKind::UnexpectedReturnType, what))
+    StoreError::bad_reply(what)
 }
 
 #[cfg(test)]

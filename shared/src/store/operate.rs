@@ -9,7 +9,7 @@ impl Store {
     /// The jobs paused now.
     pub async fn paused(&self) -> Result<HashSet<String>, StoreError> {
         let mut conn = self.conn.clone();
-        conn.smembers(self.names.paused()).await
+        Ok(conn.smembers(self.names.paused()).await?)
     }
 
     /// Pauses (`true`) or resumes (`false`) `jobs`; returns how many changed state.
@@ -20,9 +20,9 @@ impl Store {
         let mut conn = self.conn.clone();
         let key = self.names.paused();
         if pause {
-            conn.sadd(key, jobs).await
+            Ok(conn.sadd(key, jobs).await?)
         } else {
-            conn.srem(key, jobs).await
+            Ok(conn.srem(key, jobs).await?)
         }
     }
 }

@@ -85,7 +85,6 @@ impl Store {
         if starts.is_empty() {
             return Ok(Vec::new());
         }
-        let mut conn = self.conn.clone();
         let chunks: Vec<&[(&str, DateTime<Utc>, &str)]> = starts.chunks(per_call.max(1)).collect();
         let mut pipe = redis::pipe();
         // EVALSHA needs the script cached (a restarted Redis forgot it): load it in the same
@@ -105,38 +104,11 @@ impl Store {
             }
             pipe.invoke_script(&call);
         }
-        self.push_wait(&mut pipe);
-        let mut replies: Vec<redis::Value> = pipe.query_async(&mut conn).await?;
-        self.check_wait(&mut replies)?;
-        let replies: Vec<Vec<i64>> =
-            redis::from_redis_value(redis::Value::Array(replies)).map_err(StoreError::from)?;
-        if replies.len() != chunks.len() {
-            return Err(unexpected("a pipeline returned fewer replies than calls").into());
-        }
-        let mut out = Vec::with_capacity(starts.len());
-        for (chunk, reply) in chunks.iter().zip(replies) {
-            match reply.split_first() {
-                Some((1, codes)) if codes.len() == chunk.len() => out.extend(
-                    chunk
-                        .iter()
-                        .zip(codes)
-                        .map(|((_, at, _), code)| match code {
-                            1 => Ok(()),
-                            0 => Err(ProgressError::Ahead { at: *at }),
-                            _ => Err(
-                                unexpected("the job's progress key holds a non-string value")
-                                    .into(),
-                            ),
-                        }),
-                ),
-                Some((0, _)) => return Err(ProgressError::Deposed),
-                _ => return Err(unexpected("the start script returned an unknown reply").into()),
-            }
-        }
-        Ok(out)
+        let at = |(_, at, _): &(&str, DateTime<Utc>, &str)| *at;
+        self.fenced_write(pipe, &chunks, at, "start").await
     }
 }
 
 fn unexpected(what: &'static str) -> StoreError {
-    StoreError::from((redis::ErrorKind::UnexpectedReturnType, what))
+    StoreError::bad_reply(what)
 }

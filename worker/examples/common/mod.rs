@@ -2,9 +2,9 @@
 //! with one no-op task, a confirm-mode channel, the bare lapin consumer's set-up (its own
 //! connection, per-consumer prefetch) and the clean-up of a bench namespace.
 
+use drumline_shared::broker;
 use drumline_shared::config::Config;
 use drumline_shared::names::Names;
-use drumline_shared::topology;
 use lapin::options::{
     BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions, ExchangeDeleteOptions,
     QueueDeclareOptions, QueueDeleteOptions,
@@ -50,7 +50,7 @@ pub async fn namespace(
     let config = config(&ns, concurrency, command);
     let names = Names::new(ns);
     let ch = confirm_channel(conn).await;
-    topology::declare(
+    broker::declare(
         &ch,
         &names,
         &config.worker.queues,

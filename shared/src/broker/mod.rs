@@ -1,0 +1,144 @@
+//! The one door to RabbitMQ (docs/design.md#rabbitmq): every connection, declaration, publish
+//! and settle drumline makes goes through here.
+//!
+//! - `connect` — the nodes of `[broker] urls` in failover order, TLS with `[broker] ca_file`, a
+//!   session (a connection, the topology declared, a confirm-mode channel).
+//! - `declare` — the exchanges, work queues, dead-letter queue and delay queues (idempotent:
+//!   declared at start and after every reconnect), and the dead-letter count.
+//! - `publish` — one message or a whole batch with confirms and returns; settling a delivery.
+//!
+//! Every broker call on the way to a session (a node's connection, each channel's opening,
+//! `confirm.select`, each declaration) is bounded by [`CONNECT_TIMEOUT`]: a hung node accepts
+//! TCP and then answers nothing, and while a cluster has not given up on one of its nodes, a
+//! binding (a write of the cluster's metadata) waits for it. A reconnect, which declares what
+//! this process declared before, therefore sends its bindings without awaiting them and goes on
+//! when a declaration does not answer in time (docs/design.md#reconnecting-past-a-hung-node).
+
+mod connect;
+mod declare;
+mod publish;
+
+pub use connect::{close_later, connect, connect_to, failover_order, open_channel, Nodes};
+pub use declare::{
+    dead_letter_count, dead_letter_count_on, declare, declare_delay_queue, Declaration,
+    QUORUM_DELIVERY_LIMIT,
+};
+pub use publish::{
+    open_confirm_channel, publish_batch, publish_confirmed, settled, Outgoing, CONFIRM_DEADLINE,
+};
+
+use crate::config::QueueType;
+use std::future::Future;
+use std::time::Duration;
+
+/// The connect timeout: how long one node may take to accept a connection (TCP, TLS, the AMQP
+/// handshake) before the next node is tried, and how long any other broker call on the way to a
+/// session may take (opening a channel, `confirm.select`, each declaration). A node that does
+/// not answer must not hold up the failover.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why a broker call failed, with the fix where we know it.
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    /// The broker refused a queue whose arguments differ from an existing one (406): needs a
+    /// human; the text says what to do.
+    #[error("{}", declare::mismatch_text(.queue, .source, *.queue_type))]
+    Mismatch {
+        /// The queue.
+        queue: String,
+        /// The broker's answer.
+        source: lapin::Error,
+        /// The `[broker] queue_type` it was declared with.
+        queue_type: QueueType,
+    },
+    /// Connection or channel failure, or any other answer of the broker.
+    #[error("broker: {0}")]
+    Amqp(#[from] lapin::Error),
+    /// The broker did not answer `what` within [`CONNECT_TIMEOUT`].
+    #[error("the broker did not answer {what} within {}s", CONNECT_TIMEOUT.as_secs())]
+    Timeout {
+        /// The call: `connection`, `channel.open`, `confirm.select`, `queue.declare`, …
+        what: &'static str,
+    },
+    /// The broker nacked the message.
+    #[error("the broker refused the message (nack)")]
+    Nacked,
+    /// Published `mandatory` and no queue is bound for the routing key.
+    #[error("the message could not be routed (no queue bound for {0:?})")]
+    Unroutable(String),
+    /// The broker did not confirm within [`CONFIRM_DEADLINE`] (a resource alarm blocks the
+    /// connection, or it hangs).
+    #[error("the broker did not confirm within {}s", CONFIRM_DEADLINE.as_secs())]
+    Unconfirmed,
+    /// Not sent: the publisher withdrew the rest of its batch (for the beat: it stopped
+    /// leading mid-batch).
+    #[error("not sent: the publisher withdrew the rest of its batch")]
+    Withdrawn,
+}
+
+impl BrokerError {
+    /// The AMQP reply code the broker closed the channel with, if it did (406 for a mismatch).
+    pub fn reply_code(&self) -> Option<u16> {
+        match self {
+            BrokerError::Mismatch { source, .. } | BrokerError::Amqp(source) => reply_code(source),
+            _ => None,
+        }
+    }
+
+    /// A copy for a message that shares this failure (a batch cut short by it): the broker's
+    /// error cloned, anything else as [`BrokerError::Withdrawn`].
+    pub fn for_the_rest(&self) -> BrokerError {
+        match self {
+            BrokerError::Amqp(e) => BrokerError::Amqp(e.clone()),
+            _ => BrokerError::Withdrawn,
+        }
+    }
+}
+
+/// `call` bounded by [`CONNECT_TIMEOUT`]; `what` names it in the error.
+pub async fn bounded<T, E: Into<BrokerError>>(
+    what: &'static str,
+    call: impl Future<Output = Result<T, E>>,
+) -> Result<T, BrokerError> {
+    match tokio::time::timeout(CONNECT_TIMEOUT, call).await {
+        Ok(answer) => answer.map_err(Into::into),
+        Err(_) => Err(BrokerError::Timeout { what }),
+    }
+}
+
+/// The reply code of the broker's channel or connection close behind `e`, if it was one.
+pub fn reply_code(e: &lapin::Error) -> Option<u16> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => Some(amqp.get_id()),
+        _ => None,
+    }
+}
+
+/// A lapin error for a failure lapin does not name (a bad URL, a TLS set-up, a settle not sent).
+fn io_error(e: impl std::fmt::Display) -> lapin::Error {
+    std::io::Error::other(e.to_string()).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_that_does_not_answer_is_abandoned_after_the_connect_timeout() {
+        let started = tokio::time::Instant::now();
+        let hung = std::future::pending::<Result<(), lapin::Error>>();
+        let e = bounded("queue.bind", hung).await.unwrap_err();
+        assert!(
+            matches!(e, BrokerError::Timeout { what: "queue.bind" }),
+            "{e}"
+        );
+        assert_eq!(started.elapsed(), CONNECT_TIMEOUT);
+        assert_eq!(e.reply_code(), None);
+        assert_eq!(
+            e.to_string(),
+            "the broker did not answer queue.bind within 5s"
+        );
+        let answered = bounded("queue.declare", async { Ok::<_, lapin::Error>(7) });
+        assert_eq!(answered.await.unwrap(), 7);
+    }
+}
