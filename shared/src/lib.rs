@@ -1,25 +1,9 @@
-//! drumline-shared: the pieces the beat and the workers agree on.
+//! drumline-shared: the pieces the beat and the workers agree on — the config, the message,
+//! every name, schedule math, the one door to RabbitMQ ([`broker`]) and the one door to Redis
+//! ([`store`]).
 //!
-//! - [`broker`]   — the one door to RabbitMQ: connect and fail over, declare, publish with
-//!   confirms and returns, settle, count dead letters.
-//! - [`backoff`]  — the one exponential backoff (min, max, jitter; checked once) every reconnect,
-//!   pacing and retry path uses.
-//! - [`config`]   — `drumline.toml`: raw form, checked form, one clear error per bad key (a
-//!   large file parsed 1,000 `[[jobs]]` at a time).
-//! - [`envelope`] — the v1 task message body and its AMQP properties/headers.
-//! - `exit`       — the binaries' edge: a command's `Failure` carries its exit code
-//!   (feature `bin-support`).
-//! - `metrics`    — `--metrics-addr`: Prometheus `/metrics` and `/healthz` (feature `bin-support`).
-//! - [`names`]    — every exchange, queue and Redis key name, derived from the namespace.
-//! - [`schedule`] — pure schedule math: cron in a time zone with DST policies, fixed-rate intervals.
-//! - [`signals`]  — SIGTERM/SIGINT: orderly stop, a second signal exits at once.
-//! - [`store`]    — Redis state as atomic Lua scripts: claim, renew, complete, release, last instant.
-//! - [`table`]    — aligned plain-text tables for the commands' human output.
-//! - [`tls`]      — the CA files of `[broker] ca_file` / `[redis] ca_file`.
-//! - [`duration`] — humantime durations in config and on the command line.
-//! - [`url`]      — broker and Redis URLs: checked at load, printed with the password as `***`.
-//! - `logging`    — tracing set-up shared by both binaries (`--log-format human|json`; feature
-//!   `bin-support`).
+//! Which module does what, and what each may touch, is the module map in the repository's
+//! `docs/design.md` ("Module map"): the one place it is kept.
 //!
 //! The feature `bin-support` (off by default) adds what only the binaries need: clap, axum,
 //! tracing-subscriber and prometheus-client stay out of a library user's build.

@@ -133,7 +133,7 @@ max_retries = 0
 /// where its broker and Redis URLs and their passwords are, nor its supervisor's: both make
 /// themselves non-dumpable before they start anything (docs/design.md "Tasks cannot read the
 /// worker"). Root may read any process's environment, so the worker runs as `nobody` here, as
-/// the README says to run workers; the task asks its supervisor's status for the worker's pid.
+/// docs/guarantees.md says to run workers; the task asks its supervisor's status for the worker's pid.
 // See: issues/16
 #[tokio::test(flavor = "multi_thread")]
 async fn a_task_as_the_workers_user_cannot_read_the_workers_environment() {
