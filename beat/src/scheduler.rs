@@ -45,9 +45,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{error, info, warn};
 
-#[cfg(test)]
-pub(crate) mod live;
-
 /// Most jobs planned and published together (see the module doc).
 pub const BATCH_JOBS: usize = 1000;
 

@@ -19,6 +19,10 @@ mod leader;
 mod operate;
 mod rules;
 pub use conn::Conn;
+/// The Lua that formats Redis `TIME` as RFC 3339 for the leader lease's `since`: public only
+/// so `shared/tests/store.rs` can run it against chrono across the calendar.
+#[doc(hidden)]
+pub use leader::RFC3339 as LUA_RFC3339;
 pub use leader::{Candidate, LeaseMode, LeaseOutcome, LeaseReply, ProgressError};
 
 /// Why a store call failed. Every kind is connection-level for the caller: the worker fails
@@ -352,7 +356,7 @@ end
 // CLAIM
 // KEYS[1] -> {ns}:run:{key}          the run record (state, attempt, fence, token, lease_until)
 // KEYS[2] -> {ns}:fence              the fencing counter
-// KEYS[3] -> {ns}:job_running:{job}  the job's overlap lock, a hash {key, token} (unused with
+// KEYS[3] -> {ns}:job:{job}:running  the job's overlap lock, a hash {key, token} (unused with
 //                                    overlap `allow`)
 // KEYS[4] -> {ns}:running:{job}      the job's running set (unused when not counted)
 // ARGV[1] -> token                   ARGV[2] -> worker id
@@ -422,7 +426,7 @@ return {'claimed', tostring(fence)}
 });
 
 // The call every holder's script shares (RENEW, FINISH, RETRY, RELEASE):
-// KEYS[1] -> {ns}:run:{key}          KEYS[2] -> {ns}:job_running:{job} (the job lock)
+// KEYS[1] -> {ns}:run:{key}          KEYS[2] -> {ns}:job:{job}:running (the job lock)
 // KEYS[3] -> {ns}:running:{job}      (unused for an ad-hoc task)
 // KEYS[4] -> {ns}:waiters:{job}      (unused by RENEW)
 // ARGV[1] -> the claim's token       ARGV[2] -> the key as the running set records it ('' for
@@ -482,13 +486,16 @@ fn ending_claim(body: &str) -> Script {
     Script::new(&format!("{END_CLAIM}{body}"))
 }
 
-// FINISH: ARGV[3] -> final state (done | dead), ARGV[4] -> retention in ms, ARGV[5] -> the
-// run record's JSON ('' for none), ARGV[6] -> history cap, ARGV[7] -> the record's end,
-// ARGV[8] -> success | failure | '' (which "last" key ARGV[7] goes to);
-// KEYS[4] -> {ns}:history:{job}, KEYS[5] -> {ns}:last_success:{job} or last_failure.
-// Output: {code, woken}; code 1 written | 2 written before by this token (a repeat whose first reply was lost or
-// whose WAIT fell short: docs/design.md#outcome-writes-are-idempotent) | 0 another claim
-// holds the instance now, nothing written.
+// FINISH (the shared KEYS[1..4] and ARGV[1..2] above, then:)
+// KEYS[5] -> {ns}:history:{job}      the job's run records (only with ARGV[5])
+// KEYS[6] -> {ns}:last_success:{job} or {ns}:last_failure:{job} (only with ARGV[5])
+// ARGV[3] -> final state: done | dead        ARGV[4] -> retention in ms
+// ARGV[5] -> the run record's JSON ('' for none)
+// ARGV[6] -> history cap                     ARGV[7] -> the record's end (RFC 3339)
+// ARGV[8] -> success | failure | '' (which "last" key ARGV[7] goes to)
+// Output: {code, woken}; code 1 written | 2 written before by this token (a repeat whose
+// first reply was lost or whose WAIT fell short: docs/design.md#outcome-writes-are-idempotent)
+// | 0 another claim holds the instance now, nothing written.
 // Written while the claim is ours and running, lapsed or not (nobody took it over), or when
 // the record is gone: the run did finish, and recording it is what stops it running again.
 static FINISH: LazyLock<Script> = LazyLock::new(|| {
@@ -515,7 +522,8 @@ return {0, woken}
     )
 });
 
-// RETRY: ARGV[3] -> the next attempt, ARGV[4] -> retention in ms.
+// RETRY (the shared KEYS[1..4] and ARGV[1..2] above, then:)
+// ARGV[3] -> the next attempt        ARGV[4] -> retention in ms
 // Output: {code, woken}; code 1 handed over | 2 handed over before by this token (a repeat)
 // | 0 not ours.
 // A failed run hands the instance to its retry: the record stays, `retrying` with the attempt
@@ -537,7 +545,8 @@ return {1, woken}
     )
 });
 
-// RELEASE: no further ARGV. Output: {1 released | 0 not ours, woken}.
+// RELEASE (the shared KEYS[1..4] and ARGV[1..2] above, nothing more)
+// Output: {1 released | 0 not ours, woken}.
 // Gives the claim up (shutdown abandoned the run; its copy is requeued): the record stays,
 // with its attempt, so older copies are still duplicates; its lease is marked lapsed and the
 // token dropped, so the requeued copy takes it over at once with a new fence.
@@ -586,8 +595,11 @@ return redis.call('LPOP', KEYS[2])
     )
 });
 
-// KEYS: running sets. Per set, how many entries have a lease that has not expired by Redis
-// `TIME` (read-only: expired entries are trimmed by the writers).
+// RUNNING_COUNTS
+// KEYS[1..n] -> {ns}:running:{job}   running sets, one per job asked about
+// ARGV       -> none
+// Output: per set, how many entries have a lease that has not expired by Redis `TIME`
+// (read-only: expired entries are trimmed by the writers).
 static RUNNING_COUNTS: LazyLock<Script> = LazyLock::new(|| {
     keeping_running_set(
         r#"
@@ -601,7 +613,10 @@ return counts
     )
 });
 
-// KEYS[1] run key.
+// CLEAR_DEAD (`dlq replay`: the replayed copy may run again)
+// KEYS[1] -> {ns}:run:{key}
+// ARGV    -> none
+// Output: 1 the record was `dead` and is gone | 0 left alone (any other state, or none)
 static CLEAR_DEAD: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"

@@ -5,7 +5,7 @@ use chrono::{TimeZone, Utc};
 use drumline_shared::names::Names;
 use drumline_shared::store::{
     Candidate, Claim, ClaimRequest, Ending, Final, LeaseMode, LeaseOutcome, OverlapMode,
-    ProgressError, RunRecord, RunState, Store,
+    ProgressError, RunRecord, RunState, Store, LUA_RFC3339,
 };
 use std::time::{Duration, Instant};
 
@@ -999,4 +999,30 @@ async fn a_final_state_and_its_run_record_land_in_one_call_and_only_for_the_hold
         ttl > 0 && ttl <= 60_000,
         "last_failure lives as long as done_ttl: {ttl}"
     );
+}
+
+/// The lease's `since` is formatted by the script from Redis `TIME`; its date arithmetic,
+/// run by the real Redis on the dates that break naive formulas, against chrono.
+#[tokio::test]
+async fn the_scripts_rfc3339_matches_chrono_across_the_calendar() {
+    let mut conn = redis::Client::open("redis://127.0.0.1:6379/0")
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis");
+    let script = redis::Script::new(&format!("{LUA_RFC3339}return rfc3339(tonumber(ARGV[1]))"));
+    for text in [
+        "1970-01-01T00:00:00.000Z",
+        "2000-02-29T23:59:59.999Z",
+        "2024-12-31T12:34:56.789Z",
+        "2026-03-01T00:00:00.001Z",
+        "2026-11-30T21:15:07.250Z",
+        "2100-03-01T08:00:00.000Z",
+    ] {
+        let ms = chrono::DateTime::parse_from_rfc3339(text)
+            .unwrap()
+            .timestamp_millis();
+        let formatted: String = script.arg(ms).invoke_async(&mut conn).await.unwrap();
+        assert_eq!(formatted, text, "{ms}");
+    }
 }

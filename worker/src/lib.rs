@@ -1,24 +1,8 @@
 //! drumline-worker: consumes task messages, deduplicates through Redis, runs handlers.
 //!
-//! - [`consumer`]  — the broker side: connect, declare, consume within the concurrency slots,
-//!   declare and consume again a queue whose consumer the broker cancelled, pace broker
-//!   failures, reconnect, shut down in order (every step bounded).
-//! - `acks`        — a channel's acks, coalesced into `multiple` acks over recorded outcomes;
-//!   bounded (a delivery not settled in time closes the channel).
-//! - [`processor`] — one delivery start to finish: admit → claim → run → record → ack; performs
-//!   what [`decision`] says (the only place a delivery's broker and Redis effects happen).
-//! - [`decision`]  — what to do with a delivery, as pure functions: admit, then claim and run
-//!   result → [`decision::Action`].
-//! - [`lease`]     — the watchdog that renews a claim and cancels a run whose lease is lost.
-//! - [`retry`]     — where a retry is decided: exponential backoff with jitter, exhaustion.
-//! - [`executor`]  — the built-in shell executor (process groups, parent-death signal).
-//! - [`supervisor`] — `drumline-supervisor`, which leads each task's process group:
-//!   non-dumpable, killed with its group when the worker dies.
-//! - [`handler`]   — the handler API for Rust users: context in, decision-shaped error out.
-//! - [`stats`]     — counters.
-//! - [`dlq`]       — `dlq list | replay | purge`: the dead letters.
-//! - `commands`    — the bodies of the binary's commands, exit-code-carrying failures (feature
-//!   `cli`).
+//! One delivery goes [`consumer`] → [`processor`] (claim, run, record, ack), which carries out
+//! what [`decision`] says (pure). Which module does what is the module map in the repository's
+//! `docs/design.md` ("Module map"): the one place it is kept.
 //!
 //! ```no_run
 //! # async fn demo(config: drumline_shared::config::Config) -> Result<(), drumline_worker::WorkerError> {
@@ -33,7 +17,9 @@
 //! # Ok(()) }
 //! ```
 
-mod acks;
+// Public for worker/tests/acks.rs (the real broker); not part of the API.
+#[doc(hidden)]
+pub mod acks;
 #[cfg(feature = "cli")]
 pub mod commands;
 pub mod consumer;

@@ -100,9 +100,9 @@ local function now_ms()
 end
 "#;
 
-// RFC 3339 (UTC, milliseconds) of a Unix time in ms: days to civil date after H. Hinnant's
-// `civil_from_days`.
-const RFC3339: &str = r#"
+/// RFC 3339 (UTC, milliseconds) of a Unix time in ms: days to civil date after H. Hinnant's
+/// `civil_from_days`.
+pub const RFC3339: &str = r#"
 local function rfc3339(ms)
   local s = math.floor(ms / 1000)
   local days = math.floor(s / 86400)
@@ -122,10 +122,14 @@ local function rfc3339(ms)
 end
 "#;
 
-// KEYS[1] lease, KEYS[2] epoch counter; ARGV token, lease_ms, host, pid, mode (acquire | renew).
-// Returns {code, epoch, redis_ms}: 1 acquired, 2 renewed, 0 refused (epoch: the holder's, 0 for
-// none). `renew` never acquires: a
-// leader whose lease lapsed has to come back through `acquire`, under a new epoch.
+// LEAD
+// KEYS[1] -> {ns}:beat:leader        the lease (JSON: host, pid, epoch, since, token)
+// KEYS[2] -> {ns}:beat:epoch         the epoch counter
+// ARGV[1] -> token    ARGV[2] -> lease in ms    ARGV[3] -> host    ARGV[4] -> pid
+// ARGV[5] -> acquire | renew
+// Output: {code, epoch, redis_ms}: 1 acquired | 2 renewed | 0 refused (epoch: the holder's, 0
+// for none). `renew` never acquires: a leader whose lease lapsed has to come back through
+// `acquire`, under a new epoch.
 static LEAD: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         "{HELD_BY}{RFC3339}{}",
@@ -151,7 +155,9 @@ return {1, epoch, now}
     ))
 });
 
-// KEYS[1] lease; ARGV token. Deletes the lease only when it is ours.
+// RESIGN
+// KEYS[1] -> {ns}:beat:leader        ARGV[1] -> token
+// Output: 1 deleted (it was ours) | 0 left alone
 static RESIGN: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         "{HELD_BY}{}",
@@ -165,11 +171,15 @@ return 0
     ))
 });
 
-// KEYS[1] lease, KEYS[2..] progress keys; ARGV[1] token, ARGV[2] most ms ahead of TIME, then per
-// progress key its instant as fixed-width RFC 3339 text (string order is time order) and as
-// Unix ms. Returns {0} when the token does not hold the lease (nothing written), else {1, per
-// key: 1 written or already further, 0 refused as ahead, -1 its value is not a string}. One
-// job's broken key fails that job alone.
+// ADVANCE_FENCED
+// KEYS[1]     -> {ns}:beat:leader            the lease that fences the write
+// KEYS[2..n]  -> {ns}:beat:last:{job}        progress keys
+// ARGV[1]     -> token                       ARGV[2] -> most ms ahead of Redis TIME
+// ARGV[2i-1], ARGV[2i] (i = 2..n) -> KEYS[i]'s instant as fixed-width RFC 3339 text (string
+//                order is time order) and as Unix ms
+// Output: {0} the token does not hold the lease (nothing written) | {1, per key: 1 written
+// or already further, 0 refused as ahead, -1 its value is not a string}. One job's broken key
+// fails that job alone.
 static ADVANCE_FENCED: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         "{HELD_BY}{}",
@@ -339,35 +349,4 @@ impl Store {
 
 fn unexpected(what: &'static str) -> StoreError {
     StoreError::bad_reply(what)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::RFC3339;
-
-    /// The lease's `since` is formatted by the script from Redis `TIME`; its date arithmetic,
-    /// run by the real Redis on the dates that break naive formulas, against chrono.
-    #[tokio::test]
-    async fn the_scripts_rfc3339_matches_chrono_across_the_calendar() {
-        let mut conn = redis::Client::open("redis://127.0.0.1:6379/0")
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .expect("redis");
-        let script = redis::Script::new(&format!("{RFC3339}return rfc3339(tonumber(ARGV[1]))"));
-        for text in [
-            "1970-01-01T00:00:00.000Z",
-            "2000-02-29T23:59:59.999Z",
-            "2024-12-31T12:34:56.789Z",
-            "2026-03-01T00:00:00.001Z",
-            "2026-11-30T21:15:07.250Z",
-            "2100-03-01T08:00:00.000Z",
-        ] {
-            let ms = chrono::DateTime::parse_from_rfc3339(text)
-                .unwrap()
-                .timestamp_millis();
-            let formatted: String = script.arg(ms).invoke_async(&mut conn).await.unwrap();
-            assert_eq!(formatted, text, "{ms}");
-        }
-    }
 }

@@ -12,11 +12,15 @@ use redis::Script;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-// KEYS[1] lease, then per job its progress key and its rule key; ARGV[1] token, ARGV[2] most ms
-// ahead of TIME, then per job its instant as fixed-width RFC 3339 text (string order is time
-// order), as Unix ms, and its rule. Returns {0} when the token does not hold the lease (nothing
-// written), else {1, per job: 1 written (the progress moved forward only, never back; the rule
-// set), 0 refused as ahead (nothing written), -1 its progress is not a string (nothing written)}.
+// START_FENCED
+// KEYS[1]          -> {ns}:beat:leader        the lease that fences the write
+// KEYS[2j], [2j+1] -> job j's {ns}:beat:last:{job} and {ns}:beat:rule:{job}
+// ARGV[1]          -> token                   ARGV[2] -> most ms ahead of Redis TIME
+// ARGV[3j], [3j+1], [3j+2] -> job j's instant as fixed-width RFC 3339 text (string order is
+//                     time order), as Unix ms, and its rule
+// Output: {0} the token does not hold the lease (nothing written) | {1, per job: 1 written
+// (the progress moved forward only, never back; the rule set), 0 refused as ahead (nothing
+// written), -1 its progress is not a string (nothing written)}.
 static START_FENCED: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         "{HELD_BY}{}",

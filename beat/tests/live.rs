@@ -1,10 +1,11 @@
-//! Against the real Redis and RabbitMQ (as `scripts/test` starts them), each test in a
-//! namespace of its own whose keys, queues and exchanges are deleted at the end: the harness
-//! ([`Ns`], shared with the publisher's tests) and the loop's tests that need both services.
+//! The beat's loop and publisher against the real Redis and RabbitMQ (as `scripts/test` starts
+//! them), each test in a namespace of its own whose keys, queues and exchanges are deleted at
+//! the end. Here, not in `src/`, so `cargo test --lib` needs no services.
 
-use super::{run, BeatStats, BATCH_JOBS, BATCH_MESSAGES};
-use crate::misfire::tests::at;
 use chrono::{DateTime, DurationRound, SecondsFormat, TimeDelta, Utc};
+use drumline_beat::publisher::Publisher;
+use drumline_beat::scheduler::{run, BeatStats, BATCH_JOBS, BATCH_MESSAGES};
+use drumline_shared::broker::{self, BrokerError};
 use drumline_shared::config::Config;
 use drumline_shared::envelope::{instance_key, Envelope};
 use drumline_shared::names::Names;
@@ -23,16 +24,16 @@ use std::time::{Duration, Instant};
 const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 /// A namespace; everything in it is deleted on drop.
-pub(crate) struct Ns(pub(crate) String);
+struct Ns(String);
 
 impl Ns {
-    pub(crate) fn new(test: &str) -> Self {
+    fn new(test: &str) -> Self {
         let id = uuid::Uuid::new_v4().simple().to_string();
         Ns(format!("t_beat_{test}_{}", &id[..8]))
     }
 
     /// A config in this namespace: `body` plus task `t`.
-    pub(crate) fn config(&self, body: &str) -> Config {
+    fn config(&self, body: &str) -> Config {
         let text = format!(
             "namespace = \"{}\"\n{body}\n[tasks.t]\ncommand = [\"/bin/true\"]\n",
             self.0
@@ -127,6 +128,12 @@ where
     });
     let (stats, ()) = tokio::join!(beat, watch);
     stats.expect("the beat failed")
+}
+
+fn at(text: &str) -> DateTime<Utc> {
+    DateTime::parse_from_rfc3339(text)
+        .expect("test instant")
+        .with_timezone(&Utc)
 }
 
 fn rfc3339(t: DateTime<Utc>) -> String {
@@ -371,4 +378,49 @@ async fn jobs_due_together_are_published_in_batches_each_instant_once() {
     others.sort();
     let want: Vec<_> = names.iter().map(|n| instance_key(n, due)).collect();
     assert!(others == want, "on-time instances doubled or missing");
+}
+
+/// Against the real RabbitMQ. The broker returns unroutable messages before it confirms
+/// them, and may confirm several at once: each returned message is charged to its own
+/// envelope, not to the confirm that happened to carry it.
+#[tokio::test]
+async fn unroutable_messages_fail_alone_in_a_batch() {
+    let ns = Ns::new("unroutable");
+    let config = ns.config(
+        "[[jobs]]\nname = \"a\"\ntask = \"t\"\nevery = \"1h\"\nqueue = \"a\"\n\
+         [[jobs]]\nname = \"b\"\ntask = \"t\"\nevery = \"1h\"\nqueue = \"b\"\n",
+    );
+    let mut publisher = Publisher::new(&config);
+    publisher.connect().await.expect("broker");
+    // Queue `b` goes away after the topology was declared: its messages route nowhere.
+    let names = Names::new(config.namespace.clone());
+    let amqp = broker::connect(&config).await.unwrap();
+    let ch = amqp.create_channel().await.unwrap();
+    ch.queue_delete(
+        names.work_queue("b").as_str().into(),
+        QueueDeleteOptions::default(),
+    )
+    .await
+    .unwrap();
+    let _ = amqp.close(200, "bye".into()).await;
+
+    let at = Utc::now();
+    let batch: Vec<Envelope> = (0..40)
+        .map(|i| {
+            let queue = if i % 4 == 1 { "b" } else { "a" };
+            let t = at + chrono::TimeDelta::seconds(i);
+            Envelope::scheduled(queue, "t", queue, serde_json::json!({}), t, None, at)
+        })
+        .collect();
+    let outcomes = publisher
+        .publish_batch(&batch, 0, || true)
+        .await
+        .expect("sent");
+    for (env, outcome) in batch.iter().zip(&outcomes) {
+        match (env.queue.as_str(), outcome) {
+            ("a", Ok(())) | ("b", Err(BrokerError::Unroutable(_))) => {}
+            _ => panic!("{}: {outcome:?}", env.key),
+        }
+    }
+    publisher.close().await;
 }
