@@ -61,10 +61,70 @@ pub enum DstFold {
     Both,
 }
 
-/// Why a parse failed; the message names the field and the reason.
+/// Why a cron expression or a time zone was refused; the message names the field and the
+/// reason.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct ScheduleError(pub String);
+pub enum ScheduleError {
+    /// `@something` that is not one of the macros.
+    #[error(
+        "cron {expr:?}: unknown macro {expr:?} (known: @yearly, @annually, @monthly, @weekly, \
+         @daily, @midnight, @hourly)"
+    )]
+    UnknownMacro {
+        /// The expression as written (trimmed).
+        expr: String,
+    },
+    /// Neither 5 nor 6 fields.
+    #[error("cron {expr:?}: expected 5 or 6 fields, got {got}")]
+    FieldCount {
+        /// The expression as written (trimmed).
+        expr: String,
+        /// How many fields it has.
+        got: usize,
+    },
+    /// A bad value, range or step in one field.
+    #[error("cron {expr:?}: field {field}: {why}")]
+    Field {
+        /// The expression as written (trimmed).
+        expr: String,
+        /// The field's name (`minute`, `day-of-week`, …).
+        field: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A day of month that no month of the expression has (`0 0 30 2 *`).
+    #[error(
+        "cron {expr:?}: never matches: day-of-month {days:?} does not occur in month {months:?}"
+    )]
+    NeverMatches {
+        /// The expression as written (trimmed).
+        expr: String,
+        /// Its day-of-month field.
+        days: String,
+        /// Its month field.
+        months: String,
+    },
+    /// Not an IANA zone name known to chrono-tz.
+    #[error("unknown time zone {name:?}{}", zone_hint(suggestions))]
+    UnknownZone {
+        /// The name as written.
+        name: String,
+        /// The closest known names (at most 3).
+        suggestions: Vec<&'static str>,
+    },
+}
+
+/// ` (did you mean …?)` for an unknown zone, or what a zone name looks like.
+fn zone_hint(suggestions: &[&'static str]) -> String {
+    match suggestions {
+        [] => " (expected an IANA name such as \"Europe/Berlin\" or \"UTC\")".to_string(),
+        [one] => format!(" (did you mean {one:?}?)"),
+        [init @ .., last] => {
+            let init: Vec<String> = init.iter().map(|s| format!("{s:?}")).collect();
+            format!(" (did you mean {} or {last:?}?)", init.join(", "))
+        }
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Cron parsing
@@ -314,7 +374,6 @@ impl CronExpr {
     /// expression that can never match.
     pub fn parse(expr: &str) -> Result<Self, ScheduleError> {
         let text = expr.trim();
-        let fail = |msg: String| ScheduleError(format!("cron {text:?}: {msg}"));
         let expanded = match text {
             "@yearly" | "@annually" => "0 0 1 1 *",
             "@monthly" => "0 0 1 * *",
@@ -322,10 +381,7 @@ impl CronExpr {
             "@daily" | "@midnight" => "0 0 * * *",
             "@hourly" => "0 * * * *",
             t if t.starts_with('@') => {
-                return Err(fail(format!(
-                    "unknown macro {t:?} (known: @yearly, @annually, @monthly, @weekly, \
-                     @daily, @midnight, @hourly)"
-                )))
+                return Err(ScheduleError::UnknownMacro { expr: t.to_owned() })
             }
             t => t,
         };
@@ -333,11 +389,19 @@ impl CronExpr {
         let (second, rest) = match fields.len() {
             5 => ("0", &fields[..]),
             6 => (fields[0], &fields[1..]),
-            n => return Err(fail(format!("expected 5 or 6 fields, got {n}"))),
+            got => {
+                return Err(ScheduleError::FieldCount {
+                    expr: text.to_owned(),
+                    got,
+                })
+            }
         };
-        let field = |spec: &Field, text: &str| {
-            spec.parse(text)
-                .map_err(|why| fail(format!("field {}: {why}", spec.name)))
+        let field = |spec: &Field, value: &str| {
+            spec.parse(value).map_err(|why| ScheduleError::Field {
+                expr: text.to_owned(),
+                field: spec.name,
+                why,
+            })
         };
         let seconds = field(&SECOND, second)?;
         let minutes = field(&MINUTE, rest[0])?;
@@ -375,10 +439,11 @@ impl CronExpr {
                 .filter(|m| months & (1 << m) != 0)
                 .any(|m| days & days_up_to(days_in_month(2000, m)) != 0);
             if !possible {
-                return Err(fail(format!(
-                    "never matches: day-of-month {:?} does not occur in month {:?}",
-                    rest[2], rest[3]
-                )));
+                return Err(ScheduleError::NeverMatches {
+                    expr: text.to_owned(),
+                    days: rest[2].to_owned(),
+                    months: rest[3].to_owned(),
+                });
             }
         }
         Ok(cron)
@@ -528,16 +593,10 @@ pub fn parse_timezone(name: &str) -> Result<Tz, ScheduleError> {
     if let Ok(tz) = name.parse::<Tz>() {
         return Ok(tz);
     }
-    let suggestions = suggest_timezones(name);
-    let hint = match suggestions.as_slice() {
-        [] => " (expected an IANA name such as \"Europe/Berlin\" or \"UTC\")".to_string(),
-        [one] => format!(" (did you mean {one:?}?)"),
-        [init @ .., last] => {
-            let init: Vec<String> = init.iter().map(|s| format!("{s:?}")).collect();
-            format!(" (did you mean {} or {last:?}?)", init.join(", "))
-        }
-    };
-    Err(ScheduleError(format!("unknown time zone {name:?}{hint}")))
+    Err(ScheduleError::UnknownZone {
+        name: name.to_owned(),
+        suggestions: suggest_timezones(name),
+    })
 }
 
 fn suggest_timezones(name: &str) -> Vec<&'static str> {

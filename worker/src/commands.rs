@@ -31,9 +31,10 @@ pub enum DlqCommand {
 
 impl From<WorkerError> for Failure {
     fn from(e: WorkerError) -> Self {
-        match e {
-            WorkerError::Config(message) => Failure::Usage(message),
-            WorkerError::Fatal(message) => Failure::Other(message),
+        if e.needs_a_fix() {
+            Failure::Usage(e.to_string())
+        } else {
+            Failure::Other(e.to_string())
         }
     }
 }
@@ -145,7 +146,12 @@ mod tests {
 
     #[test]
     fn a_worker_error_keeps_its_exit_code_at_the_edge() {
-        assert_eq!(Failure::from(WorkerError::Config("bad".into())).code(), 2);
-        assert_eq!(Failure::from(WorkerError::Fatal("down".into())).code(), 1);
+        let missing = WorkerError::NoHandler {
+            path: "w.toml".into(),
+            task: "t".into(),
+        };
+        assert_eq!(Failure::from(missing).code(), 2);
+        let fatal = WorkerError::NotDumpable(std::io::Error::other("no prctl"));
+        assert_eq!(Failure::from(fatal).code(), 1);
     }
 }

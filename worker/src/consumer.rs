@@ -159,7 +159,7 @@ async fn work(
     }
     info!(worker = %worker_id, stats = %processor.stats.summary(), "worker stopped");
     match served.fatal {
-        Some(message) => Err(WorkerError::Config(message)),
+        Some(refused) => Err(WorkerError::Topology(refused)),
         None => Ok(processor.stats.clone()),
     }
 }
@@ -233,7 +233,7 @@ struct Served {
     /// channel when its last handle is dropped.
     connection: Option<(Connection, PublishChannel, lapin::Channel)>,
     /// A topology mismatch: the worker cannot serve with this config.
-    fatal: Option<String>,
+    fatal: Option<BrokerError>,
 }
 
 /// Hands deliveries to the [`Processor`] within the concurrency slots, paced by [`Pacer`].
@@ -260,7 +260,7 @@ enum SessionEnd {
     Lost,
     /// A queue declared again after the broker cancelled its consumer exists with other
     /// arguments: drain (keeping the connection), then end the worker.
-    Fatal(String),
+    Fatal(BrokerError),
 }
 
 /// What a session's consumers yield: a delivery, a failure, or the end of a consumer (cancelled
@@ -301,12 +301,12 @@ impl Dispatch {
             };
             let (conn, publisher, consumer_channel, consumers) = match session {
                 Ok(s) => s,
-                Err(SessionError::Fatal(message)) => {
-                    error!(error = %message, in_flight = in_flight.len(),
+                Err(SessionError::Fatal(refused)) => {
+                    error!(error = %refused, in_flight = in_flight.len(),
                            "cannot serve with this topology; finishing the runs in flight first");
                     return Served {
                         connection: None,
-                        fatal: Some(message),
+                        fatal: Some(refused),
                     };
                 }
                 Err(e) => {
@@ -341,10 +341,10 @@ impl Dispatch {
                     continue;
                 }
                 SessionEnd::Stopping => None,
-                SessionEnd::Fatal(message) => {
-                    error!(error = %message, in_flight = in_flight.len(),
+                SessionEnd::Fatal(refused) => {
+                    error!(error = %refused, in_flight = in_flight.len(),
                            "cannot serve with this topology; finishing the runs in flight first");
-                    Some(message)
+                    Some(refused)
                 }
             };
             return Served {
@@ -435,7 +435,7 @@ impl Dispatch {
                         stats.consuming(&queue, true);
                         merged.push(events(queue, consumer));
                     }
-                    Err(SessionError::Fatal(message)) => break SessionEnd::Fatal(message),
+                    Err(SessionError::Fatal(refused)) => break SessionEnd::Fatal(refused),
                     Err(e) => {
                         warn!(error = %e, "cannot re-subscribe; reconnecting");
                         break SessionEnd::Lost;
@@ -540,7 +540,7 @@ impl Dispatch {
                 .await
                 .map_err(|e| match e {
                     BrokerError::Amqp(e) => SessionError::Amqp(e),
-                    refused => SessionError::Fatal(refused.to_string()),
+                    refused => SessionError::Fatal(refused),
                 })
             };
             let declared = tokio::time::timeout(REDECLARE_TIMEOUT, declare)
@@ -738,8 +738,9 @@ enum SessionError {
     Timeout(&'static str),
     #[error("the connection or the consumer channel is gone")]
     Gone,
-    #[error("{0}")]
-    Fatal(String),
+    /// A queue declared with other arguments: needs a human.
+    #[error(transparent)]
+    Fatal(BrokerError),
     /// A publish on the way (not produced by opening a session; retried like a lost channel).
     #[error(transparent)]
     Publish(BrokerError),
@@ -751,7 +752,7 @@ impl From<BrokerError> for SessionError {
         match e {
             BrokerError::Amqp(e) => SessionError::Amqp(e),
             BrokerError::Timeout { what } => SessionError::Timeout(what),
-            e @ BrokerError::Mismatch { .. } => SessionError::Fatal(e.to_string()),
+            e @ BrokerError::Mismatch { .. } => SessionError::Fatal(e),
             e => SessionError::Publish(e),
         }
     }

@@ -102,7 +102,7 @@ impl ShellExecutor {
     }
 
     async fn run(self, ctx: TaskContext) -> Result<(), HandlerError> {
-        let supervisor = supervisor().map_err(HandlerError::Retryable)?;
+        let supervisor = supervisor().map_err(|e| HandlerError::Retryable(e.to_string()))?;
         let mut cmd = Command::new(supervisor);
         cmd.arg(std::process::id().to_string()).args(&self.command);
         self.environment(&mut cmd, &ctx);
@@ -202,7 +202,7 @@ async fn stop(child: &mut Child, group: Option<Group>, grace: Duration) {
 /// Where the supervisor is: the path given to [`use_supervisor`], else `drumline-supervisor`
 /// beside the running executable (where the release and `cargo build` put it), else on `PATH`;
 /// looked for once. `Err` says where it was looked for.
-pub fn supervisor() -> Result<&'static Path, String> {
+pub fn supervisor() -> Result<&'static Path, SupervisorMissing> {
     SUPERVISOR_PATH
         .get_or_init(|| {
             let beside = std::env::current_exe()
@@ -220,19 +220,25 @@ pub fn supervisor() -> Result<&'static Path, String> {
                 .chain(&on_path)
                 .find(|p| p.is_file())
                 .cloned()
-                .ok_or_else(|| {
-                    let beside = beside.map_or("-".into(), |p| p.display().to_string());
-                    format!(
-                        "{SUPERVISOR} (which runs every shell task) is missing: not at {beside} \
-                         nor on PATH; install it beside drumline-worker"
-                    )
-                })
+                .ok_or(SupervisorMissing { beside })
         })
         .as_deref()
         .map_err(Clone::clone)
 }
 
-static SUPERVISOR_PATH: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+static SUPERVISOR_PATH: OnceLock<Result<PathBuf, SupervisorMissing>> = OnceLock::new();
+
+/// `drumline-supervisor` is neither beside the running binary nor on `PATH`.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "{SUPERVISOR} (which runs every shell task) is missing: not at {} nor on PATH; install it \
+     beside drumline-worker",
+    beside.as_ref().map_or("-".into(), |p| p.display().to_string())
+)]
+pub struct SupervisorMissing {
+    /// Where it was looked for beside the running binary (none when that is unknown).
+    pub beside: Option<PathBuf>,
+}
 
 /// Runs shell tasks under the supervisor at `path` instead of looking for it (for a program
 /// that embeds the worker and installs `drumline-supervisor` elsewhere). Call it before the

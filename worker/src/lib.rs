@@ -35,21 +35,52 @@ pub mod supervisor;
 
 pub use handler::{Handler, HandlerError, TaskContext};
 
+use drumline_shared::broker::BrokerError;
 use drumline_shared::config::{Config, WorkerConfig};
 use std::collections::HashMap;
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::Arc;
 use tokio::sync::watch;
 
-/// Why a worker stopped with an error.
+/// Why a worker stopped with an error. [`WorkerError::needs_a_fix`] tells the ones a restart
+/// cannot cure (the config, the install, the broker's queues: exit code 2) from the rest.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
-    /// The config cannot serve (exit code 2).
-    #[error("{0}")]
-    Config(String),
-    /// Anything else (exit code 1).
-    #[error("{0}")]
-    Fatal(String),
+    /// A task has neither a `command` nor a registered Rust handler.
+    #[error("{}: task {task:?}: key `command`: missing, and no Rust handler is registered for it", path.display())]
+    NoHandler {
+        /// The config file.
+        path: PathBuf,
+        /// The task.
+        task: String,
+    },
+    /// A Rust handler is registered for a task the config does not have.
+    #[error("{}: a handler is registered for task {task:?}, but there is no [tasks.{task}] entry", path.display())]
+    UnknownTask {
+        /// The config file.
+        path: PathBuf,
+        /// The handler's task name.
+        task: String,
+    },
+    /// `drumline-supervisor`, which runs every shell task, is not installed.
+    #[error(transparent)]
+    NoSupervisor(#[from] executor::SupervisorMissing),
+    /// The broker holds one of the worker's queues with other arguments
+    /// ([`BrokerError::Mismatch`]): the runs in flight were finished first.
+    #[error(transparent)]
+    Topology(BrokerError),
+    /// The worker could not make itself non-dumpable, so tasks could read its environment.
+    #[error("cannot make the worker non-dumpable: {0}")]
+    NotDumpable(#[source] std::io::Error),
+}
+
+impl WorkerError {
+    /// Whether a person must change something (the config, the install, the broker's queues)
+    /// before the worker can serve: exit code 2. Otherwise 1.
+    pub fn needs_a_fix(&self) -> bool {
+        !matches!(self, WorkerError::NotDumpable(_))
+    }
 }
 
 /// A worker, configured and ready to [`run`](Worker::run).
@@ -115,16 +146,14 @@ impl Worker {
         self,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<Arc<stats::Stats>, WorkerError> {
-        executor::make_non_dumpable()
-            .map_err(|e| WorkerError::Fatal(format!("cannot make the worker non-dumpable: {e}")))?;
+        executor::make_non_dumpable().map_err(WorkerError::NotDumpable)?;
         let shell = |(name, task): (&String, &drumline_shared::config::Task)| {
             task.command.is_some() && !self.handlers.contains_key(name)
         };
         if self.config.tasks.iter().any(shell) {
-            executor::supervisor().map_err(WorkerError::Config)?;
+            executor::supervisor()?;
         }
-        let handlers = processor::resolve_handlers(&self.config, &self.handlers)
-            .map_err(WorkerError::Config)?;
+        let handlers = processor::resolve_handlers(&self.config, &self.handlers)?;
         let reload = self.reload_on_sighup.then(|| consumer::Reload {
             custom: self.handlers,
             file_worker: self.file_worker,

@@ -10,7 +10,7 @@ use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
 use crate::lease::{self, LeaseLost};
 use crate::retry;
 use crate::stats::{RunOutcome, Stats, UNKNOWN_TASK};
-use crate::Gate;
+use crate::{Gate, WorkerError};
 use chrono::Utc;
 use drumline_shared::backoff::Backoff;
 use drumline_shared::broker::{self, BrokerError};
@@ -840,26 +840,26 @@ impl Drop for Renewing {
 pub fn resolve_handlers(
     config: &Config,
     custom: &HashMap<String, Arc<dyn Handler>>,
-) -> Result<HashMap<String, Arc<dyn Handler>>, String> {
+) -> Result<HashMap<String, Arc<dyn Handler>>, WorkerError> {
     let mut handlers = HashMap::new();
     for (name, task) in &config.tasks {
         let handler: Arc<dyn Handler> = match (custom.get(name), shell(config, task)) {
             (Some(h), _) => h.clone(),
             (None, Some(shell)) => shell,
             (None, None) => {
-                return Err(format!(
-                    "{}: task {name:?}: key `command`: missing, and no Rust handler is registered for it",
-                    config.path.display()
-                ))
+                return Err(WorkerError::NoHandler {
+                    path: config.path.clone(),
+                    task: name.clone(),
+                })
             }
         };
         handlers.insert(name.clone(), handler);
     }
     if let Some(name) = custom.keys().find(|name| !config.tasks.contains_key(*name)) {
-        return Err(format!(
-            "{}: a handler is registered for task {name:?}, but there is no [tasks.{name}] entry",
-            config.path.display()
-        ));
+        return Err(WorkerError::UnknownTask {
+            path: config.path.clone(),
+            task: name.clone(),
+        });
     }
     Ok(handlers)
 }
