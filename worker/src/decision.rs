@@ -1,5 +1,6 @@
 //! What the worker does with a delivery, as pure functions (docs/design.md): [`admit`] checks
-//! the raw message, [`decide`] turns the claim and the run's result into one [`Action`]. No
+//! the raw message, [`on_claim`] turns the claim into the run or an [`Action`] that settles the
+//! copy without one, and [`after_run`] turns the run's result into its [`Action`]. No
 //! I/O here: the processor performs the action, so every branch is a plain `#[test]`.
 
 use crate::handler::HandlerError;
@@ -113,7 +114,20 @@ impl Outcome {
     }
 }
 
-/// What the processor does next. Each action ends in one ack or one requeue.
+/// What a claim leads to: the run, or an action that settles the delivery without one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    /// We hold the claim: run the handler with this fencing token, then ask [`after_run`].
+    Run {
+        /// The claim's fencing token.
+        fence: u64,
+    },
+    /// Settle the delivery without running it.
+    Settle(Action),
+}
+
+/// How the processor settles a delivery. Each action ends in one ack or one requeue; none of
+/// them runs the task, so "run after the run" cannot be written.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     /// A duplicate copy (the instance finished or moved on to a later attempt): ack, do not run.
@@ -134,11 +148,6 @@ pub enum Action {
     Skip {
         /// Key of the instance that still runs.
         running: String,
-    },
-    /// We hold the claim: run the handler with this fencing token.
-    Run {
-        /// The claim's fencing token.
-        fence: u64,
     },
     /// The run succeeded: mark the instance `done` (requeue if the claim went to another
     /// worker meanwhile), record it, ack.
@@ -169,28 +178,18 @@ pub enum Action {
     Release,
 }
 
-/// Decides what follows a `claim` of a copy at `attempt` (0-based) of `task`: before the run
-/// (`run` = `None`) and after it. `jitter` in `[0, 1)` is injected so tests are exact.
-pub fn decide(
-    claim: &Claim,
-    run: Option<&RunResult>,
-    task: &Task,
-    attempt: u32,
-    jitter: f64,
-) -> Action {
-    match (claim, run) {
-        (Claim::Claimed { fence }, None) => Action::Run { fence: *fence },
-        (Claim::Claimed { fence }, Some(result)) => {
-            after_run(*fence, result, task, attempt, jitter)
-        }
-        (Claim::Duplicate { state }, _) => Action::Duplicate { state: *state },
+/// Decides what follows a `claim`: the run, or how to settle the copy without one.
+pub fn on_claim(claim: &Claim) -> Next {
+    let settle = match claim {
+        Claim::Claimed { fence } => return Next::Run { fence: *fence },
+        Claim::Duplicate { state } => Action::Duplicate { state: *state },
         // Judged after dedupe (in the claim): an expired copy of a finished instance is a
         // duplicate, not a failure.
-        (Claim::Expired, _) => Action::Expire,
+        Claim::Expired => Action::Expire,
         // Someone else runs it under a live lease. If they die, the lease expires and this
         // copy, back from the delay queue, takes over. A later attempt than the running one
         // waits for a hand-over already on its way: it looks again soon.
-        (Claim::Busy { retry_in, handover }, _) => Action::Recheck {
+        Claim::Busy { retry_in, handover } => Action::Recheck {
             why: Recheck::Busy,
             delay: if *handover {
                 (*retry_in).min(HANDOVER_RECHECK)
@@ -198,19 +197,22 @@ pub fn decide(
                 *retry_in
             } + BUSY_RECHECK_MARGIN,
         },
-        (Claim::Waiting { retry_in, running }, _) => Action::Recheck {
+        Claim::Waiting { retry_in, running } => Action::Recheck {
             why: Recheck::Waiting {
                 running: running.clone(),
             },
             delay: *retry_in + BUSY_RECHECK_MARGIN,
         },
-        (Claim::Skipped { running }, _) => Action::Skip {
+        Claim::Skipped { running } => Action::Skip {
             running: running.clone(),
         },
-    }
+    };
+    Next::Settle(settle)
 }
 
-fn after_run(fence: u64, result: &RunResult, task: &Task, attempt: u32, jitter: f64) -> Action {
+/// Decides how a run under the claim with `fence` settles, for a copy at `attempt` (0-based)
+/// of `task`. `jitter` in `[0, 1)` is injected so tests are exact.
+pub fn after_run(fence: u64, result: &RunResult, task: &Task, attempt: u32, jitter: f64) -> Action {
     match result {
         RunResult::Succeeded => Action::Done { fence },
         RunResult::Failed(HandlerError::Permanent(error)) => Action::Dead {
@@ -240,17 +242,14 @@ mod tests {
     use crate::retry::tests::task;
 
     fn before(claim: Claim) -> Action {
-        decide(&claim, None, &task(3), 0, 0.0)
+        match on_claim(&claim) {
+            Next::Settle(action) => action,
+            run => panic!("{claim:?} settles, but led to {run:?}"),
+        }
     }
 
     fn after(result: RunResult, attempt: u32) -> Action {
-        decide(
-            &Claim::Claimed { fence: 7 },
-            Some(&result),
-            &task(2),
-            attempt,
-            0.5,
-        )
+        after_run(7, &result, &task(2), attempt, 0.5)
     }
 
     /// An ad-hoc envelope with `key`.
@@ -319,8 +318,8 @@ mod tests {
     #[test]
     fn a_claim_runs() {
         assert_eq!(
-            before(Claim::Claimed { fence: 9 }),
-            Action::Run { fence: 9 }
+            on_claim(&Claim::Claimed { fence: 9 }),
+            Next::Run { fence: 9 }
         );
     }
 
@@ -443,15 +442,6 @@ mod tests {
     #[test]
     fn an_abandoned_run_releases_its_claim() {
         assert_eq!(after(RunResult::Abandoned, 0), Action::Release);
-    }
-
-    #[test]
-    fn a_run_result_does_not_change_an_unclaimed_decision() {
-        let result = RunResult::Succeeded;
-        assert_eq!(
-            decide(&Claim::Expired, Some(&result), &task(1), 0, 0.0),
-            Action::Expire
-        );
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! fail the same way again (those go to `{ns}.dead`).
 
 use crate::acks::{Settled, Ticket, SETTLE_TIMEOUT};
-use crate::decision::{self, Action, Outcome, Recheck, Rejected, RunResult};
+use crate::decision::{self, Action, Next, Outcome, Recheck, Rejected, RunResult};
 use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
 use crate::lease::{self, LeaseLost};
 use crate::retry;
@@ -233,8 +233,8 @@ impl Processor {
         }
     }
 
-    /// Claims the instance and asks [`decision::decide`] what to do; when that is to run it,
-    /// runs it and asks again with the result. [`Processor::execute`] performs the answer.
+    /// Claims the instance and asks [`decision::on_claim`] what to do; when that is to run it,
+    /// runs it and asks [`decision::after_run`] how the result settles. [`Processor::execute`] performs the answer.
     async fn handle(
         &self,
         publisher: &Channel,
@@ -261,9 +261,9 @@ impl Processor {
             token: &token,
             started_at: None,
         };
-        let fence = match decision::decide(&claim, None, task, env.attempt, 0.0) {
-            Action::Run { fence } => fence,
-            action => return self.execute(&step, action).await,
+        let fence = match decision::on_claim(&claim) {
+            Next::Run { fence } => fence,
+            Next::Settle(action) => return self.execute(&step, action).await,
         };
         step.started_at = Some(now_text());
         self.stats
@@ -275,7 +275,7 @@ impl Processor {
             .await;
         self.stats.run_ended(&env.task, started.elapsed());
         let jitter = rand::random::<f64>();
-        let action = decision::decide(&claim, Some(&result), task, env.attempt, jitter);
+        let action = decision::after_run(fence, &result, task, env.attempt, jitter);
         self.execute(&step, action).await
     }
 
@@ -349,10 +349,6 @@ impl Processor {
                 self.stats.outcome(&env.task, RunOutcome::Skipped);
                 let error = Some(format!("{running} still running"));
                 self.record(env, Outcome::Skipped, None, error).await;
-            }
-            Action::Run { .. } => {
-                error!("a run was decided after the run; requeueing");
-                return Ok(Disposition::Requeue);
             }
             Action::Done { fence } => return self.done(step, fence).await,
             Action::Retry { delay, error } => self.retry(step, delay, error).await?,
