@@ -3,28 +3,24 @@
 
 use clap::{Parser, Subcommand};
 use drumline_beat::{adhoc, commands};
+use drumline_shared::cli::Common;
 use drumline_shared::config::{self, Config};
 use drumline_shared::exit::{self, Failure};
-use drumline_shared::logging::{self, LogFormat};
-use std::path::PathBuf;
+use drumline_shared::logging;
 use std::process::ExitCode;
 
 /// The drumline beat: publishes every due instance of every job, once.
 #[derive(Parser, Debug)]
 #[command(name = "drumline-beat", version)]
 struct Cli {
-    /// Config file [default: $DRUMLINE_CONFIG, else ./drumline.toml].
-    #[arg(long, global = true)]
-    config: Option<PathBuf>,
-    /// Log format.
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
-    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    common: Common,
     /// Serve Prometheus metrics at /metrics, a health check at /healthz and the status page at
     /// / (JSON: /api/status) on HOST:PORT.
     #[arg(long)]
     metrics_addr: Option<std::net::SocketAddr>,
-    #[command(subcommand)]
-    command: Option<Command>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -129,14 +125,14 @@ fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logging::init(cli.log_format);
+    logging::init(cli.common.log_format);
     let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
     exit::report(runtime.block_on(dispatch(cli)))
 }
 
 /// Load the config, then run the command (no command: the beat itself).
 async fn dispatch(cli: Cli) -> Result<(), Failure> {
-    let path = config::resolve_path(cli.config);
+    let path = config::resolve_path(cli.common.config);
     let config = Config::load(&path).map_err(Failure::usage)?;
     match cli.command {
         None => commands::run(config, cli.metrics_addr).await,

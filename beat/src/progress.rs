@@ -100,19 +100,12 @@ pub async fn save(
     if progress.is_empty() {
         return Vec::new();
     }
-    match store
-        .advance_progress(token, progress, max_ahead, SAVE_PER_CALL)
-        .await
-    {
-        Ok(outcomes) => outcomes
-            .into_iter()
-            .map(|r| r.err().map(Arc::new))
-            .collect(),
-        Err(e) => {
-            let e = Arc::new(e);
-            vec![Some(e); progress.len()]
-        }
-    }
+    per_job(
+        store
+            .advance_progress(token, progress, max_ahead, SAVE_PER_CALL)
+            .await,
+        progress.len(),
+    )
 }
 
 /// [`save`] for jobs whose rule is not recorded yet: writes each `(job, instant, rule)` as the
@@ -126,18 +119,25 @@ pub async fn start(
     if starts.is_empty() {
         return Vec::new();
     }
-    match store
-        .start_progress(token, starts, max_ahead, SAVE_PER_CALL)
-        .await
-    {
+    per_job(
+        store
+            .start_progress(token, starts, max_ahead, SAVE_PER_CALL)
+            .await,
+        starts.len(),
+    )
+}
+
+/// A fenced write's answer as each of its `jobs` jobs' failure: its own, or the call's.
+fn per_job(
+    written: Result<Vec<Result<(), ProgressError>>, ProgressError>,
+    jobs: usize,
+) -> Vec<Option<Arc<ProgressError>>> {
+    match written {
         Ok(outcomes) => outcomes
             .into_iter()
             .map(|r| r.err().map(Arc::new))
             .collect(),
-        Err(e) => {
-            let e = Arc::new(e);
-            vec![Some(e); starts.len()]
-        }
+        Err(e) => vec![Some(Arc::new(e)); jobs],
     }
 }
 

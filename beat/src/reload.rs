@@ -12,7 +12,7 @@
 
 use chrono::SecondsFormat;
 use drumline_shared::config::Job;
-use drumline_shared::schedule::{DstFold, DstGap, Schedule};
+use drumline_shared::schedule::Schedule;
 use std::collections::HashMap;
 
 /// For each job of `new`, the index in `old` of the job whose state it keeps, if any.
@@ -43,22 +43,13 @@ pub fn rule(schedule: &Schedule) -> String {
             tz,
             gap,
             fold,
-        } => {
-            let gap = match gap {
-                DstGap::Shift => "shift",
-                DstGap::Skip => "skip",
-            };
-            let fold = match fold {
-                DstFold::First => "first",
-                DstFold::Second => "second",
-                DstFold::Both => "both",
-            };
-            format!(
-                "cron {:?} in {} dst_gap {gap} dst_fold {fold}",
-                cron.as_str(),
-                tz.name()
-            )
-        }
+        } => format!(
+            "cron {:?} in {} dst_gap {} dst_fold {}",
+            cron.as_str(),
+            tz.name(),
+            gap.as_str(),
+            fold.as_str()
+        ),
         Schedule::Every { every, anchor } => format!(
             "every {}.{:09}s from {}",
             every.num_seconds(),

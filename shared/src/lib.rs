@@ -10,6 +10,8 @@
 
 pub mod backoff;
 pub mod broker;
+#[cfg(feature = "bin-support")]
+pub mod cli;
 pub mod config;
 pub mod duration;
 pub mod envelope;

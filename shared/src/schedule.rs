@@ -61,6 +61,27 @@ pub enum DstFold {
     Both,
 }
 
+impl DstGap {
+    /// The config's spelling (`dst_gap = "shift"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DstGap::Shift => "shift",
+            DstGap::Skip => "skip",
+        }
+    }
+}
+
+impl DstFold {
+    /// The config's spelling (`dst_fold = "first"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DstFold::First => "first",
+            DstFold::Second => "second",
+            DstFold::Both => "both",
+        }
+    }
+}
+
 /// Why a cron expression or a time zone was refused; the message names the field and the
 /// reason.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -855,14 +876,14 @@ impl fmt::Display for Schedule {
                 fold,
             } => {
                 write!(f, "cron {:?} in {}", cron.as_str(), tz.name())?;
+                // Only what differs from the defaults.
                 if *gap != DstGap::default() {
-                    f.write_str(", dst_gap = skip")?;
+                    write!(f, ", dst_gap = {}", gap.as_str())?;
                 }
-                match fold {
-                    DstFold::First => Ok(()),
-                    DstFold::Second => f.write_str(", dst_fold = second"),
-                    DstFold::Both => f.write_str(", dst_fold = both"),
+                if *fold != DstFold::default() {
+                    write!(f, ", dst_fold = {}", fold.as_str())?;
                 }
+                Ok(())
             }
             Schedule::Every { every, anchor } => {
                 write!(f, "every {}", format_duration(*every))?;

@@ -1046,22 +1046,35 @@ impl Store {
         per_mget: usize,
         per_trip: usize,
     ) -> Result<Vec<Option<Result<DateTime<Utc>, String>>>, StoreError> {
+        let texts = self
+            .mget_per_job(jobs, |j| self.names.beat_last(j), per_mget, per_trip)
+            .await?;
+        Ok(texts
+            .into_iter()
+            .map(|value| value.map(|text| parse_last_instant(&text).ok_or(text)))
+            .collect())
+    }
+
+    /// One string key per job (`key(job)`), in `jobs` order: `per_mget` keys per `MGET`,
+    /// `per_trip` of those pipelined per round trip.
+    pub(crate) async fn mget_per_job(
+        &self,
+        jobs: &[&str],
+        key: impl Fn(&str) -> String,
+        per_mget: usize,
+        per_trip: usize,
+    ) -> Result<Vec<Option<String>>, StoreError> {
         let mut conn = self.conn.clone();
         let per_mget = per_mget.max(1);
         let mut out = Vec::with_capacity(jobs.len());
         for group in jobs.chunks(per_mget * per_trip.max(1)) {
             let mut pipe = redis::pipe();
             for batch in group.chunks(per_mget) {
-                let keys: Vec<String> = batch.iter().map(|j| self.names.beat_last(j)).collect();
+                let keys: Vec<String> = batch.iter().map(|j| key(j)).collect();
                 pipe.cmd("MGET").arg(keys);
             }
             let replies: Vec<Vec<Option<String>>> = pipe.query_async(&mut conn).await?;
-            out.extend(
-                replies
-                    .into_iter()
-                    .flatten()
-                    .map(|value| value.map(|text| parse_last_instant(&text).ok_or(text))),
-            );
+            out.extend(replies.into_iter().flatten());
         }
         if out.len() != jobs.len() {
             // MGET answers one value per key; anything else is a broken server or proxy.

@@ -2,29 +2,25 @@
 //! on one tokio runtime ([`commands`] holds the bodies); its [`Failure`] is the exit code.
 
 use clap::{Parser, Subcommand};
+use drumline_shared::cli::Common;
 use drumline_shared::config::{self, Config};
 use drumline_shared::exit::{self, Failure};
-use drumline_shared::logging::{self, LogFormat};
+use drumline_shared::logging;
 use drumline_worker::commands::{self, DlqCommand};
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 /// Run a drumline worker: consume task messages, run each scheduled instance once.
 #[derive(Parser, Debug)]
 #[command(name = "drumline-worker", version)]
 struct Cli {
-    /// Config file [default: $DRUMLINE_CONFIG, else ./drumline.toml].
-    #[arg(long, global = true)]
-    config: Option<PathBuf>,
+    #[command(flatten)]
+    common: Common,
     /// Tasks run at once across all queues (overrides [worker] concurrency).
     #[arg(long)]
     concurrency: Option<usize>,
     /// Comma-separated logical queues to consume (overrides [worker] queues).
     #[arg(long, value_delimiter = ',')]
     queues: Option<Vec<String>>,
-    /// Log format.
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
-    log_format: LogFormat,
     /// Serve Prometheus metrics at /metrics and a health check at /healthz on HOST:PORT.
     #[arg(long)]
     metrics_addr: Option<std::net::SocketAddr>,
@@ -64,7 +60,7 @@ enum DlqAction {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logging::init(cli.log_format);
+    logging::init(cli.common.log_format);
     let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
     let result = runtime.block_on(dispatch(cli));
     // Dropping a runtime waits for its blocking tasks without limit; the worker has stopped in
@@ -75,7 +71,7 @@ fn main() -> ExitCode {
 
 /// Load the config, then run the command (no command: the worker itself).
 async fn dispatch(cli: Cli) -> Result<(), Failure> {
-    let path = config::resolve_path(cli.config);
+    let path = config::resolve_path(cli.common.config);
     let config = Config::load(&path).map_err(Failure::usage)?;
     match cli.command {
         None => {

@@ -7,7 +7,7 @@
 
 use super::{last_instant_text, Store, StoreError};
 use chrono::{DateTime, Utc};
-use redis::Script;
+use redis::{Script, ScriptInvocation};
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -100,6 +100,20 @@ local function now_ms()
 end
 "#;
 
+/// One job's progress write, shared by the fenced scripts: `advance(key, text, ms, limit)` sets
+/// `key` to the instant `text` (fixed-width RFC 3339, so string order is time order) unless it
+/// already holds a later one, and returns 1; 0 (nothing written) when `ms` is past `limit`; -1
+/// (nothing written) when `key` holds a value that is not a string.
+pub(super) const ADVANCE: &str = r#"
+local function advance(key, text, ms, limit)
+  if ms > limit then return 0 end
+  local cur = redis.pcall('GET', key)
+  if type(cur) == 'table' and cur.err then return -1 end
+  if cur == false or cur < text then redis.call('SET', key, text) end
+  return 1
+end
+"#;
+
 /// RFC 3339 (UTC, milliseconds) of a Unix time in ms: days to civil date after H. Hinnant's
 /// `civil_from_days`.
 pub const RFC3339: &str = r#"
@@ -182,24 +196,13 @@ return 0
 // fails that job alone.
 static ADVANCE_FENCED: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        "{HELD_BY}{}",
+        "{HELD_BY}{ADVANCE}{}",
         r#"
 if not held_by(KEYS[1], ARGV[1]) then return {0} end
 local limit = now_ms() + tonumber(ARGV[2])
 local out = {1}
 for i = 2, #KEYS do
-  local text, ms = ARGV[2 * i - 1], tonumber(ARGV[2 * i])
-  if ms > limit then
-    out[i] = 0
-  else
-    local cur = redis.pcall('GET', KEYS[i])
-    if type(cur) == 'table' and cur.err then
-      out[i] = -1
-    else
-      if cur == false or cur < text then redis.call('SET', KEYS[i], text) end
-      out[i] = 1
-    end
-  end
+  out[i] = advance(KEYS[i], ARGV[2 * i - 1], tonumber(ARGV[2 * i]), limit)
 end
 return out
 "#
@@ -272,41 +275,46 @@ impl Store {
         max_ahead: Duration,
         per_call: usize,
     ) -> Result<Vec<Result<(), ProgressError>>, ProgressError> {
-        if progress.is_empty() {
+        let call = FencedCall::new(&ADVANCE_FENCED, "progress", token, max_ahead, per_call);
+        let add = |call: &mut ScriptInvocation, (job, at): &(&str, DateTime<Utc>)| {
+            call.key(self.names.beat_last(job))
+                .arg(last_instant_text(*at))
+                .arg(at.timestamp_millis());
+        };
+        self.fenced_write(call, progress, add, |(_, at)| *at).await
+    }
+
+    /// Writes `entries` through `call.script`, `call.per_call` entries per script call (`add`
+    /// puts one entry's keys and arguments), in one round trip as a durable write, and reads
+    /// each call's reply: `1` and one code per entry (`1` written, `0` ahead of Redis `TIME`:
+    /// the entry's instant is `at` of it), or `0` when the lease is not the caller's.
+    pub(super) async fn fenced_write<E>(
+        &self,
+        call: FencedCall<'_>,
+        entries: &[E],
+        add: impl Fn(&mut ScriptInvocation, &E),
+        at: impl Fn(&E) -> DateTime<Utc>,
+    ) -> Result<Vec<Result<(), ProgressError>>, ProgressError> {
+        if entries.is_empty() {
             return Ok(Vec::new());
         }
-        let chunks: Vec<&[(&str, DateTime<Utc>)]> = progress.chunks(per_call.max(1)).collect();
+        let chunks: Vec<&[E]> = entries.chunks(call.per_call.max(1)).collect();
         let mut pipe = redis::pipe();
         // EVALSHA needs the script cached (a restarted Redis forgot it): load it in the same
         // round trip.
-        pipe.load_script(&ADVANCE_FENCED).ignore();
+        pipe.load_script(call.script).ignore();
         for chunk in &chunks {
-            let mut call = ADVANCE_FENCED.prepare_invoke();
-            call.key(self.names.beat_leader())
-                .arg(token)
-                .arg(max_ahead.as_millis() as u64);
-            for (job, at) in *chunk {
-                call.key(self.names.beat_last(job))
-                    .arg(last_instant_text(*at))
-                    .arg(at.timestamp_millis());
+            let mut invocation = call.script.prepare_invoke();
+            invocation
+                .key(self.names.beat_leader())
+                .arg(call.token)
+                .arg(call.max_ahead.as_millis() as u64);
+            for entry in *chunk {
+                add(&mut invocation, entry);
             }
-            pipe.invoke_script(&call);
+            pipe.invoke_script(&invocation);
         }
-        self.fenced_write(pipe, &chunks, |(_, at)| *at, "progress")
-            .await
-    }
-
-    /// Sends `pipe`, one fenced progress call per chunk of `chunks` (each entry's instant is
-    /// `at` of it), as a durable write and reads each call's reply: `1` and one code per entry
-    /// (`1` written, `0` ahead of Redis `TIME`), or `0` when the lease is not the caller's. The
-    /// `what` script names a reply of any other shape.
-    pub(super) async fn fenced_write<E>(
-        &self,
-        mut pipe: redis::Pipeline,
-        chunks: &[&[E]],
-        at: impl Fn(&E) -> DateTime<Utc>,
-        what: &'static str,
-    ) -> Result<Vec<Result<(), ProgressError>>, ProgressError> {
+        let what = call.what;
         let mut conn = self.conn.clone();
         self.push_wait(&mut pipe);
         let mut replies: Vec<redis::Value> = pipe.query_async(&mut conn).await?;
@@ -344,6 +352,38 @@ impl Store {
         let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await?;
         DateTime::from_timestamp(secs, (micros * 1000) as u32)
             .ok_or_else(|| unexpected("redis TIME is out of range"))
+    }
+}
+
+/// The fenced script a [`Store::fenced_write`] calls and what every call of it carries.
+pub(super) struct FencedCall<'a> {
+    /// `ADVANCE_FENCED` or `START_FENCED`.
+    script: &'a Script,
+    /// The script's name in an error about its reply.
+    what: &'static str,
+    /// The caller's leader token.
+    token: &'a str,
+    /// Most an instant may be ahead of Redis `TIME`.
+    max_ahead: Duration,
+    /// Entries per script call.
+    per_call: usize,
+}
+
+impl<'a> FencedCall<'a> {
+    pub(super) fn new(
+        script: &'a Script,
+        what: &'static str,
+        token: &'a str,
+        max_ahead: Duration,
+        per_call: usize,
+    ) -> Self {
+        FencedCall {
+            script,
+            what,
+            token,
+            max_ahead,
+            per_call,
+        }
     }
 }
 

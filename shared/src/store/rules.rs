@@ -4,11 +4,11 @@
 //! whichever beat leads next can tell whether the progress it finds belongs to the schedule it
 //! runs or to one it replaced.
 
-use super::leader::HELD_BY;
+use super::leader::{FencedCall, ADVANCE, HELD_BY};
 use super::{last_instant_text, Store, StoreError};
 use crate::store::ProgressError;
 use chrono::{DateTime, Utc};
-use redis::Script;
+use redis::{Script, ScriptInvocation};
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -23,25 +23,15 @@ use std::time::Duration;
 // written), -1 its progress is not a string (nothing written)}.
 static START_FENCED: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        "{HELD_BY}{}",
+        "{HELD_BY}{ADVANCE}{}",
         r#"
 if not held_by(KEYS[1], ARGV[1]) then return {0} end
 local limit = now_ms() + tonumber(ARGV[2])
 local out = {1}
 for j = 1, (#KEYS - 1) / 2 do
-  local text, ms, rule = ARGV[3 * j], tonumber(ARGV[3 * j + 1]), ARGV[3 * j + 2]
-  if ms > limit then
-    out[j + 1] = 0
-  else
-    local cur = redis.pcall('GET', KEYS[2 * j])
-    if type(cur) == 'table' and cur.err then
-      out[j + 1] = -1
-    else
-      if cur == false or cur < text then redis.call('SET', KEYS[2 * j], text) end
-      redis.call('SET', KEYS[2 * j + 1], rule)
-      out[j + 1] = 1
-    end
-  end
+  local code = advance(KEYS[2 * j], ARGV[3 * j], tonumber(ARGV[3 * j + 1]), limit)
+  if code == 1 then redis.call('SET', KEYS[2 * j + 1], ARGV[3 * j + 2]) end
+  out[j + 1] = code
 end
 return out
 "#
@@ -57,22 +47,8 @@ impl Store {
         per_mget: usize,
         per_trip: usize,
     ) -> Result<Vec<Option<String>>, StoreError> {
-        let mut conn = self.conn.clone();
-        let per_mget = per_mget.max(1);
-        let mut out = Vec::with_capacity(jobs.len());
-        for group in jobs.chunks(per_mget * per_trip.max(1)) {
-            let mut pipe = redis::pipe();
-            for batch in group.chunks(per_mget) {
-                let keys: Vec<String> = batch.iter().map(|j| self.names.beat_rule(j)).collect();
-                pipe.cmd("MGET").arg(keys);
-            }
-            let replies: Vec<Vec<Option<String>>> = pipe.query_async(&mut conn).await?;
-            out.extend(replies.into_iter().flatten());
-        }
-        if out.len() != jobs.len() {
-            return Err(unexpected("MGET returned fewer values than keys"));
-        }
-        Ok(out)
+        self.mget_per_job(jobs, |j| self.names.beat_rule(j), per_mget, per_trip)
+            .await
     }
 
     /// Writes each `(job, instant, rule)` as the job's progress (never moving it back) and the
@@ -86,33 +62,15 @@ impl Store {
         max_ahead: Duration,
         per_call: usize,
     ) -> Result<Vec<Result<(), ProgressError>>, ProgressError> {
-        if starts.is_empty() {
-            return Ok(Vec::new());
-        }
-        let chunks: Vec<&[(&str, DateTime<Utc>, &str)]> = starts.chunks(per_call.max(1)).collect();
-        let mut pipe = redis::pipe();
-        // EVALSHA needs the script cached (a restarted Redis forgot it): load it in the same
-        // round trip.
-        pipe.load_script(&START_FENCED).ignore();
-        for chunk in &chunks {
-            let mut call = START_FENCED.prepare_invoke();
-            call.key(self.names.beat_leader())
-                .arg(token)
-                .arg(max_ahead.as_millis() as u64);
-            for (job, at, rule) in *chunk {
-                call.key(self.names.beat_last(job))
-                    .key(self.names.beat_rule(job))
-                    .arg(last_instant_text(*at))
-                    .arg(at.timestamp_millis())
-                    .arg(*rule);
-            }
-            pipe.invoke_script(&call);
-        }
+        let call = FencedCall::new(&START_FENCED, "start", token, max_ahead, per_call);
+        let add = |call: &mut ScriptInvocation, (job, at, rule): &(&str, DateTime<Utc>, &str)| {
+            call.key(self.names.beat_last(job))
+                .key(self.names.beat_rule(job))
+                .arg(last_instant_text(*at))
+                .arg(at.timestamp_millis())
+                .arg(*rule);
+        };
         let at = |(_, at, _): &(&str, DateTime<Utc>, &str)| *at;
-        self.fenced_write(pipe, &chunks, at, "start").await
+        self.fenced_write(call, starts, add, at).await
     }
-}
-
-fn unexpected(what: &'static str) -> StoreError {
-    StoreError::bad_reply(what)
 }
