@@ -114,6 +114,20 @@ local function advance(key, text, ms, limit)
 end
 "#;
 
+/// A fenced progress script: `body` runs only while `ARGV[1]` holds the lease `KEYS[1]` (else
+/// the reply is `{0}`), with `limit` (Redis `TIME` plus `ARGV[2]` ms), `advance` and `out =
+/// {1}`, which it fills with one code per job and returns.
+pub(super) fn fenced_script(body: &str) -> Script {
+    Script::new(&format!(
+        "{HELD_BY}{ADVANCE}{}{body}",
+        r#"
+if not held_by(KEYS[1], ARGV[1]) then return {0} end
+local limit = now_ms() + tonumber(ARGV[2])
+local out = {1}
+"#
+    ))
+}
+
 /// RFC 3339 (UTC, milliseconds) of a Unix time in ms: days to civil date after H. Hinnant's
 /// `civil_from_days`.
 pub const RFC3339: &str = r#"
@@ -195,18 +209,14 @@ return 0
 // or already further, 0 refused as ahead, -1 its value is not a string}. One job's broken key
 // fails that job alone.
 static ADVANCE_FENCED: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
-        "{HELD_BY}{ADVANCE}{}",
+    fenced_script(
         r#"
-if not held_by(KEYS[1], ARGV[1]) then return {0} end
-local limit = now_ms() + tonumber(ARGV[2])
-local out = {1}
 for i = 2, #KEYS do
   out[i] = advance(KEYS[i], ARGV[2 * i - 1], tonumber(ARGV[2 * i]), limit)
 end
 return out
-"#
-    ))
+"#,
+    )
 });
 
 impl Store {

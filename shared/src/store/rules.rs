@@ -4,7 +4,7 @@
 //! whichever beat leads next can tell whether the progress it finds belongs to the schedule it
 //! runs or to one it replaced.
 
-use super::leader::{FencedCall, ADVANCE, HELD_BY};
+use super::leader::{fenced_script, FencedCall};
 use super::{last_instant_text, Store, StoreError};
 use crate::store::ProgressError;
 use chrono::{DateTime, Utc};
@@ -22,20 +22,16 @@ use std::time::Duration;
 // (the progress moved forward only, never back; the rule set), 0 refused as ahead (nothing
 // written), -1 its progress is not a string (nothing written)}.
 static START_FENCED: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
-        "{HELD_BY}{ADVANCE}{}",
+    fenced_script(
         r#"
-if not held_by(KEYS[1], ARGV[1]) then return {0} end
-local limit = now_ms() + tonumber(ARGV[2])
-local out = {1}
 for j = 1, (#KEYS - 1) / 2 do
   local code = advance(KEYS[2 * j], ARGV[3 * j], tonumber(ARGV[3 * j + 1]), limit)
   if code == 1 then redis.call('SET', KEYS[2 * j + 1], ARGV[3 * j + 2]) end
   out[j + 1] = code
 end
 return out
-"#
-    ))
+"#,
+    )
 });
 
 impl Store {
