@@ -34,7 +34,9 @@ use drumline_shared::config::{Config, Job};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use drumline_shared::signals::Hangups;
-use drumline_shared::store::{last_instant_text, parse_last_instant, ProgressError, Store};
+use drumline_shared::store::{
+    last_instant_text, parse_last_instant, ProgressError, Store, StoreError,
+};
 use drumline_shared::url::Redacted;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet};
@@ -44,6 +46,32 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{error, info, warn};
+
+/// `read()` until it answers, a second apart, logging each failure as "cannot read `what`
+/// from redis"; `None` when `shutdown` comes first.
+async fn until_read<T, E, Fut, F>(
+    what: &str,
+    shutdown: &mut Pin<&mut F>,
+    mut read: impl FnMut() -> Fut,
+) -> Option<T>
+where
+    E: std::fmt::Display,
+    Fut: Future<Output = Result<T, E>>,
+    F: Future<Output = ()>,
+{
+    loop {
+        match read().await {
+            Ok(value) => return Some(value),
+            Err(e) => {
+                error!(error = %e, "cannot read {what} from redis; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = shutdown.as_mut() => return None,
+                }
+            }
+        }
+    }
+}
 
 /// Most jobs planned and published together (see the module doc).
 pub const BATCH_JOBS: usize = 1000;
@@ -369,24 +397,11 @@ impl Beat {
         shutdown: &mut Pin<&mut F>,
     ) -> Option<Beat> {
         let loading = Instant::now();
-        let (lasts, rules) = loop {
-            let loaded = match progress::load_last(store, &config.jobs).await {
-                Ok(lasts) => progress::load_rules(store, &config.jobs)
-                    .await
-                    .map(|rules| (lasts, rules)),
-                Err(e) => Err(e),
-            };
-            match loaded {
-                Ok(loaded) => break loaded,
-                Err(e) => {
-                    error!(error = %e, "cannot read the jobs' progress from redis; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                        _ = shutdown.as_mut() => return None,
-                    }
-                }
-            }
-        };
+        let (lasts, rules) = until_read("the jobs' progress", shutdown, || async {
+            let lasts = progress::load_last(store, &config.jobs).await?;
+            Ok::<_, StoreError>((lasts, progress::load_rules(store, &config.jobs).await?))
+        })
+        .await?;
         let resumes = resumes(&config.jobs, &lasts, &rules);
         // A job rescheduled since its progress was recorded starts now, as a reload starts it.
         let lasts = lasts
@@ -403,18 +418,7 @@ impl Beat {
             state.rule_unsaved |= *r == Resume::Adopt;
         }
         // Paused jobs are known before anything is published for this term.
-        beat.paused = loop {
-            match store.paused().await {
-                Ok(paused) => break paused,
-                Err(e) => {
-                    error!(error = %e, "cannot read the paused jobs from redis; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                        _ = shutdown.as_mut() => return None,
-                    }
-                }
-            }
-        };
+        beat.paused = until_read("the paused jobs", shutdown, || store.paused()).await?;
         beat.persist_new_starts(store, term).await;
         info!(
             jobs = config.jobs.len(),

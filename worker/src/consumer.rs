@@ -121,17 +121,13 @@ async fn work(
     };
     stats.redis_up.set(1);
 
-    let processor = Arc::new(Processor {
-        config: config.clone(),
-        names: names.clone(),
-        store: store.clone(),
+    let processor = Arc::new(first_processor(
+        &config,
+        store.clone(),
         handlers,
-        worker_id: worker_id.clone(),
-        stats: stats.clone(),
-        gate: Gate::default(),
-        abandon: CancellationToken::new(),
-        overlap: processor::overlaps(&config),
-    });
+        &worker_id,
+        &stats,
+    ));
     let probe = tokio::spawn(probe_redis(store, processor.gate.clone(), stats.clone()));
     let current = Arc::new(Current(RwLock::new(processor.clone())));
     let reloads =
@@ -161,6 +157,42 @@ async fn work(
     match served.fatal {
         Some(refused) => Err(WorkerError::Topology(refused)),
         None => Ok(processor.stats.clone()),
+    }
+}
+
+/// Says once that Redis lets held deliveries go again.
+fn resumed(held: &mut bool) {
+    if std::mem::take(held) {
+        info!("redis is back; resuming");
+    }
+}
+
+/// Says that the worker cannot serve with the broker's queues as they are and finishes its
+/// `in_flight` runs before it ends.
+fn finishing_first(refused: BrokerError, in_flight: usize) -> BrokerError {
+    error!(error = %refused, in_flight,
+           "cannot serve with this topology; finishing the runs in flight first");
+    refused
+}
+
+/// The processor of the worker's start (a reload makes the next from it).
+fn first_processor(
+    config: &Arc<Config>,
+    store: Store,
+    handlers: HashMap<String, Arc<dyn Handler>>,
+    worker_id: &str,
+    stats: &Arc<Stats>,
+) -> Processor {
+    Processor {
+        config: config.clone(),
+        names: Names::new(config.namespace.clone()),
+        store,
+        handlers,
+        worker_id: worker_id.to_owned(),
+        stats: stats.clone(),
+        gate: Gate::default(),
+        abandon: CancellationToken::new(),
+        overlap: processor::overlaps(config),
     }
 }
 
@@ -263,6 +295,16 @@ enum SessionEnd {
     Fatal(BrokerError),
 }
 
+/// What one consumer event asks of the session ([`Dispatch::on_event`]).
+enum Reaction {
+    /// Nothing more: go on.
+    Go,
+    /// The broker cancelled this queue's consumer: declare it again and re-subscribe.
+    Resubscribe(String),
+    /// End the session.
+    End(SessionEnd),
+}
+
 /// What a session's consumers yield: a delivery, a failure, or the end of a consumer (cancelled
 /// by the broker, or with its channel).
 // Nearly every event is a delivery, which moves once into the waiting line: boxing it would add
@@ -302,11 +344,10 @@ impl Dispatch {
             let (conn, publisher, consumer_channel, consumers) = match session {
                 Ok(s) => s,
                 Err(SessionError::Fatal(refused)) => {
-                    error!(error = %refused, in_flight = in_flight.len(),
-                           "cannot serve with this topology; finishing the runs in flight first");
+                    let fatal = Some(finishing_first(refused, in_flight.len()));
                     return Served {
                         connection: None,
-                        fatal: Some(refused),
+                        fatal,
                     };
                 }
                 Err(e) => {
@@ -341,11 +382,7 @@ impl Dispatch {
                     continue;
                 }
                 SessionEnd::Stopping => None,
-                SessionEnd::Fatal(refused) => {
-                    error!(error = %refused, in_flight = in_flight.len(),
-                           "cannot serve with this topology; finishing the runs in flight first");
-                    Some(refused)
-                }
+                SessionEnd::Fatal(refused) => Some(finishing_first(refused, in_flight.len())),
             };
             return Served {
                 connection: Some((conn, publisher, consumer_channel)),
@@ -368,42 +405,22 @@ impl Dispatch {
         consumers: Vec<(String, lapin::Consumer)>,
         in_flight: &mut JoinSet<()>,
     ) -> SessionEnd {
-        let stats = &self.processor.stats;
         let acks = Acks::start(channel.clone());
         let mut merged = SelectAll::new();
         for (queue, consumer) in consumers {
-            stats.consuming(&queue, true);
+            self.processor.stats.consuming(&queue, true);
             merged.push(events(queue, consumer));
         }
         let mut waiting: VecDeque<Delivery> = VecDeque::new();
         let mut resubscribing = FuturesUnordered::new();
         let mut held = false;
         let end = 'session: loop {
-            while in_flight.try_join_next().is_some() {}
-            // The usual case without a wait: a slot free, no pause, Redis up.
-            while !waiting.is_empty()
-                && !self.stop.is_cancelled()
-                && self.pacer.idle()
-                && self.processor.gate.is_open()
+            let publishing = (conn, &mut *publisher);
+            if let Err(end) = self
+                .dispatch_waiting(publishing, &acks, (&mut waiting, &mut held), in_flight)
+                .await
             {
-                let Ok(slot) = self.slots.clone().try_acquire_owned() else {
-                    break;
-                };
-                if std::mem::take(&mut held) {
-                    info!("redis is back; resuming");
-                }
-                let delivery = waiting.pop_front().expect("a delivery waits");
-                let taken = (delivery, slot);
-                if let Err(end) = self
-                    .dispatch((conn, &mut *publisher), &acks, taken, in_flight)
-                    .await
-                {
-                    break 'session end;
-                }
-            }
-            if !held && !waiting.is_empty() && !self.processor.gate.is_open() {
-                error!("redis unreachable: holding deliveries until it answers again");
-                held = true;
+                break 'session end;
             }
             tokio::select! {
                 biased;
@@ -412,39 +429,22 @@ impl Dispatch {
                     warn!("a delivery could not be settled within the settle timeout; starting a new session");
                     break SessionEnd::Lost;
                 }
-                event = merged.next(), if !merged.is_empty() => match event {
-                    Some(Event::Delivery(delivery)) => waiting.push_back(delivery),
-                    Some(Event::Failed(queue, e)) => {
-                        warn!(queue = %queue, error = %e, "consumer failed: broker connection or channel lost; reconnecting");
-                        break SessionEnd::Lost;
-                    }
-                    Some(Event::Ended(queue)) => {
-                        stats.consuming(&queue, false);
-                        if !channel.status().connected() {
-                            warn!(queue = %queue, "the consumer channel closed; reconnecting");
-                            break SessionEnd::Lost;
+                Some(event) = merged.next(), if !merged.is_empty() => {
+                    match self.on_event(event, channel, &mut waiting) {
+                        Reaction::Go => {}
+                        Reaction::Resubscribe(queue) => {
+                            resubscribing.push(self.resubscribe((conn, channel), queue));
                         }
-                        warn!(queue = %queue, "the broker cancelled this worker's consumer (queue deleted, leader moved or consumer timeout); declaring the queue again and re-subscribing");
-                        resubscribing.push(self.resubscribe((conn, channel), queue));
+                        Reaction::End(end) => break end,
                     }
-                    None => {}
-                },
-                Some(resubscribed) = resubscribing.next() => match resubscribed {
-                    Ok((queue, consumer)) => {
-                        info!(queue = %queue, "re-subscribed");
-                        stats.consuming(&queue, true);
-                        merged.push(events(queue, consumer));
+                }
+                Some(resubscribed) = resubscribing.next() => {
+                    if let Some(end) = self.on_resubscribed(resubscribed, &mut merged) {
+                        break end;
                     }
-                    Err(SessionError::Fatal(refused)) => break SessionEnd::Fatal(refused),
-                    Err(e) => {
-                        warn!(error = %e, "cannot re-subscribe; reconnecting");
-                        break SessionEnd::Lost;
-                    }
-                },
+                }
                 slot = self.ready(), if !waiting.is_empty() => {
-                    if std::mem::take(&mut held) {
-                        info!("redis is back; resuming");
-                    }
+                    resumed(&mut held);
                     let delivery = waiting.pop_front().expect("a delivery waits");
                     if let Err(end) = self.dispatch((conn, &mut *publisher), &acks, (delivery, slot), in_flight).await {
                         break end;
@@ -453,25 +453,120 @@ impl Dispatch {
             }
         };
         if !matches!(end, SessionEnd::Lost) {
-            // Stop consuming, then hand back what the consumers already sent (a reconnect
-            // would give it back anyway), bounded: other workers can take it during the drain.
-            let tags: Vec<String> = (self.processor.config.worker.queues.iter())
-                .map(|queue| consumer_tag(&self.processor.worker_id, queue))
-                .collect();
-            cancel_consumers(channel, &tags).await;
-            while let Some(Some(event)) = merged.next().now_or_never() {
-                if let Event::Delivery(delivery) = event {
-                    waiting.push_back(delivery);
-                }
-            }
-            let handed_back = async {
-                for delivery in waiting {
-                    requeue(acks.taken(&delivery), stats).await;
-                }
-            };
-            let _ = tokio::time::timeout(SETTLE_TIMEOUT, handed_back).await;
+            self.hand_back(channel, &acks, merged, waiting).await;
         }
         end
+    }
+
+    /// The usual case without a wait: while a slot is free, no pause is on and Redis is up,
+    /// the waiting deliveries go to the [`Processor`]. Says once when Redis holds them back
+    /// (`held`), and once when it lets them go again.
+    async fn dispatch_waiting(
+        &self,
+        (conn, publisher): (&Connection, &mut PublishChannel),
+        acks: &Acks,
+        (waiting, held): (&mut VecDeque<Delivery>, &mut bool),
+        in_flight: &mut JoinSet<()>,
+    ) -> Result<(), SessionEnd> {
+        while in_flight.try_join_next().is_some() {}
+        while !waiting.is_empty()
+            && !self.stop.is_cancelled()
+            && self.pacer.idle()
+            && self.processor.gate.is_open()
+        {
+            let Ok(slot) = self.slots.clone().try_acquire_owned() else {
+                break;
+            };
+            resumed(held);
+            let delivery = waiting.pop_front().expect("a delivery waits");
+            self.dispatch((conn, &mut *publisher), acks, (delivery, slot), in_flight)
+                .await?;
+        }
+        if !*held && !waiting.is_empty() && !self.processor.gate.is_open() {
+            error!("redis unreachable: holding deliveries until it answers again");
+            *held = true;
+        }
+        Ok(())
+    }
+
+    /// What one consumer's event asks of the session: a delivery waits for its slot; a failed
+    /// consumer or a closed channel ends the session; a consumer the broker cancelled on a
+    /// live channel is re-subscribed while the others go on.
+    fn on_event(
+        &self,
+        event: Event,
+        channel: &lapin::Channel,
+        waiting: &mut VecDeque<Delivery>,
+    ) -> Reaction {
+        match event {
+            Event::Delivery(delivery) => {
+                waiting.push_back(delivery);
+                Reaction::Go
+            }
+            Event::Failed(queue, e) => {
+                warn!(queue = %queue, error = %e, "consumer failed: broker connection or channel lost; reconnecting");
+                Reaction::End(SessionEnd::Lost)
+            }
+            Event::Ended(queue) => {
+                self.processor.stats.consuming(&queue, false);
+                if !channel.status().connected() {
+                    warn!(queue = %queue, "the consumer channel closed; reconnecting");
+                    return Reaction::End(SessionEnd::Lost);
+                }
+                warn!(queue = %queue, "the broker cancelled this worker's consumer (queue deleted, leader moved or consumer timeout); declaring the queue again and re-subscribing");
+                Reaction::Resubscribe(queue)
+            }
+        }
+    }
+
+    /// A queue declared again and consumed again joins the others; a queue that exists with
+    /// other arguments ends the worker; any other failure, the session.
+    fn on_resubscribed(
+        &self,
+        resubscribed: Result<(String, lapin::Consumer), SessionError>,
+        merged: &mut SelectAll<BoxStream<'static, Event>>,
+    ) -> Option<SessionEnd> {
+        match resubscribed {
+            Ok((queue, consumer)) => {
+                info!(queue = %queue, "re-subscribed");
+                self.processor.stats.consuming(&queue, true);
+                merged.push(events(queue, consumer));
+                None
+            }
+            Err(SessionError::Fatal(refused)) => Some(SessionEnd::Fatal(refused)),
+            Err(e) => {
+                warn!(error = %e, "cannot re-subscribe; reconnecting");
+                Some(SessionEnd::Lost)
+            }
+        }
+    }
+
+    /// At the end of a session that keeps its connection (a stop, a fatal topology): stop
+    /// consuming, then hand back what the consumers already sent (a reconnect would give it
+    /// back anyway), bounded: other workers can take it during the drain.
+    async fn hand_back(
+        &self,
+        channel: &lapin::Channel,
+        acks: &Acks,
+        mut merged: SelectAll<BoxStream<'static, Event>>,
+        mut waiting: VecDeque<Delivery>,
+    ) {
+        let tags: Vec<String> = (self.processor.config.worker.queues.iter())
+            .map(|queue| consumer_tag(&self.processor.worker_id, queue))
+            .collect();
+        cancel_consumers(channel, &tags).await;
+        while let Some(Some(event)) = merged.next().now_or_never() {
+            if let Event::Delivery(delivery) = event {
+                waiting.push_back(delivery);
+            }
+        }
+        let stats = &self.processor.stats;
+        let handed_back = async {
+            for delivery in waiting {
+                requeue(acks.taken(&delivery), stats).await;
+            }
+        };
+        let _ = tokio::time::timeout(SETTLE_TIMEOUT, handed_back).await;
     }
 
     /// Spawns the run of `delivery` to the [`Processor`], holding `slot` until it is settled;

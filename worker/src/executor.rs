@@ -142,15 +142,7 @@ impl ShellExecutor {
                     let status = status.map_err(|e| HandlerError::Retryable(format!("wait failed: {e}")))?;
                     // The leader exited; stragglers in its group must not outlive the run.
                     drop(group);
-                    return match (status.code(), status.signal()) {
-                        (Some(0), _) => Ok(()),
-                        (Some(code), _) if self.permanent_exit_codes.contains(&code) => {
-                            Err(HandlerError::Permanent(format!("exit code {code}")))
-                        }
-                        (Some(code), _) => Err(HandlerError::Retryable(format!("exit code {code}"))),
-                        (None, Some(sig)) => Err(HandlerError::Retryable(format!("killed by signal {sig}"))),
-                        (None, None) => Err(HandlerError::Retryable("exited abnormally".into())),
-                    };
+                    return self.outcome(status);
                 }
                 () = &mut deadline => {
                     stop(&mut child, group, ctx.kill_grace).await;
@@ -164,6 +156,22 @@ impl ShellExecutor {
                     return Err(HandlerError::Retryable("cancelled".into()));
                 }
             }
+        }
+    }
+}
+
+impl ShellExecutor {
+    /// A finished command's outcome: exit 0 succeeded, an exit code in `permanent_exit_codes`
+    /// is permanent, any other end is retried.
+    fn outcome(&self, status: std::process::ExitStatus) -> Result<(), HandlerError> {
+        match (status.code(), status.signal()) {
+            (Some(0), _) => Ok(()),
+            (Some(code), _) if self.permanent_exit_codes.contains(&code) => {
+                Err(HandlerError::Permanent(format!("exit code {code}")))
+            }
+            (Some(code), _) => Err(HandlerError::Retryable(format!("exit code {code}"))),
+            (None, Some(sig)) => Err(HandlerError::Retryable(format!("killed by signal {sig}"))),
+            (None, None) => Err(HandlerError::Retryable("exited abnormally".into())),
         }
     }
 }

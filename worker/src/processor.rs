@@ -308,41 +308,8 @@ impl Processor {
                 self.stats.outcome(&env.task, RunOutcome::Duplicate);
                 self.pass_the_turn(publisher, env).await;
             }
-            Action::Expire => {
-                info!("expired before it could run");
-                self.stats.expired.inc();
-                self.stats.outcome(&env.task, RunOutcome::Expired);
-                let error = "expires_at passed before the run";
-                self.dead_letter_env(
-                    publisher,
-                    step.delivery,
-                    env,
-                    DeadReason::Expired,
-                    error,
-                    env.attempt,
-                )
-                .await?;
-                self.record(env, Outcome::Expired, None, None).await;
-                self.pass_the_turn(publisher, env).await;
-            }
-            Action::Recheck { why, delay } => {
-                let delay_ms = delay.as_millis() as u64;
-                match why {
-                    Recheck::Busy => {
-                        debug!(delay_ms, "held under another live lease; re-checking later")
-                    }
-                    Recheck::Waiting { ref running } => debug!(running = %running, delay_ms,
-                        "waiting for the job's previous instance (overlap = queue)"),
-                }
-                self.stats.busy.inc();
-                self.publish_delayed(publisher, step.delivery, env, delay)
-                    .await?;
-                if let (Recheck::Waiting { .. }, OverlapMode::Queue(job)) =
-                    (&why, self.overlap(env))
-                {
-                    self.park(step, job, delay).await?;
-                }
-            }
+            Action::Expire => self.expire(step).await?,
+            Action::Recheck { why, delay } => self.recheck(step, why, delay).await?,
             Action::Skip { running } => {
                 info!(running = %running, "skipped: the job's previous instance still runs (overlap = skip)");
                 self.stats.skipped.inc();
@@ -376,6 +343,45 @@ impl Processor {
             }
         }
         Ok(Disposition::Ack)
+    }
+
+    /// An instance that expired before it could run: dead-lettered `expired` and recorded;
+    /// the job's turn passes to the next waiting copy.
+    async fn expire(&self, step: &Step<'_>) -> Result<(), Interrupted> {
+        let (publisher, env) = (step.publisher, step.env);
+        info!("expired before it could run");
+        self.stats.expired.inc();
+        self.stats.outcome(&env.task, RunOutcome::Expired);
+        let error = "expires_at passed before the run";
+        let reason = DeadReason::Expired;
+        self.dead_letter_env(publisher, step.delivery, env, reason, error, env.attempt)
+            .await?;
+        self.record(env, Outcome::Expired, None, None).await;
+        self.pass_the_turn(publisher, env).await;
+        Ok(())
+    }
+
+    /// A copy held back (another live lease, or the job's lock under `overlap = "queue"`):
+    /// a copy to look again after `delay`, and, for the job's lock, a place in its waiters.
+    async fn recheck(
+        &self,
+        step: &Step<'_>,
+        why: Recheck,
+        delay: Duration,
+    ) -> Result<(), Interrupted> {
+        let delay_ms = delay.as_millis() as u64;
+        match why {
+            Recheck::Busy => debug!(delay_ms, "held under another live lease; re-checking later"),
+            Recheck::Waiting { ref running } => debug!(running = %running, delay_ms,
+                "waiting for the job's previous instance (overlap = queue)"),
+        }
+        self.stats.busy.inc();
+        self.publish_delayed(step.publisher, step.delivery, step.env, delay)
+            .await?;
+        if let (Recheck::Waiting { .. }, OverlapMode::Queue(job)) = (&why, self.overlap(step.env)) {
+            self.park(step, job, delay).await?;
+        }
+        Ok(())
     }
 
     /// Marks a success `done` and records it; requeues when another worker claimed the
