@@ -177,22 +177,33 @@ pub fn plan(job: &Job, last: DateTime<Utc>, now: DateTime<Utc>, threshold: Durat
     }
 
     let mut publish: Vec<_> = missed.into_iter().chain(on_time).collect();
-    if let Some(expires) = job.expires.and_then(|e| chrono::Duration::from_std(e).ok()) {
-        // Expiry is monotone in the instant: the expired ones are a prefix.
-        let live = publish.partition_point(|t| {
-            t.checked_add_signed(expires)
-                .is_some_and(|deadline| deadline <= now)
-        });
-        for t in publish.drain(..live) {
-            drops.push(t, Dropped::Expired);
-        }
-    }
+    drop_expired(job, now, &mut publish, &mut drops);
     Plan {
         publish,
         dropped: drops.listed,
         unlisted: drops.unlisted,
         dropped_up_to: drops.up_to,
         decided_up_to: (cursor > last).then_some(cursor),
+    }
+}
+
+/// Moves the instants of `publish` whose `expires` has passed by `now` to `drops`.
+fn drop_expired(
+    job: &Job,
+    now: DateTime<Utc>,
+    publish: &mut Vec<DateTime<Utc>>,
+    drops: &mut Drops,
+) {
+    let Some(expires) = job.expires.and_then(|e| chrono::Duration::from_std(e).ok()) else {
+        return;
+    };
+    // Expiry is monotone in the instant: the expired ones are a prefix.
+    let live = publish.partition_point(|t| {
+        t.checked_add_signed(expires)
+            .is_some_and(|deadline| deadline <= now)
+    });
+    for t in publish.drain(..live) {
+        drops.push(t, Dropped::Expired);
     }
 }
 

@@ -459,18 +459,7 @@ impl Config {
         let redis_wait = check_redis_wait(&fail, &raw_redis)?;
         let broker = broker.or_single(&broker_url);
         let broker_url = broker.urls[0].clone();
-        let redis_url = fail.url(
-            ENV_REDIS_URL,
-            env(ENV_REDIS_URL),
-            "[redis]",
-            raw_redis.url,
-            "redis://127.0.0.1:6379/0",
-            url::check_redis,
-        )?;
-        if redis_url.starts_with("redis+sentinel:") && raw_redis.ca_file.is_some() {
-            let m = "is not supported with redis+sentinel:// (Sentinel connections are plain TCP)";
-            return Err(fail.at(Some("[redis]"), "ca_file", m.into()));
-        }
+        let redis_url = check_redis_url(&fail, env(ENV_REDIS_URL), &raw_redis)?;
         Ok(Config {
             path: path.to_owned(),
             namespace,
@@ -1176,6 +1165,28 @@ impl Failer<'_> {
         }
         Ok(d)
     }
+}
+
+/// `[redis] url` (or `DRUMLINE_REDIS_URL`, which wins), checked; `ca_file` refused beside a
+/// Sentinel URL.
+fn check_redis_url(
+    fail: &Failer,
+    from_env: Option<String>,
+    raw: &RawRedis,
+) -> Result<String, ConfigError> {
+    let url = fail.url(
+        ENV_REDIS_URL,
+        from_env,
+        "[redis]",
+        raw.url.clone(),
+        "redis://127.0.0.1:6379/0",
+        url::check_redis,
+    )?;
+    if url.starts_with("redis+sentinel:") && raw.ca_file.is_some() {
+        let m = "is not supported with redis+sentinel:// (Sentinel connections are plain TCP)";
+        return Err(fail.at(Some("[redis]"), "ca_file", m.into()));
+    }
+    Ok(url)
 }
 
 #[cfg(test)]

@@ -378,6 +378,43 @@ fn days_up_to(n: u32) -> u32 {
 }
 
 /// Smallest set bit `>= from`, if any.
+/// `t` rounded up to a whole second.
+fn ceil_second(t: NaiveDateTime) -> Option<NaiveDateTime> {
+    if t.nanosecond() == 0 {
+        return Some(t);
+    }
+    t.with_nanosecond(0)?
+        .checked_add_signed(TimeDelta::seconds(1))
+}
+
+/// `text` with a macro (`@daily`) written out; any other `@…` is refused.
+fn expand_macro(text: &str) -> Result<&str, ScheduleError> {
+    Ok(match text {
+        "@yearly" | "@annually" => "0 0 1 1 *",
+        "@monthly" => "0 0 1 * *",
+        "@weekly" => "0 0 * * 0",
+        "@daily" | "@midnight" => "0 0 * * *",
+        "@hourly" => "0 * * * *",
+        t if t.starts_with('@') => return Err(ScheduleError::UnknownMacro { expr: t.to_owned() }),
+        t => t,
+    })
+}
+
+/// For each weekday the 1st of a month can fall on (0 = Sunday), the days (bit `d`) of that
+/// month whose weekday is in `weekdays`.
+fn weekday_days(weekdays: u8) -> [u32; 7] {
+    let mut by_first = [0u32; 7];
+    for (first, mask) in by_first.iter_mut().enumerate() {
+        for day in 1..=31u32 {
+            let weekday = (first as u32 + day - 1) % 7;
+            if weekdays & (1 << weekday) != 0 {
+                *mask |= 1 << day;
+            }
+        }
+    }
+    by_first
+}
+
 fn next_bit(mask: u64, from: u32) -> Option<u32> {
     if from >= 64 {
         return None;
@@ -395,17 +432,7 @@ impl CronExpr {
     /// expression that can never match.
     pub fn parse(expr: &str) -> Result<Self, ScheduleError> {
         let text = expr.trim();
-        let expanded = match text {
-            "@yearly" | "@annually" => "0 0 1 1 *",
-            "@monthly" => "0 0 1 * *",
-            "@weekly" => "0 0 * * 0",
-            "@daily" | "@midnight" => "0 0 * * *",
-            "@hourly" => "0 * * * *",
-            t if t.starts_with('@') => {
-                return Err(ScheduleError::UnknownMacro { expr: t.to_owned() })
-            }
-            t => t,
-        };
+        let expanded = expand_macro(text)?;
         let fields: Vec<&str> = expanded.split_whitespace().collect();
         let (second, rest) = match fields.len() {
             5 => ("0", &fields[..]),
@@ -431,15 +458,6 @@ impl CronExpr {
         let months = field(&MONTH, rest[3])? as u16;
         let weekdays = field(&DAY_OF_WEEK, rest[4])? as u8;
 
-        let mut dow_days_by_first = [0u32; 7];
-        for (first, mask) in dow_days_by_first.iter_mut().enumerate() {
-            for day in 1..=31u32 {
-                let weekday = (first as u32 + day - 1) % 7;
-                if weekdays & (1 << weekday) != 0 {
-                    *mask |= 1 << day;
-                }
-            }
-        }
         let cron = CronExpr {
             text: text.to_string(),
             seconds,
@@ -451,7 +469,7 @@ impl CronExpr {
             dom_any: rest[2] == "*",
             dow_any: rest[4] == "*",
             has_seconds: fields.len() == 6,
-            dow_days_by_first,
+            dow_days_by_first: weekday_days(weekdays),
         };
         // Only a restricted day-of-month ANDed with the months can be impossible: with a
         // restricted weekday every month has matching days. February counts with 29 days.
@@ -510,13 +528,7 @@ impl CronExpr {
     /// further than the end of `limit_year`. Steps field by field (month → day → hour → minute
     /// → second), so sparse expressions cost a handful of iterations, not a walk over minutes.
     fn next_match(&self, start: NaiveDateTime, limit_year: i32) -> Option<NaiveDateTime> {
-        let start = if start.nanosecond() == 0 {
-            start
-        } else {
-            start
-                .with_nanosecond(0)?
-                .checked_add_signed(TimeDelta::seconds(1))?
-        };
+        let start = ceil_second(start)?;
         let (mut y, mut mo, mut d) = (start.year(), start.month(), start.day());
         let (mut h, mut mi, mut s) = (start.hour(), start.minute(), start.second());
         loop {
@@ -548,37 +560,38 @@ impl CronExpr {
                     continue;
                 }
             }
-            match next_bit(u64::from(self.hours), h) {
-                Some(hour) => {
-                    if hour != h {
-                        (h, mi, s) = (hour, 0, 0);
-                    }
-                }
+            match self.next_time((h, mi, s)) {
+                Some(time) => (h, mi, s) = time,
                 None => {
                     // Day 32 has no bit in `day_mask`: the next round moves to the next month.
                     (d, h, mi, s) = (d + 1, 0, 0, 0);
                     continue;
                 }
             }
+            return NaiveDate::from_ymd_opt(y, mo, d)?.and_hms_opt(h, mi, s);
+        }
+    }
+
+    /// The first matching time of day `>= (h, mi, s)` on a matching day; `None` when the day
+    /// has none left (the search goes on with the next day).
+    fn next_time(&self, (mut h, mut mi, mut s): (u32, u32, u32)) -> Option<(u32, u32, u32)> {
+        loop {
+            let hour = next_bit(u64::from(self.hours), h)?;
+            if hour != h {
+                (h, mi, s) = (hour, 0, 0);
+            }
             match next_bit(self.minutes, mi) {
-                Some(minute) => {
-                    if minute != mi {
-                        (mi, s) = (minute, 0);
-                    }
-                }
+                Some(minute) if minute != mi => (mi, s) = (minute, 0),
+                Some(_) => {}
                 None => {
                     (h, mi, s) = (h + 1, 0, 0);
                     continue;
                 }
             }
             match next_bit(self.seconds, s) {
-                Some(second) => s = second,
-                None => {
-                    (mi, s) = (mi + 1, 0);
-                    continue;
-                }
+                Some(second) => return Some((h, mi, second)),
+                None => (mi, s) = (mi + 1, 0),
             }
-            return NaiveDate::from_ymd_opt(y, mo, d)?.and_hms_opt(h, mi, s);
         }
     }
 }
@@ -1569,86 +1582,93 @@ mod tests {
         );
     }
 
+    /// Refused expressions and their exact messages. 5 fields: the second one is the hour; 6
+    /// fields: it is the minute.
+    const PARSE_ERRORS: [(&str, &str); 20] = [
+        (
+            "61 0 * * *",
+            r#"cron "61 0 * * *": field minute: 61 is out of range 0-59"#,
+        ),
+        (
+            "0 61 * * *",
+            r#"cron "0 61 * * *": field hour: 61 is out of range 0-23"#,
+        ),
+        (
+            "0 61 * * * *",
+            r#"cron "0 61 * * * *": field minute: 61 is out of range 0-59"#,
+        ),
+        (
+            "* * * *",
+            r#"cron "* * * *": expected 5 or 6 fields, got 4"#,
+        ),
+        ("", r#"cron "": expected 5 or 6 fields, got 0"#),
+        (
+            "* * * * * * *",
+            r#"cron "* * * * * * *": expected 5 or 6 fields, got 7"#,
+        ),
+        (
+            "60 * * * * *",
+            r#"cron "60 * * * * *": field second: 60 is out of range 0-59"#,
+        ),
+        (
+            "0 24 * * *",
+            r#"cron "0 24 * * *": field hour: 24 is out of range 0-23"#,
+        ),
+        (
+            "0 0 0 * *",
+            r#"cron "0 0 0 * *": field day-of-month: 0 is out of range 1-31"#,
+        ),
+        (
+            "0 0 * 13 *",
+            r#"cron "0 0 * 13 *": field month: 13 is out of range 1-12"#,
+        ),
+        (
+            "0 0 * * 8",
+            r#"cron "0 0 * * 8": field day-of-week: 8 is out of range 0-7"#,
+        ),
+        (
+            "0 0 * FOO *",
+            r#"cron "0 0 * FOO *": field month: "FOO" is not a number or month name (JAN-DEC)"#,
+        ),
+        (
+            "0 0 * * MONDAY",
+            r#"cron "0 0 * * MONDAY": field day-of-week: "MONDAY" is not a number or weekday name (SUN-SAT)"#,
+        ),
+        (
+            "0 MON * * *",
+            r#"cron "0 MON * * *": field hour: "MON" is not a number"#,
+        ),
+        (
+            "*/0 * * * *",
+            r#"cron "*/0 * * * *": field minute: step 0 is not allowed"#,
+        ),
+        (
+            "*/x * * * *",
+            r#"cron "*/x * * * *": field minute: step "x" is not a number"#,
+        ),
+        (
+            "1,,2 * * * *",
+            r#"cron "1,,2 * * * *": field minute: empty item in list "1,,2""#,
+        ),
+        (
+            "0 22-2 * * *",
+            r#"cron "0 22-2 * * *": field hour: range 22-2 goes backwards (wrap-around is not supported; use a list such as 22-23,0-2)"#,
+        ),
+        (
+            "0 0 ? * MON",
+            r#"cron "0 0 ? * MON": field day-of-month: "?" is Quartz syntax (?, L, W, #), which is not supported"#,
+        ),
+        (
+            "0 0 30 2 *",
+            r#"cron "0 0 30 2 *": never matches: day-of-month "30" does not occur in month "2""#,
+        ),
+    ];
+
     #[test]
     fn parse_errors_name_field_and_reason() {
-        assert_eq!(
-            err("61 0 * * *"),
-            r#"cron "61 0 * * *": field minute: 61 is out of range 0-59"#
-        );
-        // 5 fields: the second one is the hour; 6 fields: it is the minute.
-        assert_eq!(
-            err("0 61 * * *"),
-            r#"cron "0 61 * * *": field hour: 61 is out of range 0-23"#
-        );
-        assert_eq!(
-            err("0 61 * * * *"),
-            r#"cron "0 61 * * * *": field minute: 61 is out of range 0-59"#
-        );
-        assert_eq!(
-            err("* * * *"),
-            r#"cron "* * * *": expected 5 or 6 fields, got 4"#
-        );
-        assert_eq!(err(""), r#"cron "": expected 5 or 6 fields, got 0"#);
-        assert_eq!(
-            err("* * * * * * *"),
-            r#"cron "* * * * * * *": expected 5 or 6 fields, got 7"#
-        );
-        assert_eq!(
-            err("60 * * * * *"),
-            r#"cron "60 * * * * *": field second: 60 is out of range 0-59"#
-        );
-        assert_eq!(
-            err("0 24 * * *"),
-            r#"cron "0 24 * * *": field hour: 24 is out of range 0-23"#
-        );
-        assert_eq!(
-            err("0 0 0 * *"),
-            r#"cron "0 0 0 * *": field day-of-month: 0 is out of range 1-31"#
-        );
-        assert_eq!(
-            err("0 0 * 13 *"),
-            r#"cron "0 0 * 13 *": field month: 13 is out of range 1-12"#
-        );
-        assert_eq!(
-            err("0 0 * * 8"),
-            r#"cron "0 0 * * 8": field day-of-week: 8 is out of range 0-7"#
-        );
-        assert_eq!(
-            err("0 0 * FOO *"),
-            r#"cron "0 0 * FOO *": field month: "FOO" is not a number or month name (JAN-DEC)"#
-        );
-        assert_eq!(
-            err("0 0 * * MONDAY"),
-            r#"cron "0 0 * * MONDAY": field day-of-week: "MONDAY" is not a number or weekday name (SUN-SAT)"#
-        );
-        assert_eq!(
-            err("0 MON * * *"),
-            r#"cron "0 MON * * *": field hour: "MON" is not a number"#
-        );
-        assert_eq!(
-            err("*/0 * * * *"),
-            r#"cron "*/0 * * * *": field minute: step 0 is not allowed"#
-        );
-        assert_eq!(
-            err("*/x * * * *"),
-            r#"cron "*/x * * * *": field minute: step "x" is not a number"#
-        );
-        assert_eq!(
-            err("1,,2 * * * *"),
-            r#"cron "1,,2 * * * *": field minute: empty item in list "1,,2""#
-        );
-        assert_eq!(
-            err("0 22-2 * * *"),
-            r#"cron "0 22-2 * * *": field hour: range 22-2 goes backwards (wrap-around is not supported; use a list such as 22-23,0-2)"#
-        );
-        assert_eq!(
-            err("0 0 ? * MON"),
-            r#"cron "0 0 ? * MON": field day-of-month: "?" is Quartz syntax (?, L, W, #), which is not supported"#
-        );
-        assert_eq!(
-            err("0 0 30 2 *"),
-            r#"cron "0 0 30 2 *": never matches: day-of-month "30" does not occur in month "2""#
-        );
+        for (expr, message) in PARSE_ERRORS {
+            assert_eq!(err(expr), message, "{expr}");
+        }
         assert!(err("0 0 L * *").contains("Quartz syntax"));
         assert!(err("0 0 * * 5#3").contains("Quartz syntax"));
         assert!(err("0 0 * JULY *").contains(r#""JULY" is not a number or month name"#));
@@ -1658,6 +1678,31 @@ mod tests {
         assert!(CronExpr::parse("0 0 29 2 *").is_ok());
         assert!(CronExpr::parse("0 0 30 2 MON").is_ok());
         assert!(err("99999999999 * * * *").contains("field minute: 99999999999 is out of range"));
+    }
+
+    #[test]
+    fn parse_errors_are_typed() {
+        let parse = |expr: &str| CronExpr::parse(expr).unwrap_err();
+        assert!(matches!(
+            parse("* * * *"),
+            ScheduleError::FieldCount { got: 4, .. }
+        ));
+        assert!(matches!(
+            parse("0 24 * * *"),
+            ScheduleError::Field { field: "hour", .. }
+        ));
+        assert!(matches!(
+            parse("@reboot"),
+            ScheduleError::UnknownMacro { .. }
+        ));
+        assert!(matches!(
+            parse("0 0 30 2 *"),
+            ScheduleError::NeverMatches { .. }
+        ));
+        assert!(matches!(
+            parse_timezone("Europe/Berln"),
+            Err(ScheduleError::UnknownZone { suggestions, .. }) if suggestions == ["Europe/Berlin"]
+        ));
     }
 
     // --- Every -------------------------------------------------------------------------------

@@ -192,34 +192,38 @@ async fn record(
                 }
                 next = consumer.next() => {
                     let Some(Ok(delivery)) = next else { break };
-                    let arrived = Utc::now();
-                    let arrived_at = Instant::now();
-                    let headers = delivery.properties.headers().as_ref();
-                    let epoch = header_int(headers, "x-drumline-epoch");
-                    let via_delay = headers.is_some_and(|h| h.inner().contains_key("x-death"));
-                    {
-                        let mut seen = seen.lock().expect("snoop lock");
-                        if let Some(marker) = std::str::from_utf8(&delivery.data)
-                            .ok()
-                            .filter(|b| b.starts_with(MARKER))
-                        {
-                            seen.markers.insert(marker.to_owned());
-                        } else if let Ok(envelope) = Envelope::decode(&delivery.data) {
-                            seen.messages.push(Snooped {
-                                arrived,
-                                arrived_at,
-                                epoch,
-                                via_delay,
-                                envelope,
-                            });
-                        }
-                    }
+                    note(&seen, &delivery);
                     // Acked once recorded; a lost ack means a redelivery, never a lost copy.
                     let _ = delivery.ack(BasicAckOptions::default()).await;
                 }
             }
         }
         // The connection is gone (broker restart or close): bind again.
+    }
+}
+
+/// Records one delivery: a marker, or a message with its arrival, epoch and whether it came
+/// back through a delay queue.
+fn note(seen: &Mutex<Seen>, delivery: &lapin::message::Delivery) {
+    let arrived = Utc::now();
+    let arrived_at = Instant::now();
+    let headers = delivery.properties.headers().as_ref();
+    let epoch = header_int(headers, "x-drumline-epoch");
+    let via_delay = headers.is_some_and(|h| h.inner().contains_key("x-death"));
+    let mut seen = seen.lock().expect("snoop lock");
+    if let Some(marker) = std::str::from_utf8(&delivery.data)
+        .ok()
+        .filter(|b| b.starts_with(MARKER))
+    {
+        seen.markers.insert(marker.to_owned());
+    } else if let Ok(envelope) = Envelope::decode(&delivery.data) {
+        seen.messages.push(Snooped {
+            arrived,
+            arrived_at,
+            epoch,
+            via_delay,
+            envelope,
+        });
     }
 }
 

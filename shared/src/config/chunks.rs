@@ -49,7 +49,45 @@ fn header_kind(text: &str) -> Header {
 /// Cuts `text` (see the module doc); `None` when the file has no `[[jobs]]` region or anything
 /// about its shape is unusual.
 pub(super) fn cut(text: &str, per_piece: usize) -> Option<Cut<'_>> {
-    // Every header at depth 0, at the start of a line: (offset, kind).
+    let headers = headers(text)?;
+    let first = headers.iter().position(|(_, h)| *h == Header::Job)?;
+    let end = headers[first..]
+        .iter()
+        .position(|(_, h)| *h == Header::Other)
+        .map_or(headers.len(), |n| first + n);
+    // Jobs outside one contiguous region: the whole file decides.
+    if headers[..first]
+        .iter()
+        .chain(&headers[end..])
+        .any(|(_, h)| *h != Header::Other)
+    {
+        return None;
+    }
+    let region_end = headers.get(end).map_or(text.len(), |(at, _)| *at);
+    let region_start = headers[first].0;
+    let mut jobs = Vec::new();
+    let mut piece_start = region_start;
+    let mut in_piece = 0;
+    for (at, kind) in &headers[first..end] {
+        if *kind == Header::Job {
+            if in_piece == per_piece.max(1) {
+                jobs.push(text.get(piece_start..*at)?);
+                piece_start = *at;
+                in_piece = 0;
+            }
+            in_piece += 1;
+        }
+    }
+    jobs.push(text.get(piece_start..region_end)?);
+    let mut rest = String::with_capacity(region_start + text.len() - region_end);
+    rest.push_str(text.get(..region_start)?);
+    rest.push_str(text.get(region_end..)?);
+    Some(Cut { rest, jobs })
+}
+
+/// Every table header of `text` at depth 0, at the start of a line: (offset, kind), read from
+/// the file's tokens. `None` when the brackets do not balance.
+fn headers(text: &str) -> Option<Vec<(usize, Header)>> {
     let mut headers: Vec<(usize, Header)> = Vec::new();
     let mut depth: usize = 0;
     let mut line_start = true;
@@ -85,42 +123,7 @@ pub(super) fn cut(text: &str, per_piece: usize) -> Option<Cut<'_>> {
             _ => line_start = false,
         }
     }
-    if depth != 0 {
-        return None;
-    }
-    let first = headers.iter().position(|(_, h)| *h == Header::Job)?;
-    let end = headers[first..]
-        .iter()
-        .position(|(_, h)| *h == Header::Other)
-        .map_or(headers.len(), |n| first + n);
-    // Jobs outside one contiguous region: the whole file decides.
-    if headers[..first]
-        .iter()
-        .chain(&headers[end..])
-        .any(|(_, h)| *h != Header::Other)
-    {
-        return None;
-    }
-    let region_end = headers.get(end).map_or(text.len(), |(at, _)| *at);
-    let region_start = headers[first].0;
-    let mut jobs = Vec::new();
-    let mut piece_start = region_start;
-    let mut in_piece = 0;
-    for (at, kind) in &headers[first..end] {
-        if *kind == Header::Job {
-            if in_piece == per_piece.max(1) {
-                jobs.push(text.get(piece_start..*at)?);
-                piece_start = *at;
-                in_piece = 0;
-            }
-            in_piece += 1;
-        }
-    }
-    jobs.push(text.get(piece_start..region_end)?);
-    let mut rest = String::with_capacity(region_start + text.len() - region_end);
-    rest.push_str(text.get(..region_start)?);
-    rest.push_str(text.get(region_end..)?);
-    Some(Cut { rest, jobs })
+    (depth == 0).then_some(headers)
 }
 
 #[cfg(test)]
