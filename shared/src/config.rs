@@ -3,8 +3,8 @@
 //! A bad config yields one [`ConfigError`] naming the file, the job or task, and the key.
 
 use crate::duration;
+pub use crate::run::WaitReplicas;
 use crate::schedule::{parse_timezone, CronExpr, DstFold, DstGap, Schedule};
-pub use crate::store::WaitReplicas;
 use crate::url;
 use chrono::{DateTime, Utc};
 use chrono_tz::Tz;

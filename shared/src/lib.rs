@@ -22,6 +22,7 @@ pub mod logging;
 #[cfg(feature = "bin-support")]
 pub mod metrics;
 pub mod names;
+pub mod run;
 pub mod schedule;
 pub mod signals;
 pub mod store;

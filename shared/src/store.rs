@@ -18,6 +18,7 @@ mod conn;
 mod leader;
 mod operate;
 mod rules;
+pub use crate::run::{Claim, Ending, Final, RunState, WaitReplicas};
 pub use conn::Conn;
 /// The Lua that formats Redis `TIME` as RFC 3339 for the leader lease's `since`: public only
 /// so `shared/tests/store.rs` can run it against chrono across the calendar.
@@ -70,82 +71,6 @@ impl StoreError {
     }
 }
 
-/// The `state` field of `{ns}:run:{key}` (docs/design.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunState {
-    /// Claimed under a live (or expired, if its holder died) lease.
-    Running,
-    /// A run failed and attempt `attempt` waits in a delay queue; older copies are duplicates.
-    Retrying,
-    /// Succeeded.
-    Done,
-    /// Dead-lettered (permanent failure or retries exhausted).
-    Dead,
-    /// Not run: the job's previous instance still ran (`overlap = "skip"`).
-    Skipped,
-}
-
-impl RunState {
-    /// The text stored in Redis.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RunState::Running => "running",
-            RunState::Retrying => "retrying",
-            RunState::Done => "done",
-            RunState::Dead => "dead",
-            RunState::Skipped => "skipped",
-        }
-    }
-
-    /// Parses the text stored in Redis.
-    pub fn parse(text: &str) -> Option<Self> {
-        Some(match text {
-            "running" => RunState::Running,
-            "retrying" => RunState::Retrying,
-            "done" => RunState::Done,
-            "dead" => RunState::Dead,
-            "skipped" => RunState::Skipped,
-            _ => return None,
-        })
-    }
-}
-
-impl std::fmt::Display for RunState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// A final state a run ends in (what [`Store::finish`] writes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Final {
-    /// Succeeded.
-    Done,
-    /// Dead-lettered.
-    Dead,
-}
-
-impl Final {
-    fn as_str(self) -> &'static str {
-        match self {
-            Final::Done => RunState::Done.as_str(),
-            Final::Dead => RunState::Dead.as_str(),
-        }
-    }
-}
-
-/// How a run's claim ends (what [`Store::finish`] writes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ending {
-    /// In a final state.
-    Final(Final),
-    /// Handed to the retry carrying `next_attempt`: older copies become duplicates.
-    Retry {
-        /// The attempt that may claim the instance next.
-        next_attempt: u32,
-    },
-}
-
 /// What ending a claim did ([`Store::finish`], [`Store::release`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ended {
@@ -195,47 +120,6 @@ impl Waiter {
             body: bytes[space + 1..].to_vec(),
         })
     }
-}
-
-/// Outcome of a claim attempt.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Claim {
-    /// We hold the lease now.
-    Claimed {
-        /// Fencing token: strictly greater than any earlier claim's in this namespace.
-        fence: u64,
-    },
-    /// A duplicate copy: the instance already finished (`done`, `skipped` or `dead`), or a
-    /// later attempt has been recorded (`retrying`, or `running` an attempt after this copy's).
-    Duplicate {
-        /// The recorded state.
-        state: RunState,
-    },
-    /// Another worker holds a live lease; look again after `retry_in`.
-    Busy {
-        /// The lease's remaining time.
-        retry_in: Duration,
-        /// This copy is a later attempt than the one running: that run has ended (only a
-        /// failed run publishes the next attempt) and its hand-over is on its way, so the
-        /// copy may look again well before the lease would lapse.
-        handover: bool,
-    },
-    /// `overlap = "skip"` and the job's previous instance still runs: recorded `skipped`.
-    Skipped {
-        /// Key of the instance that still runs.
-        running: String,
-    },
-    /// `overlap = "queue"` and the job's previous instance still runs; look again after
-    /// `retry_in`.
-    Waiting {
-        /// The running instance's remaining lease.
-        retry_in: Duration,
-        /// Key of the instance that still runs.
-        running: String,
-    },
-    /// The copy's `expires_at` has passed and no run of it is recorded or live: nothing was
-    /// taken; the caller dead-letters it as `expired`.
-    Expired,
 }
 
 /// What a worker asks for when it claims an instance.
@@ -636,17 +520,6 @@ pub struct Store {
     names: Names,
     /// `[redis] wait_replicas` and `wait_timeout`: durable writes wait for this many replicas.
     wait: Option<(u32, Duration)>,
-}
-
-/// `[redis] wait_replicas` (docs/design.md "Scale-out"): how many replicas must have a durable
-/// write (`done`, `dead`, `retrying`, progress) before it counts, and how long to wait for
-/// them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WaitReplicas {
-    /// Replicas that must acknowledge; 0 waits for none.
-    pub replicas: u32,
-    /// How long `WAIT` may block.
-    pub timeout: Duration,
 }
 
 impl Store {

@@ -8,7 +8,7 @@ use crate::lease::LeaseLost;
 use crate::retry::{self, Decision};
 use drumline_shared::config::Task;
 use drumline_shared::envelope::{DeadReason, Envelope};
-use drumline_shared::store::{Claim, RunState};
+use drumline_shared::run::{Claim, RunState};
 use std::time::Duration;
 
 /// Margin added to a busy lease's remaining time before we look again.

@@ -1,0 +1,133 @@
+//! What a run is, as the worker decides and the store records it: the claim's answer, the run
+//! record's state, how a claim ends, and the replicas a durable write waits for. Plain data,
+//! no I/O: `decision.rs` and `config.rs` use it without the store.
+
+use std::time::Duration;
+
+/// The `state` field of `{ns}:run:{key}` (docs/design.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunState {
+    /// Claimed under a live (or expired, if its holder died) lease.
+    Running,
+    /// A run failed and attempt `attempt` waits in a delay queue; older copies are duplicates.
+    Retrying,
+    /// Succeeded.
+    Done,
+    /// Dead-lettered (permanent failure or retries exhausted).
+    Dead,
+    /// Not run: the job's previous instance still ran (`overlap = "skip"`).
+    Skipped,
+}
+
+impl RunState {
+    /// The text stored in Redis.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunState::Running => "running",
+            RunState::Retrying => "retrying",
+            RunState::Done => "done",
+            RunState::Dead => "dead",
+            RunState::Skipped => "skipped",
+        }
+    }
+
+    /// Parses the text stored in Redis.
+    pub fn parse(text: &str) -> Option<Self> {
+        Some(match text {
+            "running" => RunState::Running,
+            "retrying" => RunState::Retrying,
+            "done" => RunState::Done,
+            "dead" => RunState::Dead,
+            "skipped" => RunState::Skipped,
+            _ => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for RunState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A final state a run ends in (what [`Store::finish`](crate::store::Store::finish) writes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Final {
+    /// Succeeded.
+    Done,
+    /// Dead-lettered.
+    Dead,
+}
+
+impl Final {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Final::Done => RunState::Done.as_str(),
+            Final::Dead => RunState::Dead.as_str(),
+        }
+    }
+}
+
+/// How a run's claim ends (what [`Store::finish`](crate::store::Store::finish) writes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// In a final state.
+    Final(Final),
+    /// Handed to the retry carrying `next_attempt`: older copies become duplicates.
+    Retry {
+        /// The attempt that may claim the instance next.
+        next_attempt: u32,
+    },
+}
+
+/// Outcome of a claim attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// We hold the lease now.
+    Claimed {
+        /// Fencing token: strictly greater than any earlier claim's in this namespace.
+        fence: u64,
+    },
+    /// A duplicate copy: the instance already finished (`done`, `skipped` or `dead`), or a
+    /// later attempt has been recorded (`retrying`, or `running` an attempt after this copy's).
+    Duplicate {
+        /// The recorded state.
+        state: RunState,
+    },
+    /// Another worker holds a live lease; look again after `retry_in`.
+    Busy {
+        /// The lease's remaining time.
+        retry_in: Duration,
+        /// This copy is a later attempt than the one running: that run has ended (only a
+        /// failed run publishes the next attempt) and its hand-over is on its way, so the
+        /// copy may look again well before the lease would lapse.
+        handover: bool,
+    },
+    /// `overlap = "skip"` and the job's previous instance still runs: recorded `skipped`.
+    Skipped {
+        /// Key of the instance that still runs.
+        running: String,
+    },
+    /// `overlap = "queue"` and the job's previous instance still runs; look again after
+    /// `retry_in`.
+    Waiting {
+        /// The running instance's remaining lease.
+        retry_in: Duration,
+        /// Key of the instance that still runs.
+        running: String,
+    },
+    /// The copy's `expires_at` has passed and no run of it is recorded or live: nothing was
+    /// taken; the caller dead-letters it as `expired`.
+    Expired,
+}
+
+/// `[redis] wait_replicas` (docs/design.md "Scale-out"): how many replicas must have a durable
+/// write (`done`, `dead`, `retrying`, progress) before it counts, and how long to wait for
+/// them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WaitReplicas {
+    /// Replicas that must acknowledge; 0 waits for none.
+    pub replicas: u32,
+    /// How long `WAIT` may block.
+    pub timeout: Duration,
+}
