@@ -215,19 +215,20 @@ pub fn on_claim(claim: &Claim) -> Next {
 pub fn after_run(fence: u64, result: &RunResult, task: &Task, attempt: u32, jitter: f64) -> Action {
     match result {
         RunResult::Succeeded => Action::Done { fence },
-        RunResult::Failed(HandlerError::Permanent(error)) => Action::Dead {
+        RunResult::Failed(e @ HandlerError::Permanent { .. }) => Action::Dead {
             reason: DeadReason::Permanent,
-            error: error.clone(),
+            error: e.report(),
         },
-        RunResult::Failed(HandlerError::Retryable(error)) => {
+        RunResult::Failed(e @ HandlerError::Retryable { after, .. }) => {
             match retry::decide(task, attempt, jitter) {
                 Decision::Exhausted => Action::Dead {
                     reason: DeadReason::RetriesExhausted,
-                    error: error.clone(),
+                    error: e.report(),
                 },
                 Decision::Retry { delay } => Action::Retry {
-                    delay,
-                    error: error.clone(),
+                    // The handler's own delay, within the task's `retry_max`.
+                    delay: after.map_or(delay, |after| after.min(task.retry_max)),
+                    error: e.report(),
                 },
             }
         }
@@ -397,10 +398,7 @@ mod tests {
     fn a_permanent_failure_is_dead_at_any_attempt() {
         for attempt in [0, 5] {
             assert_eq!(
-                after(
-                    RunResult::Failed(HandlerError::Permanent("no".into())),
-                    attempt
-                ),
+                after(RunResult::Failed(HandlerError::permanent("no")), attempt),
                 Action::Dead {
                     reason: DeadReason::Permanent,
                     error: "no".into()
@@ -411,7 +409,7 @@ mod tests {
 
     #[test]
     fn a_retryable_failure_retries_with_backoff_until_exhausted() {
-        let failed = || RunResult::Failed(HandlerError::Retryable("flaky".into()));
+        let failed = || RunResult::Failed(HandlerError::retryable("flaky"));
         // attempt 1 of max_retries = 2: base 1 s · 2 = 2 s, plus half the 20 % jitter.
         assert_eq!(
             after(failed(), 1),
@@ -425,6 +423,48 @@ mod tests {
             Action::Dead {
                 reason: DeadReason::RetriesExhausted,
                 error: "flaky".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_handlers_own_delay_replaces_the_backoff_within_retry_max() {
+        // task(2): retry_max is the retry tests' default; a delay above it is cut to it.
+        let asked = |d| RunResult::Failed(HandlerError::retry_after("later", d));
+        let retry_max = task(2).retry_max;
+        assert_eq!(
+            after(asked(Duration::from_millis(1500)), 0),
+            Action::Retry {
+                delay: Duration::from_millis(1500),
+                error: "later".into()
+            }
+        );
+        assert_eq!(
+            after(asked(retry_max * 10), 0),
+            Action::Retry {
+                delay: retry_max,
+                error: "later".into()
+            }
+        );
+        // Still bounded by max_retries.
+        assert!(matches!(
+            after(asked(Duration::from_secs(1)), 2),
+            Action::Dead {
+                reason: DeadReason::RetriesExhausted,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_failure_is_recorded_with_its_causes() {
+        let io = std::io::Error::other("connection reset");
+        let failed = RunResult::Failed(HandlerError::permanent("ledger").because(io));
+        assert_eq!(
+            after(failed, 0),
+            Action::Dead {
+                reason: DeadReason::Permanent,
+                error: "ledger: connection reset".into()
             }
         );
     }

@@ -102,7 +102,8 @@ impl ShellExecutor {
     }
 
     async fn run(self, ctx: TaskContext) -> Result<(), HandlerError> {
-        let supervisor = supervisor().map_err(|e| HandlerError::Retryable(e.to_string()))?;
+        let supervisor = supervisor()
+            .map_err(|e| HandlerError::retryable("cannot run a shell task").because(e))?;
         let mut cmd = Command::new(supervisor);
         cmd.arg(std::process::id().to_string()).args(&self.command);
         self.environment(&mut cmd, &ctx);
@@ -110,7 +111,7 @@ impl ShellExecutor {
             .kill_on_drop(true)
             .process_group(0);
         let mut child = spawn(cmd).await.map_err(|e| {
-            HandlerError::Retryable(format!("cannot start {:?}: {e}", self.command[0]))
+            HandlerError::retryable(format!("cannot start {:?}", self.command[0])).because(e)
         })?;
         // From here on, however this future ends (returned or dropped), the group is killed.
         let group = child.id().map(|id| Group(Pid::from_raw(id as i32)));
@@ -139,21 +140,21 @@ impl ShellExecutor {
             tokio::select! {
                 () = &mut feed, if !fed => fed = true,
                 status = child.wait() => {
-                    let status = status.map_err(|e| HandlerError::Retryable(format!("wait failed: {e}")))?;
+                    let status = status.map_err(|e| HandlerError::retryable("wait failed").because(e))?;
                     // The leader exited; stragglers in its group must not outlive the run.
                     drop(group);
                     return self.outcome(status);
                 }
                 () = &mut deadline => {
                     stop(&mut child, group, ctx.kill_grace).await;
-                    return Err(HandlerError::Retryable(format!(
+                    return Err(HandlerError::retryable(format!(
                         "timed out after {}",
                         humantime::format_duration(self.timeout.unwrap_or_default())
                     )));
                 }
                 () = ctx.cancel.cancelled() => {
                     stop(&mut child, group, ctx.kill_grace).await;
-                    return Err(HandlerError::Retryable("cancelled".into()));
+                    return Err(HandlerError::retryable("cancelled"));
                 }
             }
         }
@@ -167,11 +168,11 @@ impl ShellExecutor {
         match (status.code(), status.signal()) {
             (Some(0), _) => Ok(()),
             (Some(code), _) if self.permanent_exit_codes.contains(&code) => {
-                Err(HandlerError::Permanent(format!("exit code {code}")))
+                Err(HandlerError::permanent(format!("exit code {code}")))
             }
-            (Some(code), _) => Err(HandlerError::Retryable(format!("exit code {code}"))),
-            (None, Some(sig)) => Err(HandlerError::Retryable(format!("killed by signal {sig}"))),
-            (None, None) => Err(HandlerError::Retryable("exited abnormally".into())),
+            (Some(code), _) => Err(HandlerError::retryable(format!("exit code {code}"))),
+            (None, Some(sig)) => Err(HandlerError::retryable(format!("killed by signal {sig}"))),
+            (None, None) => Err(HandlerError::retryable("exited abnormally")),
         }
     }
 }
