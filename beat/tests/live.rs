@@ -5,6 +5,7 @@
 use chrono::{DateTime, DurationRound, SecondsFormat, TimeDelta, Utc};
 use drumline_beat::publisher::Publisher;
 use drumline_beat::scheduler::{run, BeatStats, BATCH_JOBS, BATCH_MESSAGES};
+use drumline_e2e::{Namespace, AMQP_URL, REDIS_URL};
 use drumline_shared::broker::{self, BrokerError};
 use drumline_shared::config::Config;
 use drumline_shared::envelope::{instance_key, Envelope};
@@ -12,89 +13,44 @@ use drumline_shared::names::Names;
 use drumline_shared::store::{
     last_instant_text, parse_last_instant as parse_last, Candidate, LeaseMode, ProgressError, Store,
 };
-use lapin::options::{
-    BasicGetOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
+use lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use std::future::Future;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-
-/// A namespace; everything in it is deleted on drop.
-struct Ns(String);
+/// A namespace of the test kit ([`Namespace`]: everything in it is deleted on drop), with the
+/// beat's tests' config and store.
+struct Ns(Namespace);
 
 impl Ns {
     fn new(test: &str) -> Self {
-        let id = uuid::Uuid::new_v4().simple().to_string();
-        Ns(format!("t_beat_{test}_{}", &id[..8]))
+        let mut ns = Namespace::new(&format!("beat_{test}"));
+        for queue in ["a", "b"] {
+            ns.forget_work_queue_later(queue);
+        }
+        Ns(ns)
+    }
+
+    fn name(&self) -> &str {
+        self.0.name()
     }
 
     /// A config in this namespace: `body` plus task `t`.
     fn config(&self, body: &str) -> Config {
         let text = format!(
             "namespace = \"{}\"\n{body}\n[tasks.t]\ncommand = [\"/bin/true\"]\n",
-            self.0
+            self.name()
         );
         Config::parse(&text, Path::new("test.toml"), |_| None)
             .unwrap_or_else(|e| panic!("bad test config: {e}"))
     }
 
     async fn store(&self) -> Store {
-        Store::connect("redis://127.0.0.1:6379/0", None, Names::new(self.0.clone()))
+        Store::connect(REDIS_URL, None, Names::new(self.name()))
             .await
             .expect("redis")
-    }
-}
-
-impl Drop for Ns {
-    fn drop(&mut self) {
-        let ns = self.0.clone();
-        let _ = std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime")
-                .block_on(cleanup(ns));
-        })
-        .join();
-    }
-}
-
-async fn cleanup(ns: String) {
-    let names = Names::new(ns.clone());
-    if let Ok(client) = redis::Client::open("redis://127.0.0.1:6379/0") {
-        if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
-            let keys: Vec<String> = redis::cmd("KEYS")
-                .arg(format!("{ns}:*"))
-                .query_async(&mut conn)
-                .await
-                .unwrap_or_default();
-            if !keys.is_empty() {
-                let _: Result<(), _> = redis::cmd("DEL").arg(keys).query_async(&mut conn).await;
-            }
-        }
-    }
-    if let Ok(amqp) = Connection::connect(AMQP, ConnectionProperties::default()).await {
-        // A channel per deletion: one that fails (never declared) closes its channel.
-        let queues = ["default", "a", "b"].map(|q| names.work_queue(q));
-        for queue in queues.into_iter().chain([names.dead()]) {
-            if let Ok(ch) = amqp.create_channel().await {
-                let _ = ch
-                    .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-                    .await;
-            }
-        }
-        for exchange in [names.tasks_exchange(), names.dead()] {
-            if let Ok(ch) = amqp.create_channel().await {
-                let _ = ch
-                    .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
-                    .await;
-            }
-        }
-        let _ = amqp.close(200, "bye".into()).await;
     }
 }
 
@@ -343,11 +299,11 @@ async fn jobs_due_together_are_published_in_batches_each_instant_once() {
     );
 
     // What the queue holds: each instant once, the catch-up oldest first.
-    let amqp = Connection::connect(AMQP, ConnectionProperties::default())
+    let amqp = Connection::connect(AMQP_URL, ConnectionProperties::default())
         .await
         .unwrap();
     let ch = amqp.create_channel().await.unwrap();
-    let queue = Names::new(ns.0.clone()).work_queue("default");
+    let queue = Names::new(ns.name()).work_queue("default");
     let passive = QueueDeclareOptions {
         passive: true,
         ..Default::default()

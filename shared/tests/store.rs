@@ -2,6 +2,7 @@
 //! test ends, passed or panicked).
 
 use chrono::{TimeZone, Utc};
+use drumline_e2e::{Namespace, REDIS_URL};
 use drumline_shared::names::Names;
 use drumline_shared::store::{
     Candidate, Claim, ClaimRequest, Ending, Final, LeaseMode, LeaseOutcome, OverlapMode,
@@ -9,46 +10,29 @@ use drumline_shared::store::{
 };
 use std::time::{Duration, Instant};
 
-const REDIS: &str = "redis://127.0.0.1:6379/0";
-
-/// A store on a fresh namespace whose keys are deleted when it goes out of scope, also when the
-/// test panics half-way.
-struct TestStore(Store);
+/// A store on a namespace of the test kit ([`Namespace`]), whose keys are deleted when it goes
+/// out of scope, also when the test panics half-way.
+struct TestStore {
+    store: Store,
+    _namespace: Namespace,
+}
 
 impl std::ops::Deref for TestStore {
     type Target = Store;
     fn deref(&self) -> &Store {
-        &self.0
-    }
-}
-
-impl Drop for TestStore {
-    fn drop(&mut self) {
-        // Blocking client: `Drop` cannot await, and a panicking test's runtime may be gone.
-        let pattern = format!("{}:*", self.0.names().namespace());
-        let Ok(mut conn) = redis::Client::open(REDIS).and_then(|c| c.get_connection()) else {
-            return;
-        };
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(pattern)
-            .query(&mut conn)
-            .unwrap_or_default();
-        if !keys.is_empty() {
-            let _: redis::RedisResult<()> = redis::cmd("DEL").arg(keys).query(&mut conn);
-        }
+        &self.store
     }
 }
 
 async fn store(test: &str) -> TestStore {
-    let ns = format!(
-        "t_store_{test}_{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
-    TestStore(
-        Store::connect(REDIS, None, Names::new(ns))
-            .await
-            .expect("redis"),
-    )
+    let namespace = Namespace::new(&format!("store_{test}"));
+    let store = Store::connect(REDIS_URL, None, Names::new(namespace.name()))
+        .await
+        .expect("redis");
+    TestStore {
+        store,
+        _namespace: namespace,
+    }
 }
 
 /// A claim of `key`; an overlap mode with a job makes it an instance of that job.
@@ -344,7 +328,7 @@ async fn a_lapsed_lease_is_free_and_renewing_it_is_refused() {
     s.lead(&a, Duration::from_millis(50), LeaseMode::Acquire)
         .await
         .unwrap();
-    let mut conn = redis::Client::open(REDIS)
+    let mut conn = redis::Client::open(REDIS_URL)
         .unwrap()
         .get_multiplexed_async_connection()
         .await
@@ -1005,7 +989,7 @@ async fn a_final_state_and_its_run_record_land_in_one_call_and_only_for_the_hold
 /// run by the real Redis on the dates that break naive formulas, against chrono.
 #[tokio::test]
 async fn the_scripts_rfc3339_matches_chrono_across_the_calendar() {
-    let mut conn = redis::Client::open("redis://127.0.0.1:6379/0")
+    let mut conn = redis::Client::open(REDIS_URL)
         .unwrap()
         .get_multiplexed_async_connection()
         .await

@@ -24,27 +24,76 @@ pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// The shared Redis every test uses (namespaced).
 pub const REDIS_URL: &str = "redis://127.0.0.1:6379/0";
 
+/// A test's own namespace on the shared broker and Redis: a unique name, and on drop (a
+/// panicking test's too) its Redis keys, its work queues (`default` and any named with
+/// [`Namespace::forget_queue_later`]), `{ns}.dead` and its exchanges are deleted; delay queues
+/// expire by themselves. The one clean-up every kind of test uses: end-to-end tests through
+/// [`TestEnv`], the store's and the beat's integration tests directly.
+pub struct Namespace {
+    name: String,
+    extra_queues: Vec<String>,
+}
+
+impl Namespace {
+    /// `t_{test}_{8 hex digits}`.
+    pub fn new(test: &str) -> Self {
+        let suffix = &uuid::Uuid::new_v4().simple().to_string()[..8];
+        Namespace {
+            name: format!("t_{test}_{suffix}"),
+            extra_queues: Vec::new(),
+        }
+    }
+
+    /// The namespace's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Also delete the work queue of logical queue `queue` (`{ns}.q.{queue}`) at the end.
+    pub fn forget_work_queue_later(&mut self, queue: &str) {
+        let name = Names::new(self.name.as_str()).work_queue(queue);
+        self.extra_queues.push(name);
+    }
+
+    /// Also delete the queue named `name` at the end.
+    pub fn forget_queue_later(&mut self, name: String) {
+        self.extra_queues.push(name);
+    }
+}
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        let ns = self.name.clone();
+        let extra = std::mem::take(&mut self.extra_queues);
+        // A runtime of its own: `Drop` cannot await, and a panicking test's runtime may be gone.
+        let _ = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+                .block_on(cleanup(ns, extra));
+        })
+        .join();
+    }
+}
+
 /// One test's world.
 pub struct TestEnv {
     /// The namespace: unique per test run.
     pub ns: String,
     /// Scratch directory (configs, effect files, process logs).
     pub dir: PathBuf,
-    /// Extra queue names to delete at the end.
-    extra_queues: Vec<String>,
+    /// Deletes what the test declared when the test ends.
+    namespace: Namespace,
 }
 
 /// Creates a test's namespace and scratch directory.
 pub fn setup(test: &str) -> TestEnv {
-    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..8];
-    let ns = format!("t_{test}_{suffix}");
+    let namespace = Namespace::new(test);
+    let ns = namespace.name().to_owned();
     let dir = std::env::temp_dir().join("drumline-tests").join(&ns);
     fs::create_dir_all(&dir).expect("cannot create the test directory");
-    TestEnv {
-        ns,
-        dir,
-        extra_queues: Vec::new(),
-    }
+    TestEnv { ns, dir, namespace }
 }
 
 /// Path of a workspace binary (built by `cargo build --bins`, which `scripts/test` runs first).
@@ -189,7 +238,7 @@ impl TestEnv {
 
     /// Also delete queue `name` at cleanup.
     pub fn forget_queue_later(&mut self, name: String) {
-        self.extra_queues.push(name);
+        self.namespace.forget_queue_later(name);
     }
 
     /// A Redis connection.
@@ -272,57 +321,43 @@ impl TestEnv {
         let _ = conn.close(200, "bye".into()).await;
         exists
     }
-
-    async fn cleanup(ns: String, extra: Vec<String>) {
-        let names = Names::new(ns.as_str());
-        if let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await {
-            let mut queues = vec![names.work_queue("default"), names.dead()];
-            queues.extend(extra);
-            for q in queues {
-                if let Ok(ch) = conn.create_channel().await {
-                    let _ = ch
-                        .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-                        .await;
-                }
-            }
-            for x in [names.tasks_exchange(), names.dead()] {
-                if let Ok(ch) = conn.create_channel().await {
-                    let _ = ch
-                        .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
-                        .await;
-                }
-            }
-            let _ = conn.close(200, "cleanup".into()).await;
-        }
-        if let Ok(client) = redis::Client::open(REDIS_URL) {
-            if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
-                let keys: Vec<String> = redis::cmd("KEYS")
-                    .arg(format!("{ns}:*"))
-                    .query_async(&mut conn)
-                    .await
-                    .unwrap_or_default();
-                if !keys.is_empty() {
-                    let _: redis::RedisResult<()> =
-                        redis::cmd("DEL").arg(keys).query_async(&mut conn).await;
-                }
-            }
-        }
-    }
 }
 
-impl Drop for TestEnv {
-    fn drop(&mut self) {
-        // Delete what the test declared; delay queues expire by themselves.
-        let ns = self.ns.clone();
-        let extra = std::mem::take(&mut self.extra_queues);
-        let _ = std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime")
-                .block_on(TestEnv::cleanup(ns, extra));
-        })
-        .join();
+/// Deletes namespace `ns`: its Redis keys, queues `default`, `{ns}.dead` and `extra`, and its
+/// exchanges. Whatever is not there is skipped.
+async fn cleanup(ns: String, extra: Vec<String>) {
+    let names = Names::new(ns.as_str());
+    if let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await {
+        let mut queues = vec![names.work_queue("default"), names.dead()];
+        queues.extend(extra);
+        for q in queues {
+            if let Ok(ch) = conn.create_channel().await {
+                let _ = ch
+                    .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                    .await;
+            }
+        }
+        for x in [names.tasks_exchange(), names.dead()] {
+            if let Ok(ch) = conn.create_channel().await {
+                let _ = ch
+                    .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+                    .await;
+            }
+        }
+        let _ = conn.close(200, "cleanup".into()).await;
+    }
+    if let Ok(client) = redis::Client::open(REDIS_URL) {
+        if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(format!("{ns}:*"))
+                .query_async(&mut conn)
+                .await
+                .unwrap_or_default();
+            if !keys.is_empty() {
+                let _: redis::RedisResult<()> =
+                    redis::cmd("DEL").arg(keys).query_async(&mut conn).await;
+            }
+        }
     }
 }
 
