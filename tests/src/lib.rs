@@ -2,6 +2,7 @@
 //! run in parallel on one broker and one Redis), its own scratch directory, the real
 //! `drumline-beat` / `drumline-worker` binaries, and cleanup of everything it declared.
 
+pub mod cfg;
 pub mod proxy;
 pub mod sentinel;
 pub mod snoop;
@@ -121,6 +122,11 @@ impl TestEnv {
         let path = self.path(name);
         fs::write(&path, format!("namespace = \"{}\"\n{body}", self.ns)).expect("write config");
         path
+    }
+
+    /// Writes `cfg` (with this test's namespace) as `name` in the scratch directory.
+    pub fn write_config(&self, name: &str, cfg: &cfg::Cfg) -> PathBuf {
+        self.config(name, &cfg.toml())
     }
 
     /// A shell command (TOML array) that appends `$DRUMLINE_KEY` to `file` after `sleep` s.

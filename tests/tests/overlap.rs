@@ -2,6 +2,7 @@
 //! second. `skip` records the overlapping instances `skipped` and never runs two at once;
 //! `queue` runs every instance, one after another.
 
+use drumline_e2e::cfg::{every, shell, Cfg};
 use drumline_e2e::snoop::Snoop;
 use drumline_e2e::{setup, toml_string, wait_until, wait_until_async, TestEnv};
 use std::collections::BTreeMap;
@@ -15,26 +16,12 @@ fn config(env: &TestEnv, overlap: &str) -> std::path::PathBuf {
         "echo \"start $DRUMLINE_KEY $(date +%s%N)\" >> {log}; sleep 1.6; echo \"end $DRUMLINE_KEY $(date +%s%N)\" >> {log}",
         log = log.display()
     );
-    env.config(
-        "drumline.toml",
-        &format!(
-            r#"
-[worker]
-concurrency = 4
-lease = "3s"
-
-[[jobs]]
-name = "slow"
-task = "slow"
-every = "1s"
-overlap = "{overlap}"
-
-[tasks.slow]
-command = ["/bin/sh", "-c", {}]
-"#,
-            toml_string(&script)
-        ),
-    )
+    let cfg = Cfg::new()
+        .set("worker", "concurrency", "4")
+        .set("worker", "lease", "\"3s\"")
+        .task("slow", shell(&script))
+        .job("slow", every("1s").with("overlap", &toml_string(overlap)));
+    env.write_config("drumline.toml", &cfg)
 }
 
 /// (start, end) in ns per key, from the spans file.
