@@ -9,7 +9,8 @@
 //! next one is ~30 s away. The expected set is computed from those instants, never hard-coded.
 
 use chrono::{DateTime, DurationRound, TimeDelta, Timelike, Utc};
-use drumline_e2e::{setup, wait_until, PrivateRabbit, Proc, TestEnv, AMQP_URL};
+use drumline_e2e::cfg::{cron, every, Cfg, Keys};
+use drumline_e2e::{setup, toml_string, wait_until, PrivateRabbit, Proc, TestEnv, AMQP_URL};
 use drumline_shared::envelope::instance_key;
 use drumline_shared::store::last_instant_text;
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
@@ -18,8 +19,6 @@ use lapin::{Connection, ConnectionProperties};
 use std::path::Path;
 use std::time::Duration;
 
-const TASK: &str = "\n[tasks.t]\ncommand = [\"/bin/true\"]\n";
-
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -27,9 +26,17 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("runtime")
 }
 
-/// A `[[jobs]]` entry for task `t`.
-fn job(name: &str, keys: &str) -> String {
-    format!("\n[[jobs]]\nname = \"{name}\"\ntask = \"t\"\n{keys}\n")
+/// A config of `jobs`, each running task `t` (`/bin/true`).
+fn jobs(jobs: Vec<(&str, Keys)>) -> Cfg {
+    let cfg = Cfg::new().task("t", Keys::default().with("command", "[\"/bin/true\"]"));
+    jobs.into_iter().fold(cfg, |cfg, (name, keys)| {
+        cfg.job(name, keys.with("task", "\"t\""))
+    })
+}
+
+/// `every = "1m"` from `anchor`.
+fn each_minute_from(anchor: DateTime<Utc>) -> Keys {
+    every("1m").with("anchor", &toml_string(&rfc3339(anchor)))
 }
 
 /// A one-minute timeline whose next instant is 30 s after `now`: (anchor, newest past instant).
@@ -267,15 +274,9 @@ fn assert_logged_dropped(run: &Run, job: &str, instants: Vec<DateTime<Utc>>) {
 fn run_once_publishes_only_the_latest_missed_instance() {
     let env = setup("misfire_run_once");
     let (anchor, newest) = minute_timeline(Utc::now());
-    let config = env.config(
+    let config = env.write_config(
         "drumline.toml",
-        &format!(
-            "{}{TASK}",
-            job(
-                "j",
-                &format!("every = \"1m\"\nanchor = \"{}\"", rfc3339(anchor))
-            )
-        ),
+        &jobs(vec![("j", each_minute_from(anchor))]),
     );
     let run = ten_minute_gap(&env, &config, "j", newest);
     assert_published(&run, "j", vec![newest], anchor);
@@ -292,19 +293,10 @@ fn run_once_publishes_only_the_latest_missed_instance() {
 fn catch_up_publishes_all_ten_missed_instances_oldest_first() {
     let env = setup("misfire_catch_up");
     let (anchor, newest) = minute_timeline(Utc::now());
-    let config = env.config(
-        "drumline.toml",
-        &format!(
-            "{}{TASK}",
-            job(
-                "j",
-                &format!(
-                    "every = \"1m\"\nanchor = \"{}\"\nmisfire = \"catch_up\"\noverlap = \"queue\"",
-                    rfc3339(anchor)
-                )
-            )
-        ),
-    );
+    let catch_up = each_minute_from(anchor)
+        .with("misfire", "\"catch_up\"")
+        .with("overlap", "\"queue\"");
+    let config = env.write_config("drumline.toml", &jobs(vec![("j", catch_up)]));
     let run = ten_minute_gap(&env, &config, "j", newest);
     let missed = minutes_between(newest - TimeDelta::minutes(9), newest);
     assert_eq!(missed.len(), 10);
@@ -315,19 +307,8 @@ fn catch_up_publishes_all_ten_missed_instances_oldest_first() {
 fn skip_publishes_none_of_the_missed_instances() {
     let env = setup("misfire_skip");
     let (anchor, newest) = minute_timeline(Utc::now());
-    let config = env.config(
-        "drumline.toml",
-        &format!(
-            "{}{TASK}",
-            job(
-                "j",
-                &format!(
-                    "every = \"1m\"\nanchor = \"{}\"\nmisfire = \"skip\"",
-                    rfc3339(anchor)
-                )
-            )
-        ),
-    );
+    let skip = each_minute_from(anchor).with("misfire", "\"skip\"");
+    let config = env.write_config("drumline.toml", &jobs(vec![("j", skip)]));
     let run = ten_minute_gap(&env, &config, "j", newest);
     assert_published(&run, "j", vec![], anchor);
     // Decided nonetheless (`ten_minute_gap` waited for the progress to reach `newest`, so a
@@ -351,16 +332,10 @@ fn cron_catch_up_publishes_the_ten_missed_minutes() {
     let minute = Utc::now()
         .duration_trunc(TimeDelta::minutes(1))
         .expect("trunc");
-    let config = env.config(
-        "drumline.toml",
-        &format!(
-            "{}{TASK}",
-            job(
-                "j",
-                "cron = \"* * * * *\"\nmisfire = \"catch_up\"\noverlap = \"queue\""
-            )
-        ),
-    );
+    let catch_up = cron("* * * * *")
+        .with("misfire", "\"catch_up\"")
+        .with("overlap", "\"queue\"");
+    let config = env.write_config("drumline.toml", &jobs(vec![("j", catch_up)]));
     let run = ten_minute_gap(&env, &config, "j", minute);
     let missed = minutes_between(minute - TimeDelta::minutes(9), minute);
     assert_eq!(missed.len(), 10);
@@ -376,25 +351,16 @@ fn instances_older_than_misfire_grace_are_never_published() {
     let slow_anchor =
         now.duration_trunc(TimeDelta::seconds(1)).expect("trunc") + TimeDelta::minutes(2);
     let slow_newest = slow_anchor - TimeDelta::minutes(10);
-    let config = env.config(
+    let catch = each_minute_from(anchor)
+        .with("misfire", "\"catch_up\"")
+        .with("overlap", "\"queue\"")
+        .with("misfire_grace", "\"5m\"");
+    let once = every("10m")
+        .with("anchor", &toml_string(&rfc3339(slow_anchor)))
+        .with("misfire_grace", "\"5m\"");
+    let config = env.write_config(
         "drumline.toml",
-        &format!(
-            "{}{}{TASK}",
-            job(
-                "catch",
-                &format!(
-                    "every = \"1m\"\nanchor = \"{}\"\nmisfire = \"catch_up\"\noverlap = \"queue\"\nmisfire_grace = \"5m\"",
-                    rfc3339(anchor)
-                )
-            ),
-            job(
-                "once",
-                &format!(
-                    "every = \"10m\"\nanchor = \"{}\"\nmisfire_grace = \"5m\"",
-                    rfc3339(slow_anchor)
-                )
-            ),
-        ),
+        &jobs(vec![("catch", catch), ("once", once)]),
     );
     set_last(&env, "catch", newest - TimeDelta::minutes(10));
     set_last(&env, "once", slow_newest - TimeDelta::minutes(30));
@@ -432,16 +398,10 @@ fn instances_older_than_misfire_grace_are_never_published() {
 #[test]
 fn a_restarted_beat_publishes_no_instant_twice_and_leaves_no_gap() {
     let env = setup("misfire_restart");
-    let config = env.config(
-        "drumline.toml",
-        &format!(
-            "{}{TASK}",
-            job(
-                "j",
-                "every = \"1s\"\nmisfire = \"catch_up\"\noverlap = \"queue\""
-            )
-        ),
-    );
+    let catch_up = every("1s")
+        .with("misfire", "\"catch_up\"")
+        .with("overlap", "\"queue\"");
+    let config = env.write_config("drumline.toml", &jobs(vec![("j", catch_up)]));
     let started = Utc::now();
     let mut first = start_beat(&env, "beat-1", &config);
     assert!(
@@ -486,10 +446,7 @@ fn progress_ahead_of_the_clock_is_never_republished() {
     // What a backward wall-clock jump leaves behind: the persisted last instant is ahead of
     // the clock. Nothing up to it may be published again; the next instant follows it.
     let env = setup("misfire_backward");
-    let config = env.config(
-        "drumline.toml",
-        &format!("{}{TASK}", job("j", "every = \"1s\"")),
-    );
+    let config = env.write_config("drumline.toml", &jobs(vec![("j", every("1s"))]));
     let ahead = Utc::now()
         .duration_trunc(TimeDelta::seconds(1))
         .expect("trunc")
@@ -520,13 +477,8 @@ fn a_broker_outage_is_a_misfire() {
     let env = setup("misfire_outage");
     let mut rabbit = PrivateRabbit::start("misfire-outage");
     let url = rabbit.url();
-    let config = env.config(
-        "drumline.toml",
-        &format!(
-            "[broker]\nurl = \"{url}\"\n{}{TASK}",
-            job("j", "every = \"1s\"")
-        ),
-    );
+    let cfg = jobs(vec![("j", every("1s"))]).set("broker", "url", &toml_string(&url));
+    let config = env.write_config("drumline.toml", &cfg);
     let mut beat = start_beat(&env, "beat", &config);
     assert!(
         wait_until(Duration::from_secs(30), || queue_len_at(&url, &env) >= 3),
