@@ -3,6 +3,7 @@
 //! `$DRUMLINE_KEY`), asserted by exact count.
 
 use chrono::DateTime;
+use drumline_e2e::cfg::{every, shell, Cfg, Keys};
 use drumline_e2e::{
     adhoc, assert_contiguous_exactly_once, counts, instant_of, metric, setup, snoop::Snoop,
     wait_until, wait_until_async, with_metrics, TestEnv,
@@ -13,26 +14,16 @@ use std::time::Duration;
 const WAIT: Duration = Duration::from_secs(60);
 
 fn every_second_config(env: &TestEnv, file: &str) -> std::path::PathBuf {
-    env.config(
-        "drumline.toml",
-        &format!(
-            r#"
-[worker]
-concurrency = 2
-lease = "3s"
-shutdown_grace = "10s"
-
-[[jobs]]
-name = "tick"
-task = "append"
-every = "1s"
-
-[tasks.append]
-command = {}
-"#,
-            env.append_key_command(file, 0.0)
-        ),
-    )
+    let cfg = Cfg::new()
+        .set("worker", "concurrency", "2")
+        .set("worker", "lease", "\"3s\"")
+        .set("worker", "shutdown_grace", "\"10s\"")
+        .task(
+            "append",
+            Keys::default().with("command", &env.append_key_command(file, 0.0)),
+        )
+        .job("tick", every("1s").with("task", "\"append\""));
+    env.write_config("drumline.toml", &cfg)
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -191,21 +182,12 @@ fn slow_task_config(env: &TestEnv, sleep: u32) -> std::path::PathBuf {
         starts = env.path("starts").display(),
         effects = env.path("effects").display()
     );
-    env.config(
-        "drumline.toml",
-        &format!(
-            r#"
-[worker]
-concurrency = 1
-lease = "3s"
-shutdown_grace = "20s"
-
-[tasks.slow]
-command = ["/bin/sh", "-c", {}]
-"#,
-            drumline_e2e::toml_string(&script)
-        ),
-    )
+    let cfg = Cfg::new()
+        .set("worker", "concurrency", "1")
+        .set("worker", "lease", "\"3s\"")
+        .set("worker", "shutdown_grace", "\"20s\"")
+        .task("slow", shell(&script));
+    env.write_config("drumline.toml", &cfg)
 }
 
 fn pid_alive(pid: i32) -> bool {
@@ -313,13 +295,11 @@ async fn sigterm_lets_the_running_task_finish_then_exits_zero() {
 #[tokio::test(flavor = "multi_thread")]
 async fn poison_messages_are_dead_lettered_and_duplicates_run_once() {
     let env = setup("e2e_poison");
-    let config = env.config(
-        "drumline.toml",
-        &format!(
-            "[worker]\nconcurrency = 2\n\n[tasks.append]\ncommand = {}\n",
-            env.append_key_command("effects", 0.0)
-        ),
-    );
+    let append = Keys::default().with("command", &env.append_key_command("effects", 0.0));
+    let cfg = Cfg::new()
+        .set("worker", "concurrency", "2")
+        .task("append", append);
+    let config = env.write_config("drumline.toml", &cfg);
     let (args, port) = with_metrics(&["--config", config.to_str().unwrap()]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut worker = env.worker("worker", &args);
@@ -399,13 +379,12 @@ async fn when_the_shutdown_grace_runs_out_the_task_is_abandoned_for_redelivery()
         starts = env.path("starts").display(),
         effects = env.path("effects").display()
     );
-    let config = env.config(
-        "drumline.toml",
-        &format!(
-            "[worker]\nconcurrency = 1\nlease = \"10s\"\nshutdown_grace = \"1s\"\n\n[tasks.slow]\ncommand = [\"/bin/sh\", \"-c\", {}]\n",
-            drumline_e2e::toml_string(&script)
-        ),
-    );
+    let cfg = Cfg::new()
+        .set("worker", "concurrency", "1")
+        .set("worker", "lease", "\"10s\"")
+        .set("worker", "shutdown_grace", "\"1s\"")
+        .task("slow", shell(&script));
+    let config = env.write_config("drumline.toml", &cfg);
     let mut worker = env.worker("worker", &["--config", config.to_str().unwrap()]);
     env.wait_for_topology(&worker).await;
     env.publish(&adhoc("k-grace", "slow")).await;
