@@ -109,14 +109,11 @@ impl Publisher {
     ) -> Result<Vec<Result<(), BrokerError>>, BrokerError> {
         let exchange = self.names.tasks_exchange();
         let channel = self.connect().await?;
-        let messages = batch
-            .iter()
-            .map(|env| Outgoing {
-                routing_key: env.queue.to_string(),
-                body: env.encode(),
-                properties: env.properties(Utc::now(), epoch),
-            })
-            .collect();
+        let messages = batch.iter().map(|env| Outgoing {
+            routing_key: env.queue.to_string(),
+            body: env.encode(),
+            properties: env.properties(Utc::now(), epoch),
+        });
         Ok(broker::publish_batch(channel, &exchange, messages, may_send).await)
     }
 

@@ -64,7 +64,8 @@ pub struct Outgoing {
 }
 
 /// Publishes every message of `batch` to `exchange`, `mandatory`, all sent before the first
-/// confirm is awaited, then awaits the confirms in order, for at most [`CONFIRM_DEADLINE`] in
+/// confirm is awaited (each message is made only when its turn comes, so none is built after
+/// the sending stops), then awaits the confirms in order, for at most [`CONFIRM_DEADLINE`] in
 /// all. Returns one outcome per message, in `batch` order; those after a failed send were not
 /// sent and carry its error.
 ///
@@ -73,7 +74,7 @@ pub struct Outgoing {
 pub async fn publish_batch(
     channel: &Channel,
     exchange: &str,
-    batch: Vec<Outgoing>,
+    batch: impl ExactSizeIterator<Item = Outgoing>,
     mut may_send: impl FnMut() -> bool,
 ) -> Vec<Result<(), BrokerError>> {
     let options = BasicPublishOptions {
