@@ -236,7 +236,46 @@ pub struct Task {
     /// Variables added to the command's environment (the run's `DRUMLINE_*` context wins over
     /// them). Default none.
     pub env: BTreeMap<String, String>,
+    /// HTTP executor: the endpoint each run is sent to (docs/design.md#the-http-executor).
+    /// `None` for a `command` or a Rust handler; never both with `command`.
+    pub http: Option<HttpTask>,
 }
+
+/// `[tasks.NAME] http = { … }`, checked (docs/design.md#the-http-executor).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpTask {
+    /// The one URL every run of the task calls (`http://` or `https://`, a host, no
+    /// credentials). Nothing in a message can change it.
+    pub url: String,
+    /// Request method, an upper-case token. Default `POST`.
+    pub method: String,
+    /// Extra request headers (names and values checked). Default none; the headers the
+    /// executor sets itself (`Idempotency-Key`, `webhook-*`, `X-Drumline-*`, `Content-Type`)
+    /// cannot be given here.
+    pub headers: BTreeMap<String, String>,
+    /// The whole request's deadline, response body included (retryable). Default 30 s.
+    pub timeout: Duration,
+    /// The environment variable holding the Standard Webhooks secret (`whsec_` + base64);
+    /// `None`: requests are not signed. Read by the worker at start.
+    pub secret_env: Option<String>,
+    /// PEM file of the CAs an `https://` URL is trusted by, instead of the system roots.
+    pub ca_file: Option<PathBuf>,
+}
+
+/// The request headers the HTTP executor sets itself, which `http.headers` may not name
+/// (compared case-insensitively).
+pub const HTTP_RESERVED_HEADERS: [&str; 10] = [
+    "idempotency-key",
+    "x-drumline-attempt",
+    "x-drumline-fencing-token",
+    "x-drumline-scheduled-for",
+    "webhook-id",
+    "webhook-timestamp",
+    "webhook-signature",
+    "content-type",
+    "content-length",
+    "host",
+];
 
 // ---------------------------------------------------------------------------------------------
 // Raw form
@@ -321,6 +360,19 @@ struct RawTask {
     retry_max: Option<String>,
     permanent_exit_codes: Option<Vec<i32>>,
     env: Option<BTreeMap<String, String>>,
+    http: Option<RawHttp>,
+}
+
+/// `[tasks.NAME] http` as written.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHttp {
+    url: String,
+    method: Option<String>,
+    headers: Option<BTreeMap<String, String>>,
+    timeout: Option<String>,
+    secret_env: Option<String>,
+    ca_file: Option<PathBuf>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -721,6 +773,13 @@ impl<'t> JobChecker<'t> {
 }
 
 fn check_task(fail: &Failer, place: &str, name: String, t: RawTask) -> Result<Task, ConfigError> {
+    if t.command.is_some() && t.http.is_some() {
+        return Err(fail.at(
+            Some(place),
+            "http",
+            "a task has a `command` or an `http` endpoint, not both".into(),
+        ));
+    }
     if let Some(cmd) = &t.command {
         if cmd.is_empty() || cmd[0].is_empty() {
             return Err(fail.at(
@@ -759,7 +818,81 @@ fn check_task(fail: &Failer, place: &str, name: String, t: RawTask) -> Result<Ta
         retry_max,
         permanent_exit_codes: t.permanent_exit_codes.unwrap_or_default(),
         env: check_env(fail, place, t.env.unwrap_or_default())?,
+        http: match t.http {
+            Some(h) => Some(check_http(fail, place, h)?),
+            None => None,
+        },
     })
+}
+
+/// `[tasks.NAME] http`, checked; an error names the task and the key (`http.url`, …).
+fn check_http(fail: &Failer, place: &str, h: RawHttp) -> Result<HttpTask, ConfigError> {
+    check_http_url(&h.url).map_err(|m| fail.at(Some(place), "http.url", m))?;
+    let method = h.method.unwrap_or_else(|| "POST".into());
+    if method.is_empty() || !method.bytes().all(|b| b.is_ascii_uppercase()) {
+        let m = format!("{method:?} is not a method: upper-case letters, like \"POST\"");
+        return Err(fail.at(Some(place), "http.method", m));
+    }
+    let headers = h.headers.unwrap_or_default();
+    for (name, value) in &headers {
+        check_http_header(name, value).map_err(|m| fail.at(Some(place), "http.headers", m))?;
+    }
+    if let Some(var) = &h.secret_env {
+        check_env_name(var).map_err(|m| fail.at(Some(place), "http.secret_env", m))?;
+    }
+    let ca_file = match h.ca_file {
+        Some(path) => {
+            crate::tls::read_ca_file(&path)
+                .map_err(|e| fail.at(Some(place), "http.ca_file", e.to_string()))?;
+            Some(path)
+        }
+        None => None,
+    };
+    Ok(HttpTask {
+        url: h.url,
+        method,
+        headers,
+        timeout: fail.duration(place, "http.timeout", &h.timeout, 30, Zero::Refused)?,
+        secret_env: h.secret_env,
+        ca_file,
+    })
+}
+
+/// An `http.url`: absolute `http`/`https` with a host, no user or password (a secret belongs
+/// in `secret_env` or a header, not in a URL that is logged). The message never echoes it.
+fn check_http_url(text: &str) -> Result<(), String> {
+    let url = ::url::Url::parse(text).map_err(|e| format!("not a URL: {e}"))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(format!("scheme {:?}: must be http or https", url.scheme()));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err("names no host".into());
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err("must not hold a user or password; use headers or secret_env".into());
+    }
+    Ok(())
+}
+
+/// One `http.headers` entry: an RFC 9110 token name, not one the executor sets, and a value
+/// of visible ASCII, spaces and tabs.
+fn check_http_header(name: &str, value: &str) -> Result<(), String> {
+    let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+    if name.is_empty() || !name.bytes().all(token) {
+        return Err(format!("{name:?} is not a header name"));
+    }
+    if HTTP_RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+        return Err(format!("{name:?} is set by drumline itself"));
+    }
+    if !value
+        .bytes()
+        .all(|b| b == b'\t' || (b' '..=b'~').contains(&b))
+    {
+        return Err(format!(
+            "the value of {name:?} holds a control or non-ASCII byte"
+        ));
+    }
+    Ok(())
 }
 
 /// An environment variable name a process can be given: not empty, no `=`, no NUL.
@@ -1056,6 +1189,13 @@ impl Failer<'_> {
             for (name, task) in tasks {
                 let place = format!("task {name:?}");
                 if let toml::Value::Table(table) = task {
+                    if let Some(toml::Value::Table(http)) = table.get("http") {
+                        if let Err(e) = toml::Value::Table(http.clone()).try_into::<RawHttp>() {
+                            let key = culprit::<RawHttp>(http)
+                                .map_or("http".into(), |(k, _)| format!("http.{k}"));
+                            return self.keyed(Some(&place), key, e);
+                        }
+                    }
                     if let Some((key, e)) = culprit::<RawTask>(table) {
                         return self.keyed(Some(&place), key, e);
                     }
@@ -1222,6 +1362,77 @@ mod tests {
     /// Asserts that job `j` with `lines` is refused with a message containing `needle`.
     fn job_err_has(lines: &str, needle: &str) {
         err_has(&job_text(lines), needle);
+    }
+
+    #[test]
+    fn http_tasks_default_and_check_their_keys() {
+        let c = parse("[tasks.h]\nhttp = { url = \"https://api.example/hook\" }\n").unwrap();
+        let http = c.tasks["h"].http.clone().unwrap();
+        assert_eq!(http.url, "https://api.example/hook");
+        assert_eq!(http.method, "POST");
+        assert_eq!(http.timeout, Duration::from_secs(30));
+        assert_eq!((http.secret_env, http.ca_file), (None, None));
+        assert!(http.headers.is_empty());
+        let full = parse(
+            "[tasks.h]\nhttp = { url = \"http://127.0.0.1:9/x\", method = \"PUT\", timeout = \"2s\", secret_env = \"HOOK_SECRET\", headers = { Authorization = \"Bearer t\" } }\n",
+        )
+        .unwrap();
+        let http = full.tasks["h"].http.clone().unwrap();
+        assert_eq!(http.method, "PUT");
+        assert_eq!(http.timeout, Duration::from_secs(2));
+        assert_eq!(http.secret_env.as_deref(), Some("HOOK_SECRET"));
+        assert_eq!(http.headers["Authorization"], "Bearer t");
+    }
+
+    #[test]
+    fn bad_http_settings_name_the_file_task_and_key() {
+        let bad = |http: &str, needle: &str| {
+            let e = err(&format!("[tasks.h]\nhttp = {{ {http} }}\n"));
+            assert!(e.starts_with("/etc/d.toml: task \"h\": key `"), "{e}");
+            assert!(e.contains(needle), "{e}");
+        };
+        bad("url = \"ftp://x/y\"", "key `http.url`: scheme \"ftp\"");
+        bad("url = \"not a url\"", "key `http.url`: not a URL");
+        bad(
+            "url = \"https://u:pw@x/\"",
+            "key `http.url`: must not hold a user",
+        );
+        bad(
+            "url = \"http://x/\", urls = 1",
+            "key `http.urls`: unknown field `urls`",
+        );
+        bad(
+            "url = \"http://x/\", method = \"post\"",
+            "key `http.method`",
+        );
+        bad(
+            "url = \"http://x/\", timeout = \"0s\"",
+            "key `http.timeout`",
+        );
+        bad(
+            "url = \"http://x/\", headers = { \"Webhook-Id\" = \"x\" }",
+            "key `http.headers`: \"Webhook-Id\" is set by drumline",
+        );
+        bad(
+            "url = \"http://x/\", headers = { \"a b\" = \"x\" }",
+            "is not a header name",
+        );
+        bad(
+            "url = \"http://x/\", secret_env = \"A=B\"",
+            "key `http.secret_env`",
+        );
+        bad(
+            "url = \"http://x/\", ca_file = \"/nonexistent.pem\"",
+            "key `http.ca_file`",
+        );
+        bad("method = \"POST\"", "key `http");
+        // The password is never echoed.
+        let e = err("[tasks.h]\nhttp = { url = \"https://u:hunter2@x/\" }\n");
+        assert!(!e.contains("hunter2"), "{e}");
+        err_has(
+            "[tasks.h]\ncommand = [\"/bin/true\"]\nhttp = { url = \"http://x/\" }\n",
+            "key `http`: a task has a `command` or an `http` endpoint, not both",
+        );
     }
 
     #[test]

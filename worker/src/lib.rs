@@ -27,6 +27,7 @@ pub mod decision;
 pub mod dlq;
 pub mod executor;
 pub mod handler;
+pub mod http;
 pub mod lease;
 pub mod processor;
 pub mod retry;
@@ -48,7 +49,7 @@ use tokio::sync::watch;
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     /// A task has neither a `command` nor a registered Rust handler.
-    #[error("{}: task {task:?}: key `command`: missing, and no Rust handler is registered for it", path.display())]
+    #[error("{}: task {task:?}: key `command`: missing (nor `http`), and no Rust handler is registered for it", path.display())]
     NoHandler {
         /// The config file.
         path: PathBuf,
@@ -62,6 +63,14 @@ pub enum WorkerError {
         path: PathBuf,
         /// The handler's task name.
         task: String,
+    },
+    /// An `http` task's endpoint cannot be used (its secret is missing, say).
+    #[error("{}: {source}", path.display())]
+    Http {
+        /// The config file.
+        path: PathBuf,
+        /// What is wrong.
+        source: http::HttpSetupError,
     },
     /// `drumline-supervisor`, which runs every shell task, is not installed.
     #[error(transparent)]

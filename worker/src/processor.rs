@@ -271,7 +271,13 @@ impl Processor {
         let started = Instant::now();
         // `_renewing` keeps the lease renewed until the action has recorded the result.
         let (result, _renewing) = self
-            .run(handler.clone(), &env, &token, fence, claimed_at)
+            .run(
+                handler.clone(),
+                (&env, &delivery.data),
+                &token,
+                fence,
+                claimed_at,
+            )
             .await;
         self.stats.run_ended(&env.task, started.elapsed());
         let jitter = rand::random::<f64>();
@@ -510,13 +516,14 @@ impl Processor {
         Ok(broker::publish_confirmed(publisher, "", &queue, false, &waiter.body, props).await?)
     }
 
-    /// Runs the handler under the lease watchdog. `claimed_at` is when the claim was sent: the
+    /// Runs the handler under the lease watchdog, with `env` and the body it was `delivered` in
+    /// (the HTTP executor sends it as is). `claimed_at` is when the claim was sent: the
     /// lease runs from there (docs/design.md "Lease loss stops the run in time"). A finished run
     /// comes with its [`Renewing`] watchdog, which renews the lease until it is dropped.
     async fn run(
         &self,
         handler: Arc<dyn Handler>,
-        env: &Envelope,
+        (env, delivered): (&Envelope, &[u8]),
         token: &str,
         fence: u64,
         claimed_at: Instant,
@@ -545,9 +552,8 @@ impl Processor {
         let stop_on_drop = stop_watchdog.drop_guard();
         let ctx = context(env, fence, cancel.clone(), budget.kill_grace());
         self.stats.running.inc();
-        let stopped = self
-            .call(handler.call(ctx), cancel, &lost, expiry, budget)
-            .await;
+        let call = crate::http::with_delivered(delivered.into(), || handler.call(ctx));
+        let stopped = self.call(call, cancel, &lost, expiry, budget).await;
         self.stats.running.dec();
         let renewing = Renewing {
             stop: stop_on_drop.disarm(),
@@ -838,22 +844,20 @@ impl Drop for Renewing {
 }
 
 /// Task-name lookup used by [`crate::Worker`]: every configured task with a `command` gets the
-/// shell executor unless a Rust handler was registered for it.
+/// shell executor, one with `http` the HTTP executor, unless a Rust handler was registered for
+/// it. An `http` task whose secret is missing from the environment is a config error.
 pub fn resolve_handlers(
     config: &Config,
     custom: &HashMap<String, Arc<dyn Handler>>,
 ) -> Result<HashMap<String, Arc<dyn Handler>>, WorkerError> {
     let mut handlers = HashMap::new();
     for (name, task) in &config.tasks {
-        let handler: Arc<dyn Handler> = match (custom.get(name), shell(config, task)) {
-            (Some(h), _) => h.clone(),
-            (None, Some(shell)) => shell,
-            (None, None) => {
-                return Err(WorkerError::NoHandler {
-                    path: config.path.clone(),
-                    task: name.clone(),
-                })
-            }
+        let handler: Arc<dyn Handler> = match custom.get(name) {
+            Some(h) => h.clone(),
+            None => built_in(config, task)?.ok_or_else(|| WorkerError::NoHandler {
+                path: config.path.clone(),
+                task: name.clone(),
+            })?,
         };
         handlers.insert(name.clone(), handler);
     }
@@ -875,7 +879,19 @@ pub fn overlaps(config: &Config) -> HashMap<String, Overlap> {
         .collect()
 }
 
-fn shell(config: &Config, task: &Task) -> Option<Arc<dyn Handler>> {
-    crate::executor::ShellExecutor::for_task(task, &config.worker.env_remove)
-        .map(|e| Arc::new(e) as Arc<dyn Handler>)
+/// The built-in executor of `task`: its `command` (shell) or its `http` endpoint, if either.
+fn built_in(config: &Config, task: &Task) -> Result<Option<Arc<dyn Handler>>, WorkerError> {
+    let http = crate::http::HttpExecutor::for_task(task, |var| std::env::var(var).ok()).map_err(
+        |source| WorkerError::Http {
+            path: config.path.clone(),
+            source,
+        },
+    )?;
+    if let Some(http) = http {
+        return Ok(Some(Arc::new(http)));
+    }
+    Ok(
+        crate::executor::ShellExecutor::for_task(task, &config.worker.env_remove)
+            .map(|e| Arc::new(e) as Arc<dyn Handler>),
+    )
 }

@@ -73,6 +73,7 @@ pub(crate) mod tests {
             retry_max: Duration::from_secs(10),
             permanent_exit_codes: vec![],
             env: Default::default(),
+            http: None,
         }
     }
 

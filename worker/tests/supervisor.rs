@@ -107,6 +107,7 @@ async fn dropping_a_run_kills_its_whole_group() {
         retry_max: Duration::from_secs(1),
         permanent_exit_codes: vec![],
         env: BTreeMap::new(),
+        http: None,
     };
     let executor = ShellExecutor::for_task(&task, &[]).unwrap();
     let run = tokio::spawn(executor.call(context()));
