@@ -1,0 +1,241 @@
+//! The HTTP executor end to end (docs/design.md#the-http-executor): the real worker calls a
+//! webhook receiver started by the test ([`drumline_e2e::hook`]) and the outcome of each answer
+//! is read from Redis, the receiver's own records and `{ns}.dead`.
+
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine;
+use drumline_e2e::cfg::{Cfg, Keys};
+use drumline_e2e::hook::{Hook, Received, Reply};
+use drumline_e2e::{adhoc, setup, toml_string, wait_until_async, TestEnv};
+use drumline_shared::envelope::{format_instant, Envelope};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+/// The receivers' secret key bytes; the worker gets them as `whsec_` + base64.
+const SECRET: &[u8] = b"drumline test secret";
+
+/// `[tasks.NAME] http = { url = URL, … }` with small retry delays; `extra` is more of the
+/// inline table (`timeout = "1s"`).
+fn http_task(url: &str, extra: &str) -> Keys {
+    let table = format!("{{ url = {}{extra} }}", toml_string(url));
+    Keys::default()
+        .with("http", &table)
+        .with("max_retries", "3")
+        .with("retry_base", "\"100ms\"")
+        .with("retry_max", "\"5s\"")
+}
+
+/// Publishes an ad-hoc run of `task` with key `key`; returns the envelope as published.
+async fn publish(env: &TestEnv, key: &str, task: &str) -> Envelope {
+    let envelope = adhoc(key, task);
+    env.publish(&envelope).await;
+    envelope
+}
+
+/// Waits until `key`'s run state is `state`.
+async fn wait_state(env: &TestEnv, key: &str, state: &str, log: impl Fn() -> String) {
+    let reached = wait_until_async(WAIT, || async {
+        env.run_state(key).await.as_deref() == Some(state)
+    })
+    .await;
+    assert!(
+        reached,
+        "{key}: {:?}, not {state}\n{}",
+        env.run_state(key).await,
+        log()
+    );
+}
+
+/// Recomputes the Standard Webhooks signature of a received request, as a receiver would.
+fn expected_signature(r: &Received) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(SECRET).unwrap();
+    let signed = format!(
+        "{}.{}.",
+        r.header("webhook-id"),
+        r.header("webhook-timestamp")
+    );
+    mac.update(signed.as_bytes());
+    mac.update(&r.body);
+    format!("v1,{}", BASE64.encode(mac.finalize().into_bytes()))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_key_is_sent_once_signed_with_its_context() {
+    let env = setup("e2e_http_once");
+    let hook = Hook::start(|_, _| Reply::status(200)).await;
+    let cfg = env.write_config(
+        "drumline.toml",
+        &Cfg::new().task(
+            "hook",
+            http_task(
+                &hook.url("/ok"),
+                ", secret_env = \"HOOK_SECRET\", headers = { X-Tenant = \"acme\" }",
+            ),
+        ),
+    );
+    let secret = format!("whsec_{}", BASE64.encode(SECRET));
+    let worker = env.worker_with_env(
+        "worker",
+        &["--config", cfg.to_str().unwrap()],
+        &[("HOOK_SECRET", &secret)],
+    );
+    env.wait_for_topology(&worker).await;
+    let mut sent = Vec::new();
+    for i in 0..5 {
+        let envelope = publish(&env, &format!("k{i}"), "hook").await;
+        // A second copy of the same key: dedupe, not a second request.
+        env.publish(&envelope).await;
+        sent.push(envelope);
+    }
+    for envelope in &sent {
+        wait_state(&env, &envelope.key, "done", || worker.log_tail(20)).await;
+    }
+    let received = hook.on("/ok");
+    assert_eq!(received.len(), 5, "{received:#?}");
+    let now = chrono::Utc::now().timestamp();
+    for envelope in &sent {
+        let mine: Vec<&Received> = received
+            .iter()
+            .filter(|r| r.key() == envelope.key)
+            .collect();
+        assert_eq!(mine.len(), 1, "{}: {mine:#?}", envelope.key);
+        let r = mine[0];
+        assert_eq!(r.method, "POST");
+        // The envelope exactly as delivered.
+        assert_eq!(r.body, envelope.encode());
+        assert_eq!(r.header("content-type"), "application/json");
+        assert_eq!(r.header("webhook-id"), envelope.key);
+        assert_eq!(r.header("x-drumline-attempt"), "0");
+        assert!(r.header("x-drumline-fencing-token").parse::<u64>().unwrap() >= 1);
+        assert_eq!(
+            r.header("x-drumline-scheduled-for"),
+            format_instant(envelope.scheduled_for)
+        );
+        assert_eq!(r.header("x-tenant"), "acme");
+        let timestamp: i64 = r.header("webhook-timestamp").parse().unwrap();
+        assert!((now - timestamp).abs() < 120, "{timestamp} vs {now}");
+        assert_eq!(r.header("webhook-signature"), expected_signature(r));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retryable_answers_and_timeouts_are_retried() {
+    let env = setup("e2e_http_retry");
+    // Each path fails its first request for a key, then succeeds.
+    let hook = Hook::start(|path, before| match (path, before) {
+        ("/flaky", 0) => Reply::With(500, vec![], "database is down".into()),
+        ("/busy", 0) => Reply::With(429, vec![("Retry-After".into(), "2".into())], String::new()),
+        ("/slow", 0) => Reply::Hang(Duration::from_secs(4), 200),
+        _ => Reply::status(200),
+    })
+    .await;
+    let cfg = env.write_config(
+        "drumline.toml",
+        &Cfg::new()
+            .task("flaky", http_task(&hook.url("/flaky"), ""))
+            .task("busy", http_task(&hook.url("/busy"), ""))
+            .task("slow", http_task(&hook.url("/slow"), ", timeout = \"1s\"")),
+    );
+    let worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
+    env.wait_for_topology(&worker).await;
+    for task in ["flaky", "busy", "slow"] {
+        publish(&env, &format!("{task}-1"), task).await;
+    }
+    for task in ["flaky", "busy", "slow"] {
+        wait_state(&env, &format!("{task}-1"), "done", || worker.log_tail(20)).await;
+        let received = hook.on(&format!("/{task}"));
+        let attempts: Vec<&str> = received
+            .iter()
+            .map(|r| r.header("x-drumline-attempt"))
+            .collect();
+        // One failure, one retry, and nothing after the success.
+        assert_eq!(attempts, ["0", "1"], "{task}");
+    }
+    // The retry after `429 Retry-After: 2` came no earlier than 2 s after the 429, by the
+    // receiver's own clock.
+    let busy = hook.on("/busy");
+    let gap = busy[1].at - busy[0].at;
+    assert!(gap >= Duration::from_secs(2), "retried after {gap:?}");
+}
+
+/// `dlq list --json` rows: (key, reason, error).
+fn dead_letters(env: &TestEnv, cfg: &str) -> Vec<(String, String, String)> {
+    let (status, stdout, stderr) = env.run(
+        "drumline-worker",
+        &["--config", cfg, "dlq", "list", "--json"],
+    );
+    assert!(status.success(), "{stderr}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&stdout).unwrap();
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+    let mut rows: Vec<_> = rows
+        .iter()
+        .map(|r| (text(&r["key"]), text(&r["reason"]), text(&r["error"])))
+        .collect();
+    rows.sort();
+    rows
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn other_answers_are_permanent_and_redirects_are_not_followed() {
+    let env = setup("e2e_http_permanent");
+    // The redirect's target is on the receiver itself, so a request to it would be seen.
+    let hook = Hook::start(|path, _| match path {
+        "/missing" => Reply::With(404, vec![], "no such invoice".into()),
+        "/moved" => Reply::With(
+            302,
+            vec![("Location".into(), "/target".into())],
+            String::new(),
+        ),
+        _ => Reply::status(200),
+    })
+    .await;
+    let cfg = env.write_config(
+        "drumline.toml",
+        &Cfg::new()
+            .task("missing", http_task(&hook.url("/missing"), ""))
+            .task("moved", http_task(&hook.url("/moved"), "")),
+    );
+    let cfg = cfg.to_str().unwrap();
+    let worker = env.worker("worker", &["--config", cfg]);
+    env.wait_for_topology(&worker).await;
+    publish(&env, "m-1", "missing").await;
+    publish(&env, "r-1", "moved").await;
+    for key in ["m-1", "r-1"] {
+        wait_state(&env, key, "dead", || worker.log_tail(20)).await;
+    }
+    assert_eq!(hook.on("/missing").len(), 1);
+    assert_eq!(hook.on("/moved").len(), 1);
+    assert_eq!(hook.on("/target").len(), 0, "the redirect was followed");
+    let rows = dead_letters(&env, cfg);
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let (key, reason, error) = &rows[0];
+    assert_eq!((key.as_str(), reason.as_str()), ("m-1", "permanent"));
+    assert!(error.contains("HTTP 404 Not Found"), "{error}");
+    // The response's body is kept with the outcome.
+    assert!(error.contains("no such invoice"), "{error}");
+    let (key, reason, error) = &rows[1];
+    assert_eq!((key.as_str(), reason.as_str()), ("r-1", "permanent"));
+    assert!(error.contains("HTTP 302 Found"), "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_missing_secret_is_a_config_error_at_start() {
+    let env = setup("e2e_http_secret");
+    let cfg = env.write_config(
+        "drumline.toml",
+        &Cfg::new().task(
+            "hook",
+            http_task("http://127.0.0.1:9/x", ", secret_env = \"NO_SUCH_SECRET\""),
+        ),
+    );
+    let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
+    let status = worker.wait(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(2), "{}", worker.log_tail(20));
+    let log = worker.log();
+    assert!(
+        log.contains("key `http.secret_env`") && log.contains("NO_SUCH_SECRET"),
+        "{log}"
+    );
+}
