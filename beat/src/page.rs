@@ -528,6 +528,7 @@ mod tests {
             last_published: Some("2026-11-30T12:00:00Z".into()),
             last_success: Some("2026-11-30T11:59:58.500Z".into()),
             last_failure: None,
+            last_error: None,
             running: 2,
             paused: false,
             stale: false,

@@ -41,6 +41,10 @@ pub struct JobStatus {
     /// RFC 3339 UTC of when the newest failed, dead or expired run finished (kept for the
     /// worker's `done_ttl`).
     pub last_failure: Option<String>,
+    /// The error of the job's last run when that run failed (failed, dead or expired): a
+    /// shell task's stderr tail, an HTTP response's body, a handler's error chain, at most
+    /// 4 KiB (docs/design.md#failures-you-can-read).
+    pub last_error: Option<String>,
     /// Instances of the job running now.
     pub running: u64,
     /// Paused (`drumline-beat pause`): the leader publishes none of its instants.
@@ -199,6 +203,10 @@ fn job_status(job: &Job, history: JobHistory, paused: bool, now: DateTime<Utc>) 
         last_published: last.map(format_instant),
         last_success: success.map(format_instant),
         last_failure: history.last_failure.map(format_instant),
+        last_error: history
+            .newest
+            .filter(|r| r.is_failure())
+            .and_then(|r| r.error),
         running: history.running,
         paused,
         stale: is_stale(&job.schedule, now, last, success, first_seen),
@@ -257,7 +265,25 @@ pub fn table(status: &Status) -> String {
         "STALE",
     ];
     out.push_str(&drumline_shared::table::render(&headers, &rows));
+    for j in &status.jobs {
+        if let Some(error) = &j.last_error {
+            out.push_str(&format!("{} last error: {}\n", j.job, one_line(error)));
+        }
+    }
     out
+}
+
+/// An error shown on one line of the table's footer: line breaks as ` ⏎ `, at most 300
+/// characters, its end kept (where a stderr's last words are); `--json` has it whole.
+fn one_line(error: &str) -> String {
+    let flat = error.trim_end().replace('\n', " ⏎ ");
+    let count = flat.chars().count();
+    if count <= 300 {
+        return flat;
+    }
+    let head: String = flat.chars().take(100).collect();
+    let tail: String = flat.chars().skip(count - 199).collect();
+    format!("{head}…{tail}")
 }
 
 #[cfg(test)]
@@ -289,6 +315,7 @@ mod tests {
             last_published: None,
             last_success: None,
             last_failure: None,
+            last_error: None,
             running: 0,
             paused,
             stale,

@@ -978,10 +978,11 @@ impl Store {
                 pipe.get(self.names.beat_last(job))
                     .get(self.names.last_success(job))
                     .get(self.names.last_failure(job))
-                    .lindex(self.names.history(job), -1);
+                    .lindex(self.names.history(job), -1)
+                    .lindex(self.names.history(job), 0);
                 count.key(self.names.running(job));
             }
-            // The script's reply comes last, after the four values of every job.
+            // The script's reply comes last, after the five values of every job.
             pipe.load_script(&RUNNING_COUNTS)
                 .ignore()
                 .invoke_script(&count);
@@ -990,7 +991,7 @@ impl Store {
                 Some(value) => redis::from_redis_value(value)?,
                 None => Vec::new(),
             };
-            if replies.len() != 4 * chunk.len() || running.len() != chunk.len() {
+            if replies.len() != 5 * chunk.len() || running.len() != chunk.len() {
                 return Err(StoreError::bad_reply("status: fewer replies than jobs"));
             }
             type Row = (
@@ -998,19 +999,21 @@ impl Store {
                 Option<String>,
                 Option<String>,
                 Option<String>,
+                Option<String>,
             );
             let rows: Vec<Row> = replies
-                .chunks(4)
+                .chunks(5)
                 .map(|row| redis::from_redis_value(redis::Value::Array(row.to_vec())))
                 .collect::<Result<_, _>>()?;
             let instant = |t: Option<String>| t.as_deref().and_then(parse_instant);
             out.extend(rows.into_iter().zip(running).map(
-                |((last, success, failure, oldest), running)| JobHistory {
+                |((last, success, failure, oldest, newest), running)| JobHistory {
                     last_published: instant(last),
                     last_success: instant(success),
                     last_failure: instant(failure),
                     running,
                     oldest: oldest.and_then(|text| serde_json::from_str(&text).ok()),
+                    newest: newest.and_then(|text| serde_json::from_str(&text).ok()),
                 },
             ));
         }
@@ -1068,6 +1071,8 @@ pub struct JobHistory {
     pub running: u64,
     /// The oldest run record kept (unreadable: `None`).
     pub oldest: Option<RunRecord>,
+    /// The newest run record (unreadable: `None`): the job's last run, its error included.
+    pub newest: Option<RunRecord>,
 }
 
 /// Reads the claim script's reply; `None` for anything it never returns.

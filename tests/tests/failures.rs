@@ -171,3 +171,72 @@ async fn retries_exhaustion_permanent_failures_expiry_and_size() {
         Some(0)
     );
 }
+
+/// A failing shell task's stderr is readable where people look: its dead letter's
+/// `x-drumline-error` (bounded, the end of stderr kept) and `status`; and with `--log-format
+/// json` its output lines are JSON events carrying key, task and stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failing_tasks_stderr_reaches_its_dead_letter_and_status() {
+    use drumline_e2e::cfg::{cron, shell, Cfg};
+    let env = setup("e2e_failures_stderr");
+    // 8 KiB of noise on stderr, then the line that explains the failure.
+    let script = "echo 'hello out'; i=0; while [ $i -lt 100 ]; do \
+                  echo \"noise $i $(printf '%070d' 0)\" >&2; i=$((i+1)); done; \
+                  echo 'ledger refused: account 42 is closed' >&2; exit 1";
+    let cfg = env.write_config(
+        "drumline.toml",
+        &Cfg::new()
+            .task("noisy", shell(script).with("max_retries", "0"))
+            .job("noisy", cron("0 0 1 1 *")),
+    );
+    let cfg = cfg.to_str().unwrap();
+    let worker = env.worker("worker", &["--config", cfg, "--log-format", "json"]);
+    env.wait_for_topology(&worker).await;
+    let (status, _, stderr) = env.run("drumline-beat", &["--config", cfg, "trigger", "noisy"]);
+    assert!(status.success(), "{stderr}");
+    let dead = env.names().dead();
+    assert!(
+        wait_until_async(WAIT, || async { env.queue_len(&dead).await == Some(1) }).await,
+        "{}",
+        worker.log_tail(20)
+    );
+    let letters = dead_letters(&env).await;
+    let (key, reason, _, error) = &letters[0];
+    assert_eq!(reason, "retries_exhausted");
+    assert!(error.starts_with("exit code 1: stderr: "), "{error}");
+    assert!(
+        error
+            .trim_end()
+            .ends_with("ledger refused: account 42 is closed"),
+        "{error}"
+    );
+    assert!(error.len() <= 4096, "{} bytes", error.len());
+    assert!(
+        !error.contains("noise 0 "),
+        "the start of stderr is dropped, not its end"
+    );
+
+    let (status, stdout, stderr) = env.run("drumline-beat", &["--config", cfg, "status", "--json"]);
+    assert!(status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let last_error = report["jobs"][0]["last_error"].as_str().unwrap_or_default();
+    assert_eq!(last_error, error, "{report:#}");
+
+    // The task's stdout line is one JSON event of the worker's log, with its fields.
+    let events: Vec<serde_json::Value> = worker
+        .log()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let said = |stream: &str, line: &str| {
+        events.iter().any(|e| {
+            let f = &e["fields"];
+            f["stream"] == stream
+                && f["line"] == line
+                && f["key"] == key.as_str()
+                && f["task"] == "noisy"
+        })
+    };
+    assert!(said("stdout", "hello out"), "{}", worker.log_tail(5));
+    assert!(said("stderr", "ledger refused: account 42 is closed"));
+}

@@ -210,6 +210,29 @@ pub fn on_claim(claim: &Claim) -> Next {
     Next::Settle(settle)
 }
 
+/// The most of a run's error that is recorded with it and carried by its dead letter
+/// (`x-drumline-error`): 4 KiB (docs/design.md#failures-you-can-read).
+pub const ERROR_KEPT: usize = 4096;
+
+/// `text` cut to at most `max` bytes: its start (up to 256 bytes of the first line: what
+/// failed) and as much of its end as fits (where a stderr's last lines are), joined by ` … `.
+pub fn bounded(text: String, max: usize) -> String {
+    if text.len() <= max {
+        return text;
+    }
+    const JOIN: &str = " … ";
+    let first_line = text.find('\n').unwrap_or(text.len());
+    let mut head = first_line.min(256).min(max / 2);
+    while !text.is_char_boundary(head) {
+        head -= 1;
+    }
+    let mut tail = text.len() - max.saturating_sub(head + JOIN.len());
+    while !text.is_char_boundary(tail) {
+        tail += 1;
+    }
+    format!("{}{JOIN}{}", &text[..head], &text[tail..])
+}
+
 /// Decides how a run under the claim with `fence` settles, for a copy at `attempt` (0-based)
 /// of `task`. `jitter` in `[0, 1)` is injected so tests are exact.
 pub fn after_run(fence: u64, result: &RunResult, task: &Task, attempt: u32, jitter: f64) -> Action {
@@ -217,18 +240,18 @@ pub fn after_run(fence: u64, result: &RunResult, task: &Task, attempt: u32, jitt
         RunResult::Succeeded => Action::Done { fence },
         RunResult::Failed(e @ HandlerError::Permanent { .. }) => Action::Dead {
             reason: DeadReason::Permanent,
-            error: e.report(),
+            error: bounded(e.report(), ERROR_KEPT),
         },
         RunResult::Failed(e @ HandlerError::Retryable { after, .. }) => {
             match retry::decide(task, attempt, jitter) {
                 Decision::Exhausted => Action::Dead {
                     reason: DeadReason::RetriesExhausted,
-                    error: e.report(),
+                    error: bounded(e.report(), ERROR_KEPT),
                 },
                 Decision::Retry { delay } => Action::Retry {
                     // The handler's own delay, within the task's `retry_max`.
                     delay: after.map_or(delay, |after| after.min(task.retry_max)),
-                    error: e.report(),
+                    error: bounded(e.report(), ERROR_KEPT),
                 },
             }
         }
@@ -467,6 +490,31 @@ mod tests {
                 error: "ledger: connection reset".into()
             }
         );
+    }
+
+    #[test]
+    fn a_long_error_keeps_its_start_and_its_end_within_the_bound() {
+        assert_eq!(bounded("short".into(), 10), "short");
+        let stderr: String = (0..2000).map(|i| format!("line {i}\n")).collect();
+        let text = format!("exit code 1: stderr: {stderr}");
+        let cut = bounded(text.clone(), ERROR_KEPT);
+        assert_eq!(cut.len(), ERROR_KEPT);
+        assert!(
+            cut.starts_with("exit code 1: stderr: line 0 … "),
+            "{}",
+            &cut[..40]
+        );
+        assert!(cut.ends_with("line 1999\n"));
+        // Never a cut inside a character.
+        let wide = "é".repeat(3000);
+        let cut = bounded(wide, 101);
+        assert!(cut.len() <= 101 && cut.contains(" … "), "{cut}");
+        // Through the decision: the recorded error is bounded.
+        let failed = RunResult::Failed(HandlerError::permanent(text));
+        let Action::Dead { error, .. } = after(failed, 0) else {
+            panic!("not dead")
+        };
+        assert_eq!(error.len(), ERROR_KEPT);
     }
 
     #[test]

@@ -27,6 +27,7 @@
 //! and the context (docs/design.md "Task environment").
 
 use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
+use crate::output::{self, Stream};
 use drumline_shared::config::{Task, ENV_AMQP_URL, ENV_REDIS_URL};
 use drumline_shared::envelope::format_instant;
 use nix::sys::signal::{killpg, Signal};
@@ -107,14 +108,28 @@ impl ShellExecutor {
         let mut cmd = Command::new(supervisor);
         cmd.arg(std::process::id().to_string()).args(&self.command);
         self.environment(&mut cmd, &ctx);
+        // stderr is always read (its tail goes with a failure); stdout only to turn its lines
+        // into log events (docs/design.md#failures-you-can-read).
         cmd.stdin(Stdio::piped())
+            .stderr(Stdio::piped())
             .kill_on_drop(true)
             .process_group(0);
+        if output::as_events() {
+            cmd.stdout(Stdio::piped());
+        }
         let mut child = spawn(cmd).await.map_err(|e| {
             HandlerError::retryable(format!("cannot start {:?}", self.command[0])).because(e)
         })?;
         // From here on, however this future ends (returned or dropped), the group is killed.
         let group = child.id().map(|id| Group(Pid::from_raw(id as i32)));
+        let (key, task) = (&ctx.key, &ctx.task);
+        let stderr = child
+            .stderr
+            .take()
+            .map(|r| tokio::spawn(output::drain(r, Stream::Stderr, key.clone(), task.clone())));
+        if let Some(r) = child.stdout.take() {
+            tokio::spawn(output::drain(r, Stream::Stdout, key.clone(), task.clone()));
+        }
 
         // Fed alongside the wait, never before it: a task that does not read its stdin must
         // not keep the timeout and the cancellation from firing (docs/design.md).
@@ -143,14 +158,15 @@ impl ShellExecutor {
                     let status = status.map_err(|e| HandlerError::retryable("wait failed").because(e))?;
                     // The leader exited; stragglers in its group must not outlive the run.
                     drop(group);
-                    return self.outcome(status);
+                    return self.outcome(status).map_err(with_stderr(stderr).await);
                 }
                 () = &mut deadline => {
                     stop(&mut child, group, ctx.kill_grace).await;
-                    return Err(HandlerError::retryable(format!(
+                    let e = HandlerError::retryable(format!(
                         "timed out after {}",
                         humantime::format_duration(self.timeout.unwrap_or_default())
-                    )));
+                    ));
+                    return Err(with_stderr(stderr).await(e));
                 }
                 () = ctx.cancel.cancelled() => {
                     stop(&mut child, group, ctx.kill_grace).await;
@@ -180,6 +196,30 @@ impl ShellExecutor {
 impl Handler for ShellExecutor {
     fn call(&self, ctx: TaskContext) -> HandlerFuture {
         Box::pin(self.clone().run(ctx))
+    }
+}
+
+/// How long a finished task's stderr may take to reach its end (a straggler outside the group
+/// holding it open) before the outcome goes without its tail.
+const STDERR_WAIT: Duration = Duration::from_secs(1);
+
+/// Adds the end of the task's stderr (read by `reader`) to a failure, as its cause.
+async fn with_stderr(
+    reader: Option<tokio::task::JoinHandle<output::Tail>>,
+) -> impl FnOnce(HandlerError) -> HandlerError {
+    let text = match reader {
+        Some(reader) => match tokio::time::timeout(STDERR_WAIT, reader).await {
+            Ok(Ok(tail)) => tail.text(),
+            _ => String::new(),
+        },
+        None => String::new(),
+    };
+    move |e| {
+        if text.is_empty() {
+            e
+        } else {
+            e.because(output::Stderr(text))
+        }
     }
 }
 

@@ -29,6 +29,7 @@ pub mod executor;
 pub mod handler;
 pub mod http;
 pub mod lease;
+pub mod output;
 pub mod processor;
 pub mod retry;
 pub mod stats;

@@ -61,6 +61,8 @@ enum DlqAction {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     logging::init(cli.common.log_format);
+    // JSON logs carry task output as events, not raw text between them.
+    drumline_worker::output::output_as_events(cli.common.log_format == logging::LogFormat::Json);
     let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
     let result = runtime.block_on(dispatch(cli));
     // Dropping a runtime waits for its blocking tasks without limit; the worker has stopped in
