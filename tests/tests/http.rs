@@ -239,3 +239,51 @@ async fn a_missing_secret_is_a_config_error_at_start() {
         "{log}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cancelled_run_drops_its_request() {
+    use drumline_worker::handler::{Handler, HandlerError, TaskContext};
+    use drumline_worker::http::HttpExecutor;
+    let hook = Hook::start(|_, _| Reply::Hang(Duration::from_secs(60), 200)).await;
+    let text = format!(
+        "namespace = \"t\"\n[tasks.hook]\nhttp = {{ url = {}, timeout = \"60s\" }}\n",
+        toml_string(&hook.url("/hang"))
+    );
+    let config = drumline_shared::config::Config::parse(
+        &text,
+        std::path::Path::new("drumline.toml"),
+        |_| None,
+    )
+    .unwrap();
+    let executor = HttpExecutor::for_task(&config.tasks["hook"], |_| None)
+        .unwrap()
+        .unwrap();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let ctx = TaskContext {
+        task: "hook".into(),
+        key: "c-1".into(),
+        job: None,
+        scheduled_for: chrono::Utc::now(),
+        attempt: 0,
+        fencing_token: 1,
+        args: serde_json::json!({}),
+        cancel: cancel.clone(),
+        kill_grace: Duration::from_millis(100),
+    };
+    let run = tokio::spawn(executor.call(ctx));
+    assert!(
+        wait_until_async(WAIT, || async { hook.on("/hang").len() == 1 }).await,
+        "the request never arrived"
+    );
+    // What the worker does when the lease is lost: the run ends without waiting for the
+    // answer (due in 60 s), well within any lease.
+    cancel.cancel();
+    let ended = tokio::time::timeout(Duration::from_secs(10), run).await;
+    let result = ended
+        .expect("the request outlived its cancellation")
+        .unwrap();
+    assert!(
+        matches!(&result, Err(HandlerError::Retryable { message, .. }) if message == "cancelled"),
+        "{result:?}"
+    );
+}
