@@ -16,7 +16,7 @@ use drumline_shared::backoff::Backoff;
 use drumline_shared::broker::{self, BrokerError};
 use drumline_shared::config::{Config, Overlap, Task};
 use drumline_shared::envelope::{
-    self, long_string, DeadReason, Envelope, H_ATTEMPTS, H_ERROR, H_REASON,
+    self, long_string, Arrival, DeadReason, Envelope, H_ATTEMPTS, H_ERROR, H_REASON,
 };
 use drumline_shared::names::Names;
 use drumline_shared::store::{
@@ -208,7 +208,8 @@ impl Processor {
     ) -> Result<Disposition, Interrupted> {
         let body = &delivery.data;
         let max = self.config.worker.max_message_bytes;
-        match decision::admit(body, max, |job| self.overlap.contains_key(job)) {
+        let arrival = arrival(&self.names, delivery);
+        match decision::admit(body, &arrival, max, |job| self.overlap.contains_key(job)) {
             Ok(env) => {
                 let span = tracing::info_span!("task", key = %env.key, task = %env.task, attempt = env.attempt, worker = %self.worker_id);
                 self.handle(publisher, delivery, env).instrument(span).await
@@ -220,7 +221,7 @@ impl Processor {
                 // The task label only when the envelope decodes (it broke a limit) and names
                 // one of ours; an oversize body is not even decoded.
                 let decoded = (reason == DeadReason::Malformed)
-                    .then(|| Envelope::decode(body).ok())
+                    .then(|| Envelope::decode_delivered(body, &arrival).ok())
                     .flatten();
                 let task = decoded
                     .as_ref()
@@ -767,6 +768,20 @@ where
                 tokio::time::sleep(delay).await;
             }
         }
+    }
+}
+
+/// What the delivery says about its message besides the body: the defaults of the fields a
+/// producer may omit (docs/envelope.md). The AMQP timestamp has whole seconds only; without
+/// one, the message was published when it arrived, as far as we can tell.
+fn arrival<'a>(names: &Names, delivery: &'a Delivery) -> Arrival<'a> {
+    let stamped = delivery
+        .properties
+        .timestamp()
+        .and_then(|t| chrono::DateTime::from_timestamp(t.min(i64::MAX as u64) as i64, 0));
+    Arrival {
+        routing_key: names.logical_queue(delivery.routing_key.as_str()),
+        published_at: stamped.unwrap_or_else(Utc::now),
     }
 }
 
