@@ -6,7 +6,7 @@
 
 use crate::acks::{Settled, Ticket, SETTLE_TIMEOUT};
 use crate::decision::{self, Action, Next, Outcome, Recheck, Rejected, RunResult};
-use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
+use crate::handler::{self, Handler, HandlerError, HandlerFuture, TaskContext};
 use crate::lease::{self, LeaseLost};
 use crate::retry;
 use crate::stats::{RunOutcome, Stats, UNKNOWN_TASK};
@@ -547,8 +547,17 @@ impl Processor {
         let ctx = context(env, fence, cancel.clone(), budget.kill_grace());
         self.stats.running.inc();
         let stopped = self
-            .call(handler.call(ctx), cancel, &lost, expiry, budget)
+            .call(
+                handler::call_guarded(&*handler, ctx),
+                cancel,
+                &lost,
+                expiry,
+                budget,
+            )
             .await;
+        if matches!(&stopped, Stopped::Returned(Err(e)) if e.is_panic()) {
+            self.stats.panics.inc();
+        }
         self.stats.running.dec();
         let renewing = Renewing {
             stop: stop_on_drop.disarm(),
@@ -861,7 +870,14 @@ pub fn resolve_handlers(
     let mut handlers = HashMap::new();
     for (name, task) in &config.tasks {
         let handler: Arc<dyn Handler> = match (custom.get(name), shell(config, task)) {
-            (Some(h), _) => h.clone(),
+            // The shell executor keeps its own timeout; a Rust handler gets this one.
+            (Some(h), _) => match task.timeout {
+                Some(timeout) => Arc::new(handler::WithTimeout {
+                    inner: h.clone(),
+                    timeout,
+                }),
+                None => h.clone(),
+            },
             (None, Some(shell)) => shell,
             (None, None) => {
                 return Err(WorkerError::NoHandler {
