@@ -3,10 +3,9 @@
 //! `--delay` (waiting in a delay queue meanwhile); `--expires` counts from the due instant.
 
 use chrono::{DateTime, Utc};
-use drumline_shared::broker::{self, BrokerError};
-use drumline_shared::config::{check_name, Config};
+use drumline_shared::client::{ClientError, Message, Producer};
+use drumline_shared::config::Config;
 use drumline_shared::envelope::Envelope;
-use drumline_shared::names::{check_key, Names};
 use std::time::Duration;
 
 /// What the command line asked for.
@@ -26,12 +25,30 @@ pub struct Request {
     pub queue: Option<String>,
 }
 
+impl Request {
+    /// The producer client's message for this request.
+    pub fn message(&self) -> Message {
+        let mut message = Message::new(&self.task)
+            .args(&self.args)
+            .queue(self.queue.as_deref().unwrap_or("default"))
+            .delay(self.delay);
+        if let Some(key) = &self.key {
+            message = message.key(key);
+        }
+        if let Some(expires) = self.expires {
+            message = message.expires(expires);
+        }
+        message
+    }
+}
+
 /// Why the request is refused (exit code 2).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("{0}")]
 pub struct BadRequest(pub String);
 
-/// Builds the envelope for `req` at `now`, checked against `config`.
+/// Builds the envelope for `req` at `now`, checked against `config` (the task must be one of
+/// its `[tasks.*]`) and by the producer client ([`Message::envelope`]).
 pub fn envelope(
     config: &Config,
     req: &Request,
@@ -50,69 +67,25 @@ pub fn envelope(
             }
         )));
     }
-    let queue = req.queue.clone().unwrap_or_else(|| "default".to_owned());
-    check_name(&queue).map_err(|e| BadRequest(format!("--queue: {e}")))?;
-    if let Some(key) = &req.key {
-        check_key(key).map_err(|e| BadRequest(format!("--key: {e}")))?;
-    }
-    let delay = chrono::Duration::from_std(req.delay)
-        .map_err(|_| BadRequest("--delay: too large".into()))?;
-    let due = now + delay;
-    let expires_at = match req.expires {
-        Some(e) if e.is_zero() => {
-            return Err(BadRequest("--expires: must be greater than zero".into()))
-        }
-        Some(e) => Some(
-            due + chrono::Duration::from_std(e)
-                .map_err(|_| BadRequest("--expires: too large".into()))?,
-        ),
-        None => None,
-    };
-    Ok(Envelope {
-        v: 1,
-        id: uuid::Uuid::new_v4(),
-        key: req
-            .key
-            .clone()
-            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
-        task: req.task.clone(),
-        job: None,
-        args: req.args.clone(),
-        scheduled_for: due,
-        published_at: now,
-        expires_at,
-        attempt: 0,
-        queue,
-        backfill: false,
-    })
+    req.message()
+        .envelope(now)
+        .map_err(|e| BadRequest(format!("--{e}")))
 }
 
-/// Publishes `env` (through a delay queue when `delay` > 0) with confirms.
-pub async fn publish(config: &Config, env: &Envelope, delay: Duration) -> Result<(), BrokerError> {
-    let names = Names::new(config.namespace.clone());
-    let (conn, channel) = broker::open_channel(
-        config,
-        &names,
-        std::slice::from_ref(&env.queue),
-        config.worker.dead_ttl,
-    )
-    .await?;
-    let (exchange, routing_key) = if delay.is_zero() {
-        (names.tasks_exchange(), env.queue.clone())
-    } else {
-        let queue = broker::declare_delay_queue(&channel, &names, &env.queue, delay).await?;
-        (String::new(), queue)
-    };
-    let published = broker::publish_confirmed(
-        &channel,
-        &exchange,
-        &routing_key,
-        true,
-        &env.encode(),
-        env.properties(Utc::now(), 0),
-    )
-    .await;
-    let _ = conn.close(200, "published".into()).await;
+/// Publishes `env` (through a delay queue when `delay` > 0) with confirms, through the
+/// producer client; the queue's topology is declared first, as `config` says.
+pub async fn publish(config: &Config, env: &Envelope, delay: Duration) -> Result<(), ClientError> {
+    let mut builder = Producer::builder(config.namespace.clone())
+        .declare(config.broker.queue_type, config.worker.dead_ttl);
+    for url in &config.broker.urls {
+        builder = builder.url(url);
+    }
+    if let Some(ca_file) = &config.broker_ca_file {
+        builder = builder.ca_file(ca_file);
+    }
+    let producer = builder.connect().await?;
+    let published = producer.publish_envelope(env, delay).await;
+    producer.close().await;
     published
 }
 

@@ -4,6 +4,7 @@
 use crate::{adhoc, next, operate, page, scheduler, status};
 use chrono::{DateTime, Utc};
 use drumline_shared::broker::BrokerError;
+use drumline_shared::client::ClientError;
 use drumline_shared::config::{Config, Job};
 use drumline_shared::exit::Failure;
 use drumline_shared::names::Names;
@@ -241,9 +242,10 @@ async fn store(config: &Config) -> Result<Store, Failure> {
 }
 
 /// `publish` and `trigger`: a refused topology is a config problem (exit 2).
-fn publish_failure(e: BrokerError) -> Failure {
+fn publish_failure(e: ClientError) -> Failure {
     match e {
-        e @ BrokerError::Mismatch { .. } => Failure::usage(e),
+        e @ ClientError::Broker(BrokerError::Mismatch { .. }) => Failure::usage(e),
+        e if e.is_request() => Failure::usage(e),
         e => Failure::other(e),
     }
 }

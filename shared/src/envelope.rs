@@ -60,9 +60,12 @@ impl std::fmt::Display for DeadReason {
     }
 }
 
-/// The envelope, version 1.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// The envelope, version 1 (docs/envelope.md; the wire contract is `docs/envelope.schema.json`).
+///
+/// What drumline writes always has every field. What it reads may omit the optional ones
+/// ([`Envelope::decode_delivered`] fills them in) and may carry fields it does not know, which
+/// are ignored (docs/design.md#the-message).
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Envelope {
     /// Format version; always 1.
     pub v: u32,
@@ -96,6 +99,71 @@ pub struct Envelope {
     pub backfill: bool,
 }
 
+/// What a delivery says about a message besides its body: the defaults of the fields a
+/// producer may omit (docs/envelope.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Arrival<'a> {
+    /// The routing key it was published with: the default `queue`.
+    pub routing_key: &'a str,
+    /// When it was published (the AMQP `timestamp`, else when it arrived): the default
+    /// `published_at`, and through it the default `scheduled_for`.
+    pub published_at: DateTime<Utc>,
+}
+
+/// The envelope as a producer may write it: only `key` and `task` required, unknown fields
+/// ignored (no `deny_unknown_fields`: a producer's new field must not dead-letter it).
+#[derive(Deserialize)]
+struct Wire {
+    #[serde(default)]
+    id: Option<Uuid>,
+    key: String,
+    task: String,
+    #[serde(default)]
+    job: Option<String>,
+    #[serde(default)]
+    args: Option<serde_json::Value>,
+    #[serde(default, with = "rfc3339_opt")]
+    scheduled_for: Option<DateTime<Utc>>,
+    #[serde(default, with = "rfc3339_opt")]
+    published_at: Option<DateTime<Utc>>,
+    #[serde(default, with = "rfc3339_opt")]
+    expires_at: Option<DateTime<Utc>>,
+    #[serde(default)]
+    attempt: u32,
+    #[serde(default)]
+    queue: Option<String>,
+    #[serde(default)]
+    backfill: bool,
+}
+
+impl Wire {
+    /// The envelope, with `arrival`'s defaults for what the producer left out; `None` when
+    /// `queue` is missing and there is no routing key to take it from.
+    fn complete(self, arrival: Option<&Arrival<'_>>) -> Option<Envelope> {
+        let published_at = self
+            .published_at
+            .or(arrival.map(|a| a.published_at))
+            .unwrap_or_else(Utc::now);
+        let queue = self
+            .queue
+            .or_else(|| arrival.map(|a| a.routing_key.to_owned()))?;
+        Some(Envelope {
+            v: 1,
+            id: self.id.unwrap_or_else(Uuid::new_v4),
+            key: self.key,
+            task: self.task,
+            job: self.job,
+            args: self.args.unwrap_or_else(|| serde_json::json!({})),
+            scheduled_for: self.scheduled_for.unwrap_or(published_at),
+            published_at,
+            expires_at: self.expires_at,
+            attempt: self.attempt,
+            queue,
+            backfill: self.backfill,
+        })
+    }
+}
+
 /// Why a body is not a valid envelope.
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
@@ -105,6 +173,9 @@ pub enum DecodeError {
     /// A version this worker does not speak.
     #[error("unsupported envelope version {0}")]
     Version(u32),
+    /// No `queue`, and no routing key to take it from ([`Envelope::decode`] alone).
+    #[error("malformed envelope: missing field `queue`")]
+    NoQueue,
 }
 
 /// Formats an instant the way every drumline message and key writes it (docs/design.md, the one
@@ -188,16 +259,33 @@ impl Envelope {
         }
     }
 
-    /// Decodes a message body.
+    /// Decodes a message body as drumline wrote it (a retry copy, a dead letter, a waiting
+    /// copy): the optional fields are defaulted as by [`Envelope::decode_delivered`], except
+    /// `queue`, which must be there, and `published_at`, which defaults to now.
     pub fn decode(body: &[u8]) -> Result<Self, DecodeError> {
+        Self::decode_with(body, None)
+    }
+
+    /// Decodes a delivered message body, whoever produced it (docs/envelope.md): `key` and
+    /// `task` are required; `queue` defaults to the routing key, `published_at` to the publish
+    /// time, `scheduled_for` to `published_at`, `args` to `{}`, `attempt` to 0, `id` to a fresh
+    /// one, `expires_at` and `job` to none; fields it does not know are ignored.
+    pub fn decode_delivered(body: &[u8], arrival: &Arrival<'_>) -> Result<Self, DecodeError> {
+        Self::decode_with(body, Some(arrival))
+    }
+
+    fn decode_with(body: &[u8], arrival: Option<&Arrival<'_>>) -> Result<Self, DecodeError> {
         // Look at the version first so a v2 message gets a precise reason.
         let raw: serde_json::Value = serde_json::from_slice(body)?;
-        if let Some(v) = raw.get("v").and_then(|v| v.as_u64()) {
-            if v != 1 {
-                return Err(DecodeError::Version(v as u32));
+        if let Some(v) = raw.get("v").filter(|v| !v.is_null()) {
+            match v.as_u64() {
+                Some(1) => {}
+                Some(v) => return Err(DecodeError::Version(v.min(u32::MAX as u64) as u32)),
+                None => return Err(DecodeError::Version(0)),
             }
         }
-        Ok(serde_json::from_value(raw)?)
+        let wire: Wire = serde_json::from_value(raw)?;
+        wire.complete(arrival).ok_or(DecodeError::NoQueue)
     }
 
     /// Encodes the body.
@@ -310,17 +398,10 @@ pub fn header_int(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
 
 mod rfc3339 {
     use chrono::{DateTime, Utc};
-    use serde::{Deserialize, Deserializer, Serializer};
+    use serde::Serializer;
 
     pub fn serialize<S: Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&super::format_instant(*t))
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DateTime<Utc>, D::Error> {
-        let text = String::deserialize(d)?;
-        DateTime::parse_from_rfc3339(&text)
-            .map(|t| t.with_timezone(&Utc))
-            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -491,6 +572,75 @@ mod tests {
             Envelope::decode(b"{\"v\":2}"),
             Err(DecodeError::Version(2))
         ));
+    }
+
+    fn arrival() -> Arrival<'static> {
+        Arrival {
+            routing_key: "reports",
+            published_at: at(9, 15),
+        }
+    }
+
+    #[test]
+    fn a_minimal_producer_message_gets_the_defaults() {
+        let body = br#"{"key":"k1","task":"report"}"#;
+        let env = Envelope::decode_delivered(body, &arrival()).unwrap();
+        assert_eq!(env.v, 1);
+        assert_eq!((env.key.as_str(), env.task.as_str()), ("k1", "report"));
+        assert_eq!(env.queue, "reports", "queue: the routing key it arrived on");
+        assert_eq!(env.published_at, at(9, 15));
+        assert_eq!(
+            env.scheduled_for,
+            at(9, 15),
+            "scheduled_for: the publish time"
+        );
+        assert_eq!(env.expires_at, None);
+        assert_eq!(env.job, None);
+        assert_eq!(env.attempt, 0);
+        assert_eq!(env.args, serde_json::json!({}));
+        assert!(!env.backfill);
+        assert!(env.check(|_: &str| false).is_ok());
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored() {
+        let body = br#"{"key":"k1","task":"report","priority":9,"trace":{"id":"x"}}"#;
+        let env = Envelope::decode_delivered(body, &arrival()).unwrap();
+        assert_eq!(env.key, "k1");
+    }
+
+    #[test]
+    fn given_fields_win_over_the_defaults() {
+        let body = br#"{"key":"k1","task":"report","queue":"q2","args":{"a":1},
+            "scheduled_for":"2026-03-08T07:30:00Z","published_at":"2026-03-08T07:00:00Z",
+            "expires_at":"2026-03-08T08:00:00Z","attempt":2}"#;
+        let env = Envelope::decode_delivered(body, &arrival()).unwrap();
+        assert_eq!(env.queue, "q2");
+        assert_eq!(env.args, serde_json::json!({"a": 1}));
+        assert_eq!(env.scheduled_for, at(7, 30));
+        assert_eq!(env.published_at, at(7, 0));
+        assert_eq!(env.expires_at, Some(at(8, 0)));
+        assert_eq!(env.attempt, 2);
+    }
+
+    #[test]
+    fn key_and_task_are_required() {
+        for body in [&br#"{"task":"report"}"#[..], br#"{"key":"k1"}"#] {
+            assert!(matches!(
+                Envelope::decode_delivered(body, &arrival()),
+                Err(DecodeError::Malformed(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn a_message_drumline_wrote_decodes_alone_and_the_same() {
+        let env = scheduled("j");
+        assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);
+        assert_eq!(
+            Envelope::decode_delivered(&env.encode(), &arrival()).unwrap(),
+            env
+        );
     }
 
     #[test]

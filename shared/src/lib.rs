@@ -12,6 +12,7 @@ pub mod backoff;
 pub mod broker;
 #[cfg(feature = "bin-support")]
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod duration;
 pub mod envelope;

@@ -100,6 +100,18 @@ impl Names {
         format!("{}.q.{queue}", self.ns)
     }
 
+    /// The logical queue a message published with `routing_key` is for: the key itself
+    /// (published to `{ns}.tasks`), or `{queue}` when it names the work queue `{ns}.q.{queue}`
+    /// (published to it straight, through the default exchange). The default of a producer's
+    /// missing `queue` (docs/envelope.md).
+    pub fn logical_queue<'a>(&self, routing_key: &'a str) -> &'a str {
+        routing_key
+            .strip_prefix(self.ns.as_str())
+            .and_then(|rest| rest.strip_prefix(".q."))
+            .filter(|queue| !queue.is_empty())
+            .unwrap_or(routing_key)
+    }
+
     /// Delay queue `{ns}.delay.{queue}.{ms}`: every message in it waits exactly `delay`, then
     /// dead-letters back to the work exchange with routing key `{queue}`. One queue per
     /// (queue, delay) pair keeps expiry FIFO, so there is no head-of-line blocking.
@@ -257,6 +269,9 @@ mod tests {
         let n = Names::new("acme");
         assert_eq!(n.tasks_exchange(), "acme.tasks");
         assert_eq!(n.work_queue("default"), "acme.q.default");
+        assert_eq!(n.logical_queue("default"), "default");
+        assert_eq!(n.logical_queue("acme.q.default"), "default");
+        assert_eq!(n.logical_queue("other.q.default"), "other.q.default");
         assert_eq!(
             n.delay_queue("default", Duration::from_millis(1500)),
             "acme.delay.default.1500"

@@ -166,6 +166,12 @@ impl TestEnv {
         self.spawn_with_env("drumline-worker", label, args, vars)
     }
 
+    /// Starts the workspace binary `bin` (e.g. `typed-worker`, the typed-handler example) with
+    /// `args` (logs to `<label>.log`).
+    pub fn program(&self, bin: &str, label: &str, args: &[&str]) -> Proc {
+        self.spawn(bin, label, args)
+    }
+
     /// Starts `drumline-worker` with `args` and `vars` as the unprivileged user `nobody` (group
     /// `nogroup`, no supplementary groups), through util-linux `setpriv`, which execs it: the
     /// pid is the worker's. Its config and everything its tasks write must be open to `nobody`.

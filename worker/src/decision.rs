@@ -7,7 +7,7 @@ use crate::handler::HandlerError;
 use crate::lease::LeaseLost;
 use crate::retry::{self, Decision};
 use drumline_shared::config::Task;
-use drumline_shared::envelope::{DeadReason, Envelope};
+use drumline_shared::envelope::{Arrival, DeadReason, Envelope};
 use drumline_shared::run::{Claim, RunState};
 use std::time::Duration;
 
@@ -29,9 +29,11 @@ pub struct Rejected {
 
 /// Checks a delivery's body before anything else (docs/design.md): a message over `max_bytes`, one
 /// that does not decode, or one that breaks the envelope's limits (`is_job` says whether a job
-/// name is one we know) is rejected; it must not touch Redis or make us loop.
+/// name is one we know) is rejected; it must not touch Redis or make us loop. The fields a
+/// producer may omit are defaulted from `arrival` (docs/envelope.md).
 pub fn admit(
     body: &[u8],
+    arrival: &Arrival<'_>,
     max_bytes: usize,
     is_job: impl Fn(&str) -> bool,
 ) -> Result<Envelope, Rejected> {
@@ -44,7 +46,7 @@ pub fn admit(
             ),
         });
     }
-    Envelope::decode(body)
+    Envelope::decode_delivered(body, arrival)
         .map_err(|e| e.to_string())
         .and_then(|env| env.check(is_job).map(|()| env).map_err(|e| e.to_string()))
         .map_err(|error| Rejected {
@@ -276,6 +278,13 @@ mod tests {
         after_run(7, &result, &task(2), attempt, 0.5)
     }
 
+    fn arrival() -> Arrival<'static> {
+        Arrival {
+            routing_key: "default",
+            published_at: chrono::DateTime::UNIX_EPOCH,
+        }
+    }
+
     /// An ad-hoc envelope with `key`.
     fn envelope_json(key: &str) -> Vec<u8> {
         let env = Envelope {
@@ -297,12 +306,14 @@ mod tests {
 
     #[test]
     fn admits_a_valid_envelope() {
-        let env = admit(&envelope_json("k"), 1 << 20, |_| true).unwrap();
+        let env = admit(&envelope_json("k"), &arrival(), 1 << 20, |_| true).unwrap();
         assert_eq!(env.key, "k");
         // An ad-hoc key shaped like an instance of a job we do not know is fine.
         let key = "j@1970-01-01T00:00:00Z";
         assert_eq!(
-            admit(&envelope_json(key), 1 << 20, |_| false).unwrap().key,
+            admit(&envelope_json(key), &arrival(), 1 << 20, |_| false)
+                .unwrap()
+                .key,
             key
         );
     }
@@ -310,21 +321,22 @@ mod tests {
     #[test]
     fn oversize_comes_before_decoding() {
         let body = vec![b'x'; 11];
-        let rejected = admit(&body, 10, |_| true).unwrap_err();
+        let rejected = admit(&body, &arrival(), 10, |_| true).unwrap_err();
         assert_eq!(rejected.reason, DeadReason::Oversize);
         assert_eq!(rejected.error, "11 bytes, more than max_message_bytes = 10");
         // Exactly the limit is not oversize (it is malformed here: not JSON).
-        let at_limit = admit(&body[..10], 10, |_| true).unwrap_err();
+        let at_limit = admit(&body[..10], &arrival(), 10, |_| true).unwrap_err();
         assert_eq!(at_limit.reason, DeadReason::Malformed);
     }
 
     #[test]
     fn undecodable_and_limit_breaking_messages_are_malformed() {
-        let garbage = admit(b"{not json", 1 << 20, |_| true).unwrap_err();
+        let garbage = admit(b"{not json", &arrival(), 1 << 20, |_| true).unwrap_err();
         assert_eq!(garbage.reason, DeadReason::Malformed);
         // Decodes, but an ad-hoc key impersonates an instance of job `j`.
         let key = "j@1970-01-01T00:00:00Z";
-        let impostor = admit(&envelope_json(key), 1 << 20, |job| job == "j").unwrap_err();
+        let impostor =
+            admit(&envelope_json(key), &arrival(), 1 << 20, |job| job == "j").unwrap_err();
         assert_eq!(impostor.reason, DeadReason::Malformed);
         assert!(impostor.error.contains('j'), "{}", impostor.error);
     }

@@ -147,6 +147,35 @@ impl Worker {
         self
     }
 
+    /// Registers a typed Rust handler for `task`: `f(args, ctx)`, its `args` decoded into `T`
+    /// first (see [`handler::typed`]: args that do not decode are dead-lettered `permanent`,
+    /// naming the field).
+    ///
+    /// ```no_run
+    /// # async fn demo(config: drumline_shared::config::Config) -> Result<(), drumline_worker::WorkerError> {
+    /// use drumline_worker::{HandlerError, TaskContext, Worker};
+    ///
+    /// #[derive(serde::Deserialize)]
+    /// struct Email { to: String }
+    ///
+    /// Worker::new(config)
+    ///     .typed_handler("email", |email: Email, ctx: TaskContext| async move {
+    ///         println!("{} to {} (fence {})", ctx.key, email.to, ctx.fencing_token);
+    ///         Ok::<(), HandlerError>(())
+    ///     })
+    ///     .run(async { let _ = tokio::signal::ctrl_c().await; })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn typed_handler<T, F, Fut>(self, task: &str, f: F) -> Self
+    where
+        T: serde::de::DeserializeOwned + Send + 'static,
+        F: Fn(T, TaskContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+    {
+        self.handler(task, handler::typed(f))
+    }
+
     /// Runs until `shutdown` completes, then stops in order (see [`consumer::run`]). First,
     /// before anything is spawned, makes this process non-dumpable so that tasks running as
     /// the same user cannot read its environment or memory

@@ -6,7 +6,7 @@
 
 use crate::acks::{Settled, Ticket, SETTLE_TIMEOUT};
 use crate::decision::{self, Action, Next, Outcome, Recheck, Rejected, RunResult};
-use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
+use crate::handler::{self, Handler, HandlerError, HandlerFuture, TaskContext};
 use crate::lease::{self, LeaseLost};
 use crate::retry;
 use crate::stats::{RunOutcome, Stats, UNKNOWN_TASK};
@@ -16,7 +16,7 @@ use drumline_shared::backoff::Backoff;
 use drumline_shared::broker::{self, BrokerError};
 use drumline_shared::config::{Config, Overlap, Task};
 use drumline_shared::envelope::{
-    self, long_string, DeadReason, Envelope, H_ATTEMPTS, H_ERROR, H_REASON,
+    self, long_string, Arrival, DeadReason, Envelope, H_ATTEMPTS, H_ERROR, H_REASON,
 };
 use drumline_shared::names::Names;
 use drumline_shared::store::{
@@ -208,7 +208,8 @@ impl Processor {
     ) -> Result<Disposition, Interrupted> {
         let body = &delivery.data;
         let max = self.config.worker.max_message_bytes;
-        match decision::admit(body, max, |job| self.overlap.contains_key(job)) {
+        let arrival = arrival(&self.names, delivery);
+        match decision::admit(body, &arrival, max, |job| self.overlap.contains_key(job)) {
             Ok(env) => {
                 let span = tracing::info_span!("task", key = %env.key, task = %env.task, attempt = env.attempt, worker = %self.worker_id);
                 self.handle(publisher, delivery, env).instrument(span).await
@@ -220,7 +221,7 @@ impl Processor {
                 // The task label only when the envelope decodes (it broke a limit) and names
                 // one of ours; an oversize body is not even decoded.
                 let decoded = (reason == DeadReason::Malformed)
-                    .then(|| Envelope::decode(body).ok())
+                    .then(|| Envelope::decode_delivered(body, &arrival).ok())
                     .flatten();
                 let task = decoded
                     .as_ref()
@@ -552,8 +553,12 @@ impl Processor {
         let stop_on_drop = stop_watchdog.drop_guard();
         let ctx = context(env, fence, cancel.clone(), budget.kill_grace());
         self.stats.running.inc();
-        let call = crate::http::with_delivered(delivered.into(), || handler.call(ctx));
+        let call =
+            crate::http::with_delivered(delivered.into(), || handler::call_guarded(&*handler, ctx));
         let stopped = self.call(call, cancel, &lost, expiry, budget).await;
+        if matches!(&stopped, Stopped::Returned(Err(e)) if e.is_panic()) {
+            self.stats.panics.inc();
+        }
         self.stats.running.dec();
         let renewing = Renewing {
             stop: stop_on_drop.disarm(),
@@ -776,6 +781,20 @@ where
     }
 }
 
+/// What the delivery says about its message besides the body: the defaults of the fields a
+/// producer may omit (docs/envelope.md). The AMQP timestamp has whole seconds only; without
+/// one, the message was published when it arrived, as far as we can tell.
+fn arrival<'a>(names: &Names, delivery: &'a Delivery) -> Arrival<'a> {
+    let stamped = delivery
+        .properties
+        .timestamp()
+        .and_then(|t| chrono::DateTime::from_timestamp(t.min(i64::MAX as u64) as i64, 0));
+    Arrival {
+        routing_key: names.logical_queue(delivery.routing_key.as_str()),
+        published_at: stamped.unwrap_or_else(Utc::now),
+    }
+}
+
 /// The leadership epoch a delivery was published under (`x-drumline-epoch`; 0 when absent).
 fn epoch_of(delivery: &Delivery) -> u64 {
     envelope::header_int(delivery.properties.headers().as_ref(), envelope::H_EPOCH)
@@ -853,7 +872,14 @@ pub fn resolve_handlers(
     let mut handlers = HashMap::new();
     for (name, task) in &config.tasks {
         let handler: Arc<dyn Handler> = match custom.get(name) {
-            Some(h) => h.clone(),
+            // The executors keep their own timeout; a Rust handler gets this one.
+            Some(h) => match task.timeout {
+                Some(timeout) => Arc::new(handler::WithTimeout {
+                    inner: h.clone(),
+                    timeout,
+                }),
+                None => h.clone(),
+            },
             None => built_in(config, task)?.ok_or_else(|| WorkerError::NoHandler {
                 path: config.path.clone(),
                 task: name.clone(),

@@ -119,6 +119,8 @@ pub struct Stats {
     pub malformed: Counter,
     /// Deliveries handed back to the broker (nack with requeue) to be decided again.
     pub requeued: Counter,
+    /// Rust handler runs that panicked (caught, and retried like a retryable failure).
+    pub panics: Counter,
     /// Handlers running now.
     pub running: Gauge,
     /// 1 while consuming from the broker.
@@ -154,6 +156,7 @@ impl Default for Stats {
             abandoned: Counter::default(),
             malformed: Counter::default(),
             requeued: Counter::default(),
+            panics: Counter::default(),
             running: Gauge::default(),
             broker_connected: Gauge::default(),
             redis_up: Gauge::default(),
@@ -170,7 +173,7 @@ impl Default for Stats {
 impl Stats {
     /// Registers every metric under `drumline_worker_*`.
     pub fn register(&self, registry: &mut Registry) {
-        let counters: [(&str, &str, &Counter); 10] = [
+        let counters: [(&str, &str, &Counter); 11] = [
             ("succeeded", "Runs that ended done", &self.succeeded),
             ("duplicates", "Deliveries of already finished instances, acked without running", &self.duplicates),
             ("busy", "Deliveries held by another live lease or waiting for the job's previous instance, re-checked later", &self.busy),
@@ -181,6 +184,7 @@ impl Stats {
             ("abandoned", "Runs cancelled because the shutdown grace ran out", &self.abandoned),
             ("malformed", "Deliveries dead-lettered as malformed", &self.malformed),
             ("requeued", "Deliveries handed back to the broker to be decided again", &self.requeued),
+            ("panics", "Rust handler runs that panicked (caught and retried)", &self.panics),
         ];
         for (name, help, counter) in counters {
             registry.register(format!("drumline_worker_{name}"), help, counter.clone());

@@ -48,6 +48,18 @@ impl Nodes {
         }
     }
 
+    /// The nodes at `urls` (tried in this order first), with `ca_file`'s roots for `amqps://`
+    /// (the system roots when `None`): for a program that has no config file, like the
+    /// producer client (`crate::client`).
+    pub fn from_urls(urls: Vec<String>, ca_file: Option<PathBuf>) -> Self {
+        Self {
+            urls,
+            ca_file,
+            last: Mutex::new(None),
+            declared: Mutex::new(None),
+        }
+    }
+
     /// Connects to the first node that answers within [`CONNECT_TIMEOUT`], in
     /// [`failover_order`] after the node of the last connection; `Err` is the last node's
     /// error once every node failed (one pass: the caller's backoff spaces the passes).
