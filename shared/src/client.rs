@@ -210,8 +210,10 @@ impl ProducerBuilder {
 
     /// Declares the namespace's topology for each queue before its first publish (work queue
     /// as `queue_type`, dead-letter queue with `dead_ttl`), so that a message waits for workers
-    /// that have not started yet. Without it nothing is declared and a message no queue is
-    /// bound for is an error.
+    /// that have not started yet. Both must be the workers' `[broker] queue_type` and
+    /// `[worker] dead_ttl`: the broker refuses a queue declared with other arguments
+    /// ([`BrokerError::Mismatch`]), and so would the workers after it. Without it nothing is
+    /// declared and a message no queue is bound for is an error.
     pub fn declare(mut self, queue_type: QueueType, dead_ttl: Duration) -> Self {
         self.declare = Some((queue_type, dead_ttl));
         self
