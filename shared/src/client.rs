@@ -82,6 +82,27 @@ impl ClientError {
 
 /// One ad-hoc task to publish: the task, its arguments, and when and where it runs.
 /// Defaults: args `{}`, a fresh UUID key, queue `default`, due now, no expiry.
+///
+/// ```
+/// use drumline_shared::client::{ClientError, Message};
+/// use std::time::Duration;
+///
+/// #[derive(serde::Serialize)]
+/// struct Resize { image: &'static str, width: u32 }
+///
+/// let now = chrono::Utc::now();
+/// let message = Message::new("resize")
+///     .args(Resize { image: "cat.png", width: 640 })
+///     .key("resize-cat-640")
+///     .delay(Duration::from_secs(60));
+/// let envelope = message.envelope(now)?;
+/// assert_eq!(envelope.args["width"], 640);
+/// assert_eq!(envelope.scheduled_for, now + chrono::Duration::seconds(60));
+///
+/// let refused = Message::new("resize").args([1, 2]).envelope(now).unwrap_err();
+/// assert!(matches!(refused, ClientError::ArgsNotAnObject(_)) && refused.is_request());
+/// # Ok::<(), ClientError>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct Message {
     task: String,
