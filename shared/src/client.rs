@@ -82,6 +82,27 @@ impl ClientError {
 
 /// One ad-hoc task to publish: the task, its arguments, and when and where it runs.
 /// Defaults: args `{}`, a fresh UUID key, queue `default`, due now, no expiry.
+///
+/// ```
+/// use drumline_shared::client::{ClientError, Message};
+/// use std::time::Duration;
+///
+/// #[derive(serde::Serialize)]
+/// struct Resize { image: &'static str, width: u32 }
+///
+/// let now = chrono::Utc::now();
+/// let message = Message::new("resize")
+///     .args(Resize { image: "cat.png", width: 640 })
+///     .key("resize-cat-640")
+///     .delay(Duration::from_secs(60));
+/// let envelope = message.envelope(now)?;
+/// assert_eq!(envelope.args["width"], 640);
+/// assert_eq!(envelope.scheduled_for, now + chrono::Duration::seconds(60));
+///
+/// let refused = Message::new("resize").args([1, 2]).envelope(now).unwrap_err();
+/// assert!(matches!(refused, ClientError::ArgsNotAnObject(_)) && refused.is_request());
+/// # Ok::<(), ClientError>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct Message {
     task: String,
@@ -210,8 +231,10 @@ impl ProducerBuilder {
 
     /// Declares the namespace's topology for each queue before its first publish (work queue
     /// as `queue_type`, dead-letter queue with `dead_ttl`), so that a message waits for workers
-    /// that have not started yet. Without it nothing is declared and a message no queue is
-    /// bound for is an error.
+    /// that have not started yet. Both must be the workers' `[broker] queue_type` and
+    /// `[worker] dead_ttl`: the broker refuses a queue declared with other arguments
+    /// ([`BrokerError::Mismatch`]), and so would the workers after it. Without it nothing is
+    /// declared and a message no queue is bound for is an error.
     pub fn declare(mut self, queue_type: QueueType, dead_ttl: Duration) -> Self {
         self.declare = Some((queue_type, dead_ttl));
         self

@@ -41,6 +41,8 @@ pub struct Snooped {
     pub via_delay: bool,
     /// Its envelope.
     pub envelope: Envelope,
+    /// The body as published (checked against the wire contract, docs/envelope.schema.json).
+    pub body: Vec<u8>,
 }
 
 /// What the snoop thread has seen: the copies and the markers.
@@ -223,6 +225,7 @@ fn note(seen: &Mutex<Seen>, delivery: &lapin::message::Delivery) {
             epoch,
             via_delay,
             envelope,
+            body: delivery.data.clone(),
         });
     }
 }

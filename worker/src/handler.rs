@@ -268,7 +268,10 @@ where
 /// A handler that panicked: the source of the retryable [`HandlerError`] a panic becomes.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("the handler panicked: {0}")]
-pub struct Panicked(pub String);
+pub struct Panicked(
+    /// The panic's message (`(no message)` when it was not a string).
+    pub String,
+);
 
 impl HandlerError {
     /// True when the failure is a caught panic ([`Panicked`]).

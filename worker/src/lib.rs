@@ -35,7 +35,7 @@ pub mod retry;
 pub mod stats;
 pub mod supervisor;
 
-pub use handler::{Handler, HandlerError, TaskContext};
+pub use handler::{typed, Handler, HandlerError, TaskContext};
 
 use drumline_shared::broker::BrokerError;
 use drumline_shared::config::{Config, WorkerConfig};

@@ -1,0 +1,218 @@
+//! The wire contract (docs/envelope.md): every envelope the beat, the worker (retry copies,
+//! dead letters) and the producer client write validates against `docs/envelope.schema.json`;
+//! a Python producer (`examples/python/publish.py`, pika) that writes only `key`, `task` and
+//! `args`, or adds a field drumline does not know, gets each message run exactly once.
+
+use drumline_e2e::cfg::{every, shell, Cfg};
+use drumline_e2e::snoop::Snoop;
+use drumline_e2e::{setup, wait_until, wait_until_async, TestEnv, AMQP_URL};
+use drumline_shared::client::{Message, Producer};
+use lapin::options::{BasicAckOptions, BasicGetOptions};
+use std::path::PathBuf;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The schema, compiled with format checks (uuid, date-time) on.
+fn validator() -> jsonschema::Validator {
+    let text = std::fs::read_to_string(repo().join("docs/envelope.schema.json")).unwrap();
+    let schema: serde_json::Value = serde_json::from_str(&text).unwrap();
+    jsonschema::options()
+        .should_validate_formats(true)
+        .build(&schema)
+        .expect("docs/envelope.schema.json is a valid schema")
+}
+
+/// Panics with every schema error of `body`, naming `what` wrote it.
+fn assert_valid(validator: &jsonschema::Validator, what: &str, body: &[u8]) {
+    let value: serde_json::Value = serde_json::from_slice(body).unwrap();
+    let errors: Vec<String> = validator
+        .iter_errors(&value)
+        .map(|e| format!("{}: {e}", e.instance_path))
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "{what} wrote {value}, against the schema: {errors:?}"
+    );
+}
+
+/// The bodies of every dead letter of the namespace (taken off `{ns}.dead`).
+async fn dead_bodies(env: &TestEnv) -> Vec<Vec<u8>> {
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.unwrap();
+    let dead = env.names().dead();
+    let mut out = Vec::new();
+    while let Some(msg) = ch
+        .basic_get(dead.as_str().into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+    {
+        out.push(msg.delivery.data.clone());
+        msg.delivery.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    out
+}
+
+#[test]
+fn the_schema_accepts_the_documented_messages_and_refuses_what_workers_refuse() {
+    let validator = validator();
+    let ok = |v: serde_json::Value| validator.is_valid(&v);
+    assert!(ok(serde_json::json!({"key": "k", "task": "t"})));
+    assert!(ok(
+        serde_json::json!({"key": "k", "task": "t", "args": {}, "priority": 9})
+    ));
+    assert!(!ok(serde_json::json!({"task": "t"})), "key is required");
+    assert!(!ok(serde_json::json!({"key": "k"})), "task is required");
+    assert!(!ok(serde_json::json!({"key": "two words", "task": "t"})));
+    assert!(!ok(serde_json::json!({"key": "k", "task": "t", "v": 2})));
+    assert!(!ok(
+        serde_json::json!({"key": "k", "task": "t", "scheduled_for": "soon"})
+    ));
+    assert!(!ok(
+        serde_json::json!({"key": "k", "task": "t", "id": "not-a-uuid"})
+    ));
+    // The examples of docs/envelope.md.
+    let page = std::fs::read_to_string(repo().join("docs/envelope.md")).unwrap();
+    let examples: Vec<&str> = page
+        .split("```json\n")
+        .skip(1)
+        .filter_map(|rest| rest.split_once("```").map(|(json, _)| json))
+        .collect();
+    assert!(
+        examples.len() >= 2,
+        "docs/envelope.md shows a minimal and a full message"
+    );
+    for example in examples {
+        assert_valid(&validator, "docs/envelope.md", example.as_bytes());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_envelope_drumline_writes_validates_against_the_schema() {
+    let mut env = setup("e2e_envelope_schema");
+    // `flaky` fails its first attempt (a retry copy), `doomed` fails for good (a dead letter).
+    let cfg = Cfg::new()
+        .task(
+            "flaky",
+            shell("[ \"$DRUMLINE_ATTEMPT\" -gt 0 ]").with("retry_base", "\"200ms\""),
+        )
+        .task(
+            "doomed",
+            shell("exit 3").with("permanent_exit_codes", "[3]"),
+        )
+        .job("flaky", every("1s").with("args", "{ region = \"eu\" }"));
+    let config = env.write_config("drumline.toml", &cfg);
+    let config = config.to_str().unwrap();
+    let worker = env.worker("worker", &["--config", config]);
+    env.wait_for_topology(&worker).await;
+    let snoop = Snoop::start(&mut env, "default");
+    let beat = env.beat("beat", &["--config", config]);
+    let producer = Producer::connect(AMQP_URL, &env.ns).await.unwrap();
+    let args = serde_json::json!({"n": 1});
+    let doomed = Message::new("doomed").key("doomed-1").args(args);
+    producer
+        .publish(&doomed.expires(Duration::from_secs(600)))
+        .await
+        .unwrap();
+    let later = Message::new("flaky")
+        .key("later-1")
+        .delay(Duration::from_millis(300));
+    producer.publish(&later).await.unwrap();
+
+    let seen =
+        |pred: &dyn Fn(&drumline_e2e::snoop::Snooped) -> bool| snoop.messages().iter().any(pred);
+    let all_seen = wait_until(WAIT, || {
+        seen(&|m| m.envelope.job.is_some() && m.envelope.attempt == 0)
+            && seen(&|m| m.envelope.job.is_some() && m.envelope.attempt == 1)
+            && seen(&|m| m.envelope.key == "doomed-1")
+            && seen(&|m| m.envelope.key == "later-1" && m.envelope.attempt == 0)
+    });
+    assert!(all_seen, "{}", worker.log_tail(20));
+    let dead = wait_until_async(WAIT, || async {
+        env.run_state("doomed-1").await.as_deref() == Some("dead")
+    })
+    .await;
+    assert!(dead, "{}", worker.log_tail(20));
+    drop(beat);
+
+    let validator = validator();
+    for m in snoop.messages() {
+        let what = match (&m.envelope.job, m.envelope.attempt) {
+            (Some(_), 0) => "the beat",
+            (_, n) if n > 0 => "the worker (a retry copy)",
+            _ => "the producer client",
+        };
+        assert_valid(&validator, what, &m.body);
+    }
+    let letters = dead_bodies(&env).await;
+    assert!(!letters.is_empty());
+    for body in letters {
+        assert_valid(&validator, "the worker (a dead letter)", &body);
+    }
+    producer.close().await;
+}
+
+/// The Python of the virtualenv `scripts/services`' `ensure_pika` makes (`target/pyenv`).
+fn python_with_pika() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    // target/<profile>/deps/<test binary>
+    let target = exe.parent().and_then(|d| d.parent()?.parent()).unwrap();
+    let python = target.join("pyenv/bin/python3");
+    assert!(
+        python.exists(),
+        "{} is missing: run `source scripts/services && ensure_pika` (scripts/test does)",
+        python.display()
+    );
+    python
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_python_producer_with_a_minimal_envelope_and_an_unknown_field_runs_each_once() {
+    let env = setup("e2e_envelope_python");
+    let cfg = Cfg::new().task(
+        "report",
+        shell(&format!(
+            "echo \"$DRUMLINE_KEY $(cat)\" >> {}",
+            env.path("runs").display()
+        )),
+    );
+    let config = env.write_config("drumline.toml", &cfg);
+    let worker = env.worker("worker", &["--config", config.to_str().unwrap()]);
+    env.wait_for_topology(&worker).await;
+    let out = std::process::Command::new(python_with_pika())
+        .arg(repo().join("examples/python/publish.py"))
+        .args([AMQP_URL, &env.ns, "report", "py"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for key in ["py-minimal", "py-extra"] {
+        let done = wait_until_async(WAIT, || async {
+            env.run_state(key).await.as_deref() == Some("done")
+        })
+        .await;
+        assert!(done, "{key} did not run\n{}", worker.log_tail(20));
+    }
+    let queue = env.names().work_queue("default");
+    let drained = wait_until_async(WAIT, || async { env.queue_len(&queue).await == Some(0) }).await;
+    assert!(drained);
+    let mut runs = env.lines("runs");
+    runs.sort();
+    assert_eq!(
+        runs,
+        ["py-extra {}", "py-minimal {\"region\":\"eu\"}"],
+        "each ran exactly once, with its args"
+    );
+    assert!(
+        dead_bodies(&env).await.is_empty(),
+        "nothing was dead-lettered"
+    );
+}
