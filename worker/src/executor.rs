@@ -122,14 +122,7 @@ impl ShellExecutor {
         })?;
         // From here on, however this future ends (returned or dropped), the group is killed.
         let group = child.id().map(|id| Group(Pid::from_raw(id as i32)));
-        let (key, task) = (&ctx.key, &ctx.task);
-        let stderr = child
-            .stderr
-            .take()
-            .map(|r| tokio::spawn(output::drain(r, Stream::Stderr, key.clone(), task.clone())));
-        if let Some(r) = child.stdout.take() {
-            tokio::spawn(output::drain(r, Stream::Stdout, key.clone(), task.clone()));
-        }
+        let stderr = read_output(&mut child, &ctx);
 
         // Fed alongside the wait, never before it: a task that does not read its stdin must
         // not keep the timeout and the cancellation from firing (docs/design.md).
@@ -197,6 +190,22 @@ impl Handler for ShellExecutor {
     fn call(&self, ctx: TaskContext) -> HandlerFuture {
         Box::pin(self.clone().run(ctx))
     }
+}
+
+/// Starts reading the task's piped output ([`output::drain`]); the stderr reader's result is
+/// the end of its stderr.
+fn read_output(
+    child: &mut Child,
+    ctx: &TaskContext,
+) -> Option<tokio::task::JoinHandle<output::Tail>> {
+    let (key, task) = (&ctx.key, &ctx.task);
+    if let Some(r) = child.stdout.take() {
+        tokio::spawn(output::drain(r, Stream::Stdout, key.clone(), task.clone()));
+    }
+    child
+        .stderr
+        .take()
+        .map(|r| tokio::spawn(output::drain(r, Stream::Stderr, key.clone(), task.clone())))
 }
 
 /// How long a finished task's stderr may take to reach its end (a straggler outside the group
