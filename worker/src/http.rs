@@ -217,7 +217,8 @@ impl Inner {
         match ended {
             Err(_) => Err(timed_out(timeout)),
             Ok(Err(e)) if e.is_timeout() => Err(timed_out(timeout)),
-            Ok(Err(e)) => Err(HandlerError::retryable("request failed").because(e)),
+            // Without the URL: a query string may hold a token, and the error is recorded.
+            Ok(Err(e)) => Err(HandlerError::retryable("request failed").because(e.without_url())),
             Ok(Ok((status, retry_after, head))) => {
                 outcome(status.as_u16(), retry_after.as_deref(), &head, Utc::now())
             }
