@@ -186,7 +186,9 @@ impl Inner {
             .timeout(self.timeout)
             .body(body.to_vec())
             .build()
-            .map_err(|e| HandlerError::permanent("cannot build the request").because(e))
+            .map_err(|e| {
+                HandlerError::permanent("cannot build the request").because(e.without_url())
+            })
     }
 
     async fn run(self: Arc<Self>, ctx: TaskContext, body: Arc<[u8]>) -> Result<(), HandlerError> {
