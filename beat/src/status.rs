@@ -267,23 +267,14 @@ pub fn table(status: &Status) -> String {
     out.push_str(&drumline_shared::table::render(&headers, &rows));
     for j in &status.jobs {
         if let Some(error) = &j.last_error {
-            out.push_str(&format!("{} last error: {}\n", j.job, one_line(error)));
+            out.push_str(&format!(
+                "{} last error: {}\n",
+                j.job,
+                drumline_shared::table::one_line(error, 300)
+            ));
         }
     }
     out
-}
-
-/// An error shown on one line of the table's footer: line breaks as ` ⏎ `, at most 300
-/// characters, its end kept (where a stderr's last words are); `--json` has it whole.
-fn one_line(error: &str) -> String {
-    let flat = error.trim_end().replace('\n', " ⏎ ");
-    let count = flat.chars().count();
-    if count <= 300 {
-        return flat;
-    }
-    let head: String = flat.chars().take(100).collect();
-    let tail: String = flat.chars().skip(count - 199).collect();
-    format!("{head}…{tail}")
 }
 
 #[cfg(test)]
@@ -343,6 +334,43 @@ mod tests {
         let json = serde_json::to_value(&status).unwrap();
         assert_eq!(json["jobs"][1]["paused"], true);
         assert_eq!(json["jobs"][0]["paused"], false);
+        // No failed last run: no error line.
+        assert!(!text.contains("last error"), "{text}");
+    }
+
+    #[test]
+    fn a_failed_last_run_shows_its_error_under_the_table() {
+        let mut status = Status {
+            leader: None,
+            dead_letters: Some(1),
+            total: 1,
+            jobs: vec![JobStatus {
+                job: "nightly".into(),
+                schedule: "every 1s".into(),
+                timezone: "UTC".into(),
+                next_due: None,
+                last_published: None,
+                last_success: None,
+                last_failure: Some("2026-03-08T07:00:00Z".into()),
+                last_error: Some("exit code 1: stderr: disk full\nretry later".into()),
+                running: 0,
+                paused: false,
+                stale: false,
+            }],
+        };
+        let text = table(&status);
+        let last = text.lines().last().unwrap();
+        assert_eq!(
+            last,
+            "nightly last error: exit code 1: stderr: disk full ⏎ retry later"
+        );
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(
+            json["jobs"][0]["last_error"],
+            "exit code 1: stderr: disk full\nretry later"
+        );
+        status.jobs[0].last_error = None;
+        assert!(!table(&status).contains("last error"));
     }
 
     #[test]

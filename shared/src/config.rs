@@ -1139,6 +1139,19 @@ fn culprit<T: serde::de::DeserializeOwned>(
     })
 }
 
+/// A task's `http` table that does not deserialise: `http.KEY` (or `http` when no key alone is
+/// at fault, a missing `url`) with serde's error.
+fn http_culprit(task: &toml::Table) -> Option<(String, toml::de::Error)> {
+    let Some(toml::Value::Table(http)) = task.get("http") else {
+        return None;
+    };
+    let e = toml::Value::Table(http.clone())
+        .try_into::<RawHttp>()
+        .err()?;
+    let key = culprit::<RawHttp>(http).map_or("http".into(), |(k, _)| format!("http.{k}"));
+    Some((key, e))
+}
+
 /// Whether a duration key may be zero.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Zero {
@@ -1189,12 +1202,8 @@ impl Failer<'_> {
             for (name, task) in tasks {
                 let place = format!("task {name:?}");
                 if let toml::Value::Table(table) = task {
-                    if let Some(toml::Value::Table(http)) = table.get("http") {
-                        if let Err(e) = toml::Value::Table(http.clone()).try_into::<RawHttp>() {
-                            let key = culprit::<RawHttp>(http)
-                                .map_or("http".into(), |(k, _)| format!("http.{k}"));
-                            return self.keyed(Some(&place), key, e);
-                        }
+                    if let Some((key, e)) = http_culprit(table) {
+                        return self.keyed(Some(&place), key, e);
                     }
                     if let Some((key, e)) = culprit::<RawTask>(table) {
                         return self.keyed(Some(&place), key, e);

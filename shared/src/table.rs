@@ -25,9 +25,38 @@ pub fn render<S: AsRef<str>>(headers: &[&str], rows: &[Vec<S>]) -> String {
     out
 }
 
+/// A long, possibly multi-line text (a run's error, a stderr tail) shown in one cell or line:
+/// line breaks as ` ⏎ `, at most `max` characters, keeping its start (what failed) and its end
+/// (the last words of a stderr) around a `…`. The `--json` outputs carry the text whole.
+pub fn one_line(text: &str, max: usize) -> String {
+    let flat = text.trim_end().replace('\n', " ⏎ ");
+    let count = flat.chars().count();
+    if count <= max {
+        return flat;
+    }
+    let head = max / 3;
+    let tail = max.saturating_sub(head + 1);
+    let start: String = flat.chars().take(head).collect();
+    let end: String = flat.chars().skip(count - tail).collect();
+    format!("{start}…{end}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_texts_fit_on_one_line_with_both_ends() {
+        assert_eq!(one_line("exit code 1\n", 80), "exit code 1");
+        assert_eq!(one_line("a\nb", 80), "a ⏎ b");
+        let long = format!("exit code 1: stderr: {}the end", "x".repeat(500));
+        let cut = one_line(&long, 30);
+        assert_eq!(cut.chars().count(), 30);
+        assert!(
+            cut.starts_with("exit code ") && cut.ends_with("xthe end"),
+            "{cut}"
+        );
+    }
 
     #[test]
     fn aligns_columns_and_trims_line_ends() {

@@ -222,21 +222,24 @@ async fn a_failing_tasks_stderr_reaches_its_dead_letter_and_status() {
     let last_error = report["jobs"][0]["last_error"].as_str().unwrap_or_default();
     assert_eq!(last_error, error, "{report:#}");
 
-    // The task's stdout line is one JSON event of the worker's log, with its fields.
-    let events: Vec<serde_json::Value> = worker
-        .log()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    // The task's output lines are JSON events of the worker's log, with their fields.
     let said = |stream: &str, line: &str| {
-        events.iter().any(|e| {
-            let f = &e["fields"];
-            f["stream"] == stream
-                && f["line"] == line
-                && f["key"] == key.as_str()
-                && f["task"] == "noisy"
-        })
+        worker
+            .log()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .any(|e| {
+                let f = &e["fields"];
+                f["stream"] == stream
+                    && f["line"] == line
+                    && f["key"] == key.as_str()
+                    && f["task"] == "noisy"
+            })
     };
-    assert!(said("stdout", "hello out"), "{}", worker.log_tail(5));
+    assert!(
+        wait_until(WAIT, || said("stdout", "hello out")),
+        "{}",
+        worker.log_tail(5)
+    );
     assert!(said("stderr", "ledger refused: account 42 is closed"));
 }

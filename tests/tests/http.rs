@@ -287,3 +287,42 @@ async fn a_cancelled_run_drops_its_request() {
         "{result:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn https_trusts_the_ca_file_and_not_an_unknown_ca() {
+    use drumline_e2e::tls::{Certs, Stunnel};
+    let env = setup("e2e_http_tls");
+    let hook = Hook::start(|_, _| Reply::status(200)).await;
+    let certs = Certs::generate(&env.path("certs"));
+    let tls = Stunnel::start(&env.dir, &certs, hook.port);
+    let url = format!("https://127.0.0.1:{}/tls", tls.port);
+    let ca_file = format!(", ca_file = {}", toml_string(certs.ca.to_str().unwrap()));
+    let cfg = env.write_config(
+        "drumline.toml",
+        &Cfg::new()
+            .task("trusted", http_task(&url, &ca_file))
+            // The system roots do not know the test's CA: the handshake fails, every time.
+            .task(
+                "untrusted",
+                Keys::default()
+                    .with("http", &format!("{{ url = {} }}", toml_string(&url)))
+                    .with("max_retries", "0"),
+            ),
+    );
+    let worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
+    env.wait_for_topology(&worker).await;
+    publish(&env, "t-1", "trusted").await;
+    publish(&env, "u-1", "untrusted").await;
+    wait_state(&env, "t-1", "done", || worker.log_tail(20)).await;
+    wait_state(&env, "u-1", "dead", || worker.log_tail(20)).await;
+    let keys: Vec<String> = hook.on("/tls").iter().map(|r| r.key().to_owned()).collect();
+    assert_eq!(keys, ["t-1"]);
+    let rows = dead_letters(&env, cfg.to_str().unwrap());
+    let (key, reason, error) = &rows[0];
+    assert_eq!(
+        (key.as_str(), reason.as_str()),
+        ("u-1", "retries_exhausted")
+    );
+    assert!(error.starts_with("request failed: "), "{error}");
+    assert!(!error.contains("/tls"), "the URL is not recorded: {error}");
+}

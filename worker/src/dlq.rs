@@ -225,7 +225,10 @@ pub fn table(letters: &[DeadLetter]) -> String {
                 d.reason.clone(),
                 d.attempts.to_string(),
                 dash(&d.dead_at),
-                dash(&d.error),
+                // One line per letter: `--json` has the whole error.
+                d.error
+                    .as_deref()
+                    .map_or("-".into(), |e| drumline_shared::table::one_line(e, 200)),
             ]
         })
         .collect();

@@ -122,14 +122,7 @@ impl ShellExecutor {
         })?;
         // From here on, however this future ends (returned or dropped), the group is killed.
         let group = child.id().map(|id| Group(Pid::from_raw(id as i32)));
-        let (key, task) = (&ctx.key, &ctx.task);
-        let stderr = child
-            .stderr
-            .take()
-            .map(|r| tokio::spawn(output::drain(r, Stream::Stderr, key.clone(), task.clone())));
-        if let Some(r) = child.stdout.take() {
-            tokio::spawn(output::drain(r, Stream::Stdout, key.clone(), task.clone()));
-        }
+        let stderr = read_output(&mut child, &ctx);
 
         // Fed alongside the wait, never before it: a task that does not read its stdin must
         // not keep the timeout and the cancellation from firing (docs/design.md).
@@ -199,21 +192,51 @@ impl Handler for ShellExecutor {
     }
 }
 
-/// How long a finished task's stderr may take to reach its end (a straggler outside the group
-/// holding it open) before the outcome goes without its tail.
+/// The readers of a task's piped output ([`output::drain`]), each ending with the end of its
+/// stream.
+struct Readers {
+    stdout: Option<tokio::task::JoinHandle<output::Tail>>,
+    stderr: Option<tokio::task::JoinHandle<output::Tail>>,
+}
+
+/// Starts reading the task's piped output.
+fn read_output(child: &mut Child, ctx: &TaskContext) -> Readers {
+    let drain = |stream, reader: Option<_>| {
+        let (key, task) = (ctx.key.clone(), ctx.task.clone());
+        reader.map(|r| tokio::spawn(output::drain(r, stream, key, task)))
+    };
+    Readers {
+        stdout: drain(Stream::Stdout, child.stdout.take().map(boxed)),
+        stderr: drain(Stream::Stderr, child.stderr.take().map(boxed)),
+    }
+}
+
+/// A pipe of the child as one reader type.
+fn boxed(
+    r: impl tokio::io::AsyncRead + Unpin + Send + 'static,
+) -> Box<dyn tokio::io::AsyncRead + Unpin + Send> {
+    Box::new(r)
+}
+
+/// How long a finished task's output may take to reach its end (a straggler outside the group
+/// holding it open) before the outcome goes without its stderr tail.
 const STDERR_WAIT: Duration = Duration::from_secs(1);
 
-/// Adds the end of the task's stderr (read by `reader`) to a failure, as its cause.
-async fn with_stderr(
-    reader: Option<tokio::task::JoinHandle<output::Tail>>,
-) -> impl FnOnce(HandlerError) -> HandlerError {
-    let text = match reader {
-        Some(reader) => match tokio::time::timeout(STDERR_WAIT, reader).await {
-            Ok(Ok(tail)) => tail.text(),
-            _ => String::new(),
-        },
-        None => String::new(),
+/// Waits (at most [`STDERR_WAIT`]) until the task's output is read, so its lines come before
+/// the outcome, and adds the end of its stderr to a failure, as its cause.
+async fn with_stderr(readers: Readers) -> impl FnOnce(HandlerError) -> HandlerError {
+    let read = async {
+        if let Some(stdout) = readers.stdout {
+            let _ = stdout.await;
+        }
+        match readers.stderr {
+            Some(stderr) => stderr.await.map(|tail| tail.text()).unwrap_or_default(),
+            None => String::new(),
+        }
     };
+    let text = tokio::time::timeout(STDERR_WAIT, read)
+        .await
+        .unwrap_or_default();
     move |e| {
         if text.is_empty() {
             e

@@ -130,22 +130,8 @@ impl HttpExecutor {
             let value = HeaderValue::from_str(value).map_err(|e| refused(e.to_string()))?;
             headers.insert(name, value);
         }
-        let mut builder = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .no_proxy()
-            .user_agent(concat!("drumline/", env!("CARGO_PKG_VERSION")));
-        if let Some(path) = &http.ca_file {
-            let ca =
-                drumline_shared::tls::read_ca_file(path).map_err(|e| refused(e.to_string()))?;
-            builder = builder.tls_built_in_root_certs(false);
-            for cert in reqwest::Certificate::from_pem_bundle(&ca.pem)
-                .map_err(|e| refused(format!("ca_file: {e}")))?
-            {
-                builder = builder.add_root_certificate(cert);
-            }
-        }
         let inner = Inner {
-            client: builder.build().map_err(|e| refused(e.to_string()))?,
+            client: client(http.ca_file.as_deref()).map_err(refused)?,
             url: Url::parse(&http.url).map_err(|e| refused(format!("url: {e}")))?,
             method: Method::from_bytes(http.method.as_bytes())
                 .map_err(|e| refused(format!("method: {e}")))?,
@@ -157,6 +143,24 @@ impl HttpExecutor {
             inner: Arc::new(inner),
         }))
     }
+}
+
+/// The task's client: no redirects, no proxy, the system roots or `ca_file` alone.
+fn client(ca_file: Option<&std::path::Path>) -> Result<reqwest::Client, String> {
+    let mut builder = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .no_proxy()
+        .user_agent(concat!("drumline/", env!("CARGO_PKG_VERSION")));
+    if let Some(path) = ca_file {
+        let ca = drumline_shared::tls::read_ca_file(path).map_err(|e| e.to_string())?;
+        builder = builder.tls_built_in_root_certs(false);
+        for cert in
+            reqwest::Certificate::from_pem_bundle(&ca.pem).map_err(|e| format!("ca_file: {e}"))?
+        {
+            builder = builder.add_root_certificate(cert);
+        }
+    }
+    builder.build().map_err(|e| e.to_string())
 }
 
 impl Inner {
@@ -182,7 +186,9 @@ impl Inner {
             .timeout(self.timeout)
             .body(body.to_vec())
             .build()
-            .map_err(|e| HandlerError::permanent("cannot build the request").because(e))
+            .map_err(|e| {
+                HandlerError::permanent("cannot build the request").because(e.without_url())
+            })
     }
 
     async fn run(self: Arc<Self>, ctx: TaskContext, body: Arc<[u8]>) -> Result<(), HandlerError> {
@@ -213,7 +219,8 @@ impl Inner {
         match ended {
             Err(_) => Err(timed_out(timeout)),
             Ok(Err(e)) if e.is_timeout() => Err(timed_out(timeout)),
-            Ok(Err(e)) => Err(HandlerError::retryable("request failed").because(e)),
+            // Without the URL: a query string may hold a token, and the error is recorded.
+            Ok(Err(e)) => Err(HandlerError::retryable("request failed").because(e.without_url())),
             Ok(Ok((status, retry_after, head))) => {
                 outcome(status.as_u16(), retry_after.as_deref(), &head, Utc::now())
             }
