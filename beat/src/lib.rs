@@ -8,6 +8,7 @@
 //! [`drumline_shared::schedule`].
 
 pub mod adhoc;
+pub mod cli;
 pub mod commands;
 pub mod dead_letters;
 pub mod leader;

@@ -21,6 +21,8 @@
 #[doc(hidden)]
 pub mod acks;
 #[cfg(feature = "cli")]
+pub mod cli;
+#[cfg(feature = "cli")]
 pub mod commands;
 pub mod consumer;
 pub mod decision;

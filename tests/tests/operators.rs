@@ -1,0 +1,145 @@
+//! For the person on call (docs/operations.md): errors that name the service, `publish`'s
+//! warnings, `dlq purge --yes`, and the one `drumline` command.
+
+use drumline_e2e::cfg::{every, shell, Cfg};
+use drumline_e2e::{http_get, setup, unused_port, wait_until};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+#[test]
+fn failed_connections_name_the_service_and_the_redacted_url() {
+    let env = setup("e2e_op_refused");
+    let cfg = Cfg::new()
+        .set("broker", "url", "\"amqp://guest:guest@127.0.0.1:1/%2f\"")
+        .set("redis", "url", "\"redis://127.0.0.1:1/\"")
+        .task("t", shell("true"));
+    let cfg = env.write_config("drumline.toml", &cfg);
+    let cfg = cfg.to_str().unwrap();
+    let broker = "cannot connect to the broker at amqp://guest:***@127.0.0.1:1/";
+    for (bin, args) in [
+        ("drumline-beat", &["publish", "t"][..]),
+        ("drumline-worker", &["dlq", "list"][..]),
+    ] {
+        let (status, _, stderr) = env.run(bin, &[&["--config", cfg][..], args].concat());
+        assert_eq!(status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains(broker), "{bin} {args:?}: {stderr}");
+        assert!(!stderr.contains("guest:guest"), "{stderr}");
+    }
+    let (status, _, stderr) = env.run("drumline-beat", &["--config", cfg, "status"]);
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("cannot connect to Redis at redis://127.0.0.1:1/"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn healthz_names_redis_when_redis_is_down_and_metrics_addr_takes_a_host_name() {
+    let env = setup("e2e_op_health");
+    let cfg = Cfg::new()
+        .set("redis", "url", "\"redis://127.0.0.1:1/\"")
+        .task("t", shell("true"));
+    let cfg = env.write_config("drumline.toml", &cfg);
+    let port = unused_port();
+    let addr = format!("localhost:{port}");
+    let mut worker = env.worker(
+        "worker",
+        &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
+    );
+    let health = || http_get(port, "/healthz");
+    assert!(
+        wait_until(WAIT, || health().is_some()),
+        "{}",
+        worker.log_tail(20)
+    );
+    let (code, body) = health().unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body.contains("redis unreachable") && !body.contains("broker"),
+        "{body}"
+    );
+    worker.terminate(Duration::from_secs(10));
+}
+
+#[test]
+fn config_errors_point_at_the_line_and_args_must_be_a_table() {
+    let env = setup("e2e_op_toml");
+    let bad = env.config("bad.toml", "[worker]\nlease = = \"3s\"\n");
+    let (status, _, stderr) = env.run(
+        "drumline-beat",
+        &["--config", bad.to_str().unwrap(), "check"],
+    );
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    let text = std::fs::read_to_string(&bad).unwrap();
+    let line = text.lines().position(|l| l.starts_with("lease")).unwrap() + 1;
+    let expected = format!("error: {}:{line}:9: ", bad.display());
+    assert!(stderr.starts_with(&expected), "{stderr}");
+    assert!(stderr.lines().any(|l| l == "lease = = \"3s\""), "{stderr}");
+    let cfg = Cfg::new().task("t", shell("true")).job(
+        "j",
+        every("1s").with("task", "\"t\"").with("args", "\"ny\""),
+    );
+    let cfg = env.write_config("args.toml", &cfg);
+    let (status, _, stderr) = env.run(
+        "drumline-beat",
+        &["--config", cfg.to_str().unwrap(), "check"],
+    );
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("args"), "{stderr}");
+}
+
+#[test]
+fn publish_warns_of_no_consumer_and_of_a_recorded_key() {
+    let env = setup("e2e_op_warn");
+    let cfg = Cfg::new().set("worker", "lease", "\"3s\"").task(
+        "t",
+        shell(&format!(
+            "echo \"$DRUMLINE_KEY\" >> {}",
+            env.path("effects").display()
+        )),
+    );
+    let cfg = env.write_config("drumline.toml", &cfg);
+    let cfg = cfg.to_str().unwrap();
+    let publish = || {
+        env.run(
+            "drumline-beat",
+            &["--config", cfg, "publish", "t", "--key", "k1"],
+        )
+    };
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    let (status, _, stderr) = publish();
+    assert!(status.success(), "{stderr}");
+    assert!(!stderr.contains("already recorded"), "{stderr}");
+    assert!(
+        wait_until(WAIT, || env.lines("effects") == ["k1"]),
+        "{:?}\n{}",
+        env.lines("effects"),
+        worker.log_tail(20)
+    );
+    worker.terminate(Duration::from_secs(10));
+    let (status, stdout, stderr) = publish();
+    assert!(status.success(), "{stderr}");
+    assert!(stdout.contains("key=k1"), "{stdout}");
+    assert!(
+        stderr.contains("warning: no worker consumes queue default"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("key k1 already recorded (done at "),
+        "{stderr}"
+    );
+    assert!(stderr.contains("this copy will not run"), "{stderr}");
+}
+
+#[test]
+fn dlq_purge_asks_for_yes() {
+    let env = setup("e2e_op_purge");
+    let cfg = env.write_config("drumline.toml", &Cfg::new().task("t", shell("true")));
+    let (status, _, stderr) = env.run(
+        "drumline-worker",
+        &["--config", cfg.to_str().unwrap(), "dlq", "purge"],
+    );
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--yes"), "{stderr}");
+}
