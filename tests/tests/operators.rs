@@ -143,3 +143,45 @@ fn dlq_purge_asks_for_yes() {
     assert_eq!(status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--yes"), "{stderr}");
 }
+
+#[test]
+fn every_operator_command_is_reachable_through_drumline() {
+    let env = setup("e2e_op_drumline");
+    let cfg = Cfg::new()
+        .task("t", shell("true"))
+        .job("j", every("1h").with("task", "\"t\""));
+    let cfg = env.write_config("drumline.toml", &cfg);
+    let cfg = cfg.to_str().unwrap();
+    let drumline = |args: &[&str]| env.run("drumline", &[&["--config", cfg][..], args].concat());
+    let ok: [&[&str]; 10] = [
+        &["check"],
+        &["next", "j", "--count", "1"],
+        &["status", "--json"],
+        &["pause", "j"],
+        &["resume", "j"],
+        &["publish", "t"],
+        &["trigger", "j"],
+        &[
+            "backfill",
+            "j",
+            "--from",
+            "2026-01-01T00:00:00Z",
+            "--to",
+            "2026-01-01T03:00:00Z",
+            "--dry-run",
+        ],
+        &["dlq", "list", "--json"],
+        &["completions", "bash"],
+    ];
+    for args in ok {
+        let (status, stdout, stderr) = drumline(args);
+        assert!(status.success(), "drumline {args:?}: {stderr}");
+        assert!(!stdout.is_empty(), "drumline {args:?}: no output");
+    }
+    let (status, _, stderr) = drumline(&["dlq", "purge"]);
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--yes"), "{stderr}");
+    let (status, stdout, stderr) = drumline(&["dlq", "purge", "--yes"]);
+    assert!(status.success(), "{stderr}");
+    assert_eq!(stdout.trim(), "purged 0 dead letters");
+}
