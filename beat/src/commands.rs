@@ -21,6 +21,10 @@ pub async fn run(config: Config, metrics_addr: Option<SocketAddr>) -> Result<(),
     if let Some(addr) = metrics_addr {
         let mut registry = prometheus_client::registry::Registry::default();
         stats.register(&mut registry);
+        drumline_shared::process_metrics::register(&mut registry, "beat");
+        let queues = crate::queues::QueueGauges::default();
+        queues.register(&mut registry);
+        queues.spawn_refresh(config.clone());
         let health_stats = stats.clone();
         let health = std::sync::Arc::new(move || health_stats.health());
         let page = page::routes(config.clone());

@@ -18,6 +18,7 @@ pub mod operate;
 pub mod page;
 pub mod progress;
 pub mod publisher;
+pub mod queues;
 pub mod reload;
 pub mod scheduler;
 pub mod stats;

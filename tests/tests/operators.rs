@@ -2,7 +2,7 @@
 //! warnings, `dlq purge --yes`, and the one `drumline` command.
 
 use drumline_e2e::cfg::{every, shell, Cfg};
-use drumline_e2e::{http_get, setup, unused_port, wait_until};
+use drumline_e2e::{http_get, metric, setup, unused_port, wait_until, with_metrics};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -184,4 +184,49 @@ fn every_operator_command_is_reachable_through_drumline() {
     let (status, stdout, stderr) = drumline(&["dlq", "purge", "--yes"]);
     assert!(status.success(), "{stderr}");
     assert_eq!(stdout.trim(), "purged 0 dead letters");
+}
+
+#[test]
+fn metrics_carry_build_info_process_and_queue_gauges() {
+    let env = setup("e2e_op_metrics");
+    let cfg = Cfg::new()
+        .task("t", shell("true"))
+        .job("j", every("1h").with("task", "\"t\""));
+    let cfg = env.write_config("drumline.toml", &cfg);
+    let (args, beat_port) = with_metrics(&["--config", cfg.to_str().unwrap()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut beat = env.beat("beat", &args);
+    let (args, worker_port) = with_metrics(&["--config", cfg.to_str().unwrap()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut worker = env.worker("worker", &args);
+    let version = env!("CARGO_PKG_VERSION");
+    for (port, binary) in [(beat_port, "beat"), (worker_port, "worker")] {
+        let info = format!("drumline_build_info{{version=\"{version}\",binary=\"{binary}\"}}");
+        assert!(
+            wait_until(WAIT, || metric(port, &info) == Some(1.0)),
+            "{binary}: {:?}",
+            http_get(port, "/metrics")
+        );
+        for name in ["process_resident_memory_bytes", "process_open_fds"] {
+            assert!(
+                metric(port, name).is_some_and(|v| v > 0.0),
+                "{binary} {name}"
+            );
+        }
+        assert!(metric(port, "process_cpu_seconds_total").is_some_and(|v| v >= 0.0));
+    }
+    // The beat reads each queue's consumers and depth from the broker.
+    let consumers = || metric(beat_port, "drumline_queue_consumers{queue=\"default\"}");
+    assert!(
+        wait_until(WAIT, || consumers() == Some(1.0)),
+        "{:?}\n{}",
+        consumers(),
+        beat.log_tail(20)
+    );
+    assert_eq!(
+        metric(beat_port, "drumline_queue_depth{queue=\"default\"}"),
+        Some(0.0)
+    );
+    worker.terminate(Duration::from_secs(10));
+    beat.terminate(Duration::from_secs(10));
 }
