@@ -18,6 +18,8 @@ mod conn;
 mod leader;
 mod operate;
 mod rules;
+mod workers;
+
 pub use crate::run::{Claim, Ending, Final, RunState, WaitReplicas};
 pub use conn::Conn;
 /// The Lua that formats Redis `TIME` as RFC 3339 for the leader lease's `since`: public only
@@ -25,6 +27,7 @@ pub use conn::Conn;
 #[doc(hidden)]
 pub use leader::RFC3339 as LUA_RFC3339;
 pub use leader::{Candidate, LeaseMode, LeaseOutcome, LeaseReply, ProgressError};
+pub use workers::{WorkerInfo, WORKERS_SHOWN};
 
 /// Why a store call failed. Every kind is connection-level for the caller: the worker fails
 /// closed on it, the beat waits (docs/design.md#redis).

@@ -230,3 +230,52 @@ fn metrics_carry_build_info_process_and_queue_gauges() {
     worker.terminate(Duration::from_secs(10));
     beat.terminate(Duration::from_secs(10));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn workers_announce_themselves_and_status_shows_them_with_the_queues() {
+    let env = setup("e2e_op_workers");
+    let cfg = Cfg::new()
+        .set("worker", "concurrency", "3")
+        .task("t", shell("true"));
+    let cfg = env.write_config("drumline.toml", &cfg);
+    let cfg = cfg.to_str().unwrap();
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    let status = || {
+        let (code, stdout, stderr) = env.run("drumline", &["--config", cfg, "status", "--json"]);
+        assert!(code.success(), "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
+    };
+    let announced = |s: &serde_json::Value| {
+        s["workers"].as_array().is_some_and(|w| w.len() == 1) && s["queues"][0]["consumers"] == 1
+    };
+    assert!(
+        wait_until(WAIT, || announced(&status())),
+        "{}\n{}",
+        status(),
+        worker.log_tail(20)
+    );
+    let s = status();
+    let w = &s["workers"][0];
+    assert_eq!(w["pid"], worker.pid(), "{s}");
+    assert_eq!(w["concurrency"], 3, "{s}");
+    assert_eq!(w["queues"], serde_json::json!(["default"]), "{s}");
+    assert_eq!(w["version"], env!("CARGO_PKG_VERSION"), "{s}");
+    assert_eq!(s["queues"][0]["queue"], "default", "{s}");
+    assert_eq!(s["queues"][0]["depth"], 0, "{s}");
+    // The announcement is a hash with a TTL.
+    let key = format!("{}:worker:{}", env.ns, w["id"].as_str().unwrap());
+    let mut redis = env.redis().await;
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&key)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert!(ttl > 0, "{key}: {ttl}");
+    let (code, text, _) = env.run("drumline", &["--config", cfg, "status"]);
+    assert!(code.success());
+    assert!(text.contains("workers: 1"), "{text}");
+    // A clean stop takes the announcement away.
+    assert!(worker.terminate(Duration::from_secs(10)).success());
+    let s = status();
+    assert_eq!(s["workers"], serde_json::json!([]), "{s}");
+}
