@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# drumline: both binaries (and the worker's task supervisor) and the example configs in one
+# drumline: the binaries (the operators' `drumline`, the beat, the worker and its task supervisor) and the example configs in one
 # small image.
 #   docker build -t drumline .
 #   docker compose up          (see docker-compose.yml: RabbitMQ, Redis, a beat, three workers)
@@ -14,7 +14,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked --workspace --bins \
  && mkdir -p /out \
- && cp target/release/drumline-beat target/release/drumline-worker target/release/drumline-supervisor /out/
+ && cp target/release/drumline target/release/drumline-beat target/release/drumline-worker target/release/drumline-supervisor /out/
 
 # ---- run ------------------------------------------------------------------------------------
 FROM debian:bookworm-slim
@@ -25,7 +25,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates tzdata \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --home-dir /app --shell /usr/sbin/nologin drumline
-COPY --from=build /out/drumline-beat /out/drumline-worker /out/drumline-supervisor /usr/local/bin/
+COPY --from=build /out/drumline /out/drumline-beat /out/drumline-worker /out/drumline-supervisor /usr/local/bin/
 COPY examples/ /app/examples/
 WORKDIR /app
 USER drumline

@@ -8,8 +8,7 @@ use drumline_shared::client::ClientError;
 use drumline_shared::config::{Config, Job};
 use drumline_shared::exit::Failure;
 use drumline_shared::names::Names;
-use drumline_shared::store::Store;
-use drumline_shared::url::Redacted;
+use drumline_shared::store::{Store, StoreError};
 use serde::Serialize;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -23,6 +22,10 @@ pub async fn run(config: Config, metrics_addr: Option<SocketAddr>) -> Result<(),
     if let Some(addr) = metrics_addr {
         let mut registry = prometheus_client::registry::Registry::default();
         stats.register(&mut registry);
+        drumline_shared::process_metrics::register(&mut registry, "beat");
+        let queues = crate::queues::QueueGauges::default();
+        queues.register(&mut registry);
+        queues.spawn_refresh(config.clone());
         let health_stats = stats.clone();
         let health = std::sync::Arc::new(move || health_stats.health());
         let page = page::routes(config.clone());
@@ -88,6 +91,10 @@ pub fn json_args(text: &str) -> Result<serde_json::Value, Failure> {
 /// `publish`: one ad-hoc task.
 pub async fn publish(config: &Config, request: &adhoc::Request) -> Result<(), Failure> {
     let env = adhoc::envelope(config, request, Utc::now()).map_err(Failure::usage)?;
+    warn_unconsumed(config, &env.queue).await?;
+    if request.key.is_some() {
+        warn_recorded(config, &env.key).await;
+    }
     adhoc::publish(config, &env, request.delay)
         .await
         .map_err(publish_failure)?;
@@ -99,6 +106,65 @@ pub async fn publish(config: &Config, request: &adhoc::Request) -> Result<(), Fa
         drumline_shared::envelope::format_instant(env.scheduled_for)
     );
     Ok(())
+}
+
+/// `publish`'s first look at the broker: warns on stderr when no worker consumes `queue` (the
+/// copy would wait until one does). A broker that cannot be reached fails the command, naming
+/// it; any other failure of the look is only told.
+pub async fn warn_unconsumed(config: &Config, queue: &str) -> Result<(), Failure> {
+    let names = Names::new(config.namespace.clone());
+    let queues = [queue.to_owned()];
+    match drumline_shared::broker::queue_counts(config, &names, &queues).await {
+        Ok(counts) => {
+            if let Some(warning) = unconsumed_warning(queue, counts[0]) {
+                eprintln!("{warning}");
+            }
+            Ok(())
+        }
+        Err(e @ BrokerError::Unreachable { .. }) => Err(Failure::other(e)),
+        Err(e) => {
+            eprintln!("warning: cannot count the consumers of queue {queue}: {e}");
+            Ok(())
+        }
+    }
+}
+
+/// The warning for a queue with `counts` (`None`: the broker has no such queue yet), if any.
+pub fn unconsumed_warning(
+    queue: &str,
+    counts: Option<drumline_shared::broker::QueueCounts>,
+) -> Option<String> {
+    match counts {
+        Some(c) if c.consumers > 0 => None,
+        _ => Some(format!("warning: no worker consumes queue {queue}")),
+    }
+}
+
+/// `publish --key K`: warns on stderr when K's run record exists (the copy is a duplicate and
+/// will not run). Only told: a Redis that cannot be read does not stop the publish.
+pub async fn warn_recorded(config: &Config, key: &str) {
+    let names = Names::new(config.namespace.clone());
+    let stamp = async {
+        let store = Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names);
+        store.await?.run_stamp(key).await
+    };
+    let stamp = stamp.await;
+    match stamp {
+        Ok(Some((state, at))) => eprintln!("{}", recorded_warning(key, &state, at)),
+        Ok(None) => {}
+        Err(e) => eprintln!("warning: cannot read the run record of key {key}: {e}"),
+    }
+}
+
+/// `key K already recorded (STATE at T): this copy will not run`; `at` in Unix seconds.
+pub fn recorded_warning(key: &str, state: &str, at: Option<i64>) -> String {
+    let when = at
+        .and_then(|s| DateTime::<Utc>::from_timestamp(s, 0))
+        .map_or_else(
+            || "an unknown time".to_owned(),
+            drumline_shared::envelope::format_instant,
+        );
+    format!("key {key} already recorded ({state} at {when}): this copy will not run")
 }
 
 /// `pause` (`pause = true`) or `resume`: `jobs`, or every job with `all`; each must be a job
@@ -238,7 +304,15 @@ async fn store(config: &Config) -> Result<Store, Failure> {
     Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names)
         .await
         .map(|store| store.with_wait(config.redis_wait))
-        .map_err(|e| Failure::other(format!("redis {}: {e}", Redacted(&config.redis_url))))
+        .map_err(store_failure)
+}
+
+/// A store failure at the edge: a failed connection names Redis and its URL already.
+fn store_failure(e: StoreError) -> Failure {
+    match e {
+        e @ StoreError::Unreachable { .. } => Failure::other(e),
+        e => Failure::other(format!("redis: {e}")),
+    }
 }
 
 /// `publish` and `trigger`: a refused topology is a config problem (exit 2).
@@ -255,7 +329,7 @@ pub async fn show_status(config: &Config, job: Option<&str>, json: bool) -> Resu
     let only = job.map(|name| find_job(config, name)).transpose()?;
     let report = status::read(config, only, Utc::now())
         .await
-        .map_err(|e| Failure::other(format!("redis: {e}")))?;
+        .map_err(store_failure)?;
     print_output(&report, json, status::table);
     Ok(())
 }
@@ -297,4 +371,30 @@ fn find_job<'c>(config: &'c Config, name: &str) -> Result<&'c Job, Failure> {
         "{}: no job named {name:?} ({known})",
         config.path.display()
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn publish_warns_of_a_queue_nobody_consumes_and_of_a_recorded_key() {
+        use drumline_shared::broker::QueueCounts;
+        let w = |consumers| {
+            unconsumed_warning(
+                "q",
+                Some(QueueCounts {
+                    depth: 0,
+                    consumers,
+                }),
+            )
+        };
+        assert_eq!(w(0).as_deref(), Some("warning: no worker consumes queue q"));
+        assert_eq!(w(2), None);
+        assert!(unconsumed_warning("q", None).is_some());
+        assert_eq!(
+            recorded_warning("k", "done", Some(0)),
+            "key k already recorded (done at 1970-01-01T00:00:00Z): this copy will not run"
+        );
+    }
 }

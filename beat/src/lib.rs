@@ -8,6 +8,7 @@
 //! [`drumline_shared::schedule`].
 
 pub mod adhoc;
+pub mod cli;
 pub mod commands;
 pub mod dead_letters;
 pub mod leader;
@@ -17,6 +18,7 @@ pub mod operate;
 pub mod page;
 pub mod progress;
 pub mod publisher;
+pub mod queues;
 pub mod reload;
 pub mod scheduler;
 pub mod stats;

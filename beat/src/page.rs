@@ -491,8 +491,60 @@ pub fn render(status: &Status, window: Window, namespace: &str, now: DateTime<Ut
         out.push_str(&row(job, now));
     }
     out.push_str("</tbody>\n</table>\n");
+    workers_and_queues(&mut out, status);
     close(&mut out);
     out
+}
+
+/// The workers announced (`{ns}:worker:{id}`) and every queue's depth and consumers.
+fn workers_and_queues(out: &mut String, status: &Status) {
+    let _ = writeln!(
+        out,
+        "<h2>Workers: <span id=\"worker-count\">{}</span></h2>\n<table id=\"workers\">\n\
+         <thead><tr><th>Worker</th><th>Host</th><th>Pid</th><th>Version</th><th>Queues</th>\
+         <th>Running</th><th>Started</th></tr></thead>\n<tbody>",
+        status.workers.len()
+    );
+    if status.workers.is_empty() {
+        out.push_str("<tr><td colspan=\"7\" class=\"none\">No worker announced.</td></tr>\n");
+    }
+    for w in &status.workers {
+        let _ = writeln!(
+            out,
+            "<tr data-worker=\"{id}\"><td>{id}</td><td>{host}</td><td>{pid}</td>\
+             <td>{version}</td><td>{queues}</td><td class=\"running\">{running}/{concurrency}</td>\
+             <td>{started}</td></tr>",
+            id = escape(&w.id),
+            host = escape(&w.host),
+            pid = w.pid,
+            version = escape(&w.version),
+            queues = escape(&w.queues.join(", ")),
+            running = w.running,
+            concurrency = w.concurrency,
+            started = escape(&w.started),
+        );
+    }
+    out.push_str(
+        "</tbody>\n</table>\n<h2>Queues</h2>\n<table id=\"queues\">\n<thead><tr><th>Queue</th>\
+         <th>Depth</th><th>Consumers</th></tr></thead>\n<tbody>\n",
+    );
+    let number = |n: Option<u32>| n.map_or_else(|| "unknown".to_owned(), |n| n.to_string());
+    for q in &status.queues {
+        let warn = if q.consumers == Some(0) {
+            " class=\"warn\""
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            out,
+            "<tr data-queue=\"{name}\"{warn}><td>{name}</td><td class=\"depth\">{depth}</td>\
+             <td class=\"consumers\">{consumers}</td></tr>",
+            name = escape(&q.queue),
+            depth = number(q.depth),
+            consumers = number(q.consumers),
+        );
+    }
+    out.push_str("</tbody>\n</table>\n");
 }
 
 /// The page shown (with a 503) when there is no report: the reason, and the same refresh, so
@@ -552,7 +604,35 @@ mod tests {
             dead_letters: Some(3),
             total: 3,
             jobs: vec![job("heartbeat"), paused, stale],
+            workers: vec![drumline_shared::store::WorkerInfo {
+                id: "w-1:77:abc".into(),
+                host: "w-1".into(),
+                pid: 77,
+                version: "0.1.0".into(),
+                queues: vec!["default".into()],
+                concurrency: 4,
+                running: 1,
+                started: "2026-11-30T10:00:00Z".into(),
+            }],
+            queues: vec![crate::status::QueueStatus {
+                queue: "default".into(),
+                depth: Some(12),
+                consumers: Some(1),
+            }],
         }
+    }
+
+    #[test]
+    fn the_page_shows_workers_and_queues() {
+        let page = render(&status(), Window::default(), "ns", now());
+        assert!(
+            page.contains("<span id=\"worker-count\">1</span>"),
+            "{page}"
+        );
+        assert!(page.contains("data-worker=\"w-1:77:abc\""), "{page}");
+        assert!(page.contains("<td class=\"running\">1/4</td>"), "{page}");
+        assert!(page.contains("<td class=\"depth\">12</td>"), "{page}");
+        assert!(page.contains("<td class=\"consumers\">1</td>"), "{page}");
     }
 
     fn row_of<'p>(page: &'p str, name: &str) -> &'p str {

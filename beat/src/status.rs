@@ -13,7 +13,7 @@ use drumline_shared::envelope::{format_instant, parse_instant};
 use drumline_shared::names::Names;
 use drumline_shared::schedule::Schedule;
 pub use drumline_shared::store::Leader;
-use drumline_shared::store::{JobHistory, Store, StoreError};
+use drumline_shared::store::{JobHistory, Store, StoreError, WorkerInfo};
 use serde::Serialize;
 use std::collections::HashSet;
 use std::future::Future;
@@ -54,6 +54,44 @@ pub struct JobStatus {
     pub stale: bool,
 }
 
+/// One work queue's line: ready messages and consumers (null when the broker did not say).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct QueueStatus {
+    /// The logical queue.
+    pub queue: String,
+    /// Messages ready in its work queue (0 when the broker has no such queue yet).
+    pub depth: Option<u32>,
+    /// Consumers (workers) on it.
+    pub consumers: Option<u32>,
+}
+
+/// What the broker said for a report: the dead letters and each queue's counts (each `None`
+/// when it did not answer).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BrokerCounts {
+    /// Messages in `{ns}.dead`.
+    pub dead_letters: Option<u64>,
+    /// Per queue of [`crate::queues::queues_of`], in that order; empty when unknown.
+    pub queues: Vec<Option<broker::QueueCounts>>,
+}
+
+/// Reads the [`BrokerCounts`] of `queues` on `conn` (passive declares on channels of their own).
+pub async fn broker_counts_on(
+    conn: &lapin::Connection,
+    names: &Names,
+    queues: &[String],
+) -> Result<BrokerCounts, lapin::Error> {
+    let dead_letters = broker::dead_letter_count_on(conn, names).await?;
+    let mut counts = Vec::with_capacity(queues.len());
+    for queue in queues {
+        counts.push(broker::queue_counts_on(conn, &names.work_queue(queue)).await?);
+    }
+    Ok(BrokerCounts {
+        dead_letters: Some(dead_letters),
+        queues: counts,
+    })
+}
+
 /// The whole report.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Status {
@@ -66,6 +104,10 @@ pub struct Status {
     pub total: usize,
     /// One entry per job listed, in config order.
     pub jobs: Vec<JobStatus>,
+    /// The workers announced now (`{ns}:worker:{id}`), by id.
+    pub workers: Vec<WorkerInfo>,
+    /// Every queue the config names, with its depth and consumers.
+    pub queues: Vec<QueueStatus>,
 }
 
 /// Stale: the job has been published for at least two periods and its last success (if any)
@@ -111,8 +153,9 @@ pub async fn read(
         .await?;
         read_redis(&store, &jobs).await
     };
-    let (redis, dead_letters) = tokio::join!(redis, dead_letters(config, &names));
-    Ok(assemble(&jobs, jobs.len(), now, redis?, dead_letters))
+    let queues = crate::queues::queues_of(config);
+    let (redis, counts) = tokio::join!(redis, counts(config, &names, &queues));
+    Ok(assemble(&jobs, jobs.len(), now, redis?, (&queues, counts)))
 }
 
 /// The report on the jobs of `window` (positions in the config, cut to its length) through a
@@ -123,18 +166,25 @@ pub async fn read_window(
     store: &Store,
     config: &Config,
     window: Range<usize>,
-    dead_letters: impl Future<Output = Option<u64>>,
+    counts: impl Future<Output = BrokerCounts>,
     now: DateTime<Utc>,
 ) -> Result<Status, StoreError> {
     let total = config.jobs.len();
     let window = window.start.min(total)..window.end.clamp(window.start.min(total), total);
     let jobs: Vec<&Job> = config.jobs[window].iter().collect();
-    let (redis, dead_letters) = tokio::join!(read_redis(store, &jobs), dead_letters);
-    Ok(assemble(&jobs, total, now, redis?, dead_letters))
+    let queues = crate::queues::queues_of(config);
+    let (redis, counts) = tokio::join!(read_redis(store, &jobs), counts);
+    Ok(assemble(&jobs, total, now, redis?, (&queues, counts)))
 }
 
-/// What Redis holds for the report: the leader, the paused set, each job's history.
-type RedisPart = (Option<Leader>, HashSet<String>, Vec<JobHistory>);
+/// What Redis holds for the report: the leader, the paused set, each job's history, the
+/// workers.
+type RedisPart = (
+    Option<Leader>,
+    HashSet<String>,
+    Vec<JobHistory>,
+    Vec<WorkerInfo>,
+);
 
 /// The Redis reads of a report, sent together: O(jobs) whatever the number of run records.
 async fn read_redis(store: &Store, jobs: &[&Job]) -> Result<RedisPart, StoreError> {
@@ -143,7 +193,8 @@ async fn read_redis(store: &Store, jobs: &[&Job]) -> Result<RedisPart, StoreErro
     tokio::try_join!(
         store.leader(),
         store.paused(),
-        store.job_histories(&job_names)
+        store.job_histories(&job_names),
+        store.workers()
     )
 }
 
@@ -152,8 +203,8 @@ fn assemble(
     jobs: &[&Job],
     total: usize,
     now: DateTime<Utc>,
-    (leader, paused, histories): RedisPart,
-    dead_letters: Option<u64>,
+    (leader, paused, histories, workers): RedisPart,
+    (queues, counts): (&[String], BrokerCounts),
 ) -> Status {
     let jobs = jobs
         .iter()
@@ -163,29 +214,54 @@ fn assemble(
             job_status(job, history, is_paused, now)
         })
         .collect();
+    let queues = queues
+        .iter()
+        .enumerate()
+        .map(|(i, queue)| {
+            let known = counts.queues.get(i).copied();
+            let zero = broker::QueueCounts {
+                depth: 0,
+                consumers: 0,
+            };
+            let at = known.map(|c| c.unwrap_or(zero));
+            QueueStatus {
+                queue: queue.clone(),
+                depth: at.map(|c| c.depth),
+                consumers: at.map(|c| c.consumers),
+            }
+        })
+        .collect();
     Status {
         leader,
-        dead_letters,
+        dead_letters: counts.dead_letters,
         total,
         jobs,
+        workers,
+        queues,
     }
 }
 
-/// The number of messages in `{ns}.dead`, or `None` (logged) when the broker cannot say within
-/// [`BROKER_WAIT`].
-async fn dead_letters(config: &Config, names: &Names) -> Option<u64> {
-    match tokio::time::timeout(BROKER_WAIT, broker::dead_letter_count(config, names)).await {
-        Ok(Ok(count)) => Some(count),
+/// The dead letters and the counts of `queues`, each unknown (logged) when the broker cannot
+/// say within [`BROKER_WAIT`].
+async fn counts(config: &Config, names: &Names, queues: &[String]) -> BrokerCounts {
+    let read = async {
+        let conn = broker::connect(config).await?;
+        let counts = broker_counts_on(&conn, names, queues).await;
+        broker::close_later(conn, "status read");
+        counts
+    };
+    match tokio::time::timeout(BROKER_WAIT, read).await {
+        Ok(Ok(counts)) => counts,
         Ok(Err(e)) => {
-            tracing::warn!(error = %e, "broker: dead letters unknown");
-            None
+            tracing::warn!(error = %e, "broker: dead letters and queues unknown");
+            BrokerCounts::default()
         }
         Err(_) => {
             tracing::warn!(
                 wait_ms = BROKER_WAIT.as_millis() as u64,
-                "broker: no answer; dead letters unknown"
+                "broker: no answer; dead letters and queues unknown"
             );
-            None
+            BrokerCounts::default()
         }
     }
 }
@@ -274,6 +350,45 @@ pub fn table(status: &Status) -> String {
             ));
         }
     }
+    out.push_str(&workers_table(status));
+    out
+}
+
+/// The workers and queues sections of the text report.
+fn workers_table(status: &Status) -> String {
+    let mut out = format!("\nworkers: {}\n", status.workers.len());
+    if !status.workers.is_empty() {
+        let rows: Vec<Vec<String>> = status
+            .workers
+            .iter()
+            .map(|w| {
+                vec![
+                    w.id.clone(),
+                    w.host.clone(),
+                    w.pid.to_string(),
+                    w.version.clone(),
+                    w.queues.join(","),
+                    format!("{}/{}", w.running, w.concurrency),
+                    w.started.clone(),
+                ]
+            })
+            .collect();
+        let headers = [
+            "WORKER", "HOST", "PID", "VERSION", "QUEUES", "RUNNING", "STARTED",
+        ];
+        out.push_str(&drumline_shared::table::render(&headers, &rows));
+    }
+    out.push_str("\nqueues:\n");
+    let number = |n: Option<u32>| n.map_or_else(|| "-".to_owned(), |n| n.to_string());
+    let rows: Vec<Vec<String>> = status
+        .queues
+        .iter()
+        .map(|q| vec![q.queue.clone(), number(q.depth), number(q.consumers)])
+        .collect();
+    out.push_str(&drumline_shared::table::render(
+        &["QUEUE", "DEPTH", "CONSUMERS"],
+        &rows,
+    ));
     out
 }
 
@@ -320,6 +435,8 @@ mod tests {
                 line("b", true, false),
                 line("c", false, true),
             ],
+            workers: vec![],
+            queues: vec![],
         };
         let text = table(&status);
         let row = |job: &str| -> Vec<String> {
@@ -357,9 +474,11 @@ mod tests {
                 paused: false,
                 stale: false,
             }],
+            workers: vec![],
+            queues: vec![],
         };
         let text = table(&status);
-        let last = text.lines().last().unwrap();
+        let last = text.lines().find(|l| l.contains("last error")).unwrap();
         assert_eq!(
             last,
             "nightly last error: exit code 1: stderr: disk full ⏎ retry later"

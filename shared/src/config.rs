@@ -40,10 +40,52 @@ pub struct ConfigError {
     pub key: Option<String>,
     /// What is wrong.
     pub message: String,
+    /// Where in the file, for a TOML syntax error: shown as `FILE:LINE:COLUMN: message`
+    /// followed by the line.
+    pub at: Option<Box<Position>>,
+}
+
+/// A place in the config file (1-based line and column) and that line's text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Position {
+    /// Line, from 1.
+    pub line: usize,
+    /// Column in characters, from 1.
+    pub column: usize,
+    /// The line's text.
+    pub text: String,
+}
+
+impl Position {
+    /// The position of byte `offset` of `text` (clamped to its end).
+    pub fn of(text: &str, offset: usize) -> Self {
+        let mut offset = offset.min(text.len());
+        while !text.is_char_boundary(offset) {
+            offset -= 1;
+        }
+        let start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+        let end = text[offset..].find('\n').map_or(text.len(), |i| offset + i);
+        Position {
+            line: text[..offset].matches('\n').count() + 1,
+            column: text[start..offset].chars().count() + 1,
+            text: text[start..end].trim_end_matches('\r').to_owned(),
+        }
+    }
 }
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(at) = &self.at {
+            return write!(
+                f,
+                "{}:{}:{}: {}\n{}",
+                self.file.display(),
+                at.line,
+                at.column,
+                self.message,
+                at.text
+            );
+        }
         write!(f, "{}", self.file.display())?;
         if let Some(place) = &self.place {
             write!(f, ": {place}")?;
@@ -472,6 +514,7 @@ impl Config {
             place: None,
             key: None,
             message: format!("cannot read the config file: {e}"),
+            at: None,
         })?;
         Self::parse(&text, path, |name| std::env::var(name).ok())
     }
@@ -961,6 +1004,15 @@ fn check_job_keys(
     let queue = intern(interned, queue);
     let args = match &j.args {
         None => serde_json::json!({}),
+        Some(v) if !v.is_table() => {
+            check!(Err((
+                "args",
+                format!(
+                    "must be a table (args = {{ k = \"v\" }}), not {}",
+                    v.type_str()
+                )
+            )))
+        }
         Some(v) => check!(serde_json::to_value(v).map_err(|e| ("args", e.to_string()))),
     };
     let expires = match &j.expires {
@@ -1182,7 +1234,7 @@ impl Failer<'_> {
     fn pinpoint(&self, text: &str, fast: toml::de::Error) -> ConfigError {
         let raw: toml::Table = match toml::from_str(text) {
             Ok(raw) => raw,
-            Err(e) => return self.toml(None, e),
+            Err(e) => return self.syntax(text, e),
         };
         type Finder = fn(&toml::Table) -> Option<(String, toml::de::Error)>;
         let sections: [(&str, Finder); 4] = [
@@ -1243,6 +1295,7 @@ impl Failer<'_> {
             place: place.map(str::to_owned),
             key: Some(key),
             message: e.message().to_owned(),
+            at: None,
         }
     }
 
@@ -1252,6 +1305,21 @@ impl Failer<'_> {
             place: place.map(str::to_owned),
             key: Some(key.to_owned()),
             message,
+            at: None,
+        }
+    }
+
+    /// A TOML syntax error: `FILE:LINE:COLUMN: message` and the line.
+    fn syntax(&self, text: &str, e: toml::de::Error) -> ConfigError {
+        let Some(span) = e.span() else {
+            return self.toml(None, e);
+        };
+        ConfigError {
+            file: self.file.to_owned(),
+            place: None,
+            key: None,
+            message: e.message().trim_end().to_owned(),
+            at: Some(Box::new(Position::of(text, span.start))),
         }
     }
 
@@ -1273,6 +1341,7 @@ impl Failer<'_> {
             place: place.map(str::to_owned),
             key,
             message,
+            at: None,
         }
     }
 
@@ -1360,6 +1429,23 @@ mod tests {
     /// The error for one job `j` of task `t`, with `lines` as its further keys.
     fn job_err(lines: &str) -> String {
         err(&job_text(lines))
+    }
+
+    #[test]
+    fn a_syntax_error_gives_file_line_column_and_the_line() {
+        let e = err("namespace = \"n\"\n[beat]\nlock_ttl = = 3\n");
+        let mut lines = e.lines();
+        let first = lines.next().unwrap();
+        assert!(first.starts_with("/etc/d.toml:3:"), "{e}");
+        assert!(!first.contains("byte"), "{e}");
+        assert_eq!(lines.next(), Some("lock_ttl = = 3"), "{e}");
+    }
+
+    #[test]
+    fn job_args_must_be_a_table() {
+        let e = job_err("every = \"1s\"\nargs = \"ny\"");
+        assert!(e.contains("key `args`") && e.contains("table"), "{e}");
+        assert!(parse(&job_text("every = \"1s\"\nargs = { city = \"ny\" }")).is_ok());
     }
 
     /// Asserts that `text` is refused with a message containing `needle`.

@@ -23,6 +23,8 @@ pub mod logging;
 #[cfg(feature = "bin-support")]
 pub mod metrics;
 pub mod names;
+#[cfg(feature = "bin-support")]
+pub mod process_metrics;
 pub mod run;
 pub mod schedule;
 pub mod signals;

@@ -12,6 +12,26 @@ use prometheus_client::registry::Registry;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+/// `--metrics-addr HOST:PORT`: an IP address or a host name (resolved now: its first IPv4
+/// address, else its first address, so `localhost` is 127.0.0.1 where both exist), for clap's
+/// `value_parser`.
+pub fn parse_addr(text: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = text.parse() {
+        return Ok(addr);
+    }
+    use std::net::ToSocketAddrs;
+    let addrs: Vec<SocketAddr> = text
+        .to_socket_addrs()
+        .map_err(|e| format!("{text:?} is not HOST:PORT ({e})"))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| format!("{text:?}: the host name resolves to no address"))
+}
+
 /// Says whether the process is healthy: `Ok` carries the body of the 200 (`ok`, or a beat's
 /// `standby`), `Err` the reason shown with the 503.
 pub type HealthCheck = Arc<dyn Fn() -> Result<&'static str, String> + Send + Sync>;
@@ -81,5 +101,21 @@ async fn healthz(State(shared): State<Shared>) -> impl IntoResponse {
     match (shared.health)() {
         Ok(state) => (StatusCode::OK, format!("{state}\n")),
         Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_metrics_address_takes_a_host_name() {
+        assert_eq!(
+            parse_addr("127.0.0.1:9464"),
+            Ok("127.0.0.1:9464".parse().unwrap())
+        );
+        let local = parse_addr("localhost:9464").unwrap();
+        assert_eq!(local, "127.0.0.1:9464".parse().unwrap());
+        assert!(parse_addr("localhost").is_err());
     }
 }

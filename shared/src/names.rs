@@ -194,6 +194,18 @@ impl Names {
     pub fn running(&self, job: &str) -> String {
         format!("{}:running:{job}", self.ns)
     }
+
+    /// `{ns}:worker:{id}` — a live worker's announcement: a hash (host, pid, version, queues,
+    /// concurrency, running, started) with a TTL, refreshed while the worker runs
+    /// (docs/design.md#queues-and-workers).
+    pub fn worker(&self, id: &str) -> String {
+        format!("{}:worker:{id}", self.ns)
+    }
+
+    /// The pattern that matches every [`worker`](Self::worker) key of the namespace.
+    pub fn workers_pattern(&self) -> String {
+        format!("{}:worker:*", self.ns)
+    }
 }
 
 /// This machine's host name (`unknown` if it has none readable), as recorded in worker ids and

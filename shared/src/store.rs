@@ -18,6 +18,8 @@ mod conn;
 mod leader;
 mod operate;
 mod rules;
+mod workers;
+
 pub use crate::run::{Claim, Ending, Final, RunState, WaitReplicas};
 pub use conn::Conn;
 /// The Lua that formats Redis `TIME` as RFC 3339 for the leader lease's `since`: public only
@@ -25,11 +27,20 @@ pub use conn::Conn;
 #[doc(hidden)]
 pub use leader::RFC3339 as LUA_RFC3339;
 pub use leader::{Candidate, LeaseMode, LeaseOutcome, LeaseReply, ProgressError};
+pub use workers::{WorkerInfo, WORKERS_SHOWN};
 
 /// Why a store call failed. Every kind is connection-level for the caller: the worker fails
 /// closed on it, the beat waits (docs/design.md#redis).
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// No connection to Redis at the start: names the URL (redacted) and the reason.
+    #[error("cannot connect to Redis at {url}: {source}")]
+    Unreachable {
+        /// The URL, redacted.
+        url: String,
+        /// What the connection attempt got.
+        source: redis::RedisError,
+    },
     /// Redis could not be reached, or answered with an error.
     #[error(transparent)]
     Redis(#[from] redis::RedisError),
@@ -284,7 +295,7 @@ if ARGV[5] ~= 'allow' then
     if ARGV[5] == 'skip' then
       redis.call('DEL', KEYS[1])
       redis.call('HSET', KEYS[1], 'state', 'skipped', 'worker', ARGV[2], 'attempt', ARGV[3],
-        'overlapped', holder)
+        'overlapped', holder, 'at', math.floor(now / 1000))
       redis.call('PEXPIRE', KEYS[1], ARGV[6])
       return {'skipped', holder}
     end
@@ -296,7 +307,8 @@ end
 local fence = redis.call('INCR', KEYS[2])
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'state', 'running', 'token', ARGV[1], 'worker', ARGV[2],
-  'fence', fence, 'attempt', ARGV[3], 'lease_until', now + tonumber(ARGV[4]))
+  'fence', fence, 'attempt', ARGV[3], 'lease_until', now + tonumber(ARGV[4]),
+  'at', math.floor(now / 1000))
 redis.call('PEXPIRE', KEYS[1], keep_for(ARGV[6], ARGV[4]))
 if ARGV[5] ~= 'allow' then
   redis.call('DEL', KEYS[3])
@@ -387,7 +399,8 @@ static FINISH: LazyLock<Script> = LazyLock::new(|| {
         r#"
 if ours and redis.call('HGET', KEYS[1], 'state') == ARGV[3] then return {2, woken} end
 if holds or redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], 'state', ARGV[3], 'token', ARGV[1])
+  redis.call('HSET', KEYS[1], 'state', ARGV[3], 'token', ARGV[1],
+    'at', redis.call('TIME')[1])
   redis.call('HDEL', KEYS[1], 'lease_until')
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
   if ARGV[5] ~= '' then
@@ -421,7 +434,8 @@ if ours and redis.call('HGET', KEYS[1], 'state') == 'retrying'
   return {2, woken}
 end
 if not holds then return {0, woken} end
-redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[3])
+redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[3],
+  'at', redis.call('TIME')[1])
 redis.call('HDEL', KEYS[1], 'lease_until')
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {1, woken}
@@ -557,7 +571,12 @@ impl Store {
             }
             None => redis::Client::open(url)?,
         };
-        let conn = ConnectionManager::new_with_config(client, conn::manager_config()).await?;
+        let conn = ConnectionManager::new_with_config(client, conn::manager_config())
+            .await
+            .map_err(|source| StoreError::Unreachable {
+                url: crate::url::Redacted(url).to_string(),
+                source,
+            })?;
         Ok(Self {
             conn: Conn::plain(conn),
             names,
@@ -866,6 +885,19 @@ impl Store {
             out.extend(states);
         }
         Ok(out)
+    }
+
+    /// The `state` of an instance and when it was written (Unix seconds on Redis `TIME`; a
+    /// record written before `at` was kept has none), if the instance is recorded.
+    pub async fn run_stamp(&self, key: &str) -> Result<Option<(String, Option<i64>)>, StoreError> {
+        let mut conn = self.conn.clone();
+        let (state, at): (Option<String>, Option<i64>) = redis::cmd("HMGET")
+            .arg(self.names.run_key(key))
+            .arg("state")
+            .arg("at")
+            .query_async(&mut conn)
+            .await?;
+        Ok(state.map(|s| (s, at)))
     }
 
     /// The `state` field of an instance, if any.

@@ -120,7 +120,10 @@ async fn dead_letters_are_listed_replayed_and_purged() {
         "{stderr}"
     );
 
-    let (status, stdout, _) = env.run("drumline-worker", &["--config", cfg, "dlq", "purge"]);
+    let (status, stdout, _) = env.run(
+        "drumline-worker",
+        &["--config", cfg, "dlq", "purge", "--yes"],
+    );
     assert!(status.success());
     assert_eq!(stdout.trim(), "purged 2 dead letters");
     assert_eq!(env.queue_len(&dead).await, Some(0));

@@ -202,6 +202,9 @@ command = ["/bin/sleep", "10"]
                 && jobs[2]["last_failure"].is_string()
                 // Read from the broker at most every 5 s: it may lag the dead letter.
                 && s["dead_letters"].as_u64() >= Some(1)
+                // The worker announced itself; the broker counts it on the queue.
+                && s["workers"][0]["pid"] == worker.pid()
+                && s["queues"][0]["consumers"] == 1
         })
     });
     assert!(
@@ -332,6 +335,23 @@ command = ["/bin/sleep", "10"]
         .nth(1)
         .unwrap_or_else(|| panic!("no dead letters in {dom}"));
     assert!(dead.contains("Dead letters: "), "{dead}");
+    assert!(dom.contains("<span id=\"worker-count\">1</span>"), "{dom}");
+    let worker_row = dom
+        .split("<tr data-worker=\"")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no worker row in {dom}"));
+    assert!(
+        worker_row.contains(&format!("<td>{}</td>", worker.pid())),
+        "{worker_row}"
+    );
+    let queue_row = dom
+        .split("<tr data-queue=\"default\"")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no queue row in {dom}"));
+    assert!(
+        queue_row.contains("<td class=\"consumers\">1</td>"),
+        "{queue_row}"
+    );
 
     // Read-only: no method but GET (and HEAD) is served, and nothing changed.
     for path in ["/", "/api/status"] {

@@ -62,6 +62,7 @@ pub async fn run(config: Config, options: Options) -> Result<(), Failure> {
             let stats = worker.stats();
             let mut registry = prometheus_client::registry::Registry::default();
             stats.register(&mut registry);
+            drumline_shared::process_metrics::register(&mut registry, "worker");
             let health = std::sync::Arc::new(move || stats.health().map(|()| "ok"));
             Some(
                 drumline_shared::metrics::serve(addr, registry, health)

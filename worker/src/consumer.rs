@@ -128,7 +128,17 @@ async fn work(
         &worker_id,
         &stats,
     ));
-    let probe = tokio::spawn(probe_redis(store, processor.gate.clone(), stats.clone()));
+    let announcing = crate::announce::info(&worker_id, &config);
+    let announce = tokio::spawn(crate::announce::run(
+        store.clone(),
+        announcing,
+        stats.clone(),
+    ));
+    let probe = tokio::spawn(probe_redis(
+        store.clone(),
+        processor.gate.clone(),
+        stats.clone(),
+    ));
     let current = Arc::new(Current(RwLock::new(processor.clone())));
     let reloads =
         reload.map(|(r, hangups)| tokio::spawn(reload_on_hangup(current.clone(), r, hangups)));
@@ -150,6 +160,15 @@ async fn work(
         close(conn, "worker shutting down").await;
     }
     probe.abort();
+    announce.abort();
+    // Bounded: a Redis that does not answer must not hold up the stop (the TTL removes it).
+    let forget = store.forget_worker(&worker_id);
+    if !matches!(
+        tokio::time::timeout(Duration::from_secs(2), forget).await,
+        Ok(Ok(()))
+    ) {
+        tracing::debug!("worker announcement not removed; it expires");
+    }
     if let Some(reloads) = reloads {
         reloads.abort();
     }

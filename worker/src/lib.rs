@@ -20,6 +20,9 @@
 // Public for worker/tests/acks.rs (the real broker); not part of the API.
 #[doc(hidden)]
 pub mod acks;
+pub mod announce;
+#[cfg(feature = "cli")]
+pub mod cli;
 #[cfg(feature = "cli")]
 pub mod commands;
 pub mod consumer;

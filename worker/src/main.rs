@@ -1,12 +1,13 @@
 //! `drumline-worker`: parse the command line, set up logging, load the config, run the command
 //! on one tokio runtime ([`commands`] holds the bodies); its [`Failure`] is the exit code.
 
-use clap::{Parser, Subcommand};
+use clap::Parser;
 use drumline_shared::cli::Common;
 use drumline_shared::config::{self, Config};
 use drumline_shared::exit::{self, Failure};
 use drumline_shared::logging;
-use drumline_worker::commands::{self, DlqCommand};
+use drumline_worker::cli::Command;
+use drumline_worker::commands;
 use std::process::ExitCode;
 
 /// Run a drumline worker: consume task messages, run each scheduled instance once.
@@ -22,40 +23,10 @@ struct Cli {
     #[arg(long, value_delimiter = ',')]
     queues: Option<Vec<String>>,
     /// Serve Prometheus metrics at /metrics and a health check at /healthz on HOST:PORT.
-    #[arg(long)]
+    #[arg(long, value_parser = drumline_shared::metrics::parse_addr)]
     metrics_addr: Option<std::net::SocketAddr>,
     #[command(subcommand)]
     command: Option<Command>,
-}
-
-#[derive(Subcommand, Debug)]
-enum Command {
-    /// The dead letters in {ns}.dead.
-    Dlq {
-        #[command(subcommand)]
-        action: DlqAction,
-    },
-}
-
-#[derive(Subcommand, Debug)]
-enum DlqAction {
-    /// List them: key, task, reason, runs made, when, last error.
-    List {
-        /// Machine-readable: [{key, task, job, reason, attempts, error, dead_at}].
-        #[arg(long)]
-        json: bool,
-    },
-    /// Publish fresh copies (attempt 0, no deadline) of the given keys, or of all.
-    Replay {
-        /// Keys to replay.
-        #[arg(required_unless_present = "all", conflicts_with = "all")]
-        keys: Vec<String>,
-        /// Replay every dead letter.
-        #[arg(long)]
-        all: bool,
-    },
-    /// Delete every dead letter.
-    Purge,
 }
 
 fn main() -> ExitCode {
@@ -84,13 +55,6 @@ async fn dispatch(cli: Cli) -> Result<(), Failure> {
             };
             commands::run(config, options).await
         }
-        Some(Command::Dlq { action }) => {
-            let command = match action {
-                DlqAction::List { json } => DlqCommand::List { json },
-                DlqAction::Replay { keys, all: _ } => DlqCommand::Replay { keys },
-                DlqAction::Purge => DlqCommand::Purge,
-            };
-            commands::dead_letters(&config, command).await
-        }
+        Some(command) => command.run(config).await,
     }
 }

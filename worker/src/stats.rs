@@ -305,10 +305,12 @@ impl Stats {
     /// `Ok` when the worker can take work: connected to the broker, Redis answering, and a
     /// consumer on every configured queue.
     pub fn health(&self) -> Result<(), String> {
-        match (self.broker_connected.get(), self.redis_up.get()) {
+        // Redis first: the worker connects to it before the broker, so while Redis is down
+        // the broker is not connected either, and Redis is the one to name.
+        match (self.redis_up.get(), self.broker_connected.get()) {
             (1, 1) => {}
-            (0, _) => return Err("not connected to the broker".into()),
-            _ => return Err("redis unreachable: failing closed".into()),
+            (0, _) => return Err("redis unreachable: failing closed".into()),
+            _ => return Err("not connected to the broker".into()),
         }
         let queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
         let unconsumed: Vec<&str> = queues
@@ -385,8 +387,13 @@ mod tests {
         assert!(reason.starts_with("no consumer on queue qa:"), "{reason}");
         stats.consuming("qa", true);
         assert_eq!(stats.health(), Ok(()));
-        // The broker connection comes first.
+        // The connections come first, Redis before the broker.
         stats.broker_connected.set(0);
         assert_eq!(stats.health(), Err("not connected to the broker".into()));
+        stats.redis_up.set(0);
+        assert_eq!(
+            stats.health(),
+            Err("redis unreachable: failing closed".into())
+        );
     }
 }

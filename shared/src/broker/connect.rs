@@ -251,7 +251,30 @@ pub async fn open_channel(
         dead_ttl,
         queue_type: config.broker.queue_type,
     };
-    Nodes::new(config).open_session(&what).await
+    let nodes = Nodes::new(config);
+    let conn = connect_or_name(config, &nodes).await?;
+    match nodes.declare_and_open(&conn, &what).await {
+        Ok(channel) => Ok((conn, channel)),
+        Err(e) => {
+            close_later(conn, "session not opened");
+            Err(e)
+        }
+    }
+}
+
+/// A connection to one of `nodes` for a one-shot command; a failure names the broker's nodes
+/// (redacted) and the reason ([`BrokerError::Unreachable`]).
+pub async fn connect_or_name(config: &Config, nodes: &Nodes) -> Result<Connection, BrokerError> {
+    nodes.connect().await.map_err(|e| BrokerError::Unreachable {
+        nodes: config
+            .broker
+            .urls
+            .iter()
+            .map(|u| Redacted(u).to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        reason: super::connect_reason(&e),
+    })
 }
 
 #[cfg(test)]

@@ -258,6 +258,66 @@ pub async fn dead_letter_count_on(conn: &Connection, names: &Names) -> Result<u6
     }
 }
 
+/// A work queue's ready messages and consumers, as the broker counts them now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct QueueCounts {
+    /// Messages ready for delivery.
+    pub depth: u32,
+    /// Consumers subscribed.
+    pub consumers: u32,
+}
+
+/// The counts of the work queue of each of `queues` (a passive declare each, on one
+/// connection of its own): `None` for a queue the broker does not have. A failed connection
+/// names the broker ([`BrokerError::Unreachable`]).
+pub async fn queue_counts(
+    config: &Config,
+    names: &Names,
+    queues: &[String],
+) -> Result<Vec<Option<QueueCounts>>, BrokerError> {
+    let nodes = super::Nodes::new(config);
+    let conn = super::connect::connect_or_name(config, &nodes).await?;
+    let mut out = Vec::with_capacity(queues.len());
+    for queue in queues {
+        match queue_counts_on(&conn, &names.work_queue(queue)).await {
+            Ok(counts) => out.push(counts),
+            Err(e) => {
+                super::close_later(conn, "counts read");
+                return Err(e.into());
+            }
+        }
+    }
+    super::close_later(conn, "counts read");
+    Ok(out)
+}
+
+/// The counts of the queue named `queue` on `conn` (`None` when it does not exist), through a
+/// channel of its own.
+pub async fn queue_counts_on(
+    conn: &Connection,
+    queue: &str,
+) -> Result<Option<QueueCounts>, lapin::Error> {
+    let channel = conn.create_channel().await?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    match channel
+        .queue_declare(queue.into(), passive, FieldTable::default())
+        .await
+    {
+        Ok(q) => {
+            let _ = channel.close(200, "counts read".into()).await;
+            Ok(Some(QueueCounts {
+                depth: q.message_count(),
+                consumers: q.consumer_count(),
+            }))
+        }
+        Err(e) if reply_code(&e) == Some(AMQPSoftError::NOTFOUND.get_id()) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// Declares (or refreshes) the delay queue for `delay` on `queue` and returns its name. Every
 /// message in it waits exactly `delay`, then dead-letters to `{ns}.tasks` with routing key
 /// `queue`. The queue deletes itself once idle for `delay` + 60 s.

@@ -18,10 +18,12 @@ mod connect;
 mod declare;
 mod publish;
 
-pub use connect::{close_later, connect, connect_to, failover_order, open_channel, Nodes};
+pub use connect::{
+    close_later, connect, connect_or_name, connect_to, failover_order, open_channel, Nodes,
+};
 pub use declare::{
-    dead_letter_count, dead_letter_count_on, declare, declare_delay_queue, Declaration,
-    QUORUM_DELIVERY_LIMIT,
+    dead_letter_count, dead_letter_count_on, declare, declare_delay_queue, queue_counts,
+    queue_counts_on, Declaration, QueueCounts, QUORUM_DELIVERY_LIMIT,
 };
 pub use publish::{
     open_confirm_channel, publish_batch, publish_confirmed, settled, Outgoing, CONFIRM_DEADLINE,
@@ -50,6 +52,15 @@ pub enum BrokerError {
         source: lapin::Error,
         /// The `[broker] queue_type` it was declared with.
         queue_type: QueueType,
+    },
+    /// No node of `[broker] urls` accepted a connection: names them (redacted) and the last
+    /// node's reason.
+    #[error("cannot connect to the broker at {nodes}: {reason}")]
+    Unreachable {
+        /// The nodes tried, redacted, comma-separated.
+        nodes: String,
+        /// The last node's failure, without lapin's `IO error:` prefix.
+        reason: String,
     },
     /// Connection or channel failure, or any other answer of the broker.
     #[error("broker: {0}")]
@@ -114,6 +125,19 @@ pub fn reply_code(e: &lapin::Error) -> Option<u16> {
     }
 }
 
+/// The reason behind a failed connection, as a person reads it: the socket's error without
+/// lapin's `IO error:` prefix or the OS error number (`Connection refused`).
+pub fn connect_reason(e: &lapin::Error) -> String {
+    let text = match e.kind() {
+        lapin::ErrorKind::IOError(io) => io.to_string(),
+        _ => e.to_string(),
+    };
+    match text.find(" (os error ") {
+        Some(at) if text.ends_with(')') => text[..at].to_owned(),
+        _ => text,
+    }
+}
+
 /// A lapin error for a failure lapin does not name (a bad URL, a TLS set-up, a settle not sent).
 fn io_error(e: impl std::fmt::Display) -> lapin::Error {
     std::io::Error::other(e.to_string()).into()
@@ -122,6 +146,20 @@ fn io_error(e: impl std::fmt::Display) -> lapin::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_connection_reads_as_the_socket_says_it() {
+        let refused: lapin::Error = std::io::Error::from_raw_os_error(111).into();
+        assert_eq!(connect_reason(&refused), "Connection refused");
+        let e = BrokerError::Unreachable {
+            nodes: "amqp://guest:***@127.0.0.1:1/".into(),
+            reason: connect_reason(&refused),
+        };
+        assert_eq!(
+            e.to_string(),
+            "cannot connect to the broker at amqp://guest:***@127.0.0.1:1/: Connection refused"
+        );
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_call_that_does_not_answer_is_abandoned_after_the_connect_timeout() {

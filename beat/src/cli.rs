@@ -1,0 +1,161 @@
+//! The beat's operator commands as a clap [`Command`] enum and their dispatch
+//! ([`Command::run`]): `drumline-beat` and the one `drumline` command both flatten this enum, so
+//! a command added here appears in both (docs/design.md#one-command-for-operators).
+
+use crate::{adhoc, commands};
+use clap::Subcommand;
+use drumline_shared::config::Config;
+use drumline_shared::exit::Failure;
+use std::path::Path;
+
+/// The beat's operator commands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Validate the config and exit (0 when valid, 2 with one clear message when not).
+    Check,
+    /// Show upcoming instants, UTC and local, with DST gap/fold annotations.
+    Next {
+        /// Only this job.
+        job: Option<String>,
+        /// How many instants per job.
+        #[arg(long, default_value_t = 10)]
+        count: usize,
+        /// Start strictly after this instant (RFC 3339) [default: now].
+        #[arg(long)]
+        from: Option<String>,
+        /// Machine-readable output: [{job, utc, local, offset, note}].
+        #[arg(long)]
+        json: bool,
+    },
+    /// Publish one ad-hoc task (same envelope and guarantees as a scheduled instance).
+    Publish {
+        /// Task name (a [tasks.NAME] entry).
+        task: String,
+        /// Arguments as a JSON value, handed to the task.
+        #[arg(long, default_value = "{}")]
+        args: String,
+        /// Idempotency key [default: a fresh UUID]; publishing the same key twice runs it once.
+        #[arg(long)]
+        key: Option<String>,
+        /// Due this long after now (e.g. "30s"); waits in a delay queue meanwhile.
+        #[arg(long, value_parser = parse_duration, default_value = "0s")]
+        delay: std::time::Duration,
+        /// Not run after this long past the due instant (e.g. "10m").
+        #[arg(long, value_parser = parse_duration)]
+        expires: Option<std::time::Duration>,
+        /// Logical queue [default: default].
+        #[arg(long)]
+        queue: Option<String>,
+    },
+    /// Pause jobs: the leader publishes none of their instants (dropped, counted, never caught
+    /// up) until `resume`.
+    Pause {
+        /// Jobs to pause.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        jobs: Vec<String>,
+        /// Every job of the config.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Resume paused jobs: their next instants are published; the paused ones never are.
+    Resume {
+        /// Jobs to resume.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        jobs: Vec<String>,
+        /// Every job of the config.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Publish one instance of a job now, as the job (task, queue, args, overlap, history).
+    Trigger {
+        /// The job.
+        job: String,
+        /// Arguments as a JSON value, instead of the job's.
+        #[arg(long)]
+        args: Option<String>,
+    },
+    /// Publish every instant of a job's schedule in [--from, --to), oldest first.
+    Backfill {
+        /// The job.
+        job: String,
+        /// First instant considered (RFC 3339), included.
+        #[arg(long)]
+        from: String,
+        /// End of the range (RFC 3339), excluded; not in the future.
+        #[arg(long)]
+        to: String,
+        /// List the instants without publishing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Then print `N/M done` as the instants finish, and exit when all have.
+        #[arg(long, conflicts_with = "dry_run")]
+        wait: bool,
+        /// Refuse a range with more instants than this.
+        #[arg(long, default_value_t = crate::operate::DEFAULT_BACKFILL_MAX)]
+        max: usize,
+    },
+    /// Per job: schedule, next due, last published, last success/failure, running now, paused,
+    /// stale.
+    Status {
+        /// Only this job.
+        job: Option<String>,
+        /// Machine-readable output: {leader, dead_letters, jobs: [...]}.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `--delay`, `--expires`: a duration like `30s` or `10m`.
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    drumline_shared::duration::parse(text)
+}
+
+impl Command {
+    /// Runs the command on `config`, loaded from `path`.
+    pub async fn run(self, config: Config, path: &Path) -> Result<(), Failure> {
+        match self {
+            Command::Check => commands::check(path, &config),
+            Command::Next {
+                job,
+                count,
+                from,
+                json,
+            } => commands::show_next(&config, job.as_deref(), count, from.as_deref(), json),
+            Command::Publish {
+                task,
+                args,
+                key,
+                delay,
+                expires,
+                queue,
+            } => {
+                let request = adhoc::Request {
+                    task,
+                    args: commands::json_args(&args)?,
+                    key,
+                    delay,
+                    expires,
+                    queue,
+                };
+                commands::publish(&config, &request).await
+            }
+            Command::Pause { jobs, all } => commands::pause(&config, &jobs, all, true).await,
+            Command::Resume { jobs, all } => commands::pause(&config, &jobs, all, false).await,
+            Command::Trigger { job, args } => {
+                let args = args.as_deref().map(commands::json_args).transpose()?;
+                commands::trigger(&config, &job, args).await
+            }
+            Command::Backfill {
+                job,
+                from,
+                to,
+                dry_run,
+                wait,
+                max,
+            } => commands::backfill(&config, &job, (&from, &to), max, (dry_run, wait)).await,
+            Command::Status { job, json } => {
+                commands::show_status(&config, job.as_deref(), json).await
+            }
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! The queue gauges on the beat's `/metrics`: `drumline_queue_depth{queue}` (ready messages)
+//! and `drumline_queue_consumers{queue}` of every queue the config names (its jobs' queues and
+//! `[worker] queues`), read from the broker every [`REFRESH`] by a passive declare each
+//! (docs/design.md#queues-and-workers).
+
+use drumline_shared::broker;
+use drumline_shared::config::Config;
+use drumline_shared::names::Names;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+/// How often the gauges are read again.
+pub const REFRESH: Duration = Duration::from_secs(5);
+
+/// The label of a queue gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabel {
+    /// The logical queue.
+    pub queue: String,
+}
+
+/// The two gauge families, shared with the refresh task.
+#[derive(Clone, Debug, Default)]
+pub struct QueueGauges {
+    depth: Family<QueueLabel, Gauge>,
+    consumers: Family<QueueLabel, Gauge>,
+}
+
+impl QueueGauges {
+    /// Adds both families to `registry`.
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "drumline_queue_depth",
+            "Messages ready in the work queue, per logical queue (read by the beat)",
+            self.depth.clone(),
+        );
+        registry.register(
+            "drumline_queue_consumers",
+            "Consumers (workers) on the work queue, per logical queue (read by the beat)",
+            self.consumers.clone(),
+        );
+    }
+
+    /// Reads the counts of `config`'s queues every [`REFRESH`], in the background, for as long
+    /// as the process runs; a failed read is logged and the gauges keep their last values.
+    pub fn spawn_refresh(&self, config: std::sync::Arc<Config>) -> tokio::task::JoinHandle<()> {
+        let gauges = self.clone();
+        tokio::spawn(async move {
+            let names = Names::new(config.namespace.clone());
+            let queues = queues_of(&config);
+            loop {
+                match broker::queue_counts(&config, &names, &queues).await {
+                    Ok(counts) => gauges.set(&queues, &counts),
+                    Err(e) => tracing::debug!(error = %e, "queue gauges not refreshed"),
+                }
+                tokio::time::sleep(REFRESH).await;
+            }
+        })
+    }
+
+    fn set(&self, queues: &[String], counts: &[Option<broker::QueueCounts>]) {
+        for (queue, counts) in queues.iter().zip(counts) {
+            let label = QueueLabel {
+                queue: queue.clone(),
+            };
+            let counts = counts.unwrap_or(broker::QueueCounts {
+                depth: 0,
+                consumers: 0,
+            });
+            self.depth
+                .get_or_create(&label)
+                .set(i64::from(counts.depth));
+            self.consumers
+                .get_or_create(&label)
+                .set(i64::from(counts.consumers));
+        }
+    }
+}
+
+/// Every logical queue `config` names, once each, sorted: its jobs' and `[worker] queues`.
+pub fn queues_of(config: &Config) -> Vec<String> {
+    let mut queues: BTreeSet<String> = config.worker.queues.iter().cloned().collect();
+    for job in &config.jobs {
+        if !queues.contains(job.queue.as_ref()) {
+            queues.insert(job.queue.to_string());
+        }
+    }
+    queues.into_iter().collect()
+}

@@ -1,0 +1,81 @@
+//! `drumline`: one command for every operator action. It flattens the beat's and the worker's
+//! command enums (`drumline_beat::cli::Command`, `drumline_worker::cli::Command`), so a command
+//! added to either appears here with no code of its own
+//! (docs/design.md#one-command-for-operators); `completions SHELL` prints a completion script.
+
+use clap::{CommandFactory, Parser, Subcommand};
+use drumline_shared::cli::Common;
+use drumline_shared::config::{self, Config};
+use drumline_shared::exit::{self, Failure};
+use drumline_shared::logging;
+use std::process::ExitCode;
+
+/// drumline for the person on call: check, inspect and operate the beat, the workers and the
+/// dead letters.
+#[derive(Parser, Debug)]
+#[command(name = "drumline", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    #[command(flatten)]
+    common: Common,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    #[command(flatten)]
+    Beat(drumline_beat::cli::Command),
+    #[command(flatten)]
+    Worker(drumline_worker::cli::Command),
+    /// Print a shell completion script for `drumline` on stdout.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Command::Completions { shell } = cli.command {
+        clap_complete::generate(
+            shell,
+            &mut Cli::command(),
+            "drumline",
+            &mut std::io::stdout(),
+        );
+        return ExitCode::SUCCESS;
+    }
+    logging::init(cli.common.log_format);
+    let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
+    let result = runtime.block_on(dispatch(cli));
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    exit::report(result)
+}
+
+/// Load the config, then run the command.
+async fn dispatch(cli: Cli) -> Result<(), Failure> {
+    let path = config::resolve_path(cli.common.config);
+    let config = Config::load(&path).map_err(Failure::usage)?;
+    match cli.command {
+        Command::Beat(command) => command.run(config, &path).await,
+        Command::Worker(command) => command.run(config).await,
+        Command::Completions { .. } => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_beat_and_worker_command_is_a_drumline_command() {
+        let drumline = Cli::command();
+        let ours: Vec<&str> = drumline.get_subcommands().map(|c| c.get_name()).collect();
+        let beat = drumline_beat::cli::Command::augment_subcommands(clap::Command::new("b"));
+        let worker = drumline_worker::cli::Command::augment_subcommands(clap::Command::new("w"));
+        for command in beat.get_subcommands().chain(worker.get_subcommands()) {
+            assert!(ours.contains(&command.get_name()), "{}", command.get_name());
+        }
+        drumline.debug_assert();
+    }
+}
