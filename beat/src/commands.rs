@@ -35,6 +35,7 @@ pub async fn run(config: Config, metrics_addr: Option<SocketAddr>) -> Result<(),
         tracing::info!(%addr, "serving the status page at / and /api/status");
     }
     let stopping = drumline_shared::signals::shutdown("finishing the batch in hand");
+    let _watchdog = drumline_shared::systemd::ready();
     match scheduler::run(config, stats, stopping).await {
         Ok(_) => Ok(()),
         // A queue declared with other arguments (say a changed dead_ttl) is a config problem.

@@ -29,6 +29,8 @@ pub mod run;
 pub mod schedule;
 pub mod signals;
 pub mod store;
+#[cfg(feature = "bin-support")]
+pub mod systemd;
 pub mod table;
 pub mod tls;
 pub mod url;

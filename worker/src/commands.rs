@@ -72,6 +72,7 @@ pub async fn run(config: Config, options: Options) -> Result<(), Failure> {
         }
         None => None,
     };
+    let _watchdog = drumline_shared::systemd::ready();
     worker
         .run(drumline_shared::signals::shutdown(
             "finishing in-flight tasks",

@@ -1,0 +1,273 @@
+//! `deploy/` is checked, not just shipped (docs/operations.md#deploying): the systemd units
+//! (and `systemd-analyze verify` where it exists), the Kubernetes manifests, and the Grafana
+//! dashboard, whose every metric must be one the binaries export.
+
+use drumline_e2e::cfg::{every, shell, Cfg};
+use drumline_e2e::{binary, http_get, setup, wait_until, with_metrics};
+use serde_yaml::Value;
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+fn deploy(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy")
+        .join(path)
+}
+
+/// `Key=value` lines of a unit file, comments and sections left out.
+fn unit_keys(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.starts_with('['))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect()
+}
+
+#[test]
+fn systemd_units_notify_with_a_watchdog_and_verify() {
+    let dir = std::env::temp_dir().join(format!("drumline-units-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for bin in ["drumline-beat", "drumline-worker"] {
+        let text = std::fs::read_to_string(deploy(&format!("systemd/{bin}.service"))).unwrap();
+        let keys = unit_keys(&text);
+        let get = |k: &str| {
+            keys.iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(get("Type"), Some("notify"), "{bin}");
+        let watchdog: u64 = get("WatchdogSec").expect("WatchdogSec").parse().unwrap();
+        assert!(watchdog > 0, "{bin}");
+        let exec = get("ExecStart").expect("ExecStart");
+        assert!(
+            exec.starts_with(&format!("/usr/local/bin/{bin} ")),
+            "{exec}"
+        );
+        assert!(exec.contains("--metrics-addr"), "{exec}");
+        assert_eq!(get("RestartPreventExitStatus"), Some("2"), "{bin}");
+        assert!(get("User").is_some_and(|u| u != "root"), "{bin}");
+        // The real binaries where the unit expects them, for the verifier.
+        let local = text.replace(
+            "/usr/local/bin/",
+            &format!("{}/", binary(bin).parent().unwrap().display()),
+        );
+        std::fs::write(dir.join(format!("{bin}.service")), local).unwrap();
+    }
+    let verify = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(dir.join("drumline-beat.service"))
+        .arg(dir.join("drumline-worker.service"))
+        .output();
+    match verify {
+        Ok(out) => assert!(
+            out.status.success() && out.stderr.is_empty(),
+            "systemd-analyze verify: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) => eprintln!("systemd-analyze not run ({e}); the units were only parsed"),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every document of every manifest in deploy/kubernetes/.
+fn manifests() -> Vec<Value> {
+    let mut docs = Vec::new();
+    for entry in std::fs::read_dir(deploy("kubernetes")).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            docs.push(serde::Deserialize::deserialize(doc).expect("valid YAML"));
+        }
+    }
+    docs
+}
+
+fn find<'v>(docs: &'v [Value], kind: &str, name: &str) -> &'v Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+#[test]
+fn kubernetes_manifests_run_two_beats_and_workers_with_probes_config_and_secret() {
+    let docs = manifests();
+    let config = find(&docs, "ConfigMap", "drumline-config");
+    let toml = config["data"]["drumline.toml"]
+        .as_str()
+        .expect("drumline.toml");
+    let secret = find(&docs, "Secret", "drumline-urls");
+    for key in ["DRUMLINE_AMQP_URL", "DRUMLINE_REDIS_URL"] {
+        assert!(secret["stringData"][key].is_string(), "{key}");
+    }
+    for (name, replicas) in [("drumline-beat", Some(2)), ("drumline-worker", None)] {
+        let deployment = find(&docs, "Deployment", name);
+        assert_eq!(deployment["apiVersion"], "apps/v1");
+        let spec = &deployment["spec"];
+        if let Some(n) = replicas {
+            assert_eq!(spec["replicas"].as_u64(), Some(n), "{name}");
+        }
+        assert_eq!(
+            spec["selector"]["matchLabels"], spec["template"]["metadata"]["labels"],
+            "{name}"
+        );
+        let pod = &spec["template"]["spec"];
+        let container = &pod["containers"][0];
+        assert_eq!(container["command"][0], name, "{name}");
+        for probe in ["livenessProbe", "readinessProbe"] {
+            assert_eq!(
+                container[probe]["httpGet"]["path"], "/healthz",
+                "{name} {probe}"
+            );
+        }
+        assert_eq!(
+            container["envFrom"][0]["secretRef"]["name"], "drumline-urls",
+            "{name}"
+        );
+        assert_eq!(pod["volumes"][0]["configMap"]["name"], "drumline-config");
+        let mount = container["volumeMounts"][0]["mountPath"].as_str().unwrap();
+        let args: Vec<&str> = container["args"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        assert!(
+            args.windows(2)
+                .any(|w| w == ["--config", &format!("{mount}/drumline.toml")]),
+            "{args:?}"
+        );
+        let port = container["ports"][0]["containerPort"].as_u64().unwrap();
+        assert!(
+            args.iter().any(|a| a.ends_with(&format!(":{port}"))),
+            "{args:?}"
+        );
+    }
+    // The ConfigMap's config is one drumline accepts.
+    let env = setup("e2e_deploy_config");
+    let file = env.path("configmap.toml");
+    std::fs::write(&file, toml).unwrap();
+    let (status, _, stderr) = env.run("drumline", &["--config", file.to_str().unwrap(), "check"]);
+    assert!(status.success(), "{stderr}");
+}
+
+/// The metric names (as `# TYPE` lines declare them) served on 127.0.0.1:`port`.
+fn exported(port: u16) -> BTreeSet<String> {
+    let body = http_get(port, "/metrics")
+        .map(|(_, body)| body)
+        .unwrap_or_default();
+    body.lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Every `drumline_*` or `process_*` name in a PromQL expression.
+fn queried(expr: &str) -> Vec<String> {
+    expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+        .filter(|t| t.starts_with("drumline_") || t.starts_with("process_"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Every metric the dashboard queries, with the panel expression it is in.
+fn dashboard_metrics() -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(deploy("grafana/drumline.json")).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+    assert!(dashboard["title"].is_string() && dashboard["uid"].is_string());
+    let panels = dashboard["panels"].as_array().expect("panels");
+    assert!(!panels.is_empty());
+    let mut out = Vec::new();
+    for panel in panels {
+        let targets = panel["targets"].as_array().expect("targets");
+        assert!(!targets.is_empty(), "{panel}");
+        for target in targets {
+            let expr = target["expr"].as_str().expect("expr");
+            let metrics = queried(expr);
+            assert!(!metrics.is_empty(), "no drumline metric in {expr}");
+            out.extend(metrics.into_iter().map(|m| (m, expr.to_owned())));
+        }
+    }
+    out
+}
+
+/// Whether `metric` (a series name as queried: `_total`, `_bucket`, … included) is declared.
+fn declared(names: &BTreeSet<String>, metric: &str) -> bool {
+    let base = ["_total", "_bucket", "_sum", "_count"]
+        .iter()
+        .find_map(|s| metric.strip_suffix(s))
+        .unwrap_or(metric);
+    names.contains(metric) || names.contains(base)
+}
+
+#[test]
+fn the_dashboard_queries_only_metrics_drumline_exports() {
+    let env = setup("e2e_deploy_dashboard");
+    // A job that runs (published, runs, lag, run time) and one paused (dropped): a labelled
+    // family is exported once it has a series.
+    let cfg = Cfg::new()
+        .task("t", shell("true"))
+        .job("tick", every("1s").with("task", "\"t\""))
+        .job("held", every("1s").with("task", "\"t\""));
+    let cfg = env.write_config("drumline.toml", &cfg);
+    let cfg = cfg.to_str().unwrap();
+    let (status, _, stderr) = env.run("drumline", &["--config", cfg, "pause", "held"]);
+    assert!(status.success(), "{stderr}");
+    let (beat_args, beat_port) = with_metrics(&["--config", cfg]);
+    let beat_args: Vec<&str> = beat_args.iter().map(String::as_str).collect();
+    let mut beat = env.beat("beat", &beat_args);
+    let (worker_args, worker_port) = with_metrics(&["--config", cfg]);
+    let worker_args: Vec<&str> = worker_args.iter().map(String::as_str).collect();
+    let mut worker = env.worker("worker", &worker_args);
+    let queried = dashboard_metrics();
+    let names = || {
+        let mut names = exported(beat_port);
+        names.extend(exported(worker_port));
+        names
+    };
+    let missing = || -> Vec<(String, String)> {
+        let names = names();
+        queried
+            .iter()
+            .filter(|(m, _)| !declared(&names, m))
+            .cloned()
+            .collect()
+    };
+    assert!(
+        wait_until(Duration::from_secs(30), || missing().is_empty()),
+        "not exported: {:?}\nexported: {:?}",
+        missing(),
+        names()
+    );
+    worker.terminate(Duration::from_secs(10));
+    beat.terminate(Duration::from_secs(10));
+}
+
+#[test]
+fn under_systemd_a_worker_says_ready_and_pings_the_watchdog() {
+    use std::os::unix::net::UnixDatagram;
+    let env = setup("e2e_deploy_notify");
+    let cfg = env.write_config("drumline.toml", &Cfg::new().task("t", shell("true")));
+    let socket_path = env.path("notify.sock");
+    let socket = UnixDatagram::bind(&socket_path).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let notify = socket_path.to_str().unwrap();
+    let mut worker = env.worker_with_env(
+        "worker",
+        &["--config", cfg.to_str().unwrap()],
+        &[("NOTIFY_SOCKET", notify), ("WATCHDOG_USEC", "400000")],
+    );
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 256];
+    while !(seen.iter().any(|m| m == "READY=1") && seen.iter().any(|m| m == "WATCHDOG=1")) {
+        let n = socket.recv(&mut buf).unwrap_or_else(|e| {
+            panic!("{e}: only {seen:?}\n{}", worker.log_tail(20));
+        });
+        seen.push(String::from_utf8_lossy(&buf[..n]).trim().to_owned());
+    }
+    assert_eq!(seen[0], "READY=1", "{seen:?}");
+    worker.terminate(Duration::from_secs(10));
+}
