@@ -95,13 +95,17 @@ pub enum Command {
         max: usize,
     },
     /// Per job: schedule, next due, last published, last success/failure, running now, paused,
-    /// stale.
+    /// stale; with JOB or `--runs`, its recent runs (outcome, duration, error).
     Status {
-        /// Only this job.
+        /// Only this job, with its recent runs.
         job: Option<String>,
-        /// Machine-readable output: {leader, dead_letters, jobs: [...]}.
+        /// Machine-readable output: {leader, dead_letters, jobs: [...]}; every job carries its
+        /// recent runs.
         #[arg(long)]
         json: bool,
+        /// Also list each job's recent runs under the table (implied by JOB).
+        #[arg(long)]
+        runs: bool,
     },
 }
 
@@ -153,8 +157,8 @@ impl Command {
                 wait,
                 max,
             } => commands::backfill(&config, &job, (&from, &to), max, (dry_run, wait)).await,
-            Command::Status { job, json } => {
-                commands::show_status(&config, job.as_deref(), json).await
+            Command::Status { job, json, runs } => {
+                commands::show_status(&config, job.as_deref(), json, runs).await
             }
         }
     }

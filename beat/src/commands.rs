@@ -325,13 +325,20 @@ fn publish_failure(e: ClientError) -> Failure {
     }
 }
 
-/// `status`: per-job health read from Redis, for `job` or for every job.
-pub async fn show_status(config: &Config, job: Option<&str>, json: bool) -> Result<(), Failure> {
+/// `status`: per-job health read from Redis, for `job` or for every job; the table lists the
+/// recent runs with `runs` or for one `job`.
+pub async fn show_status(
+    config: &Config,
+    job: Option<&str>,
+    json: bool,
+    runs: bool,
+) -> Result<(), Failure> {
     let only = job.map(|name| find_job(config, name)).transpose()?;
     let report = status::read(config, only, Utc::now())
         .await
         .map_err(store_failure)?;
-    print_output(&report, json, status::table);
+    let runs = runs || only.is_some();
+    print_output(&report, json, |r| status::table_with(r, runs));
     Ok(())
 }
 

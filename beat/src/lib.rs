@@ -19,6 +19,7 @@ pub mod page;
 pub mod progress;
 pub mod publisher;
 pub mod queues;
+pub mod recent;
 pub mod reload;
 pub mod scheduler;
 pub mod stats;

@@ -288,6 +288,11 @@ span.flag.paused{color:#a60}\
 span.flag.stale{color:#a00}\
 tr.stale td{background:#fdecea}\
 tr.paused td{background:#fff6e0}\
+tr.runs>td{border-bottom:1px solid #ddd;padding:0 .45em .3em 1.5em}\
+summary{color:#555;cursor:pointer}\
+table.runs{margin:.2em 0 .3em}\
+table.runs td{white-space:normal}\
+.outcome.failed,.outcome.dead,.outcome.expired{color:#a00;font-weight:bold}\
 footer{margin-top:1em;color:#777;font-size:.85em}";
 
 /// The page's head and heading, down to the opening of the body's content.
@@ -406,6 +411,44 @@ fn row(job: &JobStatus, now: DateTime<Utc>) -> String {
     )
 }
 
+/// The row under a job's with its recent runs (docs/design.md#recent-runs) in a `<details>`,
+/// open when the last run failed; nothing for a job with none.
+fn runs_row(job: &JobStatus, now: DateTime<Utc>) -> String {
+    let Some(last) = job.recent.first() else {
+        return String::new();
+    };
+    let failed = matches!(last.outcome.as_str(), "failed" | "dead" | "expired");
+    let mut out = format!(
+        "<tr class=\"runs\" data-runs-of=\"{name}\"><td colspan=\"10\"><details{open}>\
+         <summary>Recent runs ({n}); last: <span class=\"outcome {outcome}\">{outcome}</span>\
+         </summary>\n<table class=\"runs\"><thead><tr><th>Key</th><th>Outcome</th>\
+         <th>Attempt</th><th>Started</th><th>Duration</th><th>Error</th></tr></thead><tbody>\n",
+        name = escape(&job.job),
+        open = if failed { " open" } else { "" },
+        n = job.recent.len(),
+        outcome = escape(&last.outcome),
+    );
+    for run in &job.recent {
+        let _ = writeln!(
+            out,
+            "<tr class=\"run\" data-key=\"{key}\"><td class=\"key\">{key}</td>\
+             <td class=\"outcome {outcome}\">{outcome}</td><td class=\"attempt num\">{attempt}</td>\
+             {started}<td class=\"duration num\">{duration}</td>\
+             <td class=\"error\">{error}</td></tr>",
+            key = escape(&run.key),
+            outcome = escape(&run.outcome),
+            attempt = run.attempt,
+            started = instant_cell("started", &run.started_at, now),
+            duration = run
+                .duration_ms
+                .map_or_else(|| "–".to_owned(), crate::recent::human_duration),
+            error = run.error.as_deref().map(escape).unwrap_or_default(),
+        );
+    }
+    out.push_str("</tbody></table></details></td></tr>\n");
+    out
+}
+
 /// Which jobs of how many are listed, with links to the windows before and after.
 fn shown(out: &mut String, status: &Status, window: Window) {
     let listed = status.jobs.len();
@@ -489,6 +532,7 @@ pub fn render(status: &Status, window: Window, namespace: &str, now: DateTime<Ut
     }
     for job in &status.jobs {
         out.push_str(&row(job, now));
+        out.push_str(&runs_row(job, now));
     }
     out.push_str("</tbody>\n</table>\n");
     workers_and_queues(&mut out, status);
@@ -584,6 +628,7 @@ mod tests {
             running: 2,
             paused: false,
             stale: false,
+            recent: vec![],
         }
     }
 
@@ -666,6 +711,46 @@ mod tests {
         // In config order.
         let at = |n: &str| page.find(&format!("data-job=\"{n}\"")).unwrap();
         assert!(at("heartbeat") < at("reports") && at("reports") < at("sync"));
+    }
+
+    #[test]
+    fn recent_runs_in_a_row_under_their_job_open_when_the_last_failed() {
+        let run = |outcome: &str, error: Option<&str>| crate::recent::RecentRun {
+            key: "heartbeat@2026-11-30T11:59:00Z".into(),
+            scheduled_for: "2026-11-30T11:59:00Z".into(),
+            outcome: outcome.into(),
+            attempt: 1,
+            worker: "w-1:77:abc".into(),
+            started_at: Some("2026-11-30T11:59:00.100Z".into()),
+            finished_at: "2026-11-30T11:59:01.600Z".into(),
+            duration_ms: Some(1500),
+            error: error.map(str::to_owned),
+        };
+        let mut s = status();
+        s.jobs[0].recent = vec![
+            run("dead", Some("exit code 1: <disk> full")),
+            run("done", None),
+        ];
+        s.jobs[1].recent = vec![run("done", None)];
+        let page = render(&s, Window::default(), "ns", now());
+        let start = page.find("data-runs-of=\"heartbeat\"").unwrap();
+        let runs = &page[start..start + page[start..].find("</details>").unwrap()];
+        assert!(runs.contains("<details open>"), "{runs}");
+        assert_eq!(runs.matches("<tr class=\"run\"").count(), 2);
+        assert!(
+            runs.contains("<td class=\"duration num\">1.5 s</td>"),
+            "{runs}"
+        );
+        assert!(runs.contains("<td class=\"error\">exit code 1: &lt;disk&gt; full</td>"));
+        assert!(runs.contains("<td class=\"outcome dead\">dead</td>"));
+        // Under its job's row, before the next job's.
+        assert!(page.find("data-job=\"heartbeat\"").unwrap() < start);
+        assert!(start < page.find("data-job=\"reports\"").unwrap());
+        let reports = page.find("data-runs-of=\"reports\"").unwrap();
+        assert!(
+            page[reports..].starts_with("data-runs-of=\"reports\"><td colspan=\"10\"><details>")
+        );
+        assert!(!page.contains("data-runs-of=\"sync\""), "no runs, no row");
     }
 
     #[test]

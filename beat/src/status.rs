@@ -6,6 +6,7 @@
 //! through one passive queue declare. The beat's status page ([`crate::page`]) builds the same
 //! document for a window of the jobs with [`read_window`].
 
+use crate::recent::RecentRun;
 use chrono::{DateTime, Utc};
 use drumline_shared::broker;
 use drumline_shared::config::{Config, Job};
@@ -52,6 +53,9 @@ pub struct JobStatus {
     /// No success within two periods (for cron, twice the gap between the two latest
     /// instants), for a job that has been published and has run records that old.
     pub stale: bool,
+    /// Its newest runs (at most [`drumline_shared::store::RECENT_RUNS`]), newest first
+    /// (docs/design.md#recent-runs).
+    pub recent: Vec<RecentRun>,
 }
 
 /// One work queue's line: ready messages and consumers (null when the broker did not say).
@@ -286,11 +290,30 @@ fn job_status(job: &Job, history: JobHistory, paused: bool, now: DateTime<Utc>) 
         running: history.running,
         paused,
         stale: is_stale(&job.schedule, now, last, success, first_seen),
+        recent: history.recent.into_iter().map(RecentRun::from).collect(),
     }
 }
 
-/// Renders the report as an aligned table.
+/// Renders the report as an aligned table: the jobs, each failed last run's error, then with
+/// `runs` each job's recent runs, then the workers and queues.
+pub fn table_with(status: &Status, runs: bool) -> String {
+    let mut out = jobs_table(status);
+    if runs {
+        for j in &status.jobs {
+            out.push_str(&crate::recent::table(&j.job, &j.recent));
+        }
+    }
+    out.push_str(&workers_table(status));
+    out
+}
+
+/// [`table_with`] without the recent runs.
 pub fn table(status: &Status) -> String {
+    table_with(status, false)
+}
+
+/// The leader, dead letters, jobs and last errors of the text report.
+fn jobs_table(status: &Status) -> String {
     let mut out = match &status.leader {
         Some(l) => format!(
             "leader: {} pid {} epoch {} since {}\n",
@@ -350,7 +373,6 @@ pub fn table(status: &Status) -> String {
             ));
         }
     }
-    out.push_str(&workers_table(status));
     out
 }
 
@@ -425,6 +447,7 @@ mod tests {
             running: 0,
             paused,
             stale,
+            recent: vec![],
         };
         let status = Status {
             leader: None,
@@ -473,6 +496,7 @@ mod tests {
                 running: 0,
                 paused: false,
                 stale: false,
+                recent: vec![],
             }],
             workers: vec![],
             queues: vec![],
@@ -490,6 +514,57 @@ mod tests {
         );
         status.jobs[0].last_error = None;
         assert!(!table(&status).contains("last error"));
+    }
+
+    #[test]
+    fn recent_runs_are_listed_only_when_asked() {
+        let record = drumline_shared::store::RunRecord {
+            key: "nightly@2026-03-08T07:00:00Z".into(),
+            scheduled_for: "2026-03-08T07:00:00Z".into(),
+            status: "failed".into(),
+            attempt: 0,
+            worker: "w".into(),
+            started_at: Some("2026-03-08T07:00:00Z".into()),
+            finished_at: "2026-03-08T07:00:00.250Z".into(),
+            error: Some("exit code 1".into()),
+        };
+        let mut status = Status {
+            leader: None,
+            dead_letters: Some(0),
+            total: 1,
+            jobs: vec![],
+            workers: vec![],
+            queues: vec![],
+        };
+        let mut job = JobStatus {
+            job: "nightly".into(),
+            schedule: "every 1s".into(),
+            timezone: "UTC".into(),
+            next_due: None,
+            last_published: None,
+            last_success: None,
+            last_failure: None,
+            last_error: None,
+            running: 0,
+            paused: false,
+            stale: false,
+            recent: vec![],
+        };
+        job.recent.push(record.into());
+        status.jobs.push(job);
+        assert!(!table(&status).contains("recent runs"));
+        let text = table_with(&status, true);
+        let at = text.find("recent runs of nightly:\n").unwrap();
+        assert!(at < text.find("workers:").unwrap(), "{text}");
+        let line = text[at..].lines().nth(2).unwrap();
+        assert!(
+            line.starts_with("nightly@2026-03-08T07:00:00Z  failed   0"),
+            "{line}"
+        );
+        assert!(line.ends_with("250 ms    exit code 1"), "{line}");
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["jobs"][0]["recent"][0]["duration_ms"], 250);
+        assert_eq!(json["jobs"][0]["recent"][0]["error"], "exit code 1");
     }
 
     #[test]

@@ -998,8 +998,9 @@ impl Store {
     }
 
     /// Per job, in `jobs` order, what `status` shows: progress, last success and failure,
-    /// instances running now, oldest run record. O(jobs), whatever the number of run records:
-    /// one pipelined round trip per [`HISTORY_TRIP`] jobs, no `SCAN`.
+    /// instances running now, the oldest and the [`RECENT_RUNS`] newest run records. O(jobs),
+    /// whatever the number of run records: one pipelined round trip per [`HISTORY_TRIP`] jobs,
+    /// no `SCAN`.
     pub async fn job_histories(&self, jobs: &[&str]) -> Result<Vec<JobHistory>, StoreError> {
         let mut conn = self.conn.clone();
         let mut out = Vec::with_capacity(jobs.len());
@@ -1011,7 +1012,7 @@ impl Store {
                     .get(self.names.last_success(job))
                     .get(self.names.last_failure(job))
                     .lindex(self.names.history(job), -1)
-                    .lindex(self.names.history(job), 0);
+                    .lrange(self.names.history(job), 0, RECENT_RUNS as isize - 1);
                 count.key(self.names.running(job));
             }
             // The script's reply comes last, after the five values of every job.
@@ -1031,7 +1032,7 @@ impl Store {
                 Option<String>,
                 Option<String>,
                 Option<String>,
-                Option<String>,
+                Vec<String>,
             );
             let rows: Vec<Row> = replies
                 .chunks(5)
@@ -1039,13 +1040,21 @@ impl Store {
                 .collect::<Result<_, _>>()?;
             let instant = |t: Option<String>| t.as_deref().and_then(parse_instant);
             out.extend(rows.into_iter().zip(running).map(
-                |((last, success, failure, oldest, newest), running)| JobHistory {
-                    last_published: instant(last),
-                    last_success: instant(success),
-                    last_failure: instant(failure),
-                    running,
-                    oldest: oldest.and_then(|text| serde_json::from_str(&text).ok()),
-                    newest: newest.and_then(|text| serde_json::from_str(&text).ok()),
+                |((last, success, failure, oldest, recent), running)| {
+                    JobHistory {
+                        last_published: instant(last),
+                        last_success: instant(success),
+                        last_failure: instant(failure),
+                        running,
+                        oldest: oldest.and_then(|text| serde_json::from_str(&text).ok()),
+                        newest: recent
+                            .first()
+                            .and_then(|text| serde_json::from_str(text).ok()),
+                        recent: recent
+                            .iter()
+                            .filter_map(|text| serde_json::from_str(text).ok())
+                            .collect(),
+                    }
                 },
             ));
         }
@@ -1077,6 +1086,10 @@ impl Store {
 /// Jobs per round trip in [`Store::job_histories`].
 pub const HISTORY_TRIP: usize = 500;
 
+/// Run records per job that [`Store::job_histories`] reads: the newest, for `status` and the
+/// status page (docs/design.md#recent-runs).
+pub const RECENT_RUNS: usize = 5;
+
 /// The leader lease, as the beat writes it (`{ns}:beat:leader`, JSON).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Leader {
@@ -1105,6 +1118,8 @@ pub struct JobHistory {
     pub oldest: Option<RunRecord>,
     /// The newest run record (unreadable: `None`): the job's last run, its error included.
     pub newest: Option<RunRecord>,
+    /// The [`RECENT_RUNS`] newest run records, newest first (unreadable ones left out).
+    pub recent: Vec<RunRecord>,
 }
 
 /// Reads the claim script's reply; `None` for anything it never returns.

@@ -910,6 +910,29 @@ async fn status_reads_success_failure_running_and_oldest_per_job() {
 }
 
 #[tokio::test]
+async fn status_reads_the_newest_runs_newest_first_at_most_recent_runs() {
+    let s = store("recent").await;
+    let retention = Duration::from_secs(60);
+    for i in 1..=8 {
+        let finished = format!("2026-03-08T07:00:0{i}Z");
+        s.record("j", &run(&format!("j@{i}"), "failed", &finished), retention)
+            .await
+            .unwrap();
+    }
+    s.record("k", &run("k@1", "done", "2026-03-08T07:00:09Z"), retention)
+        .await
+        .unwrap();
+    let h = s.job_histories(&["j", "k", "none"]).await.unwrap();
+    let keys = |i: usize| -> Vec<&str> { h[i].recent.iter().map(|r| r.key.as_str()).collect() };
+    assert_eq!(drumline_shared::store::RECENT_RUNS, 5);
+    assert_eq!(keys(0), ["j@8", "j@7", "j@6", "j@5", "j@4"]);
+    assert_eq!(h[0].newest.as_ref().map(|r| r.key.as_str()), Some("j@8"));
+    assert_eq!(h[0].oldest.as_ref().map(|r| r.key.as_str()), Some("j@1"));
+    assert_eq!(keys(1), ["k@1"]);
+    assert!(h[2].recent.is_empty() && h[2].newest.is_none());
+}
+
+#[tokio::test]
 async fn a_final_state_and_its_run_record_land_in_one_call_and_only_for_the_holder() {
     let s = store("finish_recorded").await;
     let retention = Duration::from_secs(60);
