@@ -708,3 +708,147 @@ async fn the_page_lists_at_most_limit_jobs_and_shows_the_total() {
     assert!(page.contains("data-job=\"j502\""));
     assert!(beat.terminate(Duration::from_secs(10)).success());
 }
+
+/// The recent runs of `job` in a status document (`status --json`, `/api/status`).
+fn recent<'d>(doc: &'d Value, job: &str) -> &'d [Value] {
+    doc["jobs"]
+        .as_array()
+        .and_then(|jobs| jobs.iter().find(|j| j["job"] == job))
+        .and_then(|j| j["recent"].as_array())
+        .map_or(&[], Vec::as_slice)
+}
+
+/// A run of the failing task as it must show: its outcome and attempt, a start, a duration of
+/// at least the task's 300 ms sleep, and the task's stderr in its error.
+fn shows_the_failure(run: &Value, outcome: &str, attempt: u64) -> bool {
+    run["outcome"] == outcome
+        && run["attempt"] == attempt
+        && run["started_at"].is_string()
+        && run["duration_ms"].as_u64() >= Some(300)
+        && run["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("disk full on /var/spool"))
+}
+
+/// A job that fails shows its recent runs — outcome, attempt, start, duration, error — in
+/// `status --json` (`recent`, newest first, at most 5), in `status JOB`'s table, in
+/// `/api/status` and on the page, in a detail row under the job (docs/design.md#recent-runs).
+// See: issues/20
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failing_job_shows_its_recent_runs_with_duration_and_error() {
+    let env = setup("e2e_page_runs");
+    let cfg_path = env.config(
+        "drumline.toml",
+        r#"
+[[jobs]]
+name = "spool-sweep"
+task = "sweep"
+every = "1s"
+
+[[jobs]]
+name = "quiet"
+task = "sweep"
+cron = "0 3 * * *"
+
+[tasks.sweep]
+command = ["/bin/sh", "-c", "sleep 0.3; echo 'disk full on /var/spool' >&2; exit 3"]
+max_retries = 1
+retry_base = "1s"
+"#,
+    );
+    let cfg = cfg_path.to_str().unwrap();
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    let port = unused_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut beat = env.beat("beat", &["--config", cfg, "--metrics-addr", &addr]);
+
+    // A first attempt that failed (retried) and a second that went to the dead letters.
+    let status_json = || {
+        let (status, stdout, stderr) = env.run("drumline", &["--config", cfg, "status", "--json"]);
+        assert!(status.success(), "{stderr}");
+        serde_json::from_str::<Value>(&stdout).unwrap()
+    };
+    let shown = wait_until(WAIT, || {
+        let doc = status_json();
+        let runs = recent(&doc, "spool-sweep");
+        runs.len() == 5
+            && runs.iter().any(|r| shows_the_failure(r, "failed", 0))
+            && runs.iter().any(|r| shows_the_failure(r, "dead", 1))
+    });
+    assert!(
+        shown,
+        "{}\n{}\n{}",
+        status_json(),
+        beat.log_tail(20),
+        worker.log_tail(20)
+    );
+    let doc = status_json();
+    let runs = recent(&doc, "spool-sweep");
+    let finished: Vec<&str> = runs
+        .iter()
+        .map(|r| r["finished_at"].as_str().unwrap())
+        .collect();
+    let mut newest_first = finished.clone();
+    newest_first.sort_by(|a, b| b.cmp(a));
+    assert_eq!(finished, newest_first, "newest first: {doc}");
+    assert!(runs
+        .iter()
+        .all(|r| r["key"].as_str().unwrap().starts_with("spool-sweep@")));
+    assert_eq!(recent(&doc, "quiet"), &[] as &[Value]);
+
+    // The table: none by default, the recent runs for one job.
+    let (_, table, _) = env.run("drumline", &["--config", cfg, "status"]);
+    assert!(!table.contains("recent runs of"), "{table}");
+    let (status, table, stderr) = env.run("drumline", &["--config", cfg, "status", "spool-sweep"]);
+    assert!(status.success(), "{stderr}");
+    let listed = table
+        .split("recent runs of spool-sweep:\n")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no recent runs in\n{table}"));
+    let lines: Vec<&str> = listed.lines().take_while(|l| !l.is_empty()).collect();
+    assert!(lines[0].starts_with("KEY") && lines[0].contains("DURATION"));
+    assert_eq!(lines.len(), 6, "{table}");
+    assert!(
+        lines[1..]
+            .iter()
+            .all(|l| l.starts_with("spool-sweep@") && l.contains("disk full on /var/spool")),
+        "{table}"
+    );
+
+    // /api/status carries the same runs; the page shows them under the job.
+    assert!(
+        wait_until(WAIT, || api_status(port).is_some_and(|api| {
+            recent(&api, "spool-sweep")
+                .iter()
+                .any(|r| shows_the_failure(r, "dead", 1))
+        })),
+        "{:?}",
+        http_get(port, "/api/status")
+    );
+    let dom = chromium(&env, &format!("http://{addr}/"), &["--dump-dom"]);
+    let start = dom
+        .find("data-runs-of=\"spool-sweep\"")
+        .unwrap_or_else(|| panic!("no recent runs row in\n{dom}"));
+    assert!(dom.find("data-job=\"spool-sweep\"").unwrap() < start);
+    let runs_row = &dom[start..start + dom[start..].find("</details>").unwrap()];
+    assert!(runs_row.contains("<details open"), "{runs_row}");
+    let rows: Vec<&str> = runs_row.split("<tr class=\"run\"").skip(1).collect();
+    assert_eq!(rows.len(), 5, "{runs_row}");
+    for run in &rows {
+        assert!(
+            cell(run, "error").contains("disk full on /var/spool"),
+            "{run}"
+        );
+        let duration = cell(run, "duration");
+        assert!(
+            duration.ends_with(" ms") || duration.ends_with(" s"),
+            "{run}"
+        );
+        assert!(datetime(run, "started").is_some(), "{run}");
+    }
+    assert!(rows.iter().any(|r| cell(r, "outcome") == "dead"));
+    assert!(!dom.contains("data-runs-of=\"quiet\""), "{dom}");
+
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(30)).success());
+}
