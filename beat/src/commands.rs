@@ -25,10 +25,12 @@ pub async fn run(config: Config, metrics_addr: Option<SocketAddr>) -> Result<(),
         drumline_shared::process_metrics::register(&mut registry, "beat");
         let queues = crate::queues::QueueGauges::default();
         queues.register(&mut registry);
-        queues.spawn_refresh(config.clone());
+        // One broker connection for the page's counts and the queue gauges.
+        let counts = std::sync::Arc::new(crate::dead_letters::DeadLetters::new(config.clone()));
+        queues.spawn_refresh(counts.clone());
         let health_stats = stats.clone();
         let health = std::sync::Arc::new(move || health_stats.health());
-        let page = page::routes(config.clone());
+        let page = page::routes(config.clone(), counts);
         drumline_shared::metrics::serve_with(addr, registry, health, page)
             .await
             .map_err(|e| Failure::usage(format!("--metrics-addr {addr}: {e}")))?;

@@ -51,6 +51,11 @@ impl DeadLetters {
         }
     }
 
+    /// The logical queues whose counts [`Self::count`] reads, in its order.
+    pub fn queues(&self) -> &[String] {
+        &self.queues
+    }
+
     /// The messages in `{ns}.dead` and the queues' counts as read at most [`FRESH_FOR`] ago,
     /// or unknown (logged) when the broker could not say within [`READ_WAIT`]. A caller that
     /// finds a read under way waits for it and takes its answer.

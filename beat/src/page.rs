@@ -68,10 +68,11 @@ impl Page {
 
 /// The routes `/` and `/api/status` for `config`, to hand to
 /// [`drumline_shared::metrics::serve_with`]; starts following SIGHUP (call it inside the
-/// runtime).
-pub fn routes(config: Arc<Config>) -> Router {
+/// runtime). `dead_letters` is the one broker connection the page reads counts through, shared
+/// with the queue gauges.
+pub fn routes(config: Arc<Config>, dead_letters: Arc<DeadLetters>) -> Router {
     let page = Page {
-        dead_letters: Arc::new(DeadLetters::new(config.clone())),
+        dead_letters,
         config: Arc::new(RwLock::new(config)),
         store: Arc::new(OnceCell::new()),
         renders: Arc::new(Semaphore::new(MAX_RENDERS)),

@@ -1,11 +1,12 @@
 //! The queue gauges on the beat's `/metrics`: `drumline_queue_depth{queue}` (ready messages)
 //! and `drumline_queue_consumers{queue}` of every queue the config names (its jobs' queues and
-//! `[worker] queues`), read from the broker every [`REFRESH`] by a passive declare each
+//! `[worker] queues`), read from the broker every [`REFRESH`] by a passive declare each, on the
+//! status page's connection
 //! (docs/design.md#queues-and-workers).
 
+use crate::dead_letters::DeadLetters;
 use drumline_shared::broker;
 use drumline_shared::config::Config;
-use drumline_shared::names::Names;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -45,17 +46,21 @@ impl QueueGauges {
         );
     }
 
-    /// Reads the counts of `config`'s queues every [`REFRESH`], in the background, for as long
-    /// as the process runs; a failed read is logged and the gauges keep their last values.
-    pub fn spawn_refresh(&self, config: std::sync::Arc<Config>) -> tokio::task::JoinHandle<()> {
+    /// Reads the counts of the configured queues every [`REFRESH`], in the background, for as
+    /// long as the process runs, through `counts`: the connection the status page reads through
+    /// too, so the page and the gauges hold one broker connection between them
+    /// (docs/design.md#bounded-work). An unknown count leaves the gauges at their last values.
+    pub fn spawn_refresh(
+        &self,
+        counts: std::sync::Arc<DeadLetters>,
+    ) -> tokio::task::JoinHandle<()> {
         let gauges = self.clone();
         tokio::spawn(async move {
-            let names = Names::new(config.namespace.clone());
-            let queues = queues_of(&config);
+            let queues = counts.queues().to_vec();
             loop {
-                match broker::queue_counts(&config, &names, &queues).await {
-                    Ok(counts) => gauges.set(&queues, &counts),
-                    Err(e) => tracing::debug!(error = %e, "queue gauges not refreshed"),
+                let read = counts.count().await;
+                if read.queues.len() == queues.len() {
+                    gauges.set(&queues, &read.queues);
                 }
                 tokio::time::sleep(REFRESH).await;
             }

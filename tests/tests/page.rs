@@ -744,6 +744,8 @@ async fn a_failing_job_shows_its_recent_runs_with_duration_and_error() {
 name = "spool-sweep"
 task = "sweep"
 every = "1s"
+# Each instance's retry overlaps the next instance: let both run, so every run shows the failure.
+overlap = "allow"
 
 [[jobs]]
 name = "quiet"
