@@ -304,7 +304,7 @@ async fn store(config: &Config) -> Result<Store, Failure> {
     let names = Names::new(config.namespace.clone());
     Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names)
         .await
-        .map(|store| store.with_wait(config.redis_wait))
+        .map(|store| store.with_wait(config.redis_wait).with_journal(config.journal))
         .map_err(store_failure)
 }
 
