@@ -54,9 +54,15 @@ pub async fn write(store: &Store, term: &Term, entries: &[LeaderEntry]) {
     if entries.is_empty() {
         return;
     }
-    match store.journal_leader(term.token(), term.epoch, entries).await {
+    match store
+        .journal_leader(term.token(), term.epoch, entries)
+        .await
+    {
         Ok(true) => {}
-        Ok(false) => warn!(entries = entries.len(), "not journaled: this beat no longer leads"),
+        Ok(false) => warn!(
+            entries = entries.len(),
+            "not journaled: this beat no longer leads"
+        ),
         Err(e) => warn!(error = %e, entries = entries.len(), "could not append to the journal"),
     }
 }
@@ -80,6 +86,9 @@ mod tests {
         let entries = dropped(&j, &plan);
         assert_eq!(entries.len(), 2);
         assert_eq!(entries[0].reason, "paused");
-        assert_eq!(entries[0].key, instance_key(&j.name, at("2026-01-01T00:01:00Z")));
+        assert_eq!(
+            entries[0].key,
+            instance_key(&j.name, at("2026-01-01T00:01:00Z"))
+        );
     }
 }

@@ -8,6 +8,7 @@
 //! [`drumline_shared::schedule`].
 
 pub mod adhoc;
+pub mod audit;
 pub mod cli;
 pub mod commands;
 pub mod dead_letters;
@@ -18,9 +19,11 @@ pub mod next;
 pub mod operate;
 pub mod page;
 pub mod progress;
+pub mod prove;
 pub mod publisher;
 pub mod queues;
 pub mod reload;
 pub mod scheduler;
 pub mod stats;
 pub mod status;
+pub mod verify;

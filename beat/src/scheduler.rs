@@ -862,7 +862,11 @@ async fn advance(
             let (job, state) = (&jobs[due.job], &mut states[due.job]);
             let envelopes = &sent.envelopes[span.clone()];
             let confirmed = record_confirmed(job, state, due, envelopes, results, stats);
-            published.extend(envelopes[..confirmed.0].iter().map(|e| journal::published(&e.key)));
+            published.extend(
+                envelopes[..confirmed.0]
+                    .iter()
+                    .map(|e| journal::published(&e.key)),
+            );
             stalls[*p] = confirmed.1;
         }
     }

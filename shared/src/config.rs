@@ -702,7 +702,11 @@ fn check_journal(fail: &Failer, j: &RawJournal) -> Result<JournalConfig, ConfigE
     let max_len = match j.max_len {
         None => DEFAULT_JOURNAL_MAX_LEN,
         Some(n) => u64::try_from(n).ok().filter(|n| *n >= 1).ok_or_else(|| {
-            fail.at(Some("[journal]"), "max_len", format!("must be at least 1, not {n}"))
+            fail.at(
+                Some("[journal]"),
+                "max_len",
+                format!("must be at least 1, not {n}"),
+            )
         })?,
     };
     Ok(JournalConfig {

@@ -24,8 +24,8 @@ mod workers;
 
 pub use crate::run::{Claim, Ending, Final, RunState, WaitReplicas};
 pub use conn::Conn;
-pub use journal::{JournalEntry, LeaderEntry};
 use journal::JOURNAL;
+pub use journal::{JournalEntry, LeaderEntry};
 /// The Lua that formats Redis `TIME` as RFC 3339 for the leader lease's `since`: public only
 /// so `shared/tests/store.rs` can run it against chrono across the calendar.
 #[doc(hidden)]
