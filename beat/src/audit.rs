@@ -236,7 +236,7 @@ pub fn classify(t: DateTime<Utc>, key: String, facts: &Facts<'_>) -> Row {
             None,
         )
     } else if facts.decided {
-        let why = "decided by the beat, but no journal entry, run record or state";
+        let why = "decided, but no journal entry, run record or state";
         (Class::Missed, Some(why.to_owned()))
     } else {
         (
