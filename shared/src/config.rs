@@ -1816,6 +1816,32 @@ mod tests {
     }
 
     #[test]
+    fn the_journal_is_on_for_a_week_by_default_and_checked() {
+        assert_eq!(parse("").unwrap().journal, JournalConfig::default());
+        assert!(JournalConfig::default().enabled);
+        let c = parse("[journal]\nenabled = false\nkeep = \"1h\"\nmax_len = 500\n").unwrap();
+        assert_eq!(
+            (c.journal.enabled, c.journal.keep, c.journal.max_len),
+            (false, Duration::from_secs(3600), 500)
+        );
+        for (text, key) in [
+            ("[journal]\nkeep = \"0s\"\n", "keep"),
+            ("[journal]\nmax_len = 0\n", "max_len"),
+        ] {
+            let e = parse(text).unwrap_err();
+            assert_eq!(
+                (e.place.as_deref(), e.key.as_deref()),
+                (Some("[journal]"), Some(key)),
+                "{text}: {e}"
+            );
+        }
+        assert!(
+            parse("[journal]\nsize = 1\n").is_err(),
+            "unknown keys are refused"
+        );
+    }
+
+    #[test]
     fn urls_are_checked_at_load_without_echoing_them() {
         let e = parse("[broker]\nurl = \"amqp:u:s3cret@h\"\n").unwrap_err();
         assert_eq!(
