@@ -2,7 +2,7 @@
 //! ([`Command::run`]): `drumline-beat` and the one `drumline` command both flatten this enum, so
 //! a command added here appears in both (docs/design.md#one-command-for-operators).
 
-use crate::{adhoc, commands};
+use crate::{adhoc, commands, prove};
 use clap::Subcommand;
 use drumline_shared::config::Config;
 use drumline_shared::exit::Failure;
@@ -107,6 +107,31 @@ pub enum Command {
         #[arg(long)]
         runs: bool,
     },
+    /// A job's expected instants and what became of each (ran, retried, dead, skipped,
+    /// expired, pending, MISSED, DOUBLED), from the journal and the run records.
+    Audit {
+        /// The job.
+        job: String,
+        /// First instant (RFC 3339) [default: 24 h before --to].
+        #[arg(long)]
+        from: Option<String>,
+        /// Last instant (RFC 3339) [default: now].
+        #[arg(long)]
+        to: Option<String>,
+        /// Machine-readable output: {job, from, to, instants: [...]}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check every instance and ad-hoc key of the window against the promise: exit 0 when it
+    /// holds, 1 with each violation (key, rule, evidence).
+    Verify {
+        /// How far back (e.g. "1h", "30m").
+        #[arg(long, value_parser = parse_duration, default_value = "1h")]
+        since: std::time::Duration,
+        /// Machine-readable output: {since, checked, holds, violations: [...]}.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `--delay`, `--expires`: a duration like `30s` or `10m`.
@@ -160,6 +185,13 @@ impl Command {
             Command::Status { job, json, runs } => {
                 commands::show_status(&config, job.as_deref(), json, runs).await
             }
+            Command::Audit {
+                job,
+                from,
+                to,
+                json,
+            } => prove::audit(&config, &job, (from.as_deref(), to.as_deref()), json).await,
+            Command::Verify { since, json } => prove::verify(&config, since, json).await,
         }
     }
 }

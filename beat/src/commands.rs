@@ -295,18 +295,22 @@ async fn wait_finished(config: &Config, keys: &[String]) -> Result<(), Failure> 
 }
 
 /// An RFC 3339 instant given as `flag`.
-fn instant_arg(flag: &str, text: &str) -> Result<DateTime<Utc>, Failure> {
+pub(crate) fn instant_arg(flag: &str, text: &str) -> Result<DateTime<Utc>, Failure> {
     DateTime::parse_from_rfc3339(text)
         .map(|t| t.with_timezone(&Utc))
         .map_err(|e| Failure::usage(format!("{flag} {text:?} is not an RFC 3339 instant ({e})")))
 }
 
 /// A store on the config's Redis, or the failure to say.
-async fn store(config: &Config) -> Result<Store, Failure> {
+pub(crate) async fn store(config: &Config) -> Result<Store, Failure> {
     let names = Names::new(config.namespace.clone());
     Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names)
         .await
-        .map(|store| store.with_wait(config.redis_wait))
+        .map(|store| {
+            store
+                .with_wait(config.redis_wait)
+                .with_journal(config.journal)
+        })
         .map_err(store_failure)
 }
 
@@ -358,7 +362,7 @@ fn print_output<T: Serialize + ?Sized>(value: &T, json: bool, table: impl Fn(&T)
 
 /// The job named `name`, or a usage failure naming a few of the jobs there are (a config can
 /// hold 100,000: name ten, not all).
-fn find_job<'c>(config: &'c Config, name: &str) -> Result<&'c Job, Failure> {
+pub(crate) fn find_job<'c>(config: &'c Config, name: &str) -> Result<&'c Job, Failure> {
     if let Some(job) = config.job(name) {
         return Ok(job);
     }

@@ -8,15 +8,18 @@
 //! [`drumline_shared::schedule`].
 
 pub mod adhoc;
+pub mod audit;
 pub mod cli;
 pub mod commands;
 pub mod dead_letters;
+pub mod journal;
 pub mod leader;
 pub mod misfire;
 pub mod next;
 pub mod operate;
 pub mod page;
 pub mod progress;
+pub mod prove;
 pub mod publisher;
 pub mod queues;
 pub mod recent;
@@ -24,3 +27,4 @@ pub mod reload;
 pub mod scheduler;
 pub mod stats;
 pub mod status;
+pub mod verify;

@@ -20,6 +20,7 @@
 //! before the first confirm is awaited, and the batch's progress is written in one Redis round
 //! trip, so a batch costs a few round trips rather than two per message.
 
+use crate::journal;
 use crate::leader::{Leadership, Term};
 use crate::misfire::{self, plan, Plan};
 use crate::progress::{self, progress_after};
@@ -377,6 +378,7 @@ fn reload(config: &Config) -> Option<Arc<Config>> {
                 redis_wait: config.redis_wait,
                 beat: config.beat.clone(),
                 worker: config.worker.clone(),
+                journal: config.journal,
             }))
         }
         Err(e) => {
@@ -837,6 +839,11 @@ async fn advance(
     term: &Term,
 ) -> Result<Vec<Option<Stall>>, BrokerError> {
     let mut stalls: Vec<Option<Stall>> = vec![None; batch.len()];
+    let drops: Vec<_> = batch
+        .iter()
+        .flat_map(|due| journal::dropped(&jobs[due.job], &due.plan))
+        .collect();
+    journal::write(store, term, &drops).await;
     settle_drops(jobs, states, batch, stats);
     let unsaved: Vec<usize> = (0..batch.len())
         .filter(|p| states[batch[*p].job].to_write())
@@ -847,15 +854,23 @@ async fn advance(
     let outcomes = publish(publisher, &sent, &mut stalls, term).await?;
     // `outcomes` is in `envelopes` order: each job's run of them, in `spans` order.
     let mut outcomes = outcomes.into_iter();
+    let mut published = Vec::new();
     for (p, span) in &sent.spans {
         let results: Vec<Result<(), BrokerError>> = outcomes.by_ref().take(span.len()).collect();
         if stalls[*p].is_none() {
             let due = &batch[*p];
             let (job, state) = (&jobs[due.job], &mut states[due.job]);
             let envelopes = &sent.envelopes[span.clone()];
-            stalls[*p] = record_confirmed(job, state, due, envelopes, results, stats);
+            let confirmed = record_confirmed(job, state, due, envelopes, results, stats);
+            published.extend(
+                envelopes[..confirmed.0]
+                    .iter()
+                    .map(|e| journal::published(&e.key)),
+            );
+            stalls[*p] = confirmed.1;
         }
     }
+    journal::write(store, term, &published).await;
 
     // One round trip for the whole batch's progress, including jobs that stalled on a publish
     // after some of their instants were confirmed.
@@ -949,8 +964,8 @@ async fn publish(
 }
 
 /// Moves one job's progress to the newest instant of its contiguous confirmed prefix
-/// ([`progress_after`]) and counts and logs what that records as published. Returns the
-/// job's stall when one of its messages failed.
+/// ([`progress_after`]) and counts and logs what that records as published. Returns how many
+/// of `envelopes` that records, and the job's stall when one of its messages failed.
 fn record_confirmed(
     job: &Job,
     state: &mut JobState,
@@ -958,7 +973,7 @@ fn record_confirmed(
     envelopes: &[Envelope],
     results: Vec<Result<(), BrokerError>>,
     stats: &BeatStats,
-) -> Option<Stall> {
+) -> (usize, Option<Stall>) {
     let confirmed: Vec<bool> = results.iter().map(Result::is_ok).collect();
     let whole = due.take == due.plan.publish.len();
     let (to, recorded) = progress_after(
@@ -975,10 +990,12 @@ fn record_confirmed(
         state.last = to;
         state.unsaved = true;
     }
-    match results.into_iter().find_map(Result::err)? {
-        BrokerError::Withdrawn => Some(Stall::NotLeading),
-        failed => Some(Stall::Publish(Arc::new(failed))),
-    }
+    let stall = match results.into_iter().find_map(Result::err) {
+        None => None,
+        Some(BrokerError::Withdrawn) => Some(Stall::NotLeading),
+        Some(failed) => Some(Stall::Publish(Arc::new(failed))),
+    };
+    (recorded, stall)
 }
 
 /// Writes the progress of the batch's jobs at positions `which`; a job whose write fails
@@ -1076,6 +1093,7 @@ async fn connect_redis(config: &Config) -> Store {
     })
     .await
     .with_wait(config.redis_wait)
+    .with_journal(config.journal)
 }
 
 #[cfg(test)]

@@ -126,6 +126,8 @@ pub struct Config {
     pub beat: BeatConfig,
     /// `[worker]`.
     pub worker: WorkerConfig,
+    /// `[journal]`: the fate decisions kept in `{ns}:journal` (docs/design.md#journal).
+    pub journal: JournalConfig,
     /// `[[jobs]]`, in file order.
     pub jobs: Vec<Job>,
     /// `[tasks.*]`, by name.
@@ -151,6 +153,7 @@ impl Config {
             ),
             ("[beat]", self.beat != new.beat),
             ("[worker]", self.worker != new.worker),
+            ("[journal]", self.journal != new.journal),
         ]
         .into_iter()
         .filter_map(|(what, changed)| changed.then_some(what))
@@ -189,6 +192,30 @@ pub struct WorkerConfig {
     /// `DRUMLINE_AMQP_URL` and `DRUMLINE_REDIS_URL` (always removed). Default none.
     pub env_remove: Vec<String>,
 }
+
+/// `[journal]` settings: the stream `{ns}:journal` of fate decisions (docs/design.md#journal).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JournalConfig {
+    /// Whether the workers' scripts and the leader append to it. Default `true`.
+    pub enabled: bool,
+    /// Entries older than this are trimmed (by `MINID`, against Redis `TIME`). Default 7 d.
+    pub keep: Duration,
+    /// At most about this many entries are kept (`MAXLEN ~`). Default 10,000,000.
+    pub max_len: u64,
+}
+
+impl Default for JournalConfig {
+    fn default() -> Self {
+        JournalConfig {
+            enabled: true,
+            keep: Duration::from_secs(7 * 86_400),
+            max_len: DEFAULT_JOURNAL_MAX_LEN,
+        }
+    }
+}
+
+/// `[journal] max_len`'s default.
+pub const DEFAULT_JOURNAL_MAX_LEN: u64 = 10_000_000;
 
 /// What to do when a job's previous instance still runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -336,6 +363,8 @@ struct RawConfig<J, T> {
     beat: RawBeat,
     #[serde(default)]
     worker: RawWorker,
+    #[serde(default)]
+    journal: RawJournal,
     /// `None` when the file has no `[[jobs]]` (and, in the rest of a cut file, must be).
     jobs: Option<Vec<J>>,
     #[serde(default = "BTreeMap::new")]
@@ -357,6 +386,14 @@ struct RawRedis {
 struct RawBeat {
     leader_lease: Option<String>,
     misfire_threshold: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawJournal {
+    enabled: Option<bool>,
+    keep: Option<String>,
+    max_len: Option<i64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -537,6 +574,7 @@ impl Config {
             namespace,
             beat,
             worker,
+            journal,
             tasks,
             broker: raw_broker,
             redis: raw_redis,
@@ -566,6 +604,7 @@ impl Config {
             redis_ca_file: fail.ca_file("[redis]", raw_redis.ca_file)?,
             beat,
             worker,
+            journal,
             jobs,
             tasks,
         })
@@ -654,6 +693,26 @@ fn check_beat(fail: &Failer, b: &RawBeat) -> Result<BeatConfig, ConfigError> {
     Ok(BeatConfig {
         leader_lease,
         misfire_threshold: duration("misfire_threshold", &b.misfire_threshold, 5)?,
+    })
+}
+
+/// The `[journal]` section.
+fn check_journal(fail: &Failer, j: &RawJournal) -> Result<JournalConfig, ConfigError> {
+    let keep = fail.duration("[journal]", "keep", &j.keep, 7 * 86_400, Zero::Refused)?;
+    let max_len = match j.max_len {
+        None => DEFAULT_JOURNAL_MAX_LEN,
+        Some(n) => u64::try_from(n).ok().filter(|n| *n >= 1).ok_or_else(|| {
+            fail.at(
+                Some("[journal]"),
+                "max_len",
+                format!("must be at least 1, not {n}"),
+            )
+        })?,
+    };
+    Ok(JournalConfig {
+        enabled: j.enabled.unwrap_or(true),
+        keep,
+        max_len,
     })
 }
 
@@ -753,6 +812,7 @@ struct Prefix {
     namespace: String,
     beat: BeatConfig,
     worker: WorkerConfig,
+    journal: JournalConfig,
     tasks: BTreeMap<String, Task>,
     broker: RawBroker,
     redis: RawRedis,
@@ -764,11 +824,13 @@ fn check_prefix<J>(fail: &Failer, raw: RawConfig<J, RawTask>) -> Result<Prefix, 
     check_name(&namespace).map_err(|m| fail.at(None, "namespace", format!("{namespace:?} {m}")))?;
     let beat = check_beat(fail, &raw.beat)?;
     let worker = check_worker(fail, raw.worker)?;
+    let journal = check_journal(fail, &raw.journal)?;
     let tasks = check_tasks(fail, raw.tasks)?;
     Ok(Prefix {
         namespace,
         beat,
         worker,
+        journal,
         tasks,
         broker: raw.broker,
         redis: raw.redis,
@@ -1751,6 +1813,32 @@ mod tests {
                 "{text}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn the_journal_is_on_for_a_week_by_default_and_checked() {
+        assert_eq!(parse("").unwrap().journal, JournalConfig::default());
+        assert!(JournalConfig::default().enabled);
+        let c = parse("[journal]\nenabled = false\nkeep = \"1h\"\nmax_len = 500\n").unwrap();
+        assert_eq!(
+            (c.journal.enabled, c.journal.keep, c.journal.max_len),
+            (false, Duration::from_secs(3600), 500)
+        );
+        for (text, key) in [
+            ("[journal]\nkeep = \"0s\"\n", "keep"),
+            ("[journal]\nmax_len = 0\n", "max_len"),
+        ] {
+            let e = parse(text).unwrap_err();
+            assert_eq!(
+                (e.place.as_deref(), e.key.as_deref()),
+                (Some("[journal]"), Some(key)),
+                "{text}: {e}"
+            );
+        }
+        assert!(
+            parse("[journal]\nsize = 1\n").is_err(),
+            "unknown keys are refused"
+        );
     }
 
     #[test]

@@ -141,6 +141,12 @@ impl Names {
         format!("{}:job:{job}:running", self.ns)
     }
 
+    /// `{ns}:journal` — the stream of fate decisions: claims, outcomes, what the leader
+    /// published or dropped (docs/design.md#journal).
+    pub fn journal(&self) -> String {
+        format!("{}:journal", self.ns)
+    }
+
     /// `{ns}:waiters:{job}` — copies of the job's instances waiting for its overlap lock, in
     /// arrival order; the worker that releases the lock publishes the first again
     /// (docs/design.md#waiting-copies-wake-up).

@@ -4,6 +4,7 @@
 //! to the systems they write, which reject writes with an older fence).
 
 use crate::backoff::Backoff;
+use crate::config::JournalConfig;
 use crate::envelope::parse_instant;
 use crate::names::Names;
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -15,6 +16,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 mod conn;
+mod journal;
 mod leader;
 mod operate;
 mod rules;
@@ -22,6 +24,8 @@ mod workers;
 
 pub use crate::run::{Claim, Ending, Final, RunState, WaitReplicas};
 pub use conn::Conn;
+use journal::JOURNAL;
+pub use journal::{JournalEntry, LeaderEntry};
 /// The Lua that formats Redis `TIME` as RFC 3339 for the leader lease's `since`: public only
 /// so `shared/tests/store.rs` can run it against chrono across the calendar.
 #[doc(hidden)]
@@ -270,16 +274,20 @@ end
 // taken over with a new fence. Only a granted claim enters the running set.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     keeping_running_set(&format!(
-        "{LEASE}{}",
+        "{LEASE}{JOURNAL}{}",
         r#"
 local now = now_ms()
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'done' or state == 'skipped' or state == 'dead' then
+  jot('duplicate', ARGV[3], ARGV[1], ARGV[2], 'r', state)
   return {'duplicate', state}
 end
 if state == 'running' or state == 'retrying' then
   local recorded = tonumber(redis.call('HGET', KEYS[1], 'attempt')) or 0
-  if tonumber(ARGV[3]) < recorded then return {'duplicate', state} end
+  if tonumber(ARGV[3]) < recorded then
+    jot('duplicate', ARGV[3], ARGV[1], ARGV[2], 'r', state)
+    return {'duplicate', state}
+  end
 end
 if state == 'running' then
   local left = lease_left(KEYS[1], now)
@@ -288,7 +296,10 @@ if state == 'running' then
     return {'busy', tostring(left), tonumber(ARGV[3]) > recorded and '1' or '0'}
   end
 end
-if ARGV[8] == '1' then return {'expired'} end
+if ARGV[8] == '1' then
+  jot('expired', ARGV[3], ARGV[1], ARGV[2])
+  return {'expired'}
+end
 if ARGV[5] ~= 'allow' then
   local holder = redis.call('HGET', KEYS[3], 'key')
   if holder and holder ~= ARGV[7] then
@@ -297,6 +308,7 @@ if ARGV[5] ~= 'allow' then
       redis.call('HSET', KEYS[1], 'state', 'skipped', 'worker', ARGV[2], 'attempt', ARGV[3],
         'overlapped', holder, 'at', math.floor(now / 1000))
       redis.call('PEXPIRE', KEYS[1], ARGV[6])
+      jot('skipped', ARGV[3], ARGV[1], ARGV[2], 'r', 'overlap', 'by', holder)
       return {'skipped', holder}
     end
     local ttl = redis.call('PTTL', KEYS[3])
@@ -316,6 +328,7 @@ if ARGV[5] ~= 'allow' then
   redis.call('PEXPIRE', KEYS[3], ARGV[4])
 end
 if ARGV[9] == '1' then mark_running(KEYS[4], ARGV[7], ARGV[4]) end
+jot(state == 'running' and 'takeover' or 'claim', ARGV[3], ARGV[1], ARGV[2], 'f', fence)
 return {'claimed', tostring(fence)}
 "#
     ))
@@ -377,9 +390,9 @@ if ARGV[2] ~= '' and (ours or redis.call('EXISTS', KEYS[1]) == 0) then
 end
 "#;
 
-/// A script that starts with [`END_CLAIM`] and goes on with `body`.
+/// A script that starts with [`JOURNAL`] and [`END_CLAIM`] and goes on with `body`.
 fn ending_claim(body: &str) -> Script {
-    Script::new(&format!("{END_CLAIM}{body}"))
+    Script::new(&format!("{JOURNAL}{END_CLAIM}{body}"))
 }
 
 // FINISH (the shared KEYS[1..4] and ARGV[1..2] above, then:)
@@ -403,6 +416,8 @@ if holds or redis.call('EXISTS', KEYS[1]) == 0 then
     'at', redis.call('TIME')[1])
   redis.call('HDEL', KEYS[1], 'lease_until')
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  jot(ARGV[3] == 'done' and 'success' or 'dead', redis.call('HGET', KEYS[1], 'attempt'),
+    ARGV[1], redis.call('HGET', KEYS[1], 'worker'))
   if ARGV[5] ~= '' then
     redis.call('LPUSH', KEYS[5], ARGV[5])
     redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[6]) - 1)
@@ -434,6 +449,8 @@ if ours and redis.call('HGET', KEYS[1], 'state') == 'retrying'
   return {2, woken}
 end
 if not holds then return {0, woken} end
+jot('retry', redis.call('HGET', KEYS[1], 'attempt'), ARGV[1], redis.call('HGET', KEYS[1], 'worker'),
+  'next', ARGV[3])
 redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[3],
   'at', redis.call('TIME')[1])
 redis.call('HDEL', KEYS[1], 'lease_until')
@@ -452,6 +469,8 @@ static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     ending_claim(
         r#"
 if ours then
+  jot('release', redis.call('HGET', KEYS[1], 'attempt'), ARGV[1],
+    redis.call('HGET', KEYS[1], 'worker'))
   redis.call('HSET', KEYS[1], 'lease_until', 0)
   redis.call('HDEL', KEYS[1], 'token')
   return {1, woken}
@@ -534,6 +553,8 @@ pub struct Store {
     names: Names,
     /// `[redis] wait_replicas` and `wait_timeout`: durable writes wait for this many replicas.
     wait: Option<(u32, Duration)>,
+    /// `[journal]`: whether and how long the fate-deciding scripts journal.
+    journal: JournalConfig,
 }
 
 impl Store {
@@ -556,6 +577,7 @@ impl Store {
                 conn,
                 names,
                 wait: None,
+                journal: JournalConfig::default(),
             });
         }
         let client = match ca_file {
@@ -581,6 +603,7 @@ impl Store {
             conn: Conn::plain(conn),
             names,
             wait: None,
+            journal: JournalConfig::default(),
         })
     }
 
@@ -699,6 +722,7 @@ impl Store {
             .arg(key)
             .arg(if expired { "1" } else { "0" })
             .arg(if job.is_some() { "1" } else { "0" });
+        self.journal_tail(&mut call, key);
         // Waited for like an outcome: a claim only a cut-off primary knows is no claim.
         let reply: Vec<String> = self.durable(&CLAIM, &call).await?;
         parse_claim(&reply)
@@ -754,6 +778,7 @@ impl Store {
             Ending::Retry { next_attempt } => {
                 let mut call = self.holder_call(&RETRY, key, job, token);
                 call.arg((next_attempt, retention_ms));
+                self.journal_tail(&mut call, key);
                 Ended::read(self.durable(&RETRY, &call).await?)
             }
         }
@@ -796,6 +821,7 @@ impl Store {
                 call.arg("");
             }
         }
+        self.journal_tail(&mut call, key);
         Ended::read(self.durable(&FINISH, &call).await?)
     }
 
@@ -827,7 +853,8 @@ impl Store {
         job: Option<&str>,
         token: &str,
     ) -> Result<Ended, StoreError> {
-        let call = self.holder_call(&RELEASE, key, job, token);
+        let mut call = self.holder_call(&RELEASE, key, job, token);
+        self.journal_tail(&mut call, key);
         Ended::read(call.invoke_async(&mut self.conn.clone()).await?)
     }
 

@@ -1033,3 +1033,51 @@ async fn the_scripts_rfc3339_matches_chrono_across_the_calendar() {
         assert_eq!(formatted, text, "{ms}");
     }
 }
+
+#[tokio::test]
+async fn each_decision_is_journaled_by_its_own_script_and_none_when_off() {
+    let s = store("journal").await;
+    s.claim(&req("k", "a", OverlapMode::Allow)).await.unwrap();
+    s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap(); // busy: not a decision
+    let retry = Ending::Retry { next_attempt: 1 };
+    let retention = Duration::from_secs(60);
+    s.finish("k", None, "a", retry, retention).await.unwrap();
+    let mut second = req("k", "c", OverlapMode::Allow);
+    second.attempt = 1;
+    s.claim(&second).await.unwrap();
+    let done = Ending::Final(Final::Done);
+    s.finish("k", None, "c", done, retention).await.unwrap();
+    s.finish("k", None, "c", done, retention).await.unwrap(); // a repeat: recorded once
+    s.claim(&second).await.unwrap(); // a duplicate
+    let entries = s.journal_since(0, |k| k == "k").await.unwrap();
+    let seen: Vec<(&str, Option<u32>, &str)> = entries
+        .iter()
+        .map(|e| (e.event.as_str(), e.attempt, e.token.as_str()))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("claim", Some(0), "a"),
+            ("retry", Some(0), "a"),
+            ("claim", Some(1), "c"),
+            ("success", Some(1), "c"),
+            ("duplicate", Some(1), "c"),
+        ]
+    );
+    assert_eq!(
+        (entries[0].worker.as_str(), entries[0].fence),
+        ("w", Some(1))
+    );
+    assert_eq!(entries[1].next, Some(1));
+
+    let off = drumline_shared::config::JournalConfig {
+        enabled: false,
+        ..Default::default()
+    };
+    let quiet = s.store.clone().with_journal(off);
+    quiet
+        .claim(&req("q", "a", OverlapMode::Allow))
+        .await
+        .unwrap();
+    assert!(s.journal_since(0, |k| k == "q").await.unwrap().is_empty());
+}

@@ -942,6 +942,7 @@ async fn connect_redis(config: &Config, names: &Names) -> Store {
     )
     .await
     .with_wait(config.redis_wait)
+    .with_journal(config.journal)
 }
 
 /// Closes the gate when Redis stops answering, reopens it once Redis answers again, and mirrors

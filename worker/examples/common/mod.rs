@@ -21,12 +21,17 @@ pub fn short_id() -> String {
 }
 
 /// A worker config for namespace `ns`: one task `noop`, run by `command` when given (else a
-/// Rust handler must be registered).
+/// Rust handler must be registered). `BENCH_JOURNAL=off` turns the journal off (to measure its
+/// cost).
 pub fn config(ns: &str, concurrency: usize, command: Option<&str>) -> Config {
     let command = command.map_or(String::new(), |c| format!("command = [{c:?}]\n"));
+    let journal = match std::env::var("BENCH_JOURNAL").as_deref() {
+        Ok("off") => "[journal]\nenabled = false\n",
+        _ => "",
+    };
     Config::parse(
         &format!(
-            "namespace = \"{ns}\"\n[worker]\nconcurrency = {concurrency}\n[tasks.noop]\n{command}"
+            "namespace = \"{ns}\"\n{journal}[worker]\nconcurrency = {concurrency}\n[tasks.noop]\n{command}"
         ),
         Path::new("bench.toml"),
         |name| match name {

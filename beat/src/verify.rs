@@ -1,0 +1,282 @@
+//! `verify` (docs/design.md#audit-and-verify), the pure part: every instance and ad-hoc key the
+//! journal names in the window checked against the promise — no missed instant, no second
+//! success, attempts never backwards, runs within `max_retries + 1` (a takeover after a crash
+//! is the allowed repeat), no two runs of a `skip`/`queue` job overlapping by more than a lease.
+
+use crate::audit::{Class, Row};
+use drumline_shared::store::JournalEntry;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// One broken rule.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Violation {
+    /// The instance's (or ad-hoc task's) key.
+    pub key: String,
+    /// Which rule: `missed instant`, `second success`, `attempt backwards`,
+    /// `runs beyond bound`, `overlapping runs`.
+    pub rule: &'static str,
+    /// What shows it: journal entry ids, workers, attempts.
+    pub evidence: String,
+}
+
+/// The `verify --json` document.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Report {
+    /// Start of the window (RFC 3339).
+    pub since: String,
+    /// Keys checked.
+    pub checked: usize,
+    /// True when there is no violation.
+    pub holds: bool,
+    /// Each violation.
+    pub violations: Vec<Violation>,
+}
+
+/// The bound one key's runs are held to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bound {
+    /// The task's `max_retries`.
+    pub max_retries: u32,
+}
+
+/// The entries of each key, in journal order.
+pub fn by_key(entries: &[JournalEntry]) -> BTreeMap<&str, Vec<&JournalEntry>> {
+    let mut out: BTreeMap<&str, Vec<&JournalEntry>> = BTreeMap::new();
+    for e in entries {
+        out.entry(e.key.as_str()).or_default().push(e);
+    }
+    out
+}
+
+fn cite(e: &JournalEntry) -> String {
+    let attempt = e.attempt.map_or(String::new(), |a| format!(" attempt {a}"));
+    format!(
+        "{} {}{attempt} by {:?} (token {:?})",
+        e.id, e.event, e.worker, e.token
+    )
+}
+
+/// The rules one key's entries must keep: one success, attempts never backwards, runs within
+/// the bound.
+pub fn check_key(key: &str, entries: &[&JournalEntry], bound: Bound) -> Vec<Violation> {
+    let mut out = Vec::new();
+    let violation = |rule, evidence| Violation {
+        key: key.to_owned(),
+        rule,
+        evidence,
+    };
+    let mut successes: Vec<&&JournalEntry> = Vec::new();
+    for e in entries.iter().filter(|e| e.event == "success") {
+        if !successes.iter().any(|s| s.token == e.token) {
+            successes.push(e);
+        }
+    }
+    if successes.len() > 1 {
+        let cited: Vec<String> = successes.iter().map(|e| cite(e)).collect();
+        out.push(violation("second success", cited.join("; ")));
+    }
+    let runs: Vec<&&JournalEntry> = entries
+        .iter()
+        .filter(|e| matches!(e.event.as_str(), "claim" | "takeover"))
+        .collect();
+    for pair in runs.windows(2) {
+        if let (Some(a), Some(b)) = (pair[0].attempt, pair[1].attempt) {
+            if b < a {
+                let evidence = format!("{} then {}", cite(pair[0]), cite(pair[1]));
+                out.push(violation("attempt backwards", evidence));
+            }
+        }
+    }
+    let claims = runs.iter().filter(|e| e.event == "claim").count();
+    let takeovers = runs.len() - claims;
+    let allowed = bound.max_retries as usize + 1;
+    if claims > allowed {
+        let evidence = format!(
+            "{claims} runs claimed (and {takeovers} repeats after a crash), at most {allowed} \
+             allowed (max_retries + 1); last: {}",
+            runs.last().map(|e| cite(e)).unwrap_or_default()
+        );
+        out.push(violation("runs beyond bound", evidence));
+    }
+    out
+}
+
+/// One run: its key, start and end (ms, Redis `TIME`), its first entry's id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Span<'a> {
+    /// The instance.
+    pub key: &'a str,
+    /// When it was claimed.
+    pub start: i64,
+    /// When its outcome (or release) was journaled.
+    pub end: i64,
+    /// The claim's entry.
+    pub id: &'a str,
+}
+
+/// The runs of a job whose start and end are journaled (a crashed run's end is unknown: left
+/// out), in start order.
+pub fn spans<'a>(entries: &[&'a JournalEntry]) -> Vec<Span<'a>> {
+    let mut out = Vec::new();
+    for (i, e) in entries.iter().enumerate() {
+        if !matches!(e.event.as_str(), "claim" | "takeover") || e.token.is_empty() {
+            continue;
+        }
+        let end = entries[i + 1..].iter().find(|x| {
+            x.token == e.token
+                && x.key == e.key
+                && matches!(x.event.as_str(), "success" | "retry" | "dead" | "release")
+        });
+        if let Some(end) = end {
+            out.push(Span {
+                key: &e.key,
+                start: e.at_ms,
+                end: end.at_ms,
+                id: &e.id,
+            });
+        }
+    }
+    out.sort_by_key(|s| s.start);
+    out
+}
+
+/// Two runs of different instances of a `skip`/`queue` job that overlap by more than
+/// `margin_ms` (a lease: a holder cut off for longer than its lease loses the lock).
+pub fn check_overlap(spans: &[Span<'_>], margin_ms: i64) -> Vec<Violation> {
+    let mut out = Vec::new();
+    let mut longest: Option<&Span<'_>> = None;
+    for s in spans {
+        if let Some(prev) = longest {
+            if prev.key != s.key && prev.end - s.start > margin_ms {
+                out.push(Violation {
+                    key: s.key.to_owned(),
+                    rule: "overlapping runs",
+                    evidence: format!(
+                        "claimed ({}) {} ms before {} ended (run {}, margin {margin_ms} ms)",
+                        s.id,
+                        prev.end - s.start,
+                        prev.key,
+                        prev.id
+                    ),
+                });
+            }
+        }
+        if longest.is_none_or(|p| s.end > p.end) {
+            longest = Some(s);
+        }
+    }
+    out
+}
+
+/// The audit's broken promises: a missed instant, a doubled one without journal entries (only
+/// the run records say so; the journal's are reported by [`check_key`]).
+pub fn from_audit(rows: &[Row], journaled: impl Fn(&str) -> bool) -> Vec<Violation> {
+    rows.iter()
+        .filter_map(|r| match r.class {
+            Class::Missed => Some(Violation {
+                key: r.key.clone(),
+                rule: "missed instant",
+                evidence: format!("{}: {}", r.instant, r.reason.clone().unwrap_or_default()),
+            }),
+            Class::Doubled if !journaled(&r.key) => Some(Violation {
+                key: r.key.clone(),
+                rule: "second success",
+                evidence: format!("run records: {}", r.reason.clone().unwrap_or_default()),
+            }),
+            _ => None,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::audit::tests::entry;
+
+    const BOUND: Bound = Bound { max_retries: 1 };
+
+    fn rules(v: &[Violation]) -> Vec<&'static str> {
+        v.iter().map(|v| v.rule).collect()
+    }
+
+    #[test]
+    fn a_clean_history_holds() {
+        let e = [
+            entry(1, "claim", "k", 0, "a"),
+            entry(2, "retry", "k", 0, "a"),
+            entry(3, "claim", "k", 1, "b"),
+            entry(4, "takeover", "k", 1, "c"),
+            entry(5, "success", "k", 1, "c"),
+            entry(6, "success", "k", 1, "c"),
+            entry(7, "duplicate", "k", 0, "d"),
+        ];
+        let refs: Vec<&JournalEntry> = e.iter().collect();
+        assert!(check_key("k", &refs, BOUND).is_empty());
+    }
+
+    #[test]
+    fn a_second_success_backwards_attempts_and_too_many_runs_are_reported() {
+        let e = [
+            entry(1, "claim", "k", 1, "a"),
+            entry(2, "success", "k", 1, "a"),
+            entry(3, "claim", "k", 0, "b"),
+            entry(4, "claim", "k", 2, "c"),
+            entry(5, "success", "k", 2, "c"),
+        ];
+        let refs: Vec<&JournalEntry> = e.iter().collect();
+        let v = check_key("k", &refs, BOUND);
+        assert_eq!(
+            rules(&v),
+            ["second success", "attempt backwards", "runs beyond bound"]
+        );
+        assert!(
+            v[0].evidence.contains("2-0 success attempt 1"),
+            "{}",
+            v[0].evidence
+        );
+        assert!(v[0].evidence.contains("5-0 success"), "{}", v[0].evidence);
+    }
+
+    #[test]
+    fn runs_overlapping_beyond_the_margin_are_reported() {
+        let e = [
+            entry(0, "claim", "a", 0, "t1"),
+            entry(1_000, "claim", "b", 0, "t2"),
+            entry(5_000, "success", "b", 0, "t2"),
+            entry(40_000, "success", "a", 0, "t1"),
+            entry(50_000, "claim", "c", 0, "t3"),
+        ];
+        let refs: Vec<&JournalEntry> = e.iter().collect();
+        let s = spans(&refs);
+        assert_eq!(s.len(), 2, "c has no end: left out");
+        let v = check_overlap(&s, 30_000);
+        assert_eq!(rules(&v), ["overlapping runs"]);
+        assert_eq!(v[0].key, "b");
+        assert!(check_overlap(&s, 60_000).is_empty());
+    }
+
+    #[test]
+    fn missed_rows_become_violations() {
+        let row = |class, key: &str| Row {
+            instant: "2026-01-01T00:00:00Z".into(),
+            key: key.into(),
+            class,
+            attempts: None,
+            lateness_ms: None,
+            duration_ms: None,
+            reason: Some("why".into()),
+            worker: None,
+        };
+        let rows = [
+            row(Class::Ran, "a"),
+            row(Class::Missed, "b"),
+            row(Class::Doubled, "c"),
+        ];
+        assert_eq!(rules(&from_audit(&rows, |_| true)), ["missed instant"]);
+        assert_eq!(
+            rules(&from_audit(&rows, |_| false)),
+            ["missed instant", "second success"]
+        );
+    }
+}
