@@ -23,7 +23,7 @@ pub enum Command {
         /// Start strictly after this instant (RFC 3339) [default: now].
         #[arg(long)]
         from: Option<String>,
-        /// Machine-readable output: [{job, utc, local, offset, note}].
+        /// Machine-readable output: [{job, utc, runs_at, local, offset, note}].
         #[arg(long)]
         json: bool,
     },

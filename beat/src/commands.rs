@@ -5,7 +5,7 @@ use crate::{adhoc, next, operate, page, scheduler, status};
 use chrono::{DateTime, Utc};
 use drumline_shared::broker::BrokerError;
 use drumline_shared::client::ClientError;
-use drumline_shared::config::{Config, Job};
+use drumline_shared::config::{Config, Job, Overlap};
 use drumline_shared::exit::Failure;
 use drumline_shared::names::Names;
 use drumline_shared::store::{Store, StoreError};
@@ -208,14 +208,58 @@ pub async fn trigger(
 ) -> Result<(), Failure> {
     let job = find_job(config, job)?;
     let env = operate::trigger(job, args, Utc::now());
-    adhoc::publish(config, &env, std::time::Duration::ZERO)
-        .await
-        .map_err(publish_failure)?;
+    // Looked at while publishing, so the trigger stays as quick as the publish.
+    let (published, holder) = tokio::join!(
+        adhoc::publish(config, &env, std::time::Duration::ZERO),
+        overlap_holder(config, job)
+    );
+    published.map_err(publish_failure)?;
     println!(
         "triggered {} key={} task={} queue={}",
         job.name, env.key, env.task, env.queue
     );
+    match holder {
+        Ok(holder) => {
+            if let Some(warning) = skip_warning(job, holder.as_deref()) {
+                eprintln!("{warning}");
+            }
+        }
+        Err(e) => eprintln!(
+            "warning: cannot tell whether job {} is running: {e}",
+            job.name
+        ),
+    }
     Ok(())
+}
+
+/// How long `trigger` looks for a running instance before it gives up saying so.
+const HOLDER_WAIT: std::time::Duration = std::time::Duration::from_millis(800);
+
+/// The instance holding `job`'s overlap lock, for a `skip` job (`None` for others, unread).
+async fn overlap_holder(config: &Config, job: &Job) -> Result<Option<String>, String> {
+    if job.overlap != Overlap::Skip {
+        return Ok(None);
+    }
+    let names = Names::new(config.namespace.clone());
+    let read = async {
+        let store = Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names);
+        store.await?.overlap_holder(&job.name).await
+    };
+    match tokio::time::timeout(HOLDER_WAIT, read).await {
+        Ok(result) => result.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("redis did not answer within {HOLDER_WAIT:?}")),
+    }
+}
+
+/// `trigger`'s warning when the copy it publishes will be skipped: the job runs under
+/// `overlap = "skip"` and instance `holder` holds its lock (docs/design.md#manual-runs).
+pub fn skip_warning(job: &Job, holder: Option<&str>) -> Option<String> {
+    let holder = holder.filter(|_| job.overlap == Overlap::Skip)?;
+    Some(format!(
+        "warning: job {} (overlap = \"skip\") is running: this trigger will be skipped \
+         (running now: {holder})",
+        job.name
+    ))
 }
 
 /// `backfill`: every instant of `job` in `[from, to)`, published with confirms (or listed with
@@ -410,5 +454,21 @@ mod tests {
             recorded_warning("k", "done", Some(0)),
             "key k already recorded (done at 1970-01-01T00:00:00Z): this copy will not run"
         );
+    }
+
+    #[test]
+    fn trigger_warns_only_when_a_skip_job_is_running() {
+        let job = crate::misfire::tests::job;
+        let skip = job("every = \"1h\"\noverlap = \"skip\"");
+        assert_eq!(
+            skip_warning(&skip, Some("j@2026-03-02T12:00:00Z")).as_deref(),
+            Some(
+                "warning: job j (overlap = \"skip\") is running: this trigger will be skipped \
+                 (running now: j@2026-03-02T12:00:00Z)"
+            )
+        );
+        assert_eq!(skip_warning(&skip, None), None);
+        let queue = job("every = \"1h\"\noverlap = \"queue\"");
+        assert_eq!(skip_warning(&queue, Some("j@2026-03-02T12:00:00Z")), None);
     }
 }

@@ -1,5 +1,7 @@
 //! `drumline-beat next`: upcoming instants in UTC and local time, with DST annotations, as an
-//! aligned table or (`--json`) as `[{job, utc, local, offset, note}]` (docs/design.md–8).
+//! aligned table or (`--json`) as `[{job, utc, runs_at, local, offset, note}]` (docs/design.md–8).
+//! `utc` is the instant (the key's); `runs_at` is when it is published, the job's jitter added
+//! (docs/design.md#jitter).
 
 use chrono::{DateTime, Offset, SecondsFormat, Utc};
 use drumline_shared::config::Job;
@@ -11,8 +13,10 @@ use serde::Serialize;
 pub struct Upcoming {
     /// Job name.
     pub job: String,
-    /// RFC 3339 UTC.
+    /// RFC 3339 UTC: the instant, as in the key.
     pub utc: String,
+    /// RFC 3339 UTC: when it is published, `utc` plus the job's jitter (equal without one).
+    pub runs_at: String,
     /// RFC 3339 with the local offset (`+00:00`, never `Z`).
     pub local: String,
     /// `+HH:MM`.
@@ -36,6 +40,7 @@ pub fn upcoming(job: &Job, from: DateTime<Utc>, count: usize) -> Vec<Upcoming> {
         out.push(Upcoming {
             job: job.name.clone(),
             utc: format_instant(occ.at),
+            runs_at: format_instant(occ.at + job.jitter_offset()),
             // Never `Z`: a zone at UTC+0 (London in winter) still shows its offset.
             local: local.to_rfc3339_opts(SecondsFormat::AutoSi, false),
             offset: format!(
@@ -50,11 +55,25 @@ pub fn upcoming(job: &Job, from: DateTime<Utc>, count: usize) -> Vec<Upcoming> {
     out
 }
 
-/// Renders lines as an aligned table with a header.
+/// Renders lines as an aligned table with a header. A `RUNS AT` column appears when some
+/// line is jittered (its `runs_at` differs from its `utc`).
 pub fn table(lines: &[Upcoming]) -> String {
+    let jittered = lines.iter().any(|l| l.runs_at != l.utc);
     let rows: Vec<Vec<&str>> = lines
         .iter()
-        .map(|l| vec![&*l.job, &*l.utc, &*l.local, l.note.as_deref().unwrap_or("")])
+        .map(|l| {
+            let mut row = vec![&*l.job, &*l.utc];
+            if jittered {
+                row.push(&*l.runs_at);
+            }
+            row.extend([&*l.local, l.note.as_deref().unwrap_or("")]);
+            row
+        })
         .collect();
-    drumline_shared::table::render(&["JOB", "UTC", "LOCAL", "NOTE"], &rows)
+    let header: &[&str] = if jittered {
+        &["JOB", "UTC", "RUNS AT", "LOCAL", "NOTE"]
+    } else {
+        &["JOB", "UTC", "LOCAL", "NOTE"]
+    };
+    drumline_shared::table::render(header, &rows)
 }

@@ -224,12 +224,12 @@ fn resumes(jobs: &[Job], lasts: &[Option<DateTime<Utc>>], rules: &[Option<String
     resumes
 }
 
-/// The due queue of `states`: each job at its next instant.
-fn due_queue(states: &[JobState]) -> Queue {
+/// The due queue of `states`: each job at its next instant, plus its jitter.
+fn due_queue(jobs: &[Job], states: &[JobState]) -> Queue {
     states
         .iter()
         .enumerate()
-        .filter_map(|(i, s)| s.next.map(|n| Reverse((n, i))))
+        .filter_map(|(i, s)| s.next.map(|n| Reverse((n + jobs[i].jitter_offset(), i))))
         .collect()
 }
 
@@ -446,8 +446,8 @@ impl Beat {
             .collect();
         let threshold = config.beat.misfire_threshold;
         Beat {
+            queue: due_queue(&config.jobs, &states),
             config,
-            queue: due_queue(&states),
             states,
             threshold,
             stuck: 0,
@@ -473,7 +473,7 @@ impl Beat {
                 None => JobState::from(job, None, start),
             })
             .collect();
-        self.queue = due_queue(&self.states);
+        self.queue = due_queue(&config.jobs, &self.states);
         self.stuck = self.states.iter().filter(|s| s.failures > 0).count() as i64;
         let summary = reload::Summary::of(&carried, old.len());
         info!(
@@ -658,7 +658,8 @@ impl Beat {
                 state.failures = 0;
                 state.alone = false;
                 if let Some(next) = state.next {
-                    self.queue.push(Reverse((next, due.job)));
+                    let offset = self.config.jobs[due.job].jitter_offset();
+                    self.queue.push(Reverse((next + offset, due.job)));
                 }
                 continue;
             };
@@ -773,7 +774,14 @@ fn take_due(
             break;
         }
         queue.pop();
-        let mut plan = plan(&jobs[job], states[job].last, now, threshold);
+        // A jittered job lives `offset` behind the clock: instant `t` is due at `t + offset`,
+        // and is late (a misfire) by as much as `now` is past that (docs/design.md#jitter).
+        let mut plan = plan(
+            &jobs[job],
+            states[job].last,
+            now - jobs[job].jitter_offset(),
+            threshold,
+        );
         if paused.contains(&jobs[job].name) {
             plan = misfire::paused(plan);
         }
@@ -916,10 +924,11 @@ fn envelopes(jobs: &[Job], batch: &[Due], stalls: &[Option<Stall>]) -> Sent {
         let job = &jobs[due.job];
         let first = envelopes.len();
         for t in &due.plan.publish[..due.take] {
+            // `expires` counts from when the instant is due: its jittered time.
             let expires_at = job
                 .expires
                 .and_then(|e| chrono::Duration::from_std(e).ok())
-                .map(|e| *t + e);
+                .map(|e| *t + job.jitter_offset() + e);
             envelopes.push(Envelope::scheduled(
                 &job.name,
                 &job.task,
@@ -1100,6 +1109,7 @@ async fn connect_redis(config: &Config) -> Store {
 mod tests {
     use super::*;
     use crate::misfire::tests::{at, job, EVERY_MINUTE, LAST, NOW, THRESHOLD};
+    use chrono::TimeDelta;
 
     #[test]
     fn a_job_whose_message_failed_is_batched_alone() {
@@ -1128,6 +1138,36 @@ mod tests {
             batches.push(batch.iter().map(|d| d.job).collect::<Vec<_>>());
         }
         assert_eq!(batches, vec![vec![0], vec![1], vec![2, 3]]);
+    }
+
+    /// A jittered job is queued `offset` after its instant and planned `offset` behind the
+    /// clock: at `instant + offset` it publishes `instant` (the key's), on time.
+    #[test]
+    fn a_jittered_job_is_due_its_offset_late_and_publishes_the_instant() {
+        let jobs = vec![job("every = \"1m\"\njitter = \"50s\"")];
+        let offset = jobs[0].jitter_offset();
+        assert!(offset > TimeDelta::zero() && offset < TimeDelta::seconds(50));
+        let last = at("2026-03-02T12:00:00Z");
+        let state = JobState::from(&jobs[0], Some(last), last);
+        let instant = at("2026-03-02T12:01:00Z");
+        assert_eq!(state.next, Some(instant));
+        let mut queue = due_queue(&jobs, std::slice::from_ref(&state));
+        assert_eq!(queue.peek(), Some(&Reverse((instant + offset, 0))));
+
+        let none = HashSet::new();
+        let states = [state];
+        let just_before = instant + offset - TimeDelta::milliseconds(1);
+        let batch = take_due(&mut queue, &jobs, &states, (just_before, THRESHOLD), &none);
+        assert!(batch.is_empty(), "not due before instant + offset");
+        let batch = take_due(
+            &mut queue,
+            &jobs,
+            &states,
+            (instant + offset, THRESHOLD),
+            &none,
+        );
+        assert_eq!(batch[0].plan.publish, vec![instant]);
+        assert!(batch[0].plan.dropped.is_empty(), "on time, not a misfire");
     }
 
     #[test]

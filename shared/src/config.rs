@@ -3,6 +3,7 @@
 //! A bad config yields one [`ConfigError`] naming the file, the job or task, and the key.
 
 use crate::duration;
+use crate::jitter::Jitter;
 pub use crate::run::WaitReplicas;
 use crate::schedule::{parse_timezone, CronExpr, DstFold, DstGap, Schedule};
 use crate::url;
@@ -270,9 +271,17 @@ pub struct Job {
     pub max_catch_up: usize,
     /// Logical queue. Default `default`. Shared (`Arc`) by every job that names it.
     pub queue: Arc<str>,
+    /// `jitter = "D"`: every instant is published this job's fixed offset in `[0, D)` late;
+    /// keys keep the instant (docs/design.md#jitter). Default none.
+    pub jitter: Option<Jitter>,
 }
 
 impl Job {
+    /// How late each instant is published: the jitter's offset, zero without one.
+    pub fn jitter_offset(&self) -> chrono::TimeDelta {
+        self.jitter.map_or(chrono::TimeDelta::zero(), |j| j.delta())
+    }
+
     /// The rule (`cron "…"` / `every 30s`), for display.
     pub fn schedule_text(&self) -> String {
         match &self.schedule {
@@ -427,6 +436,7 @@ struct RawJob {
     max_catch_up: Option<i64>,
     anchor: Option<String>,
     queue: Option<String>,
+    jitter: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -620,7 +630,7 @@ impl Config {
         };
         let raw_jobs = raw.jobs.take().unwrap_or_default();
         let prefix = check_prefix(fail, raw)?;
-        let mut jobs = JobChecker::new(&prefix.tasks, raw_jobs.len());
+        let mut jobs = JobChecker::new(&prefix.namespace, &prefix.tasks, raw_jobs.len());
         for j in raw_jobs {
             jobs.add(fail, j)?;
         }
@@ -646,7 +656,7 @@ impl Config {
             Ok(prefix) => prefix,
             Err(e) => return all_parse(&cut.jobs).then_some(Err(e)),
         };
-        let mut jobs = JobChecker::new(&prefix.tasks, 0);
+        let mut jobs = JobChecker::new(&prefix.namespace, &prefix.tasks, 0);
         for (i, piece) in cut.jobs.iter().enumerate() {
             for j in toml::from_str::<RawJobs>(piece).ok()?.jobs {
                 if let Err(e) = jobs.add(fail, j) {
@@ -839,6 +849,8 @@ fn check_prefix<J>(fail: &Failer, raw: RawConfig<J, RawTask>) -> Result<Prefix, 
 
 /// The `[[jobs]]`, checked one by one in file order; names must be unique.
 struct JobChecker<'t> {
+    /// The namespace: part of each job's jitter hash.
+    namespace: &'t str,
     tasks: &'t BTreeMap<String, Task>,
     jobs: Vec<Job>,
     seen: HashSet<String>,
@@ -847,8 +859,9 @@ struct JobChecker<'t> {
 }
 
 impl<'t> JobChecker<'t> {
-    fn new(tasks: &'t BTreeMap<String, Task>, capacity: usize) -> Self {
+    fn new(namespace: &'t str, tasks: &'t BTreeMap<String, Task>, capacity: usize) -> Self {
         JobChecker {
+            namespace,
             tasks,
             jobs: Vec::with_capacity(capacity),
             seen: HashSet::with_capacity(capacity),
@@ -865,8 +878,12 @@ impl<'t> JobChecker<'t> {
                 "duplicate job name: job names must be unique".into(),
             ));
         }
-        self.jobs
-            .push(check_job(fail, j, self.tasks, &mut self.interned)?);
+        self.jobs.push(check_job(
+            fail,
+            j,
+            (self.namespace, self.tasks),
+            &mut self.interned,
+        )?);
         Ok(())
     }
 
@@ -1033,16 +1050,16 @@ fn check_env(
 fn check_job(
     fail: &Failer,
     j: RawJob,
-    tasks: &BTreeMap<String, Task>,
+    (namespace, tasks): (&str, &BTreeMap<String, Task>),
     interned: &mut HashSet<Arc<str>>,
 ) -> Result<Job, ConfigError> {
-    check_job_keys(j, tasks, interned)
+    check_job_keys(j, (namespace, tasks), interned)
         .map_err(|(name, (key, message))| fail.at(Some(&format!("job {name:?}")), key, message))
 }
 
 fn check_job_keys(
     j: RawJob,
-    tasks: &BTreeMap<String, Task>,
+    (namespace, tasks): (&str, &BTreeMap<String, Task>),
     interned: &mut HashSet<Arc<str>>,
 ) -> Result<Job, (String, KeyError)> {
     macro_rules! check {
@@ -1061,6 +1078,7 @@ fn check_job_keys(
     };
     let schedule = check!(job_schedule(&j, timezone));
     let (overlap, misfire, max_catch_up) = check!(job_policy(&j));
+    let jitter = check!(job_jitter(&j, &schedule, namespace));
     let queue = j.queue.as_deref().unwrap_or("default");
     check!(check_name(queue).map_err(|m| ("queue", format!("{queue:?} {m}"))));
     let queue = intern(interned, queue);
@@ -1104,7 +1122,31 @@ fn check_job_keys(
         misfire_grace,
         max_catch_up,
         queue,
+        jitter,
     })
+}
+
+/// The job's `jitter`: more than zero, and for `every` less than the period (a longer one
+/// would only repeat smaller offsets and push each instant past the next).
+fn job_jitter(
+    j: &RawJob,
+    schedule: &Schedule,
+    namespace: &str,
+) -> Result<Option<Jitter>, KeyError> {
+    let Some(text) = &j.jitter else {
+        return Ok(None);
+    };
+    let max = job_duration("jitter", &j.jitter, 0, Zero::Refused)?;
+    if let Schedule::Every { every, .. } = schedule {
+        if chrono::TimeDelta::from_std(max).is_ok_and(|m| m >= *every) {
+            let every = every.to_std().map(duration::format).unwrap_or_default();
+            return Err((
+                "jitter",
+                format!("{text:?} must be less than the period (every = {every:?})"),
+            ));
+        }
+    }
+    Ok(Some(Jitter::new(namespace, &j.name, max)))
 }
 
 /// The one `Arc` of `name` in `interned`.
@@ -1676,6 +1718,45 @@ mod tests {
         job_err_has(
             "",
             "job \"j\": key `cron`: give exactly one of `cron` and `every`; neither is set",
+        );
+    }
+
+    #[test]
+    fn jitter_is_checked_and_hashed_from_namespace_and_name() {
+        job_err_has(
+            "every = \"1m\"\njitter = \"1m\"",
+            "job \"j\": key `jitter`: \"1m\" must be less than the period (every = \"1m\")",
+        );
+        job_err_has(
+            "every = \"30s\"\njitter = \"2m\"",
+            "key `jitter`: \"2m\" must be less than the period (every = \"30s\")",
+        );
+        job_err_has(
+            "every = \"1m\"\njitter = \"0s\"",
+            "key `jitter`: must be greater than zero",
+        );
+        job_err_has(
+            "every = \"1m\"\njitter = \"soon\"",
+            "key `jitter`: \"soon\" is not a duration",
+        );
+        let one = |ns: &str, keys: &str| {
+            let c = parse(&format!("namespace = \"{ns}\"\n{}", job_text(keys))).unwrap();
+            c.jobs[0].clone()
+        };
+        let j = one("billing", "every = \"1m\"\njitter = \"59s\"");
+        let jitter = j.jitter.unwrap();
+        assert_eq!(jitter.max, Duration::from_secs(59));
+        assert_eq!(
+            jitter.offset,
+            crate::jitter::offset("billing", "j", jitter.max)
+        );
+        assert_eq!(j.jitter_offset().to_std().unwrap(), jitter.offset);
+        // A cron job takes any jitter; no jitter is a zero offset.
+        let cron = one("billing", "cron = \"0 * * * *\"\njitter = \"2h\"");
+        assert!(cron.jitter.unwrap().offset < Duration::from_secs(7200));
+        assert_eq!(
+            one("billing", "every = \"1m\"").jitter_offset(),
+            chrono::TimeDelta::zero()
         );
     }
 

@@ -21,7 +21,7 @@
 //!
 //! We evaluate the field sets ourselves (DST policies), so a crate would only parse. `croner` 4
 //! exposes its bit sets but keeps the `*` flags that decide Vixie's day-of-month/day-of-week OR
-//! private, accepts Quartz extensions (`L`, `W`, `#`, years) we would have to screen out, and its
+//! private, accepts Quartz extensions (`?`, years) we would have to screen out, and its
 //! errors do not name the field; `cron` 0.17 speaks another dialect (mandatory seconds, weekday
 //! 1 = Sunday, no OR); `saffron` 0.1 is UTC-only. So the ~200 lines of parsing live here.
 
@@ -33,9 +33,9 @@ use chrono_tz::Tz;
 use std::fmt;
 use std::str::FromStr;
 
-/// How far ahead a cron search looks before giving up (`None`). The rarest satisfiable
-/// expression, Feb 29 only, can wait 8 years (2096 → 2104).
-const HORIZON_YEARS: i32 = 10;
+/// How far ahead a cron search looks before giving up (`None`). Feb 29 can wait 8 years
+/// (2096 → 2104); a fifth Monday in February (`* 2 MON#5`) 40 (2072 → 2112, 2100 not being leap).
+const HORIZON_YEARS: i32 = 41;
 
 /// What to do with a local time that does not exist (spring-forward gap). Default `Shift`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
@@ -157,7 +157,14 @@ fn zone_hint(suggestions: &[&'static str]) -> String {
 /// and comma lists of those. Months accept `JAN`–`DEC`, weekdays `SUN`–`SAT` (case-insensitive);
 /// weekday `0` and `7` are both Sunday, and a weekday range may end in Sunday (`FRI-SUN`).
 /// The macros `@yearly`/`@annually`, `@monthly`, `@weekly`, `@daily`/`@midnight` and `@hourly`
-/// are accepted. Quartz extensions (`?`, `L`, `W`, `#`) are not.
+/// are accepted.
+///
+/// Day extensions (docs/design.md#cron-day-extensions): in day-of-month, `L` is the month's last day,
+/// `LW` its last weekday (Monday–Friday) and `15W` the weekday nearest the 15th, never crossing
+/// the month (`1W` on a Saturday is Monday the 3rd; `31W` does not match a 30-day month). In
+/// day-of-week, `5L` (or `FRIL`) is the month's last Friday and `MON#2` (or `1#2`) its second
+/// Monday (`#1`–`#5`); 0 and 7 are Sunday. Each stands alone as a list item (`1,15,L`), without
+/// a range or a step. Quartz's `?` is not accepted.
 ///
 /// Day semantics are Vixie cron's: when both day-of-month and day-of-week are restricted (neither
 /// field is exactly `*`), a day matches if **either** matches; otherwise both must match.
@@ -190,6 +197,24 @@ pub struct CronExpr {
     /// For each weekday `w` of the 1st of a month: the days of that month (bit `d`) whose weekday
     /// is in `weekdays`. Precomputed so a month's matching days are a couple of bit operations.
     dow_days_by_first: [u32; 7],
+    /// The `L`, `W` and `#` items of the two day fields.
+    special: DaySpecials,
+}
+
+/// The day items that depend on the month's length or its weekdays: `L`, `LW`, `15W` (day of
+/// month), `5L`, `MON#2` (day of week).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct DaySpecials {
+    /// `L`: the last day of the month.
+    last_day: bool,
+    /// `LW`: the last weekday (Monday–Friday) of the month.
+    last_weekday: bool,
+    /// Bit `n` for `nW`: the weekday nearest day `n`, within the month.
+    nearest_weekday: u32,
+    /// Bit `w` for `wL`: the last weekday `w` (0 = Sunday) of the month.
+    last_of: u8,
+    /// `nth[n - 1]` has bit `w` for `w#n`: the `n`-th weekday `w` of the month.
+    nth: [u8; 5],
 }
 
 /// One cron field's rules.
@@ -271,9 +296,13 @@ impl Field {
             // Month names count from 1, weekday names from 0 (= their index).
             return Ok(i as u32 + self.min);
         }
-        if is_quartz(s) {
+        if s == "?" {
+            return Err("\"?\" is Quartz syntax, which is not supported (write *)".into());
+        }
+        if is_day_extension(s) {
             return Err(format!(
-                "{s:?} is Quartz syntax (?, L, W, #), which is not supported"
+                "{s:?}: L, W and # belong to day-of-month (L, LW, 15W) and day-of-week \
+                 (5L, MON#2), each as a list item of its own"
             ));
         }
         if self.names.is_empty() {
@@ -335,13 +364,137 @@ impl Field {
     }
 }
 
-/// `?`, `L`, `LW`, `15W`, `5L`, `5#3`: Quartz extensions, worth a specific message.
-fn is_quartz(s: &str) -> bool {
+/// `L`, `LW`, `15W`, `5L`, `5#3` where they do not belong, worth a specific message.
+fn is_day_extension(s: &str) -> bool {
     let digits_then = |suffix: char| {
         s.strip_suffix(suffix)
             .is_some_and(|head| !head.is_empty() && head.bytes().all(|b| b.is_ascii_digit()))
     };
-    matches!(s, "?" | "L" | "LW") || s.contains('#') || digits_then('L') || digits_then('W')
+    let upper = s.to_ascii_uppercase();
+    matches!(upper.as_str(), "L" | "LW")
+        || s.contains('#')
+        || digits_then('L')
+        || digits_then('W')
+        || digits_then('l')
+        || digits_then('w')
+}
+
+/// Takes the `L`, `LW` and `nW` items out of a day-of-month field: the specials and the rest
+/// (for [`Field::parse`]; empty when nothing is left).
+fn split_dom(text: &str) -> Result<(DaySpecials, String), String> {
+    let mut special = DaySpecials::default();
+    let mut rest = Vec::new();
+    for item in text.split(',') {
+        let upper = item.to_ascii_uppercase();
+        if upper == "L" {
+            special.last_day = true;
+        } else if upper == "LW" {
+            special.last_weekday = true;
+        } else if let Some(day) = upper.strip_suffix('W') {
+            let n = DAY_OF_MONTH
+                .value(day)
+                .map_err(|why| format!("{item:?}: W follows a single day (15W, or LW), {why}"))?;
+            special.nearest_weekday |= 1 << n;
+        } else if upper.contains('L') || upper.contains('W') || upper.contains('#') {
+            return Err(format!(
+                "{item:?}: expected L, LW or a day followed by W (15W); they take no range \
+                 or step"
+            ));
+        } else {
+            rest.push(item);
+        }
+    }
+    Ok((special, rest.join(",")))
+}
+
+/// Takes the `wL` and `w#n` items out of a day-of-week field (see [`split_dom`]).
+fn split_dow(text: &str) -> Result<(DaySpecials, String), String> {
+    let mut special = DaySpecials::default();
+    let mut rest = Vec::new();
+    let weekday = |item: &str, w: &str| {
+        let w = DAY_OF_WEEK
+            .value(w)
+            .map_err(|why| format!("{item:?}: {why}"))?;
+        Ok::<u32, String>(w % 7)
+    };
+    for item in text.split(',') {
+        if let Some((w, n)) = item.split_once('#') {
+            let w = weekday(item, w)?;
+            let n = match n.parse::<usize>() {
+                Ok(n) if (1..=5).contains(&n) => n,
+                _ => return Err(format!("{item:?}: # takes 1-5 (MON#2: the second Monday)")),
+            };
+            special.nth[n - 1] |= 1 << w;
+        } else if let Some(w) = item.strip_suffix(['L', 'l']) {
+            if w.is_empty() {
+                return Err(
+                    "\"L\" alone is not a day of week; write 5L or FRIL for the last Friday".into(),
+                );
+            }
+            special.last_of |= 1 << weekday(item, w)?;
+        } else {
+            rest.push(item);
+        }
+    }
+    Ok((special, rest.join(",")))
+}
+
+/// Bit `d` for each day of `year-month` an `L`, `W` or `#` item picks: those of the
+/// day-of-month field (`dom = true`) or of the day-of-week field.
+fn special_days(s: &DaySpecials, dom: bool, year: i32, month: u32) -> u32 {
+    let Some(first) = NaiveDate::from_ymd_opt(year, month, 1) else {
+        return 0;
+    };
+    let first = first.weekday().num_days_from_sunday();
+    let len = days_in_month(year, month);
+    let weekday_of = |d: u32| (first + d - 1) % 7;
+    let mut bits = 0u32;
+    if dom {
+        if s.last_day {
+            bits |= 1 << len;
+        }
+        if s.last_weekday {
+            bits |= 1 << last_weekday(len, weekday_of);
+        }
+        for n in (1..=len).filter(|n| s.nearest_weekday & (1 << n) != 0) {
+            bits |= 1 << nearest(n, len, weekday_of);
+        }
+        return bits;
+    }
+    for w in 0..7u32 {
+        // The first day of the month that is a `w`.
+        let first_w = 1 + (w + 7 - first) % 7;
+        if s.last_of & (1 << w) != 0 {
+            bits |= 1 << (first_w + 7 * ((len - first_w) / 7));
+        }
+        for (n, set) in (0u32..).zip(s.nth) {
+            let day = first_w + 7 * n;
+            if set & (1 << w) != 0 && day <= len {
+                bits |= 1 << day;
+            }
+        }
+    }
+    bits
+}
+
+/// The last Monday–Friday of a month of `len` days.
+fn last_weekday(len: u32, weekday_of: impl Fn(u32) -> u32) -> u32 {
+    match weekday_of(len) {
+        6 => len - 1,
+        0 => len - 2,
+        _ => len,
+    }
+}
+
+/// The Monday–Friday nearest day `n` of a month of `len` days, never leaving the month.
+fn nearest(n: u32, len: u32, weekday_of: impl Fn(u32) -> u32) -> u32 {
+    match weekday_of(n) {
+        6 if n == 1 => 3,
+        6 => n - 1,
+        0 if n == len => n - 2,
+        0 => n + 1,
+        _ => n,
+    }
 }
 
 fn parse_step(s: &str) -> Result<u32, String> {
@@ -385,6 +538,21 @@ fn ceil_second(t: NaiveDateTime) -> Option<NaiveDateTime> {
     }
     t.with_nanosecond(0)?
         .checked_add_signed(TimeDelta::seconds(1))
+}
+
+/// A day field's `L`/`W`/`#` items and the rest (empty when nothing is left), errors naming
+/// the field.
+fn split_day_field(
+    expr: &str,
+    spec: &Field,
+    text: &str,
+    split: fn(&str) -> Result<(DaySpecials, String), String>,
+) -> Result<(DaySpecials, String), ScheduleError> {
+    split(text).map_err(|why| ScheduleError::Field {
+        expr: expr.to_owned(),
+        field: spec.name,
+        why,
+    })
 }
 
 /// `text` with a macro (`@daily`) written out; any other `@…` is refused.
@@ -445,6 +613,10 @@ impl CronExpr {
             }
         };
         let field = |spec: &Field, value: &str| {
+            if value.is_empty() {
+                // A day field made only of `L`/`W`/`#` items: no plain value matches.
+                return Ok(0);
+            }
             spec.parse(value).map_err(|why| ScheduleError::Field {
                 expr: text.to_owned(),
                 field: spec.name,
@@ -454,9 +626,11 @@ impl CronExpr {
         let seconds = field(&SECOND, second)?;
         let minutes = field(&MINUTE, rest[0])?;
         let hours = field(&HOUR, rest[1])? as u32;
-        let days = field(&DAY_OF_MONTH, rest[2])? as u32;
+        let (dom_special, dom_rest) = split_day_field(text, &DAY_OF_MONTH, rest[2], split_dom)?;
+        let days = field(&DAY_OF_MONTH, &dom_rest)? as u32;
         let months = field(&MONTH, rest[3])? as u16;
-        let weekdays = field(&DAY_OF_WEEK, rest[4])? as u8;
+        let (dow_special, dow_rest) = split_day_field(text, &DAY_OF_WEEK, rest[4], split_dow)?;
+        let weekdays = field(&DAY_OF_WEEK, &dow_rest)? as u8;
 
         let cron = CronExpr {
             text: text.to_string(),
@@ -470,13 +644,19 @@ impl CronExpr {
             dow_any: rest[4] == "*",
             has_seconds: fields.len() == 6,
             dow_days_by_first: weekday_days(weekdays),
+            special: DaySpecials {
+                last_of: dow_special.last_of,
+                nth: dow_special.nth,
+                ..dom_special
+            },
         };
         // Only a restricted day-of-month ANDed with the months can be impossible: with a
-        // restricted weekday every month has matching days. February counts with 29 days.
+        // restricted weekday every month has matching days. 28 years see every month length
+        // and every weekday of the 1st.
         if cron.dow_any {
             let possible = (1..=12u32)
                 .filter(|m| months & (1 << m) != 0)
-                .any(|m| days & days_up_to(days_in_month(2000, m)) != 0);
+                .any(|m| (2000..2028).any(|y| cron.day_mask(y, m) != 0));
             if !possible {
                 return Err(ScheduleError::NeverMatches {
                     expr: text.to_owned(),
@@ -514,12 +694,17 @@ impl CronExpr {
             Some(d) => d.weekday().num_days_from_sunday() as usize,
             None => return 0,
         };
-        let by_weekday = self.dow_days_by_first[first];
+        let mut by_weekday = self.dow_days_by_first[first];
+        let mut by_day = self.days;
+        if self.special != DaySpecials::default() {
+            by_day |= special_days(&self.special, true, year, month);
+            by_weekday |= special_days(&self.special, false, year, month);
+        }
         let days = if !self.dom_any && !self.dow_any {
-            self.days | by_weekday
+            by_day | by_weekday
         } else {
             // An unrestricted field has every bit set, so AND leaves the other one.
-            self.days & by_weekday
+            by_day & by_weekday
         };
         days & days_up_to(days_in_month(year, month))
     }
@@ -785,7 +970,7 @@ enum Pass {
 
 impl Schedule {
     /// The first instant strictly after `after` at which the job runs (skipped occurrences are
-    /// stepped over). `None` when nothing runs within about ten years.
+    /// stepped over). `None` when nothing runs within about forty years.
     pub fn next_after(&self, after: DateTime<Utc>) -> Option<DateTime<Utc>> {
         let give_up = after.checked_add_signed(TimeDelta::days(366 * i64::from(HORIZON_YEARS)))?;
         let mut from = after;
@@ -1516,6 +1701,197 @@ mod tests {
     }
 
     #[test]
+    fn last_day_last_weekday_and_nearest_weekday() {
+        let at_noon = |days: &[&str]| -> Vec<String> {
+            days.iter().map(|d| format!("{d}T12:00:00Z")).collect()
+        };
+        let check = |expr: &str, after: &str, days: &[&str]| {
+            let expected = at_noon(days);
+            let expected: Vec<&str> = expected.iter().map(String::as_str).collect();
+            assert_runs(&utc_cron(expr), after, &expected);
+        };
+        check(
+            "0 12 L * *",
+            "2027-12-15T00:00:00Z",
+            &[
+                "2027-12-31",
+                "2028-01-31",
+                "2028-02-29",
+                "2028-03-31",
+                "2028-04-30",
+            ],
+        );
+        // 2026-01-31 is a Saturday, 2026-02-28 a Saturday, 2026-05-31 a Sunday.
+        check(
+            "0 12 LW 1,2,3,5 *",
+            "2026-01-01T00:00:00Z",
+            &["2026-01-30", "2026-02-27", "2026-03-31", "2026-05-29"],
+        );
+        // 2022-01-01 is a Saturday: Monday the 3rd, not Friday Dec 31st.
+        check("0 12 1W 1 *", "2021-12-01T00:00:00Z", &["2022-01-03"]);
+        // The 15th: Sunday 2026-02-15 -> Monday 16th; Saturday 2026-08-15 -> Friday 14th.
+        check(
+            "0 12 15W 2,8 *",
+            "2026-01-01T00:00:00Z",
+            &["2026-02-16", "2026-08-14"],
+        );
+        // Sunday 2026-05-31 -> Friday 29th (never crossing into June); no 31st in June.
+        check(
+            "0 12 31W 5,6,7 *",
+            "2026-01-01T00:00:00Z",
+            &["2026-05-29", "2026-07-31", "2027-05-31"],
+        );
+        // A list mixes plain days and extensions.
+        check(
+            "0 12 1,15W,L 2 *",
+            "2026-01-01T00:00:00Z",
+            &["2026-02-01", "2026-02-16", "2026-02-28", "2027-02-01"],
+        );
+    }
+
+    #[test]
+    fn last_and_nth_weekday_of_the_month() {
+        let runs_on = |expr: &str, after: &str, n: usize| -> Vec<String> {
+            runs(&utc_cron(expr), after, n)
+                .iter()
+                .map(|t| t.format("%Y-%m-%d").to_string())
+                .collect()
+        };
+        let last_friday = ["2026-01-30", "2026-02-27", "2026-03-27"];
+        for expr in ["0 0 * * 5L", "0 0 * * FRIL", "0 0 * * fril"] {
+            assert_eq!(
+                runs_on(expr, "2026-01-01T00:00:00Z", 3),
+                last_friday,
+                "{expr}"
+            );
+        }
+        let second_monday = ["2026-01-12", "2026-02-09", "2026-03-09"];
+        for expr in ["0 0 * * MON#2", "0 0 * * 1#2", "0 0 * * mon#2"] {
+            assert_eq!(
+                runs_on(expr, "2026-01-01T00:00:00Z", 3),
+                second_monday,
+                "{expr}"
+            );
+        }
+        // 0 and 7 are Sunday, for L and # alike.
+        for expr in ["0 0 * * 0L", "0 0 * * 7L", "0 0 * * SUNL"] {
+            assert_eq!(
+                runs_on(expr, "2026-01-01T00:00:00Z", 2),
+                ["2026-01-25", "2026-02-22"],
+                "{expr}"
+            );
+        }
+        assert_eq!(
+            runs_on("0 0 * * 0#1,7#3", "2026-01-31T00:00:00Z", 3),
+            ["2026-02-01", "2026-02-15", "2026-03-01"]
+        );
+        // A fifth Monday in February needs a leap year whose Feb 1 is a Monday: after 2072 the
+        // next is 2112 (2100 is not leap), 40 years on, within the search horizon.
+        assert_eq!(
+            runs_on("0 0 * 2 MON#5", "2026-01-01T00:00:00Z", 2),
+            ["2044-02-29", "2072-02-29"]
+        );
+        assert_eq!(
+            runs_on("0 0 * 2 MON#5", "2072-03-01T00:00:00Z", 1),
+            ["2112-02-29"]
+        );
+        // Both day fields restricted: either matches (the last day OR the first Monday).
+        assert_eq!(
+            runs_on("0 0 L * MON#1", "2026-01-01T00:00:00Z", 4),
+            ["2026-01-05", "2026-01-31", "2026-02-02", "2026-02-28"]
+        );
+    }
+
+    #[test]
+    fn day_extensions_follow_the_dst_policies() {
+        // 2026-03-08 is New York's second Sunday of March: 02:30 does not exist.
+        let spring = |gap| cron("0 30 2 * * SUN#2", "America/New_York", gap, DstFold::First);
+        assert_occurrences(
+            &spring(DstGap::Shift),
+            "2026-03-01T00:00:00Z",
+            &[shifted("2026-03-08T07:00:00Z", hm(2, 30))],
+        );
+        assert_occurrences(
+            &spring(DstGap::Skip),
+            "2026-03-01T00:00:00Z",
+            &[skipped("2026-03-08T07:00:00Z", hm(2, 30))],
+        );
+        assert_next(
+            &spring(DstGap::Skip),
+            "2026-03-01T00:00:00Z",
+            "2026-04-12T06:30:00Z",
+        );
+        // 2026-11-01, the first Sunday of November: 01:30 happens twice.
+        let fall = |fold| cron("0 30 1 * * 0#1", "America/New_York", DstGap::Shift, fold);
+        assert_occurrences(
+            &fall(DstFold::Both),
+            "2026-10-15T00:00:00Z",
+            &[
+                fold_first("2026-11-01T05:30:00Z"),
+                fold_second("2026-11-01T06:30:00Z"),
+            ],
+        );
+        assert_next(
+            &fall(DstFold::Second),
+            "2026-10-15T00:00:00Z",
+            "2026-11-01T06:30:00Z",
+        );
+        // London's last Sunday of October, 01:30 twice; of March, 01:30 in the gap.
+        let london = cron(
+            "0 30 1 * 3,10 7L",
+            "Europe/London",
+            DstGap::Skip,
+            DstFold::Both,
+        );
+        assert_occurrences(
+            &london,
+            "2026-03-01T00:00:00Z",
+            &[
+                skipped("2026-03-29T01:00:00Z", hm(1, 30)),
+                fold_first("2026-10-25T00:30:00Z"),
+                fold_second("2026-10-25T01:30:00Z"),
+            ],
+        );
+    }
+
+    #[test]
+    fn day_extension_errors_name_field_and_form() {
+        let cases = [
+            (
+                "0 0 L-2 * *",
+                r#"field day-of-month: "L-2": expected L, LW or a day followed by W (15W); they take no range or step"#,
+            ),
+            (
+                "0 0 1-5W * *",
+                r#"field day-of-month: "1-5W": W follows a single day (15W, or LW), "1-5" is not a number"#,
+            ),
+            (
+                "0 0 32W * *",
+                r#"field day-of-month: "32W": W follows a single day (15W, or LW), 32 is out of range 1-31"#,
+            ),
+            (
+                "0 0 * * MON#6",
+                r#"field day-of-week: "MON#6": # takes 1-5 (MON#2: the second Monday)"#,
+            ),
+            (
+                "0 0 * * L",
+                r#"field day-of-week: "L" alone is not a day of week; write 5L or FRIL for the last Friday"#,
+            ),
+            (
+                "0 0 * * 8L",
+                r#"field day-of-week: "8L": 8 is out of range 0-7"#,
+            ),
+            (
+                "0 0 30W 2 *",
+                r#"never matches: day-of-month "30W" does not occur in month "2""#,
+            ),
+        ];
+        for (expr, message) in cases {
+            assert_eq!(err(expr), format!("cron {expr:?}: {message}"), "{expr}");
+        }
+    }
+
+    #[test]
     fn day_of_month_or_day_of_week_when_both_restricted() {
         // 2026-02-01 is a Sunday: the 1st OR Mondays.
         let s = utc_cron("0 0 1 * MON");
@@ -1656,7 +2032,7 @@ mod tests {
         ),
         (
             "0 0 ? * MON",
-            r#"cron "0 0 ? * MON": field day-of-month: "?" is Quartz syntax (?, L, W, #), which is not supported"#,
+            r#"cron "0 0 ? * MON": field day-of-month: "?" is Quartz syntax, which is not supported (write *)"#,
         ),
         (
             "0 0 30 2 *",
@@ -1669,8 +2045,9 @@ mod tests {
         for (expr, message) in PARSE_ERRORS {
             assert_eq!(err(expr), message, "{expr}");
         }
-        assert!(err("0 0 L * *").contains("Quartz syntax"));
-        assert!(err("0 0 * * 5#3").contains("Quartz syntax"));
+        assert!(err("L 0 * * *").contains("field minute: \"L\": L, W and # belong to day-of-month"));
+        assert!(err("0 5#3 * * *").contains("field hour: \"5#3\": L, W and # belong"));
+        assert!(err("0 0 * 2L *").contains("field month: \"2L\": L, W and # belong"));
         assert!(err("0 0 * JULY *").contains(r#""JULY" is not a number or month name"#));
         assert!(err("0 0 31 4,6,9,11 *").contains("never matches"));
         assert!(err("@reboot").contains("unknown macro"));
@@ -1848,13 +2225,32 @@ mod tests {
             prop::collection::vec(item, 1..=3).prop_map(|items| items.join(","))
         }
 
+        /// A day field with an `L`/`W`/`#` item beside the plain ones.
+        fn with_extension(
+            plain: impl Strategy<Value = String>,
+            extension: impl Strategy<Value = String>,
+        ) -> impl Strategy<Value = String> {
+            (plain, extension).prop_map(|(plain, ext)| format!("{ext},{plain}"))
+        }
+
         fn expr() -> impl Strategy<Value = String> {
+            let dom_ext = prop_oneof![
+                Just("L".to_string()),
+                Just("LW".to_string()),
+                (1..=31u32).prop_map(|n| format!("{n}W")),
+            ];
+            let dow_ext = prop_oneof![
+                (0..=7u32).prop_map(|w| format!("{w}L")),
+                (0..=7u32, 1..=5u32).prop_map(|(w, n)| format!("{w}#{n}")),
+            ];
             (
                 field(0, 59),
                 field(0, 23),
-                prop_oneof![3 => Just("*".to_string()), 1 => field(1, 31)],
+                prop_oneof![3 => Just("*".to_string()), 1 => field(1, 31), 1 => dom_ext.clone(),
+                    1 => with_extension(field(1, 31), dom_ext)],
                 prop_oneof![3 => Just("*".to_string()), 1 => field(1, 12)],
-                prop_oneof![3 => Just("*".to_string()), 1 => field(0, 7)],
+                prop_oneof![3 => Just("*".to_string()), 1 => field(0, 7), 1 => dow_ext.clone(),
+                    1 => with_extension(field(0, 7), dow_ext)],
             )
                 .prop_map(|(mi, h, dom, mo, dow)| format!("{mi} {h} {dom} {mo} {dow}"))
         }
@@ -1925,6 +2321,227 @@ mod tests {
             }
             out.retain(|&at, _| at > from && at <= to);
             out
+        }
+
+        // --- L, W and # against a calendar walk over ten years ------------------------------
+
+        /// Does one day-of-month item pick `date`? Read off the calendar, day by day.
+        fn dom_item(item: &str, date: NaiveDate) -> bool {
+            let in_month = |d: u32| NaiveDate::from_ymd_opt(date.year(), date.month(), d);
+            let is_weekday = |d: NaiveDate| d.weekday().num_days_from_monday() < 5;
+            let month_days: Vec<NaiveDate> = (1..=31).filter_map(in_month).collect();
+            match item {
+                "*" => true,
+                "L" => month_days.last() == Some(&date),
+                "LW" => month_days.iter().copied().rfind(|d| is_weekday(*d)) == Some(date),
+                w if w.ends_with('W') => {
+                    let n: u32 = w.trim_end_matches('W').parse().unwrap();
+                    // The weekday of the month closest to day n (only when day n exists).
+                    in_month(n).is_some()
+                        && month_days
+                            .iter()
+                            .copied()
+                            .filter(|d| is_weekday(*d))
+                            .min_by_key(|d| d.day().abs_diff(n))
+                            == Some(date)
+                }
+                n => date.day() == n.parse::<u32>().unwrap(),
+            }
+        }
+
+        /// Does one day-of-week item pick `date`?
+        fn dow_item(item: &str, date: NaiveDate) -> bool {
+            let names = ["SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT"];
+            let weekday = |w: &str| -> u32 {
+                let n = names.iter().position(|n| *n == w).map(|i| i as u32);
+                n.unwrap_or_else(|| w.parse().unwrap()) % 7
+            };
+            let is = |w: &str| date.weekday().num_days_from_sunday() == weekday(w);
+            let same_month = |d: Option<NaiveDate>| d.is_some_and(|d| d.month() == date.month());
+            if item == "*" {
+                true
+            } else if let Some((w, n)) = item.split_once('#') {
+                // How many days of this weekday the month has had up to `date`.
+                let nth = (0..5)
+                    .filter(|k| same_month(date.checked_sub_days(chrono::Days::new(7 * k))))
+                    .count();
+                is(w) && nth == n.parse::<usize>().unwrap()
+            } else if let Some(w) = item.strip_suffix('L') {
+                is(w) && !same_month(date.checked_add_days(chrono::Days::new(7)))
+            } else {
+                is(item)
+            }
+        }
+
+        /// Vixie's rule: both day fields restricted -> either; otherwise both.
+        fn day_matches(dom: &str, dow: &str, date: NaiveDate) -> bool {
+            let d = dom.split(',').any(|i| dom_item(i, date));
+            let w = dow.split(',').any(|i| dow_item(i, date));
+            if dom != "*" && dow != "*" {
+                d || w
+            } else {
+                d && w
+            }
+        }
+
+        /// A wall time's instants: the `t` with `t + offset(t) = wall`, tried for every offset
+        /// the zone shows within a day; none: the gap's transition, found minute by minute.
+        fn wall_instants(tz: Tz, wall: i64) -> (Vec<i64>, Option<i64>) {
+            let mut offsets: Vec<i64> = (-14..=14)
+                .map(|h| offset_at(tz, wall + h * 3600).unwrap())
+                .collect();
+            offsets.sort();
+            offsets.dedup();
+            let mut at: Vec<i64> = offsets
+                .iter()
+                .map(|o| wall - o)
+                .filter(|&t| t + offset_at(tz, t).unwrap() == wall)
+                .collect();
+            at.sort();
+            if !at.is_empty() {
+                return (at, None);
+            }
+            let clock = |t: i64| t + offset_at(tz, t).unwrap();
+            let (lo, hi) = (
+                wall - offsets[offsets.len() - 1] - 60,
+                wall - offsets[0] + 60,
+            );
+            let transition = (lo..=hi)
+                .step_by(60)
+                .find(|&t| clock(t - 60) < wall && clock(t) > wall);
+            (at, transition)
+        }
+
+        /// The wall times (as UTC-read seconds) of `0 30 1,2 DOM MONTHS DOW` on the days from
+        /// `first` to `last`.
+        fn matching_walls(
+            (dom, months, dow): (&str, &[u32], &str),
+            first: NaiveDate,
+            last: NaiveDate,
+        ) -> Vec<i64> {
+            first
+                .iter_days()
+                .take_while(|d| *d <= last)
+                .filter(|d| months.contains(&d.month()) && day_matches(dom, dow, *d))
+                .flat_map(|d| {
+                    [1, 2].map(|h| d.and_hms_opt(h, 30, 0).unwrap().and_utc().timestamp())
+                })
+                .collect()
+        }
+
+        /// The expected occurrences of the wall times `walls` in `(from, to]`: true when
+        /// something really runs there (as `brute` above).
+        fn expected(
+            walls: &[i64],
+            tz: Tz,
+            (gap, fold): (DstGap, DstFold),
+            (from, to): (i64, i64),
+            cache: &mut HashMap<i64, (Vec<i64>, Option<i64>)>,
+        ) -> BTreeMap<i64, bool> {
+            let mut out = BTreeMap::new();
+            for &wall in walls {
+                let (at, transition) = cache.entry(wall).or_insert_with(|| wall_instants(tz, wall));
+                let picked = match (at.as_slice(), fold) {
+                    ([], _) => vec![(
+                        transition.expect("a gap has a transition"),
+                        gap == DstGap::Shift,
+                    )],
+                    ([one], _) => vec![(*one, true)],
+                    ([a, _], DstFold::First) => vec![(*a, true)],
+                    ([_, b], DstFold::Second) => vec![(*b, true)],
+                    ([a, b], DstFold::Both) => vec![(*a, true), (*b, true)],
+                    (more, _) => panic!("wall time with {} instants", more.len()),
+                };
+                for (at, real) in picked {
+                    *out.entry(at).or_insert(false) |= real;
+                }
+            }
+            out.retain(|&at, _| at > from && at <= to);
+            out
+        }
+
+        /// The entries of `a` and `b` that differ, for a readable failure.
+        fn differences(a: &BTreeMap<i64, bool>, b: &BTreeMap<i64, bool>) -> Vec<String> {
+            let when = |t: i64| DateTime::from_timestamp(t, 0).unwrap().to_rfc3339();
+            a.keys()
+                .chain(b.keys())
+                .filter(|t| a.get(t) != b.get(t))
+                .map(|&t| format!("{}: got {:?}, want {:?}", when(t), a.get(&t), b.get(&t)))
+                .collect()
+        }
+
+        /// `L`, `W` and `#` (alone, in lists, ORed with the other day field, with months
+        /// restricted to the DST months) agree with a calendar walk from 2020 to 2030 in five
+        /// zones, at 01:30 and 02:30 (in New York, London, Sydney and Lord Howe those wall times
+        /// fall in the spring gap or the autumn fold on the transition Sundays), under four DST
+        /// policy pairs.
+        #[test]
+        fn day_extensions_agree_with_a_calendar_walk_over_ten_years() {
+            const ALL: &[u32] = &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12];
+            let exprs: &[(&str, &[u32], &str)] = &[
+                ("L", ALL, "*"),
+                ("LW", ALL, "*"),
+                ("1W,15W,31W", ALL, "*"),
+                ("*", ALL, "FRIL"),
+                ("*", &[3, 4, 10, 11], "SUN#1,0#2,7L"),
+                ("1,L", ALL, "MON#2"),
+                ("15W", ALL, "5L,SAT#5"),
+            ];
+            let zones = [
+                "UTC",
+                "America/New_York",
+                "Europe/London",
+                "Australia/Sydney",
+                "Australia/Lord_Howe",
+            ];
+            let policies = [
+                (DstGap::Shift, DstFold::First),
+                (DstGap::Skip, DstFold::Second),
+                (DstGap::Shift, DstFold::Both),
+                (DstGap::Skip, DstFold::Both),
+            ];
+            let (from, to) = (1_577_836_800i64, 1_893_456_000i64); // 2020-01-01 .. 2030-01-01
+            let (first, last) = (
+                NaiveDate::from_ymd_opt(2019, 12, 30).unwrap(),
+                NaiveDate::from_ymd_opt(2030, 1, 2).unwrap(),
+            );
+            let walls: Vec<Vec<i64>> = exprs
+                .iter()
+                .map(|e| matching_walls(*e, first, last))
+                .collect();
+            let mut transitions_hit = 0;
+            for zone in zones {
+                let tz: Tz = zone.parse().unwrap();
+                let mut cache = HashMap::new();
+                for (&(dom, months, dow), walls) in exprs.iter().zip(&walls) {
+                    let month_list: Vec<String> = months.iter().map(u32::to_string).collect();
+                    let text = format!("0 30 1,2 {dom} {} {dow}", month_list.join(","));
+                    let cron = CronExpr::parse(&text).unwrap();
+                    for (gap, fold) in policies {
+                        let want = expected(walls, tz, (gap, fold), (from, to), &mut cache);
+                        let s = Schedule::Cron {
+                            cron: cron.clone().into(),
+                            tz,
+                            gap,
+                            fold,
+                        };
+                        let got: BTreeMap<i64, bool> = s
+                            .occurrences_after(DateTime::from_timestamp(from, 0).unwrap())
+                            .take_while(|o| o.at.timestamp() <= to)
+                            .inspect(|o| transitions_hit += usize::from(o.note.is_some()))
+                            .map(|o| (o.at.timestamp(), !o.skipped))
+                            .collect();
+                        assert!(!want.is_empty(), "{text} in {zone}");
+                        let diff = differences(&got, &want);
+                        assert!(
+                            diff.is_empty(),
+                            "{text} in {zone}, {gap:?}/{fold:?}: {diff:#?}"
+                        );
+                    }
+                }
+            }
+            // The walk did cross gaps and folds, not only plain days.
+            assert!(transitions_hit > 100, "{transitions_hit}");
         }
 
         proptest! {

@@ -59,8 +59,9 @@ fn next_json(env: &TestEnv, config: &Path, args: &[&str]) -> Vec<Value> {
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
 }
 
+/// One line of a job without jitter: `runs_at` is `utc`.
 fn line(job: &str, utc: &str, local: &str, offset: &str, note: Option<&str>) -> Value {
-    json!({"job": job, "utc": utc, "local": local, "offset": offset, "note": note})
+    json!({"job": job, "utc": utc, "runs_at": utc, "local": local, "offset": offset, "note": note})
 }
 
 #[test]

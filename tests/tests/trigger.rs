@@ -1,0 +1,101 @@
+//! `trigger` on a job running under `overlap = "skip"` (docs/design.md#manual-runs): the worker
+//! skips the copy (unlike Temporal's trigger, which ignores the overlap policy), and `trigger`
+//! now says so on stderr, still exiting 0. Once the run is over, a trigger runs without a
+//! warning.
+
+use chrono::{DurationRound, TimeDelta, Utc};
+use drumline_e2e::{counts, setup, wait_until, wait_until_async, TestEnv};
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+const WARNING: &str = "is running: this trigger will be skipped";
+
+/// `slow`: hourly (never due during the test), `skip`, its task takes 4 s and then writes its
+/// key to `effects`.
+fn config(env: &TestEnv) -> std::path::PathBuf {
+    let anchor = (Utc::now() + TimeDelta::minutes(30))
+        .duration_trunc(TimeDelta::seconds(1))
+        .unwrap()
+        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    env.config(
+        "drumline.toml",
+        &format!(
+            r#"
+[worker]
+concurrency = 4
+lease = "5s"
+
+[[jobs]]
+name = "slow"
+task = "slow"
+every = "1h"
+anchor = "{anchor}"
+overlap = "skip"
+
+[tasks.slow]
+command = {}
+"#,
+            env.append_key_command("effects", 4.0),
+        ),
+    )
+}
+
+/// `drumline-beat --config CFG trigger slow`: (exit code, the key, stderr).
+fn trigger(env: &TestEnv, cfg: &str) -> (i32, String, String) {
+    let (status, out, err) = env.run("drumline-beat", &["--config", cfg, "trigger", "slow"]);
+    let key = out
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("key="))
+        .unwrap_or_else(|| panic!("no key in {out:?} (stderr: {err})"))
+        .to_owned();
+    (status.code().unwrap_or(-1), key, err)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn trigger_on_a_running_skip_job_warns_and_runs_nothing_more() {
+    let env = setup("trigger_skip_warns");
+    let cfg = config(&env);
+    let cfg = cfg.to_str().unwrap();
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    env.wait_for_topology(&worker).await;
+
+    let (code, first, err) = trigger(&env, cfg);
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains(WARNING), "nothing runs yet: {err}");
+    let running = wait_until_async(WAIT, || async {
+        env.run_state(&first).await.as_deref() == Some("running")
+    })
+    .await;
+    assert!(running, "{}", worker.log_tail(20));
+
+    // While `first` runs: warned, exit 0, and the copy is skipped.
+    let (code, second, err) = trigger(&env, cfg);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains(WARNING), "stderr: {err}");
+    assert!(err.contains(&first), "names the running instance: {err}");
+    let skipped = wait_until_async(WAIT, || async {
+        env.run_state(&second).await.as_deref() == Some("skipped")
+    })
+    .await;
+    assert!(skipped, "{}", worker.log_tail(20));
+    let done = wait_until_async(WAIT, || async {
+        env.run_state(&first).await.as_deref() == Some("done")
+    })
+    .await;
+    assert!(done, "{}", worker.log_tail(20));
+    assert_eq!(
+        env.lines("effects"),
+        vec![first.clone()],
+        "the skipped copy never ran"
+    );
+
+    // Nothing runs now: no warning, and the trigger runs.
+    let (code, third, err) = trigger(&env, cfg);
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains(WARNING), "nothing runs any more: {err}");
+    assert!(wait_until(WAIT, || env.lines("effects").len() >= 2));
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    let effects = counts(&env.lines("effects"));
+    let want = [(first, 1), (third, 1)].into_iter().collect();
+    assert_eq!(effects, want, "each run once, the skipped copy never");
+}
