@@ -6,6 +6,7 @@ pub mod cfg;
 pub mod hook;
 pub mod proxy;
 pub mod sentinel;
+pub mod soak;
 pub mod snoop;
 pub mod suspend;
 pub mod tls;
