@@ -6,8 +6,8 @@ pub mod cfg;
 pub mod hook;
 pub mod proxy;
 pub mod sentinel;
-pub mod soak;
 pub mod snoop;
+pub mod soak;
 pub mod suspend;
 pub mod tls;
 

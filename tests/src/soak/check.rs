@@ -92,15 +92,17 @@ pub fn check(seen: &Observed) -> Findings {
     for key in &seen.must_die {
         let state = seen.states.get(key).map(String::as_str);
         if state != Some("dead") {
-            out.violations
-                .push(format!("{key}: not dead after its retries: state {state:?}"));
+            out.violations.push(format!(
+                "{key}: not dead after its retries: state {state:?}"
+            ));
         }
     }
     for (key, runs) in &failing {
         let pairs: BTreeSet<(u32, u64)> = runs.iter().map(|e| (e.attempt, e.fence)).collect();
         if pairs.len() < runs.len() {
-            out.violations
-                .push(format!("{key}: one attempt ran twice under one claim: {runs:?}"));
+            out.violations.push(format!(
+                "{key}: one attempt ran twice under one claim: {runs:?}"
+            ));
         }
         if let Some(e) = runs.iter().find(|e| e.attempt > seen.fail_retries) {
             out.violations.push(format!(

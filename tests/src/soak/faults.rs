@@ -74,20 +74,36 @@ impl Faults {
                 .filter(|i| world.members[*i].proc.is_some())
                 .collect()
         };
-        let choose = |list: Vec<usize>| (!list.is_empty()).then(|| list[pick as usize % list.len()]);
-        let standby = leader.and_then(|l| choose(free(Role::Beat).into_iter().filter(|b| *b != l).collect()));
+        let choose =
+            |list: Vec<usize>| (!list.is_empty()).then(|| list[pick as usize % list.len()]);
+        let standby =
+            leader.and_then(|l| choose(free(Role::Beat).into_iter().filter(|b| *b != l).collect()));
         let leader = leader.filter(|l| !busy.contains(l));
         let target = match kind {
             0 | 1 => choose(free(Role::Worker)),
             2 | 3 => leader,
-            4 => choose((0..world.members.len()).filter(|i| !busy.contains(i)).collect()),
+            4 => choose(
+                (0..world.members.len())
+                    .filter(|i| !busy.contains(i))
+                    .collect(),
+            ),
             8 => standby,
             _ => Some(usize::MAX),
         };
         let Some(target) = target else { return };
         let at = self.start.elapsed().as_secs_f64();
-        let name = |i: usize| world.members.get(i).map_or(String::new(), |m| m.name.clone());
-        println!("[{at:7.2}s] fault {:<25} {} {}", KINDS[kind], name(target), describe(kind, length));
+        let name = |i: usize| {
+            world
+                .members
+                .get(i)
+                .map_or(String::new(), |m| m.name.clone())
+        };
+        println!(
+            "[{at:7.2}s] fault {:<25} {} {}",
+            KINDS[kind],
+            name(target),
+            describe(kind, length)
+        );
         *self.counts.entry(KINDS[kind]).or_default() += 1;
         let undo = self.apply(kind, target, length, world);
         if let Some(undo) = undo {
@@ -95,7 +111,13 @@ impl Faults {
         }
     }
 
-    fn apply(&mut self, kind: usize, target: usize, length: Duration, world: &mut World) -> Option<(Instant, Undo)> {
+    fn apply(
+        &mut self,
+        kind: usize,
+        target: usize,
+        length: Duration,
+        world: &mut World,
+    ) -> Option<(Instant, Undo)> {
         let later = Instant::now() + length;
         match kind {
             0 | 2 | 8 => {
@@ -128,8 +150,10 @@ impl Faults {
     /// Undoes what is due (everything when `all`).
     pub fn undo_due(&mut self, world: &mut World, all: bool) {
         let now = Instant::now();
-        let (due, later): (Vec<_>, Vec<_>) =
-            self.pending.drain(..).partition(|(at, _)| all || *at <= now);
+        let (due, later): (Vec<_>, Vec<_>) = self
+            .pending
+            .drain(..)
+            .partition(|(at, _)| all || *at <= now);
         self.pending = later;
         for (_, undo) in due {
             match undo {

@@ -73,7 +73,11 @@ pub fn run(opts: &Options) -> Verdict {
     let first = crate::wait_until(Duration::from_secs(90), || {
         !world.env.lines("effects").is_empty()
     });
-    assert!(first, "the 1 s job never ran; see {}", world.env.dir.display());
+    assert!(
+        first,
+        "the 1 s job never ran; see {}",
+        world.env.dir.display()
+    );
     std::thread::sleep(WARM_UP);
     let warm_end = Utc::now();
     println!("soak: warm-up over at {warm_end}; faults begin");
@@ -117,7 +121,11 @@ fn revive(world: &mut World) {
     for m in &mut world.members {
         if let Some(p) = m.proc.as_mut() {
             if !p.is_running() {
-                println!("soak: {} exited by itself; restarting it\n{}", m.name, p.log_tail(10));
+                println!(
+                    "soak: {} exited by itself; restarting it\n{}",
+                    m.name,
+                    p.log_tail(10)
+                );
                 m.start(&world.env, &config);
             }
         }
@@ -212,11 +220,16 @@ fn settle_and_check(
         fail_retries: FAIL_RETRIES,
         ..Default::default()
     };
-    seen.must_succeed.extend(instants("tick", 1, warm_end, fault_end));
+    seen.must_succeed
+        .extend(instants("tick", 1, warm_end, fault_end));
     seen.must_succeed
         .extend(instants("catchup", CATCHUP_EVERY, warm_end, fault_end));
     for (key, task) in published {
-        let set = if *task == "fail" { &mut seen.must_die } else { &mut seen.must_succeed };
+        let set = if *task == "fail" {
+            &mut seen.must_die
+        } else {
+            &mut seen.must_succeed
+        };
         set.insert(key.clone());
     }
     let all: BTreeSet<String> = seen.must_succeed.union(&seen.must_die).cloned().collect();
@@ -225,13 +238,20 @@ fn settle_and_check(
         revive(world);
         seen.states = states(world, &all);
         all.iter().all(|k| {
-            matches!(seen.states.get(k).map(String::as_str), Some("done" | "dead"))
+            matches!(
+                seen.states.get(k).map(String::as_str),
+                Some("done" | "dead")
+            )
         })
     });
     println!(
         "soak: {} keys {} after {:.1}s",
         all.len(),
-        if finished { "finished" } else { "NOT all finished" },
+        if finished {
+            "finished"
+        } else {
+            "NOT all finished"
+        },
         started.elapsed().as_secs_f64()
     );
     // A late copy would show now: give it a lease and a little more.
@@ -286,7 +306,12 @@ fn run_verify(world: &World, since: Duration) -> Option<(bool, String)> {
     }
     let out = world
         .command("drumline")
-        .args(["verify", "--since", &format!("{}s", since.as_secs()), "--json"])
+        .args([
+            "verify",
+            "--since",
+            &format!("{}s", since.as_secs()),
+            "--json",
+        ])
         .output()
         .expect("run drumline verify");
     let json = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -295,7 +320,10 @@ fn run_verify(world: &World, since: Duration) -> Option<(bool, String)> {
             .is_ok_and(|v| v["holds"] == serde_json::Value::Bool(true));
     println!("verify: exit {:?}, {}", out.status.code(), json.trim());
     if !out.stderr.is_empty() {
-        println!("verify stderr: {}", String::from_utf8_lossy(&out.stderr).trim());
+        println!(
+            "verify stderr: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Some((holds, json))
 }
@@ -327,4 +355,3 @@ fn print_verdict(v: &Verdict, took: Duration) {
         took.as_secs_f64()
     );
 }
-

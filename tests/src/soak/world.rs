@@ -39,7 +39,14 @@ impl SoakRedis {
         let log = File::create(self.dir.join("redis.out")).expect("redis log");
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--appendonly", "yes", "--appendfsync", "always", "--save", ""])
+            .args([
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+            ])
             .arg("--dir")
             .arg(&self.dir)
             .stdin(Stdio::null())
@@ -141,7 +148,8 @@ impl Member {
 
     /// Cuts it off from Redis (its connections and new ones hang), or heals it.
     pub fn partition(&self, cut: bool) {
-        self.proxy.set(if cut { Fault::Blackhole } else { Fault::Pass });
+        self.proxy
+            .set(if cut { Fault::Blackhole } else { Fault::Pass });
     }
 }
 
