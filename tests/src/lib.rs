@@ -7,6 +7,7 @@ pub mod hook;
 pub mod proxy;
 pub mod sentinel;
 pub mod snoop;
+pub mod soak;
 pub mod suspend;
 pub mod tls;
 
