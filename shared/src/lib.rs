@@ -18,6 +18,7 @@ pub mod duration;
 pub mod envelope;
 #[cfg(feature = "bin-support")]
 pub mod exit;
+pub mod limit;
 #[cfg(feature = "bin-support")]
 pub mod logging;
 #[cfg(feature = "bin-support")]
