@@ -68,18 +68,24 @@ impl Rate {
     }
 }
 
-/// When the next start may be stamped under a sliding window (`window` ms) that admits `count`
-/// starts: `stamps` are the starts (and reservations) recorded, in any order, `now` the clock.
-/// Every window of `window` ms then holds at most `count` stamps, the new one included: the
-/// `count`-th newest stamp must be a whole window behind it. The claim script in
-/// `shared/src/store.rs` applies the same rule.
+/// When the next start may be stamped under a rate of `count` starts per `window` ms: `stamps`
+/// are the starts (and reservations) recorded, `now` the clock. Starts are spread evenly, each
+/// at least [`gap`] after the newest, so any window of `window` ms holds at most `count` of
+/// them: `count + 1` stamps span `count` gaps, a whole window. Spread rather than in bursts,
+/// the starts do not queue behind each other to spawn, so the lag from a start's stamp to the
+/// task's own start stays small and even, and the bound holds on the tasks' clocks too
+/// (docs/design.md#limits). The claim script in `shared/src/store.rs` applies the same rule.
 pub fn next_start(stamps: &[u64], count: u32, window: u64, now: u64) -> u64 {
-    let mut newest: Vec<u64> = stamps.to_vec();
-    newest.sort_unstable_by(|a, b| b.cmp(a));
-    match newest.get(count as usize - 1) {
-        Some(nth) => now.max(nth + window),
+    match stamps.iter().max() {
+        Some(newest) => now.max(newest + gap(count, window)),
         None => now,
     }
+}
+
+/// The least time between two starts of a rate of `count` per `window` ms: `window / count`,
+/// rounded up.
+pub fn gap(count: u32, window: u64) -> u64 {
+    window.div_ceil(u64::from(count.max(1)))
 }
 
 /// The most stamps in any half-open window `[t, t + window)`: what the rule bounds. `stamps`
@@ -139,13 +145,13 @@ mod tests {
     }
 
     #[test]
-    fn next_start_waits_for_the_nth_newest_to_leave_the_window() {
+    fn next_start_comes_a_gap_after_the_newest() {
+        assert_eq!(gap(3, 1000), 334);
         assert_eq!(next_start(&[], 2, 1000, 50), 50);
-        assert_eq!(next_start(&[10], 2, 1000, 50), 50);
-        assert_eq!(next_start(&[10, 20], 2, 1000, 50), 1020);
+        assert_eq!(next_start(&[10], 2, 1000, 50), 510);
+        assert_eq!(next_start(&[10, 20], 2, 1000, 600), 600);
         // Reservations ahead of now count like starts.
-        assert_eq!(next_start(&[10, 20, 1020], 2, 1000, 50), 1020);
-        assert_eq!(next_start(&[10, 20, 1020, 1020], 2, 1000, 50), 2020);
+        assert_eq!(next_start(&[10, 1020, 520], 2, 1000, 50), 1520);
         assert_eq!(next_start(&[10, 20], 2, 1000, 5000), 5000);
     }
 

@@ -294,7 +294,7 @@ end
 // - rate: stamps older than a window are dropped; this token's reserved start is used when it
 //   has come (and is not more than `late` ms past: else it is given back and placed again);
 //   otherwise the next start goes where `next_start` (shared/src/limit.rs) puts it: now, or the
-//   count-th newest stamp plus a window. A start ahead of now is reserved for the token when it
+//   newest stamp plus a gap (window / count, rounded up). A start ahead of now is reserved for the token when it
 //   is within the horizon, and the answer is {'limited', ms until it, 'rate'};
 // - both passed: the slot is taken, scored by the lease's end, and `false` is returned.
 const LIMIT: &str = r#"
@@ -318,8 +318,8 @@ local function limit_take(slots, starts, token, now, lease_ms, a)
     end
     if not mine then
       local at = now
-      local nth = redis.call('ZREVRANGE', starts, count - 1, count - 1, 'WITHSCORES')
-      if nth[2] then at = math.max(now, tonumber(nth[2]) + window) end
+      local newest = redis.call('ZREVRANGE', starts, 0, 0, 'WITHSCORES')
+      if newest[2] then at = math.max(now, tonumber(newest[2]) + math.ceil(window / count)) end
       if at > now + horizon then return {'limited', tostring(at - now), 'rate'} end
       redis.call('ZADD', starts, at, token)
       if redis.call('PTTL', starts) < at - now + window then
