@@ -27,7 +27,7 @@ fn config(env: &TestEnv, limit: &[(&str, &str)], script: &str, lease: &str) -> P
 }
 
 /// Starts three workers on `cfg` and waits until they consume.
-async fn three_workers(env: &TestEnv, cfg: &PathBuf) -> Vec<drumline_e2e::Proc> {
+async fn three_workers(env: &TestEnv, cfg: &std::path::Path) -> Vec<drumline_e2e::Proc> {
     let cfg = cfg.to_str().unwrap();
     let workers: Vec<_> = ["w1", "w2", "w3"]
         .iter()
