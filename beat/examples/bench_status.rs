@@ -221,6 +221,7 @@ async fn fill(store: &Store, jobs: &[&str], records: usize) -> Result<()> {
                     overlap: OverlapMode::Allow,
                     retention: Duration::from_secs(600),
                     expired: false,
+                    limit: None,
                 })
                 .await?;
             ensure!(matches!(claim, Claim::Claimed { .. }), "{key}: {claim:?}");

@@ -368,6 +368,7 @@ fn reload(config: &Config) -> Option<Arc<Config>> {
             Some(Arc::new(Config {
                 jobs: new.jobs,
                 tasks: new.tasks,
+                limits: new.limits,
                 path: config.path.clone(),
                 namespace: config.namespace.clone(),
                 broker_url: config.broker_url.clone(),

@@ -4,6 +4,7 @@
 
 use crate::duration;
 use crate::jitter::Jitter;
+pub use crate::limit::{Limit, Rate};
 pub use crate::run::WaitReplicas;
 use crate::schedule::{parse_timezone, CronExpr, DstFold, DstGap, Schedule};
 use crate::url;
@@ -133,6 +134,8 @@ pub struct Config {
     pub jobs: Vec<Job>,
     /// `[tasks.*]`, by name.
     pub tasks: BTreeMap<String, Task>,
+    /// `[limits.*]`, by name (docs/design.md#limits). Default none.
+    pub limits: BTreeMap<String, Limit>,
 }
 
 impl Config {
@@ -317,6 +320,8 @@ pub struct Task {
     /// HTTP executor: the endpoint each run is sent to (docs/design.md#the-http-executor).
     /// `None` for a `command` or a Rust handler; never both with `command`.
     pub http: Option<HttpTask>,
+    /// `limit = "NAME"`: the `[limits.NAME]` its runs count against, resolved. Default none.
+    pub limit: Option<Limit>,
 }
 
 /// `[tasks.NAME] http = { … }`, checked (docs/design.md#the-http-executor).
@@ -378,6 +383,16 @@ struct RawConfig<J, T> {
     jobs: Option<Vec<J>>,
     #[serde(default = "BTreeMap::new")]
     tasks: BTreeMap<String, T>,
+    #[serde(default = "BTreeMap::new")]
+    limits: BTreeMap<String, RawLimit>,
+}
+
+/// `[limits.NAME]` as written.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimit {
+    concurrency: Option<i64>,
+    rate: Option<String>,
 }
 
 /// `[redis]`: a URL section plus the replica wait.
@@ -450,6 +465,7 @@ struct RawTask {
     permanent_exit_codes: Option<Vec<i32>>,
     env: Option<BTreeMap<String, String>>,
     http: Option<RawHttp>,
+    limit: Option<String>,
 }
 
 /// `[tasks.NAME] http` as written.
@@ -586,6 +602,7 @@ impl Config {
             worker,
             journal,
             tasks,
+            limits,
             broker: raw_broker,
             redis: raw_redis,
         } = prefix;
@@ -617,6 +634,7 @@ impl Config {
             journal,
             jobs,
             tasks,
+            limits,
         })
     }
 
@@ -790,18 +808,67 @@ fn check_worker(fail: &Failer, w: RawWorker) -> Result<WorkerConfig, ConfigError
     Ok(worker)
 }
 
-/// The `[tasks.NAME]` tables, by name.
+/// The `[tasks.NAME]` tables, by name; `limit` must name one of `limits`.
 fn check_tasks(
     fail: &Failer,
     raw: BTreeMap<String, RawTask>,
+    limits: &BTreeMap<String, Limit>,
 ) -> Result<BTreeMap<String, Task>, ConfigError> {
     let mut tasks = BTreeMap::new();
-    for (name, t) in raw {
+    for (name, mut t) in raw {
         let place = format!("task {name:?}");
         check_name(&name).map_err(|m| fail.at(Some(&place), "name", m.to_string()))?;
-        tasks.insert(name.clone(), check_task(fail, &place, name, t)?);
+        let limit = match t.limit.take() {
+            Some(wanted) => Some(limits.get(&wanted).cloned().ok_or_else(|| {
+                let known: Vec<&str> = limits.keys().map(String::as_str).collect();
+                let m = format!("no [limits.{wanted}] in this file (limits: {known:?})");
+                fail.at(Some(&place), "limit", m)
+            })?),
+            None => None,
+        };
+        let mut task = check_task(fail, &place, name.clone(), t)?;
+        task.limit = limit;
+        tasks.insert(name, task);
     }
     Ok(tasks)
+}
+
+/// The `[limits.NAME]` tables, by name: each has a `concurrency` of at least 1, a `rate` that
+/// reads as `N/PERIOD` with N at least 1, or both (docs/design.md#limits).
+fn check_limits(
+    fail: &Failer,
+    raw: BTreeMap<String, RawLimit>,
+) -> Result<BTreeMap<String, Limit>, ConfigError> {
+    let mut limits = BTreeMap::new();
+    for (name, l) in raw {
+        let place = format!("limit {name:?}");
+        let at = |key, message: String| fail.at(Some(&place), key, message);
+        check_name(&name).map_err(|m| at("name", m.to_string()))?;
+        let concurrency = match l.concurrency {
+            Some(n) => Some(
+                u32::try_from(n)
+                    .ok()
+                    .filter(|n| *n >= 1)
+                    .ok_or_else(|| at("concurrency", format!("must be at least 1, not {n}")))?,
+            ),
+            None => None,
+        };
+        let rate = match &l.rate {
+            Some(text) => Some(Rate::parse(text).map_err(|e| at("rate", e.to_string()))?),
+            None => None,
+        };
+        if concurrency.is_none() && rate.is_none() {
+            let m = "sets neither `concurrency` nor `rate`; give one or both".to_owned();
+            return Err(at("concurrency", m));
+        }
+        let limit = Limit {
+            name: name.clone(),
+            concurrency,
+            rate,
+        };
+        limits.insert(name, limit);
+    }
+    Ok(limits)
 }
 
 /// Whether every piece of jobs parses.
@@ -824,6 +891,7 @@ struct Prefix {
     worker: WorkerConfig,
     journal: JournalConfig,
     tasks: BTreeMap<String, Task>,
+    limits: BTreeMap<String, Limit>,
     broker: RawBroker,
     redis: RawRedis,
 }
@@ -835,13 +903,15 @@ fn check_prefix<J>(fail: &Failer, raw: RawConfig<J, RawTask>) -> Result<Prefix, 
     let beat = check_beat(fail, &raw.beat)?;
     let worker = check_worker(fail, raw.worker)?;
     let journal = check_journal(fail, &raw.journal)?;
-    let tasks = check_tasks(fail, raw.tasks)?;
+    let limits = check_limits(fail, raw.limits)?;
+    let tasks = check_tasks(fail, raw.tasks, &limits)?;
     Ok(Prefix {
         namespace,
         beat,
         worker,
         journal,
         tasks,
+        limits,
         broker: raw.broker,
         redis: raw.redis,
     })
@@ -944,6 +1014,7 @@ fn check_task(fail: &Failer, place: &str, name: String, t: RawTask) -> Result<Ta
             Some(h) => Some(check_http(fail, place, h)?),
             None => None,
         },
+        limit: None,
     })
 }
 
@@ -1561,6 +1632,50 @@ mod tests {
     /// Asserts that job `j` with `lines` is refused with a message containing `needle`.
     fn job_err_has(lines: &str, needle: &str) {
         err_has(&job_text(lines), needle);
+    }
+
+    #[test]
+    fn limits_resolve_into_their_tasks() {
+        let c = parse(
+            "[limits.api]\nconcurrency = 2\nrate = \"10/s\"\n[limits.slow]\nrate = \"100/m\"\n\
+             [tasks.t]\ncommand = [\"/bin/true\"]\nlimit = \"api\"\n\
+             [tasks.u]\ncommand = [\"/bin/true\"]\n",
+        )
+        .unwrap();
+        let api = c.tasks["t"].limit.clone().unwrap();
+        assert_eq!((api.name.as_str(), api.concurrency), ("api", Some(2)));
+        assert_eq!(api.rate, Some(Rate::parse("10/s").unwrap()));
+        assert_eq!(c.tasks["u"].limit, None);
+        assert_eq!(c.limits["slow"].concurrency, None);
+    }
+
+    #[test]
+    fn bad_limits_name_the_limit_and_key() {
+        let task = "[tasks.t]\ncommand = [\"/bin/true\"]\nlimit = \"api\"\n";
+        err_has(task, "task \"t\": key `limit`: no [limits.api]");
+        let limit = |body: &str| format!("[limits.api]\n{body}\n{task}");
+        err_has(
+            &limit("concurrency = 0"),
+            "limit \"api\": key `concurrency`: must be at least 1",
+        );
+        err_has(
+            &limit("concurrency = -3"),
+            "key `concurrency`: must be at least 1, not -3",
+        );
+        err_has(
+            &limit("rate = \"0/s\""),
+            "limit \"api\": key `rate`: \"0/s\" allows no start",
+        );
+        err_has(
+            &limit("rate = \"ten/s\""),
+            "key `rate`: \"ten/s\" is not N/PERIOD",
+        );
+        err_has(
+            &limit("rate = \"5/d\""),
+            "key `rate`: \"5/d\": the period must be s, m or h",
+        );
+        err_has(&limit(""), "sets neither `concurrency` nor `rate`");
+        err_has(&limit("burst = 3"), "burst");
     }
 
     #[test]

@@ -19,6 +19,7 @@ pub mod envelope;
 #[cfg(feature = "bin-support")]
 pub mod exit;
 pub mod jitter;
+pub mod limit;
 #[cfg(feature = "bin-support")]
 pub mod logging;
 #[cfg(feature = "bin-support")]

@@ -201,6 +201,20 @@ impl Names {
         format!("{}:running:{job}", self.ns)
     }
 
+    /// `{ns}:limit:{name}:slots` — a concurrency group's slots: a sorted set of the claim
+    /// tokens holding one, scored by lease expiry (ms, Redis `TIME`), moved by each renewal, so
+    /// a killed worker's slot frees when its lease lapses (docs/design.md#limits).
+    pub fn limit_slots(&self, limit: &str) -> String {
+        format!("{}:limit:{limit}:slots", self.ns)
+    }
+
+    /// `{ns}:limit:{name}:starts` — a rate limit's sliding window: a sorted set of claim
+    /// tokens scored by their start stamp (ms, Redis `TIME`; one ahead of now is a reserved
+    /// start) (docs/design.md#limits).
+    pub fn limit_starts(&self, limit: &str) -> String {
+        format!("{}:limit:{limit}:starts", self.ns)
+    }
+
     /// `{ns}:worker:{id}` — a live worker's announcement: a hash (host, pid, version, queues,
     /// concurrency, running, started) with a TTL, refreshed while the worker runs
     /// (docs/design.md#queues-and-workers).

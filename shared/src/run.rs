@@ -119,6 +119,35 @@ pub enum Claim {
     /// The copy's `expires_at` has passed and no run of it is recorded or live: nothing was
     /// taken; the caller dead-letters it as `expired`.
     Expired,
+    /// The task's `[limits.NAME]` is full: nothing was claimed (no attempt, no fence); the copy
+    /// looks again after `retry_in` (docs/design.md#limits).
+    Limited {
+        /// For a rate, when the start reserved for this claim's token comes (or, past the
+        /// reservation horizon, when the window will have room); for concurrency, when the
+        /// first slot's lease lapses unless its holder renews it.
+        retry_in: Duration,
+        /// Which part of the limit is full.
+        by: LimitedBy,
+    },
+}
+
+/// Which part of a `[limits.NAME]` held a copy back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitedBy {
+    /// Every concurrency slot is held.
+    Concurrency,
+    /// The rate's window is full.
+    Rate,
+}
+
+impl LimitedBy {
+    /// `concurrency` or `rate`, for logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LimitedBy::Concurrency => "concurrency",
+            LimitedBy::Rate => "rate",
+        }
+    }
 }
 
 /// `[redis] wait_replicas` (docs/design.md "Scale-out"): how many replicas must have a durable

@@ -22,7 +22,8 @@ mod operate;
 mod rules;
 mod workers;
 
-pub use crate::run::{Claim, Ending, Final, RunState, WaitReplicas};
+use crate::limit::Limit;
+pub use crate::run::{Claim, Ending, Final, LimitedBy, RunState, WaitReplicas};
 pub use conn::Conn;
 use journal::JOURNAL;
 pub use journal::{JournalEntry, LeaderEntry};
@@ -159,6 +160,43 @@ pub struct ClaimRequest<'a> {
     pub retention: Duration,
     /// The copy's `expires_at` has passed: dedupe it, but do not claim it.
     pub expired: bool,
+    /// The task's `[limits.NAME]`, if any: the claim also takes a slot and a start in it, or
+    /// answers [`Claim::Limited`] and takes nothing (docs/design.md#limits).
+    pub limit: Option<LimitClaim<'a>>,
+}
+
+/// What a claim asks of its task's limit.
+#[derive(Debug, Clone, Copy)]
+pub struct LimitClaim<'a> {
+    /// The limit.
+    pub limit: &'a Limit,
+    /// How far ahead a start may be reserved for this claim's token when the rate's window is
+    /// full: the caller means to wait that long and claim again with the same token. Zero:
+    /// never reserve.
+    pub reserve_within: Duration,
+}
+
+impl LimitClaim<'_> {
+    /// ARGV 10..14 of the claim script: concurrency (0: none), rate count (0: none), the
+    /// window, how late a reserved start may still be taken, the reservation horizon (ms).
+    fn args(&self) -> [u64; 5] {
+        let ms = |d: Duration| d.as_millis() as u64;
+        let (count, window, late) = match self.limit.rate {
+            Some(rate) => {
+                let window = rate.window();
+                (rate.count, ms(window), ms(window - rate.period) / 2)
+            }
+            None => (0, 0, 0),
+        };
+        let concurrency = self.limit.concurrency.unwrap_or(0);
+        [
+            u64::from(concurrency),
+            u64::from(count),
+            window,
+            late,
+            ms(self.reserve_within),
+        ]
+    }
 }
 
 /// What a claim does about the job's other instances (docs/design.md step 4).
@@ -252,12 +290,64 @@ local function keep_for(retention_ms, lease_ms)
 end
 "#;
 
+// A claim's limit (docs/design.md#limits). `limit_take(slots, starts, token, now, lease_ms, a)`
+// with `a` = {concurrency, rate count, window ms, late ms, horizon ms} (0: that part is off):
+// - concurrency: slots whose lease lapsed are dropped (their holders died); when the rest fill
+//   the group, nothing is taken, a start reserved for this token is given back, and the answer
+//   is {'limited', ms until the first slot's lease lapses, 'concurrency'};
+// - rate: stamps older than a window are dropped; this token's reserved start is used when it
+//   has come (and is not more than `late` ms past: else it is given back and placed again);
+//   otherwise the next start goes where `next_start` (shared/src/limit.rs) puts it: now, or the
+//   newest stamp plus a gap (window / count, rounded up). A start ahead of now is reserved for the token when it
+//   is within the horizon, and the answer is {'limited', ms until it, 'rate'};
+// - both passed: the slot is taken, scored by the lease's end, and `false` is returned.
+const LIMIT: &str = r#"
+local function limit_take(slots, starts, token, now, lease_ms, a)
+  local conc, count, window, late, horizon = a[1], a[2], a[3], a[4], a[5]
+  if conc > 0 then
+    redis.call('ZREMRANGEBYSCORE', slots, '-inf', now)
+    if redis.call('ZCARD', slots) >= conc then
+      redis.call('ZREM', starts, token)
+      local first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
+      return {'limited', tostring(math.max(1, tonumber(first[2]) - now)), 'concurrency'}
+    end
+  end
+  if count > 0 then
+    redis.call('ZREMRANGEBYSCORE', starts, '-inf', now - window)
+    local mine = tonumber(redis.call('ZSCORE', starts, token))
+    if mine and mine > now then return {'limited', tostring(mine - now), 'rate'} end
+    if mine and now - mine > late then
+      redis.call('ZREM', starts, token)
+      mine = nil
+    end
+    if not mine then
+      local at = now
+      local newest = redis.call('ZREVRANGE', starts, 0, 0, 'WITHSCORES')
+      if newest[2] then at = math.max(now, tonumber(newest[2]) + math.ceil(window / count)) end
+      if at > now + horizon then return {'limited', tostring(at - now), 'rate'} end
+      redis.call('ZADD', starts, at, token)
+      if redis.call('PTTL', starts) < at - now + window then
+        redis.call('PEXPIRE', starts, at - now + window)
+      end
+      if at > now then return {'limited', tostring(at - now), 'rate'} end
+    end
+  end
+  if conc > 0 then
+    redis.call('ZADD', slots, now + lease_ms, token)
+    if redis.call('PTTL', slots) < lease_ms then redis.call('PEXPIRE', slots, lease_ms) end
+  end
+  return false
+end
+"#;
+
 // CLAIM
 // KEYS[1] -> {ns}:run:{key}          the run record (state, attempt, fence, token, lease_until)
 // KEYS[2] -> {ns}:fence              the fencing counter
 // KEYS[3] -> {ns}:job:{job}:running  the job's overlap lock, a hash {key, token} (unused with
 //                                    overlap `allow`)
 // KEYS[4] -> {ns}:running:{job}      the job's running set (unused when not counted)
+// KEYS[5] -> {ns}:limit:{name}:slots  the task's concurrency group (unused without one)
+// KEYS[6] -> {ns}:limit:{name}:starts the task's rate window (unused without one)
 // ARGV[1] -> token                   ARGV[2] -> worker id
 // ARGV[3] -> the copy's attempt      ARGV[4] -> lease in ms
 // ARGV[5] -> overlap: skip | queue | allow
@@ -265,16 +355,20 @@ end
 // ARGV[7] -> the key, as the lock and the running set record it
 // ARGV[8] -> 1 when the copy's expires_at has passed, else 0
 // ARGV[9] -> 1 for a job's instance (counted in the running set), 0 for ad-hoc
+// ARGV[10..14] -> the limit's concurrency, rate count, window ms, late ms, horizon ms (LIMIT)
 // Output: {'claimed', fence} | {'duplicate', state} | {'expired'}
+//       | {'limited', ms to wait, 'concurrency' | 'rate'}
 //       | {'busy', ms left, '1' when the copy's attempt is later than the running one's}
 //       | {'skipped', holder} | {'waiting', ms left on the lock, holder}
 // Dedupe comes first, so an expired copy of a finished instance is a duplicate. A copy older
 // than the recorded attempt is a duplicate whether or not the lease lapsed, so attempts never
 // go backwards and copies never fork a retry chain; a lapsed lease of the recorded attempt is
-// taken over with a new fence. Only a granted claim enters the running set.
+// taken over with a new fence. Only a granted claim enters the running set. The limit is judged
+// last, so a duplicate never takes a slot or a start, and a limited copy leaves the record as
+// it was: waiting is not an attempt.
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     keeping_running_set(&format!(
-        "{LEASE}{JOURNAL}{}",
+        "{LEASE}{JOURNAL}{LIMIT}{}",
         r#"
 local now = now_ms()
 local state = redis.call('HGET', KEYS[1], 'state')
@@ -316,6 +410,10 @@ if ARGV[5] ~= 'allow' then
     return {'waiting', tostring(ttl), holder}
   end
 end
+local limited = limit_take(KEYS[5], KEYS[6], ARGV[1], now, tonumber(ARGV[4]),
+  {tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13]),
+   tonumber(ARGV[14])})
+if limited then return limited end
 local fence = redis.call('INCR', KEYS[2])
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'state', 'running', 'token', ARGV[1], 'worker', ARGV[2],
@@ -338,6 +436,7 @@ return {'claimed', tostring(fence)}
 // KEYS[1] -> {ns}:run:{key}          KEYS[2] -> {ns}:job:{job}:running (the job lock)
 // KEYS[3] -> {ns}:running:{job}      (unused for an ad-hoc task)
 // KEYS[4] -> {ns}:waiters:{job}      (unused by RENEW)
+// KEYS[5] -> {ns}:limit:{name}:slots (unused without a concurrency group)
 // ARGV[1] -> the claim's token       ARGV[2] -> the key as the running set records it ('' for
 //                                               an ad-hoc task: not counted)
 // then the script's own ARGV.
@@ -346,7 +445,7 @@ return {'claimed', tostring(fence)}
 // only lengthened when the new lease would outlive it.
 // Output: 1 renewed | 0 not ours, not running, or the lease already lapsed (a lapsed lease may
 // have been taken over; its holder must stop, as it would have had the record expired).
-// The running entry and the job lock move with the lease.
+// The running entry, the job lock and the group slot move with the lease.
 static RENEW: LazyLock<Script> = LazyLock::new(|| {
     keeping_running_set(&format!(
         "{LEASE}{}",
@@ -363,6 +462,10 @@ if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
     redis.call('PEXPIRE', KEYS[2], ARGV[3])
   end
   if ARGV[2] ~= '' then mark_running(KEYS[3], ARGV[2], ARGV[3]) end
+  if redis.call('ZADD', KEYS[5], 'XX', 'CH', now + tonumber(ARGV[3]), ARGV[1]) == 1
+     and redis.call('PTTL', KEYS[5]) < tonumber(ARGV[3]) then
+    redis.call('PEXPIRE', KEYS[5], ARGV[3])
+  end
   return 1
 end
 return 0
@@ -376,8 +479,10 @@ return 0
 // (docs/design.md#waiting-copies-wake-up). `ours` says whether the run key carries our token,
 // `holds` whether it is still our running claim. The running entry goes when the run key is
 // ours or gone (with our lease lapsed, nobody else runs it); another claim's entry for the same
-// key stays. Each script returns {code, woken or false}.
+// key stays. The claim's group slot (KEYS[5]) is freed whatever the record says: the run has
+// ended. Each script returns {code, woken or false}.
 const END_CLAIM: &str = r#"
+redis.call('ZREM', KEYS[5], ARGV[1])
 local woken = false
 if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
   redis.call('DEL', KEYS[2])
@@ -396,8 +501,8 @@ fn ending_claim(body: &str) -> Script {
 }
 
 // FINISH (the shared KEYS[1..4] and ARGV[1..2] above, then:)
-// KEYS[5] -> {ns}:history:{job}      the job's run records (only with ARGV[5])
-// KEYS[6] -> {ns}:last_success:{job} or {ns}:last_failure:{job} (only with ARGV[5])
+// KEYS[6] -> {ns}:history:{job}      the job's run records (only with ARGV[5])
+// KEYS[7] -> {ns}:last_success:{job} or {ns}:last_failure:{job} (only with ARGV[5])
 // ARGV[3] -> final state: done | dead        ARGV[4] -> retention in ms
 // ARGV[5] -> the run record's JSON ('' for none)
 // ARGV[6] -> history cap                     ARGV[7] -> the record's end (RFC 3339)
@@ -419,12 +524,12 @@ if holds or redis.call('EXISTS', KEYS[1]) == 0 then
   jot(ARGV[3] == 'done' and 'success' or 'dead', redis.call('HGET', KEYS[1], 'attempt'),
     ARGV[1], redis.call('HGET', KEYS[1], 'worker'))
   if ARGV[5] ~= '' then
-    redis.call('LPUSH', KEYS[5], ARGV[5])
-    redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[6]) - 1)
+    redis.call('LPUSH', KEYS[6], ARGV[5])
+    redis.call('LTRIM', KEYS[6], 0, tonumber(ARGV[6]) - 1)
     if ARGV[8] == 'success' then
-      redis.call('SET', KEYS[6], ARGV[7])
+      redis.call('SET', KEYS[7], ARGV[7])
     elseif ARGV[8] == 'failure' then
-      redis.call('SET', KEYS[6], ARGV[7], 'PX', ARGV[4])
+      redis.call('SET', KEYS[7], ARGV[7], 'PX', ARGV[4])
     end
   end
   return {1, woken}
@@ -555,6 +660,9 @@ pub struct Store {
     wait: Option<(u32, Duration)>,
     /// `[journal]`: whether and how long the fate-deciding scripts journal.
     journal: JournalConfig,
+    /// The concurrency group whose slot the holder's scripts (renew, finish, release) move and
+    /// free: see [`with_limit`](Self::with_limit).
+    limit: Option<String>,
 }
 
 impl Store {
@@ -578,6 +686,7 @@ impl Store {
                 names,
                 wait: None,
                 journal: JournalConfig::default(),
+                limit: None,
             });
         }
         let client = match ca_file {
@@ -604,6 +713,7 @@ impl Store {
             names,
             wait: None,
             journal: JournalConfig::default(),
+            limit: None,
         })
     }
 
@@ -672,6 +782,16 @@ impl Store {
         }
     }
 
+    /// This store for the holder of a claim of a task in `limit` (docs/design.md#limits): its
+    /// renewals move the claim's group slot with the lease, and ending the claim (finish,
+    /// release) frees the slot. Claims take the slot themselves ([`ClaimRequest::limit`]).
+    pub fn with_limit(&self, limit: Option<&str>) -> Store {
+        Store {
+            limit: limit.map(str::to_owned),
+            ..self.clone()
+        }
+    }
+
     /// The names this store uses.
     pub fn names(&self) -> &Names {
         &self.names
@@ -706,13 +826,18 @@ impl Store {
             overlap,
             retention,
             expired,
+            limit,
         } = *req;
         let (mode, lock_job) = overlap.parts();
+        let limit_name = limit.map(|l| l.limit.name.as_str());
+        let limit_args = limit.map_or([0; 5], |l| l.args());
         let mut call = CLAIM.prepare_invoke();
         call.key(self.names.run_key(key))
             .key(self.names.fence())
             .key(self.job_lock(lock_job))
             .key(self.running_set(job))
+            .key(self.names.limit_slots(limit_name.unwrap_or("")))
+            .key(self.names.limit_starts(limit_name.unwrap_or("")))
             .arg(token)
             .arg(worker)
             .arg(attempt)
@@ -721,7 +846,8 @@ impl Store {
             .arg(retention.as_millis() as u64)
             .arg(key)
             .arg(if expired { "1" } else { "0" })
-            .arg(if job.is_some() { "1" } else { "0" });
+            .arg(if job.is_some() { "1" } else { "0" })
+            .arg(&limit_args[..]);
         self.journal_tail(&mut call, key);
         // Waited for like an outcome: a claim only a cut-off primary knows is no claim.
         let reply: Vec<String> = self.durable(&CLAIM, &call).await?;
@@ -840,6 +966,7 @@ impl Store {
             .key(self.job_lock(job))
             .key(self.running_set(job))
             .key(self.names.waiters(job.unwrap_or("")))
+            .key(self.names.limit_slots(self.limit.as_deref().unwrap_or("")))
             .arg(token)
             .arg(if job.is_some() { key } else { "" });
         call
@@ -1171,6 +1298,14 @@ fn parse_claim(reply: &[String]) -> Option<Claim> {
             running: text(2)?,
         },
         "expired" => Claim::Expired,
+        "limited" => Claim::Limited {
+            retry_in: millis(1)?,
+            by: match reply.get(2)?.as_str() {
+                "concurrency" => LimitedBy::Concurrency,
+                "rate" => LimitedBy::Rate,
+                _ => return None,
+            },
+        },
         _ => return None,
     })
 }

@@ -51,6 +51,7 @@ fn req<'a>(key: &'a str, token: &'a str, overlap: OverlapMode<'a>) -> ClaimReque
         overlap,
         retention: Duration::from_secs(60),
         expired: false,
+        limit: None,
     }
 }
 

@@ -43,6 +43,7 @@ fn request(key: &str) -> ClaimRequest<'_> {
         overlap: OverlapMode::Allow,
         retention: Duration::from_secs(600),
         expired: false,
+        limit: None,
     }
 }
 

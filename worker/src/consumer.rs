@@ -111,6 +111,7 @@ async fn work(
     let names = Names::new(config.namespace.clone());
     let worker_id = worker_id();
     stats.expect_queues(&config.worker.queues);
+    stats.expect_limits(config.limits.keys().map(String::as_str));
     info!(worker = %worker_id, namespace = %config.namespace, queues = ?config.worker.queues,
           concurrency = config.worker.concurrency, "worker starting");
 

@@ -8,7 +8,7 @@ use crate::lease::LeaseLost;
 use crate::retry::{self, Decision};
 use drumline_shared::config::Task;
 use drumline_shared::envelope::{Arrival, DeadReason, Envelope};
-use drumline_shared::run::{Claim, RunState};
+use drumline_shared::run::{Claim, LimitedBy, RunState};
 use std::time::Duration;
 
 /// Margin added to a busy lease's remaining time before we look again.
@@ -17,6 +17,46 @@ pub const BUSY_RECHECK_MARGIN: Duration = Duration::from_millis(250);
 /// The longest a retry copy waits (before the margin) for the hand-over of the attempt before
 /// it, which that attempt's worker keeps retrying (docs/design.md#outcome-writes-are-idempotent).
 pub const HANDOVER_RECHECK: Duration = Duration::from_secs(1);
+
+/// The longest a delivery over its task's limit is held in the worker, looking again, before
+/// it goes to a delay queue and its slot is given back (docs/design.md#limits). A rate's start
+/// is reserved only this far ahead.
+pub const LIMIT_HOLD: Duration = Duration::from_secs(5);
+
+/// Between looks at a full concurrency group while held: 50 ms, doubled up to this.
+pub const LIMIT_POLL_MAX: Duration = Duration::from_millis(500);
+
+/// How long a copy sent to a delay queue for its limit waits at most before it looks again.
+pub const LIMIT_RECHECK_MAX: Duration = Duration::from_secs(60);
+
+/// What a delivery over its limit does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitWait {
+    /// Keep the delivery and claim again (with the same token) after this long.
+    Hold(Duration),
+    /// Give up holding: settle it as [`on_claim`] says (a copy to a delay queue).
+    Release,
+}
+
+/// Decides how a delivery answered [`Claim::Limited`] waits, having been held `held` so far
+/// and looked `looks` times: a reserved start within [`LIMIT_HOLD`] is waited for exactly; a
+/// full group is looked at again after 50 ms, doubling to [`LIMIT_POLL_MAX`], never past the
+/// first slot's lease (when a dead holder's slot lapses).
+pub fn on_limited(retry_in: Duration, by: LimitedBy, held: Duration, looks: u32) -> LimitWait {
+    let left = LIMIT_HOLD.saturating_sub(held);
+    let wait = match by {
+        LimitedBy::Rate => retry_in,
+        LimitedBy::Concurrency => {
+            let poll = Duration::from_millis(50).saturating_mul(1 << looks.min(10));
+            poll.min(LIMIT_POLL_MAX).min(retry_in)
+        }
+    };
+    if wait > left || left.is_zero() {
+        LimitWait::Release
+    } else {
+        LimitWait::Hold(wait)
+    }
+}
 
 /// A message refused before anything touches Redis: dead-letter it and ack.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,6 +125,12 @@ pub enum Recheck {
     Waiting {
         /// Key of the instance that still runs.
         running: String,
+    },
+    /// The task's `[limits.NAME]` is full (after holding the delivery for [`LIMIT_HOLD`]): not
+    /// an attempt; the copy keeps its attempt number.
+    Limited {
+        /// Which part of the limit.
+        by: LimitedBy,
     },
 }
 
@@ -207,6 +253,15 @@ pub fn on_claim(claim: &Claim) -> Next {
         },
         Claim::Skipped { running } => Action::Skip {
             running: running.clone(),
+        },
+        // Held in the worker for a while already (`on_limited`): look again from a delay
+        // queue, a rate when its window has room, a group soon.
+        Claim::Limited { retry_in, by } => Action::Recheck {
+            why: Recheck::Limited { by: *by },
+            delay: match by {
+                LimitedBy::Rate => (*retry_in).min(LIMIT_RECHECK_MAX),
+                LimitedBy::Concurrency => LIMIT_POLL_MAX * 2,
+            },
         },
     };
     Next::Settle(settle)
@@ -349,6 +404,55 @@ mod tests {
             rejected.error,
             "no task named \"nope\" in this worker's config"
         );
+    }
+
+    #[test]
+    fn a_reserved_start_within_the_hold_is_waited_for_exactly() {
+        let ms = Duration::from_millis;
+        assert_eq!(
+            on_limited(ms(730), LimitedBy::Rate, ms(0), 0),
+            LimitWait::Hold(ms(730))
+        );
+        assert_eq!(
+            on_limited(ms(4000), LimitedBy::Rate, ms(1500), 3),
+            LimitWait::Release
+        );
+        assert_eq!(
+            on_limited(ms(10), LimitedBy::Rate, LIMIT_HOLD, 9),
+            LimitWait::Release
+        );
+    }
+
+    #[test]
+    fn a_full_group_is_polled_with_backoff_up_to_the_first_lease() {
+        let ms = Duration::from_millis;
+        let lease = Duration::from_secs(30);
+        let by = LimitedBy::Concurrency;
+        let polls: Vec<_> = (0..6).map(|n| on_limited(lease, by, ms(0), n)).collect();
+        let expect = [50, 100, 200, 400, 500, 500].map(|n| LimitWait::Hold(ms(n)));
+        assert_eq!(polls, expect);
+        // A dead holder's slot lapses in 30 ms: look then, not later.
+        assert_eq!(on_limited(ms(30), by, ms(0), 5), LimitWait::Hold(ms(30)));
+        assert_eq!(on_limited(lease, by, ms(4900), 5), LimitWait::Release);
+        assert_eq!(on_limited(lease, by, ms(4900), 0), LimitWait::Hold(ms(50)));
+    }
+
+    #[test]
+    fn a_limited_copy_looks_again_from_a_delay_queue_keeping_its_attempt() {
+        let limited = |ms, by| Claim::Limited {
+            retry_in: Duration::from_millis(ms),
+            by,
+        };
+        let recheck = |by, ms| {
+            Next::Settle(Action::Recheck {
+                why: Recheck::Limited { by },
+                delay: Duration::from_millis(ms),
+            })
+        };
+        let (rate, group) = (LimitedBy::Rate, LimitedBy::Concurrency);
+        assert_eq!(on_claim(&limited(7000, rate)), recheck(rate, 7000));
+        assert_eq!(on_claim(&limited(3_600_000, rate)), recheck(rate, 60_000));
+        assert_eq!(on_claim(&limited(30_000, group)), recheck(group, 1000));
     }
 
     #[test]

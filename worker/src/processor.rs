@@ -5,7 +5,7 @@
 //! fail the same way again (those go to `{ns}.dead`).
 
 use crate::acks::{Settled, Ticket, SETTLE_TIMEOUT};
-use crate::decision::{self, Action, Next, Outcome, Recheck, Rejected, RunResult};
+use crate::decision::{self, Action, LimitWait, Next, Outcome, Recheck, Rejected, RunResult};
 use crate::handler::{self, Handler, HandlerError, HandlerFuture, TaskContext};
 use crate::lease::{self, LeaseLost};
 use crate::retry;
@@ -14,18 +14,19 @@ use crate::{Gate, WorkerError};
 use chrono::Utc;
 use drumline_shared::backoff::Backoff;
 use drumline_shared::broker::{self, BrokerError};
-use drumline_shared::config::{Config, Overlap, Task};
+use drumline_shared::config::{Config, Limit, Overlap, Task};
 use drumline_shared::envelope::{
     self, long_string, Arrival, DeadReason, Envelope, H_ATTEMPTS, H_ERROR, H_REASON,
 };
 use drumline_shared::names::Names;
 use drumline_shared::store::{
-    now_text, Claim, ClaimRequest, Ended, Ending, Final, OverlapMode, RunRecord, Store, StoreError,
-    Waiter,
+    now_text, Claim, ClaimRequest, Ended, Ending, Final, LimitClaim, OverlapMode, RunRecord, Store,
+    StoreError, Waiter,
 };
 use lapin::message::Delivery;
 use lapin::types::AMQPValue;
 use lapin::{BasicProperties, Channel};
+use prometheus_client::metrics::gauge::Gauge;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -132,6 +133,18 @@ impl Processor {
         } else {
             UNKNOWN_TASK
         }
+    }
+
+    /// The `[limits.NAME]` of `env`'s task, if any (docs/design.md#limits).
+    fn limit(&self, env: &Envelope) -> Option<&Limit> {
+        self.config.tasks.get(&env.task)?.limit.as_ref()
+    }
+
+    /// The store as the holder of a claim of `env` uses it: renewals move the claim's group
+    /// slot, and ending the claim frees it.
+    fn holder(&self, env: &Envelope) -> Store {
+        self.store
+            .with_limit(self.limit(env).map(|l| l.name.as_str()))
     }
 
     /// The job a claim of `env` belongs to, if any: the store keeps its running set (and, with
@@ -253,8 +266,7 @@ impl Processor {
             return Ok(Disposition::Ack);
         };
         let token = uuid::Uuid::new_v4().to_string();
-        let claimed_at = Instant::now();
-        let claim = self.claim(&env, &token).await?;
+        let (claim, claimed_at) = self.claim(&env, &token).await?;
         let mut step = Step {
             publisher,
             delivery,
@@ -267,6 +279,9 @@ impl Processor {
             Next::Settle(action) => return self.execute(&step, action).await,
         };
         step.started_at = Some(now_text());
+        let _in_use = self
+            .limit(&env)
+            .map(|l| Counted::new(self.stats.limit_in_use(&l.name)));
         self.stats
             .run_started(&env.task, Utc::now() - env.scheduled_for);
         let started = Instant::now();
@@ -286,8 +301,54 @@ impl Processor {
         self.execute(&step, action).await
     }
 
-    /// Asks Redis for the instance (docs/design.md steps 3–4: dedupe, expiry, lease, overlap).
-    async fn claim(&self, env: &Envelope, token: &str) -> Result<Claim, StoreError> {
+    /// Asks Redis for the instance (docs/design.md steps 3–4: dedupe, expiry, lease, overlap,
+    /// limit). Over the task's limit, the delivery is held and claimed again with the same
+    /// token as [`decision::on_limited`] says, for up to [`decision::LIMIT_HOLD`]
+    /// (docs/design.md#limits). Returns the last answer and when its claim was sent (the lease
+    /// runs from there).
+    async fn claim(&self, env: &Envelope, token: &str) -> Result<(Claim, Instant), StoreError> {
+        let limit = self.limit(env);
+        let held_since = Instant::now();
+        let mut waiting: Option<Counted> = None;
+        let mut looks = 0;
+        loop {
+            let sent = Instant::now();
+            // A start is reserved only as far ahead as this delivery will still be held.
+            let left = decision::LIMIT_HOLD.saturating_sub(held_since.elapsed());
+            let reserve_within = left.saturating_sub(Duration::from_millis(100));
+            let limit = limit.map(|limit| LimitClaim {
+                limit,
+                reserve_within,
+            });
+            let claim = self.claim_once(env, token, limit).await?;
+            let (Claim::Limited { retry_in, by }, Some(limit)) = (&claim, limit) else {
+                return Ok((claim, sent));
+            };
+            let wait = match decision::on_limited(*retry_in, *by, held_since.elapsed(), looks) {
+                LimitWait::Hold(wait) => wait,
+                LimitWait::Release => return Ok((claim, sent)),
+            };
+            let name = &limit.limit.name;
+            if waiting.is_none() {
+                debug!(limit = %name, by = by.as_str(), "over the limit: waiting (not an attempt)");
+                waiting = Some(Counted::new(self.stats.limit_waiting(name)));
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                // Shutting down: no new run; the copy goes to a delay queue.
+                _ = self.abandon.cancelled() => return Ok((claim, sent)),
+            }
+            looks += 1;
+        }
+    }
+
+    /// One claim of `env` (see [`claim`](Self::claim)).
+    async fn claim_once(
+        &self,
+        env: &Envelope,
+        token: &str,
+        limit: Option<LimitClaim<'_>>,
+    ) -> Result<Claim, StoreError> {
         self.store
             .claim(&ClaimRequest {
                 key: &env.key,
@@ -301,6 +362,7 @@ impl Processor {
                 // Judged after dedupe (in the claim): an expired copy of a finished instance
                 // is a duplicate, not a failure.
                 expired: env.is_expired(Utc::now()),
+                limit,
             })
             .await
     }
@@ -340,7 +402,7 @@ impl Processor {
                 self.stats.abandoned.inc();
                 self.stats.outcome(&env.task, RunOutcome::Abandoned);
                 if let Ok(ended) = self
-                    .store
+                    .holder(env)
                     .release(&env.key, self.lock_job(env), step.token)
                     .await
                 {
@@ -381,6 +443,10 @@ impl Processor {
             Recheck::Busy => debug!(delay_ms, "held under another live lease; re-checking later"),
             Recheck::Waiting { ref running } => debug!(running = %running, delay_ms,
                 "waiting for the job's previous instance (overlap = queue)"),
+            Recheck::Limited { by } => debug!(
+                by = by.as_str(),
+                delay_ms, "over the task's limit: looking again later (not an attempt)"
+            ),
         }
         self.stats.busy.inc();
         self.publish_delayed(step.publisher, step.delivery, step.env, delay)
@@ -437,11 +503,10 @@ impl Processor {
         };
         let retention = self.config.worker.done_ttl;
         let job = self.lock_job(env);
-        let handed = outcome_write_retried(|| {
-            self.store
-                .finish(&env.key, job, step.token, ending, retention)
-        })
-        .await;
+        let holder = self.holder(env);
+        let handed =
+            outcome_write_retried(|| holder.finish(&env.key, job, step.token, ending, retention))
+                .await;
         match handed {
             Ok(Ended { ours: true, woken }) => self.wake(step.publisher, woken).await,
             Ok(Ended { ours: false, woken }) => {
@@ -535,7 +600,7 @@ impl Processor {
         let stop_watchdog = CancellationToken::new();
         let (expiry_tx, expiry) = tokio::sync::watch::channel(claimed_at + budget.lease);
         let held = lease::Held {
-            store: self.store.clone(),
+            store: self.holder(env),
             key: env.key.clone(),
             job: self.lock_job(env).map(str::to_owned),
             token: token.to_owned(),
@@ -619,9 +684,9 @@ impl Processor {
     ) -> Result<Ended, StoreError> {
         let retention = self.config.worker.done_ttl;
         let job = self.lock_job(env);
+        let holder = self.holder(env);
         outcome_write_retried(|| {
-            self.store
-                .finish_recorded(&env.key, job, token, state, retention, record)
+            holder.finish_recorded(&env.key, job, token, state, retention, record)
         })
         .await
     }
@@ -751,6 +816,22 @@ impl Processor {
             out = out.with_content_type(ct.clone());
         }
         Ok(broker::publish_confirmed(publisher, &self.names.dead(), "", false, body, out).await?)
+    }
+}
+
+/// A gauge counted up while this lives (`drumline_limit_in_use`, `drumline_limit_waiting`).
+struct Counted(Gauge);
+
+impl Counted {
+    fn new(gauge: Gauge) -> Self {
+        gauge.inc();
+        Counted(gauge)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 

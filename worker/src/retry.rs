@@ -74,6 +74,7 @@ pub(crate) mod tests {
             permanent_exit_codes: vec![],
             env: Default::default(),
             http: None,
+            limit: None,
         }
     }
 

@@ -88,6 +88,13 @@ pub struct QueueLabels {
     pub queue: String,
 }
 
+/// Labels of the `drumline_limit_*` gauges.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct LimitLabels {
+    /// A `[limits.NAME]` of this worker's config.
+    pub limit: String,
+}
+
 /// A family of histograms with [`SECONDS_BUCKETS`].
 pub type Seconds = Family<TaskLabels, Histogram, fn() -> Histogram>;
 
@@ -141,6 +148,12 @@ pub struct Stats {
     pub run_time: Seconds,
     /// Unix time of the last run per task that ended `done` on this worker.
     pub last_success: Family<TaskLabels, Gauge>,
+    /// Per `[limits.NAME]`: runs of the group this worker runs now (`drumline_limit_in_use`;
+    /// summed over the workers, the group's use).
+    pub limit_in_use: Family<LimitLabels, Gauge>,
+    /// Per `[limits.NAME]`: deliveries this worker holds waiting for the limit
+    /// (`drumline_limit_waiting`; copies sent to a delay queue to look again are not counted).
+    pub limit_waiting: Family<LimitLabels, Gauge>,
 }
 
 impl Default for Stats {
@@ -166,6 +179,8 @@ impl Default for Stats {
             lag: Family::new_with_constructor(seconds_histogram),
             run_time: Family::new_with_constructor(seconds_histogram),
             last_success: Family::default(),
+            limit_in_use: Family::default(),
+            limit_waiting: Family::default(),
         }
     }
 }
@@ -230,6 +245,34 @@ impl Stats {
             "Unix time of the last run of the task that ended done on this worker",
             self.last_success.clone(),
         );
+        registry.register(
+            "drumline_limit_in_use",
+            "Runs of the limit's group running on this worker now, per [limits.NAME]",
+            self.limit_in_use.clone(),
+        );
+        registry.register(
+            "drumline_limit_waiting",
+            "Deliveries this worker holds waiting for the limit, per [limits.NAME]",
+            self.limit_waiting.clone(),
+        );
+    }
+
+    /// The `drumline_limit_in_use` gauge of `limit`.
+    pub fn limit_in_use(&self, limit: &str) -> Gauge {
+        self.limit_in_use
+            .get_or_create(&LimitLabels {
+                limit: limit.to_owned(),
+            })
+            .clone()
+    }
+
+    /// The `drumline_limit_waiting` gauge of `limit`.
+    pub fn limit_waiting(&self, limit: &str) -> Gauge {
+        self.limit_waiting
+            .get_or_create(&LimitLabels {
+                limit: limit.to_owned(),
+            })
+            .clone()
     }
 
     /// Counts one delivery of `task` (already [`UNKNOWN_TASK`] when not ours) ending `outcome`;
@@ -275,6 +318,15 @@ impl Stats {
             self.consuming(queue, false);
         }
         *self.queues.lock().unwrap_or_else(|e| e.into_inner()) = queues.to_vec();
+    }
+
+    /// The `[limits.*]` this worker's tasks count against: their gauges are shown (0) from the
+    /// start.
+    pub fn expect_limits<'a>(&self, limits: impl IntoIterator<Item = &'a str>) {
+        for limit in limits {
+            self.limit_in_use(limit);
+            self.limit_waiting(limit);
+        }
     }
 
     /// Whether this worker has a consumer on `queue` now.

@@ -108,6 +108,7 @@ async fn dropping_a_run_kills_its_whole_group() {
         permanent_exit_codes: vec![],
         env: BTreeMap::new(),
         http: None,
+        limit: None,
     };
     let executor = ShellExecutor::for_task(&task, &[]).unwrap();
     let run = tokio::spawn(executor.call(context()));

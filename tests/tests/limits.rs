@@ -1,0 +1,219 @@
+//! Concurrency groups and rate limits across workers (docs/design.md#limits), end to end: three
+//! real workers share one `[limits.NAME]`; what is measured are the tasks' own start and end
+//! stamps, written to an effects file. See: issues/21.
+
+use drumline_e2e::cfg::{shell, Cfg};
+use drumline_e2e::{counts, setup, wait_until, TestEnv, AMQP_URL};
+use drumline_shared::client::{Message, Producer};
+use drumline_shared::limit::most_in_window;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A config whose task `t` runs `script` under `[limits.grp]` with `limit` keys; lease `lease`.
+fn config(env: &TestEnv, limit: &[(&str, &str)], script: &str, lease: &str) -> PathBuf {
+    let mut cfg = Cfg::new().set("worker", "concurrency", "4").set(
+        "worker",
+        "lease",
+        &format!("\"{lease}\""),
+    );
+    for (key, value) in limit {
+        cfg = cfg.set("limits.grp", key, value);
+    }
+    let cfg = cfg.task("t", shell(script).with("limit", "\"grp\""));
+    env.write_config("drumline.toml", &cfg)
+}
+
+/// Starts three workers on `cfg` and waits until they consume.
+async fn three_workers(env: &TestEnv, cfg: &std::path::Path) -> Vec<drumline_e2e::Proc> {
+    let cfg = cfg.to_str().unwrap();
+    let workers: Vec<_> = ["w1", "w2", "w3"]
+        .iter()
+        .map(|label| env.worker(label, &["--config", cfg]))
+        .collect();
+    env.wait_for_topology(&workers[0]).await;
+    workers
+}
+
+/// Publishes ad-hoc task `t` with keys `{prefix}-{i}` for `i` in `0..n`.
+async fn publish(env: &TestEnv, prefix: &str, n: usize) {
+    let producer = Producer::connect(AMQP_URL, &env.ns).await.unwrap();
+    for i in 0..n {
+        let message = Message::new("t").key(format!("{prefix}-{i}"));
+        producer.publish(&message).await.unwrap();
+    }
+    producer.close().await;
+}
+
+/// Lines `start|end KEY ATTEMPT NS` of the effects file `spans`: per key, its starts and ends.
+fn spans(env: &TestEnv) -> BTreeMap<String, (Vec<u128>, Vec<u128>)> {
+    let mut out: BTreeMap<String, (Vec<u128>, Vec<u128>)> = BTreeMap::new();
+    for line in env.lines("spans") {
+        let parts: Vec<&str> = line.split(' ').collect();
+        let at: u128 = parts[3].parse().unwrap();
+        assert_eq!(parts[2], "0", "a wait must not be an attempt: {line}");
+        let entry = out.entry(parts[1].to_owned()).or_default();
+        match parts[0] {
+            "start" => entry.0.push(at),
+            _ => entry.1.push(at),
+        }
+    }
+    out
+}
+
+/// The script writing `start` and `end` lines around `middle`.
+fn spanning(env: &TestEnv, middle: &str) -> String {
+    let log = env.path("spans").display().to_string();
+    format!(
+        "echo \"start $DRUMLINE_KEY $DRUMLINE_ATTEMPT $(date +%s%N)\" >> {log}; {middle}; \
+         echo \"end $DRUMLINE_KEY $DRUMLINE_ATTEMPT $(date +%s%N)\" >> {log}"
+    )
+}
+
+/// The most runs that were in progress at once, from (start, end) stamps.
+fn most_at_once(spans: &BTreeMap<String, (Vec<u128>, Vec<u128>)>) -> usize {
+    let mut edges: Vec<(u128, i32)> = Vec::new();
+    for (starts, ends) in spans.values() {
+        edges.extend(starts.iter().map(|s| (*s, 1)));
+        edges.extend(ends.iter().map(|e| (*e, -1)));
+    }
+    // An end and a start at the same nanosecond: the end first.
+    edges.sort();
+    let (mut now, mut most) = (0i32, 0i32);
+    for (_, step) in edges {
+        now += step;
+        most = most.max(now);
+    }
+    most as usize
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_group_of_two_never_runs_three_at_once_across_three_workers() {
+    let env = setup("e2e_limit_group");
+    let script = spanning(&env, "sleep 0.3");
+    let cfg = config(&env, &[("concurrency", "2")], &script, "3s");
+    let workers = three_workers(&env, &cfg).await;
+    let n = 24;
+    publish(&env, "g", n).await;
+    let finished = wait_until(WAIT, || {
+        spans(&env).values().filter(|(_, e)| !e.is_empty()).count() == n
+    });
+    assert!(finished, "{}", workers[0].log_tail(30));
+    let spans = spans(&env);
+    for (key, (starts, ends)) in &spans {
+        assert_eq!(
+            (starts.len(), ends.len()),
+            (1, 1),
+            "{key} ran once: {spans:?}"
+        );
+    }
+    let most = most_at_once(&spans);
+    assert!(most <= 2, "{most} runs of a group of 2 at once: {spans:?}");
+    assert_eq!(most, 2, "the group's two slots were used together");
+    eprintln!("24 runs of 0.3 s, at most {most} at once across three workers");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_workers_slot_frees_within_its_lease() {
+    let env = setup("e2e_limit_killed");
+    // The first run of `stuck` holds the group's only slot for a long time; every other run,
+    // its takeover included, is short.
+    let marker = env.path("marker").display().to_string();
+    let middle = format!(
+        "if [ \"$DRUMLINE_KEY\" = stuck ] && [ ! -e {marker} ]; then touch {marker}; sleep 60; fi"
+    );
+    let cfg = config(
+        &env,
+        &[("concurrency", "1")],
+        &spanning(&env, &middle),
+        "2s",
+    );
+    let cfg_path = cfg.to_str().unwrap();
+    let mut holder = env.worker("holder", &["--config", cfg_path]);
+    env.wait_for_topology(&holder).await;
+    let producer = Producer::connect(AMQP_URL, &env.ns).await.unwrap();
+    producer
+        .publish(&Message::new("t").key("stuck"))
+        .await
+        .unwrap();
+    let holding = wait_until(WAIT, || spans(&env).contains_key("stuck"));
+    assert!(holding, "{}", holder.log_tail(30));
+    let others = three_workers(&env, &cfg).await;
+    publish(&env, "after", 3).await;
+    // Taken off the queue by the workers and held, waiting for the slot `holder` has.
+    let queue = env.names().work_queue("default");
+    let held =
+        drumline_e2e::wait_until_async(WAIT, || async { env.queue_len(&queue).await == Some(0) })
+            .await;
+    assert!(held, "{}", others[0].log_tail(30));
+    holder.kill9();
+    let killed_at = now_ns();
+    let all_done = wait_until(WAIT, || {
+        let spans = spans(&env);
+        spans.len() == 4 && spans.values().all(|(_, ends)| !ends.is_empty())
+    });
+    assert!(all_done, "{:?}\n{}", spans(&env), others[0].log_tail(30));
+    let spans = spans(&env);
+    let first_after = (0..3)
+        .map(|i| spans[&format!("after-{i}")].0[0])
+        .min()
+        .unwrap();
+    assert!(
+        first_after > killed_at,
+        "a run started while the slot was held"
+    );
+    let waited = Duration::from_nanos((first_after - killed_at) as u64);
+    // The contract: a waiting run starts within lease + 5 s of the dead holder's slot lapsing.
+    assert!(
+        waited < Duration::from_secs(2 + 5),
+        "the first waiting run started {waited:?} after the kill"
+    );
+    for i in 0..3 {
+        let (starts, ends) = &spans[&format!("after-{i}")];
+        assert_eq!((starts.len(), ends.len()), (1, 1), "{spans:?}");
+    }
+    eprintln!("the first waiting run started {waited:?} after the holder was killed (lease 2 s)");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rate_of_ten_a_second_holds_in_every_window_across_three_workers() {
+    let env = setup("e2e_limit_rate");
+    let log = env.path("starts").display().to_string();
+    let script = format!("echo \"$DRUMLINE_KEY $(date +%s%N)\" >> {log}");
+    let cfg = config(&env, &[("rate", "\"10/s\"")], &script, "5s");
+    let workers = three_workers(&env, &cfg).await;
+    let n = 300;
+    publish(&env, "r", n).await;
+    let finished = wait_until(Duration::from_secs(120), || env.lines("starts").len() >= n);
+    assert!(finished, "{}", workers[0].log_tail(30));
+    let lines = env.lines("starts");
+    let keys = counts(
+        &lines
+            .iter()
+            .map(|l| l.split(' ').next().unwrap().to_owned())
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(keys.len(), n, "every key ran");
+    assert!(keys.values().all(|c| *c == 1), "each exactly once");
+    let stamps: Vec<u64> = lines
+        .iter()
+        .map(|l| (l.split(' ').nth(1).unwrap().parse::<u128>().unwrap() / 1_000_000) as u64)
+        .collect();
+    let most = most_in_window(&stamps, 1000);
+    let span = stamps.iter().max().unwrap() - stamps.iter().min().unwrap();
+    let mut sorted = stamps.clone();
+    sorted.sort_unstable();
+    let first = sorted[0];
+    let offsets: Vec<u64> = sorted.iter().map(|s| s - first).collect();
+    assert!(most <= 10, "{most} starts in one 1 s window: {offsets:?}");
+    eprintln!("{n} starts over {span} ms, at most {most} in any 1 s window");
+}
+
+fn now_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
