@@ -15,6 +15,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 mod conn;
+mod follow;
 mod leader;
 mod operate;
 mod rules;
@@ -22,6 +23,7 @@ mod workers;
 
 pub use crate::run::{Claim, Ending, Final, RunState, WaitReplicas};
 pub use conn::Conn;
+pub use follow::Skipped;
 /// The Lua that formats Redis `TIME` as RFC 3339 for the leader lease's `since`: public only
 /// so `shared/tests/store.rs` can run it against chrono across the calendar.
 #[doc(hidden)]
@@ -197,6 +199,10 @@ pub struct RunRecord {
     pub finished_at: String,
     /// Error text, if any.
     pub error: Option<String>,
+    /// Why a `skipped` instance did not run: `upstream` for an `after` job whose upstream did
+    /// not succeed (docs/design.md#job-dependencies). Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 impl RunRecord {

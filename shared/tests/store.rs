@@ -844,6 +844,7 @@ fn run(key: &str, status: &str, finished_at: &str) -> RunRecord {
         started_at: None,
         finished_at: finished_at.to_owned(),
         error: None,
+        reason: None,
     }
 }
 
