@@ -11,6 +11,7 @@ pub mod adhoc;
 pub mod cli;
 pub mod commands;
 pub mod dead_letters;
+pub mod follower;
 pub mod leader;
 pub mod misfire;
 pub mod next;

@@ -584,6 +584,8 @@ mod tests {
             running: 2,
             paused: false,
             stale: false,
+            after: None,
+            last_skipped: None,
         }
     }
 

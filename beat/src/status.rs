@@ -52,6 +52,23 @@ pub struct JobStatus {
     /// No success within two periods (for cron, twice the gap between the two latest
     /// instants), for a job that has been published and has run records that old.
     pub stale: bool,
+    /// The job it follows (`after`); null for a job with a schedule of its own
+    /// (docs/design.md#job-dependencies).
+    pub after: Option<String>,
+    /// The job's newest run record when that is a skip; null otherwise.
+    pub last_skipped: Option<SkipStatus>,
+}
+
+/// A skipped instance, as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SkipStatus {
+    /// Its idempotency key.
+    pub key: String,
+    /// `upstream` (an `after` job whose upstream did not succeed), `overlap` (the job's
+    /// previous instance still ran), `paused`; null for a record written before reasons.
+    pub reason: Option<String>,
+    /// What happened, when known (`upstream nightly@… is dead`).
+    pub detail: Option<String>,
 }
 
 /// One work queue's line: ready messages and consumers (null when the broker did not say).
@@ -281,11 +298,21 @@ fn job_status(job: &Job, history: JobHistory, paused: bool, now: DateTime<Utc>) 
         last_failure: history.last_failure.map(format_instant),
         last_error: history
             .newest
+            .as_ref()
             .filter(|r| r.is_failure())
-            .and_then(|r| r.error),
+            .and_then(|r| r.error.clone()),
         running: history.running,
         paused,
         stale: is_stale(&job.schedule, now, last, success, first_seen),
+        after: job.after.as_ref().map(|a| a.upstream.clone()),
+        last_skipped: history
+            .newest
+            .filter(|r| r.status == "skipped")
+            .map(|r| SkipStatus {
+                key: r.key,
+                reason: r.reason,
+                detail: r.error,
+            }),
     }
 }
 
@@ -348,6 +375,14 @@ pub fn table(status: &Status) -> String {
                 j.job,
                 drumline_shared::table::one_line(error, 300)
             ));
+        }
+        if let Some(skip) = &j.last_skipped {
+            let why = match (&skip.reason, &skip.detail) {
+                (Some(reason), Some(detail)) => format!("{reason} ({detail})"),
+                (Some(reason), None) => reason.clone(),
+                (None, detail) => detail.clone().unwrap_or_else(|| "-".into()),
+            };
+            out.push_str(&format!("{} last skipped: {}: {}\n", j.job, skip.key, why));
         }
     }
     out.push_str(&workers_table(status));
@@ -425,6 +460,8 @@ mod tests {
             running: 0,
             paused,
             stale,
+            after: None,
+            last_skipped: None,
         };
         let status = Status {
             leader: None,
@@ -473,6 +510,8 @@ mod tests {
                 running: 0,
                 paused: false,
                 stale: false,
+                after: None,
+                last_skipped: None,
             }],
             workers: vec![],
             queues: vec![],
@@ -490,6 +529,42 @@ mod tests {
         );
         status.jobs[0].last_error = None;
         assert!(!table(&status).contains("last error"));
+    }
+
+    #[test]
+    fn a_follower_shows_its_upstream_and_why_it_was_skipped() {
+        let status = Status {
+            leader: None,
+            dead_letters: Some(0),
+            total: 1,
+            jobs: vec![JobStatus {
+                job: "report".into(),
+                schedule: "after load".into(),
+                timezone: "UTC".into(),
+                next_due: None,
+                last_published: None,
+                last_success: None,
+                last_failure: None,
+                last_error: None,
+                running: 0,
+                paused: false,
+                stale: false,
+                after: Some("load".into()),
+                last_skipped: Some(SkipStatus {
+                    key: "report@2026-03-08T07:00:00Z".into(),
+                    reason: Some("upstream".into()),
+                    detail: Some("upstream load@2026-03-08T07:00:00Z is dead".into()),
+                }),
+            }],
+            workers: vec![],
+            queues: vec![],
+        };
+        let text = table(&status);
+        assert!(text.contains("report  after load"), "{text}");
+        assert!(text.contains("report last skipped: report@2026-03-08T07:00:00Z: upstream (upstream load@2026-03-08T07:00:00Z is dead)"), "{text}");
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["jobs"][0]["after"], "load");
+        assert_eq!(json["jobs"][0]["last_skipped"]["reason"], "upstream");
     }
 
     #[test]

@@ -1164,7 +1164,11 @@ fn resolve_chains(fail: &Failer, jobs: &mut [Job]) -> Result<(), ConfigError> {
         let job = match &e {
             after::ChainError::Unknown { job, .. } | after::ChainError::Cycle { job, .. } => *job,
         };
-        fail.at(Some(&format!("job {:?}", jobs[job].name)), "after", e.to_string())
+        fail.at(
+            Some(&format!("job {:?}", jobs[job].name)),
+            "after",
+            e.to_string(),
+        )
     })?;
     for (i, root) in roots.into_iter().enumerate() {
         if root == i {
@@ -1526,7 +1530,9 @@ mod tests {
     fn jobs_text(jobs: &[(&str, &str)]) -> String {
         let mut text = String::new();
         for (name, keys) in jobs {
-            text.push_str(&format!("[[jobs]]\nname = \"{name}\"\ntask = \"t\"\n{keys}\n"));
+            text.push_str(&format!(
+                "[[jobs]]\nname = \"{name}\"\ntask = \"t\"\n{keys}\n"
+            ));
         }
         format!("{text}{TASKS}")
     }
@@ -1541,7 +1547,12 @@ mod tests {
             ("m", "after = \"n\""),
         ]))
         .unwrap();
-        let (a, b, c_, m) = (c.job("a").unwrap(), c.job("b").unwrap(), c.job("c").unwrap(), c.job("m").unwrap());
+        let (a, b, c_, m) = (
+            c.job("a").unwrap(),
+            c.job("b").unwrap(),
+            c.job("c").unwrap(),
+            c.job("m").unwrap(),
+        );
         assert_eq!(b.schedule, a.schedule);
         assert_eq!(c_.schedule, a.schedule);
         assert_eq!(c_.after.as_ref().unwrap().upstream, "b");
@@ -1555,18 +1566,39 @@ mod tests {
 
     #[test]
     fn after_refuses_cycles_unknown_upstreams_and_a_schedule_of_its_own() {
-        let e = err(&jobs_text(&[("a", "after = \"b\""), ("b", "after = \"a\"")]));
+        let e = err(&jobs_text(&[
+            ("a", "after = \"b\""),
+            ("b", "after = \"a\""),
+        ]));
         assert_eq!(e, "/etc/d.toml: job \"a\": key `after`: a cycle: a → b → a");
-        let e = err(&jobs_text(&[("a", "every = \"1s\""), ("b", "after = \"x\"")]));
-        assert!(e.starts_with("/etc/d.toml: job \"b\": key `after`: no job named \"x\""), "{e}");
+        let e = err(&jobs_text(&[
+            ("a", "every = \"1s\""),
+            ("b", "after = \"x\""),
+        ]));
+        assert!(
+            e.starts_with("/etc/d.toml: job \"b\": key `after`: no job named \"x\""),
+            "{e}"
+        );
         let e = job_err("after = \"j\"");
         assert!(e.contains("key `after`: a cycle: j → j"), "{e}");
-        let e = err(&jobs_text(&[("a", "every = \"1s\""), ("b", "after = \"a\"\nevery = \"1s\"")]));
+        let e = err(&jobs_text(&[
+            ("a", "every = \"1s\""),
+            ("b", "after = \"a\"\nevery = \"1s\""),
+        ]));
         assert!(e.contains("job \"b\": key `after`: an `after` job runs on its upstream's instants: remove `every`"), "{e}");
         job_err_has("after = \"j\"\ncron = \"* * * * *\"", "remove `cron`");
-        job_err_has("every = \"1s\"\nafter_timeout = \"1s\"", "key `after_timeout`: only applies to `after` jobs");
-        let e = err(&jobs_text(&[("a", "every = \"1s\""), ("b", "after = \"a\"\nafter_timeout = \"0s\"")]));
-        assert!(e.contains("key `after_timeout`: must be greater than zero"), "{e}");
+        job_err_has(
+            "every = \"1s\"\nafter_timeout = \"1s\"",
+            "key `after_timeout`: only applies to `after` jobs",
+        );
+        let e = err(&jobs_text(&[
+            ("a", "every = \"1s\""),
+            ("b", "after = \"a\"\nafter_timeout = \"0s\""),
+        ]));
+        assert!(
+            e.contains("key `after_timeout`: must be greater than zero"),
+            "{e}"
+        );
     }
 
     #[test]

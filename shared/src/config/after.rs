@@ -49,7 +49,10 @@ pub fn roots(names: &[&str], upstreams: &[Option<&str>]) -> Result<Vec<usize>, C
                 let mut cycle: Vec<String> =
                     path[pos..].iter().map(|i| names[*i].to_owned()).collect();
                 cycle.push(names[up].to_owned());
-                return Err(ChainError::Cycle { job: up, path: cycle });
+                return Err(ChainError::Cycle {
+                    job: up,
+                    path: cycle,
+                });
             }
             path.push(up);
         };
@@ -57,7 +60,10 @@ pub fn roots(names: &[&str], upstreams: &[Option<&str>]) -> Result<Vec<usize>, C
             root[p] = Some(found);
         }
     }
-    Ok(root.into_iter().map(|r| r.expect("every job walked")).collect())
+    Ok(root
+        .into_iter()
+        .map(|r| r.expect("every job walked"))
+        .collect())
 }
 
 #[cfg(test)]
@@ -72,9 +78,7 @@ mod tests {
         // A long chain, written backwards.
         let names: Vec<String> = (0..500).map(|i| format!("j{i}")).collect();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let ups: Vec<Option<&str>> = (0..500)
-            .map(|i| (i < 499).then(|| refs[i + 1]))
-            .collect();
+        let ups: Vec<Option<&str>> = (0..500).map(|i| (i < 499).then(|| refs[i + 1])).collect();
         assert!(roots(&refs, &ups).unwrap().iter().all(|r| *r == 499));
     }
 
