@@ -148,6 +148,56 @@ async fn a_chain_runs_in_order_for_each_instant() {
     }
 }
 
+/// The leader publishes followers: killed (kill -9) while they run, the next leader decides
+/// the instants it left undecided from the upstream's records, and no follower of a success is
+/// lost or run twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leader_killed_mid_chain_loses_no_follower() {
+    let env = setup("e2e_after_kill");
+    let cfg = base()
+        .set("beat", "leader_lease", "\"1s\"")
+        .task("a", stamped(&env, 0.3, ""))
+        .task("b", stamped(&env, 0.0, ""))
+        .job("a", every("1s").with("overlap", "\"allow\""))
+        .job("b", after("a", "20s"));
+    let (cfg, mut worker, mut beat) = start(&env, &cfg);
+    let path = cfg.to_str().unwrap();
+    let two = wait_until(WAIT, || keys_of(&spans(&env), "b").len() >= 2);
+    assert!(two, "{}", beat.log_tail(30));
+    // Often while an instance of `a` runs, whose success then lands with no leader to see it.
+    beat.kill9();
+    let killed_at = chrono::Utc::now();
+    let mut beat = env.beat("beat2", &["--config", path]);
+    let after_kill = |s: &BTreeMap<String, (u128, Option<u128>)>| {
+        keys_of(s, "b")
+            .iter()
+            .filter(|k| instant_of(k) > killed_at)
+            .count()
+    };
+    assert!(
+        wait_until(WAIT, || after_kill(&spans(&env)) >= 2),
+        "{}",
+        beat.log_tail(30)
+    );
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    let s = spans(&env);
+    let last_b = keys_of(&s, "b")
+        .into_iter()
+        .map(|k| instant_of(&k))
+        .max()
+        .unwrap();
+    // Every success of `a` up to the last `b` has its `b` (each started once: `spans` checks).
+    for a in keys_of(&s, "a").iter().filter(|k| instant_of(k) <= last_b) {
+        if env.run_state(a).await.as_deref() == Some("done") {
+            assert!(
+                s.contains_key(&key("b", a)),
+                "{a} succeeded, its b was lost: {s:?}"
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dead_upstream_skips_the_chain_below_it() {
     let env = setup("e2e_after_dead");
