@@ -500,6 +500,7 @@ pub(crate) mod tests {
             started_at: None,
             finished_at: "2026-01-01T00:09:00Z".into(),
             error: None,
+            reason: None,
         });
         ev.progress = Some(at("2026-01-01T00:09:00Z"));
         let rows = audit(
@@ -535,6 +536,7 @@ pub(crate) mod tests {
                 started_at: Some("2026-01-01T00:01:02Z".into()),
                 finished_at: "2026-01-01T00:01:05Z".into(),
                 error: None,
+                reason: None,
             }],
             progress: Some(at("2026-01-01T00:01:00Z")),
             ..Evidence::default()

@@ -12,6 +12,7 @@ pub mod audit;
 pub mod cli;
 pub mod commands;
 pub mod dead_letters;
+pub mod follower;
 pub mod journal;
 pub mod leader;
 pub mod misfire;

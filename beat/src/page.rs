@@ -630,6 +630,8 @@ mod tests {
             paused: false,
             stale: false,
             recent: vec![],
+            after: None,
+            last_skipped: None,
         }
     }
 

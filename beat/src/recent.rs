@@ -111,6 +111,7 @@ mod tests {
             started_at: started.map(str::to_owned),
             finished_at: "2026-03-08T07:00:02.350Z".into(),
             error: error.map(str::to_owned),
+            reason: None,
         }
     }
 

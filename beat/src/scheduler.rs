@@ -20,6 +20,7 @@
 //! before the first confirm is awaited, and the batch's progress is written in one Redis round
 //! trip, so a batch costs a few round trips rather than two per message.
 
+use crate::follower::{self, Followers};
 use crate::journal;
 use crate::leader::{Leadership, Term};
 use crate::misfire::{self, plan, Plan};
@@ -116,6 +117,14 @@ const MAX_WAIT: Duration = Duration::from_secs(1);
 /// its instant rather than one to two milliseconds after it.
 const WAKE_EARLY: Duration = Duration::from_millis(3);
 
+/// How often the leader looks at the upstream instances its `after` jobs wait for
+/// ([`follower`]), at most.
+const FOLLOW_POLL: Duration = Duration::from_millis(200);
+
+/// The followers are looked at only when the next due instant is at least this far off, so
+/// that their Redis read and publish never delay it.
+const FOLLOW_ROOM: Duration = Duration::from_millis(20);
+
 /// Why a job could not move forward now; it is planned again after a backoff. Shared (`Arc`)
 /// because one failure — the broker or Redis unreachable — stalls every job of a batch.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -178,7 +187,12 @@ impl JobState {
     fn from(job: &Job, last: Option<DateTime<Utc>>, start: DateTime<Utc>) -> Self {
         JobState {
             last: last.unwrap_or(start),
-            next: job.schedule.next_after(last.unwrap_or(start)),
+            // An `after` job is never due on its own: the followers' step publishes it.
+            next: job
+                .after
+                .is_none()
+                .then(|| job.schedule.next_after(last.unwrap_or(start)))
+                .flatten(),
             unsaved: last.is_none(),
             rule_unsaved: last.is_none(),
             failures: 0,
@@ -247,6 +261,8 @@ struct Beat {
     backoff: Backoff,
     /// Jobs paused (`{ns}:paused`), as last read: their instants are dropped, not published.
     paused: HashSet<String>,
+    /// The `after` jobs and what this term decided of them ([`follower`]).
+    followers: Followers,
 }
 
 /// Runs the beat until `shutdown` completes: stands by, leads while it holds the lease, stands
@@ -448,6 +464,7 @@ impl Beat {
         let threshold = config.beat.misfire_threshold;
         Beat {
             queue: due_queue(&config.jobs, &states),
+            followers: Followers::new(&config),
             config,
             states,
             threshold,
@@ -484,6 +501,7 @@ impl Beat {
             removed = summary.removed,
             "reloaded the jobs (SIGHUP)"
         );
+        self.followers = Followers::new(&config);
         self.config = config;
         self.persist_new_starts(store, term).await;
     }
@@ -569,7 +587,12 @@ impl Beat {
             // Re-read per batch: lateness is judged against the clock when a job is planned.
             let now = term.now();
             if let Some(wait) = self.wait(now) {
-                return Ok(Next::Wait(wait));
+                if !self.followers.any() || wait < FOLLOW_ROOM {
+                    return Ok(Next::Wait(wait));
+                }
+                self.follow(store, publisher, stats, term).await?;
+                let wait = self.wait(term.now()).unwrap_or_default();
+                return Ok(Next::Wait(wait.min(FOLLOW_POLL)));
             }
             // Woken early on purpose (at most `WAKE_EARLY`): the rest of the way, precisely,
             // then round again, so a clock that moved meanwhile is looked at with the lease.
@@ -605,6 +628,51 @@ impl Beat {
                 return Ok(Next::Wait(wait));
             }
         }
+    }
+
+    /// Publishes or skips what it can of the `after` jobs' instances ([`follower::step`]) and
+    /// persists their progress (fenced, only past what was confirmed or recorded). `Err` only
+    /// when the broker refused the topology.
+    async fn follow(
+        &mut self,
+        store: &Store,
+        publisher: &mut Publisher,
+        stats: &BeatStats,
+        term: &Term,
+    ) -> Result<(), BrokerError> {
+        let ctx = follower::Ctx {
+            store,
+            publisher,
+            stats,
+            term,
+            paused: &self.paused,
+            retention: self.config.worker.done_ttl,
+        };
+        let states = &self.states;
+        let moved = follower::step(
+            &self.config.jobs,
+            &mut self.followers,
+            |i| states[i].last,
+            ctx,
+        )
+        .await?;
+        for (i, to) in moved {
+            self.states[i].last = to;
+            self.states[i].unsaved = true;
+        }
+        let which: Vec<usize> = self
+            .followers
+            .jobs()
+            .filter(|i| self.states[*i].to_write())
+            .collect();
+        if which.is_empty() {
+            return Ok(());
+        }
+        let saved = save(store, term, &self.config.jobs, &mut self.states, &which).await;
+        if let Some(e) = saved.into_iter().flatten().next() {
+            warn!(error = %e, "cannot persist the progress of `after` jobs yet; trying again");
+        }
+        Ok(())
     }
 
     /// Reads which jobs are paused (at every wake, so a pause is honoured within a second). When

@@ -56,6 +56,23 @@ pub struct JobStatus {
     /// Its newest runs (at most [`drumline_shared::store::RECENT_RUNS`]), newest first
     /// (docs/design.md#recent-runs).
     pub recent: Vec<RecentRun>,
+    /// The job it follows (`after`); null for a job with a schedule of its own
+    /// (docs/design.md#job-dependencies).
+    pub after: Option<String>,
+    /// The job's newest run record when that is a skip; null otherwise.
+    pub last_skipped: Option<SkipStatus>,
+}
+
+/// A skipped instance, as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SkipStatus {
+    /// Its idempotency key.
+    pub key: String,
+    /// `upstream` (an `after` job whose upstream did not succeed), `overlap` (the job's
+    /// previous instance still ran), `paused`; null for a record written before reasons.
+    pub reason: Option<String>,
+    /// What happened, when known (`upstream nightly@… is dead`).
+    pub detail: Option<String>,
 }
 
 /// One work queue's line: ready messages and consumers (null when the broker did not say).
@@ -285,12 +302,22 @@ fn job_status(job: &Job, history: JobHistory, paused: bool, now: DateTime<Utc>) 
         last_failure: history.last_failure.map(format_instant),
         last_error: history
             .newest
+            .as_ref()
             .filter(|r| r.is_failure())
-            .and_then(|r| r.error),
+            .and_then(|r| r.error.clone()),
         running: history.running,
         paused,
         stale: is_stale(&job.schedule, now, last, success, first_seen),
         recent: history.recent.into_iter().map(RecentRun::from).collect(),
+        after: job.after.as_ref().map(|a| a.upstream.clone()),
+        last_skipped: history
+            .newest
+            .filter(|r| r.status == "skipped")
+            .map(|r| SkipStatus {
+                key: r.key,
+                reason: r.reason,
+                detail: r.error,
+            }),
     }
 }
 
@@ -372,6 +399,14 @@ fn jobs_table(status: &Status) -> String {
                 drumline_shared::table::one_line(error, 300)
             ));
         }
+        if let Some(skip) = &j.last_skipped {
+            let why = match (&skip.reason, &skip.detail) {
+                (Some(reason), Some(detail)) => format!("{reason} ({detail})"),
+                (Some(reason), None) => reason.clone(),
+                (None, detail) => detail.clone().unwrap_or_else(|| "-".into()),
+            };
+            out.push_str(&format!("{} last skipped: {}: {}\n", j.job, skip.key, why));
+        }
     }
     out
 }
@@ -448,6 +483,8 @@ mod tests {
             paused,
             stale,
             recent: vec![],
+            after: None,
+            last_skipped: None,
         };
         let status = Status {
             leader: None,
@@ -497,6 +534,8 @@ mod tests {
                 paused: false,
                 stale: false,
                 recent: vec![],
+                after: None,
+                last_skipped: None,
             }],
             workers: vec![],
             queues: vec![],
@@ -527,6 +566,7 @@ mod tests {
             started_at: Some("2026-03-08T07:00:00Z".into()),
             finished_at: "2026-03-08T07:00:00.250Z".into(),
             error: Some("exit code 1".into()),
+            reason: None,
         };
         let mut status = Status {
             leader: None,
@@ -549,6 +589,8 @@ mod tests {
             paused: false,
             stale: false,
             recent: vec![],
+            after: None,
+            last_skipped: None,
         };
         job.recent.push(record.into());
         status.jobs.push(job);
@@ -565,6 +607,43 @@ mod tests {
         let json = serde_json::to_value(&status).unwrap();
         assert_eq!(json["jobs"][0]["recent"][0]["duration_ms"], 250);
         assert_eq!(json["jobs"][0]["recent"][0]["error"], "exit code 1");
+    }
+
+    #[test]
+    fn a_follower_shows_its_upstream_and_why_it_was_skipped() {
+        let status = Status {
+            leader: None,
+            dead_letters: Some(0),
+            total: 1,
+            jobs: vec![JobStatus {
+                job: "report".into(),
+                schedule: "after load".into(),
+                timezone: "UTC".into(),
+                next_due: None,
+                last_published: None,
+                last_success: None,
+                last_failure: None,
+                last_error: None,
+                running: 0,
+                paused: false,
+                stale: false,
+                after: Some("load".into()),
+                last_skipped: Some(SkipStatus {
+                    key: "report@2026-03-08T07:00:00Z".into(),
+                    reason: Some("upstream".into()),
+                    detail: Some("upstream load@2026-03-08T07:00:00Z is dead".into()),
+                }),
+                recent: vec![],
+            }],
+            workers: vec![],
+            queues: vec![],
+        };
+        let text = table(&status);
+        assert!(text.contains("report  after load"), "{text}");
+        assert!(text.contains("report last skipped: report@2026-03-08T07:00:00Z: upstream (upstream load@2026-03-08T07:00:00Z is dead)"), "{text}");
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["jobs"][0]["after"], "load");
+        assert_eq!(json["jobs"][0]["last_skipped"]["reason"], "upstream");
     }
 
     #[test]

@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+mod after;
 mod chunks;
 
 /// `[[jobs]]` parsed per piece when a file is cut ([`chunks`]).
@@ -277,6 +278,20 @@ pub struct Job {
     /// `jitter = "D"`: every instant is published this job's fixed offset in `[0, D)` late;
     /// keys keep the instant (docs/design.md#jitter). Default none.
     pub jitter: Option<Jitter>,
+    /// `after = "UPSTREAM"`: the job has no schedule of its own and follows UPSTREAM's
+    /// instances (docs/design.md#job-dependencies); `schedule` and `timezone` are then its
+    /// root's (the first job up the chain with a schedule). Default none.
+    pub after: Option<After>,
+}
+
+/// A follower's link to its upstream (`after`, `after_timeout`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct After {
+    /// The job whose instance for the same instant must succeed first.
+    pub upstream: String,
+    /// `after_timeout`: how long after the instant the upstream's success may come; later, the
+    /// instance is skipped (reason `upstream`). Default: the root's `every`, or 1 h for cron.
+    pub timeout: Duration,
 }
 
 impl Job {
@@ -287,6 +302,9 @@ impl Job {
 
     /// The rule (`cron "…"` / `every 30s`), for display.
     pub fn schedule_text(&self) -> String {
+        if let Some(after) = &self.after {
+            return format!("after {}", after.upstream);
+        }
         match &self.schedule {
             Schedule::Cron { cron, .. } => format!("cron \"{}\"", cron.as_str()),
             Schedule::Every { every, .. } => match every.to_std() {
@@ -452,6 +470,8 @@ struct RawJob {
     anchor: Option<String>,
     queue: Option<String>,
     jitter: Option<String>,
+    after: Option<String>,
+    after_timeout: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -652,7 +672,7 @@ impl Config {
         for j in raw_jobs {
             jobs.add(fail, j)?;
         }
-        let jobs = jobs.done();
+        let jobs = jobs.done(fail)?;
         Ok((prefix, jobs))
     }
 
@@ -682,8 +702,7 @@ impl Config {
                 }
             }
         }
-        let jobs = jobs.done();
-        Some(Ok((prefix, jobs)))
+        Some(jobs.done(fail).map(|jobs| (prefix, jobs)))
     }
 
     /// The job named `name`.
@@ -957,10 +976,11 @@ impl<'t> JobChecker<'t> {
         Ok(())
     }
 
-    /// The checked jobs, in file order.
-    fn done(mut self) -> Vec<Job> {
+    /// The checked jobs, in file order, with their `after` chains resolved.
+    fn done(mut self, fail: &Failer) -> Result<Vec<Job>, ConfigError> {
         self.jobs.shrink_to_fit();
-        self.jobs
+        resolve_chains(fail, &mut self.jobs)?;
+        Ok(self.jobs)
     }
 }
 
@@ -1147,7 +1167,10 @@ fn check_job_keys(
         Some(name) => check!(parse_timezone(name).map_err(|e| ("timezone", e.to_string()))),
         None => chrono_tz::UTC,
     };
-    let schedule = check!(job_schedule(&j, timezone));
+    let (schedule, after) = match &j.after {
+        Some(_) => check!(follower(&j)),
+        None => (check!(job_schedule(&j, timezone)), None),
+    };
     let (overlap, misfire, max_catch_up) = check!(job_policy(&j));
     let jitter = check!(job_jitter(&j, &schedule, namespace));
     let queue = j.queue.as_deref().unwrap_or("default");
@@ -1194,6 +1217,7 @@ fn check_job_keys(
         max_catch_up,
         queue,
         jitter,
+        after,
     })
 }
 
@@ -1271,8 +1295,79 @@ fn check_task_ref(task: &str, tasks: &BTreeMap<String, Task>) -> Result<(), KeyE
     ))
 }
 
+/// An `after` job: no schedule keys of its own; its schedule is a placeholder until the chain
+/// is resolved ([`resolve_chains`]), and its timeout zero until then means "the default".
+fn follower(j: &RawJob) -> Result<(Schedule, Option<After>), KeyError> {
+    let own = [
+        ("cron", j.cron.is_some()),
+        ("every", j.every.is_some()),
+        ("anchor", j.anchor.is_some()),
+        ("timezone", j.timezone.is_some()),
+        ("dst_gap", j.dst_gap.is_some()),
+        ("dst_fold", j.dst_fold.is_some()),
+    ];
+    if let Some((key, _)) = own.iter().find(|(_, set)| *set) {
+        return Err((
+            "after",
+            format!("an `after` job runs on its upstream's instants: remove `{key}`"),
+        ));
+    }
+    let timeout = match &j.after_timeout {
+        Some(_) => job_duration("after_timeout", &j.after_timeout, 0, Zero::Refused)?,
+        None => Duration::ZERO,
+    };
+    let placeholder = Schedule::Every {
+        every: chrono::Duration::seconds(1),
+        anchor: DateTime::UNIX_EPOCH,
+    };
+    let upstream = j.after.clone().unwrap_or_default();
+    Ok((placeholder, Some(After { upstream, timeout })))
+}
+
+/// Gives every `after` job its root's schedule and zone, and its default timeout (the root's
+/// `every`, else 1 h); refuses unknown upstreams and cycles (key `after`).
+fn resolve_chains(fail: &Failer, jobs: &mut [Job]) -> Result<(), ConfigError> {
+    if jobs.iter().all(|j| j.after.is_none()) {
+        return Ok(());
+    }
+    let names: Vec<&str> = jobs.iter().map(|j| j.name.as_str()).collect();
+    let ups: Vec<Option<&str>> = jobs
+        .iter()
+        .map(|j| j.after.as_ref().map(|a| a.upstream.as_str()))
+        .collect();
+    let roots = after::roots(&names, &ups).map_err(|e| {
+        let job = match &e {
+            after::ChainError::Unknown { job, .. } | after::ChainError::Cycle { job, .. } => *job,
+        };
+        fail.at(
+            Some(&format!("job {:?}", jobs[job].name)),
+            "after",
+            e.to_string(),
+        )
+    })?;
+    for (i, root) in roots.into_iter().enumerate() {
+        if root == i {
+            continue;
+        }
+        let (schedule, timezone) = (jobs[root].schedule.clone(), jobs[root].timezone);
+        let default = match &schedule {
+            Schedule::Every { every, .. } => every.to_std().unwrap_or(Duration::from_secs(3600)),
+            Schedule::Cron { .. } => Duration::from_secs(3600),
+        };
+        let job = &mut jobs[i];
+        (job.schedule, job.timezone) = (schedule, timezone);
+        if let Some(after) = job.after.as_mut().filter(|a| a.timeout.is_zero()) {
+            after.timeout = default;
+        }
+    }
+    Ok(())
+}
+
 /// The job's schedule, from exactly one of `cron` and `every`.
 fn job_schedule(j: &RawJob, timezone: Tz) -> Result<Schedule, KeyError> {
+    if j.after_timeout.is_some() {
+        return Err(("after_timeout", "only applies to `after` jobs".into()));
+    }
     match (&j.cron, &j.every) {
         (Some(_), Some(_)) => Err((
             "cron",
@@ -1604,6 +1699,81 @@ mod tests {
     /// The error for one job `j` of task `t`, with `lines` as its further keys.
     fn job_err(lines: &str) -> String {
         err(&job_text(lines))
+    }
+
+    /// Jobs `(name, keys)` of task `t`.
+    fn jobs_text(jobs: &[(&str, &str)]) -> String {
+        let mut text = String::new();
+        for (name, keys) in jobs {
+            text.push_str(&format!(
+                "[[jobs]]\nname = \"{name}\"\ntask = \"t\"\n{keys}\n"
+            ));
+        }
+        format!("{text}{TASKS}")
+    }
+
+    #[test]
+    fn after_jobs_take_their_roots_instants_and_default_timeout() {
+        let c = parse(&jobs_text(&[
+            ("c", "after = \"b\""),
+            ("a", "every = \"2s\""),
+            ("b", "after = \"a\"\nafter_timeout = \"30s\""),
+            ("n", "cron = \"0 3 * * *\"\ntimezone = \"Europe/Paris\""),
+            ("m", "after = \"n\""),
+        ]))
+        .unwrap();
+        let (a, b, c_, m) = (
+            c.job("a").unwrap(),
+            c.job("b").unwrap(),
+            c.job("c").unwrap(),
+            c.job("m").unwrap(),
+        );
+        assert_eq!(b.schedule, a.schedule);
+        assert_eq!(c_.schedule, a.schedule);
+        assert_eq!(c_.after.as_ref().unwrap().upstream, "b");
+        assert_eq!(c_.after.as_ref().unwrap().timeout, Duration::from_secs(2));
+        assert_eq!(b.after.as_ref().unwrap().timeout, Duration::from_secs(30));
+        assert_eq!(m.after.as_ref().unwrap().timeout, Duration::from_secs(3600));
+        assert_eq!(m.timezone.name(), "Europe/Paris");
+        assert_eq!(c_.schedule_text(), "after b");
+        assert!(a.after.is_none());
+    }
+
+    #[test]
+    fn after_refuses_cycles_unknown_upstreams_and_a_schedule_of_its_own() {
+        let e = err(&jobs_text(&[
+            ("a", "after = \"b\""),
+            ("b", "after = \"a\""),
+        ]));
+        assert_eq!(e, "/etc/d.toml: job \"a\": key `after`: a cycle: a → b → a");
+        let e = err(&jobs_text(&[
+            ("a", "every = \"1s\""),
+            ("b", "after = \"x\""),
+        ]));
+        assert!(
+            e.starts_with("/etc/d.toml: job \"b\": key `after`: no job named \"x\""),
+            "{e}"
+        );
+        let e = job_err("after = \"j\"");
+        assert!(e.contains("key `after`: a cycle: j → j"), "{e}");
+        let e = err(&jobs_text(&[
+            ("a", "every = \"1s\""),
+            ("b", "after = \"a\"\nevery = \"1s\""),
+        ]));
+        assert!(e.contains("job \"b\": key `after`: an `after` job runs on its upstream's instants: remove `every`"), "{e}");
+        job_err_has("after = \"j\"\ncron = \"* * * * *\"", "remove `cron`");
+        job_err_has(
+            "every = \"1s\"\nafter_timeout = \"1s\"",
+            "key `after_timeout`: only applies to `after` jobs",
+        );
+        let e = err(&jobs_text(&[
+            ("a", "every = \"1s\""),
+            ("b", "after = \"a\"\nafter_timeout = \"0s\""),
+        ]));
+        assert!(
+            e.contains("key `after_timeout`: must be greater than zero"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -16,6 +16,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 mod conn;
+mod follow;
 mod journal;
 mod leader;
 mod operate;
@@ -25,6 +26,7 @@ mod workers;
 use crate::limit::Limit;
 pub use crate::run::{Claim, Ending, Final, LimitedBy, RunState, WaitReplicas};
 pub use conn::Conn;
+pub use follow::Skipped;
 use journal::JOURNAL;
 pub use journal::{JournalEntry, LeaderEntry};
 /// The Lua that formats Redis `TIME` as RFC 3339 for the leader lease's `since`: public only
@@ -239,6 +241,10 @@ pub struct RunRecord {
     pub finished_at: String,
     /// Error text, if any.
     pub error: Option<String>,
+    /// Why a `skipped` instance did not run: `upstream` for an `after` job whose upstream did
+    /// not succeed (docs/design.md#job-dependencies). Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 impl RunRecord {

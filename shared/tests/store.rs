@@ -6,7 +6,7 @@ use drumline_e2e::{Namespace, REDIS_URL};
 use drumline_shared::names::Names;
 use drumline_shared::store::{
     Candidate, Claim, ClaimRequest, Ending, Final, LeaseMode, LeaseOutcome, OverlapMode,
-    ProgressError, RunRecord, RunState, Store, LUA_RFC3339,
+    ProgressError, RunRecord, RunState, Skipped, Store, LUA_RFC3339,
 };
 use std::time::{Duration, Instant};
 
@@ -845,6 +845,7 @@ fn run(key: &str, status: &str, finished_at: &str) -> RunRecord {
         started_at: None,
         finished_at: finished_at.to_owned(),
         error: None,
+        reason: None,
     }
 }
 
@@ -1081,4 +1082,72 @@ async fn each_decision_is_journaled_by_its_own_script_and_none_when_off() {
         .await
         .unwrap();
     assert!(s.journal_since(0, |k| k == "q").await.unwrap().is_empty());
+}
+
+/// An `after` job's skip (docs/design.md#job-dependencies): written only by the lease's holder,
+/// only on an instance nobody recorded, with its reason and a history entry; a copy of a
+/// skipped instance is then a duplicate at the claim.
+#[tokio::test]
+async fn a_follower_skip_is_fenced_and_never_overwrites_a_record() {
+    let s = store("follower_skip").await;
+    let ttl = Duration::from_secs(60);
+    let mut skip = run("f@1", "skipped", "2026-03-08T07:00:01Z");
+    skip.reason = Some("upstream".into());
+    // Nobody leads: nothing is written.
+    assert_eq!(
+        s.skip_follower("a", "f", &skip, ttl).await.unwrap(),
+        Skipped::NotLeading
+    );
+    assert_eq!(s.run_state("f@1").await.unwrap(), None);
+    s.lead(&candidate("a"), LEASE, LeaseMode::Acquire)
+        .await
+        .unwrap();
+    assert_eq!(
+        s.skip_follower("b", "f", &skip, ttl).await.unwrap(),
+        Skipped::NotLeading
+    );
+    assert_eq!(
+        s.skip_follower("a", "f", &skip, ttl).await.unwrap(),
+        Skipped::Recorded
+    );
+    assert_eq!(
+        s.run_state("f@1").await.unwrap().as_deref(),
+        Some("skipped")
+    );
+    assert_eq!(
+        s.skip_follower("a", "f", &skip, ttl).await.unwrap(),
+        Skipped::Known
+    );
+    let history = s.job_histories(&["f"]).await.unwrap();
+    assert_eq!(
+        history[0].newest.as_ref().unwrap().reason.as_deref(),
+        Some("upstream")
+    );
+    assert_eq!(
+        s.claim(&req("f@1", "w1", OverlapMode::Skip("f")))
+            .await
+            .unwrap(),
+        Claim::Duplicate {
+            state: RunState::Skipped
+        }
+    );
+    // An instance a copy already ran (published by a leader that died before its progress
+    // write) keeps its outcome.
+    let Claim::Claimed { .. } = s
+        .claim(&req("f@2", "w1", OverlapMode::Allow))
+        .await
+        .unwrap()
+    else {
+        panic!("not claimed");
+    };
+    s.finish("f@2", None, "w1", Ending::Final(Final::Done), ttl)
+        .await
+        .unwrap();
+    let mut skip2 = skip.clone();
+    skip2.key = "f@2".into();
+    assert_eq!(
+        s.skip_follower("a", "f", &skip2, ttl).await.unwrap(),
+        Skipped::Known
+    );
+    assert_eq!(s.run_state("f@2").await.unwrap().as_deref(), Some("done"));
 }

@@ -734,6 +734,8 @@ impl Processor {
             started_at,
             finished_at: now_text(),
             error,
+            // An `after` job's skips are recorded by the beat with reason `upstream`.
+            reason: (outcome == Outcome::Skipped).then(|| "overlap".to_owned()),
         })
     }
 

@@ -1,0 +1,358 @@
+//! Job dependencies (docs/design.md#job-dependencies), end to end: `after = "UPSTREAM"` runs a
+//! job's instance for instant T once UPSTREAM's instance for T succeeded, in order along a
+//! chain; skips it (reason `upstream`, cascading) when UPSTREAM's instance is dead or
+//! `after_timeout` passes; `check` refuses cycles and unknown upstreams.
+// See: issues/21
+
+use drumline_e2e::cfg::{every, shell, Cfg, Keys};
+use drumline_e2e::{instant_of, setup, toml_string, wait_until, wait_until_async, TestEnv};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(40);
+
+/// A task that writes `start KEY NS`, sleeps `sleep` s, then ends with `tail` (`exit 1`) or
+/// writes `end KEY NS`.
+fn stamped(env: &TestEnv, sleep: f64, tail: &str) -> Keys {
+    let log = env.path("spans").display().to_string();
+    let end = if tail.is_empty() {
+        format!("echo \"end $DRUMLINE_KEY $(date +%s%N)\" >> {log}")
+    } else {
+        tail.to_owned()
+    };
+    shell(&format!(
+        "echo \"start $DRUMLINE_KEY $(date +%s%N)\" >> {log}; sleep {sleep}; {end}"
+    ))
+}
+
+/// A job that follows `upstream`.
+fn after(upstream: &str, timeout: &str) -> Keys {
+    Keys::default()
+        .with("after", &toml_string(upstream))
+        .with("after_timeout", &toml_string(timeout))
+        .with("overlap", "\"queue\"")
+}
+
+/// The stamps of the effect file: per key, (start, end) in ns.
+fn spans(env: &TestEnv) -> BTreeMap<String, (u128, Option<u128>)> {
+    let mut out: BTreeMap<String, (u128, Option<u128>)> = BTreeMap::new();
+    for line in env.lines("spans") {
+        let parts: Vec<&str> = line.split(' ').collect();
+        let at: u128 = parts[2].parse().unwrap();
+        if parts[0] == "start" {
+            let first = out.insert(parts[1].to_owned(), (at, None));
+            assert!(first.is_none(), "{} started twice", parts[1]);
+        } else {
+            out.get_mut(parts[1]).expect("end after start").1 = Some(at);
+        }
+    }
+    out
+}
+
+/// Keys of `job` in the effect file.
+fn keys_of(spans: &BTreeMap<String, (u128, Option<u128>)>, job: &str) -> Vec<String> {
+    let prefix = format!("{job}@");
+    spans
+        .keys()
+        .filter(|k| k.starts_with(&prefix))
+        .cloned()
+        .collect()
+}
+
+fn key(job: &str, upstream_key: &str) -> String {
+    format!("{job}@{}", upstream_key.split_once('@').unwrap().1)
+}
+
+/// `field` of instance `key`'s run record.
+async fn run_field(env: &TestEnv, key: &str, field: &str) -> Option<String> {
+    let mut redis = env.redis().await;
+    redis::cmd("HGET")
+        .arg(env.names().run_key(key))
+        .arg(field)
+        .query_async(&mut redis)
+        .await
+        .expect("redis")
+}
+
+/// The keys of `upstream_keys` whose `follower` instance is recorded `skipped`.
+async fn skipped_after(env: &TestEnv, follower: &str, upstream_keys: Vec<String>) -> Vec<String> {
+    let mut out = Vec::new();
+    for a in upstream_keys {
+        if run_field(env, &key(follower, &a), "state").await.as_deref() == Some("skipped") {
+            out.push(a);
+        }
+    }
+    out
+}
+
+fn start(env: &TestEnv, cfg: &Cfg) -> (PathBuf, drumline_e2e::Proc, drumline_e2e::Proc) {
+    let cfg = env.write_config("drumline.toml", cfg);
+    let path = cfg.to_str().unwrap();
+    let worker = env.worker("worker", &["--config", path]);
+    let beat = env.beat("beat", &["--config", path]);
+    (cfg, worker, beat)
+}
+
+fn base() -> Cfg {
+    Cfg::new()
+        .set("worker", "concurrency", "6")
+        .set("worker", "lease", "\"3s\"")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_chain_runs_in_order_for_each_instant() {
+    let env = setup("e2e_after_chain");
+    let cfg = base()
+        .task("a", stamped(&env, 0.2, ""))
+        .task("b", stamped(&env, 0.2, ""))
+        .task("c", stamped(&env, 0.1, ""))
+        .job("a", every("2s").with("overlap", "\"queue\""))
+        .job("b", after("a", "20s"))
+        .job("c", after("b", "20s"));
+    let (_cfg, mut worker, mut beat) = start(&env, &cfg);
+    let three = wait_until(WAIT, || {
+        let s = spans(&env);
+        keys_of(&s, "c")
+            .iter()
+            .filter(|k| s[*k].1.is_some())
+            .count()
+            >= 3
+    });
+    assert!(three, "{}\n{}", beat.log_tail(30), worker.log_tail(30));
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    let s = spans(&env);
+    let last_c = keys_of(&s, "c")
+        .into_iter()
+        .map(|k| instant_of(&k))
+        .max()
+        .unwrap();
+    // Every instant of `a` up to the last `c` ran the whole chain, each step after the one
+    // before it had ended.
+    let mut chains = 0;
+    for a in keys_of(&s, "a").iter().filter(|k| instant_of(k) <= last_c) {
+        let (b, c) = (key("b", a), key("c", a));
+        let end = |k: &str| {
+            s.get(k)
+                .and_then(|(_, e)| *e)
+                .unwrap_or_else(|| panic!("{k} did not run: {s:?}"))
+        };
+        assert!(end(a) <= s[&b].0, "{b} started before {a} ended");
+        assert!(end(&b) <= s[&c].0, "{c} started before {b} ended");
+        chains += 1;
+    }
+    assert!(chains >= 3, "{s:?}");
+    for k in keys_of(&s, "c") {
+        assert_eq!(env.run_state(&k).await.as_deref(), Some("done"), "{k}");
+    }
+}
+
+/// The leader publishes followers: killed (kill -9) while they run, the next leader decides
+/// the instants it left undecided from the upstream's records, and no follower of a success is
+/// lost or run twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leader_killed_mid_chain_loses_no_follower() {
+    let env = setup("e2e_after_kill");
+    let cfg = base()
+        .set("beat", "leader_lease", "\"1s\"")
+        .task("a", stamped(&env, 0.3, ""))
+        .task("b", stamped(&env, 0.0, ""))
+        .job("a", every("1s").with("overlap", "\"allow\""))
+        .job("b", after("a", "20s"));
+    let (cfg, mut worker, mut beat) = start(&env, &cfg);
+    let path = cfg.to_str().unwrap();
+    let two = wait_until(WAIT, || keys_of(&spans(&env), "b").len() >= 2);
+    assert!(two, "{}", beat.log_tail(30));
+    // Often while an instance of `a` runs, whose success then lands with no leader to see it.
+    beat.kill9();
+    let killed_at = chrono::Utc::now();
+    let mut beat = env.beat("beat2", &["--config", path]);
+    let after_kill = |s: &BTreeMap<String, (u128, Option<u128>)>| {
+        keys_of(s, "b")
+            .iter()
+            .filter(|k| instant_of(k) > killed_at)
+            .count()
+    };
+    assert!(
+        wait_until(WAIT, || after_kill(&spans(&env)) >= 2),
+        "{}",
+        beat.log_tail(30)
+    );
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    let s = spans(&env);
+    let last_b = keys_of(&s, "b")
+        .into_iter()
+        .map(|k| instant_of(&k))
+        .max()
+        .unwrap();
+    // Every success of `a` up to the last `b` has its `b` (each started once: `spans` checks).
+    for a in keys_of(&s, "a").iter().filter(|k| instant_of(k) <= last_b) {
+        if env.run_state(a).await.as_deref() == Some("done") {
+            assert!(
+                s.contains_key(&key("b", a)),
+                "{a} succeeded, its b was lost: {s:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_upstream_skips_the_chain_below_it() {
+    let env = setup("e2e_after_dead");
+    let cfg = base()
+        .task("a", stamped(&env, 0.0, "exit 1").with("max_retries", "0"))
+        .task("b", stamped(&env, 0.0, ""))
+        .task("c", stamped(&env, 0.0, ""))
+        .job("a", every("1s"))
+        .job("b", after("a", "30s"))
+        .job("c", after("b", "30s"));
+    let (cfg, mut worker, mut beat) = start(&env, &cfg);
+    // Two instants of `a` dead, and `c` skipped for both (well before the 30 s timeout).
+    let skipped_c = || async { skipped_after(&env, "c", keys_of(&spans(&env), "a")).await };
+    let two = wait_until_async(WAIT, || async { skipped_c().await.len() >= 2 }).await;
+    let skipped = skipped_c().await;
+    assert!(two, "{}\n{}", beat.log_tail(30), worker.log_tail(30));
+    for a in &skipped {
+        assert_eq!(env.run_state(a).await.as_deref(), Some("dead"), "{a}");
+        for follower in ["b", "c"] {
+            let k = key(follower, a);
+            assert_eq!(
+                run_field(&env, &k, "state").await.as_deref(),
+                Some("skipped"),
+                "{k}"
+            );
+            assert_eq!(
+                run_field(&env, &k, "reason").await.as_deref(),
+                Some("upstream"),
+                "{k}"
+            );
+        }
+    }
+    let path = cfg.to_str().unwrap();
+    let (status, out, err) = env.run("drumline-beat", &["--config", path, "status", "--json"]);
+    assert!(status.success(), "{err}");
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let job = |name: &str| {
+        json["jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|j| j["job"] == name)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(job("b")["after"], "a");
+    assert_eq!(job("c")["after"], "b");
+    assert!(job("a")["after"].is_null());
+    assert_eq!(job("b")["last_skipped"]["reason"], "upstream");
+    assert!(
+        job("b")["last_skipped"]["detail"]
+            .as_str()
+            .unwrap()
+            .ends_with("is dead"),
+        "{out}"
+    );
+    assert!(
+        job("c")["last_skipped"]["detail"]
+            .as_str()
+            .unwrap()
+            .ends_with("was skipped"),
+        "{out}"
+    );
+    let (_, table, _) = env.run("drumline-beat", &["--config", path, "status"]);
+    assert!(
+        table.contains("after a") && table.contains("b last skipped: b@"),
+        "{table}"
+    );
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    // Neither follower ever ran.
+    let s = spans(&env);
+    assert!(
+        keys_of(&s, "b").is_empty() && keys_of(&s, "c").is_empty(),
+        "{s:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn after_timeout_skips_an_instance_whose_upstream_is_late() {
+    let env = setup("e2e_after_timeout");
+    let cfg = base()
+        .task("a", stamped(&env, 1.5, ""))
+        .task("b", stamped(&env, 0.0, ""))
+        .job("a", every("2s"))
+        .job("b", after("a", "500ms"));
+    let (_cfg, mut worker, mut beat) = start(&env, &cfg);
+    // Two instants of `a` that succeeded, `b` skipped for each: `a` took longer than 500 ms.
+    let done_a = || {
+        let s = spans(&env);
+        keys_of(&s, "a")
+            .into_iter()
+            .filter(|k| s[k].1.is_some())
+            .collect::<Vec<_>>()
+    };
+    let late_b = || async { skipped_after(&env, "b", done_a()).await };
+    let two = wait_until_async(WAIT, || async { late_b().await.len() >= 2 }).await;
+    let late = late_b().await;
+    assert!(two, "{}\n{}", beat.log_tail(30), worker.log_tail(30));
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    for a in &late {
+        let b = key("b", a);
+        assert_eq!(
+            run_field(&env, &b, "reason").await.as_deref(),
+            Some("upstream")
+        );
+        let ok = wait_until_async(WAIT, || async {
+            env.run_state(a).await.as_deref() == Some("done")
+        })
+        .await;
+        assert!(ok, "{a} did not end done");
+    }
+    assert!(keys_of(&spans(&env), "b").is_empty(), "b ran");
+}
+
+#[test]
+fn check_refuses_cycles_unknown_upstreams_and_a_schedule_beside_after() {
+    let env = setup("e2e_after_check");
+    let cases = [
+        (
+            base()
+                .task("t", shell("true"))
+                .job("a", after("c", "1s").with("task", "\"t\""))
+                .job("b", after("a", "1s").with("task", "\"t\""))
+                .job("c", after("b", "1s").with("task", "\"t\"")),
+            "job \"a\": key `after`: a cycle: a → c → b → a",
+        ),
+        (
+            base()
+                .task("t", shell("true"))
+                .job("a", every("1s").with("task", "\"t\""))
+                .job("b", after("nope", "1s").with("task", "\"t\"")),
+            "job \"b\": key `after`: no job named \"nope\"",
+        ),
+        (
+            base()
+                .task("t", shell("true"))
+                .job("a", every("1s").with("task", "\"t\""))
+                .job(
+                    "b",
+                    after("a", "1s")
+                        .with("task", "\"t\"")
+                        .with("cron", "\"* * * * *\""),
+                ),
+            "job \"b\": key `after`: an `after` job runs on its upstream's instants: remove `cron`",
+        ),
+    ];
+    for (cfg, expected) in cases {
+        let path = env.write_config("drumline.toml", &cfg);
+        let (status, _, err) = env.run(
+            "drumline-beat",
+            &["--config", path.to_str().unwrap(), "check"],
+        );
+        assert_eq!(status.code(), Some(2), "{err}");
+        assert!(err.contains(expected), "{err}");
+    }
+}
