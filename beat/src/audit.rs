@@ -264,7 +264,15 @@ fn skipped(facts: &Facts<'_>) -> Option<String> {
     if let Some(e) = facts.events("skipped").next() {
         return Some(e.reason.clone());
     }
-    if facts.state == Some("skipped") || facts.records.iter().any(|r| r.status == "skipped") {
+    if let Some(record) = facts.records.iter().find(|r| r.status == "skipped") {
+        return Some(
+            record
+                .reason
+                .clone()
+                .unwrap_or_else(|| "overlap".to_owned()),
+        );
+    }
+    if facts.state == Some("skipped") {
         return Some("overlap".to_owned());
     }
     facts.range.map(str::to_owned)

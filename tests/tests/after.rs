@@ -266,6 +266,25 @@ async fn a_dead_upstream_skips_the_chain_below_it() {
         table.contains("after a") && table.contains("b last skipped: b@"),
         "{table}"
     );
+    // `audit` shows the skips with their reason: the skip is journaled like every fate decision.
+    let (status, out, err) = env.run("drumline", &["--config", path, "audit", "c", "--json"]);
+    assert!(status.success(), "{err}");
+    let audit: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for a in &skipped {
+        let k = key("c", a);
+        let row = audit["instants"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["key"] == k.as_str())
+            .unwrap_or_else(|| panic!("{k} not in {out}"))
+            .clone();
+        assert_eq!(
+            (row["class"].as_str(), row["reason"].as_str()),
+            (Some("skipped"), Some("upstream")),
+            "{row}"
+        );
+    }
     assert!(beat.terminate(Duration::from_secs(10)).success());
     assert!(worker.terminate(Duration::from_secs(20)).success());
     // Neither follower ever ran.

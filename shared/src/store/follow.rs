@@ -2,6 +2,7 @@
 //! skipped because its upstream did not succeed. Publishing a follower needs no write of its
 //! own here: it is a confirmed publish, then the follower's progress (fenced, as any job's).
 
+use super::journal::JOURNAL;
 use super::leader::HELD_BY;
 use super::{RunRecord, Store, StoreError, HISTORY_LEN};
 use redis::Script;
@@ -14,6 +15,8 @@ use std::time::Duration;
 // KEYS[3] -> {ns}:history:{job}        its run records
 // ARGV[1] -> leader token   ARGV[2] -> retention in ms   ARGV[3] -> reason (`upstream`)
 // ARGV[4] -> the run record's JSON   ARGV[5] -> history cap
+// then the journal's tail (JOURNAL): the skip is journaled `skipped` with its reason in the
+// same script, as every fate decision is (docs/design.md#journal).
 // Output: 1 recorded `skipped` | 2 the instance has a record already (published before, or
 // skipped before): left as it is | 0 the token does not hold the lease, nothing written.
 // Only an instance nobody recorded is skipped, so a copy of it published before (by a leader
@@ -21,7 +24,7 @@ use std::time::Duration;
 // duplicate at the claim.
 static SKIP_FOLLOWER: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        "{HELD_BY}{}",
+        "{HELD_BY}{JOURNAL}{}",
         r#"
 if not held_by(KEYS[1], ARGV[1]) then return 0 end
 if redis.call('EXISTS', KEYS[2]) == 1 then return 2 end
@@ -30,6 +33,7 @@ redis.call('HSET', KEYS[2], 'state', 'skipped', 'reason', ARGV[3], 'attempt', 0,
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 redis.call('LPUSH', KEYS[3], ARGV[4])
 redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[5]) - 1)
+jot('skipped', 0, '', 'leader', 'r', ARGV[3])
 return 1
 "#
     ))
@@ -67,6 +71,7 @@ impl Store {
             .arg(record.reason.as_deref().unwrap_or("upstream"))
             .arg(json)
             .arg(HISTORY_LEN);
+        self.journal_tail(&mut call, &record.key);
         let code: i64 = self.durable(&SKIP_FOLLOWER, &call).await?;
         Ok(match code {
             1 => Skipped::Recorded,
