@@ -6,7 +6,7 @@ use drumline_e2e::cfg::{shell, Cfg};
 use drumline_e2e::{counts, setup, wait_until, TestEnv, AMQP_URL};
 use drumline_shared::client::{Message, Producer};
 use drumline_shared::limit::most_in_window;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -186,29 +186,105 @@ async fn a_rate_of_ten_a_second_holds_in_every_window_across_three_workers() {
     let workers = three_workers(&env, &cfg).await;
     let n = 300;
     publish(&env, "r", n).await;
-    let finished = wait_until(Duration::from_secs(120), || env.lines("starts").len() >= n);
+    let ran = |lines: &[String]| {
+        counts(
+            &lines
+                .iter()
+                .map(|l| l.split(' ').next().unwrap().to_owned())
+                .collect::<Vec<_>>(),
+        )
+    };
+    let finished = wait_until(Duration::from_secs(120), || {
+        ran(&env.lines("starts")).len() >= n
+    });
     assert!(finished, "{}", workers[0].log_tail(30));
     let lines = env.lines("starts");
-    let keys = counts(
-        &lines
-            .iter()
-            .map(|l| l.split(' ').next().unwrap().to_owned())
-            .collect::<Vec<_>>(),
-    );
+    let keys = ran(&lines);
     assert_eq!(keys.len(), n, "every key ran");
-    assert!(keys.values().all(|c| *c == 1), "each exactly once");
+    // Each key succeeded once. A key may run a second time only as the promise allows: the
+    // repeat of an attempt whose lease lapsed (a starved worker), journaled as a takeover.
+    let twice: Vec<&String> = keys
+        .iter()
+        .filter(|(_, c)| **c > 1)
+        .map(|(k, _)| k)
+        .collect();
+    let journal = journal_of(&env, &keys.keys().collect::<Vec<_>>()).await;
+    let events = |key: &str, ev: &str| {
+        journal
+            .iter()
+            .filter(|(_, f)| f["key"] == key && f["ev"] == ev)
+            .count()
+    };
+    for key in keys.keys() {
+        assert_eq!(events(key, "success"), 1, "{key}: {journal:#?}");
+    }
+    for key in &twice {
+        assert!(
+            events(key, "takeover") >= 1,
+            "{key} ran twice: {journal:#?}"
+        );
+    }
     let stamps: Vec<u64> = lines
         .iter()
         .map(|l| (l.split(' ').nth(1).unwrap().parse::<u128>().unwrap() / 1_000_000) as u64)
         .collect();
-    let most = most_in_window(&stamps, 1000);
-    let span = stamps.iter().max().unwrap() - stamps.iter().min().unwrap();
-    let mut sorted = stamps.clone();
+    // A start is a granted claim: the journal stamps each with Redis `TIME`, the clock the
+    // limit is judged on (docs/design.md#limits). The tasks' own stamps add the spawn's lag,
+    // which a loaded machine stretches unevenly; they are reported, not asserted.
+    let claims = claim_stamps(&env).await;
+    assert_eq!(claims.len(), n + twice.len(), "one granted claim per run");
+    let most = most_in_window(&claims, 1000);
+    let span = claims.iter().max().unwrap() - claims.iter().min().unwrap();
+    assert!(
+        span >= 29_000,
+        "{n} starts at 10/s take 30 s, not {span} ms"
+    );
+    let mut sorted = claims.clone();
     sorted.sort_unstable();
-    let first = sorted[0];
-    let offsets: Vec<u64> = sorted.iter().map(|s| s - first).collect();
+    let offsets: Vec<u64> = sorted.iter().map(|s| s - sorted[0]).collect();
     assert!(most <= 10, "{most} starts in one 1 s window: {offsets:?}");
-    eprintln!("{n} starts over {span} ms, at most {most} in any 1 s window");
+    eprintln!(
+        "{n} starts over {span} ms, at most {most} in any 1 s window (the tasks' own stamps: {})",
+        most_in_window(&stamps, 1000)
+    );
+}
+
+/// The journal entries of `keys`.
+async fn journal_of(env: &TestEnv, keys: &[&String]) -> Vec<(String, HashMap<String, String>)> {
+    let mut redis = env.redis().await;
+    let entries: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
+        .arg(format!("{}:journal", env.ns))
+        .arg("-")
+        .arg("+")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    entries
+        .into_iter()
+        .filter(|(_, f)| f.get("key").is_some_and(|k| keys.contains(&k)))
+        .collect()
+}
+
+/// The Redis `TIME` (ms) of every granted claim (a takeover too) in the namespace's journal.
+async fn claim_stamps(env: &TestEnv) -> Vec<u64> {
+    let mut redis = env.redis().await;
+    let entries: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
+        .arg(format!("{}:journal", env.ns))
+        .arg("-")
+        .arg("+")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    entries
+        .iter()
+        .filter(|(_, fields)| {
+            matches!(
+                fields.get("ev").map(String::as_str),
+                Some("claim" | "takeover")
+            )
+        })
+        .map(|(id, _)| id.split('-').next().unwrap().parse().unwrap())
+        .collect()
 }
 
 fn now_ns() -> u128 {
