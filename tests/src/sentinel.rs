@@ -278,19 +278,19 @@ impl SentinelSet {
         self.wait_healthy(primary);
     }
 
-    fn wait_healthy(&self, primary: u16) {
-        let whole = || {
-            let online = info(primary, "replication")
-                .map(|i| i.matches("state=online").count())
-                .unwrap_or(0);
-            online == 2
-                && self.sentinels.iter().all(|s| {
-                    sentinel_primary(*s) == Some(primary)
-                        && sentinel_count(*s, "replicas") == Some(2)
-                        && sentinel_count(*s, "sentinels") == Some(2)
-                })
+    /// Waits until the set is whole around whichever primary the Sentinels agree on: a
+    /// failover may happen again while it heals (a loaded machine can keep a primary silent
+    /// past `down-after-milliseconds`), so the primary is read afresh on every check.
+    fn wait_healthy(&self, first: u16) {
+        let mut seen = String::new();
+        let mut whole = || match self.whole() {
+            Ok(_) => true,
+            Err(state) => {
+                seen = state;
+                false
+            }
         };
-        let mut healthy = wait_until(Duration::from_secs(60), whole);
+        let mut healthy = wait_until(Duration::from_secs(60), &mut whole);
         if !healthy {
             // A Sentinel that kept a stale view of a node it saw die (seen once on a loaded
             // machine): `SENTINEL RESET` makes each discover the replicas and the other
@@ -303,13 +303,57 @@ impl SentinelSet {
                         .query(&mut conn);
                 }
             }
-            healthy = wait_until(Duration::from_secs(60), whole);
+            healthy = wait_until(Duration::from_secs(60), &mut whole);
         }
         assert!(
             healthy,
-            "the sentinel set did not become whole; see {}",
+            "the sentinel set (first primary {first}) did not become whole: {seen}; see {}",
             self.dir.display()
         );
+    }
+
+    /// The primary if the set is whole: every Sentinel names it, it says it is one, two
+    /// replicas are online, and every Sentinel knows both replicas and the two other
+    /// Sentinels. Otherwise what each part says.
+    fn whole(&self) -> Result<u16, String> {
+        let named: Vec<Option<u16>> = self
+            .sentinels
+            .iter()
+            .map(|s| sentinel_primary(*s))
+            .collect();
+        let state = |why: &str| {
+            let counts: Vec<String> = self
+                .sentinels
+                .iter()
+                .map(|s| {
+                    format!(
+                        "sentinel {s}: replicas {:?} sentinels {:?}",
+                        sentinel_count(*s, "replicas"),
+                        sentinel_count(*s, "sentinels")
+                    )
+                })
+                .collect();
+            format!("{why}; primaries named {named:?}; {}", counts.join(", "))
+        };
+        let Some(primary) = named[0].filter(|p| named.iter().all(|n| *n == Some(*p))) else {
+            return Err(state("the Sentinels disagree on the primary"));
+        };
+        if role(primary).as_deref() != Some("master") {
+            return Err(state(&format!("{primary} is not a primary")));
+        }
+        let online = info(primary, "replication")
+            .map(|i| i.matches("state=online").count())
+            .unwrap_or(0);
+        if online != 2 {
+            return Err(state(&format!("{online} replicas online at {primary}")));
+        }
+        let known = self.sentinels.iter().all(|s| {
+            sentinel_count(*s, "replicas") == Some(2) && sentinel_count(*s, "sentinels") == Some(2)
+        });
+        if !known {
+            return Err(state("a Sentinel does not know the whole set"));
+        }
+        Ok(primary)
     }
 }
 
@@ -323,7 +367,10 @@ impl Drop for SentinelSet {
         }
         let _ = self.watchdog.kill();
         let _ = self.watchdog.wait();
-        let _ = fs::remove_dir_all(&self.dir);
+        // A failed test's set is kept to be read (its message names the directory).
+        if !std::thread::panicking() {
+            let _ = fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
