@@ -12,6 +12,10 @@
 //! ([`Proxy::set_from`]): with each side of a network on its own loopback address (127.0.0.1,
 //! 127.0.0.2, …), that is a partition between hosts that still lets the others through.
 //!
+//! A proxy started with [`Proxy::start_knowing_processes`] also learns which process owns each
+//! client connection (from `/proc`), so [`Proxy::set_for_process`] partitions one process while
+//! every other client of the same server, on the same address, still passes.
+//!
 //! The proxy runs on its own small tokio runtime, so sync and async tests can use it alike;
 //! dropping it closes every connection.
 
@@ -36,20 +40,38 @@ pub enum Fault {
     Reset,
 }
 
-/// The faults in force: one for every connection, and one per source address named.
+/// Who a rule is for: a source address or the process that owns the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Addr(IpAddr),
+    Process(i32),
+}
+
+/// The faults in force: one for every connection, and one per source named.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Rules {
     all: Fault,
-    from: Vec<(IpAddr, Fault)>,
+    from: Vec<(Source, Fault)>,
 }
 
 impl Rules {
-    /// The fault for a connection from `peer`.
-    fn of(&self, peer: IpAddr) -> Fault {
-        self.from
-            .iter()
-            .find(|(ip, _)| *ip == peer)
-            .map_or(self.all, |(_, fault)| *fault)
+    /// The fault for a connection from `peer` owned by process `owner` (a process rule wins).
+    fn of(&self, peer: IpAddr, owner: Option<i32>) -> Fault {
+        let rule = |source: Source| {
+            self.from
+                .iter()
+                .find(|(s, _)| *s == source)
+                .map(|(_, fault)| *fault)
+        };
+        owner
+            .and_then(|pid| rule(Source::Process(pid)))
+            .or_else(|| rule(Source::Addr(peer)))
+            .unwrap_or(self.all)
+    }
+
+    fn set(&mut self, source: Source, fault: Fault) {
+        self.from.retain(|(s, _)| *s != source);
+        self.from.push((source, fault));
     }
 }
 
@@ -64,6 +86,16 @@ pub struct Proxy {
 impl Proxy {
     /// Starts a proxy to `target`, passing traffic.
     pub fn start(target: SocketAddr) -> Self {
+        Self::launch(target, false)
+    }
+
+    /// Starts a proxy to `target` that learns the process owning each client connection, for
+    /// [`set_for_process`](Self::set_for_process).
+    pub fn start_knowing_processes(target: SocketAddr) -> Self {
+        Self::launch(target, true)
+    }
+
+    fn launch(target: SocketAddr, know_processes: bool) -> Self {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
         listener.set_nonblocking(true).expect("nonblocking");
         let port = listener.local_addr().expect("proxy address").port();
@@ -80,11 +112,23 @@ impl Proxy {
         runtime.spawn(async move {
             let listener = TcpListener::from_std(listener).expect("proxy listener");
             while let Ok((client, peer)) = listener.accept().await {
-                let fault = View {
-                    rules: rx.clone(),
-                    peer: peer.ip(),
-                };
-                tokio::spawn(connection(client, target, fault));
+                let rules = rx.clone();
+                tokio::spawn(async move {
+                    let owner = if know_processes {
+                        tokio::task::spawn_blocking(move || owner_of(peer, port))
+                            .await
+                            .ok()
+                            .flatten()
+                    } else {
+                        None
+                    };
+                    let fault = View {
+                        rules,
+                        peer: peer.ip(),
+                        owner,
+                    };
+                    connection(client, target, fault).await;
+                });
             }
         });
         Self {
@@ -102,10 +146,15 @@ impl Proxy {
 
     /// Switches the fault for the connections, open or future, whose source address is `peer`.
     pub fn set_from(&self, peer: IpAddr, fault: Fault) {
-        self.rules.send_modify(|rules| {
-            rules.from.retain(|(ip, _)| *ip != peer);
-            rules.from.push((peer, fault));
-        });
+        self.rules
+            .send_modify(|rules| rules.set(Source::Addr(peer), fault));
+    }
+
+    /// Switches the fault for the connections, open or future, of process `pid` (a proxy
+    /// [`start_knowing_processes`](Self::start_knowing_processes) only).
+    pub fn set_for_process(&self, pid: i32, fault: Fault) {
+        self.rules
+            .send_modify(|rules| rules.set(Source::Process(pid), fault));
     }
 
     /// A `redis://` URL through this proxy (database 0).
@@ -123,17 +172,18 @@ impl Drop for Proxy {
     }
 }
 
-/// One connection's view of the rules: the fault for its source address.
+/// One connection's view of the rules: the fault for its source address and process.
 #[derive(Clone)]
 struct View {
     rules: watch::Receiver<Rules>,
     peer: IpAddr,
+    owner: Option<i32>,
 }
 
 impl View {
     /// The fault now (marked seen, for [`changed`](Self::changed)).
     fn now(&mut self) -> Fault {
-        self.rules.borrow_and_update().of(self.peer)
+        self.rules.borrow_and_update().of(self.peer, self.owner)
     }
 
     /// Waits until the rules change; `false` when the proxy is gone.
@@ -143,17 +193,52 @@ impl View {
 
     /// True while the fault is [`Fault::Reset`]: the connection must close.
     fn resetting(&self) -> bool {
-        self.rules.borrow().of(self.peer) == Fault::Reset
+        self.rules.borrow().of(self.peer, self.owner) == Fault::Reset
     }
 
     /// Waits until the fault lets bytes through; `false` when the proxy is gone.
     async fn passable(&mut self) -> bool {
-        let peer = self.peer;
+        let (peer, owner) = (self.peer, self.owner);
         self.rules
-            .wait_for(|rules| rules.of(peer) != Fault::Blackhole)
+            .wait_for(|rules| rules.of(peer, owner) != Fault::Blackhole)
             .await
             .is_ok()
     }
+}
+
+/// The process owning the client end of a connection from `peer` to 127.0.0.1:`port`: the
+/// socket's inode from `/proc/net/tcp`, then the process holding `socket:[inode]`.
+fn owner_of(peer: SocketAddr, port: u16) -> Option<i32> {
+    let SocketAddr::V4(peer) = peer else {
+        return None;
+    };
+    // `/proc/net/tcp` writes addresses as little-endian hex words: 127.0.0.1 is 0100007F.
+    let hex = |ip: std::net::Ipv4Addr, port: u16| {
+        format!("{:08X}:{port:04X}", u32::from_le_bytes(ip.octets()))
+    };
+    let local = hex(*peer.ip(), peer.port());
+    let remote = hex(std::net::Ipv4Addr::LOCALHOST, port);
+    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+    let inode = table.lines().skip(1).find_map(|line| {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        (cols.get(1) == Some(&local.as_str()) && cols.get(2) == Some(&remote.as_str()))
+            .then(|| cols.get(9).map(|s| (*s).to_owned()))
+            .flatten()
+    })?;
+    let link = format!("socket:[{inode}]");
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let fds = std::fs::read_dir(entry.path().join("fd")).ok()?;
+            fds.flatten()
+                .any(|fd| {
+                    std::fs::read_link(fd.path())
+                        .is_ok_and(|target| target.as_os_str() == link.as_str())
+                })
+                .then_some(pid)
+        })
 }
 
 async fn connection(client: TcpStream, target: SocketAddr, mut fault: View) {
@@ -317,6 +402,48 @@ mod tests {
             .set_read_timeout(Some(Duration::from_millis(300)))
             .unwrap();
         stream
+    }
+
+    #[test]
+    fn a_fault_for_one_process_leaves_the_others_through() {
+        let proxy = Proxy::start_knowing_processes(echo_server());
+        // A connection of this process, and one of a child process (nc through /bin/sh).
+        let mut ours = std::net::TcpStream::connect(("127.0.0.1", proxy.port)).unwrap();
+        ours.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        assert_eq!(round_trip(&mut ours, b"one").unwrap(), b"one");
+        let mut other = std::process::Command::new("python3")
+            .args([
+                "-c",
+                "import socket,sys\ns=socket.create_connection(('127.0.0.1',int(sys.argv[1])))\n\
+                 for line in sys.stdin:\n s.sendall(line.encode()); print(s.recv(64).decode(), end='', flush=True)",
+                &proxy.port.to_string(),
+            ])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut to_other = other.stdin.take().unwrap();
+        let mut from_other = std::io::BufReader::new(other.stdout.take().unwrap());
+        let mut echo = |msg: &str| {
+            use std::io::BufRead;
+            writeln!(to_other, "{msg}").unwrap();
+            let mut line = String::new();
+            from_other.read_line(&mut line).unwrap();
+            line
+        };
+        assert_eq!(echo("two"), "two\n");
+
+        proxy.set_for_process(std::process::id() as i32, Fault::Blackhole);
+        assert!(round_trip(&mut ours, b"three").is_err());
+        assert_eq!(echo("four"), "four\n");
+
+        proxy.set_for_process(std::process::id() as i32, Fault::Pass);
+        let mut held = [0u8; 5];
+        ours.read_exact(&mut held).unwrap();
+        assert_eq!(&held, b"three");
+        drop(to_other);
+        let _ = other.wait();
     }
 
     #[test]

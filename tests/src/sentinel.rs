@@ -12,6 +12,11 @@
 //! ([`FAR_SIDE`]), while clients reach it through the same proxy from 127.0.0.1: cutting
 //! [`FAR_SIDE`] at the proxy cuts the primary off from its replicas and Sentinels and from
 //! nobody else. That set is torn down when dropped.
+//!
+//! [`SentinelSet::announced`] (the soak's) puts every data node behind a proxy of its own that
+//! learns which process owns each connection, and has each node announce its proxy's port:
+//! Sentinels, replicas and clients all reach every node through its proxy, whichever is primary,
+//! so [`SentinelSet::set_for_process`] cuts one client process off from Redis across failovers.
 
 use super::{free_port, wait_until};
 use crate::proxy::Proxy;
@@ -48,17 +53,32 @@ pub struct SentinelSet {
     /// In a set [`behind_proxy`](Self::behind_proxy), the proxy in front of the first
     /// primary; its port is that primary's address for everyone.
     pub front: Option<Proxy>,
+    /// In a set [`announced`](Self::announced), each node's proxy by node port.
+    fronts: HashMap<u16, Proxy>,
     /// Tears the set down when the test binary exits.
     watchdog: Child,
+    /// Leave the directory when dropped (see [`keep`](Self::keep)).
+    kept: bool,
 }
 
 static SHARED: OnceLock<Mutex<SentinelSet>> = OnceLock::new();
+
+/// How clients and nodes reach the data nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// Directly.
+    Plain,
+    /// The first primary through [`SentinelSet::front`].
+    BehindProxy,
+    /// Every node through its own announced proxy.
+    Announced,
+}
 
 impl SentinelSet {
     /// The binary's deployment, started on first use, healthy (every node up, two replicas
     /// online), held until the guard is dropped.
     pub async fn shared() -> MutexGuard<'static, SentinelSet> {
-        let set = SHARED.get_or_init(|| Mutex::new(SentinelSet::start(false)));
+        let set = SHARED.get_or_init(|| Mutex::new(SentinelSet::start(Layout::Plain)));
         // A test that failed while holding it may have left a node down: heal it.
         let mut guard = set.lock().await;
         guard.heal();
@@ -70,10 +90,16 @@ impl SentinelSet {
     /// dropped. `front.set_from(FAR_SIDE, Fault::Blackhole)` cuts that primary off from its
     /// replicas and Sentinels; the clients' connections (from 127.0.0.1) still pass.
     pub fn behind_proxy() -> Self {
-        Self::start(true)
+        Self::start(Layout::BehindProxy)
     }
 
-    fn start(behind_proxy: bool) -> Self {
+    /// A set of the caller's own with every node behind its own announced proxy (see the
+    /// module docs); healthy when it returns, torn down when dropped.
+    pub fn announced() -> Self {
+        Self::start(Layout::Announced)
+    }
+
+    fn start(layout: Layout) -> Self {
         let dir = std::env::temp_dir().join("drumline-tests").join(format!(
             "sentinel-{}",
             &uuid::Uuid::new_v4().simple().to_string()[..8]
@@ -82,7 +108,21 @@ impl SentinelSet {
         let nodes: Vec<u16> = (0..3).map(|_| free_port()).collect();
         let sentinels: Vec<u16> = (0..3).map(|_| free_port()).collect();
         let watchdog = watchdog(&dir);
-        let front = behind_proxy.then(|| Proxy::start(([127, 0, 0, 1], nodes[0]).into()));
+        let front = (layout == Layout::BehindProxy)
+            .then(|| Proxy::start(([127, 0, 0, 1], nodes[0]).into()));
+        let fronts = if layout == Layout::Announced {
+            nodes
+                .iter()
+                .map(|n| {
+                    (
+                        *n,
+                        Proxy::start_knowing_processes(([127, 0, 0, 1], *n).into()),
+                    )
+                })
+                .collect()
+        } else {
+            HashMap::new()
+        };
         let mut set = Self {
             dir,
             nodes,
@@ -90,10 +130,12 @@ impl SentinelSet {
             down: Vec::new(),
             children: HashMap::new(),
             front,
+            fronts,
             watchdog,
+            kept: false,
         };
         // Everyone's address of the first primary.
-        let first = set.front.as_ref().map_or(set.nodes[0], |p| p.port);
+        let first = set.address(set.nodes[0]);
         for (i, port) in set.nodes.clone().into_iter().enumerate() {
             let conf = set.dir.join(format!("redis-{port}.conf"));
             fs::create_dir_all(set.dir.join(format!("data-{port}"))).expect("mkdir");
@@ -130,17 +172,114 @@ impl SentinelSet {
 
     fn node_conf(&self, port: u16) -> String {
         let d = self.dir.display();
+        let announce = self.fronts.get(&port).map_or(String::new(), |p| {
+            format!(
+                "replica-announce-ip 127.0.0.1\nreplica-announce-port {}\n",
+                p.port
+            )
+        });
         format!(
-            "{}dir {d}/data-{port}\npidfile {d}/redis-{port}.pid\n\
+            "{}{announce}dir {d}/data-{port}\npidfile {d}/redis-{port}.pid\n\
              logfile {d}/redis-{port}.log\nappendonly yes\nappendfsync everysec\nsave \"\"\n\
              repl-diskless-sync yes\nrepl-diskless-sync-delay 0\n",
             self.listen_conf(port)
         )
     }
 
+    /// Everyone's address (port on 127.0.0.1) of data node `port`: its proxy's in a set
+    /// [`announced`](Self::announced) (and the first primary's behind
+    /// [`front`](Self::front)), else its own.
+    pub fn address(&self, node: u16) -> u16 {
+        if let Some(p) = self.fronts.get(&node) {
+            return p.port;
+        }
+        match &self.front {
+            Some(p) if node == self.nodes[0] => p.port,
+            _ => node,
+        }
+    }
+
+    /// The data node behind `address` (see [`address`](Self::address)).
+    pub fn node_at(&self, address: u16) -> u16 {
+        self.nodes
+            .iter()
+            .copied()
+            .find(|n| self.address(*n) == address)
+            .unwrap_or(address)
+    }
+
+    /// Cuts process `pid`'s connections to every data node (open and new), or heals them
+    /// (a set [`announced`](Self::announced) only).
+    pub fn set_for_process(&self, pid: i32, fault: crate::proxy::Fault) {
+        for p in self.fronts.values() {
+            p.set_for_process(pid, fault);
+        }
+    }
+
+    /// A plain connection to the primary the Sentinels name, if it answers.
+    pub fn primary_connection(&self) -> Option<redis::Connection> {
+        connection(self.primary()?)
+    }
+
+    /// Whether the set is whole (see [`heal`](Self::heal)): nothing down, the Sentinels
+    /// agreeing on a primary that has two replicas online and that they all know.
+    pub fn is_whole(&self) -> bool {
+        self.down.is_empty() && self.whole().is_ok()
+    }
+
+    /// The data nodes killed and not restarted yet.
+    pub fn down(&self) -> &[u16] {
+        &self.down
+    }
+
+    /// Restarts killed node `port` as a replica of the primary the Sentinels name, once they
+    /// name another node (a node told to replicate itself stays a replica the Sentinels still
+    /// call the primary); false while they have not failed over yet.
+    pub fn revive(&mut self, port: u16) -> bool {
+        let Some(i) = self.down.iter().position(|p| *p == port) else {
+            return true;
+        };
+        let Some(primary) = self.primary().filter(|p| *p != self.address(port)) else {
+            return false;
+        };
+        self.down.remove(i);
+        self.spawn_node(port, Some(primary));
+        true
+    }
+
+    /// The set's directory (configs, logs, data).
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+
+    /// Keeps the set's directory (logs, configs) when it is dropped.
+    pub fn keep(&mut self) {
+        self.kept = true;
+    }
+
+    /// A clean restart of the primary: SIGTERM (the AOF is flushed), then the same node and
+    /// data, started as a primary again. If the Sentinels failed over meanwhile they turn it
+    /// into a replica, as they would any returning old primary. Returns its port.
+    pub fn restart_primary(&mut self) -> Option<u16> {
+        let port = self.node_at(self.primary()?);
+        let mut child = self.children.remove(&port)?;
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let exited = wait_until(Duration::from_secs(20), || {
+            child.try_wait().ok().flatten().is_some()
+        });
+        if !exited {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.spawn_node(port, None);
+        Some(port)
+    }
+
     fn sentinel_conf(&self, port: u16) -> String {
         let d = self.dir.display();
-        let primary = self.front.as_ref().map_or(self.nodes[0], |p| p.port);
+        let primary = self.address(self.nodes[0]);
         format!(
             "{}dir {d}\npidfile {d}/sentinel-{port}.pid\n\
              logfile {d}/sentinel-{port}.log\n\
@@ -202,7 +341,7 @@ impl SentinelSet {
 
     /// kill -9 of the current primary; waits until its port is closed. Returns its port.
     pub fn kill_primary(&mut self) -> u16 {
-        let port = self.primary().expect("no primary known");
+        let port = self.node_at(self.primary().expect("no primary known"));
         let mut child = self
             .children
             .remove(&port)
@@ -368,7 +507,7 @@ impl Drop for SentinelSet {
         let _ = self.watchdog.kill();
         let _ = self.watchdog.wait();
         // A failed test's set is kept to be read (its message names the directory).
-        if !std::thread::panicking() {
+        if !std::thread::panicking() && !self.kept {
             let _ = fs::remove_dir_all(&self.dir);
         }
     }

@@ -1,5 +1,5 @@
 //! The soak that ships with drumline (docs/soak.md), run for 60 s with seed 1: two beats and
-//! three workers on a private RabbitMQ node and a private Redis under seeded random faults;
+//! three workers on a private RabbitMQ node and a private Redis Sentinel set under seeded random faults;
 //! the promise must hold (effect check, and `drumline verify` when the build has it).
 
 use drumline_e2e::soak::{run, Options};

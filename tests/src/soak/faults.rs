@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// The kinds of fault, in the order they are reported.
-pub const KINDS: [&str; 9] = [
+pub const KINDS: [&str; 10] = [
     "kill9-worker",
     "stop-worker",
     "kill9-leader",
@@ -17,10 +17,11 @@ pub const KINDS: [&str; 9] = [
     "broker-restart",
     "redis-restart",
     "kill9-standby",
+    "sentinel-failover",
 ];
 
 /// How often each kind is drawn (same order as [`KINDS`]).
-const WEIGHTS: [u32; 9] = [4, 3, 3, 3, 4, 3, 1, 2, 1];
+const WEIGHTS: [u32; 10] = [4, 3, 3, 3, 4, 3, 1, 2, 1, 2];
 
 /// Something to undo later.
 #[derive(Debug)]
@@ -29,8 +30,10 @@ enum Undo {
     Cont(usize),
     /// Restart member `i`.
     Restart(usize),
-    /// Reconnect member `i` to Redis.
-    Heal(usize),
+    /// Reconnect member `i` (then process `pid`) to Redis.
+    Heal(usize, i32),
+    /// Restart the killed Redis primary `port` (as a replica).
+    Revive(u16),
 }
 
 /// The fault schedule and what is pending.
@@ -67,7 +70,13 @@ impl Faults {
             .rng
             .between(Duration::from_millis(500), Duration::from_millis(7000));
         let leader = leader(world);
-        let busy: Vec<usize> = self.pending.iter().map(|(_, u)| u.member()).collect();
+        let busy: Vec<usize> = self
+            .pending
+            .iter()
+            .filter_map(|(_, u)| u.member())
+            .collect();
+        // A Redis fault only on a whole set: one failover at a time, two replicas to take over.
+        let redis_whole = world.redis.is_whole();
         let free = |role: Role| -> Vec<usize> {
             (0..world.members.len())
                 .filter(|i| world.members[*i].role == role && !busy.contains(i))
@@ -88,6 +97,7 @@ impl Faults {
                     .collect(),
             ),
             8 => standby,
+            7 | 9 if !redis_whole => None,
             _ => Some(usize::MAX),
         };
         let Some(target) = target else { return };
@@ -129,8 +139,9 @@ impl Faults {
                 Some((later, Undo::Cont(target)))
             }
             4 => {
-                world.members[target].partition(true);
-                Some((later, Undo::Heal(target)))
+                let pid = world.members[target].pid()?;
+                world.partition(pid, true);
+                Some((later, Undo::Heal(target, pid)))
             }
             5 => {
                 world.rabbit.close_connections();
@@ -140,11 +151,20 @@ impl Faults {
                 world.rabbit.restart();
                 None
             }
-            _ => {
-                world.redis.restart();
+            7 => {
+                world.redis.restart_primary();
                 None
             }
+            _ => {
+                let port = world.redis.kill_primary();
+                Some((later, Undo::Revive(port)))
+            }
         }
+    }
+
+    /// Whether something is still to undo.
+    pub fn pending(&self) -> bool {
+        !self.pending.is_empty()
     }
 
     /// Undoes what is due (everything when `all`).
@@ -155,13 +175,21 @@ impl Faults {
             .drain(..)
             .partition(|(at, _)| all || *at <= now);
         self.pending = later;
-        for (_, undo) in due {
+        for (at, undo) in due {
             match undo {
                 Undo::Cont(i) => freeze(&world.members[i], false),
-                Undo::Heal(i) => world.members[i].partition(false),
-                Undo::Restart(i) => {
-                    let config = world.config.clone();
-                    world.members[i].start(&world.env, &config);
+                Undo::Heal(_, pid) => world.partition(pid, false),
+                Undo::Restart(i) => world.start(i),
+                Undo::Revive(port) => {
+                    if !world.redis.revive(port) {
+                        // Not failed over yet: try again shortly (at the end, until it has).
+                        let again = if all {
+                            at
+                        } else {
+                            now + Duration::from_millis(500)
+                        };
+                        self.pending.push((again, Undo::Revive(port)));
+                    }
                 }
             }
         }
@@ -169,9 +197,10 @@ impl Faults {
 }
 
 impl Undo {
-    fn member(&self) -> usize {
+    fn member(&self) -> Option<usize> {
         match self {
-            Undo::Cont(i) | Undo::Restart(i) | Undo::Heal(i) => *i,
+            Undo::Cont(i) | Undo::Restart(i) | Undo::Heal(i, _) => Some(*i),
+            Undo::Revive(_) => None,
         }
     }
 }
@@ -181,13 +210,17 @@ fn describe(kind: usize, length: Duration) -> String {
         0 | 2 | 8 => format!("(restarted after {:.1}s)", length.as_secs_f64()),
         1 | 3 => format!("(SIGCONT after {:.1}s)", length.as_secs_f64()),
         4 => format!("(cut from Redis for {:.1}s)", length.as_secs_f64()),
+        9 => format!(
+            "(kill -9 of the primary, restarted as a replica after {:.1}s)",
+            length.as_secs_f64()
+        ),
         _ => String::new(),
     }
 }
 
 /// The member whose pid `{ns}:beat:leader` names.
 pub fn leader(world: &World) -> Option<usize> {
-    let mut conn = world.redis.connection()?;
+    let mut conn = world.redis.primary_connection()?;
     let text: Option<String> = redis::cmd("GET")
         .arg(world.env.names().beat_leader())
         .query(&mut conn)

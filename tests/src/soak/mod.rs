@@ -66,9 +66,8 @@ pub fn run(opts: &Options) -> Verdict {
         world.env.ns,
         world.env.dir.display()
     );
-    let config = world.config.clone();
-    for m in &mut world.members {
-        m.start(&world.env, &config);
+    for i in 0..world.members.len() {
+        world.start(i);
     }
     let first = crate::wait_until(Duration::from_secs(90), || {
         !world.env.lines("effects").is_empty()
@@ -98,7 +97,11 @@ pub fn run(opts: &Options) -> Verdict {
     let fault_end = Utc::now();
     stop.store(true, Ordering::SeqCst);
     let _ = traffic.join();
-    faults.undo_due(&mut world, true);
+    // Undo everything; a killed Redis primary comes back only once the Sentinels replaced it.
+    crate::wait_until(Duration::from_secs(60), || {
+        faults.undo_due(&mut world, true);
+        !faults.pending()
+    });
     revive(&mut world);
     println!("soak: faults over at {fault_end}; healing and settling");
     report_counts(&faults.counts);
@@ -112,13 +115,20 @@ pub fn run(opts: &Options) -> Verdict {
         ..verdict
     };
     print_verdict(&verdict, began.elapsed());
+    if !verdict.holds() {
+        world.redis.keep();
+        println!(
+            "soak: the Redis set's logs are kept in {}",
+            world.redis.dir().display()
+        );
+    }
     verdict
 }
 
 /// Restarts a member whose process exited by itself (a crash is worth saying).
 fn revive(world: &mut World) {
-    let config = world.config.clone();
-    for m in &mut world.members {
+    for i in 0..world.members.len() {
+        let m = &mut world.members[i];
         if let Some(p) = m.proc.as_mut() {
             if !p.is_running() {
                 println!(
@@ -126,7 +136,7 @@ fn revive(world: &mut World) {
                     m.name,
                     p.log_tail(10)
                 );
-                m.start(&world.env, &config);
+                world.start(i);
             }
         }
     }
@@ -150,7 +160,7 @@ fn spawn_traffic(
 ) -> std::thread::JoinHandle<()> {
     let bin = crate::binary("drumline");
     let config = world.config.clone();
-    let redis = world.redis.url();
+    let redis = world.redis_url();
     let dir = world.env.path("publish.log");
     std::thread::spawn(move || {
         let mut rng = rng::Rng::new(seed ^ 0x5eed_0ad0);
@@ -279,7 +289,7 @@ fn settle_and_check(
 
 /// The run records' `state` of `keys`.
 fn states(world: &World, keys: &BTreeSet<String>) -> BTreeMap<String, String> {
-    let Some(mut conn) = world.redis.connection() else {
+    let Some(mut conn) = world.redis.primary_connection() else {
         return BTreeMap::new();
     };
     let names = world.env.names();

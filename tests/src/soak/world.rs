@@ -1,108 +1,17 @@
-//! The soak's world: a private RabbitMQ node, a private Redis (AOF, fsync always, so that a
-//! clean restart loses nothing), one TCP proxy per process in front of Redis (to partition one
-//! process at a time), two beats and three workers (the real binaries), and their configs.
+//! The soak's world: a private RabbitMQ node, a private Redis Sentinel deployment (a primary,
+//! two replicas, three Sentinels; every node behind a proxy that can cut one process off, see
+//! [`SentinelSet::announced`]), two beats and three workers (the real binaries) on the
+//! Sentinels' URL with `wait_replicas = 2` (every replica), and their config.
 
-use crate::proxy::{Fault, Proxy};
-use crate::{free_port, toml_string, wait_until, PrivateRabbit, Proc, TestEnv};
-use std::fs::{self, File};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use crate::proxy::Fault;
+use crate::sentinel::SentinelSet;
+use crate::{toml_string, PrivateRabbit, Proc, TestEnv};
+use std::process::{Command, Stdio};
 
 /// `max_retries` of the failing task: each failing key runs attempts `0..=FAIL_RETRIES`.
 pub const FAIL_RETRIES: u32 = 2;
 /// The period of the catch-up job, in seconds.
 pub const CATCHUP_EVERY: i64 = 3;
-
-/// A private `redis-server` on a free port with its own data directory.
-pub struct SoakRedis {
-    /// Its port.
-    pub port: u16,
-    dir: PathBuf,
-    child: Option<Child>,
-}
-
-impl SoakRedis {
-    /// Starts it and waits until it answers.
-    pub fn start(dir: PathBuf) -> Self {
-        fs::create_dir_all(&dir).expect("mkdir redis dir");
-        let mut redis = Self {
-            port: free_port(),
-            dir,
-            child: None,
-        };
-        redis.boot();
-        redis
-    }
-
-    fn boot(&mut self) {
-        let log = File::create(self.dir.join("redis.out")).expect("redis log");
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args([
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-                "--save",
-                "",
-            ])
-            .arg("--dir")
-            .arg(&self.dir)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("dup"))
-            .stderr(log)
-            .spawn()
-            .expect("redis-server must be installed (scripts/services installs it)");
-        self.child = Some(child);
-        let port = self.port;
-        let up = wait_until(Duration::from_secs(20), || self.ping().is_some());
-        assert!(up, "private redis-server on {port} did not start");
-    }
-
-    /// A plain connection, if it answers.
-    pub fn connection(&self) -> Option<redis::Connection> {
-        redis::Client::open(self.url())
-            .ok()?
-            .get_connection_with_timeout(Duration::from_secs(2))
-            .ok()
-    }
-
-    fn ping(&self) -> Option<String> {
-        redis::cmd("PING").query(&mut self.connection()?).ok()
-    }
-
-    /// Its URL (no proxy).
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
-    }
-
-    /// A clean restart: `SHUTDOWN` (the AOF is complete), then the same port and directory.
-    pub fn restart(&mut self) {
-        if let Some(mut conn) = self.connection() {
-            let _: redis::RedisResult<()> = redis::cmd("SHUTDOWN").query(&mut conn);
-        }
-        if let Some(mut child) = self.child.take() {
-            let exited = wait_until(Duration::from_secs(20), || {
-                child.try_wait().ok().flatten().is_some()
-            });
-            if !exited {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
-        self.boot();
-    }
-}
-
-impl Drop for SoakRedis {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
 
 /// Beat or worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,7 +22,7 @@ pub enum Role {
     Worker,
 }
 
-/// One beat or worker slot: its process (restarted after a kill) and its own Redis proxy.
+/// One beat or worker slot: its process (restarted after a kill).
 pub struct Member {
     /// `beat-1`, `worker-3`, …
     pub name: String,
@@ -123,17 +32,14 @@ pub struct Member {
     pub proc: Option<Proc>,
     /// How many times it was started (names its log files).
     pub starts: u32,
-    /// Its path to Redis.
-    pub proxy: Proxy,
 }
 
 impl Member {
-    /// Starts (or restarts) the process with `config`.
-    pub fn start(&mut self, env: &TestEnv, config: &str) {
+    /// Starts (or restarts) the process with `config`, on Redis at `url`.
+    pub fn start(&mut self, env: &TestEnv, config: &str, url: &str) {
         self.starts += 1;
         let label = format!("{}.{}", self.name, self.starts);
-        let url = self.proxy.redis_url();
-        let vars = [("DRUMLINE_REDIS_URL", url.as_str())];
+        let vars = [("DRUMLINE_REDIS_URL", url)];
         let args = ["--config", config];
         self.proc = Some(match self.role {
             Role::Beat => env.beat_with_env(&label, &args, &vars),
@@ -145,12 +51,6 @@ impl Member {
     pub fn pid(&self) -> Option<i32> {
         self.proc.as_ref().map(Proc::pid)
     }
-
-    /// Cuts it off from Redis (its connections and new ones hang), or heals it.
-    pub fn partition(&self, cut: bool) {
-        self.proxy
-            .set(if cut { Fault::Blackhole } else { Fault::Pass });
-    }
 }
 
 /// The servers and the five members.
@@ -159,8 +59,8 @@ pub struct World {
     pub env: TestEnv,
     /// The private broker.
     pub rabbit: PrivateRabbit,
-    /// The private Redis.
-    pub redis: SoakRedis,
+    /// The private Redis Sentinel deployment.
+    pub redis: SentinelSet,
     /// Two beats, then three workers.
     pub members: Vec<Member>,
     /// The config every member reads.
@@ -173,17 +73,15 @@ impl World {
         let env = crate::setup("soak");
         let (rabbit, redis) = std::thread::scope(|s| {
             let rabbit = s.spawn(|| PrivateRabbit::start("soak"));
-            let redis = SoakRedis::start(env.path("redis"));
+            let redis = SentinelSet::announced();
             (rabbit.join().expect("rabbit boot"), redis)
         });
         let config = write_config(&env, &rabbit.url());
-        let target = ([127, 0, 0, 1], redis.port).into();
         let member = |name: String, role| Member {
             name,
             role,
             proc: None,
             starts: 0,
-            proxy: Proxy::start(target),
         };
         let mut members: Vec<Member> = (1..=2)
             .map(|i| member(format!("beat-{i}"), Role::Beat))
@@ -198,12 +96,30 @@ impl World {
         }
     }
 
-    /// Environment for a one-shot command (`publish`, `verify`): Redis without a proxy.
+    /// The Sentinels' URL every process uses.
+    pub fn redis_url(&self) -> String {
+        self.redis.url(0)
+    }
+
+    /// Starts (or restarts) member `i`.
+    pub fn start(&mut self, i: usize) {
+        let (config, url) = (self.config.clone(), self.redis_url());
+        self.members[i].start(&self.env, &config, &url);
+    }
+
+    /// Cuts member `i`'s process `pid` off from Redis (its connections and new ones hang, on
+    /// whichever node is primary), or heals it.
+    pub fn partition(&self, pid: i32, cut: bool) {
+        let fault = if cut { Fault::Blackhole } else { Fault::Pass };
+        self.redis.set_for_process(pid, fault);
+    }
+
+    /// Environment for a one-shot command (`publish`, `verify`).
     pub fn command(&self, bin: &str) -> Command {
         let mut cmd = Command::new(crate::binary(bin));
         cmd.env_remove("DRUMLINE_CONFIG")
             .env_remove("DRUMLINE_AMQP_URL")
-            .env("DRUMLINE_REDIS_URL", self.redis.url())
+            .env("DRUMLINE_REDIS_URL", self.redis_url())
             .args(["--config", &self.config])
             .stdin(Stdio::null());
         cmd
@@ -231,6 +147,9 @@ fn write_config(env: &TestEnv, amqp: &str) -> String {
         r#"
 [broker]
 url = {amqp}
+
+[redis]
+wait_replicas = 2
 
 [beat]
 leader_lease = "3s"
