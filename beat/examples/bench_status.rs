@@ -222,6 +222,7 @@ async fn fill(store: &Store, jobs: &[&str], records: usize) -> Result<()> {
                     retention: Duration::from_secs(600),
                     expired: false,
                     limit: None,
+                    epoch: 0,
                 })
                 .await?;
             ensure!(matches!(claim, Claim::Claimed { .. }), "{key}: {claim:?}");

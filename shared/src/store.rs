@@ -165,6 +165,9 @@ pub struct ClaimRequest<'a> {
     /// The task's `[limits.NAME]`, if any: the claim also takes a slot and a start in it, or
     /// answers [`Claim::Limited`] and takes nothing (docs/design.md#limits).
     pub limit: Option<LimitClaim<'a>>,
+    /// The epoch of the leader that published the copy (`x-drumline-epoch`; 0 for an ad-hoc
+    /// task or when unknown), written on the claim's journal entry.
+    pub epoch: u64,
 }
 
 /// What a claim asks of its task's limit.
@@ -362,6 +365,7 @@ end
 // ARGV[8] -> 1 when the copy's expires_at has passed, else 0
 // ARGV[9] -> 1 for a job's instance (counted in the running set), 0 for ad-hoc
 // ARGV[10..14] -> the limit's concurrency, rate count, window ms, late ms, horizon ms (LIMIT)
+// ARGV[15] -> the publishing leader's epoch, journaled as `ep` ('0': unknown, not written)
 // Output: {'claimed', fence} | {'duplicate', state} | {'expired'}
 //       | {'limited', ms to wait, 'concurrency' | 'rate'}
 //       | {'busy', ms left, '1' when the copy's attempt is later than the running one's}
@@ -377,15 +381,17 @@ static CLAIM: LazyLock<Script> = LazyLock::new(|| {
         "{LEASE}{JOURNAL}{LIMIT}{}",
         r#"
 local now = now_ms()
+local ep = {}
+if ARGV[15] ~= '0' then ep = {'ep', ARGV[15]} end
 local state = redis.call('HGET', KEYS[1], 'state')
 if state == 'done' or state == 'skipped' or state == 'dead' then
-  jot('duplicate', ARGV[3], ARGV[1], ARGV[2], 'r', state)
+  jot('duplicate', ARGV[3], ARGV[1], ARGV[2], 'r', state, unpack(ep))
   return {'duplicate', state}
 end
 if state == 'running' or state == 'retrying' then
   local recorded = tonumber(redis.call('HGET', KEYS[1], 'attempt')) or 0
   if tonumber(ARGV[3]) < recorded then
-    jot('duplicate', ARGV[3], ARGV[1], ARGV[2], 'r', state)
+    jot('duplicate', ARGV[3], ARGV[1], ARGV[2], 'r', state, unpack(ep))
     return {'duplicate', state}
   end
 end
@@ -397,7 +403,7 @@ if state == 'running' then
   end
 end
 if ARGV[8] == '1' then
-  jot('expired', ARGV[3], ARGV[1], ARGV[2])
+  jot('expired', ARGV[3], ARGV[1], ARGV[2], unpack(ep))
   return {'expired'}
 end
 if ARGV[5] ~= 'allow' then
@@ -408,7 +414,7 @@ if ARGV[5] ~= 'allow' then
       redis.call('HSET', KEYS[1], 'state', 'skipped', 'worker', ARGV[2], 'attempt', ARGV[3],
         'overlapped', holder, 'at', math.floor(now / 1000))
       redis.call('PEXPIRE', KEYS[1], ARGV[6])
-      jot('skipped', ARGV[3], ARGV[1], ARGV[2], 'r', 'overlap', 'by', holder)
+      jot('skipped', ARGV[3], ARGV[1], ARGV[2], 'r', 'overlap', 'by', holder, unpack(ep))
       return {'skipped', holder}
     end
     local ttl = redis.call('PTTL', KEYS[3])
@@ -432,7 +438,8 @@ if ARGV[5] ~= 'allow' then
   redis.call('PEXPIRE', KEYS[3], ARGV[4])
 end
 if ARGV[9] == '1' then mark_running(KEYS[4], ARGV[7], ARGV[4]) end
-jot(state == 'running' and 'takeover' or 'claim', ARGV[3], ARGV[1], ARGV[2], 'f', fence)
+jot(state == 'running' and 'takeover' or 'claim', ARGV[3], ARGV[1], ARGV[2], 'f', fence,
+  unpack(ep))
 return {'claimed', tostring(fence)}
 "#
     ))
@@ -833,6 +840,7 @@ impl Store {
             retention,
             expired,
             limit,
+            epoch,
         } = *req;
         let (mode, lock_job) = overlap.parts();
         let limit_name = limit.map(|l| l.limit.name.as_str());
@@ -853,7 +861,8 @@ impl Store {
             .arg(key)
             .arg(if expired { "1" } else { "0" })
             .arg(if job.is_some() { "1" } else { "0" })
-            .arg(&limit_args[..]);
+            .arg(&limit_args[..])
+            .arg(epoch);
         self.journal_tail(&mut call, key);
         // Waited for like an outcome: a claim only a cut-off primary knows is no claim.
         let reply: Vec<String> = self.durable(&CLAIM, &call).await?;

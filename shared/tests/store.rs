@@ -52,6 +52,7 @@ fn req<'a>(key: &'a str, token: &'a str, overlap: OverlapMode<'a>) -> ClaimReque
         retention: Duration::from_secs(60),
         expired: false,
         limit: None,
+        epoch: 0,
     }
 }
 
@@ -1082,6 +1083,36 @@ async fn each_decision_is_journaled_by_its_own_script_and_none_when_off() {
         .await
         .unwrap();
     assert!(s.journal_since(0, |k| k == "q").await.unwrap().is_empty());
+}
+
+/// A worker's entries name the epoch of the leader that published the copy, so `audit` can
+/// tell which leadership a run came from (0: ad-hoc or unknown).
+#[tokio::test]
+async fn a_claims_entries_carry_the_publishing_leaders_epoch() {
+    let s = store("journal_epoch").await;
+    let mut first = req("e", "a", OverlapMode::Allow);
+    first.epoch = 7;
+    s.claim(&first).await.unwrap();
+    let done = Ending::Final(Final::Done);
+    s.finish("e", None, "a", done, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let mut copy = req("e", "b", OverlapMode::Allow);
+    copy.epoch = 8;
+    s.claim(&copy).await.unwrap(); // a duplicate from a later leader
+    let entries = s.journal_since(0, |k| k == "e").await.unwrap();
+    let seen: Vec<(&str, Option<u64>)> = entries
+        .iter()
+        .map(|e| (e.event.as_str(), e.epoch))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("claim", Some(7)),
+            ("success", None),
+            ("duplicate", Some(8))
+        ]
+    );
 }
 
 /// An `after` job's skip (docs/design.md#job-dependencies): written only by the lease's holder,

@@ -153,10 +153,30 @@ async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
     assert!(doc["checked"].as_u64().unwrap() >= (ran.len() + dead.len() + skipped.len()) as u64);
     assert_eq!(doc["violations"], serde_json::json!([]));
 
+    // A worker's claim names the epoch of the leader that published the copy it ran.
+    let mut redis = env.redis().await;
+    let entries: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
+        .arg(format!("{}:journal", env.ns))
+        .arg("-")
+        .arg("+")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let field = |ev: &str, key: &str| {
+        entries
+            .iter()
+            .find(|(_, f)| f["ev"] == ev && f["key"] == key)
+            .and_then(|(_, f)| f.get("ep").cloned())
+    };
+    for key in &ran_keys {
+        let published = field("published", key);
+        assert!(published.is_some(), "{key}: {entries:#?}");
+        assert_eq!(field("claim", key), published, "{key}: {entries:#?}");
+    }
+
     // Broken on purpose: every trace of one instant gone, a second success forged for another.
     let (gone, twice) = (ran_keys[1].to_owned(), ran_keys[2].to_owned());
     erase(&env, "tick", &gone).await;
-    let mut redis = env.redis().await;
     let forged: String = redis
         .xadd(
             format!("{}:journal", env.ns),

@@ -44,6 +44,7 @@ fn request(key: &str) -> ClaimRequest<'_> {
         retention: Duration::from_secs(600),
         expired: false,
         limit: None,
+        epoch: 0,
     }
 }
 

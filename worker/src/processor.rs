@@ -266,7 +266,7 @@ impl Processor {
             return Ok(Disposition::Ack);
         };
         let token = uuid::Uuid::new_v4().to_string();
-        let (claim, claimed_at) = self.claim(&env, &token).await?;
+        let (claim, claimed_at) = self.claim(&env, &token, epoch_of(delivery)).await?;
         let mut step = Step {
             publisher,
             delivery,
@@ -304,9 +304,14 @@ impl Processor {
     /// Asks Redis for the instance (docs/design.md steps 3–4: dedupe, expiry, lease, overlap,
     /// limit). Over the task's limit, the delivery is held and claimed again with the same
     /// token as [`decision::on_limited`] says, for up to [`decision::LIMIT_HOLD`]
-    /// (docs/design.md#limits). Returns the last answer and when its claim was sent (the lease
-    /// runs from there).
-    async fn claim(&self, env: &Envelope, token: &str) -> Result<(Claim, Instant), StoreError> {
+    /// (docs/design.md#limits). `epoch` is the publishing leader's, for the journal. Returns
+    /// the last answer and when its claim was sent (the lease runs from there).
+    async fn claim(
+        &self,
+        env: &Envelope,
+        token: &str,
+        epoch: u64,
+    ) -> Result<(Claim, Instant), StoreError> {
         let limit = self.limit(env);
         let held_since = Instant::now();
         let mut waiting: Option<Counted> = None;
@@ -320,7 +325,7 @@ impl Processor {
                 limit,
                 reserve_within,
             });
-            let claim = self.claim_once(env, token, limit).await?;
+            let claim = self.claim_once(env, token, limit, epoch).await?;
             let (Claim::Limited { retry_in, by }, Some(limit)) = (&claim, limit) else {
                 return Ok((claim, sent));
             };
@@ -348,6 +353,7 @@ impl Processor {
         env: &Envelope,
         token: &str,
         limit: Option<LimitClaim<'_>>,
+        epoch: u64,
     ) -> Result<Claim, StoreError> {
         self.store
             .claim(&ClaimRequest {
@@ -363,6 +369,7 @@ impl Processor {
                 // is a duplicate, not a failure.
                 expired: env.is_expired(Utc::now()),
                 limit,
+                epoch,
             })
             .await
     }

@@ -3,8 +3,8 @@
 //! never disagree), the leader for what it published or dropped; `audit` and `verify` read it.
 //! Each entry is a handful of short fields: `ev` (what happened), `key`, `att` (attempt), `tok`
 //! (claim token), `w` (worker), and by event `f` (fence), `next` (the retry's attempt), `r`
-//! (reason), `by` (the overlapping holder), `ep` (the leader's epoch), `to` (the last instant of
-//! a dropped range).
+//! (reason), `by` (the overlapping holder), `ep` (the leader's epoch: the publishing one's on a
+//! claim script's entry), `to` (the last instant of a dropped range).
 
 use super::leader::HELD_BY;
 use super::{Store, StoreError};
@@ -89,7 +89,8 @@ pub struct JournalEntry {
     pub worker: String,
     /// Why (a drop's or a duplicate's reason), "" when none.
     pub reason: String,
-    /// The leader's epoch, on the leader's entries.
+    /// The leader's epoch: on the leader's entries, and on the claim script's the epoch of the
+    /// leader that published the copy (none for epoch 0: an operator's or a producer's).
     pub epoch: Option<u64>,
     /// The fence of a claim or takeover.
     pub fence: Option<u64>,
