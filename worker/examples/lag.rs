@@ -34,7 +34,8 @@ use tokio::time::Instant;
 
 mod common;
 use common::{
-    bare_consumer, cleanup, confirm_channel, durable_queue, median, namespace, short_id, AMQP,
+    bare_consumer, cleanup, confirm_channel, durable_queue, journal_from_env, median, namespace,
+    short_id, AMQP,
 };
 
 /// Wall-clock ns since the epoch (the same clock for the publisher and the consumer).
@@ -164,7 +165,14 @@ async fn bare(conn: &Connection, args: &Args) -> Vec<u64> {
 
 /// The worker library, every guarantee on, a no-op handler that notes its lag first.
 async fn drumline(conn: &Connection, args: &Args) -> Vec<u64> {
-    let (config, names, ch) = namespace(conn, "bench_lag", args.concurrency, None).await;
+    let (config, names, ch) = namespace(
+        conn,
+        "bench_lag",
+        args.concurrency,
+        None,
+        journal_from_env(),
+    )
+    .await;
     let samples = Arc::new(Samples::default());
     let s = samples.clone();
     let worker = Worker::new(config).handler("noop", move |ctx: TaskContext| {

@@ -5,11 +5,13 @@
 //! drumline's path per message is decode → claim in Redis → run a no-op Rust handler → mark
 //! done → history → ack. Both drain a pre-filled durable queue of the same persistent envelopes
 //! (`drain`), and, in mode `together`, consume while the same bodies are published with
-//! confirms. Each figure is `--runs` runs (bare and worker interleaved); the table shows the
-//! median and the spread (min–max). The shell executor running `/bin/true` (a drain of
-//! `--shell N` messages at each of `--shell-concurrency K,…`) is measured against its own
-//! ceiling: `/bin/true` spawned and awaited through `tokio::process::Command`, K at once, N
-//! spawns, no broker or Redis (ceiling and executor runs interleaved). `--messages 0` skips
+//! confirms. Each figure is `--runs` runs (bare, worker and worker with the journal off
+//! interleaved); the table shows the median and the spread (min–max), and the journal's cost
+//! as the worker's rate with it on over the rate with it off, per run. The shell executor
+//! running `/bin/true` (a drain of `--shell N` messages at each of `--shell-concurrency K,…`)
+//! is measured against its own ceiling: `/bin/true` spawned and awaited through
+//! `tokio::process::Command`, K at once, N spawns, no broker or Redis (ceiling and executor
+//! runs interleaved). `--messages 0` skips
 //! the broker figures.
 //!
 //! `cargo run --release -p drumline-worker --example throughput -- [--messages N]
@@ -138,10 +140,11 @@ async fn drumline(
     concurrency: usize,
     shell: bool,
     together: bool,
+    journal: bool,
 ) -> (Duration, [f64; 3]) {
     let n = bodies.len();
     let command = shell.then_some("/bin/true");
-    let (config, names, ch) = namespace(conn, "bench", concurrency, command).await;
+    let (config, names, ch) = namespace(conn, "bench", concurrency, command, journal).await;
     let exchange = names.tasks_exchange();
     if !together {
         publish_all(&ch, &exchange, "default", bodies).await;
@@ -347,8 +350,12 @@ struct Row {
     concurrency: usize,
     bare: Figure,
     worker: Figure,
+    /// The worker with `[journal] enabled = false`.
+    unjournaled: Figure,
     /// Per-run worker/bare ratios (runs interleaved, so each pair shares the machine's mood).
     ratios: Vec<f64>,
+    /// Per-run worker (journal on) / worker (journal off) ratios.
+    journal: Vec<f64>,
     /// Per run, µs of CPU per message [this process, broker, Redis]: bare, then worker.
     cpu: Vec<([f64; 3], [f64; 3])>,
 }
@@ -455,26 +462,33 @@ async fn main() {
                 concurrency: c,
                 bare: Figure { runs: vec![] },
                 worker: Figure { runs: vec![] },
+                unjournaled: Figure { runs: vec![] },
                 ratios: vec![],
+                journal: vec![],
                 cpu: vec![],
             };
             for run in 0..args.runs {
                 let (b, bare_cpu) = bare(&conn, &bodies[..n], c as u16, together).await;
-                let (w, worker_cpu) = drumline(&conn, &bodies[..n], c, false, together).await;
-                let (b, w) = (rate(n, b), rate(n, w));
+                let (w, worker_cpu) = drumline(&conn, &bodies[..n], c, false, together, true).await;
+                let (u, _) = drumline(&conn, &bodies[..n], c, false, together, false).await;
+                let (b, w, u) = (rate(n, b), rate(n, w), rate(n, u));
                 let us = |[me, broker, redis]: [f64; 3]| {
                     format!("{me:.0} here + {broker:.0} broker + {redis:.0} redis µs CPU/msg")
                 };
                 eprintln!(
-                    "{mode} c={c} run {}: bare {b:.0} msg/s ({}), worker {w:.0} msg/s ({}) ({:.2})",
+                    "{mode} c={c} run {}: bare {b:.0} msg/s ({}), worker {w:.0} msg/s ({}) ({:.2}), \
+                     journal off {u:.0} msg/s (on/off {:.2})",
                     run + 1,
                     us(bare_cpu),
                     us(worker_cpu),
-                    w / b
+                    w / b,
+                    w / u
                 );
                 row.bare.runs.push(b);
                 row.worker.runs.push(w);
+                row.unjournaled.runs.push(u);
                 row.ratios.push(w / b);
+                row.journal.push(w / u);
                 row.cpu.push((bare_cpu, worker_cpu));
             }
             rows.push(row);
@@ -491,7 +505,8 @@ async fn main() {
             };
             for run in 0..args.runs {
                 let c = rate(args.shell, ceiling(args.shell, k).await);
-                let (d, _) = drumline(&conn, &bodies[..args.shell], k, true, false).await;
+                let journal = common::journal_from_env();
+                let (d, _) = drumline(&conn, &bodies[..args.shell], k, true, false, journal).await;
                 let e = rate(args.shell, d);
                 eprintln!(
                     "shell K={k} run {}: fork/exec {c:.0}/s, executor {e:.0}/s ({:.2})",
@@ -526,6 +541,11 @@ async fn main() {
                         "min": ratio.min(),
                         "max": ratio.max(),
                         "runs": r.ratios,
+                    },
+                    "journal_off_msgs_per_s": r.unjournaled.json(),
+                    "journal_on_over_off": {
+                        "median": Figure { runs: r.journal.clone() }.median(),
+                        "runs": r.journal,
                     },
                     "cpu_us_per_msg": {
                         "bare": r.cpu_medians(|c| c.0),
@@ -602,6 +622,27 @@ async fn main() {
                 r.concurrency,
                 a + b + c,
                 d + e + f
+            );
+        }
+        if !rows.is_empty() {
+            println!(
+                "the journal's cost: the worker with [journal] enabled = false, and on/off per run"
+            );
+        }
+        for r in &rows {
+            let ratio = Figure {
+                runs: r.journal.clone(),
+            };
+            println!(
+                "{:<9} {:>5}   journal off {:.0} ({:.0}–{:.0}) msg/s   on/off {:.2} ({:.2}–{:.2})",
+                r.mode,
+                r.concurrency,
+                r.unjournaled.median(),
+                r.unjournaled.min(),
+                r.unjournaled.max(),
+                ratio.median(),
+                ratio.min(),
+                ratio.max()
             );
         }
         if args.shell > 0 {

@@ -20,14 +20,19 @@ pub fn short_id() -> String {
     uuid::Uuid::new_v4().simple().to_string()[..8].to_string()
 }
 
+/// Whether the journal is on in the worker benches: `BENCH_JOURNAL=off` turns it off.
+pub fn journal_from_env() -> bool {
+    std::env::var("BENCH_JOURNAL").as_deref() != Ok("off")
+}
+
 /// A worker config for namespace `ns`: one task `noop`, run by `command` when given (else a
-/// Rust handler must be registered). `BENCH_JOURNAL=off` turns the journal off (to measure its
-/// cost).
-pub fn config(ns: &str, concurrency: usize, command: Option<&str>) -> Config {
+/// Rust handler must be registered), with the journal on or off.
+pub fn config(ns: &str, concurrency: usize, command: Option<&str>, journal: bool) -> Config {
     let command = command.map_or(String::new(), |c| format!("command = [{c:?}]\n"));
-    let journal = match std::env::var("BENCH_JOURNAL").as_deref() {
-        Ok("off") => "[journal]\nenabled = false\n",
-        _ => "",
+    let journal = if journal {
+        ""
+    } else {
+        "[journal]\nenabled = false\n"
     };
     Config::parse(
         &format!(
@@ -50,9 +55,10 @@ pub async fn namespace(
     prefix: &str,
     concurrency: usize,
     command: Option<&str>,
+    journal: bool,
 ) -> (Config, Names, Channel) {
     let ns = format!("{prefix}_{}", short_id());
-    let config = config(&ns, concurrency, command);
+    let config = config(&ns, concurrency, command, journal);
     let names = Names::new(ns);
     let ch = confirm_channel(conn).await;
     broker::declare(
