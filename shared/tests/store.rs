@@ -1085,6 +1085,57 @@ async fn each_decision_is_journaled_by_its_own_script_and_none_when_off() {
     assert!(s.journal_since(0, |k| k == "q").await.unwrap().is_empty());
 }
 
+/// `keep` trims: with a retention of 1 ms, appends keep trimming the journal's older entries
+/// (whole stream nodes, `MINID ~`), however often a trim is sent; with the default they stay.
+#[tokio::test]
+async fn the_journal_keeps_entries_for_keep_and_no_longer() {
+    let s = store("journal_keep").await;
+    let short = drumline_shared::config::JournalConfig {
+        keep: Duration::from_millis(1),
+        ..Default::default()
+    };
+    let brief = s.store.clone().with_journal(short);
+    let mut conn = s.connection();
+    let journal = s.names().journal();
+    let (mut written, mut trimmed) = (0_u64, false);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !trimmed && Instant::now() < deadline {
+        let key = format!("brief-{written}");
+        brief
+            .claim(&req(&key, "a", OverlapMode::Allow))
+            .await
+            .unwrap();
+        written += 1;
+        let len: u64 = redis::cmd("XLEN")
+            .arg(&journal)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        trimmed = len < written;
+    }
+    assert!(trimmed, "{written} entries, none trimmed");
+
+    let before: u64 = redis::cmd("XLEN")
+        .arg(&journal)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    for i in 0..300 {
+        s.claim(&req(&format!("kept-{i}"), "a", OverlapMode::Allow))
+            .await
+            .unwrap();
+    }
+    let after: u64 = redis::cmd("XLEN")
+        .arg(&journal)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        after >= 300,
+        "{before} then {after}: the default keep trimmed fresh entries"
+    );
+}
+
 /// A worker's entries name the epoch of the leader that published the copy, so `audit` can
 /// tell which leadership a run came from (0: ad-hoc or unknown).
 #[tokio::test]

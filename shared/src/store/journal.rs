@@ -16,16 +16,21 @@ use std::sync::LazyLock;
 // JOURNAL: every script that decides an instance's fate ends its KEYS with `{ns}:journal` and
 // its ARGV with the instance's key, the retention in ms and the most entries (0: journal off),
 // as [`Store::journal_tail`] adds them. `jot(ev, attempt, token, worker, ...)` appends one entry
-// (then the extra field/value pairs) capped by `MAXLEN ~` and trimmed by `MINID ~` (Redis
-// `TIME` minus the retention): one XADD and one cheap XTRIM per decision.
+// (then the extra field/value pairs) capped by `MAXLEN ~`. The retention's `XTRIM MINID ~`
+// (Redis `TIME` minus `keep`) is sent only by the first entry of a millisecond whose number is
+// below 8 modulo 256 — a few times a second under load, every few hundred entries when quiet —
+// because with `TIME` it costs as much as the XADD itself (docs/performance.md), and `keep` is
+// days while a trim is late by less than a second of traffic.
 pub(super) const JOURNAL: &str = r#"
 local function jot(ev, attempt, token, worker, ...)
   local n = #ARGV
   local max = tonumber(ARGV[n])
   if max == 0 then return end
   local journal = KEYS[#KEYS]
-  redis.call('XADD', journal, 'MAXLEN', '~', max, '*', 'ev', ev, 'key', ARGV[n - 2],
+  local id = redis.call('XADD', journal, 'MAXLEN', '~', max, '*', 'ev', ev, 'key', ARGV[n - 2],
     'att', tostring(attempt or ''), 'tok', token or '', 'w', worker or '', ...)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  if seq ~= '0' or tonumber(ms) % 256 >= 8 then return end
   local t = redis.call('TIME')
   local floor = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[n - 1])
   if floor > 0 then redis.call('XTRIM', journal, 'MINID', '~', floor) end
