@@ -374,6 +374,25 @@ fn instant_cell(class: &str, value: &Option<String>, now: DateTime<Utc>) -> Stri
     }
 }
 
+/// The next-due cell; a jittered job's also says when the leader publishes it.
+fn next_cell(job: &JobStatus, now: DateTime<Utc>) -> String {
+    let cell = instant_cell("next-due", &job.next_due, now);
+    let (Some(due), Some(runs)) = (&job.next_due, &job.next_runs_at) else {
+        return cell;
+    };
+    match (parse_instant(due), parse_instant(runs)) {
+        (Some(d), Some(r)) if r > d => {
+            let offset = crate::status::offset_text(r - d);
+            let runs = format!(
+                " <span class=\"runs-at\" title=\"{}\">runs +{offset}</span></td>",
+                escape(runs)
+            );
+            cell.replacen("</td>", &runs, 1)
+        }
+        _ => cell,
+    }
+}
+
 /// One job's row.
 fn row(job: &JobStatus, now: DateTime<Utc>) -> String {
     let mut classes = Vec::new();
@@ -402,7 +421,7 @@ fn row(job: &JobStatus, now: DateTime<Utc>) -> String {
         classes = classes.join(" "),
         schedule = escape(&job.schedule),
         zone = escape(&job.timezone),
-        next = instant_cell("next-due", &job.next_due, now),
+        next = next_cell(job, now),
         published = instant_cell("last-published", &job.last_published, now),
         success = instant_cell("last-success", &job.last_success, now),
         failure = instant_cell("last-failure", &job.last_failure, now),
@@ -622,6 +641,7 @@ mod tests {
             schedule: "every 1m".into(),
             timezone: "UTC".into(),
             next_due: Some("2026-11-30T12:01:00Z".into()),
+            next_runs_at: Some("2026-11-30T12:01:00Z".into()),
             last_published: Some("2026-11-30T12:00:00Z".into()),
             last_success: Some("2026-11-30T11:59:58.500Z".into()),
             last_failure: None,
@@ -706,6 +726,17 @@ mod tests {
              11:59:58</time> <span class=\"ago\">(1 s ago)"
         ));
         assert!(heartbeat.contains("in 60 s"), "next due: {heartbeat}");
+        assert!(!heartbeat.contains("runs-at"), "not jittered: {heartbeat}");
+        let mut jittered = status();
+        jittered.jobs[0].next_runs_at = Some("2026-11-30T12:01:37Z".into());
+        let page = render(&jittered, Window::default(), "prod", now());
+        let heartbeat = row_of(&page, "heartbeat");
+        assert!(
+            heartbeat.contains(
+                "<span class=\"runs-at\" title=\"2026-11-30T12:01:37Z\">runs +37s</span></td>"
+            ),
+            "{heartbeat}"
+        );
         let reports = row_of(&page, "reports");
         assert!(reports.contains(">PAUSED<") && !reports.contains("STALE"));
         let sync = row_of(&page, "sync");

@@ -33,8 +33,12 @@ pub struct JobStatus {
     pub schedule: String,
     /// IANA zone.
     pub timezone: String,
-    /// RFC 3339 UTC, or null when the schedule has no further instant.
+    /// RFC 3339 UTC, or null when the schedule has no further instant: the next instant not
+    /// yet published, as its key names it.
     pub next_due: Option<String>,
+    /// RFC 3339 UTC: when the leader publishes `next_due`, the job's `jitter` added (equal
+    /// to `next_due` without one; docs/design.md#jitter).
+    pub next_runs_at: Option<String>,
     /// RFC 3339 UTC of the beat's recorded progress (last published or decided).
     pub last_published: Option<String>,
     /// RFC 3339 UTC.
@@ -291,12 +295,17 @@ async fn counts(config: &Config, names: &Names, queues: &[String]) -> BrokerCoun
 fn job_status(job: &Job, history: JobHistory, paused: bool, now: DateTime<Utc>) -> JobStatus {
     let first_seen = history.oldest.and_then(|r| parse_instant(&r.scheduled_for));
     let (last, success) = (history.last_published, history.last_success);
-    let from = last.map_or(now, |l| l.max(now));
+    // A jittered job's instant `t` is published at `t + offset`: one in `(now - offset, now]`
+    // is still to come.
+    let offset = job.jitter_offset();
+    let from = last.map_or(now - offset, |l| l.max(now - offset));
+    let next = job.schedule.next_after(from);
     JobStatus {
         job: job.name.clone(),
         schedule: job.schedule_text(),
         timezone: job.timezone.name().to_owned(),
-        next_due: job.schedule.next_after(from).map(format_instant),
+        next_due: next.map(format_instant),
+        next_runs_at: next.map(|t| format_instant(t + offset)),
         last_published: last.map(format_instant),
         last_success: success.map(format_instant),
         last_failure: history.last_failure.map(format_instant),
@@ -365,7 +374,7 @@ fn jobs_table(status: &Status) -> String {
             vec![
                 j.job.clone(),
                 schedule,
-                dash(&j.next_due),
+                next_cell(j),
                 dash(&j.last_published),
                 dash(&j.last_success),
                 dash(&j.last_failure),
@@ -449,6 +458,29 @@ fn workers_table(status: &Status) -> String {
     out
 }
 
+/// The NEXT DUE cell: the instant, and for a jittered job the offset it is published after
+/// (`2026-03-08T07:00:00Z+37s`).
+fn next_cell(j: &JobStatus) -> String {
+    let (Some(due), Some(runs)) = (&j.next_due, &j.next_runs_at) else {
+        return j.next_due.clone().unwrap_or_else(|| "-".into());
+    };
+    match (parse_instant(due), parse_instant(runs)) {
+        (Some(d), Some(r)) if r > d => format!("{due}+{}", offset_text(r - d)),
+        _ => due.clone(),
+    }
+}
+
+/// A jitter offset in one word: whole seconds (`4m12s`), or milliseconds under a second.
+pub(crate) fn offset_text(offset: chrono::TimeDelta) -> String {
+    let ms = offset.num_milliseconds().max(0) as u64;
+    let shown = if ms < 1000 {
+        std::time::Duration::from_millis(ms)
+    } else {
+        std::time::Duration::from_secs(ms / 1000)
+    };
+    drumline_shared::duration::format(shown).replace(' ', "")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -475,6 +507,7 @@ mod tests {
             schedule: "every 1s".into(),
             timezone: "UTC".into(),
             next_due: None,
+            next_runs_at: None,
             last_published: None,
             last_success: None,
             last_failure: None,
@@ -526,6 +559,7 @@ mod tests {
                 schedule: "every 1s".into(),
                 timezone: "UTC".into(),
                 next_due: None,
+                next_runs_at: None,
                 last_published: None,
                 last_success: None,
                 last_failure: Some("2026-03-08T07:00:00Z".into()),
@@ -581,6 +615,7 @@ mod tests {
             schedule: "every 1s".into(),
             timezone: "UTC".into(),
             next_due: None,
+            next_runs_at: None,
             last_published: None,
             last_success: None,
             last_failure: None,
@@ -620,6 +655,7 @@ mod tests {
                 schedule: "after load".into(),
                 timezone: "UTC".into(),
                 next_due: None,
+                next_runs_at: None,
                 last_published: None,
                 last_success: None,
                 last_failure: None,
@@ -644,6 +680,45 @@ mod tests {
         let json = serde_json::to_value(&status).unwrap();
         assert_eq!(json["jobs"][0]["after"], "load");
         assert_eq!(json["jobs"][0]["last_skipped"]["reason"], "upstream");
+    }
+
+    /// A jittered job's next instant is the one not yet published, even when its time has
+    /// passed but its offset has not; `next_runs_at` and the table add the offset.
+    #[test]
+    fn a_jittered_jobs_next_instant_counts_its_offset() {
+        let job = crate::misfire::tests::job("every = \"1m\"\njitter = \"50s\"");
+        let offset = job.jitter_offset();
+        assert!(offset > chrono::TimeDelta::seconds(2), "{offset}");
+        let twelve = Utc.with_ymd_and_hms(2026, 3, 8, 12, 0, 0).unwrap();
+        let one = twelve + chrono::TimeDelta::minutes(1);
+        let history = JobHistory {
+            last_published: Some(twelve),
+            last_success: None,
+            last_failure: None,
+            running: 0,
+            oldest: None,
+            newest: None,
+            recent: vec![],
+        };
+        // 12:01 has passed, 12:01 + offset has not: 12:01 is next.
+        let line = job_status(&job, history, false, one + offset / 2);
+        assert_eq!(line.next_due.as_deref(), Some("2026-03-08T12:01:00Z"));
+        assert_eq!(line.next_runs_at, Some(format_instant(one + offset)));
+        let status = Status {
+            leader: None,
+            dead_letters: Some(0),
+            total: 1,
+            jobs: vec![line],
+            workers: vec![],
+            queues: vec![],
+        };
+        let shown = offset_text(offset);
+        assert!(!shown.contains(' ') && shown.ends_with('s'), "{shown}");
+        let text = table(&status);
+        assert!(
+            text.contains(&format!("2026-03-08T12:01:00Z+{shown} ")),
+            "{text}"
+        );
     }
 
     #[test]
