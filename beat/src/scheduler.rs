@@ -1165,13 +1165,20 @@ async fn save(
 async fn connect_redis(config: &Config) -> Store {
     let names = Names::new(config.namespace.clone());
     let ca_file = config.redis_ca_file.as_deref();
-    Store::connect_retrying(&config.redis_url, ca_file, names, REDIS_CONNECT, |e| {
+    let store = Store::connect_retrying(&config.redis_url, ca_file, names, REDIS_CONNECT, |e| {
         error!(error = %e, redis = %Redacted(&config.redis_url),
             "redis unreachable; the beat waits for it (it holds each job's progress)");
     })
     .await
     .with_wait(config.redis_wait)
-    .with_journal(config.journal)
+    .with_journal(config.journal);
+    if let Some(advice) = store
+        .replica_advice(config.redis_wait, &config.redis_url)
+        .await
+    {
+        warn!(%advice, "redis replication");
+    }
+    store
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 //! record's state, how a claim ends, and the replicas a durable write waits for. Plain data,
 //! no I/O: `decision.rs` and `config.rs` use it without the store.
 
+use std::fmt;
 use std::time::Duration;
 
 /// The `state` field of `{ns}:run:{key}` (docs/design.md).
@@ -159,4 +160,107 @@ pub struct WaitReplicas {
     pub replicas: u32,
     /// How long `WAIT` may block.
     pub timeout: Duration,
+}
+
+/// What is wrong with `wait_replicas` against the replicas the primary has, said once at start
+/// (docs/scaling.md#redis-with-sentinel).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaAdvice {
+    /// Fewer than every replica under Sentinel: a failover may promote a replica that lacks
+    /// an acknowledged write (an outcome lost, a run repeated).
+    FewerThanEvery {
+        /// `wait_replicas`.
+        wanted: u32,
+        /// Replicas connected to the primary now.
+        connected: u32,
+    },
+    /// More than are connected: every durable write fails (the processes fail closed) until
+    /// enough replicas are back.
+    MoreThanConnected {
+        /// `wait_replicas`.
+        wanted: u32,
+        /// Replicas connected to the primary now.
+        connected: u32,
+    },
+}
+
+impl WaitReplicas {
+    /// Advice for this setting when the primary has `connected` replicas; `sentinel` when the
+    /// URL is `redis+sentinel://` (failovers are automatic). `None`: nothing to say.
+    pub fn advice(&self, connected: u32, sentinel: bool) -> Option<ReplicaAdvice> {
+        let wanted = self.replicas;
+        if wanted > connected {
+            Some(ReplicaAdvice::MoreThanConnected { wanted, connected })
+        } else if sentinel && wanted < connected {
+            Some(ReplicaAdvice::FewerThanEvery { wanted, connected })
+        } else {
+            None
+        }
+    }
+}
+
+impl fmt::Display for ReplicaAdvice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            ReplicaAdvice::FewerThanEvery { wanted, connected } => write!(
+                f,
+                "[redis] wait_replicas = {wanted} but the primary has {connected} replicas: a \
+                 Sentinel failover may promote one that lacks an acknowledged write (a run \
+                 repeated, an outcome lost); set it to {connected} (docs/scaling.md)"
+            ),
+            ReplicaAdvice::MoreThanConnected { wanted, connected } => write!(
+                f,
+                "[redis] wait_replicas = {wanted} but the primary has {connected} replicas \
+                 connected: every durable write fails until enough are back (docs/scaling.md)"
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wait(replicas: u32) -> WaitReplicas {
+        WaitReplicas {
+            replicas,
+            timeout: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn wait_replicas_is_every_replica_under_sentinel_and_never_more_than_connected() {
+        use ReplicaAdvice::*;
+        // Under Sentinel: every replica, or a failover may lose an acknowledged write.
+        assert_eq!(wait(2).advice(2, true), None);
+        let fewer = wait(1).advice(2, true);
+        assert_eq!(
+            fewer,
+            Some(FewerThanEvery {
+                wanted: 1,
+                connected: 2
+            })
+        );
+        assert!(fewer.unwrap().to_string().contains("set it to 2"));
+        assert_eq!(
+            wait(0).advice(2, true),
+            Some(FewerThanEvery {
+                wanted: 0,
+                connected: 2
+            })
+        );
+        // Without Sentinel nobody fails over on their own: fewer is a choice.
+        assert_eq!(wait(0).advice(2, false), None);
+        assert_eq!(wait(0).advice(0, true), None);
+        // More than connected fails every durable write, with or without Sentinel.
+        for sentinel in [true, false] {
+            assert_eq!(
+                wait(3).advice(2, sentinel),
+                Some(MoreThanConnected {
+                    wanted: 3,
+                    connected: 2
+                })
+            );
+        }
+    }
 }

@@ -824,6 +824,35 @@ impl Store {
             .is_ok()
     }
 
+    /// How many replicas are connected to the primary now (`INFO replication`'s
+    /// `connected_slaves`), for [`WaitReplicas::advice`](crate::run::WaitReplicas::advice).
+    pub async fn connected_replicas(&self) -> Result<u32, StoreError> {
+        let mut conn = self.conn.clone();
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut conn)
+            .await?;
+        info.lines()
+            .find_map(|l| l.strip_prefix("connected_slaves:"))
+            .and_then(|n| n.trim().parse().ok())
+            .ok_or_else(|| StoreError::bad_reply("INFO replication without connected_slaves"))
+    }
+
+    /// [`WaitReplicas::advice`](crate::run::WaitReplicas::advice) for `wait` against the
+    /// primary as it is now, the URL `url` telling whether Sentinel fails it over; `None` when
+    /// there is nothing to say or Redis cannot tell. The beat and the worker log it at start.
+    pub async fn replica_advice(
+        &self,
+        wait: crate::run::WaitReplicas,
+        url: &str,
+    ) -> Option<crate::run::ReplicaAdvice> {
+        let sentinel = crate::url::parse_sentinel(url).is_some();
+        if wait.replicas == 0 && !sentinel {
+            return None;
+        }
+        wait.advice(self.connected_replicas().await.ok()?, sentinel)
+    }
+
     /// Tries to claim instance `key` for `lease`. With an overlap mode other than `Allow` the
     /// claim also takes the job's overlap lock; a `skipped` state is kept for `retention`. A
     /// durable write ([`with_wait`](Self::with_wait)): with too few replicas it is an error,

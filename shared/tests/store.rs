@@ -1085,6 +1085,13 @@ async fn each_decision_is_journaled_by_its_own_script_and_none_when_off() {
     assert!(s.journal_since(0, |k| k == "q").await.unwrap().is_empty());
 }
 
+/// The shared test Redis is a primary without replicas.
+#[tokio::test]
+async fn the_primarys_replicas_are_counted() {
+    let s = store("replicas").await;
+    assert_eq!(s.connected_replicas().await.unwrap(), 0);
+}
+
 /// `keep` trims: with a retention of 1 ms, appends keep trimming the journal's older entries
 /// (whole stream nodes, `MINID ~`), however often a trim is sent; with the default they stay.
 #[tokio::test]

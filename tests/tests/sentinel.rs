@@ -97,6 +97,8 @@ async fn wait_replicas_counts_acknowledgements_and_fails_closed() {
             "replica {replica}"
         );
     }
+    // What the start-up advice on wait_replicas reads (docs/scaling.md).
+    assert_eq!(store.connected_replicas().await.unwrap(), 2);
 
     // Three asked, two exist: never a success, for a claim, its renewal, a final state, a
     // retry hand-over, the leader lease or the beat's progress.

@@ -934,7 +934,7 @@ async fn subscribe(
 }
 
 async fn connect_redis(config: &Config, names: &Names) -> Store {
-    Store::connect_retrying(
+    let store = Store::connect_retrying(
         &config.redis_url,
         config.redis_ca_file.as_deref(),
         names.clone(),
@@ -943,7 +943,14 @@ async fn connect_redis(config: &Config, names: &Names) -> Store {
     )
     .await
     .with_wait(config.redis_wait)
-    .with_journal(config.journal)
+    .with_journal(config.journal);
+    if let Some(advice) = store
+        .replica_advice(config.redis_wait, &config.redis_url)
+        .await
+    {
+        warn!(%advice, "redis replication");
+    }
+    store
 }
 
 /// Closes the gate when Redis stops answering, reopens it once Redis answers again, and mirrors
