@@ -356,15 +356,17 @@ struct Row {
     ratios: Vec<f64>,
     /// Per-run worker (journal on) / worker (journal off) ratios.
     journal: Vec<f64>,
-    /// Per run, µs of CPU per message [this process, broker, Redis]: bare, then worker.
-    cpu: Vec<([f64; 3], [f64; 3])>,
+    /// Per run, µs of CPU per message [this process, broker, Redis]: bare, worker, and the
+    /// worker with the journal off.
+    cpu: Vec<[[f64; 3]; 3]>,
 }
 
 impl Row {
-    /// Per process, the median over the runs of the CPU figure `pick` chooses.
-    fn cpu_medians(&self, pick: impl Fn(&([f64; 3], [f64; 3])) -> [f64; 3]) -> [f64; 3] {
+    /// Per process, the median over the runs of the CPU figures of side `side` (0 bare, 1
+    /// worker, 2 worker with the journal off).
+    fn cpu_medians(&self, side: usize) -> [f64; 3] {
         std::array::from_fn(|i| {
-            let runs = self.cpu.iter().map(|c| pick(c)[i]).collect();
+            let runs = self.cpu.iter().map(|c| c[side][i]).collect();
             Figure { runs }.median()
         })
     }
@@ -470,18 +472,20 @@ async fn main() {
             for run in 0..args.runs {
                 let (b, bare_cpu) = bare(&conn, &bodies[..n], c as u16, together).await;
                 let (w, worker_cpu) = drumline(&conn, &bodies[..n], c, false, together, true).await;
-                let (u, _) = drumline(&conn, &bodies[..n], c, false, together, false).await;
+                let (u, unjournaled_cpu) =
+                    drumline(&conn, &bodies[..n], c, false, together, false).await;
                 let (b, w, u) = (rate(n, b), rate(n, w), rate(n, u));
                 let us = |[me, broker, redis]: [f64; 3]| {
                     format!("{me:.0} here + {broker:.0} broker + {redis:.0} redis µs CPU/msg")
                 };
                 eprintln!(
                     "{mode} c={c} run {}: bare {b:.0} msg/s ({}), worker {w:.0} msg/s ({}) ({:.2}), \
-                     journal off {u:.0} msg/s (on/off {:.2})",
+                     journal off {u:.0} msg/s ({}) (on/off {:.2})",
                     run + 1,
                     us(bare_cpu),
                     us(worker_cpu),
                     w / b,
+                    us(unjournaled_cpu),
                     w / u
                 );
                 row.bare.runs.push(b);
@@ -489,7 +493,7 @@ async fn main() {
                 row.unjournaled.runs.push(u);
                 row.ratios.push(w / b);
                 row.journal.push(w / u);
-                row.cpu.push((bare_cpu, worker_cpu));
+                row.cpu.push([bare_cpu, worker_cpu, unjournaled_cpu]);
             }
             rows.push(row);
         }
@@ -548,8 +552,9 @@ async fn main() {
                         "runs": r.journal,
                     },
                     "cpu_us_per_msg": {
-                        "bare": r.cpu_medians(|c| c.0),
-                        "worker": r.cpu_medians(|c| c.1),
+                        "bare": r.cpu_medians(0),
+                        "worker": r.cpu_medians(1),
+                        "worker_journal_off": r.cpu_medians(2),
                     },
                 })
             }).collect::<Vec<_>>(),
@@ -614,8 +619,8 @@ async fn main() {
         }
         println!("CPU per message, µs (median of the runs): this process + broker + Redis");
         for r in &rows {
-            let [a, b, c] = r.cpu_medians(|c| c.0);
-            let [d, e, f] = r.cpu_medians(|c| c.1);
+            let [a, b, c] = r.cpu_medians(0);
+            let [d, e, f] = r.cpu_medians(1);
             println!(
                 "{:<9} {:>5}   bare {a:.0} + {b:.0} + {c:.0} = {:.0}   worker {d:.0} + {e:.0} + {f:.0} = {:.0}",
                 r.mode,
@@ -633,8 +638,10 @@ async fn main() {
             let ratio = Figure {
                 runs: r.journal.clone(),
             };
+            let [d, e, f] = r.cpu_medians(2);
             println!(
-                "{:<9} {:>5}   journal off {:.0} ({:.0}–{:.0}) msg/s   on/off {:.2} ({:.2}–{:.2})",
+                "{:<9} {:>5}   journal off {:.0} ({:.0}–{:.0}) msg/s   on/off {:.2} ({:.2}–{:.2})   \
+                 off: {d:.0} + {e:.0} + {f:.0} = {:.0} µs CPU/msg",
                 r.mode,
                 r.concurrency,
                 r.unjournaled.median(),
@@ -642,7 +649,8 @@ async fn main() {
                 r.unjournaled.max(),
                 ratio.median(),
                 ratio.min(),
-                ratio.max()
+                ratio.max(),
+                d + e + f
             );
         }
         if args.shell > 0 {
