@@ -840,7 +840,8 @@ impl Store {
 
     /// [`WaitReplicas::advice`](crate::run::WaitReplicas::advice) for `wait` against the
     /// primary as it is now, the URL `url` telling whether Sentinel fails it over; `None` when
-    /// there is nothing to say or Redis cannot tell. The beat and the worker log it at start.
+    /// there is nothing to say or Redis cannot tell within a second (a start never waits
+    /// longer on it). The beat and the worker log it at start.
     pub async fn replica_advice(
         &self,
         wait: crate::run::WaitReplicas,
@@ -850,7 +851,8 @@ impl Store {
         if wait.replicas == 0 && !sentinel {
             return None;
         }
-        wait.advice(self.connected_replicas().await.ok()?, sentinel)
+        let connected = tokio::time::timeout(Duration::from_secs(1), self.connected_replicas());
+        wait.advice(connected.await.ok()?.ok()?, sentinel)
     }
 
     /// Tries to claim instance `key` for `lease`. With an overlap mode other than `Allow` the
