@@ -17,8 +17,14 @@ use tokio::sync::Mutex;
 /// an unreachable broker is asked again only after that long).
 pub const FRESH_FOR: Duration = Duration::from_secs(5);
 
-/// How long one read (connecting included) may take before the count is shown as unknown.
+/// How long a request waits for a read (connecting included) before it shows the counts as
+/// unknown. The read itself goes on (see [`DeadLetters::count`]).
 pub const READ_WAIT: Duration = Duration::from_secs(3);
+
+/// How long a read on a connection made may take before the connection is closed and the
+/// counts are unknown until the next read (the connect has its own bound,
+/// `broker::CONNECT_TIMEOUT` per node).
+pub const READ_LIMIT: Duration = Duration::from_secs(15);
 
 /// The page's count and the connection it is read through.
 pub struct DeadLetters {
@@ -57,58 +63,72 @@ impl DeadLetters {
     }
 
     /// The messages in `{ns}.dead` and the queues' counts as read at most [`FRESH_FOR`] ago,
-    /// or unknown (logged) when the broker could not say within [`READ_WAIT`]. A caller that
-    /// finds a read under way waits for it and takes its answer.
+    /// or unknown when no read gave them within [`READ_WAIT`]. A caller that finds a read under
+    /// way waits for it and takes its answer.
+    ///
+    /// The read is a task of its own, holding the lock until it ends: a caller that stops
+    /// waiting (after [`READ_WAIT`], or because its client left) cancels nothing, so a connect
+    /// is never abandoned half-way (a half-open connection would stay beside the next one while
+    /// the broker is slow) and a slow broker still gives its counts, to the callers that come
+    /// after.
     pub async fn count(&self) -> BrokerCounts {
-        let mut state = self.state.clone().lock_owned().await;
-        if let Some((at, count)) = &state.last {
-            if at.elapsed() < FRESH_FOR {
-                return count.clone();
-            }
-        }
+        let state = self.state.clone();
         let (config, names) = (self.config.clone(), self.names.clone());
         let queues = self.queues.clone();
-        // A task of its own, holding the lock: a request that gives up (its client left) does
-        // not cancel the read half-way through a connect, which could leave that connection
-        // open beside the next one.
         let read = tokio::spawn(async move {
+            let mut state = state.lock_owned().await;
+            if let Some((at, count)) = &state.last {
+                if at.elapsed() < FRESH_FOR {
+                    return count.clone();
+                }
+            }
             let count = read(&mut state, &config, (&names, &queues)).await;
             state.last = Some((Instant::now(), count.clone()));
             count
         });
-        read.await.unwrap_or_default()
+        match tokio::time::timeout(READ_WAIT, read).await {
+            Ok(count) => count.unwrap_or_default(),
+            Err(_) => {
+                tracing::debug!(
+                    wait_ms = READ_WAIT.as_millis() as u64,
+                    "status page: the broker's counts are not read yet; shown as unknown"
+                );
+                BrokerCounts::default()
+            }
+        }
     }
 }
 
-/// One read, within [`READ_WAIT`]; a connection that failed is dropped (closed), and the next
-/// read connects afresh.
+/// One read: a connect when there is no live connection (bounded per node by
+/// `broker::CONNECT_TIMEOUT`), then the counts within [`READ_LIMIT`]. A connection that failed
+/// is closed, and the next read connects afresh.
 async fn read(
     state: &mut State,
     config: &Config,
     (names, queues): (&Names, &[String]),
 ) -> BrokerCounts {
-    let attempt = async {
-        if !state.conn.as_ref().is_some_and(|c| c.status().connected()) {
-            state.conn = None;
-            state.conn = Some(broker::connect(config).await?);
+    if !state.conn.as_ref().is_some_and(|c| c.status().connected()) {
+        if let Some(conn) = state.conn.take() {
+            broker::close_later(conn, "status page: connection lost");
         }
-        let conn = state.conn.as_ref().expect("connected just now");
-        broker_counts_on(conn, names, queues).await
-    };
-    match tokio::time::timeout(READ_WAIT, attempt).await {
-        Ok(Ok(count)) => count,
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "status page: dead letters and queues unknown");
-            state.conn = None;
-            BrokerCounts::default()
-        }
-        Err(_) => {
-            tracing::warn!(
-                wait_ms = READ_WAIT.as_millis() as u64,
-                "status page: the broker did not answer; dead letters and queues unknown"
-            );
-            state.conn = None;
-            BrokerCounts::default()
+        match broker::connect(config).await {
+            Ok(conn) => state.conn = Some(conn),
+            Err(e) => {
+                tracing::warn!(error = %e, "status page: dead letters and queues unknown");
+                return BrokerCounts::default();
+            }
         }
     }
+    let conn = state.conn.as_ref().expect("connected just now");
+    let failure =
+        match tokio::time::timeout(READ_LIMIT, broker_counts_on(conn, names, queues)).await {
+            Ok(Ok(count)) => return count,
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {} s", READ_LIMIT.as_secs()),
+        };
+    tracing::warn!(error = %failure, "status page: dead letters and queues unknown");
+    if let Some(conn) = state.conn.take() {
+        broker::close_later(conn, "status page: read failed");
+    }
+    BrokerCounts::default()
 }

@@ -460,9 +460,15 @@ async fn a_stuck_redis_makes_a_503_with_the_reason_not_a_hung_page() {
     assert!(beat.terminate(Duration::from_secs(10)).success());
 }
 
-/// The established TCP connections of process `pid` to the broker's port 5672: its socket
-/// inodes (`/proc/PID/fd`) found in the kernel's TCP tables.
+/// The established TCP connections of process `pid` to the broker's port 5672.
 fn broker_connections(pid: i32) -> usize {
+    connections_to(pid, 5672)
+}
+
+/// The established TCP connections of process `pid` to `port` on any address: its socket
+/// inodes (`/proc/PID/fd`) found in the kernel's TCP tables.
+fn connections_to(pid: i32, port: u16) -> usize {
+    let remote = format!(":{port:04X}");
     let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map(|dir| {
             dir.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
@@ -481,7 +487,7 @@ fn broker_connections(pid: i32) -> usize {
             let fields: Vec<&str> = line.split_whitespace().collect();
             // remote address, state (01 = ESTABLISHED), inode
             fields.len() > 9
-                && fields[2].ends_with(":1628")
+                && fields[2].ends_with(&remote)
                 && fields[3] == "01"
                 && inodes.contains(fields[9])
         })
@@ -580,6 +586,66 @@ async fn concurrent_requests_share_one_broker_connection() {
         let status: Value = serde_json::from_str(&body).unwrap();
         assert_eq!(status["dead_letters"], 0, "{body}");
     }
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+}
+
+/// A slow link to the broker (every chunk held 350 ms, so a connect and a read together take
+/// longer than a request waits for them): the page's read is not cancelled with the request
+/// that started it (which left the connect half-open beside the next one, and never got a count
+/// at all), so the counts become known and the page still holds one broker connection at most.
+// See: issues/16
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_broker_link_still_gives_the_counts_through_one_connection() {
+    let env = setup("e2e_page_slow_broker");
+    let proxy = drumline_e2e::proxy::Proxy::start("127.0.0.1:5672".parse().unwrap());
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "[broker]\nurl = {}\n[[jobs]]\nname = \"daily\"\ntask = \"append\"\n\
+             cron = \"0 3 * * *\"\n[tasks.append]\ncommand = {}\n",
+            toml_string(&format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port)),
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let port = unused_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut beat = env.beat(
+        "beat",
+        &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
+    );
+    let pid = beat.pid();
+    // The counts are known once the page has connected and read them.
+    assert!(
+        wait_until(WAIT, || connections_to(pid, proxy.port) >= 1
+            && api_status(port).is_some_and(|s| s["dead_letters"] == 0)),
+        "the counts never became known\n{}",
+        beat.log_tail(20)
+    );
+    proxy.set(drumline_e2e::proxy::Fault::Delay(Duration::from_millis(
+        350,
+    )));
+    let own = connections_to(pid, proxy.port);
+    // The cached counts expire; reads over the slow link, each slower than a request waits.
+    let start = Instant::now();
+    let mut most = own;
+    let fresh = wait_until(Duration::from_secs(40), || {
+        most = most.max(connections_to(pid, proxy.port));
+        let status = api_status(port);
+        most = most.max(connections_to(pid, proxy.port));
+        // Past the 5 s the count read before the delay was kept for: a read over the slow link.
+        start.elapsed() > Duration::from_secs(6) && status.is_some_and(|s| s["dead_letters"] == 0)
+    });
+    assert!(
+        fresh,
+        "no count read over the slow link\n{}",
+        beat.log_tail(20)
+    );
+    assert!(
+        most <= own + 1,
+        "{most} broker connections at once; the beat's own: {own}\n{}",
+        beat.log_tail(20)
+    );
+    proxy.set(drumline_e2e::proxy::Fault::Pass);
     assert!(beat.terminate(Duration::from_secs(10)).success());
 }
 
