@@ -306,7 +306,7 @@ fn measure(t: DateTime<Utc>, facts: &Facts<'_>, row: &mut Row) {
         row.attempts = runs.iter().filter_map(|e| e.attempt).max().map(|a| a + 1);
         row.lateness_ms = Some(first.at_ms - t_ms);
         if let (Some(last), Some(end)) = (runs.last(), outcome) {
-            row.duration_ms = Some(end.at_ms - last.at_ms);
+            row.duration_ms = Some(end.ended_ms().max(last.at_ms) - last.at_ms);
         }
         row.worker = outcome.or(runs.last().copied()).map(|e| e.worker.clone());
         return;

@@ -116,7 +116,7 @@ pub struct Span<'a> {
 }
 
 /// The runs of a job whose start and end are journaled (a crashed run's end is unknown: left
-/// out), in start order.
+/// out), in start order. A run ends when its task ended: the end entry's time less its `ago`.
 pub fn spans<'a>(entries: &[&'a JournalEntry]) -> Vec<Span<'a>> {
     let mut out = Vec::new();
     for (i, e) in entries.iter().enumerate() {
@@ -132,7 +132,9 @@ pub fn spans<'a>(entries: &[&'a JournalEntry]) -> Vec<Span<'a>> {
             out.push(Span {
                 key: &e.key,
                 start: e.at_ms,
-                end: end.at_ms,
+                // When the task ended, not when its outcome was written (a late write, after a
+                // stop or a failover, would stretch the run).
+                end: end.ended_ms().max(e.at_ms),
                 id: &e.id,
             });
         }
@@ -254,6 +256,34 @@ mod tests {
         assert_eq!(rules(&v), ["overlapping runs"]);
         assert_eq!(v[0].key, "b");
         assert!(check_overlap(&s, 60_000).is_empty());
+    }
+
+    /// An outcome written late (the worker stopped, or Redis failed over, between the task's
+    /// end and the write) carries how long before the write the task ended (`ago`): the run
+    /// ends then, not at the write, so the next instance's claim in between is no overlap
+    /// (the one-hour soak's false report).
+    #[test]
+    fn a_late_written_outcome_ends_its_run_when_the_task_ended() {
+        let mut late = entry(10_000, "success", "a", 0, "t1");
+        late.ago = Some(8_000);
+        let e = [
+            entry(0, "claim", "a", 0, "t1"),
+            entry(3_000, "claim", "b", 0, "t2"),
+            late,
+            entry(12_000, "success", "b", 0, "t2"),
+        ];
+        let refs: Vec<&JournalEntry> = e.iter().collect();
+        let s = spans(&refs);
+        assert_eq!((s[0].start, s[0].end), (0, 2_000));
+        assert!(check_overlap(&s, 500).is_empty());
+        // Without it, the write's time: the runs overlap by 7 s.
+        let mut unknown = e.clone();
+        unknown[2].ago = None;
+        let refs: Vec<&JournalEntry> = unknown.iter().collect();
+        assert_eq!(
+            rules(&check_overlap(&spans(&refs), 500)),
+            ["overlapping runs"]
+        );
     }
 
     #[test]

@@ -508,9 +508,20 @@ if ARGV[2] ~= '' and (ours or redis.call('EXISTS', KEYS[1]) == 0) then
 end
 "#;
 
-/// A script that starts with [`JOURNAL`] and [`END_CLAIM`] and goes on with `body`.
+// ENDED: in a script that ends a claim, the ARGV just before the journal's is how many ms
+// before the call the run ended ('' unknown); `ended(...)` puts it first among an entry's extra
+// fields, as `ago`.
+const ENDED: &str = r#"
+local function ended(...)
+  local ago = ARGV[#ARGV - 3]
+  if ago == '' then return ... end
+  return 'ago', ago, ...
+end
+"#;
+
+/// A script that starts with [`JOURNAL`], [`ENDED`] and [`END_CLAIM`] and goes on with `body`.
 fn ending_claim(body: &str) -> Script {
-    Script::new(&format!("{JOURNAL}{END_CLAIM}{body}"))
+    Script::new(&format!("{JOURNAL}{ENDED}{END_CLAIM}{body}"))
 }
 
 // FINISH (the shared KEYS[1..4] and ARGV[1..2] above, then:)
@@ -520,6 +531,7 @@ fn ending_claim(body: &str) -> Script {
 // ARGV[5] -> the run record's JSON ('' for none)
 // ARGV[6] -> history cap                     ARGV[7] -> the record's end (RFC 3339)
 // ARGV[8] -> success | failure | '' (which "last" key ARGV[7] goes to)
+// then (each of FINISH, RETRY, RELEASE) how many ms ago the run ended ('' unknown; see ENDED)
 // Output: {code, woken}; code 1 written | 2 written before by this token (a repeat whose
 // first reply was lost or whose WAIT fell short: docs/design.md#outcome-writes-are-idempotent)
 // | 0 another claim holds the instance now, nothing written.
@@ -535,7 +547,7 @@ if holds or redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HDEL', KEYS[1], 'lease_until')
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
   jot(ARGV[3] == 'done' and 'success' or 'dead', redis.call('HGET', KEYS[1], 'attempt'),
-    ARGV[1], redis.call('HGET', KEYS[1], 'worker'))
+    ARGV[1], redis.call('HGET', KEYS[1], 'worker'), ended())
   if ARGV[5] ~= '' then
     redis.call('LPUSH', KEYS[6], ARGV[5])
     redis.call('LTRIM', KEYS[6], 0, tonumber(ARGV[6]) - 1)
@@ -568,7 +580,7 @@ if ours and redis.call('HGET', KEYS[1], 'state') == 'retrying'
 end
 if not holds then return {0, woken} end
 jot('retry', redis.call('HGET', KEYS[1], 'attempt'), ARGV[1], redis.call('HGET', KEYS[1], 'worker'),
-  'next', ARGV[3])
+  ended('next', ARGV[3]))
 redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[3],
   'at', redis.call('TIME')[1])
 redis.call('HDEL', KEYS[1], 'lease_until')
@@ -588,7 +600,7 @@ static RELEASE: LazyLock<Script> = LazyLock::new(|| {
         r#"
 if ours then
   jot('release', redis.call('HGET', KEYS[1], 'attempt'), ARGV[1],
-    redis.call('HGET', KEYS[1], 'worker'))
+    redis.call('HGET', KEYS[1], 'worker'), ended())
   redis.call('HSET', KEYS[1], 'lease_until', 0)
   redis.call('HDEL', KEYS[1], 'token')
   return {1, woken}
@@ -676,6 +688,8 @@ pub struct Store {
     /// The concurrency group whose slot the holder's scripts (renew, finish, release) move and
     /// free: see [`with_limit`](Self::with_limit).
     limit: Option<String>,
+    /// When the holder's run ended, for the journal: see [`with_ended`](Self::with_ended).
+    ended: Option<tokio::time::Instant>,
 }
 
 impl Store {
@@ -700,6 +714,7 @@ impl Store {
                 wait: None,
                 journal: JournalConfig::default(),
                 limit: None,
+                ended: None,
             });
         }
         let client = match ca_file {
@@ -727,6 +742,7 @@ impl Store {
             wait: None,
             journal: JournalConfig::default(),
             limit: None,
+            ended: None,
         })
     }
 
@@ -801,6 +817,17 @@ impl Store {
     pub fn with_limit(&self, limit: Option<&str>) -> Store {
         Store {
             limit: limit.map(str::to_owned),
+            ..self.clone()
+        }
+    }
+
+    /// This store for the holder of a claim whose run ended at `ended`: the entry its ending
+    /// script journals (success, dead, retry, release) says how long before the write that
+    /// was (`ago`), so that a write held up by a stopped worker or a failover does not
+    /// stretch the run for `verify` (docs/design.md#journal).
+    pub fn with_ended(&self, ended: Option<tokio::time::Instant>) -> Store {
+        Store {
+            ended,
             ..self.clone()
         }
     }
@@ -950,7 +977,7 @@ impl Store {
             Ending::Retry { next_attempt } => {
                 let mut call = self.holder_call(&RETRY, key, job, token);
                 call.arg((next_attempt, retention_ms));
-                self.journal_tail(&mut call, key);
+                self.holder_tail(&mut call, key);
                 Ended::read(self.durable(&RETRY, &call).await?)
             }
         }
@@ -993,7 +1020,7 @@ impl Store {
                 call.arg("");
             }
         }
-        self.journal_tail(&mut call, key);
+        self.holder_tail(&mut call, key);
         Ended::read(self.durable(&FINISH, &call).await?)
     }
 
@@ -1027,7 +1054,7 @@ impl Store {
         token: &str,
     ) -> Result<Ended, StoreError> {
         let mut call = self.holder_call(&RELEASE, key, job, token);
-        self.journal_tail(&mut call, key);
+        self.holder_tail(&mut call, key);
         Ended::read(call.invoke_async(&mut self.conn.clone()).await?)
     }
 

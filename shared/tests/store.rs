@@ -1173,6 +1173,50 @@ async fn a_claims_entries_carry_the_publishing_leaders_epoch() {
     );
 }
 
+/// A holder that says when its run ended (`with_ended`) has the outcome's entry carry how
+/// long before the write that was (`ago`), so a late write does not stretch the run
+/// (docs/design.md#journal); a retry's and a release's too. Without it, none.
+#[tokio::test]
+async fn an_outcome_entry_says_how_long_ago_the_run_ended() {
+    let s = store("journal_ago").await;
+    let ttl = Duration::from_secs(60);
+    let ended = tokio::time::Instant::now() - Duration::from_millis(1_500);
+    let holder = s.with_ended(Some(ended));
+    s.claim(&req("a", "t1", OverlapMode::Allow)).await.unwrap();
+    holder
+        .finish("a", None, "t1", Ending::Final(Final::Done), ttl)
+        .await
+        .unwrap();
+    s.claim(&req("b", "t2", OverlapMode::Allow)).await.unwrap();
+    holder
+        .finish("b", None, "t2", Ending::Retry { next_attempt: 1 }, ttl)
+        .await
+        .unwrap();
+    s.claim(&req("c", "t3", OverlapMode::Allow)).await.unwrap();
+    holder.release("c", None, "t3").await.unwrap();
+    s.claim(&req("d", "t4", OverlapMode::Allow)).await.unwrap();
+    s.finish("d", None, "t4", Ending::Final(Final::Dead), ttl)
+        .await
+        .unwrap();
+    let entries = s.journal_since(0, |_| true).await.unwrap();
+    let ago: Vec<(&str, &str, Option<u64>)> = entries
+        .iter()
+        .filter(|e| e.event != "claim")
+        .map(|e| (e.key.as_str(), e.event.as_str(), e.ago.map(|ms| ms / 1_000)))
+        .collect();
+    assert_eq!(
+        ago,
+        [
+            ("a", "success", Some(1)),
+            ("b", "retry", Some(1)),
+            ("c", "release", Some(1)),
+            ("d", "dead", None)
+        ]
+    );
+    let a = entries.iter().find(|e| e.event == "success").unwrap();
+    assert_eq!(a.ended_ms(), a.at_ms - a.ago.unwrap() as i64);
+}
+
 /// An `after` job's skip (docs/design.md#job-dependencies): written only by the lease's holder,
 /// only on an instance nobody recorded, with its reason and a history entry; a copy of a
 /// skipped instance is then a duplicate at the claim.

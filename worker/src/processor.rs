@@ -273,6 +273,7 @@ impl Processor {
             env: &env,
             token: &token,
             started_at: None,
+            ended: None,
         };
         let fence = match decision::on_claim(&claim) {
             Next::Run { fence } => fence,
@@ -295,6 +296,7 @@ impl Processor {
                 claimed_at,
             )
             .await;
+        step.ended = Some(Instant::now());
         self.stats.run_ended(&env.task, started.elapsed());
         let jitter = rand::random::<f64>();
         let action = decision::after_run(fence, &result, task, env.attempt, jitter);
@@ -410,6 +412,7 @@ impl Processor {
                 self.stats.outcome(&env.task, RunOutcome::Abandoned);
                 if let Ok(ended) = self
                     .holder(env)
+                    .with_ended(step.ended)
                     .release(&env.key, self.lock_job(env), step.token)
                     .await
                 {
@@ -469,7 +472,7 @@ impl Processor {
     async fn done(&self, step: &Step<'_>, fence: u64) -> Result<Disposition, Interrupted> {
         let record = self.run_record(step.env, Outcome::Done, step.started_at.clone(), None);
         let ended = self
-            .finish_with_retries(step.env, step.token, Final::Done, record.as_ref())
+            .finish_with_retries(step, Final::Done, record.as_ref())
             .await?;
         self.wake(step.publisher, ended.woken).await;
         if ended.ours {
@@ -510,7 +513,7 @@ impl Processor {
         };
         let retention = self.config.worker.done_ttl;
         let job = self.lock_job(env);
-        let holder = self.holder(env);
+        let holder = self.holder(env).with_ended(step.ended);
         let handed =
             outcome_write_retried(|| holder.finish(&env.key, job, step.token, ending, retention))
                 .await;
@@ -684,14 +687,14 @@ impl Processor {
     /// expires.
     async fn finish_with_retries(
         &self,
-        env: &Envelope,
-        token: &str,
+        step: &Step<'_>,
         state: Final,
         record: Option<&RunRecord>,
     ) -> Result<Ended, StoreError> {
+        let (env, token) = (step.env, step.token);
         let retention = self.config.worker.done_ttl;
         let job = self.lock_job(env);
-        let holder = self.holder(env);
+        let holder = self.holder(env).with_ended(step.ended);
         outcome_write_retried(|| {
             holder.finish_recorded(&env.key, job, token, state, retention, record)
         })
@@ -716,7 +719,7 @@ impl Processor {
         let started_at = step.started_at.clone();
         let record = self.run_record(env, Outcome::Dead, started_at, Some(error.to_owned()));
         let ended = self
-            .finish_with_retries(env, step.token, Final::Dead, record.as_ref())
+            .finish_with_retries(step, Final::Dead, record.as_ref())
             .await?;
         self.wake(step.publisher, ended.woken).await;
         self.stats.outcome(&env.task, RunOutcome::Dead);
@@ -900,6 +903,8 @@ struct Step<'a> {
     token: &'a str,
     /// When the run started; `None` before a run.
     started_at: Option<String>,
+    /// When the run ended, for the journal ([`Store::with_ended`]); `None` before a run's end.
+    ended: Option<Instant>,
 }
 
 /// How a handler call ended.

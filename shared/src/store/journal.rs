@@ -4,7 +4,8 @@
 //! Each entry is a handful of short fields: `ev` (what happened), `key`, `att` (attempt), `tok`
 //! (claim token), `w` (worker), and by event `f` (fence), `next` (the retry's attempt), `r`
 //! (reason), `by` (the overlapping holder), `ep` (the leader's epoch: the publishing one's on a
-//! claim script's entry), `to` (the last instant of a dropped range).
+//! claim script's entry), `to` (the last instant of a dropped range), `ago` (on an outcome, a
+//! retry or a release: how many ms before the write the run ended, when the worker knew).
 
 use super::leader::HELD_BY;
 use super::{Store, StoreError};
@@ -103,6 +104,9 @@ pub struct JournalEntry {
     pub next: Option<u32>,
     /// The last instant of a dropped range (RFC 3339), "" for one instant.
     pub to: String,
+    /// On a `success`, `dead`, `retry` or `release`: how many ms before this entry the run
+    /// ended (a worker stopped, or a failover, between the two makes it large).
+    pub ago: Option<u64>,
 }
 
 impl JournalEntry {
@@ -129,7 +133,14 @@ impl JournalEntry {
             fence: number(fields, "f"),
             next: number(fields, "next"),
             to: text("to"),
+            ago: number(fields, "ago"),
         }
+    }
+
+    /// When the run this entry ends ended, ms since the epoch: the entry's time less its
+    /// [`ago`](Self::ago).
+    pub fn ended_ms(&self) -> i64 {
+        self.at_ms - self.ago.unwrap_or(0).min(i64::MAX as u64) as i64
     }
 }
 
@@ -148,6 +159,18 @@ impl Store {
 
     /// Ends a fate-deciding script's call with what [`JOURNAL`] reads: the journal key last
     /// among the KEYS, then the instance's key, the retention and the cap (0 when off).
+    /// [`journal_tail`](Self::journal_tail) for a holder's script (FINISH, RETRY, RELEASE):
+    /// first how many ms ago the run ended ('' when unknown: see
+    /// [`with_ended`](Self::with_ended)), measured now, so a write repeated after a failover
+    /// counts its wait too.
+    pub(super) fn holder_tail(&self, call: &mut ScriptInvocation<'_>, key: &str) {
+        match self.ended {
+            Some(ended) => call.arg(ended.elapsed().as_millis() as u64),
+            None => call.arg(""),
+        };
+        self.journal_tail(call, key);
+    }
+
     pub(super) fn journal_tail(&self, call: &mut ScriptInvocation<'_>, key: &str) {
         let max = if self.journal.enabled {
             self.journal.max_len
