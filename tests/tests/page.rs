@@ -468,6 +468,13 @@ fn broker_connections(pid: i32) -> usize {
 /// The established TCP connections of process `pid` to `port` on any address: its socket
 /// inodes (`/proc/PID/fd`) found in the kernel's TCP tables.
 fn connections_to(pid: i32, port: u16) -> usize {
+    local_ports_to(pid, port).len()
+}
+
+/// The local ports of [`connections_to`]'s connections, one per socket: a read of
+/// `/proc/net/tcp` is not atomic, and while other sockets come and go (a burst of requests)
+/// it may list one socket twice, so lines are counted by their inode.
+fn local_ports_to(pid: i32, port: u16) -> Vec<u16> {
     let remote = format!(":{port:04X}");
     let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map(|dir| {
@@ -479,19 +486,39 @@ fn connections_to(pid: i32, port: u16) -> usize {
                 .collect()
         })
         .unwrap_or_default();
-    ["/proc/net/tcp", "/proc/net/tcp6"]
+    let sockets: std::collections::BTreeMap<String, u16> = ["/proc/net/tcp", "/proc/net/tcp6"]
         .iter()
         .filter_map(|table| std::fs::read_to_string(table).ok())
         .flat_map(|text| text.lines().skip(1).map(str::to_owned).collect::<Vec<_>>())
-        .filter(|line| {
+        .filter_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
-            // remote address, state (01 = ESTABLISHED), inode
-            fields.len() > 9
+            // local address, remote address, state (01 = ESTABLISHED), inode
+            let established = fields.len() > 9
                 && fields[2].ends_with(&remote)
                 && fields[3] == "01"
-                && inodes.contains(fields[9])
+                && inodes.contains(fields[9]);
+            let local = fields.get(1)?.rsplit(':').next()?;
+            let local = u16::from_str_radix(local, 16).ok()?;
+            established.then(|| (fields[9].to_owned(), local))
         })
-        .count()
+        .collect();
+    sockets.into_values().collect()
+}
+
+/// What the evidence of too many connections needs: their local ports and how many AMQP
+/// connections the process runs (lapin runs one `lapin-io-loop` thread per connection).
+fn connection_evidence(pid: i32, port: u16) -> String {
+    let loops = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|dir| {
+            dir.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|name| name.trim() == "lapin-io-loop")
+                .count()
+        })
+        .unwrap_or(0);
+    format!(
+        "local ports {:?}; lapin io loops {loops}",
+        local_ports_to(pid, port)
+    )
 }
 
 /// Sends `paths` all at once, one thread each: (path, code, head, body, when it was answered).
@@ -547,12 +574,15 @@ async fn concurrent_requests_share_one_broker_connection() {
     let sampler = {
         let done = done.clone();
         std::thread::spawn(move || {
-            let mut most = 0;
+            let (mut most, mut evidence) = (0, String::new());
             while !done.load(std::sync::atomic::Ordering::SeqCst) {
-                most = most.max(broker_connections(pid));
+                let now = broker_connections(pid);
+                if now > most {
+                    (most, evidence) = (now, connection_evidence(pid, 5672));
+                }
                 std::thread::sleep(Duration::from_millis(2));
             }
-            most.max(broker_connections(pid))
+            (most, evidence)
         })
     };
     let paths: Vec<&str> = (0..300)
@@ -565,10 +595,11 @@ async fn concurrent_requests_share_one_broker_connection() {
         later.push(http(port, "GET", "/api/status").expect("an answer"));
     }
     done.store(true, std::sync::atomic::Ordering::SeqCst);
-    let most = sampler.join().unwrap();
+    let (most, evidence) = sampler.join().unwrap();
     assert!(
         most <= own + 1,
-        "{most} broker connections at once; the beat's own: {own}"
+        "{most} broker connections at once ({evidence}); the beat's own: {own}\n{}",
+        beat.log_tail(20)
     );
 
     let ok = answers.iter().filter(|a| a.1 == 200).count();
@@ -627,11 +658,17 @@ async fn a_slow_broker_link_still_gives_the_counts_through_one_connection() {
     let own = connections_to(pid, proxy.port);
     // The cached counts expire; reads over the slow link, each slower than a request waits.
     let start = Instant::now();
-    let mut most = own;
+    let (mut most, mut evidence) = (own, String::new());
+    let mut sample = || {
+        let now = connections_to(pid, proxy.port);
+        if now > most {
+            (most, evidence) = (now, connection_evidence(pid, proxy.port));
+        }
+    };
     let fresh = wait_until(Duration::from_secs(40), || {
-        most = most.max(connections_to(pid, proxy.port));
+        sample();
         let status = api_status(port);
-        most = most.max(connections_to(pid, proxy.port));
+        sample();
         // Past the 5 s the count read before the delay was kept for: a read over the slow link.
         start.elapsed() > Duration::from_secs(6) && status.is_some_and(|s| s["dead_letters"] == 0)
     });
@@ -642,7 +679,7 @@ async fn a_slow_broker_link_still_gives_the_counts_through_one_connection() {
     );
     assert!(
         most <= own + 1,
-        "{most} broker connections at once; the beat's own: {own}\n{}",
+        "{most} broker connections at once ({evidence}); the beat's own: {own}\n{}",
         beat.log_tail(20)
     );
     proxy.set(drumline_e2e::proxy::Fault::Pass);
