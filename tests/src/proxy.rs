@@ -218,12 +218,16 @@ fn owner_of(peer: SocketAddr, port: u16) -> Option<i32> {
     };
     let local = hex(*peer.ip(), peer.port());
     let remote = hex(std::net::Ipv4Addr::LOCALHOST, port);
-    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
-    let inode = table.lines().skip(1).find_map(|line| {
-        let cols: Vec<&str> = line.split_whitespace().collect();
-        (cols.get(1) == Some(&local.as_str()) && cols.get(2) == Some(&remote.as_str()))
-            .then(|| cols.get(9).map(|s| (*s).to_owned()))
-            .flatten()
+    // A read of the table is not atomic: while other sockets come and go it may skip a line,
+    // so a connection not found is looked for again.
+    let inode = (0..5).find_map(|_| {
+        let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+        table.lines().skip(1).find_map(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            (cols.get(1) == Some(&local.as_str()) && cols.get(2) == Some(&remote.as_str()))
+                .then(|| cols.get(9).map(|s| (*s).to_owned()))
+                .flatten()
+        })
     })?;
     let link = format!("socket:[{inode}]");
     std::fs::read_dir("/proc")
