@@ -109,7 +109,7 @@ pub struct Span<'a> {
     pub key: &'a str,
     /// When it was claimed.
     pub start: i64,
-    /// When its outcome (or release) was journaled.
+    /// When its task ended: its outcome's (or release's) entry less `ago`.
     pub end: i64,
     /// The claim's entry.
     pub id: &'a str,

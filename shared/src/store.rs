@@ -590,7 +590,7 @@ return {1, woken}
     )
 });
 
-// RELEASE (the shared KEYS[1..4] and ARGV[1..2] above, nothing more)
+// RELEASE (the shared KEYS[1..4] and ARGV[1..2] above, then only `ago`: see ENDED)
 // Output: {1 released | 0 not ours, woken}.
 // Gives the claim up (shutdown abandoned the run; its copy is requeued): the record stays,
 // with its attempt, so older copies are still duplicates; its lease is marked lapsed and the

@@ -157,8 +157,6 @@ impl Store {
         self
     }
 
-    /// Ends a fate-deciding script's call with what [`JOURNAL`] reads: the journal key last
-    /// among the KEYS, then the instance's key, the retention and the cap (0 when off).
     /// [`journal_tail`](Self::journal_tail) for a holder's script (FINISH, RETRY, RELEASE):
     /// first how many ms ago the run ended ('' when unknown: see
     /// [`with_ended`](Self::with_ended)), measured now, so a write repeated after a failover
@@ -171,6 +169,8 @@ impl Store {
         self.journal_tail(call, key);
     }
 
+    /// Ends a fate-deciding script's call with what [`JOURNAL`] reads: the journal key last
+    /// among the KEYS, then the instance's key, the retention and the cap (0 when off).
     pub(super) fn journal_tail(&self, call: &mut ScriptInvocation<'_>, key: &str) {
         let max = if self.journal.enabled {
             self.journal.max_len
