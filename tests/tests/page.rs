@@ -521,6 +521,26 @@ fn connection_evidence(pid: i32, port: u16) -> String {
     )
 }
 
+/// A beat with one idle job (daily at 03:00) serving its page on a free port, `extra` put at
+/// the head of its config: the beat and the port.
+fn beat_with_page(env: &TestEnv, extra: &str) -> (drumline_e2e::Proc, u16) {
+    let cfg = env.config(
+        "drumline.toml",
+        &format!(
+            "{extra}[[jobs]]\nname = \"daily\"\ntask = \"append\"\ncron = \"0 3 * * *\"\n\
+             [tasks.append]\ncommand = {}\n",
+            env.append_key_command("effects", 0.0)
+        ),
+    );
+    let port = unused_port();
+    let addr = format!("127.0.0.1:{port}");
+    let beat = env.beat(
+        "beat",
+        &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
+    );
+    (beat, port)
+}
+
 /// Sends `paths` all at once, one thread each: (path, code, head, body, when it was answered).
 fn burst(port: u16, paths: &[&str]) -> Vec<(String, u16, String, String, Instant)> {
     let start = std::sync::Arc::new(std::sync::Barrier::new(paths.len()));
@@ -546,20 +566,7 @@ fn burst(port: u16, paths: &[&str]) -> Vec<(String, u16, String, String, Instant
 #[tokio::test(flavor = "multi_thread")]
 async fn concurrent_requests_share_one_broker_connection() {
     let env = setup("e2e_page_conns");
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[[jobs]]\nname = \"daily\"\ntask = \"append\"\ncron = \"0 3 * * *\"\n\
-             [tasks.append]\ncommand = {}\n",
-            env.append_key_command("effects", 0.0)
-        ),
-    );
-    let port = unused_port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut beat = env.beat(
-        "beat",
-        &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
-    );
+    let (mut beat, port) = beat_with_page(&env, "");
     let pid = beat.pid();
     // The beat's own (publishing) connection, before the page made any.
     assert!(
@@ -629,21 +636,9 @@ async fn concurrent_requests_share_one_broker_connection() {
 async fn a_slow_broker_link_still_gives_the_counts_through_one_connection() {
     let env = setup("e2e_page_slow_broker");
     let proxy = drumline_e2e::proxy::Proxy::start("127.0.0.1:5672".parse().unwrap());
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[broker]\nurl = {}\n[[jobs]]\nname = \"daily\"\ntask = \"append\"\n\
-             cron = \"0 3 * * *\"\n[tasks.append]\ncommand = {}\n",
-            toml_string(&format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port)),
-            env.append_key_command("effects", 0.0)
-        ),
-    );
-    let port = unused_port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut beat = env.beat(
-        "beat",
-        &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
-    );
+    let broker = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port);
+    let broker = format!("[broker]\nurl = {}\n", toml_string(&broker));
+    let (mut beat, port) = beat_with_page(&env, &broker);
     let pid = beat.pid();
     // The counts are known once the page has connected and read them.
     assert!(
