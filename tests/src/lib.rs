@@ -161,6 +161,14 @@ impl TestEnv {
         self.spawn("drumline-worker", label, args)
     }
 
+    /// Starts `drumline-worker` with `args` as the leader of a process group of its own, as a
+    /// shell starts a job (so [`Proc::kill9_group`] can kill it with everything in its group).
+    pub fn worker_leading_its_group(&self, label: &str, args: &[&str]) -> Proc {
+        let mut cmd = Command::new(binary("drumline-worker"));
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        self.launch(cmd, "drumline-worker", label, args, &[])
+    }
+
     /// Starts `drumline-worker` with `args` and extra environment variables `vars` (which may
     /// include `DRUMLINE_AMQP_URL` / `DRUMLINE_REDIS_URL`, removed otherwise).
     pub fn worker_with_env(&self, label: &str, args: &[&str], vars: &[(&str, &str)]) -> Proc {
@@ -401,6 +409,17 @@ impl Proc {
     /// kill -9.
     pub fn kill9(&mut self) -> ExitStatus {
         self.signal(9);
+        self.wait(Duration::from_secs(10))
+    }
+
+    /// `kill -9 -PID`: SIGKILL to the whole process group this process leads (see
+    /// [`TestEnv::worker_leading_its_group`]), then wait for its exit.
+    pub fn kill9_group(&mut self) -> ExitStatus {
+        let status = Command::new("kill")
+            .args(["-9", "--", &format!("-{}", self.pid())])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill -9 of the group failed");
         self.wait(Duration::from_secs(10))
     }
 

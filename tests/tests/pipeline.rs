@@ -256,6 +256,44 @@ async fn a_worker_killed_mid_task_is_taken_over_after_its_lease() {
     assert_eq!(state.as_deref(), Some("done"));
 }
 
+/// `kill -9` of the worker's whole process group (a shell's job, a container's init killing
+/// its group) takes every task down with it, the task's own children included: the supervisor
+/// is not in that group, sees the worker's end of its socket close and kills every task's
+/// group (issue 22's third defect: the withdrawn design's sentinel died with the group and
+/// orphaned its tasks).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kill_of_the_workers_whole_process_group_kills_every_task() {
+    let env = setup("e2e_kill9_group");
+    let config = slow_task_config(&env, 5);
+    let cfg = config.to_str().unwrap();
+    let mut worker = env.worker_leading_its_group("worker", &["--config", cfg]);
+    env.wait_for_topology(&worker).await;
+    env.publish(&adhoc("k-group", "slow")).await;
+    assert!(
+        wait_until(WAIT, || env.lines("starts").len() == 1),
+        "{}",
+        worker.log_tail(20)
+    );
+    let start = env.lines("starts")[0].clone();
+    let pids: Vec<i32> = start
+        .split(' ')
+        .skip(1)
+        .map(|p| p.parse().unwrap())
+        .collect();
+    assert_eq!(pids.len(), 2, "{start}");
+    assert!(pids.iter().all(|&p| pid_alive(p)), "{start}");
+
+    worker.kill9_group();
+    // The child's own 5 s sleep has more than 2 s left: only the kill can end it this soon.
+    for pid in pids {
+        assert!(
+            wait_until(Duration::from_secs(2), || !pid_alive(pid)),
+            "process {pid} of the task outlived its worker's process group"
+        );
+    }
+    assert!(env.lines("effects").is_empty(), "the killed task finished");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_lets_the_running_task_finish_then_exits_zero() {
     let env = setup("e2e_sigterm");

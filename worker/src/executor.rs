@@ -2,24 +2,13 @@
 //! the envelope's `args` on stdin, the context in `DRUMLINE_*` variables.
 //!
 //! A task process never outlives its worker, children included, and cannot read the worker.
-//! Each task runs in its own process group (so a timeout or cancellation kills the whole tree)
-//! under a small supervisor, `drumline-supervisor` ([`crate::supervisor`]), that leads the
-//! group. The supervisor makes itself non-dumpable (as the worker did at start,
-//! [`make_non_dumpable`]), so a task running as the worker's user can read neither's
-//! `/proc/<pid>/environ` nor ptrace them (docs/design.md#tasks-cannot-read-the-worker), and
-//! asks for `PR_SET_PDEATHSIG = SIGHUP`: when the worker dies, even by `kill -9`, the kernel
-//! sends it SIGHUP and it kills its whole group with SIGKILL, so no orphan (not even a
-//! grandchild) can complete the instance a second time. A parent-death signal on the task
-//! itself would reach only the first process. PDEATHSIG fires when the *spawning thread* exits,
-//! and tokio's blocking threads come and go, so every task is spawned from one dedicated thread
-//! that lives as long as the worker process.
-//!
-//! The supervisor sets both flags itself, after its exec (an exec makes a process dumpable
-//! again, so the worker could not set that one for it), and then checks that its parent is
-//! still the worker (its pid is the supervisor's first argument): a worker that died before the
-//! signal was asked for could not trigger it. With no code of ours between fork and exec, std
-//! starts the supervisor with `posix_spawn` (a vfork-style clone) instead of forking the
-//! worker, whose page-table copy grew with the worker's memory (issue 11).
+//! Every task runs as the leader of its own process group (so a timeout or cancellation kills
+//! the whole tree), started by the worker's one supervisor, `drumline-supervisor`
+//! ([`crate::supervisor`]): the worker hands it the command, the environment and the ends of
+//! the task's pipes over a socket, and it starts the command with `posix_spawn`, holds its
+//! pidfd, kills its group when the leader exits or the worker asks, and kills every group when
+//! the worker's end of the socket closes (the worker died, even by `kill -9` of its whole
+//! process group). Per run that is one `exec`, the command's: the fork/exec ceiling's own.
 //!
 //! Dropping a run's future (the worker does when a run outlives its lease deadline, or when it
 //! abandons a connection's runs) SIGKILLs the whole group. The task's environment is the
@@ -28,21 +17,23 @@
 
 use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
 use crate::output::{self, Stream};
+use crate::supervisor::link::{self, Spec, StartError};
+use crate::supervisor::wire::Status;
 use drumline_shared::config::{Task, ENV_AMQP_URL, ENV_REDIS_URL};
 use drumline_shared::envelope::format_instant;
-use nix::sys::signal::{killpg, Signal};
-use nix::unistd::Pid;
+use rustix::fd::OwnedFd;
+use rustix::pipe::PipeFlags;
+use rustix::process::Signal;
 use std::collections::BTreeMap;
+use std::ffi::{CString, OsStr, OsString};
 use std::io;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::sync::mpsc;
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
-use tokio::process::{Child, Command};
-use tokio::sync::oneshot;
+use tokio::net::unix::pipe;
 
 /// The supervisor's program name, looked for beside the worker's executable, then on `PATH`.
 pub const SUPERVISOR: &str = "drumline-supervisor";
@@ -88,48 +79,72 @@ impl ShellExecutor {
     }
 
     /// The worker's environment minus the removed variables, plus `[tasks.NAME] env`, plus
-    /// the run's context (which the config cannot override).
-    fn environment(&self, cmd: &mut Command, ctx: &TaskContext) {
-        for name in &self.env_remove {
-            cmd.env_remove(name);
-        }
-        cmd.envs(&self.env)
-            .env("DRUMLINE_TASK", &ctx.task)
-            .env("DRUMLINE_KEY", &ctx.key)
-            .env("DRUMLINE_JOB", ctx.job.as_deref().unwrap_or(""))
-            .env("DRUMLINE_SCHEDULED_FOR", format_instant(ctx.scheduled_for))
-            .env("DRUMLINE_ATTEMPT", ctx.attempt.to_string())
-            .env("DRUMLINE_FENCING_TOKEN", ctx.fencing_token.to_string());
+    /// the run's context (which the config cannot override), as `NAME=value` entries.
+    fn environment(&self, ctx: &TaskContext) -> Vec<CString> {
+        let mut env: BTreeMap<OsString, OsString> = std::env::vars_os()
+            .filter(|(name, _)| !self.env_remove.iter().any(|r| OsStr::new(r) == name))
+            .collect();
+        env.extend(self.env.iter().map(|(k, v)| (k.into(), v.into())));
+        let context = [
+            ("DRUMLINE_TASK", ctx.task.clone()),
+            ("DRUMLINE_KEY", ctx.key.clone()),
+            ("DRUMLINE_JOB", ctx.job.clone().unwrap_or_default()),
+            ("DRUMLINE_SCHEDULED_FOR", format_instant(ctx.scheduled_for)),
+            ("DRUMLINE_ATTEMPT", ctx.attempt.to_string()),
+            ("DRUMLINE_FENCING_TOKEN", ctx.fencing_token.to_string()),
+        ];
+        env.extend(context.into_iter().map(|(k, v)| (k.into(), v.into())));
+        env.into_iter()
+            .filter_map(|(name, value)| {
+                let mut entry = name.into_vec();
+                entry.push(b'=');
+                entry.extend_from_slice(value.as_bytes());
+                // A NUL inside a value cannot be passed (nor set by a config: TOML strings
+                // may hold one); such a variable is left out.
+                CString::new(entry).ok()
+            })
+            .collect()
     }
 
     async fn run(self, ctx: TaskContext) -> Result<(), HandlerError> {
         let supervisor = supervisor()
             .map_err(|e| HandlerError::retryable("cannot run a shell task").because(e))?;
-        let mut cmd = Command::new(supervisor);
-        cmd.arg(std::process::id().to_string()).args(&self.command);
-        self.environment(&mut cmd, &ctx);
+        let cannot_pipe = |e: rustix::io::Errno| {
+            HandlerError::retryable("cannot run a shell task").because(io::Error::from(e))
+        };
+        let pipe = || rustix::pipe::pipe_with(PipeFlags::CLOEXEC).map_err(cannot_pipe);
+        let (stdin_theirs, stdin_ours) = pipe()?;
+        let (stderr_ours, stderr_theirs) = pipe()?;
         // stderr is always read (its tail goes with a failure); stdout only to turn its lines
         // into log events (docs/design.md#failures-you-can-read).
-        cmd.stdin(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .process_group(0);
-        if output::as_events() {
-            cmd.stdout(Stdio::piped());
-        }
-        let mut child = spawn(cmd).await.map_err(|e| {
-            HandlerError::retryable(format!("cannot start {:?}", self.command[0])).because(e)
-        })?;
+        let (stdout_ours, stdout_theirs) = match output::as_events().then(pipe).transpose()? {
+            Some((ours, theirs)) => (Some(ours), Some(theirs)),
+            None => (None, None),
+        };
+        let argv: Vec<CString> = self
+            .command
+            .iter()
+            .map(|a| CString::new(a.as_bytes()))
+            .collect::<Result<_, _>>()
+            .map_err(|e| HandlerError::permanent("the command holds a NUL byte").because(e))?;
+        let spec = Spec {
+            argv,
+            env: self.environment(&ctx),
+            stdin: stdin_theirs,
+            stderr: stderr_theirs,
+            stdout: stdout_theirs,
+        };
+        let mut task = link::start(supervisor, spec)
+            .await
+            .map_err(|e| self.not_started(e))?;
         // From here on, however this future ends (returned or dropped), the group is killed.
-        let group = child.id().map(|id| Group(Pid::from_raw(id as i32)));
-        let stderr = read_output(&mut child, &ctx);
+        let stderr = read_output(stdout_ours, stderr_ours, &ctx);
 
         // Fed alongside the wait, never before it: a task that does not read its stdin must
         // not keep the timeout and the cancellation from firing (docs/design.md).
-        let stdin = child.stdin.take();
         let args = serde_json::to_vec(&ctx.args).unwrap_or_default();
         let feed = async move {
-            if let Some(mut stdin) = stdin {
+            if let Ok(mut stdin) = pipe::Sender::from_owned_fd(stdin_ours) {
                 // A task that does not read stdin closes it early: not an error.
                 let _ = stdin.write_all(&args).await;
             }
@@ -147,14 +162,12 @@ impl ShellExecutor {
         loop {
             tokio::select! {
                 () = &mut feed, if !fed => fed = true,
-                status = child.wait() => {
-                    let status = status.map_err(|e| HandlerError::retryable("wait failed").because(e))?;
-                    // The leader exited; stragglers in its group must not outlive the run.
-                    drop(group);
-                    return self.outcome(status).map_err(with_stderr(stderr).await);
+                status = task.wait() => {
+                    let status = status.map_err(|e| HandlerError::retryable("the task was lost").because(e))?;
+                    return self.outcome(exit_status(status)).map_err(with_stderr(stderr).await);
                 }
                 () = &mut deadline => {
-                    stop(&mut child, group, ctx.kill_grace).await;
+                    stop(&mut task, ctx.kill_grace).await;
                     let e = HandlerError::retryable(format!(
                         "timed out after {}",
                         humantime::format_duration(self.timeout.unwrap_or_default())
@@ -162,11 +175,43 @@ impl ShellExecutor {
                     return Err(with_stderr(stderr).await(e));
                 }
                 () = ctx.cancel.cancelled() => {
-                    stop(&mut child, group, ctx.kill_grace).await;
+                    stop(&mut task, ctx.kill_grace).await;
                     return Err(HandlerError::retryable("cancelled"));
                 }
             }
         }
+    }
+
+    /// The outcome of a start the supervisor could not make: as a shell reports it, exit code
+    /// 127 when the program does not exist and 126 when it cannot run (so
+    /// `permanent_exit_codes` decide as they do for a shell's), the reason as its cause.
+    fn not_started(&self, e: StartError) -> HandlerError {
+        match e {
+            StartError::Refused(e) => {
+                let code = if e.kind() == io::ErrorKind::NotFound {
+                    127
+                } else {
+                    126
+                };
+                let cause =
+                    io::Error::new(e.kind(), format!("cannot start {:?}: {e}", self.command[0]));
+                match self.outcome(exit_status(Status::Code(code))) {
+                    Err(failure) => failure.because(cause),
+                    Ok(()) => HandlerError::retryable("cannot start").because(cause),
+                }
+            }
+            StartError::Unavailable(e) => {
+                HandlerError::retryable("cannot run a shell task").because(e)
+            }
+        }
+    }
+}
+
+/// The task's end as the `ExitStatus` a wait would have given.
+fn exit_status(status: Status) -> std::process::ExitStatus {
+    match status {
+        Status::Code(code) => std::process::ExitStatus::from_raw((code & 0xff) << 8),
+        Status::Signal(signal) => std::process::ExitStatus::from_raw(signal & 0x7f),
     }
 }
 
@@ -200,22 +245,16 @@ struct Readers {
 }
 
 /// Starts reading the task's piped output.
-fn read_output(child: &mut Child, ctx: &TaskContext) -> Readers {
-    let drain = |stream, reader: Option<_>| {
+fn read_output(stdout: Option<OwnedFd>, stderr: OwnedFd, ctx: &TaskContext) -> Readers {
+    let drain = |stream, fd: Option<OwnedFd>| {
         let (key, task) = (ctx.key.clone(), ctx.task.clone());
-        reader.map(|r| tokio::spawn(output::drain(r, stream, key, task)))
+        let reader = fd.and_then(|fd| pipe::Receiver::from_owned_fd(fd).ok());
+        reader.map(|r| tokio::spawn(output::drain(Box::new(r), stream, key, task)))
     };
     Readers {
-        stdout: drain(Stream::Stdout, child.stdout.take().map(boxed)),
-        stderr: drain(Stream::Stderr, child.stderr.take().map(boxed)),
+        stdout: drain(Stream::Stdout, stdout),
+        stderr: drain(Stream::Stderr, Some(stderr)),
     }
-}
-
-/// A pipe of the child as one reader type.
-fn boxed(
-    r: impl tokio::io::AsyncRead + Unpin + Send + 'static,
-) -> Box<dyn tokio::io::AsyncRead + Unpin + Send> {
-    Box::new(r)
 }
 
 /// How long a finished task's output may take to reach its end (a straggler outside the group
@@ -246,29 +285,17 @@ async fn with_stderr(readers: Readers) -> impl FnOnce(HandlerError) -> HandlerEr
     }
 }
 
-/// A task's process group, SIGKILLed when this is dropped. `kill_on_drop` alone would reach
-/// only the supervisor, and the command (the supervisor's child) would live on as an orphan
-/// when the worker drops a run's future (docs/design.md).
-struct Group(Pid);
-
-impl Drop for Group {
-    fn drop(&mut self) {
-        let _ = killpg(self.0, Signal::SIGKILL);
-    }
-}
-
-/// SIGTERM to the group, SIGKILL after `grace` (at most [`KILL_GRACE`]).
-async fn stop(child: &mut Child, group: Option<Group>, grace: Duration) {
-    let Some(group) = group else { return };
-    let _ = killpg(group.0, Signal::SIGTERM);
-    if tokio::time::timeout(grace.min(KILL_GRACE), child.wait())
+/// SIGTERM to the group, SIGKILL after `grace` (at most [`KILL_GRACE`]). (Dropping `task`
+/// kills what is left of it.)
+async fn stop(task: &mut link::Task, grace: Duration) {
+    task.signal(Signal::TERM).await;
+    if tokio::time::timeout(grace.min(KILL_GRACE), task.wait())
         .await
         .is_err()
     {
-        let _ = killpg(group.0, Signal::SIGKILL);
-        let _ = child.wait().await;
+        task.signal(Signal::KILL).await;
+        let _ = task.wait().await;
     }
-    // Dropping `group` kills what is left of it.
 }
 
 /// Where the supervisor is: the path given to [`use_supervisor`], else `drumline-supervisor`
@@ -319,39 +346,8 @@ pub fn use_supervisor(path: PathBuf) -> bool {
     SUPERVISOR_PATH.set(Ok(path)).is_ok()
 }
 
-type SpawnRequest = (Command, oneshot::Sender<io::Result<Child>>);
-
-/// Spawns `cmd` from the long-lived spawner thread (see the module doc for why).
-async fn spawn(cmd: Command) -> io::Result<Child> {
-    static SPAWNER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
-    let sender = SPAWNER
-        .get_or_init(|| {
-            let (tx, rx) = mpsc::channel::<SpawnRequest>();
-            let runtime = tokio::runtime::Handle::current();
-            std::thread::Builder::new()
-                .name("drumline-spawner".into())
-                .spawn(move || {
-                    // tokio's child reaping needs the runtime's context on this thread.
-                    let _guard = runtime.enter();
-                    for (mut cmd, reply) in rx {
-                        // The run was dropped while we spawned: take its group down with it.
-                        if let Err(Ok(child)) = reply.send(cmd.spawn()) {
-                            if let Some(id) = child.id() {
-                                let _ = killpg(Pid::from_raw(id as i32), Signal::SIGKILL);
-                            }
-                        }
-                    }
-                })
-                .expect("cannot start the spawner thread");
-            Mutex::new(tx)
-        })
-        .lock()
-        .expect("spawner lock poisoned")
-        .clone();
-    let (tx, rx) = oneshot::channel();
-    sender
-        .send((cmd, tx))
-        .map_err(|_| io::Error::other("spawner thread is gone"))?;
-    rx.await
-        .map_err(|_| io::Error::other("spawner thread is gone"))?
+/// How many tasks the supervisor holds right now (see [`link::census`]).
+pub async fn supervised_tasks() -> io::Result<usize> {
+    let program = supervisor().map_err(io::Error::other)?;
+    link::census(program).await
 }

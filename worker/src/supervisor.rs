@@ -1,147 +1,422 @@
-//! `drumline-supervisor WORKER_PID COMMAND [ARG…]`: the process that leads a shell task's
-//! process group (docs/design.md#the-task-supervisor). The worker starts it (with `posix_spawn`:
-//! no code of the worker runs between fork and exec) as the leader of a new process group; it
-//! then, before it starts anything:
+//! `drumline-supervisor WORKER_PID`: the one process that starts, watches and kills a worker's
+//! shell tasks (docs/design.md#the-task-supervisor). The worker starts it once, on its first
+//! shell task, in a process group of its own, its end of a `SOCK_SEQPACKET` socket pair as
+//! stdin; the worker talks to it through [`link`], in the messages of [`wire`].
+//!
+//! Before it reads a request it
 //!
 //! 1. makes itself non-dumpable (`PR_SET_DUMPABLE = 0`): a task running as the same user can
 //!    then neither read its `/proc/<pid>/environ` or `mem` nor ptrace it
-//!    (docs/design.md#tasks-cannot-read-the-worker). A flag set by the worker before the exec
-//!    would not do: `execve` makes a process dumpable again, which is why the supervisor is a
-//!    program of ours and not `/bin/sh`;
-//! 2. asks for SIGHUP when its parent dies (`PR_SET_PDEATHSIG`), and checks that its parent is
-//!    still `WORKER_PID`: a worker that died before the request could not trigger it, and then
-//!    the supervisor exits 125 without starting the command;
-//! 3. blocks SIGHUP, SIGTERM, SIGINT and SIGCHLD, to take them one at a time with `sigwait`.
+//!    (docs/design.md#tasks-cannot-read-the-worker); a flag set by the worker before the exec
+//!    would not do (`execve` makes a process dumpable again);
+//! 2. checks that its parent is still `WORKER_PID` (else it exits 125, [`ORPHANED`]);
+//! 3. blocks SIGTERM, SIGINT and SIGHUP: a `systemctl stop` that signals every process of the
+//!    service must not take the supervisor before the tasks it watches (they get the signal
+//!    themselves, with an empty mask).
 //!
-//! It starts the command with `posix_spawnp` (stdin, stdout, stderr and environment passed
-//! through, `PATH` searched; the signal mask emptied and SIGPIPE set back to its default for it:
-//! std's `Command` would pass the blocked mask on) and waits: on SIGHUP (the worker died, even by
-//! `kill -9`) it SIGKILLs its whole process group, itself included, so no task process outlives
-//! the worker; SIGTERM and SIGINT it ignores (the command gets them directly, as a member of the
-//! group, and the supervisor still reports its status); when the command exits, it exits with
-//! the command's code, or 128 + the signal that killed it (as a shell does).
+//! Then, one request at a time, it starts each task with `posix_spawn` (a vfork-style clone:
+//! the supervisor is small, and nothing of ours runs between fork and exec) as the leader of a
+//! new process group, and holds its **pidfd** in an epoll set. A task is registered only once
+//! it runs: a start that fails leaves nothing behind. When a leader exits, the supervisor
+//! SIGKILLs its group *before* reaping it: until it is reaped, the leader's pid (the group's
+//! id) cannot be reused, so no signal ever reaches another process through a stale number.
+//! When the worker's end of the socket closes (the worker exited or died, even by `kill -9`,
+//! alone or with its whole process group: the supervisor is not in it), the supervisor
+//! SIGKILLs every task's group, reaps them and exits: no task outlives its worker. Each step
+//! costs the same with one task running or thousands (a hash map and epoll, no scan).
 
-use nix::errno::Errno;
-use nix::spawn::{posix_spawnp, PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
+pub mod link;
+pub mod wire;
+
+use nix::spawn::{PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
 use nix::sys::prctl;
-use nix::sys::signal::{kill, SigSet, Signal};
-use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
-use nix::unistd::{getppid, Pid};
-use std::ffi::{CString, OsString};
+use nix::sys::signal::{SigSet, Signal};
+use nix::unistd::getppid;
+use rustix::event::epoll;
+use rustix::fd::{AsFd, AsRawFd, OwnedFd};
+use rustix::io::Errno;
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use rustix::process::{Pid, PidfdFlags, WaitId, WaitIdOptions};
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, OsString};
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
 use std::os::unix::ffi::OsStrExt;
+use wire::{Reply, Request, Start, Status};
 
-/// Exit code when the worker was gone before the supervisor could be signalled of its death.
+/// Exit code when the worker was gone before the supervisor started.
 pub const ORPHANED: i32 = 125;
-/// Exit code when the command could not be started (not executable, or a set-up failure).
-pub const CANNOT_START: i32 = 126;
-/// Exit code when the command does not exist.
-pub const NOT_FOUND: i32 = 127;
+/// Exit code when the supervisor cannot set itself up or its socket fails.
+pub const BROKEN: i32 = 126;
 /// Exit code for a command line the supervisor cannot read (a bug of the worker's).
 pub const USAGE: i32 = 2;
 
+/// The largest request the supervisor reads (a start with its whole environment).
+pub const MAX_MESSAGE: usize = 256 * 1024;
+
+/// The epoll token of the socket; every other token is a task's id.
+const SOCKET: u64 = u64::MAX;
+
 /// Runs the supervisor on its command line (program name first) and returns its exit code.
 pub fn run(args: impl IntoIterator<Item = OsString>) -> i32 {
-    let mut args = args.into_iter().skip(1);
-    let worker = args.next().and_then(|a| a.to_str()?.parse::<i32>().ok());
-    let command: Option<Vec<CString>> = args.map(|a| CString::new(a.as_bytes()).ok()).collect();
-    let (Some(worker), Some(command)) = (worker, command.filter(|c| !c.is_empty())) else {
-        eprintln!("usage: drumline-supervisor WORKER_PID COMMAND [ARG...]");
+    let args: Vec<OsString> = args.into_iter().skip(1).collect();
+    let worker = match args.as_slice() {
+        [pid] => pid.to_str().and_then(|p| p.parse::<i32>().ok()),
+        _ => None,
+    };
+    let Some(worker) = worker else {
+        eprintln!(
+            "usage: drumline-supervisor WORKER_PID (its socket on stdin; the worker starts it)"
+        );
         return USAGE;
     };
-    match prepare(worker) {
-        Ok(()) => {}
-        Err(Errno::ESRCH) => return ORPHANED,
-        Err(e) => {
-            eprintln!("drumline-supervisor: cannot set itself up: {e}");
-            return CANNOT_START;
-        }
+    if let Err(e) = prepare() {
+        eprintln!("drumline-supervisor: cannot set itself up: {e}");
+        return BROKEN;
     }
-    let child = match start(&command) {
-        Ok(child) => child,
+    if getppid().as_raw() != worker {
+        return ORPHANED;
+    }
+    match Supervisor::new().and_then(|mut s| s.serve()) {
+        Ok(()) => 0,
         Err(e) => {
-            eprintln!("drumline-supervisor: cannot start {:?}: {e}", command[0]);
-            return if e == Errno::ENOENT {
-                NOT_FOUND
-            } else {
-                CANNOT_START
-            };
-        }
-    };
-    let waited = waited_signals();
-    loop {
-        match waited.wait() {
-            Ok(Signal::SIGHUP) => {
-                // The worker died: the whole group goes, this process with it.
-                let _ = kill(Pid::from_raw(0), Signal::SIGKILL);
-            }
-            Ok(Signal::SIGCHLD) => match waitpid(child, Some(WaitPidFlag::WNOHANG)) {
-                Ok(WaitStatus::Exited(_, code)) => return code,
-                Ok(WaitStatus::Signaled(_, signal, _)) => return 128 + signal as i32,
-                // Stopped or continued, or not changed after all.
-                Ok(_) => {}
-                Err(e) => {
-                    eprintln!("drumline-supervisor: cannot wait for the command: {e}");
-                    return CANNOT_START;
-                }
-            },
-            // SIGTERM, SIGINT: the command received them too; its status comes with SIGCHLD.
-            _ => {}
+            eprintln!("drumline-supervisor: {e}");
+            BROKEN
         }
     }
 }
 
-/// Starts `command` (program first, looked up on `PATH`) with this process's environment and
-/// standard streams, the signal mask empty and SIGPIPE at its default.
-fn start(command: &[CString]) -> nix::Result<Pid> {
-    let mut attr = PosixSpawnAttr::init()?;
-    attr.set_sigmask(&SigSet::empty())?;
+/// Steps 1 and 3 of the module doc.
+fn prepare() -> nix::Result<()> {
+    prctl::set_dumpable(false)?;
+    let mut blocked = SigSet::empty();
+    for signal in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
+        blocked.add(signal);
+    }
+    blocked.thread_block()
+}
+
+/// A task that runs: its leader's pid (also its group's id) and pidfd.
+struct Task {
+    pid: Pid,
+    pidfd: OwnedFd,
+}
+
+struct Supervisor {
+    socket: OwnedFd,
+    epoll: OwnedFd,
+    tasks: HashMap<u64, Task>,
+}
+
+impl Supervisor {
+    /// Moves the socket off stdin (a task must not inherit it) and sets up the epoll set.
+    fn new() -> std::io::Result<Self> {
+        let socket = rustix::io::fcntl_dupfd_cloexec(rustix::stdio::stdin(), 3)?;
+        let null = rustix::fs::open(
+            "/dev/null",
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )?;
+        rustix::stdio::dup2_stdin(&null)?;
+        let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+        epoll::add(
+            &epoll,
+            &socket,
+            epoll::EventData::new_u64(SOCKET),
+            epoll::EventFlags::IN,
+        )?;
+        Ok(Self {
+            socket,
+            epoll,
+            tasks: HashMap::new(),
+        })
+    }
+
+    /// Serves until the worker's end closes, then kills every task.
+    fn serve(&mut self) -> std::io::Result<()> {
+        let mut events = Vec::with_capacity(64);
+        let mut buf = vec![0u8; MAX_MESSAGE];
+        loop {
+            events.clear();
+            match epoll::wait(
+                &self.epoll,
+                rustix::buffer::spare_capacity(&mut events),
+                None,
+            ) {
+                Ok(_) => {}
+                Err(Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+            for event in events.drain(..) {
+                let token = event.data.u64();
+                if token != SOCKET {
+                    self.reap(token)?;
+                    continue;
+                }
+                match self.read_requests(&mut buf) {
+                    Ok(()) => {}
+                    Err(e) => {
+                        self.kill_all();
+                        return match e {
+                            Gone::Closed => Ok(()),
+                            Gone::Failed(e) => Err(e),
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Handles every request waiting on the socket.
+    fn read_requests(&mut self, buf: &mut [u8]) -> Result<(), Gone> {
+        loop {
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
+            let mut control = RecvAncillaryBuffer::new(&mut space);
+            let got = rustix::net::recvmsg(
+                &self.socket,
+                &mut [IoSliceMut::new(buf)],
+                &mut control,
+                RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC,
+            );
+            let got = match got {
+                Ok(got) => got,
+                Err(Errno::AGAIN) => return Ok(()),
+                Err(Errno::INTR) => continue,
+                Err(e) => return Err(Gone::Failed(e.into())),
+            };
+            if got.bytes == 0 {
+                return Err(Gone::Closed);
+            }
+            let mut fds: Vec<OwnedFd> = Vec::new();
+            for message in control.drain() {
+                if let RecvAncillaryMessage::ScmRights(received) = message {
+                    fds.extend(received);
+                }
+            }
+            if got.flags.contains(rustix::net::ReturnFlags::TRUNC) {
+                return Err(Gone::Failed(std::io::Error::other(
+                    "a request longer than the supervisor reads",
+                )));
+            }
+            match Request::decode(&buf[..got.bytes]) {
+                Ok(Request::Start(start)) => {
+                    let reply = self.start(&start, fds);
+                    self.send(reply)?;
+                }
+                Ok(Request::Signal { id, signal }) => {
+                    if let (Some(task), Some(signal)) = (
+                        self.tasks.get(&id),
+                        rustix::process::Signal::from_named_raw(signal),
+                    ) {
+                        // The leader is not reaped yet: its pid is still its group's.
+                        let _ = rustix::process::kill_process_group(task.pid, signal);
+                    }
+                }
+                Ok(Request::Census { id }) => {
+                    self.send((
+                        Reply::Census {
+                            id,
+                            tasks: self.tasks.len(),
+                        },
+                        None,
+                    ))?;
+                }
+                Err(e) => return Err(Gone::Failed(std::io::Error::other(e))),
+            }
+        }
+    }
+
+    /// Starts a task; the received descriptors are closed when this returns (the task has its
+    /// copies).
+    fn start(&mut self, start: &Start, fds: Vec<OwnedFd>) -> (Reply, Option<OwnedFd>) {
+        let failed = |errno: Errno| {
+            (
+                Reply::Failed {
+                    id: start.id,
+                    errno: errno.raw_os_error(),
+                },
+                None,
+            )
+        };
+        let expected = if start.stdout { 3 } else { 2 };
+        if fds.len() != expected || self.tasks.contains_key(&start.id) {
+            return failed(Errno::INVAL);
+        }
+        let pid = match spawn(start, &fds) {
+            Ok(pid) => pid,
+            Err(errno) => return failed(errno),
+        };
+        // Registered before anything else can happen: from here, a closed socket kills it.
+        let pidfd = match rustix::process::pidfd_open(pid, PidfdFlags::empty()) {
+            Ok(pidfd) => pidfd,
+            Err(errno) => {
+                // Unreaped, so the number is still this task's.
+                let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+                let _ = rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty());
+                return failed(errno);
+            }
+        };
+        if let Err(errno) = epoll::add(
+            &self.epoll,
+            &pidfd,
+            epoll::EventData::new_u64(start.id),
+            epoll::EventFlags::IN,
+        ) {
+            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+            let _ = rustix::process::waitid(WaitId::PidFd(pidfd.as_fd()), WaitIdOptions::EXITED);
+            return failed(errno);
+        }
+        let copy = rustix::io::fcntl_dupfd_cloexec(&pidfd, 3).ok();
+        self.tasks.insert(start.id, Task { pid, pidfd });
+        (
+            Reply::Started {
+                id: start.id,
+                pid: pid.as_raw_nonzero().get(),
+            },
+            copy,
+        )
+    }
+
+    /// Task `id`'s leader exited: kill what is left of its group, reap it, report.
+    fn reap(&mut self, id: u64) -> Result<(), Gone> {
+        let Some(task) = self.tasks.remove(&id) else {
+            return Ok(());
+        };
+        let _ = rustix::process::kill_process_group(task.pid, rustix::process::Signal::KILL);
+        let status = wait(&task.pidfd);
+        // Out of the epoll set by hand: closing our pidfd would not do it while the worker
+        // holds its copy (epoll watches the open file, not the descriptor), and a reaped
+        // process's pidfd stays readable.
+        let _ = epoll::delete(&self.epoll, &task.pidfd);
+        drop(task);
+        self.send((Reply::Exited { id, status }, None))
+    }
+
+    /// The worker is gone: every task's group goes, then the leaders are reaped.
+    fn kill_all(&mut self) {
+        for task in self.tasks.values() {
+            let _ = rustix::process::kill_process_group(task.pid, rustix::process::Signal::KILL);
+        }
+        for (_, task) in self.tasks.drain() {
+            wait(&task.pidfd);
+        }
+    }
+
+    fn send(&self, (reply, pidfd): (Reply, Option<OwnedFd>)) -> Result<(), Gone> {
+        let bytes = reply.encode();
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        let fds;
+        if let Some(fd) = &pidfd {
+            fds = [fd.as_fd()];
+            control.push(SendAncillaryMessage::ScmRights(&fds));
+        }
+        loop {
+            match rustix::net::sendmsg(
+                &self.socket,
+                &[IoSlice::new(&bytes)],
+                &mut control,
+                SendFlags::NOSIGNAL,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(Errno::INTR) => continue,
+                Err(Errno::PIPE | Errno::CONNRESET) => return Err(Gone::Closed),
+                Err(e) => return Err(Gone::Failed(e.into())),
+            }
+        }
+    }
+}
+
+/// Why the supervisor stops serving.
+enum Gone {
+    /// The worker's end closed.
+    Closed,
+    Failed(std::io::Error),
+}
+
+impl From<Gone> for std::io::Error {
+    fn from(g: Gone) -> Self {
+        match g {
+            Gone::Closed => std::io::Error::from(std::io::ErrorKind::BrokenPipe),
+            Gone::Failed(e) => e,
+        }
+    }
+}
+
+/// Reaps an exited leader through its pidfd.
+fn wait(pidfd: &OwnedFd) -> Status {
+    loop {
+        match rustix::process::waitid(WaitId::PidFd(pidfd.as_fd()), WaitIdOptions::EXITED) {
+            Ok(Some(status)) => {
+                return match (status.exit_status(), status.terminating_signal()) {
+                    (_, Some(signal)) => Status::Signal(signal),
+                    (Some(code), _) => Status::Code(code),
+                    (None, None) => Status::Code(BROKEN),
+                }
+            }
+            Err(Errno::INTR) => continue,
+            _ => return Status::Code(BROKEN),
+        }
+    }
+}
+
+/// `posix_spawn`s the command as the leader of a new process group, its stdin, stderr and
+/// (when sent) stdout the received descriptors, its signal mask empty and SIGPIPE at its default
+/// (Rust ignores it in the supervisor, and an ignored signal stays ignored across `exec`).
+fn spawn(start: &Start, fds: &[OwnedFd]) -> Result<Pid, Errno> {
+    let errno = |e: nix::Error| Errno::from_raw_os_error(e as i32);
+    let mut actions = PosixSpawnFileActions::init().map_err(errno)?;
+    let targets: &[i32] = if start.stdout { &[0, 2, 1] } else { &[0, 2] };
+    for (fd, &target) in fds.iter().zip(targets) {
+        actions.add_dup2(fd.as_raw_fd(), target).map_err(errno)?;
+    }
+    let mut attr = PosixSpawnAttr::init().map_err(errno)?;
+    attr.set_sigmask(&SigSet::empty()).map_err(errno)?;
     let mut default = SigSet::empty();
     default.add(Signal::SIGPIPE);
-    attr.set_sigdefault(&default)?;
+    attr.set_sigdefault(&default).map_err(errno)?;
+    attr.set_pgroup(nix::unistd::Pid::from_raw(0))
+        .map_err(errno)?;
     attr.set_flags(
-        PosixSpawnFlags::POSIX_SPAWN_SETSIGMASK | PosixSpawnFlags::POSIX_SPAWN_SETSIGDEF,
-    )?;
-    let env: Vec<CString> = std::env::vars_os()
-        .filter_map(|(key, value)| {
-            let mut pair = key.as_bytes().to_vec();
-            pair.push(b'=');
-            pair.extend_from_slice(value.as_bytes());
-            CString::new(pair).ok()
-        })
-        .collect();
-    posix_spawnp(
-        &command[0],
-        &PosixSpawnFileActions::init()?,
-        &attr,
-        command,
-        &env,
+        PosixSpawnFlags::POSIX_SPAWN_SETSIGMASK
+            | PosixSpawnFlags::POSIX_SPAWN_SETSIGDEF
+            | PosixSpawnFlags::POSIX_SPAWN_SETPGROUP,
     )
+    .map_err(errno)?;
+    let program = program(&start.argv[0], &start.env)?;
+    let pid = nix::spawn::posix_spawn(program.as_c_str(), &actions, &attr, &start.argv, &start.env)
+        .map_err(errno)?;
+    Pid::from_raw(pid.as_raw()).ok_or(Errno::SRCH)
 }
 
-/// Steps 1–3 of the module doc; `Err(ESRCH)` when the parent is no longer `worker`.
-fn prepare(worker: i32) -> nix::Result<()> {
-    prctl::set_dumpable(false)?;
-    prctl::set_pdeathsig(Signal::SIGHUP)?;
-    waited_signals().thread_block()?;
-    // After the parent-death request: a worker that dies from now on is noticed.
-    if getppid().as_raw() != worker {
-        return Err(Errno::ESRCH);
+/// The program to run: `name` itself when it holds a `/`, else the first executable file of
+/// that name in the task's `PATH` (as `execvp` looks; a default when the task has none).
+fn program(name: &CStr, env: &[CString]) -> Result<CString, Errno> {
+    if name.to_bytes().contains(&b'/') {
+        return Ok(name.to_owned());
     }
-    Ok(())
-}
-
-/// The signals the supervisor takes with `sigwait`.
-fn waited_signals() -> SigSet {
-    let mut set = SigSet::empty();
-    for signal in [
-        Signal::SIGHUP,
-        Signal::SIGTERM,
-        Signal::SIGINT,
-        Signal::SIGCHLD,
-    ] {
-        set.add(signal);
+    let path = env
+        .iter()
+        .find_map(|e| e.to_bytes().strip_prefix(b"PATH="))
+        .unwrap_or(b"/usr/local/bin:/usr/bin:/bin");
+    for dir in path.split(|&b| b == b':') {
+        let dir = if dir.is_empty() { &b"."[..] } else { dir };
+        let mut candidate = dir.to_vec();
+        candidate.push(b'/');
+        candidate.extend_from_slice(name.to_bytes());
+        let Ok(candidate) = CString::new(candidate) else {
+            continue;
+        };
+        if rustix::fs::access(candidate.as_c_str(), rustix::fs::Access::EXEC_OK).is_ok()
+            && !std::path::Path::new(std::ffi::OsStr::from_bytes(candidate.as_bytes())).is_dir()
+        {
+            return Ok(candidate);
+        }
     }
-    set
+    Err(Errno::NOENT)
 }
 
 #[cfg(test)]
@@ -149,10 +424,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_command_line_without_a_command_is_refused() {
+    fn a_command_line_that_is_not_one_worker_pid_is_refused() {
         let args = |a: &[&str]| a.iter().map(OsString::from).collect::<Vec<_>>();
         assert_eq!(run(args(&["drumline-supervisor"])), USAGE);
-        assert_eq!(run(args(&["drumline-supervisor", "12"])), USAGE);
-        assert_eq!(run(args(&["drumline-supervisor", "x", "/bin/true"])), USAGE);
+        assert_eq!(run(args(&["drumline-supervisor", "x"])), USAGE);
+        assert_eq!(
+            run(args(&["drumline-supervisor", "12", "/bin/true"])),
+            USAGE
+        );
+    }
+
+    #[test]
+    fn a_program_is_looked_for_on_the_tasks_path() {
+        let c = |s: &str| CString::new(s).unwrap();
+        assert_eq!(
+            program(&c("sh"), &[c("PATH=/nonexistent:/bin")]),
+            Ok(c("/bin/sh"))
+        );
+        assert_eq!(
+            program(&c("sh"), &[c("PATH=/nonexistent")]),
+            Err(Errno::NOENT)
+        );
+        assert_eq!(program(&c("./x"), &[]), Ok(c("./x")));
+        // A directory of that name is not a program.
+        assert_eq!(program(&c("bin"), &[c("PATH=/")]), Err(Errno::NOENT));
     }
 }

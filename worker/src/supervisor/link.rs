@@ -1,0 +1,385 @@
+//! The worker's side of its supervisor ([`super`]): starts it on first use, sends it requests,
+//! and routes its replies to the runs that wait for them. One link per worker process; a new
+//! one (with a new supervisor) when the last one broke or its runtime shut down.
+//!
+//! Nothing here blocks a thread: the socket is non-blocking under tokio's reactor, and a
+//! request that finds the socket full waits for room in the run's own task (a kill from a
+//! `Drop` is sent from a task of its own then).
+
+use super::wire::{Reply, Request, Start, Status};
+use drumline_shared::config::{ENV_AMQP_URL, ENV_REDIS_URL};
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketFlags, SocketType,
+};
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::io;
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::io::Interest;
+use tokio::net::UnixDatagram;
+use tokio::sync::mpsc;
+
+/// A task to start: its command line and whole environment, and the ends of its standard
+/// streams that it gets (the worker keeps the other ends).
+pub struct Spec {
+    pub argv: Vec<CString>,
+    pub env: Vec<CString>,
+    pub stdin: OwnedFd,
+    pub stderr: OwnedFd,
+    pub stdout: Option<OwnedFd>,
+}
+
+/// The supervisor went away while the task ran (it was killed: it never exits on its own while
+/// the worker holds the link). The task's group was killed through its pidfd.
+#[derive(Debug, thiserror::Error)]
+#[error("the task supervisor died while the task ran; the task was killed")]
+pub struct Lost;
+
+/// Why a task could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The supervisor tried and the kernel refused (`ENOENT`: no such program). Nothing runs.
+    #[error("{0}")]
+    Refused(io::Error),
+    /// The supervisor could not be reached or started.
+    #[error("the task supervisor is unavailable: {0}")]
+    Unavailable(io::Error),
+}
+
+/// What the reader hands a run.
+enum Event {
+    Started { pid: i32, pidfd: Option<OwnedFd> },
+    Failed(i32),
+    Exited(Status),
+    Census(usize),
+    Lost,
+}
+
+struct Link {
+    /// A `SOCK_SEQPACKET` socket, held as a `UnixDatagram` (connected, one message per
+    /// packet) for tokio's readiness; every send and receive goes through `sendmsg`/`recvmsg`.
+    socket: UnixDatagram,
+    runs: Mutex<HashMap<u64, mpsc::UnboundedSender<Event>>>,
+    next: AtomicU64,
+    alive: AtomicBool,
+}
+
+static CURRENT: Mutex<Option<Arc<Link>>> = Mutex::new(None);
+
+/// The live link, started (with its supervisor, `program`) when there is none.
+fn link(program: &Path) -> io::Result<Arc<Link>> {
+    let mut current = CURRENT.lock().expect("supervisor link lock");
+    if let Some(link) = current.as_ref().filter(|l| l.alive.load(Ordering::Acquire)) {
+        return Ok(link.clone());
+    }
+    let (ours, theirs) = rustix::net::socketpair(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )?;
+    // The supervisor reads its end as stdin, blocking.
+    rustix::io::ioctl_fionbio(&theirs, false)?;
+    let child = tokio::process::Command::new(program)
+        .arg(std::process::id().to_string())
+        .stdin(Stdio::from(theirs))
+        // It needs neither URL; every task gets its own environment with each start.
+        .env_remove(ENV_AMQP_URL)
+        .env_remove(ENV_REDIS_URL)
+        // Not in the worker's group: a kill of that whole group must leave the supervisor to
+        // see the worker's end close and kill the tasks.
+        .process_group(0)
+        .spawn()?;
+    let link = Arc::new(Link {
+        socket: UnixDatagram::from_std(std::os::unix::net::UnixDatagram::from(ours))?,
+        runs: Mutex::new(HashMap::new()),
+        next: AtomicU64::new(1),
+        alive: AtomicBool::new(true),
+    });
+    tokio::spawn(read(link.clone(), child));
+    *current = Some(link.clone());
+    Ok(link)
+}
+
+impl Link {
+    fn register(self: &Arc<Self>) -> (Registration, mpsc::UnboundedReceiver<Event>) {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.runs.lock().expect("runs lock").insert(id, tx);
+        // A link that broke before the insert would never tell this run.
+        if !self.alive.load(Ordering::Acquire) {
+            self.lose();
+        }
+        let registration = Registration {
+            link: self.clone(),
+            id,
+            kill_on_drop: true,
+        };
+        (registration, rx)
+    }
+
+    /// Sends `request` (with `fds`), waiting for room in the socket.
+    async fn send(&self, request: &Request, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        let bytes = request.encode();
+        loop {
+            self.socket.writable().await?;
+            match self
+                .socket
+                .try_io(Interest::WRITABLE, || send_now(&self.socket, &bytes, fds))
+            {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                result => return result,
+            }
+        }
+    }
+
+    /// Sends a kill from a `Drop`: at once when the socket has room, else from a task.
+    fn kill_from_drop(self: &Arc<Self>, id: u64) {
+        let request = Request::Signal {
+            id,
+            signal: libc_sigkill(),
+        };
+        match send_now(&self.socket, &request.encode(), &[]) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    let link = self.clone();
+                    runtime.spawn(async move { link.send(&request, &[]).await });
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Tells every run the link is gone and marks it so the next start makes a new one.
+    fn lose(&self) {
+        self.alive.store(false, Ordering::Release);
+        for (_, run) in self.runs.lock().expect("runs lock").drain() {
+            let _ = run.send(Event::Lost);
+        }
+    }
+
+    fn deliver(&self, reply: Reply, pidfd: Option<OwnedFd>) {
+        let (id, event) = match reply {
+            Reply::Started { id, pid } => (id, Event::Started { pid, pidfd }),
+            Reply::Failed { id, errno } => (id, Event::Failed(errno)),
+            Reply::Exited { id, status } => (id, Event::Exited(status)),
+            Reply::Census { id, tasks } => (id, Event::Census(tasks)),
+        };
+        if let Some(run) = self.runs.lock().expect("runs lock").get(&id) {
+            let _ = run.send(event);
+        }
+    }
+}
+
+/// SIGKILL's number, for the wire.
+fn libc_sigkill() -> i32 {
+    rustix::process::Signal::KILL.as_raw()
+}
+
+fn send_now(socket: &UnixDatagram, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() {
+        control.push(SendAncillaryMessage::ScmRights(fds));
+    }
+    rustix::net::sendmsg(
+        socket,
+        &[IoSlice::new(bytes)],
+        &mut control,
+        SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
+    )
+    .map(drop)
+    .map_err(io::Error::from)
+}
+
+/// Reads replies until the supervisor's end closes (it died) or the runtime drops this task;
+/// either way the link is lost for every run still on it.
+async fn read(link: Arc<Link>, mut supervisor: tokio::process::Child) {
+    struct LoseOnDrop(Arc<Link>);
+    impl Drop for LoseOnDrop {
+        fn drop(&mut self) {
+            self.0.lose();
+        }
+    }
+    let guard = LoseOnDrop(link);
+    let link = &guard.0;
+    let mut buf = [0u8; 256];
+    loop {
+        if link.socket.readable().await.is_err() {
+            break;
+        }
+        let received = link.socket.try_io(Interest::READABLE, || {
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut control = RecvAncillaryBuffer::new(&mut space);
+            let got = rustix::net::recvmsg(
+                &link.socket,
+                &mut [IoSliceMut::new(&mut buf)],
+                &mut control,
+                RecvFlags::DONTWAIT | RecvFlags::CMSG_CLOEXEC,
+            )?;
+            let mut fds = Vec::new();
+            for message in control.drain() {
+                if let RecvAncillaryMessage::ScmRights(received) = message {
+                    fds.extend(received);
+                }
+            }
+            Ok((got.bytes, fds))
+        });
+        match received {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(_) | Ok((0, _)) => break,
+            Ok((n, mut fds)) => match Reply::decode(&buf[..n]) {
+                Ok(reply) => link.deliver(reply, fds.pop()),
+                Err(e) => {
+                    tracing::error!(error = %e, "the task supervisor sent a message out of shape; starting another");
+                    break;
+                }
+            },
+        }
+    }
+    drop(guard);
+    let _ = supervisor.start_kill();
+    let _ = supervisor.wait().await;
+}
+
+/// A run's place on the link: while it is held the run's replies reach it; dropped, it stops
+/// them and, unless the task is known to have ended, kills the task's group.
+struct Registration {
+    link: Arc<Link>,
+    id: u64,
+    kill_on_drop: bool,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.link.runs.lock().expect("runs lock").remove(&self.id);
+        if self.kill_on_drop && self.link.alive.load(Ordering::Acquire) {
+            self.link.kill_from_drop(self.id);
+        }
+    }
+}
+
+/// A task that runs under the supervisor. Dropped before [`Task::wait`] returned, it kills the
+/// task's whole group.
+pub struct Task {
+    registration: Registration,
+    events: mpsc::UnboundedReceiver<Event>,
+    pid: i32,
+    pidfd: Option<OwnedFd>,
+}
+
+/// Starts a task under the supervisor at `program` (started first when there is none).
+pub async fn start(program: &Path, spec: Spec) -> Result<Task, StartError> {
+    let link = link(program).map_err(StartError::Unavailable)?;
+    let (mut registration, mut events) = link.register();
+    let request = Request::Start(Start {
+        id: registration.id,
+        stdout: spec.stdout.is_some(),
+        argv: spec.argv,
+        env: spec.env,
+    });
+    let mut fds = vec![spec.stdin.as_fd(), spec.stderr.as_fd()];
+    fds.extend(spec.stdout.as_ref().map(|fd| fd.as_fd()));
+    link.send(&request, &fds)
+        .await
+        .map_err(StartError::Unavailable)?;
+    // The task has its copies; ours close now, so the worker sees the streams end with it.
+    drop((spec.stdin, spec.stderr, spec.stdout));
+    match events.recv().await {
+        Some(Event::Started { pid, pidfd }) => Ok(Task {
+            registration,
+            events,
+            pid,
+            pidfd,
+        }),
+        Some(Event::Failed(errno)) => {
+            // Nothing was registered: there is nothing to kill.
+            registration.kill_on_drop = false;
+            Err(StartError::Refused(io::Error::from_raw_os_error(errno)))
+        }
+        _ => Err(StartError::Unavailable(io::Error::other(
+            "the task supervisor died",
+        ))),
+    }
+}
+
+impl Task {
+    /// The leader's pid (its group's id).
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Waits until the leader exits (its group killed after it). Cancel-safe.
+    pub async fn wait(&mut self) -> Result<Status, Lost> {
+        loop {
+            match self.events.recv().await {
+                Some(Event::Exited(status)) => {
+                    self.registration.kill_on_drop = false;
+                    return Ok(status);
+                }
+                Some(Event::Started { .. } | Event::Failed(_) | Event::Census(_)) => continue,
+                Some(Event::Lost) | None => {
+                    self.kill_orphaned();
+                    return Err(Lost);
+                }
+            }
+        }
+    }
+
+    /// Sends `signal` to the task's group.
+    pub async fn signal(&self, signal: rustix::process::Signal) {
+        let request = Request::Signal {
+            id: self.registration.id,
+            signal: signal.as_raw(),
+        };
+        let _ = self.registration.link.send(&request, &[]).await;
+    }
+
+    /// The supervisor is gone and the task was reparented: kill it through its pidfd, and its
+    /// group while the pidfd shows the leader still running (its pid, the group's id, cannot
+    /// have been reused then).
+    fn kill_orphaned(&mut self) {
+        self.registration.kill_on_drop = false;
+        let Some(pidfd) = &self.pidfd else { return };
+        let mut poll = [rustix::event::PollFd::new(
+            pidfd,
+            rustix::event::PollFlags::IN,
+        )];
+        let exited = matches!(rustix::event::poll(&mut poll, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 })), Ok(n) if n > 0);
+        if !exited {
+            if let Some(pid) = rustix::process::Pid::from_raw(self.pid) {
+                let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+            }
+            let _ = rustix::process::pidfd_send_signal(pidfd, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+/// How many tasks the supervisor holds (none when it is not running): for the tests and the
+/// operator's question "is anything of a failed start left behind?".
+pub async fn census(program: &Path) -> io::Result<usize> {
+    let link = link(program)?;
+    let (mut registration, mut events) = link.register();
+    registration.kill_on_drop = false;
+    link.send(
+        &Request::Census {
+            id: registration.id,
+        },
+        &[],
+    )
+    .await?;
+    loop {
+        match events.recv().await {
+            Some(Event::Census(n)) => return Ok(n),
+            Some(Event::Lost) | None => return Err(io::Error::other("the task supervisor died")),
+            Some(_) => continue,
+        }
+    }
+}
