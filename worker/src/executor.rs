@@ -3,7 +3,7 @@
 //!
 //! A task process never outlives its worker, children included, and cannot read the worker.
 //! Every task runs as the leader of its own process group (so a timeout or cancellation kills
-//! the whole tree), started by the worker's one supervisor, `drumline-supervisor`
+//! the whole tree), started by one of the worker's supervisors, `drumline-supervisor`
 //! ([`crate::supervisor`]): the worker hands it the command, the environment and the ends of
 //! the task's pipes over a socket, and it starts the command with `posix_spawn`, holds its
 //! pidfd, kills its group when the leader exits or the worker asks, and kills every group when
@@ -346,8 +346,7 @@ pub fn use_supervisor(path: PathBuf) -> bool {
     SUPERVISOR_PATH.set(Ok(path)).is_ok()
 }
 
-/// How many tasks the supervisor holds right now (see [`link::census`]).
+/// How many tasks the worker's supervisors hold right now (see [`link::census`]).
 pub async fn supervised_tasks() -> io::Result<usize> {
-    let program = supervisor().map_err(io::Error::other)?;
-    link::census(program).await
+    link::census().await
 }

@@ -1,7 +1,8 @@
-//! `drumline-supervisor WORKER_PID`: the one process that starts, watches and kills a worker's
-//! shell tasks (docs/design.md#the-task-supervisor). The worker starts it once, on its first
-//! shell task, in a process group of its own, its end of a `SOCK_SEQPACKET` socket pair as
-//! stdin; the worker talks to it through [`link`], in the messages of [`wire`].
+//! `drumline-supervisor WORKER_PID`: a process that starts, watches and kills a worker's shell
+//! tasks (docs/design.md#the-task-supervisor); a worker has one per core, at most four, and
+//! gives them its runs in turn. The worker starts each on first use, in a process group of its
+//! own, its end of a `SOCK_SEQPACKET` socket pair as stdin; the worker talks to it through
+//! [`link`], in the messages of [`wire`].
 //!
 //! Before it reads a request it
 //!

@@ -260,19 +260,19 @@ fn a_thousand_running_tasks_are_held_and_new_ones_still_run() {
     });
 }
 
-/// The supervisor (this process's child), by its name in `/proc`.
-fn supervisor_pid() -> i32 {
+/// The supervisors (this process's children), by their name in `/proc`.
+fn supervisor_pids() -> Vec<i32> {
     let me = std::process::id().to_string();
     std::fs::read_dir("/proc")
         .unwrap()
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .find(|pid| {
+        .filter(|pid| {
             std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
                 let after = stat.rsplit_once(") ").map(|(_, rest)| rest).unwrap_or("");
                 stat.contains("(drumline-superv)") && after.split(' ').nth(1) == Some(me.as_str())
             })
         })
-        .expect("no supervisor among this process's children")
+        .collect()
 }
 
 /// CPU clock ticks (user + system) a process has used.
@@ -306,14 +306,19 @@ fn an_idle_supervisor_uses_no_cpu() {
             // Held, as a run holds its task until its outcome is recorded.
             ended.push(task);
         }
-        let pid = supervisor_pid();
-        let before = cpu_ticks(pid);
+        let pids = supervisor_pids();
+        assert!(
+            !pids.is_empty(),
+            "no supervisor among this process's children"
+        );
+        let ticks = || pids.iter().map(|&p| cpu_ticks(p)).sum::<u64>();
+        let before = ticks();
         // Wall time only bounds the window; the assertion is on the CPU used in it.
         std::thread::sleep(Duration::from_millis(1000));
-        let used = cpu_ticks(pid) - before;
+        let used = ticks() - before;
         assert!(
             used <= 10,
-            "the idle supervisor used {used} ticks of CPU in a second"
+            "the idle supervisor supervisors used {used} ticks of CPU in a second"
         );
     });
 }

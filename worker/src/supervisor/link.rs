@@ -1,6 +1,9 @@
-//! The worker's side of its supervisor ([`super`]): starts it on first use, sends it requests,
-//! and routes its replies to the runs that wait for them. One link per worker process; a new
-//! one (with a new supervisor) when the last one broke or its runtime shut down.
+//! The worker's side of its supervisors ([`super`]): starts them on first use, sends them
+//! requests, and routes their replies to the runs that wait for them. A worker has one
+//! supervisor per core (at most [`MAX_SUPERVISORS`]), each on a link of its own, and gives its
+//! runs to them in turn: a supervisor starts one task at a time (`posix_spawn` holds it until
+//! the task's `exec`), so two let two tasks start at once, as two cores can. A link that broke,
+//! or whose runtime shut down, is replaced (with a new supervisor) on its next use.
 //!
 //! Nothing here blocks a thread: the socket is non-blocking under tokio's reactor, and a
 //! request that finds the socket full waits for room in the run's own task (a kill from a
@@ -71,11 +74,33 @@ struct Link {
     alive: AtomicBool,
 }
 
-static CURRENT: Mutex<Option<Arc<Link>>> = Mutex::new(None);
+/// The most supervisors a worker starts, whatever its cores.
+pub const MAX_SUPERVISORS: usize = 4;
 
-/// The live link, started (with its supervisor, `program`) when there is none.
+/// The links, one slot per supervisor, and whose turn it is.
+struct Links {
+    slots: Vec<Mutex<Option<Arc<Link>>>>,
+    turn: AtomicU64,
+}
+
+fn links() -> &'static Links {
+    static LINKS: std::sync::OnceLock<Links> = std::sync::OnceLock::new();
+    LINKS.get_or_init(|| {
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Links {
+            slots: (0..n.clamp(1, MAX_SUPERVISORS))
+                .map(|_| Mutex::new(None))
+                .collect(),
+            turn: AtomicU64::new(0),
+        }
+    })
+}
+
+/// The next link in turn, started (with its supervisor, `program`) when it is not live.
 fn link(program: &Path) -> io::Result<Arc<Link>> {
-    let mut current = CURRENT.lock().expect("supervisor link lock");
+    let links = links();
+    let turn = links.turn.fetch_add(1, Ordering::Relaxed) as usize % links.slots.len();
+    let mut current = links.slots[turn].lock().expect("supervisor link lock");
     if let Some(link) = current.as_ref().filter(|l| l.alive.load(Ordering::Acquire)) {
         return Ok(link.clone());
     }
@@ -362,24 +387,34 @@ impl Task {
     }
 }
 
-/// How many tasks the supervisor holds (none when it is not running): for the tests and the
-/// operator's question "is anything of a failed start left behind?".
-pub async fn census(program: &Path) -> io::Result<usize> {
-    let link = link(program)?;
-    let (mut registration, mut events) = link.register();
-    registration.kill_on_drop = false;
-    link.send(
-        &Request::Census {
-            id: registration.id,
-        },
-        &[],
-    )
-    .await?;
-    loop {
-        match events.recv().await {
-            Some(Event::Census(n)) => return Ok(n),
-            Some(Event::Lost) | None => return Err(io::Error::other("the task supervisor died")),
-            Some(_) => continue,
-        }
+/// How many tasks the worker's supervisors hold, all together (a supervisor not running holds
+/// none): for the tests and the operator's question "is anything of a failed start left
+/// behind?".
+pub async fn census() -> io::Result<usize> {
+    let live: Vec<Arc<Link>> = links()
+        .slots
+        .iter()
+        .filter_map(|slot| slot.lock().expect("supervisor link lock").clone())
+        .filter(|l| l.alive.load(Ordering::Acquire))
+        .collect();
+    let mut total = 0;
+    for link in live {
+        let (mut registration, mut events) = link.register();
+        registration.kill_on_drop = false;
+        link.send(
+            &Request::Census {
+                id: registration.id,
+            },
+            &[],
+        )
+        .await?;
+        total += loop {
+            match events.recv().await {
+                Some(Event::Census(n)) => break n,
+                Some(Event::Lost) | None => return Err(io::Error::other("a task supervisor died")),
+                Some(_) => continue,
+            }
+        };
     }
+    Ok(total)
 }
