@@ -4,14 +4,17 @@
 //!
 //! [`Publisher::publish_batch`] sends a whole batch before awaiting the first confirm
 //! ([`broker::publish_batch`]), so a batch costs about one round trip to the broker rather than
-//! one per message.
+//! one per message. The scheduler goes further: [`Publisher::send_batch`] sends a batch and
+//! [`Publisher::confirms`] reads its confirms after the next batches were sent, so the broker's
+//! confirm of one batch (its disk write) overlaps the sending of the next.
 
 use chrono::Utc;
-use drumline_shared::broker::{self, BrokerError, Outgoing};
+use drumline_shared::broker::{self, BrokerError, Outgoing, Sending};
 use drumline_shared::config::{Config, QueueType};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use lapin::{Channel, Connection};
+use std::collections::HashSet;
 use std::time::Duration;
 use tracing::info;
 
@@ -76,8 +79,9 @@ impl Publisher {
     /// Publishes every envelope of `batch` to `{ns}.tasks`, all sent before the first confirm
     /// is awaited, then awaits the confirms in order. Returns one outcome per envelope, in
     /// `batch` order (those after a failed send were not sent and carry its error), or `Err`
-    /// when nothing could be sent (no connection; the topology refused). After any broker
-    /// failure the connection is dropped, so the next publish starts from a clean one.
+    /// when nothing could be sent (no connection; the topology refused). After a failure of the
+    /// channel or the broker the connection is dropped, so the next publish starts from a clean
+    /// one.
     ///
     /// `may_send` is asked before each message is handed to the client: once it says no (the
     /// beat's leadership lapsed), the rest fail with [`BrokerError::Withdrawn`] unsent.
@@ -89,10 +93,7 @@ impl Publisher {
     ) -> Result<Vec<Result<(), BrokerError>>, BrokerError> {
         let outcomes = self.try_publish_batch(batch, epoch, may_send).await;
         let broker_failed = match &outcomes {
-            Ok(all) => all.iter().any(|o| {
-                o.as_ref()
-                    .is_err_and(|e| !matches!(e, BrokerError::Withdrawn))
-            }),
+            Ok(all) => channel_failed(all),
             Err(_) => true,
         };
         if broker_failed {
@@ -109,12 +110,45 @@ impl Publisher {
     ) -> Result<Vec<Result<(), BrokerError>>, BrokerError> {
         let exchange = self.names.tasks_exchange();
         let channel = self.connect().await?;
-        let messages = batch.iter().map(|env| Outgoing {
-            routing_key: env.queue.to_string(),
-            body: env.encode(),
-            properties: env.properties(Utc::now(), epoch),
-        });
-        Ok(broker::publish_batch(channel, &exchange, messages, may_send).await)
+        Ok(broker::publish_batch(channel, &exchange, outgoing(batch, epoch), may_send).await)
+    }
+
+    /// Sends every envelope of `batch` as [`Publisher::publish_batch`] does, without awaiting a
+    /// confirm: the scheduler sends the next batch before it reads this one's
+    /// ([`Publisher::confirms`]). `Err` when nothing could be sent.
+    pub async fn send_batch(
+        &mut self,
+        batch: &[Envelope],
+        epoch: u64,
+        may_send: impl FnMut() -> bool,
+    ) -> Result<Sending, BrokerError> {
+        let exchange = self.names.tasks_exchange();
+        let sent = match self.connect().await {
+            Ok(channel) => {
+                Ok(broker::send_batch(channel, &exchange, outgoing(batch, epoch), may_send).await)
+            }
+            Err(e) => Err(e),
+        };
+        if sent.is_err() {
+            self.drop_session("publish failed");
+        }
+        sent
+    }
+
+    /// The confirms of a batch sent by [`Publisher::send_batch`], one outcome per envelope
+    /// ([`Sending::confirms`]: `returned` and `later`, the batches sent after it, match
+    /// returns across the batches in flight). After a broker failure the connection is dropped.
+    pub async fn confirms<'a>(
+        &mut self,
+        sending: Sending,
+        returned: &mut HashSet<String>,
+        later: impl IntoIterator<Item = &'a mut Sending>,
+    ) -> Vec<Result<(), BrokerError>> {
+        let outcomes = sending.confirms(returned, later).await;
+        if channel_failed(&outcomes) {
+            self.drop_session("publish failed");
+        }
+        outcomes
     }
 
     fn drop_session(&mut self, why: &'static str) {
@@ -142,4 +176,23 @@ fn job_queues(config: &Config) -> Vec<String> {
         }
     }
     queues
+}
+
+/// Whether a batch's outcomes show a failure of the channel or the broker (the session is then
+/// dropped). Neither a message left unsent because leadership lapsed nor an unroutable one
+/// (the broker returned it; the channel carries on, and with it the batches in flight) is one.
+fn channel_failed(outcomes: &[Result<(), BrokerError>]) -> bool {
+    outcomes.iter().any(|o| {
+        o.as_ref()
+            .is_err_and(|e| !matches!(e, BrokerError::Withdrawn | BrokerError::Unroutable(_)))
+    })
+}
+
+/// The messages of `batch`, each made when its turn to be sent comes.
+fn outgoing(batch: &[Envelope], epoch: u64) -> impl ExactSizeIterator<Item = Outgoing> + '_ {
+    batch.iter().map(move |env| Outgoing {
+        routing_key: env.queue.to_string(),
+        body: env.encode(),
+        properties: env.properties(Utc::now(), epoch),
+    })
 }

@@ -31,7 +31,7 @@ use crate::stats::report_dropped;
 pub use crate::stats::BeatStats;
 use chrono::{DateTime, Utc};
 use drumline_shared::backoff::Backoff;
-use drumline_shared::broker::BrokerError;
+use drumline_shared::broker::{BrokerError, Sending};
 use drumline_shared::config::{Config, Job};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
@@ -41,7 +41,7 @@ use drumline_shared::store::{
 };
 use drumline_shared::url::Redacted;
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashSet};
+use std::collections::{BinaryHeap, HashSet, VecDeque};
 use std::future::Future;
 use std::ops::Range;
 use std::pin::Pin;
@@ -81,6 +81,8 @@ pub const BATCH_JOBS: usize = 1000;
 /// Most messages published together; a job with more to publish (a long catch-up) goes on in
 /// the next batch.
 pub const BATCH_MESSAGES: usize = 5000;
+/// The most batches sent whose confirms are not read yet (the beat's `run_due`).
+pub const IN_FLIGHT: usize = 4;
 
 /// New jobs' starts persisted per Redis round trip ([`Beat::persist_new_starts`]).
 const NEW_STARTS_PER_TRIP: usize = 10_000;
@@ -570,6 +572,12 @@ impl Beat {
 
     /// Publishes batch after batch while jobs are due and the term holds; says why it stopped.
     /// `Err` only when the broker refused the topology.
+    ///
+    /// Up to [`IN_FLIGHT`] batches are in flight: the next ones are sent before the confirms
+    /// of the oldest are read, so the broker's confirms (its disk writes) overlap the sending;
+    /// each batch's progress is still written only after its own confirms ([`finish_due`]),
+    /// oldest first. Before it waits, follows `after` jobs, backs off or returns, it finishes
+    /// every batch in flight.
     async fn run_due<F: Future<Output = ()>>(
         &mut self,
         store: &Store,
@@ -579,13 +587,51 @@ impl Beat {
         shutdown: &mut Pin<&mut F>,
     ) -> Result<Next, BrokerError> {
         self.read_paused(store).await;
+        let mut in_flight: VecDeque<InFlight> = VecDeque::new();
+        // Returned messages matched across the batches in flight (cleared when none is).
+        let mut returned = HashSet::new();
+        let mut stopping = false;
         loop {
             // Leadership is checked before each batch (and before each message is sent).
-            if !term.holds() {
-                return Ok(Next::NotHolding);
-            }
+            let holds = term.holds();
             // Re-read per batch: lateness is judged against the clock when a job is planned.
             let now = term.now();
+            let due_now = holds && self.wait(now).is_none() && self.until_next(now).is_none();
+            // Many batches can be due at once (100,000 jobs on the minute): let a signal in
+            // between them — never inside one, between a confirm and its progress write. (A
+            // completed shutdown future must not be polled again: remembered.)
+            stopping = stopping
+                || tokio::select! {
+                    biased;
+                    _ = shutdown.as_mut() => true,
+                    _ = std::future::ready(()) => false,
+                };
+            // A job retried alone after its own message failed is never in flight beside
+            // another batch: a failure that closes the channel would take that one too.
+            let alone = |job: usize| self.states[job].alone;
+            let isolated = in_flight
+                .iter()
+                .any(|f| f.batch.iter().any(|d| alone(d.job)))
+                || self
+                    .queue
+                    .peek()
+                    .is_some_and(|Reverse((_, job))| alone(*job));
+            if !in_flight.is_empty() && (!due_now || stopping || isolated) {
+                let wait = self
+                    .finish_all(&mut in_flight, store, publisher, stats, term, &mut returned)
+                    .await;
+                if let Some(wait) = wait {
+                    return Ok(Next::Wait(wait));
+                }
+                // Settling put the batches' jobs back: look again with nothing in flight.
+                continue;
+            }
+            if stopping {
+                return Ok(Next::Shutdown);
+            }
+            if !holds {
+                return Ok(Next::NotHolding);
+            }
             if let Some(wait) = self.wait(now) {
                 if !self.followers.any() || wait < FOLLOW_ROOM {
                     return Ok(Next::Wait(wait));
@@ -600,13 +646,6 @@ impl Beat {
                 sleep_precisely(early).await;
                 continue;
             }
-            // Many batches can be due at once (100,000 jobs on the minute): let a signal in
-            // between them — never inside one, between a confirm and its progress write.
-            tokio::select! {
-                biased;
-                _ = shutdown.as_mut() => return Ok(Next::Shutdown),
-                _ = std::future::ready(()) => {}
-            }
             let batch = take_due(
                 &mut self.queue,
                 &self.config.jobs,
@@ -614,20 +653,83 @@ impl Beat {
                 (now, self.threshold),
                 &self.paused,
             );
-            let stalls = advance(
-                &self.config.jobs,
+            let config = &self.config;
+            let sent = send_due(
+                &config.jobs,
                 &mut self.states,
-                &batch,
+                batch,
+                now,
                 store,
                 publisher,
                 stats,
                 term,
             )
             .await?;
-            if let Some(wait) = self.settle(&batch, stalls, now, stats) {
-                return Ok(Next::Wait(wait));
+            in_flight.push_back(sent);
+            if in_flight.len() >= IN_FLIGHT {
+                let oldest = in_flight.pop_front().expect("in flight");
+                let later = (&mut returned, &mut in_flight);
+                let (batch, planned, stalls) = self
+                    .finish(oldest, store, publisher, stats, term, later)
+                    .await;
+                if let Some(wait) = self.settle(&batch, stalls, planned, stats) {
+                    // Backing off: the batches sent meanwhile are finished first.
+                    let also = self
+                        .finish_all(&mut in_flight, store, publisher, stats, term, &mut returned)
+                        .await;
+                    return Ok(Next::Wait(also.map_or(wait, |w| w.max(wait))));
+                }
             }
         }
+    }
+
+    /// Finishes and settles every batch in flight, oldest first; the longest backoff any
+    /// settling asked for.
+    async fn finish_all(
+        &mut self,
+        in_flight: &mut VecDeque<InFlight>,
+        store: &Store,
+        publisher: &mut Publisher,
+        stats: &BeatStats,
+        term: &Term,
+        returned: &mut HashSet<String>,
+    ) -> Option<Duration> {
+        let mut wait: Option<Duration> = None;
+        while let Some(oldest) = in_flight.pop_front() {
+            let later = (&mut *returned, &mut *in_flight);
+            let (batch, planned, stalls) = self
+                .finish(oldest, store, publisher, stats, term, later)
+                .await;
+            if let Some(w) = self.settle(&batch, stalls, planned, stats) {
+                wait = Some(wait.map_or(w, |v| v.max(w)));
+            }
+        }
+        returned.clear();
+        wait
+    }
+
+    /// [`finish_due`] on this loop's jobs and states.
+    async fn finish(
+        &mut self,
+        in_flight: InFlight,
+        store: &Store,
+        publisher: &mut Publisher,
+        stats: &BeatStats,
+        term: &Term,
+        later: (&mut HashSet<String>, &mut VecDeque<InFlight>),
+    ) -> (Vec<Due>, DateTime<Utc>, Vec<Option<Stall>>) {
+        let jobs = &self.config.jobs;
+        finish_due(
+            jobs,
+            &mut self.states,
+            in_flight,
+            store,
+            publisher,
+            stats,
+            term,
+            later,
+        )
+        .await
     }
 
     /// Publishes or skips what it can of the `after` jobs' instances ([`follower::step`]) and
@@ -894,41 +996,88 @@ struct Sent {
     spans: Vec<(usize, Range<usize>)>,
 }
 
-/// Publishes what `batch` plans and moves each job's progress forward; returns, per job of the
-/// batch, why it stalled (`None`: it moved on). `Err` only when the broker refused the topology,
-/// which needs a human.
-///
-/// In order: report the drops and persist the progress they make (with any progress a
-/// failed write left unsaved) — a job whose write fails publishes nothing now; publish every
-/// message of the batch, then await the confirms; move each job to the newest instant of its
-/// contiguous confirmed prefix ([`progress_after`]); persist all of it in one round trip. Progress
-/// is written only after the broker confirmed (docs/design.md). A failed write stalls the job, like
-/// a broker failure: this beat remembers the progress (it never republishes an instant it
-/// recorded), writes it first when it retries, and instances that come due meanwhile are
-/// misses — the beat could not reach Redis.
-async fn advance(
+/// A batch sent whose confirms are not read yet ([`send_due`], then [`finish_due`]).
+struct InFlight {
+    batch: Vec<Due>,
+    /// The clock when the batch was planned (its lateness is judged against it).
+    now: DateTime<Utc>,
+    sent: Sent,
+    stalls: Vec<Option<Stall>>,
+    /// `None` when nothing was sent (nothing to send, or no connection: the jobs stalled).
+    sending: Option<Sending>,
+}
+
+/// The first half of moving a batch forward: report the drops and persist the progress they
+/// make (with any progress a failed write left unsaved) — a job whose write fails publishes
+/// nothing now — then send every message of the batch without awaiting a confirm. `Err` only
+/// when the broker refused the topology, which needs a human.
+#[allow(clippy::too_many_arguments)]
+async fn send_due(
     jobs: &[Job],
     states: &mut [JobState],
-    batch: &[Due],
+    batch: Vec<Due>,
+    now: DateTime<Utc>,
     store: &Store,
     publisher: &mut Publisher,
     stats: &BeatStats,
     term: &Term,
-) -> Result<Vec<Option<Stall>>, BrokerError> {
+) -> Result<InFlight, BrokerError> {
     let mut stalls: Vec<Option<Stall>> = vec![None; batch.len()];
     let drops: Vec<_> = batch
         .iter()
         .flat_map(|due| journal::dropped(&jobs[due.job], &due.plan))
         .collect();
     journal::write(store, term, &drops).await;
-    settle_drops(jobs, states, batch, stats);
+    settle_drops(jobs, states, &batch, stats);
     let unsaved: Vec<usize> = (0..batch.len())
         .filter(|p| states[batch[*p].job].to_write())
         .collect();
-    save_batch(store, term, jobs, states, batch, &unsaved, &mut stalls).await;
+    save_batch(store, term, jobs, states, &batch, &unsaved, &mut stalls).await;
 
-    let sent = envelopes(jobs, batch, &stalls);
-    let outcomes = publish(publisher, &sent, &mut stalls, term).await?;
+    let sent = envelopes(jobs, &batch, &stalls);
+    let sending = send(publisher, &sent, &mut stalls, term).await?;
+    Ok(InFlight {
+        batch,
+        now,
+        sent,
+        stalls,
+        sending,
+    })
+}
+
+/// The second half: await the batch's confirms (`later`, the batches sent after it, and
+/// `returned` match the broker's returns across them, [`Publisher::confirms`]); move each
+/// job to the newest instant of its contiguous confirmed prefix ([`progress_after`]); persist
+/// all of it in one round trip. Progress is written only after the broker confirmed
+/// (docs/design.md). A failed write stalls the job, like a broker failure: this beat remembers
+/// the progress (it never republishes an instant it recorded), writes it first when it
+/// retries, and instances that come due meanwhile are misses — the beat could not reach Redis.
+/// Returns, per job of the batch, why it stalled (`None`: it moved on).
+#[allow(clippy::too_many_arguments)]
+async fn finish_due(
+    jobs: &[Job],
+    states: &mut [JobState],
+    in_flight: InFlight,
+    store: &Store,
+    publisher: &mut Publisher,
+    stats: &BeatStats,
+    term: &Term,
+    (returned, later): (&mut HashSet<String>, &mut VecDeque<InFlight>),
+) -> (Vec<Due>, DateTime<Utc>, Vec<Option<Stall>>) {
+    let InFlight {
+        batch,
+        now,
+        sent,
+        mut stalls,
+        sending,
+    } = in_flight;
+    let outcomes = match sending {
+        Some(sending) => {
+            let later = later.iter_mut().filter_map(|f| f.sending.as_mut());
+            publisher.confirms(sending, returned, later).await
+        }
+        None => Vec::new(),
+    };
     // `outcomes` is in `envelopes` order: each job's run of them, in `spans` order.
     let mut outcomes = outcomes.into_iter();
     let mut published = Vec::new();
@@ -957,7 +1106,7 @@ async fn advance(
             !persist_failed && states[batch[*p].job].to_write()
         })
         .collect();
-    save_batch(store, term, jobs, states, batch, &unsaved, &mut stalls).await;
+    save_batch(store, term, jobs, states, &batch, &unsaved, &mut stalls).await;
 
     for (p, due) in batch.iter().enumerate() {
         if stalls[p].is_none() {
@@ -965,7 +1114,7 @@ async fn advance(
             state.next = jobs[due.job].schedule.next_after(state.last);
         }
     }
-    Ok(stalls)
+    (batch, now, stalls)
 }
 
 /// Reports the batch's drops and moves each job's progress past them. The drops are all older
@@ -1013,21 +1162,21 @@ fn envelopes(jobs: &[Job], batch: &[Due], stalls: &[Option<Stall>]) -> Sent {
     Sent { envelopes, spans }
 }
 
-/// Sends every envelope, then awaits the confirms: one outcome per envelope. When nothing could
-/// be sent (no connection), every job with something to publish stalls and there are no
-/// outcomes. `Err` only for a refused topology.
-async fn publish(
+/// Sends every envelope without awaiting a confirm ([`Publisher::send_batch`]). When nothing
+/// could be sent (no connection), every job with something to publish stalls and nothing is in
+/// flight. `Err` only for a refused topology.
+async fn send(
     publisher: &mut Publisher,
     sent: &Sent,
     stalls: &mut [Option<Stall>],
     term: &Term,
-) -> Result<Vec<Result<(), BrokerError>>, BrokerError> {
+) -> Result<Option<Sending>, BrokerError> {
     if sent.envelopes.is_empty() {
-        return Ok(Vec::new());
+        return Ok(None);
     }
-    let sending = publisher.publish_batch(&sent.envelopes, term.epoch, || term.holds());
+    let sending = publisher.send_batch(&sent.envelopes, term.epoch, || term.holds());
     match sending.await {
-        Ok(outcomes) => Ok(outcomes),
+        Ok(sending) => Ok(Some(sending)),
         Err(e @ BrokerError::Mismatch { .. }) => Err(e),
         Err(e) => {
             let e = Arc::new(e);
@@ -1036,7 +1185,7 @@ async fn publish(
                     stalls[*p] = Some(Stall::Unsent(e.clone()));
                 }
             }
-            Ok(Vec::new())
+            Ok(None)
         }
     }
 }

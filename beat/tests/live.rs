@@ -380,3 +380,118 @@ async fn unroutable_messages_fail_alone_in_a_batch() {
     }
     publisher.close().await;
 }
+
+/// Batches in flight on one channel, as the beat sends them ([`Publisher::send_batch`], the
+/// confirms read oldest first with the later batches given, [`Publisher::confirms`]): a
+/// returned message may ride on the confirm of another batch's message, before or after its
+/// own batch, and is still charged to its own envelope.
+#[tokio::test]
+async fn unroutable_messages_fail_alone_across_batches_in_flight() {
+    let ns = Ns::new("unroutable_in_flight");
+    let config = ns.config(
+        "[[jobs]]\nname = \"a\"\ntask = \"t\"\nevery = \"1h\"\nqueue = \"a\"\n\
+         [[jobs]]\nname = \"b\"\ntask = \"t\"\nevery = \"1h\"\nqueue = \"b\"\n",
+    );
+    let mut publisher = Publisher::new(&config);
+    publisher.connect().await.expect("broker");
+    let names = Names::new(config.namespace.clone());
+    let amqp = broker::connect(&config).await.unwrap();
+    let ch = amqp.create_channel().await.unwrap();
+    ch.queue_delete(
+        names.work_queue("b").as_str().into(),
+        QueueDeleteOptions::default(),
+    )
+    .await
+    .unwrap();
+    let _ = amqp.close(200, "bye".into()).await;
+
+    let at = Utc::now();
+    let mut n = 0;
+    for round in 0..5 {
+        let batches: Vec<Vec<Envelope>> = (0..4)
+            .map(|_| {
+                (0..50)
+                    .map(|i| {
+                        n += 1;
+                        // Each batch ends with an unroutable message: a multiple ack that
+                        // confirms it may confirm the next batch's first messages too.
+                        let queue = if i == 49 || (i + round) % 5 == 1 { "b" } else { "a" };
+                        let t = at + chrono::TimeDelta::seconds(n);
+                        Envelope::scheduled(queue, "t", queue, serde_json::json!({}), t, None, at)
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut in_flight = std::collections::VecDeque::new();
+        for batch in &batches {
+            in_flight.push_back(publisher.send_batch(batch, 0, || true).await.expect("sent"));
+        }
+        let mut returned = std::collections::HashSet::new();
+        for batch in &batches {
+            let sending = in_flight.pop_front().unwrap();
+            let outcomes = publisher
+                .confirms(sending, &mut returned, in_flight.iter_mut())
+                .await;
+            for (env, outcome) in batch.iter().zip(&outcomes) {
+                match (env.queue.as_str(), outcome) {
+                    ("a", Ok(())) | ("b", Err(BrokerError::Unroutable(_))) => {}
+                    _ => panic!("round {round}, {}: {outcome:?}", env.key),
+                }
+            }
+        }
+    }
+    publisher.close().await;
+}
+
+/// A stop asked for while batches are in flight finishes them first: every message the broker
+/// holds has its job's progress written and no progress runs ahead of a message; the beat then
+/// stops cleanly (it used to poll its finished shutdown future again and panic).
+#[tokio::test]
+async fn a_stop_while_batches_are_in_flight_finishes_them_first() {
+    let ns = Ns::new("stop_in_flight");
+    let store = ns.store().await;
+    let now = Utc::now().duration_trunc(TimeDelta::seconds(1)).unwrap();
+    let due = now + TimeDelta::seconds(3);
+    let jobs = 12 * BATCH_JOBS;
+    let names: Vec<String> = (0..jobs).map(|i| format!("s{i:05}")).collect();
+    let mut body = String::new();
+    for name in &names {
+        body.push_str(&format!(
+            "[[jobs]]\nname = \"{name}\"\ntask = \"t\"\nevery = \"1h\"\nanchor = \"{}\"\n",
+            rfc3339(due)
+        ));
+    }
+    let config = ns.config(&body);
+    let all: Vec<&str> = names.iter().map(String::as_str).collect();
+    let want = last_instant_text(due);
+    // Stop as soon as the first batch's progress is written: later batches are in flight.
+    let stats = run_until(config, || async {
+        lasts(&store, &all[..BATCH_JOBS])
+            .await
+            .iter()
+            .any(|l| l.as_ref() == Some(&want))
+    })
+    .await;
+    let recorded = lasts(&store, &all)
+        .await
+        .iter()
+        .filter(|l| l.as_ref() == Some(&want))
+        .count();
+    let amqp = Connection::connect(AMQP_URL, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = amqp.create_channel().await.unwrap();
+    let queue = Names::new(ns.name()).work_queue("default");
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let queued = ch
+        .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+        .await
+        .unwrap()
+        .message_count() as usize;
+    let _ = amqp.close(200, "bye".into()).await;
+    assert_eq!(recorded, queued, "progress and messages disagree: {stats:?}");
+    assert_eq!(stats.published_total() as usize, queued, "{stats:?}");
+}

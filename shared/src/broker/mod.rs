@@ -26,7 +26,8 @@ pub use declare::{
     queue_counts_on, Declaration, QueueCounts, QUORUM_DELIVERY_LIMIT,
 };
 pub use publish::{
-    open_confirm_channel, publish_batch, publish_confirmed, settled, Outgoing, CONFIRM_DEADLINE,
+    open_confirm_channel, publish_batch, publish_confirmed, send_batch, settled, Outgoing, Sending,
+    CONFIRM_DEADLINE,
 };
 
 use crate::config::QueueType;

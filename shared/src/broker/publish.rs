@@ -7,6 +7,7 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
 use std::collections::HashSet;
+use std::future::Future;
 use std::time::Duration;
 
 /// Longest wait for a batch's confirms: a broker that blocks publishers (a memory or disk
@@ -75,8 +76,31 @@ pub async fn publish_batch(
     channel: &Channel,
     exchange: &str,
     batch: impl ExactSizeIterator<Item = Outgoing>,
-    mut may_send: impl FnMut() -> bool,
+    may_send: impl FnMut() -> bool,
 ) -> Vec<Result<(), BrokerError>> {
+    let mut returned = HashSet::new();
+    send_batch(channel, exchange, batch, may_send)
+        .await
+        .confirms(&mut returned, [])
+        .await
+}
+
+/// A batch sent ([`send_batch`]) whose confirms have not all been read: the beat sends the
+/// next batch before it reads them ([`Sending::confirms`]).
+pub struct Sending {
+    pending: Vec<Pending>,
+    send_failure: Option<BrokerError>,
+    total: usize,
+}
+
+/// Sends every message of `batch` (as [`publish_batch`] does) and returns without awaiting a
+/// confirm.
+pub async fn send_batch(
+    channel: &Channel,
+    exchange: &str,
+    batch: impl ExactSizeIterator<Item = Outgoing>,
+    mut may_send: impl FnMut() -> bool,
+) -> Sending {
     let options = BasicPublishOptions {
         mandatory: true,
         ..Default::default()
@@ -97,7 +121,11 @@ pub async fn publish_batch(
             .basic_publish(exchange, routing_key, options, body, message.properties)
             .await
         {
-            Ok(confirm) => pending.push((message.routing_key, id, confirm)),
+            Ok(confirm) => pending.push(Pending {
+                routing_key: message.routing_key,
+                id,
+                confirm: Confirm::Waiting(confirm),
+            }),
             Err(e) => {
                 // The channel is gone: nothing after this goes out either.
                 send_failure = Some(BrokerError::Amqp(e));
@@ -105,52 +133,116 @@ pub async fn publish_batch(
             }
         }
     }
-    let mut outcomes = await_confirms(pending).await;
-    if let Some(e) = send_failure {
-        // What stopped the sending stands for every message it kept back.
-        outcomes.resize_with(total, || Err(e.for_the_rest()));
+    Sending {
+        pending,
+        send_failure,
+        total,
     }
-    outcomes
 }
 
-/// The confirms of a batch, in order, within [`CONFIRM_DEADLINE`]: each message's outcome.
-///
-/// The broker returns an unroutable (`mandatory`) message before it confirms it, but lapin
-/// hands the returned message to whichever confirm completes next — with a `multiple` ack,
-/// possibly another message's. So it is matched by its message id, and the confirm that
-/// carried it stands for its own message.
-async fn await_confirms(pending: Vec<Pending>) -> Vec<Result<(), BrokerError>> {
-    let mut returned: HashSet<String> = HashSet::new();
-    let mut outcomes = Vec::with_capacity(pending.len());
-    let mut sent = Vec::with_capacity(pending.len());
-    let deadline = tokio::time::Instant::now() + CONFIRM_DEADLINE;
-    for (routing_key, id, confirm) in pending {
-        let outcome = match tokio::time::timeout_at(deadline, confirm).await {
-            Err(_) => Err(BrokerError::Unconfirmed),
-            Ok(Err(e)) => Err(BrokerError::Amqp(e)),
-            Ok(Ok(confirmation)) => match carried_return(confirmation) {
-                Carried::Nothing(outcome) => outcome,
-                Carried::Return(id, outcome) => {
-                    returned.insert(id);
-                    outcome
-                }
-                // No id to match: charged to the message that carried it.
-                Carried::Anonymous => Err(BrokerError::Unroutable(routing_key.clone())),
-            },
-        };
-        outcomes.push(outcome);
-        sent.push((routing_key, id.map(|id| id.to_string())));
+impl Sending {
+    /// Awaits this batch's confirms in order, for at most [`CONFIRM_DEADLINE`]: one outcome per
+    /// message, in batch order (those after a failed send carry its error).
+    ///
+    /// The broker returns an unroutable (`mandatory`) message before it confirms it, but lapin
+    /// hands the returned message to whichever confirm completes next — with a `multiple` ack,
+    /// possibly another message's, and with `later` batches sent meanwhile, possibly one of
+    /// theirs, or this batch's carrying one of an earlier batch's. So returns are matched by
+    /// message id through `returned`, shared by the batches in flight, and once every confirm
+    /// of this batch is in, the confirms of `later` that are in too are read now (the carrier
+    /// of a return of ours completed no later than our own confirm), their outcomes kept for
+    /// their turn.
+    pub async fn confirms<'a>(
+        mut self,
+        returned: &mut HashSet<String>,
+        later: impl IntoIterator<Item = &'a mut Sending>,
+    ) -> Vec<Result<(), BrokerError>> {
+        let mut outcomes = Vec::with_capacity(self.total);
+        let deadline = tokio::time::Instant::now() + CONFIRM_DEADLINE;
+        for pending in &mut self.pending {
+            let confirmation = match std::mem::replace(&mut pending.confirm, Confirm::Taken) {
+                Confirm::Waiting(confirm) => tokio::time::timeout_at(deadline, confirm)
+                    .await
+                    .map_err(|_| BrokerError::Unconfirmed)
+                    .and_then(|c| c.map_err(BrokerError::Amqp)),
+                Confirm::Done(done) => *done,
+                Confirm::Taken => Err(BrokerError::Unconfirmed),
+            };
+            outcomes.push(read_confirmation(
+                confirmation,
+                &pending.routing_key,
+                returned,
+            ));
+        }
+        for later in later {
+            later.read_ready(returned);
+        }
+        for (pending, outcome) in self.pending.iter().zip(&mut outcomes) {
+            if pending
+                .id
+                .as_ref()
+                .is_some_and(|id| returned.contains(id.as_str()))
+            {
+                *outcome = Err(BrokerError::Unroutable(pending.routing_key.clone()));
+            }
+        }
+        if let Some(e) = self.send_failure {
+            // What stopped the sending stands for every message it kept back.
+            outcomes.resize_with(self.total, || Err(e.for_the_rest()));
+        }
+        outcomes
     }
-    for ((routing_key, id), outcome) in sent.iter().zip(&mut outcomes) {
-        if id.as_ref().is_some_and(|id| returned.contains(id)) {
-            *outcome = Err(BrokerError::Unroutable(routing_key.clone()));
+
+    /// Reads every confirm of this batch that is already in, noting the returns they carry.
+    fn read_ready(&mut self, returned: &mut HashSet<String>) {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        for pending in &mut self.pending {
+            if let Confirm::Waiting(confirm) = &mut pending.confirm {
+                if let std::task::Poll::Ready(result) = std::pin::Pin::new(confirm).poll(&mut cx) {
+                    let result = result.map_err(BrokerError::Amqp);
+                    // Noted now; the outcome itself is read again in this batch's turn.
+                    if let Ok(Confirmation::Ack(Some(m)) | Confirmation::Nack(Some(m))) = &result {
+                        if let Some(id) = m.properties.message_id() {
+                            returned.insert(id.to_string());
+                        }
+                    }
+                    pending.confirm = Confirm::Done(Box::new(result));
+                }
+            }
         }
     }
-    outcomes
+}
+
+/// One confirm's outcome for its own message, noting the return it carried in `returned`.
+fn read_confirmation(
+    confirmation: Result<Confirmation, BrokerError>,
+    routing_key: &str,
+    returned: &mut HashSet<String>,
+) -> Result<(), BrokerError> {
+    match carried_return(confirmation?) {
+        Carried::Nothing(outcome) => outcome,
+        Carried::Return(id, outcome) => {
+            returned.insert(id);
+            outcome
+        }
+        // No id to match: charged to the message that carried it.
+        Carried::Anonymous => Err(BrokerError::Unroutable(routing_key.to_owned())),
+    }
 }
 
 /// A message sent and not confirmed yet: its routing key, its message id, its confirm.
-type Pending = (String, Option<ShortString>, PublisherConfirm);
+struct Pending {
+    routing_key: String,
+    id: Option<ShortString>,
+    confirm: Confirm,
+}
+
+/// A confirm not read yet, or read ahead of its batch's turn ([`Sending::read_ready`]).
+enum Confirm {
+    Waiting(PublisherConfirm),
+    Done(Box<Result<Confirmation, BrokerError>>),
+    Taken,
+}
 
 /// What one confirm said, and the returned message it carried, if any.
 enum Carried {
