@@ -415,7 +415,11 @@ async fn unroutable_messages_fail_alone_across_batches_in_flight() {
                         n += 1;
                         // Each batch ends with an unroutable message: a multiple ack that
                         // confirms it may confirm the next batch's first messages too.
-                        let queue = if i == 49 || (i + round) % 5 == 1 { "b" } else { "a" };
+                        let queue = if i == 49 || (i + round) % 5 == 1 {
+                            "b"
+                        } else {
+                            "a"
+                        };
                         let t = at + chrono::TimeDelta::seconds(n);
                         Envelope::scheduled(queue, "t", queue, serde_json::json!({}), t, None, at)
                     })
@@ -492,6 +496,9 @@ async fn a_stop_while_batches_are_in_flight_finishes_them_first() {
         .unwrap()
         .message_count() as usize;
     let _ = amqp.close(200, "bye".into()).await;
-    assert_eq!(recorded, queued, "progress and messages disagree: {stats:?}");
+    assert_eq!(
+        recorded, queued,
+        "progress and messages disagree: {stats:?}"
+    );
     assert_eq!(stats.published_total() as usize, queued, "{stats:?}");
 }

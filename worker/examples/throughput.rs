@@ -11,12 +11,13 @@
 //! running `/bin/true` (a drain of `--shell N` messages at each of `--shell-concurrency K,…`)
 //! is measured against its own ceiling: `/bin/true` spawned and awaited through
 //! `tokio::process::Command`, K at once, N spawns, no broker or Redis (ceiling and executor
-//! runs interleaved). `--messages 0` skips
-//! the broker figures.
+//! runs interleaved); and again with `--shell-background M` tasks (`sleep`) running under the
+//! same supervisors throughout the run, so the cost per run with many tasks running shows
+//! beside the cost with none. `--messages 0` skips the broker figures.
 //!
 //! `cargo run --release -p drumline-worker --example throughput -- [--messages N]
-//!  [--shell N] [--shell-concurrency 8,32] [--concurrency 32,256] [--runs 3]
-//!  [--mode drain|together|both] [--json]`
+//!  [--shell N] [--shell-concurrency 8,32] [--shell-background 1000] [--concurrency 32,256]
+//!  [--runs 3] [--mode drain|together|both] [--json]`
 //!
 //! Uses its own namespaces on 127.0.0.1 and deletes what it declared. Asserts nothing about
 //! speed (a benchmark, not a test); it does check that every message was handled.
@@ -213,6 +214,47 @@ async fn drumline(
     (elapsed, used)
 }
 
+/// `m` shell tasks that sleep until they are dropped, started through the executor (so under
+/// the worker's supervisors), returned once the supervisors hold them all.
+async fn sleepers(m: usize) -> Vec<tokio::task::JoinHandle<Result<(), HandlerError>>> {
+    use drumline_worker::executor::{supervised_tasks, ShellExecutor};
+    use drumline_worker::Handler;
+    let task = drumline_shared::config::Task {
+        name: "sleeper".into(),
+        command: Some(vec!["/bin/sleep".into(), "3600".into()]),
+        timeout: None,
+        max_retries: 0,
+        retry_base: Duration::from_secs(1),
+        retry_max: Duration::from_secs(1),
+        permanent_exit_codes: vec![],
+        env: Default::default(),
+        http: None,
+        limit: None,
+    };
+    let executor = ShellExecutor::for_task(&task, &[]).expect("a command");
+    let before = supervised_tasks().await.unwrap_or(0);
+    let runs = (0..m)
+        .map(|i| {
+            let ctx = TaskContext {
+                task: "sleeper".into(),
+                key: format!("sleeper-{i}"),
+                job: None,
+                scheduled_for: Utc::now(),
+                attempt: 0,
+                fencing_token: 1,
+                args: serde_json::json!({}),
+                cancel: tokio_util::sync::CancellationToken::new(),
+                kill_grace: Duration::from_millis(100),
+            };
+            tokio::spawn(executor.call(ctx))
+        })
+        .collect();
+    while supervised_tasks().await.unwrap_or(0) < before + m {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    runs
+}
+
 /// The fork/exec ceiling: `n` runs of `/bin/true`, each spawned and awaited through
 /// `tokio::process::Command`, `k` at once. Returns the time until the last one was reaped.
 async fn ceiling(n: usize, k: usize) -> Duration {
@@ -379,12 +421,15 @@ struct ShellRow {
     executor: Figure,
     /// Per-run executor/ceiling ratios (runs interleaved).
     ratios: Vec<f64>,
+    /// The executor with `--shell-background` tasks running throughout.
+    loaded: Figure,
 }
 
 struct Args {
     messages: usize,
     shell: usize,
     shell_concurrency: Vec<usize>,
+    shell_background: usize,
     concurrency: Vec<usize>,
     runs: usize,
     modes: Vec<&'static str>,
@@ -396,6 +441,7 @@ fn args() -> Args {
         messages: 50_000,
         shell: 2_000,
         shell_concurrency: vec![8, 32],
+        shell_background: 1000,
         concurrency: vec![32, 256],
         runs: 3,
         modes: vec!["drain"],
@@ -403,7 +449,8 @@ fn args() -> Args {
     };
     let mut it = std::env::args().skip(1);
     let usage = "usage: throughput [--messages N] [--shell N] [--shell-concurrency 8,32] \
-                 [--concurrency 32,256] [--runs 3] [--mode drain|together|both] [--json]";
+                 [--shell-background 1000] [--concurrency 32,256] [--runs 3] \
+                 [--mode drain|together|both] [--json]";
     let list =
         |v: String| -> Vec<usize> { v.split(',').map(|c| c.parse().expect(usage)).collect() };
     while let Some(flag) = it.next() {
@@ -414,6 +461,7 @@ fn args() -> Args {
             "--runs" => a.runs = value().parse().expect(usage),
             "--concurrency" => a.concurrency = list(value()),
             "--shell-concurrency" => a.shell_concurrency = list(value()),
+            "--shell-background" => a.shell_background = value().parse().expect(usage),
             "--mode" => {
                 a.modes = match value().as_str() {
                     "drain" => vec!["drain"],
@@ -506,6 +554,7 @@ async fn main() {
                 ceiling: Figure { runs: vec![] },
                 executor: Figure { runs: vec![] },
                 ratios: vec![],
+                loaded: Figure { runs: vec![] },
             };
             for run in 0..args.runs {
                 let c = rate(args.shell, ceiling(args.shell, k).await);
@@ -520,6 +569,31 @@ async fn main() {
                 row.ceiling.runs.push(c);
                 row.executor.runs.push(e);
                 row.ratios.push(e / c);
+                if args.shell_background > 0 {
+                    let background = sleepers(args.shell_background).await;
+                    let (d, _) =
+                        drumline(&conn, &bodies[..args.shell], k, true, false, journal).await;
+                    let l = rate(args.shell, d);
+                    for run in &background {
+                        run.abort();
+                    }
+                    // Gone before the next figure (its count starts from what is left).
+                    while drumline_worker::executor::supervised_tasks()
+                        .await
+                        .unwrap_or(0)
+                        > 0
+                    {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    eprintln!(
+                        "shell K={k} run {}: executor with {} tasks running {l:.0}/s ({:.2} of \
+                         without)",
+                        run + 1,
+                        args.shell_background,
+                        l / e
+                    );
+                    row.loaded.runs.push(l);
+                }
             }
             shell_rows.push(row);
         }
@@ -573,6 +647,9 @@ async fn main() {
                             "max": ratio.max(),
                             "runs": r.ratios,
                         },
+                        "background_tasks": args.shell_background,
+                        "executor_with_background_per_s":
+                            (!r.loaded.runs.is_empty()).then(|| r.loaded.json()),
                     })
                 }).collect::<Vec<_>>(),
             })),
@@ -690,6 +767,28 @@ async fn main() {
                         ratio.max()
                     ),
                 );
+            }
+            if args.shell_background > 0 {
+                println!(
+                    "the same with {} shell tasks (sleep) running under the same supervisors \
+                     throughout",
+                    args.shell_background
+                );
+                for r in &shell_rows {
+                    println!(
+                        "{:<9} {:>5} {:>22} {:>22} {:>18}",
+                        "loaded",
+                        r.concurrency,
+                        "",
+                        format!(
+                            "{:.0} ({:.0}–{:.0})",
+                            r.loaded.median(),
+                            r.loaded.min(),
+                            r.loaded.max()
+                        ),
+                        format!("{:.2} of unloaded", r.loaded.median() / r.executor.median()),
+                    );
+                }
             }
         }
     }

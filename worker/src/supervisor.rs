@@ -186,6 +186,8 @@ impl Supervisor {
                 Ok(got) => got,
                 Err(Errno::AGAIN) => return Ok(()),
                 Err(Errno::INTR) => continue,
+                // The worker exited with replies unread: its end is gone all the same.
+                Err(Errno::CONNRESET) => return Err(Gone::Closed),
                 Err(e) => return Err(Gone::Failed(e.into())),
             };
             if got.bytes == 0 {
