@@ -26,6 +26,9 @@ pub struct Publisher {
     queues: Vec<String>,
     dead_ttl: Duration,
     session: Option<(Connection, Channel)>,
+    /// Counts the sessions opened: a batch's confirms drop the session only if it is still the
+    /// one the batch was sent on ([`Publisher::session`]).
+    sessions: u64,
 }
 
 impl Publisher {
@@ -38,6 +41,7 @@ impl Publisher {
             queues: job_queues(config),
             dead_ttl: config.worker.dead_ttl,
             session: None,
+            sessions: 0,
         }
     }
 
@@ -72,6 +76,7 @@ impl Publisher {
             let session = self.nodes.open_session(&what).await?;
             info!(namespace = %self.names.namespace(), "connected to the broker; topology declared");
             self.session = Some(session);
+            self.sessions += 1;
         }
         Ok(&self.session.as_ref().expect("just set").1)
     }
@@ -140,15 +145,21 @@ impl Publisher {
     /// returns across the batches in flight). After a broker failure the connection is dropped.
     pub async fn confirms<'a>(
         &mut self,
-        sending: Sending,
+        (sending, session): (Sending, u64),
         returned: &mut HashSet<String>,
         later: impl IntoIterator<Item = &'a mut Sending>,
     ) -> Vec<Result<(), BrokerError>> {
         let outcomes = sending.confirms(returned, later).await;
-        if channel_failed(&outcomes) {
+        // A session opened since (a later batch reconnected) is not this failure's.
+        if channel_failed(&outcomes) && session == self.sessions {
             self.drop_session("publish failed");
         }
         outcomes
+    }
+
+    /// The session a batch sent now goes out on (for [`Publisher::confirms`]).
+    pub fn session(&self) -> u64 {
+        self.sessions
     }
 
     fn drop_session(&mut self, why: &'static str) {
@@ -179,12 +190,17 @@ fn job_queues(config: &Config) -> Vec<String> {
 }
 
 /// Whether a batch's outcomes show a failure of the channel or the broker (the session is then
-/// dropped). Neither a message left unsent because leadership lapsed nor an unroutable one
-/// (the broker returned it; the channel carries on, and with it the batches in flight) is one.
+/// dropped). Neither a message left unsent because leadership lapsed, nor an unroutable one
+/// (the broker returned it), nor a nacked one (the broker refused it, e.g. a full queue that
+/// rejects publishes) is one: the channel carries on, and with it the batches in flight.
 fn channel_failed(outcomes: &[Result<(), BrokerError>]) -> bool {
     outcomes.iter().any(|o| {
-        o.as_ref()
-            .is_err_and(|e| !matches!(e, BrokerError::Withdrawn | BrokerError::Unroutable(_)))
+        o.as_ref().is_err_and(|e| {
+            !matches!(
+                e,
+                BrokerError::Withdrawn | BrokerError::Unroutable(_) | BrokerError::Nacked
+            )
+        })
     })
 }
 

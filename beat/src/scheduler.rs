@@ -620,6 +620,9 @@ impl Beat {
                 let wait = self
                     .finish_all(&mut in_flight, store, publisher, stats, term, &mut returned)
                     .await;
+                if stopping {
+                    return Ok(Next::Shutdown);
+                }
                 if let Some(wait) = wait {
                     return Ok(Next::Wait(wait));
                 }
@@ -654,7 +657,7 @@ impl Beat {
                 &self.paused,
             );
             let config = &self.config;
-            let sent = send_due(
+            let sending = send_due(
                 &config.jobs,
                 &mut self.states,
                 batch,
@@ -663,9 +666,32 @@ impl Beat {
                 publisher,
                 stats,
                 term,
-            )
-            .await?;
+            );
+            let sent = match sending.await {
+                Ok(sent) => sent,
+                Err(refused) => {
+                    // The batches in flight were sent: their progress is written first.
+                    self.finish_all(&mut in_flight, store, publisher, stats, term, &mut returned)
+                        .await;
+                    return Err(refused);
+                }
+            };
+            // Nothing could be sent (no connection): finish what is in flight and back off
+            // now, rather than let each next batch wait for a connect of its own.
+            let unsent = sent
+                .stalls
+                .iter()
+                .any(|s| matches!(s, Some(Stall::Unsent(_))));
             in_flight.push_back(sent);
+            if unsent {
+                let wait = self
+                    .finish_all(&mut in_flight, store, publisher, stats, term, &mut returned)
+                    .await;
+                if let Some(wait) = wait {
+                    return Ok(Next::Wait(wait));
+                }
+                continue;
+            }
             if in_flight.len() >= IN_FLIGHT {
                 let oldest = in_flight.pop_front().expect("in flight");
                 let later = (&mut returned, &mut in_flight);
@@ -1005,6 +1031,8 @@ struct InFlight {
     stalls: Vec<Option<Stall>>,
     /// `None` when nothing was sent (nothing to send, or no connection: the jobs stalled).
     sending: Option<Sending>,
+    /// The publisher's session it was sent on.
+    session: u64,
 }
 
 /// The first half of moving a batch forward: report the drops and persist the progress they
@@ -1042,6 +1070,7 @@ async fn send_due(
         sent,
         stalls,
         sending,
+        session: publisher.session(),
     })
 }
 
@@ -1070,11 +1099,14 @@ async fn finish_due(
         sent,
         mut stalls,
         sending,
+        session,
     } = in_flight;
     let outcomes = match sending {
         Some(sending) => {
             let later = later.iter_mut().filter_map(|f| f.sending.as_mut());
-            publisher.confirms(sending, returned, later).await
+            publisher
+                .confirms((sending, session), returned, later)
+                .await
         }
         None => Vec::new(),
     };

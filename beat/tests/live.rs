@@ -430,11 +430,12 @@ async fn unroutable_messages_fail_alone_across_batches_in_flight() {
         for batch in &batches {
             in_flight.push_back(publisher.send_batch(batch, 0, || true).await.expect("sent"));
         }
+        let session = publisher.session();
         let mut returned = std::collections::HashSet::new();
         for batch in &batches {
             let sending = in_flight.pop_front().unwrap();
             let outcomes = publisher
-                .confirms(sending, &mut returned, in_flight.iter_mut())
+                .confirms((sending, session), &mut returned, in_flight.iter_mut())
                 .await;
             for (env, outcome) in batch.iter().zip(&outcomes) {
                 match (env.queue.as_str(), outcome) {

@@ -11,7 +11,8 @@
 //! process group). Per run that is one `exec`, the command's: the fork/exec ceiling's own.
 //!
 //! Dropping a run's future (the worker does when a run outlives its lease deadline, or when it
-//! abandons a connection's runs) SIGKILLs the whole group. The task's environment is the
+//! abandons a connection's runs) has the supervisor SIGKILL the whole group (asked at once, or
+//! from a task when the socket is full; through the task's pidfd when the supervisor is gone). The task's environment is the
 //! worker's minus the broker and Redis URLs and `[worker] env_remove`, plus `[tasks.NAME] env`
 //! and the context (docs/design.md "Task environment").
 
@@ -183,23 +184,34 @@ impl ShellExecutor {
     }
 
     /// The outcome of a start the supervisor could not make: as a shell reports it, exit code
-    /// 127 when the program does not exist and 126 when it cannot run (so
-    /// `permanent_exit_codes` decide as they do for a shell's), the reason as its cause.
+    /// 127 when the program does not exist and 126 when it cannot be run (not executable, not
+    /// a program), so `permanent_exit_codes` decide as they do for a shell's, the reason as
+    /// its cause. Any other refusal (out of processes, memory or descriptors) is retried.
     fn not_started(&self, e: StartError) -> HandlerError {
         match e {
             StartError::Refused(e) => {
-                let code = if e.kind() == io::ErrorKind::NotFound {
-                    127
-                } else {
-                    126
-                };
                 let cause =
                     io::Error::new(e.kind(), format!("cannot start {:?}: {e}", self.command[0]));
+                let code = match rustix::io::Errno::from_io_error(&e) {
+                    Some(rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR) => 127,
+                    Some(
+                        rustix::io::Errno::ACCESS
+                        | rustix::io::Errno::NOEXEC
+                        | rustix::io::Errno::PERM
+                        | rustix::io::Errno::ISDIR,
+                    ) => 126,
+                    _ => return HandlerError::retryable("cannot start the task").because(cause),
+                };
                 match self.outcome(exit_status(Status::Code(code))) {
                     Err(failure) => failure.because(cause),
                     Ok(()) => HandlerError::retryable("cannot start").because(cause),
                 }
             }
+            StartError::TooLarge(size) => HandlerError::permanent(format!(
+                "the command and its environment take {size} bytes, more than a task start \
+                 may ({} bytes): shorten them or remove variables with [worker] env_remove",
+                link::MAX_START
+            )),
             StartError::Unavailable(e) => {
                 HandlerError::retryable("cannot run a shell task").because(e)
             }

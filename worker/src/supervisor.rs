@@ -153,19 +153,18 @@ impl Supervisor {
             }
             for event in events.drain(..) {
                 let token = event.data.u64();
-                if token != SOCKET {
-                    self.reap(token)?;
-                    continue;
-                }
-                match self.read_requests(&mut buf) {
-                    Ok(()) => {}
-                    Err(e) => {
-                        self.kill_all();
-                        return match e {
-                            Gone::Closed => Ok(()),
-                            Gone::Failed(e) => Err(e),
-                        };
-                    }
+                let served = if token == SOCKET {
+                    self.read_requests(&mut buf)
+                } else {
+                    self.reap(token)
+                };
+                // However the worker's end went (read or written), no task outlives it.
+                if let Err(e) = served {
+                    self.kill_all();
+                    return match e {
+                        Gone::Closed => Ok(()),
+                        Gone::Failed(e) => Err(e),
+                    };
                 }
             }
         }
@@ -405,6 +404,8 @@ fn program(name: &CStr, env: &[CString]) -> Result<CString, Errno> {
         .iter()
         .find_map(|e| e.to_bytes().strip_prefix(b"PATH="))
         .unwrap_or(b"/usr/local/bin:/usr/bin:/bin");
+    // As `execvp`: a file found but not executable answers EACCES unless a later one runs.
+    let mut found = Errno::NOENT;
     for dir in path.split(|&b| b == b':') {
         let dir = if dir.is_empty() { &b"."[..] } else { dir };
         let mut candidate = dir.to_vec();
@@ -413,13 +414,18 @@ fn program(name: &CStr, env: &[CString]) -> Result<CString, Errno> {
         let Ok(candidate) = CString::new(candidate) else {
             continue;
         };
+        if rustix::fs::access(candidate.as_c_str(), rustix::fs::Access::EXISTS).is_ok()
+            && rustix::fs::access(candidate.as_c_str(), rustix::fs::Access::EXEC_OK).is_err()
+        {
+            found = Errno::ACCESS;
+        }
         if rustix::fs::access(candidate.as_c_str(), rustix::fs::Access::EXEC_OK).is_ok()
             && !std::path::Path::new(std::ffi::OsStr::from_bytes(candidate.as_bytes())).is_dir()
         {
             return Ok(candidate);
         }
     }
-    Err(Errno::NOENT)
+    Err(found)
 }
 
 #[cfg(test)]

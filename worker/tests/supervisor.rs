@@ -322,3 +322,104 @@ fn an_idle_supervisor_uses_no_cpu() {
         );
     });
 }
+
+/// A supervisor that learns of its worker's end closing while it reports a task's exit (the
+/// report cannot be sent) still kills every other task before it exits (it used to return at
+/// the failed report and leave them running). Driven by hand: the supervisor is stopped while
+/// one task exits and the worker's end closes, so both wait for it in one epoll round, the
+/// exit first.
+#[test]
+fn a_supervisor_whose_report_cannot_be_sent_still_kills_its_tasks() {
+    use drumline_worker::supervisor::wire::{Request, Start};
+    use rustix::net::{AddressFamily, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    use rustix::net::{SocketFlags, SocketType};
+    use std::os::fd::AsFd;
+    let (ours, theirs) = rustix::net::socketpair(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .unwrap();
+    let mut supervisor = std::process::Command::new(SUPERVISOR)
+        .arg(std::process::id().to_string())
+        .stdin(std::process::Stdio::from(theirs))
+        .spawn()
+        .unwrap();
+    let dir = scratch();
+    let pid_file = dir.join("sleeper");
+    let start = |id: u64, argv: Vec<std::ffi::CString>| {
+        let pipe = || rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        let ((stdin, _keep_in), (_keep_err, stderr)) = (pipe(), pipe());
+        let request = Request::Start(Start {
+            id,
+            stdout: false,
+            argv,
+            env: vec![c"PATH=/usr/bin:/bin".to_owned()],
+        });
+        let fds = [stdin.as_fd(), stderr.as_fd()];
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+        let bytes = request.encode();
+        rustix::net::sendmsg(
+            &ours,
+            &[std::io::IoSlice::new(&bytes)],
+            &mut control,
+            SendFlags::empty(),
+        )
+        .unwrap();
+    };
+    let script = format!(
+        "echo $$ > {0}.tmp && mv {0}.tmp {0}; exec sleep 60",
+        pid_file.display()
+    );
+    let sh = |s: &str| {
+        vec![
+            c"/bin/sh".to_owned(),
+            c"-c".to_owned(),
+            std::ffi::CString::new(s).unwrap(),
+        ]
+    };
+    start(1, sh(&script));
+    let started = std::time::Instant::now();
+    while !pid_file.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the sleeper never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let sleeper: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let marker = dir.join("quick");
+    let quick = format!("sleep 0.3; touch {}", marker.display());
+    start(2, sh(&quick));
+    let pid = rustix::process::Pid::from_raw(supervisor.id() as i32).unwrap();
+    // Stopped once the quick task runs; it exits while the supervisor cannot look.
+    std::thread::sleep(Duration::from_millis(100));
+    rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
+    while !marker.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the quick task never ended"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    drop(ours);
+    rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
+    let _ = supervisor.wait();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while alive(sleeper) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the sleeper outlived its supervisor"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -5,9 +5,10 @@
 //! the task's `exec`), so two let two tasks start at once, as two cores can. A link that broke,
 //! or whose runtime shut down, is replaced (with a new supervisor) on its next use.
 //!
-//! Nothing here blocks a thread: the socket is non-blocking under tokio's reactor, and a
-//! request that finds the socket full waits for room in the run's own task (a kill from a
-//! `Drop` is sent from a task of its own then).
+//! Nothing here waits on a thread but starting a supervisor (a `posix_spawn`, once per core,
+//! under the slot's lock): the socket is non-blocking under tokio's reactor, and a request that
+//! finds the socket full waits for room in the run's own task (a kill from a `Drop` is sent
+//! from a task of its own then).
 
 use super::wire::{Reply, Request, Start, Status};
 use drumline_shared::config::{ENV_AMQP_URL, ENV_REDIS_URL};
@@ -39,8 +40,9 @@ pub struct Spec {
     pub stdout: Option<OwnedFd>,
 }
 
-/// The supervisor went away while the task ran (it was killed: it never exits on its own while
-/// the worker holds the link). The task's group was killed through its pidfd.
+/// The supervisor went away while the task ran (it was killed, or the link broke and the worker
+/// closed it: a supervisor whose link closes kills every task it holds). The task itself was
+/// killed through its pidfd.
 #[derive(Debug, thiserror::Error)]
 #[error("the task supervisor died while the task ran; the task was killed")]
 pub struct Lost;
@@ -54,7 +56,16 @@ pub enum StartError {
     /// The supervisor could not be reached or started.
     #[error("the task supervisor is unavailable: {0}")]
     Unavailable(io::Error),
+    /// The command line and environment, this many bytes, are more than one start carries
+    /// ([`MAX_START`]).
+    #[error("a task start of {0} bytes is more than {MAX_START}")]
+    TooLarge(usize),
 }
+
+/// The most bytes of command line and environment one start carries: one `SOCK_SEQPACKET`
+/// message, within the socket's default send buffer (about 208 KiB) and the supervisor's read
+/// ([`super::MAX_MESSAGE`]).
+pub const MAX_START: usize = 192 * 1024;
 
 /// What the reader hands a run.
 enum Event {
@@ -269,8 +280,11 @@ async fn read(link: Arc<Link>, mut supervisor: tokio::process::Child) {
             },
         }
     }
+    let link = guard.0.clone();
     drop(guard);
-    let _ = supervisor.start_kill();
+    // Closed, not killed: a supervisor that sees its link close kills every task it holds
+    // (a SIGKILL would leave them running).
+    let _ = rustix::net::shutdown(&link.socket, rustix::net::Shutdown::Both);
     let _ = supervisor.wait().await;
 }
 
@@ -310,6 +324,11 @@ pub async fn start(program: &Path, spec: Spec) -> Result<Task, StartError> {
         argv: spec.argv,
         env: spec.env,
     });
+    let size = request.encode().len();
+    if size > MAX_START {
+        registration.kill_on_drop = false;
+        return Err(StartError::TooLarge(size));
+    }
     let mut fds = vec![spec.stdin.as_fd(), spec.stderr.as_fd()];
     fds.extend(spec.stdout.as_ref().map(|fd| fd.as_fd()));
     link.send(&request, &fds)
@@ -367,22 +386,23 @@ impl Task {
         let _ = self.registration.link.send(&request, &[]).await;
     }
 
-    /// The supervisor is gone and the task was reparented: kill it through its pidfd, and its
-    /// group while the pidfd shows the leader still running (its pid, the group's id, cannot
-    /// have been reused then).
+    /// The supervisor is gone (killed: a supervisor whose link closes kills its tasks itself)
+    /// and the task was reparented: kill it through its pidfd. Only the leader: once the
+    /// supervisor is gone, nothing holds the leader unreaped, so its number, the group's id,
+    /// could be reused and is not signalled (children it started may survive this case).
     fn kill_orphaned(&mut self) {
         self.registration.kill_on_drop = false;
-        let Some(pidfd) = &self.pidfd else { return };
-        let mut poll = [rustix::event::PollFd::new(
-            pidfd,
-            rustix::event::PollFlags::IN,
-        )];
-        let exited = matches!(rustix::event::poll(&mut poll, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 })), Ok(n) if n > 0);
-        if !exited {
-            if let Some(pid) = rustix::process::Pid::from_raw(self.pid) {
-                let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-            }
+        if let Some(pidfd) = &self.pidfd {
             let _ = rustix::process::pidfd_send_signal(pidfd, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        // A live link kills the group (the registration's drop); a dead one cannot.
+        if self.registration.kill_on_drop && !self.registration.link.alive.load(Ordering::Acquire) {
+            self.kill_orphaned();
         }
     }
 }
