@@ -82,7 +82,7 @@ pub const BATCH_JOBS: usize = 1000;
 /// the next batch.
 pub const BATCH_MESSAGES: usize = 5000;
 /// The most batches sent whose confirms are not read yet (the beat's `run_due`).
-pub const IN_FLIGHT: usize = 4;
+pub const IN_FLIGHT: usize = 8;
 
 /// New jobs' starts persisted per Redis round trip ([`Beat::persist_new_starts`]).
 const NEW_STARTS_PER_TRIP: usize = 10_000;
