@@ -336,19 +336,15 @@ async fn jobs_due_together_are_published_in_batches_each_instant_once() {
     assert!(others == want, "on-time instances doubled or missing");
 }
 
-/// Against the real RabbitMQ. The broker returns unroutable messages before it confirms
-/// them, and may confirm several at once: each returned message is charged to its own
-/// envelope, not to the confirm that happened to carry it.
-#[tokio::test]
-async fn unroutable_messages_fail_alone_in_a_batch() {
-    let ns = Ns::new("unroutable");
+/// A connected publisher for jobs `a` and `b` (queues `a` and `b`), whose queue `b` is deleted
+/// after the topology was declared: its messages route nowhere.
+async fn publisher_with_b_unroutable(ns: &Ns) -> Publisher {
     let config = ns.config(
         "[[jobs]]\nname = \"a\"\ntask = \"t\"\nevery = \"1h\"\nqueue = \"a\"\n\
          [[jobs]]\nname = \"b\"\ntask = \"t\"\nevery = \"1h\"\nqueue = \"b\"\n",
     );
     let mut publisher = Publisher::new(&config);
     publisher.connect().await.expect("broker");
-    // Queue `b` goes away after the topology was declared: its messages route nowhere.
     let names = Names::new(config.namespace.clone());
     let amqp = broker::connect(&config).await.unwrap();
     let ch = amqp.create_channel().await.unwrap();
@@ -359,6 +355,16 @@ async fn unroutable_messages_fail_alone_in_a_batch() {
     .await
     .unwrap();
     let _ = amqp.close(200, "bye".into()).await;
+    publisher
+}
+
+/// Against the real RabbitMQ. The broker returns unroutable messages before it confirms
+/// them, and may confirm several at once: each returned message is charged to its own
+/// envelope, not to the confirm that happened to carry it.
+#[tokio::test]
+async fn unroutable_messages_fail_alone_in_a_batch() {
+    let ns = Ns::new("unroutable");
+    let mut publisher = publisher_with_b_unroutable(&ns).await;
 
     let at = Utc::now();
     let batch: Vec<Envelope> = (0..40)
@@ -388,22 +394,7 @@ async fn unroutable_messages_fail_alone_in_a_batch() {
 #[tokio::test]
 async fn unroutable_messages_fail_alone_across_batches_in_flight() {
     let ns = Ns::new("unroutable_in_flight");
-    let config = ns.config(
-        "[[jobs]]\nname = \"a\"\ntask = \"t\"\nevery = \"1h\"\nqueue = \"a\"\n\
-         [[jobs]]\nname = \"b\"\ntask = \"t\"\nevery = \"1h\"\nqueue = \"b\"\n",
-    );
-    let mut publisher = Publisher::new(&config);
-    publisher.connect().await.expect("broker");
-    let names = Names::new(config.namespace.clone());
-    let amqp = broker::connect(&config).await.unwrap();
-    let ch = amqp.create_channel().await.unwrap();
-    ch.queue_delete(
-        names.work_queue("b").as_str().into(),
-        QueueDeleteOptions::default(),
-    )
-    .await
-    .unwrap();
-    let _ = amqp.close(200, "bye".into()).await;
+    let mut publisher = publisher_with_b_unroutable(&ns).await;
 
     let at = Utc::now();
     let mut n = 0;

@@ -190,6 +190,26 @@ fn slow_task_config(env: &TestEnv, sleep: u32) -> std::path::PathBuf {
     env.write_config("drumline.toml", &cfg)
 }
 
+/// Publishes `key` for the slow task to `worker` (once its topology exists) and returns the
+/// pids of the task's shell and its `sleep` child, as the task wrote them.
+async fn start_slow_task(env: &TestEnv, worker: &drumline_e2e::Proc, key: &str) -> Vec<i32> {
+    env.wait_for_topology(worker).await;
+    env.publish(&adhoc(key, "slow")).await;
+    assert!(
+        wait_until(WAIT, || env.lines("starts").len() == 1),
+        "{}",
+        worker.log_tail(20)
+    );
+    let start = env.lines("starts")[0].clone();
+    let pids: Vec<i32> = start
+        .split(' ')
+        .skip(1)
+        .map(|p| p.parse().unwrap())
+        .collect();
+    assert_eq!(pids.len(), 2, "{start}");
+    pids
+}
+
 fn pid_alive(pid: i32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
         && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -203,21 +223,7 @@ async fn a_worker_killed_mid_task_is_taken_over_after_its_lease() {
     let config = slow_task_config(&env, 5);
     let cfg = config.to_str().unwrap();
     let mut first = env.worker("worker-1", &["--config", cfg]);
-    // Topology exists once the worker consumes.
-    env.wait_for_topology(&first).await;
-    env.publish(&adhoc("k-kill", "slow")).await;
-    assert!(
-        wait_until(WAIT, || env.lines("starts").len() == 1),
-        "{}",
-        first.log_tail(20)
-    );
-    let start = env.lines("starts")[0].clone();
-    let pids: Vec<i32> = start
-        .split(' ')
-        .skip(1)
-        .map(|p| p.parse().unwrap())
-        .collect();
-    assert_eq!(pids.len(), 2, "{start}");
+    let pids = start_slow_task(&env, &first, "k-kill").await;
 
     first.kill9();
     // The task and its child die with their worker: no orphan finishes the instance. (The
@@ -267,21 +273,8 @@ async fn a_kill_of_the_workers_whole_process_group_kills_every_task() {
     let config = slow_task_config(&env, 5);
     let cfg = config.to_str().unwrap();
     let mut worker = env.worker_leading_its_group("worker", &["--config", cfg]);
-    env.wait_for_topology(&worker).await;
-    env.publish(&adhoc("k-group", "slow")).await;
-    assert!(
-        wait_until(WAIT, || env.lines("starts").len() == 1),
-        "{}",
-        worker.log_tail(20)
-    );
-    let start = env.lines("starts")[0].clone();
-    let pids: Vec<i32> = start
-        .split(' ')
-        .skip(1)
-        .map(|p| p.parse().unwrap())
-        .collect();
-    assert_eq!(pids.len(), 2, "{start}");
-    assert!(pids.iter().all(|&p| pid_alive(p)), "{start}");
+    let pids = start_slow_task(&env, &worker, "k-group").await;
+    assert!(pids.iter().all(|&p| pid_alive(p)), "{pids:?}");
 
     worker.kill9_group();
     // The child's own 5 s sleep has more than 2 s left: only the kill can end it this soon.

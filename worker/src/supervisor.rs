@@ -34,7 +34,7 @@ use nix::sys::prctl;
 use nix::sys::signal::{SigSet, Signal};
 use nix::unistd::getppid;
 use rustix::event::epoll;
-use rustix::fd::{AsFd, AsRawFd, OwnedFd};
+use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use rustix::io::Errno;
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
@@ -206,7 +206,12 @@ impl Supervisor {
             match Request::decode(&buf[..got.bytes]) {
                 Ok(Request::Start(start)) => {
                     let reply = self.start(&start, fds);
-                    self.send(reply)?;
+                    // The pidfd goes along as a borrow: the kernel gives the worker its own.
+                    let pidfd = match reply {
+                        Reply::Started { id, .. } => self.tasks.get(&id).map(|t| t.pidfd.as_fd()),
+                        _ => None,
+                    };
+                    self.send(reply, pidfd)?;
                 }
                 Ok(Request::Signal { id, signal }) => {
                     if let (Some(task), Some(signal)) = (
@@ -218,13 +223,13 @@ impl Supervisor {
                     }
                 }
                 Ok(Request::Census { id }) => {
-                    self.send((
+                    self.send(
                         Reply::Census {
                             id,
                             tasks: self.tasks.len(),
                         },
                         None,
-                    ))?;
+                    )?;
                 }
                 Err(e) => return Err(Gone::Failed(std::io::Error::other(e))),
             }
@@ -233,15 +238,10 @@ impl Supervisor {
 
     /// Starts a task; the received descriptors are closed when this returns (the task has its
     /// copies).
-    fn start(&mut self, start: &Start, fds: Vec<OwnedFd>) -> (Reply, Option<OwnedFd>) {
-        let failed = |errno: Errno| {
-            (
-                Reply::Failed {
-                    id: start.id,
-                    errno: errno.raw_os_error(),
-                },
-                None,
-            )
+    fn start(&mut self, start: &Start, fds: Vec<OwnedFd>) -> Reply {
+        let failed = |errno: Errno| Reply::Failed {
+            id: start.id,
+            errno: errno.raw_os_error(),
         };
         let expected = if start.stdout { 3 } else { 2 };
         if fds.len() != expected || self.tasks.contains_key(&start.id) {
@@ -271,15 +271,11 @@ impl Supervisor {
             let _ = rustix::process::waitid(WaitId::PidFd(pidfd.as_fd()), WaitIdOptions::EXITED);
             return failed(errno);
         }
-        let copy = rustix::io::fcntl_dupfd_cloexec(&pidfd, 3).ok();
         self.tasks.insert(start.id, Task { pid, pidfd });
-        (
-            Reply::Started {
-                id: start.id,
-                pid: pid.as_raw_nonzero().get(),
-            },
-            copy,
-        )
+        Reply::Started {
+            id: start.id,
+            pid: pid.as_raw_nonzero().get(),
+        }
     }
 
     /// Task `id`'s leader exited: kill what is left of its group, reap it, report.
@@ -294,7 +290,7 @@ impl Supervisor {
         // process's pidfd stays readable.
         let _ = epoll::delete(&self.epoll, &task.pidfd);
         drop(task);
-        self.send((Reply::Exited { id, status }, None))
+        self.send(Reply::Exited { id, status }, None)
     }
 
     /// The worker is gone: every task's group goes, then the leaders are reaped.
@@ -307,13 +303,13 @@ impl Supervisor {
         }
     }
 
-    fn send(&self, (reply, pidfd): (Reply, Option<OwnedFd>)) -> Result<(), Gone> {
+    fn send(&self, reply: Reply, pidfd: Option<BorrowedFd<'_>>) -> Result<(), Gone> {
         let bytes = reply.encode();
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut control = SendAncillaryBuffer::new(&mut space);
         let fds;
-        if let Some(fd) = &pidfd {
-            fds = [fd.as_fd()];
+        if let Some(fd) = pidfd {
+            fds = [fd];
             control.push(SendAncillaryMessage::ScmRights(&fds));
         }
         loop {
@@ -414,15 +410,16 @@ fn program(name: &CStr, env: &[CString]) -> Result<CString, Errno> {
         let Ok(candidate) = CString::new(candidate) else {
             continue;
         };
-        if rustix::fs::access(candidate.as_c_str(), rustix::fs::Access::EXISTS).is_ok()
-            && rustix::fs::access(candidate.as_c_str(), rustix::fs::Access::EXEC_OK).is_err()
-        {
-            found = Errno::ACCESS;
-        }
-        if rustix::fs::access(candidate.as_c_str(), rustix::fs::Access::EXEC_OK).is_ok()
-            && !std::path::Path::new(std::ffi::OsStr::from_bytes(candidate.as_bytes())).is_dir()
-        {
-            return Ok(candidate);
+        match rustix::fs::access(candidate.as_c_str(), rustix::fs::Access::EXEC_OK) {
+            Ok(())
+                if !std::path::Path::new(std::ffi::OsStr::from_bytes(candidate.as_bytes()))
+                    .is_dir() =>
+            {
+                return Ok(candidate)
+            }
+            Ok(()) => {}
+            Err(Errno::ACCESS) => found = Errno::ACCESS,
+            Err(_) => {}
         }
     }
     Err(found)

@@ -101,19 +101,7 @@ async fn census_is(n: usize) {
 }
 
 fn failure(result: Result<(), HandlerError>) -> String {
-    anyhow_like(&result.expect_err("the run should fail"))
-}
-
-/// The error and its causes on one line.
-fn anyhow_like(e: &HandlerError) -> String {
-    let mut text = e.to_string();
-    let mut cause = std::error::Error::source(e);
-    while let Some(c) = cause {
-        text.push_str(": ");
-        text.push_str(&c.to_string());
-        cause = c.source();
-    }
-    text
+    result.expect_err("the run should fail").report()
 }
 
 /// It serves only the worker that started it: started by anyone else it exits 125 at once.

@@ -163,12 +163,16 @@ impl Link {
 
     /// Sends `request` (with `fds`), waiting for room in the socket.
     async fn send(&self, request: &Request, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
-        let bytes = request.encode();
+        self.send_encoded(&request.encode(), fds).await
+    }
+
+    /// [`Link::send`] of a request already encoded.
+    async fn send_encoded(&self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
         loop {
             self.socket.writable().await?;
             match self
                 .socket
-                .try_io(Interest::WRITABLE, || send_now(&self.socket, &bytes, fds))
+                .try_io(Interest::WRITABLE, || send_now(&self.socket, bytes, fds))
             {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 result => return result,
@@ -324,14 +328,14 @@ pub async fn start(program: &Path, spec: Spec) -> Result<Task, StartError> {
         argv: spec.argv,
         env: spec.env,
     });
-    let size = request.encode().len();
-    if size > MAX_START {
+    let bytes = request.encode();
+    if bytes.len() > MAX_START {
         registration.kill_on_drop = false;
-        return Err(StartError::TooLarge(size));
+        return Err(StartError::TooLarge(bytes.len()));
     }
     let mut fds = vec![spec.stdin.as_fd(), spec.stderr.as_fd()];
     fds.extend(spec.stdout.as_ref().map(|fd| fd.as_fd()));
-    link.send(&request, &fds)
+    link.send_encoded(&bytes, &fds)
         .await
         .map_err(StartError::Unavailable)?;
     // The task has its copies; ours close now, so the worker sees the streams end with it.

@@ -38,8 +38,7 @@ pub struct Start {
 /// What the supervisor tells the worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reply {
-    /// Task `id` runs as `pid`, the leader of its own process group (its pidfd comes along,
-    /// unless the supervisor is out of descriptors to copy it).
+    /// Task `id` runs as `pid`, the leader of its own process group (its pidfd comes along).
     Started { id: u64, pid: i32 },
     /// Task `id` could not be started (`errno`: `ENOENT` when the program does not exist);
     /// nothing of it runs and nothing is registered.
