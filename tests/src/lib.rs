@@ -594,12 +594,43 @@ pub struct PrivateRabbit {
     child: Option<Child>,
 }
 
+/// A port for a server a test starts: nobody listens on it now, this process never handed it
+/// out before, and it lies below the kernel's ephemeral range, so neither an outgoing
+/// connection nor another `bind(0)` (an Erlang CLI's distribution listener, a proxy) can take
+/// it between this call and the server's bind. A port from `bind(0)` could be: a CI soak once
+/// found a Sentinel's port held by a listener of the RabbitMQ node starting beside it.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
+    static NEXT: std::sync::Mutex<Option<u16>> = std::sync::Mutex::new(None);
+    let (low, high) = fixed_port_range();
+    let span = high - low;
+    let mut next = NEXT.lock().unwrap_or_else(|e| e.into_inner());
+    // Each process starts at its own offset, so test binaries run one after another (or two
+    // suites on one machine) rarely walk the same ports.
+    let mut candidate = next.unwrap_or(low + (std::process::id() % u32::from(span)) as u16);
+    for _ in 0..span {
+        let port = candidate;
+        candidate = if port + 1 >= high { low } else { port + 1 };
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            *next = Some(candidate);
+            return port;
+        }
+    }
+    panic!("no free port in {low}..{high}");
+}
+
+/// The 10,000 ports below the ephemeral range (`ip_local_port_range`). No wider: RabbitMQ's
+/// CLI tools listen at the node's distribution port + 10,000 and up, which then falls into
+/// the ephemeral range, never onto a port handed out here.
+fn fixed_port_range() -> (u16, u16) {
+    let ephemeral_low = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768)
+        .max(2048);
+    (
+        ephemeral_low.saturating_sub(10_000).max(1024),
+        ephemeral_low,
+    )
 }
 
 impl PrivateRabbit {
