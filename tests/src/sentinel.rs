@@ -150,8 +150,8 @@ impl SentinelSet {
                 &format!("sentinel-{port}"),
                 &[conf.to_str().unwrap(), "--sentinel"],
             );
+            wait_port(port, &child);
             set.children.insert(port, child);
-            wait_port(port);
         }
         set.wait_healthy(first);
         set
@@ -315,8 +315,8 @@ impl SentinelSet {
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let child = self.spawn(&format!("redis-{port}"), &args);
+        wait_port(port, &child);
         self.children.insert(port, child);
-        wait_port(port);
     }
 
     /// `redis+sentinel://` URL of the set (no password), database `db`.
@@ -513,11 +513,14 @@ impl Drop for SentinelSet {
     }
 }
 
-fn wait_port(port: u16) {
+/// Waits until the server started as `child` answers on `port`: the process answering must
+/// be that child (`process_id` in `INFO server`), not another listener on the same port.
+fn wait_port(port: u16, child: &Child) {
+    let ours = format!("process_id:{}", child.id());
     let up = wait_until(Duration::from_secs(10), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        info(port, "server").is_some_and(|i| i.lines().any(|l| l.trim() == ours))
     });
-    assert!(up, "redis on {port} did not start");
+    assert!(up, "redis-server {} did not answer on {port}", child.id());
 }
 
 fn wait_for<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
