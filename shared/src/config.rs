@@ -23,6 +23,9 @@ mod chunks;
 /// `[[jobs]]` parsed per piece when a file is cut ([`chunks`]).
 const JOBS_PER_PIECE: usize = 1000;
 
+/// Most threads that parse a cut file's pieces at once ([`parse_pieces`]).
+const PARSE_THREADS: usize = 4;
+
 /// Env var that overrides `[broker] url`.
 pub const ENV_AMQP_URL: &str = "DRUMLINE_AMQP_URL";
 /// Env var that overrides `[redis] url`.
@@ -695,14 +698,23 @@ impl Config {
             Err(e) => return all_parse(&cut.jobs).then_some(Err(e)),
         };
         let mut jobs = JobChecker::new(&prefix.namespace, &prefix.tasks, 0);
-        for (i, piece) in cut.jobs.iter().enumerate() {
-            for j in toml::from_str::<RawJobs>(piece).ok()?.jobs {
+        // Why checking stopped early: `None` when a piece does not parse (the whole file
+        // decides then), else the job's error.
+        let stopped = parse_pieces(&cut.jobs, |i, raw| {
+            let Some(raw) = raw else {
+                return Some(None);
+            };
+            for j in raw.jobs {
                 if let Err(e) = jobs.add(fail, j) {
-                    return all_parse(&cut.jobs[i + 1..]).then_some(Err(e));
+                    return Some(all_parse(&cut.jobs[i + 1..]).then_some(e));
                 }
             }
+            None
+        });
+        match stopped {
+            Some(e) => e.map(Err),
+            None => Some(jobs.done(fail).map(|jobs| (prefix, jobs))),
         }
-        Some(jobs.done(fail).map(|jobs| (prefix, jobs)))
     }
 
     /// The job named `name`.
@@ -888,6 +900,45 @@ fn check_limits(
         limits.insert(name, limit);
     }
     Ok(limits)
+}
+
+/// Parses `pieces` on up to [`PARSE_THREADS`] threads (piece `i` on thread `i % n`) and hands
+/// each one's result to `check` on the calling thread, in file order (`None`: it does not
+/// parse), until `check` returns something, which is returned. A thread runs at most one piece
+/// ahead of `check` (a channel of one per thread), so no more than two pieces' raw form per
+/// thread is held at once, as when they were parsed one at a time.
+fn parse_pieces<T>(
+    pieces: &[&str],
+    mut check: impl FnMut(usize, Option<RawJobs>) -> Option<T>,
+) -> Option<T> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, PARSE_THREADS)
+        .min(pieces.len());
+    if threads <= 1 {
+        return pieces
+            .iter()
+            .enumerate()
+            .find_map(|(i, p)| check(i, toml::from_str(p).ok()));
+    }
+    std::thread::scope(|scope| {
+        let parsed: Vec<std::sync::mpsc::Receiver<Option<RawJobs>>> = (0..threads)
+            .map(|t| {
+                let (tx, rx) = std::sync::mpsc::sync_channel(1);
+                scope.spawn(move || {
+                    for piece in pieces.iter().skip(t).step_by(threads) {
+                        // The checker stopped (an error, or done): so do we.
+                        if tx.send(toml::from_str(piece).ok()).is_err() {
+                            return;
+                        }
+                    }
+                });
+                rx
+            })
+            .collect();
+        // Returning drops the receivers, which stops every thread at its next send.
+        (0..pieces.len()).find_map(|i| check(i, parsed[i % threads].recv().ok().flatten()))
+    })
 }
 
 /// Whether every piece of jobs parses.
@@ -1699,6 +1750,81 @@ mod tests {
     /// The error for one job `j` of task `t`, with `lines` as its further keys.
     fn job_err(lines: &str) -> String {
         err(&job_text(lines))
+    }
+
+    /// `n` jobs `job-0` … (every 1 m), each with `keys(i)` as its further keys, and the tasks.
+    fn many_jobs(n: usize, keys: impl Fn(usize) -> String) -> String {
+        let mut text = String::from("namespace = \"many\"\n");
+        for i in 0..n {
+            text.push_str(&format!(
+                "[[jobs]]\nname = \"job-{i}\"\ntask = \"t\"\nevery = \"1m\"\n{}\n",
+                keys(i)
+            ));
+        }
+        text + TASKS
+    }
+
+    #[test]
+    fn a_file_of_many_pieces_parses_as_a_whole_in_file_order() {
+        // Pieces parsed on several threads are checked in file order.
+        let n = JOBS_PER_PIECE * 4 + 7;
+        let text = many_jobs(n, |i| format!("args = {{ i = {i} }}"));
+        let fail = Failer {
+            file: Path::new("/etc/d.toml"),
+        };
+        let (_, whole) = Config::parse_whole(&text, &fail).unwrap();
+        let (_, pieces) = Config::parse_in_pieces(&text, &fail).unwrap().unwrap();
+        assert_eq!(pieces.len(), n);
+        assert_eq!(format!("{pieces:?}"), format!("{whole:?}"));
+        for (i, job) in pieces.iter().enumerate() {
+            assert_eq!(job.name, format!("job-{i}"));
+            assert_eq!(job.args["i"], i);
+        }
+    }
+
+    #[test]
+    fn a_file_of_many_pieces_gives_the_whole_files_first_error() {
+        let n = JOBS_PER_PIECE * 4;
+        // A job's error in the third piece (a duplicate of a name in the first).
+        let dup = many_jobs(n, |i| {
+            if i == JOBS_PER_PIECE * 2 + 5 {
+                "name = \"job-3\"".into()
+            } else {
+                String::new()
+            }
+        })
+        .replace(
+            &format!("name = \"job-{}\"\ntask", JOBS_PER_PIECE * 2 + 5),
+            "task",
+        );
+        assert!(err(&dup).contains("duplicate job name"), "{}", err(&dup));
+        // The same, and a syntax error in the last piece: the syntax error, as for the whole
+        // file (a file that does not parse is reported as such first).
+        let both = dup.replace(
+            &format!("name = \"job-{}\"", n - 2),
+            &format!("name = \"job-{}\"\nevery = ", n - 2),
+        );
+        let e = err(&both);
+        assert!(!e.contains("duplicate job name"), "{e}");
+        assert!(
+            e.contains(&format!("d.toml:{}:", line_of(&both, "every = \n"))),
+            "{e}"
+        );
+        // A job's error in the last piece only.
+        let last = many_jobs(n, |i| {
+            if i == n - 1 {
+                "cron = \"* * * * *\"".into()
+            } else {
+                String::new()
+            }
+        });
+        let e = err(&last);
+        assert!(e.contains(&format!("job \"job-{}\"", n - 1)), "{e}");
+    }
+
+    /// The 1-based line of the first occurrence of `needle` in `text`.
+    fn line_of(text: &str, needle: &str) -> usize {
+        1 + text[..text.find(needle).unwrap()].matches('\n').count()
     }
 
     /// Jobs `(name, keys)` of task `t`.
