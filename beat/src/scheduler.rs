@@ -36,9 +36,7 @@ use drumline_shared::config::{Config, Job};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use drumline_shared::signals::Hangups;
-use drumline_shared::store::{
-    last_instant_text, parse_last_instant, ProgressError, Store, StoreError,
-};
+use drumline_shared::store::{last_instant_text, parse_last_instant, ProgressError, Store};
 use drumline_shared::url::Redacted;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet, VecDeque};
@@ -419,8 +417,10 @@ impl Beat {
     ) -> Option<Beat> {
         let loading = Instant::now();
         let (lasts, rules) = until_read("the jobs' progress", shutdown, || async {
-            let lasts = progress::load_last(store, &config.jobs).await?;
-            Ok::<_, StoreError>((lasts, progress::load_rules(store, &config.jobs).await?))
+            tokio::try_join!(
+                progress::load_last(store, &config.jobs),
+                progress::load_rules(store, &config.jobs)
+            )
         })
         .await?;
         let resumes = resumes(&config.jobs, &lasts, &rules);

@@ -8,6 +8,7 @@ use crate::config::JournalConfig;
 use crate::envelope::parse_instant;
 use crate::names::Names;
 use chrono::{DateTime, SecondsFormat, Utc};
+use futures_util::{stream, StreamExt};
 use redis::aio::ConnectionManager;
 use redis::{AsyncCommands, Script, ScriptInvocation};
 use serde::{Deserialize, Serialize};
@@ -1196,17 +1197,25 @@ impl Store {
         per_mget: usize,
         per_trip: usize,
     ) -> Result<Vec<Option<String>>, StoreError> {
-        let mut conn = self.conn.clone();
         let per_mget = per_mget.max(1);
         let mut out = Vec::with_capacity(jobs.len());
-        for group in jobs.chunks(per_mget * per_trip.max(1)) {
-            let mut pipe = redis::pipe();
-            for batch in group.chunks(per_mget) {
-                let keys: Vec<String> = batch.iter().map(|j| key(j)).collect();
-                pipe.cmd("MGET").arg(keys);
-            }
-            let replies: Vec<Vec<Option<String>>> = pipe.query_async(&mut conn).await?;
-            out.extend(replies.into_iter().flatten());
+        // Two trips in flight: Redis answers one while this side reads the other.
+        let mut trips = stream::iter(jobs.chunks(per_mget * per_trip.max(1)))
+            .map(|group| {
+                let mut pipe = redis::pipe();
+                for batch in group.chunks(per_mget) {
+                    let keys: Vec<String> = batch.iter().map(|j| key(j)).collect();
+                    pipe.cmd("MGET").arg(keys);
+                }
+                let mut conn = self.conn.clone();
+                async move {
+                    pipe.query_async::<Vec<Vec<Option<String>>>>(&mut conn)
+                        .await
+                }
+            })
+            .buffered(TRIPS_IN_FLIGHT);
+        while let Some(replies) = trips.next().await {
+            out.extend(replies?.into_iter().flatten());
         }
         if out.len() != jobs.len() {
             // MGET answers one value per key; anything else is a broken server or proxy.
@@ -1312,6 +1321,9 @@ impl Store {
 
 /// Jobs per round trip in [`Store::job_histories`].
 pub const HISTORY_TRIP: usize = 500;
+
+/// Pipelined round trips kept in flight when reading one key per job ([`Store::mget_per_job`]).
+const TRIPS_IN_FLIGHT: usize = 2;
 
 /// Run records per job that [`Store::job_histories`] reads: the newest, for `status` and the
 /// status page (docs/design.md#recent-runs).
