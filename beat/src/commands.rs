@@ -237,7 +237,7 @@ const HOLDER_WAIT: std::time::Duration = std::time::Duration::from_millis(800);
 
 /// The instance holding `job`'s overlap lock, for a `skip` job (`None` for others, unread).
 async fn overlap_holder(config: &Config, job: &Job) -> Result<Option<String>, String> {
-    if job.overlap != Overlap::Skip {
+    if job.spec.overlap != Overlap::Skip {
         return Ok(None);
     }
     let names = Names::new(config.namespace.clone());
@@ -254,7 +254,7 @@ async fn overlap_holder(config: &Config, job: &Job) -> Result<Option<String>, St
 /// `trigger`'s warning when the copy it publishes will be skipped: the job runs under
 /// `overlap = "skip"` and instance `holder` holds its lock (docs/design.md#manual-runs).
 pub fn skip_warning(job: &Job, holder: Option<&str>) -> Option<String> {
-    let holder = holder.filter(|_| job.overlap == Overlap::Skip)?;
+    let holder = holder.filter(|_| job.spec.overlap == Overlap::Skip)?;
     Some(format!(
         "warning: job {} (overlap = \"skip\") is running: this trigger will be skipped \
          (running now: {holder})",

@@ -287,7 +287,7 @@ async fn decide_pending(
                 p.instant,
                 now,
                 timeout,
-                jobs[p.upstream].expires,
+                jobs[p.upstream].spec.expires,
             )
         };
         match follow {
@@ -328,15 +328,16 @@ async fn publish_followers(
         .map(|p| {
             let job = &jobs[p.job];
             let expires_at = job
+                .spec
                 .expires
                 .and_then(|e| chrono::Duration::from_std(e).ok())
                 .map(|e| p.instant + e);
-            let (name, task, queue) = (&job.name, &job.task, &job.queue);
+            let (name, task, queue) = (&job.name, &job.spec.task, &job.spec.queue);
             Envelope::scheduled(
                 name,
                 task,
                 queue,
-                job.args.clone(),
+                job.spec.args.clone(),
                 p.instant,
                 expires_at,
                 Utc::now(),

@@ -141,10 +141,10 @@ pub fn plan(job: &Job, last: DateTime<Utc>, now: DateTime<Utc>, threshold: Durat
             .and_then(|d| now.checked_sub_signed(d))
     };
     let missed_before = older_than(threshold);
-    let stale_before = older_than(job.misfire_grace);
-    let keep = match job.misfire {
+    let stale_before = older_than(job.spec.misfire_grace);
+    let keep = match job.spec.misfire {
         Misfire::RunOnce => 1,
-        Misfire::CatchUp => job.max_catch_up,
+        Misfire::CatchUp => job.spec.max_catch_up,
         Misfire::Skip => 0,
     };
 
@@ -169,7 +169,7 @@ pub fn plan(job: &Job, last: DateTime<Utc>, now: DateTime<Utc>, threshold: Durat
             missed.push_back(t);
             if missed.len() > keep {
                 let oldest = missed.pop_front().expect("longer than keep");
-                drops.push(oldest, Dropped::Policy(job.misfire));
+                drops.push(oldest, Dropped::Policy(job.spec.misfire));
             }
         } else {
             on_time.push(t);
@@ -194,7 +194,11 @@ fn drop_expired(
     publish: &mut Vec<DateTime<Utc>>,
     drops: &mut Drops,
 ) {
-    let Some(expires) = job.expires.and_then(|e| chrono::Duration::from_std(e).ok()) else {
+    let Some(expires) = job
+        .spec
+        .expires
+        .and_then(|e| chrono::Duration::from_std(e).ok())
+    else {
         return;
     };
     // Expiry is monotone in the instant: the expired ones are a prefix.

@@ -34,11 +34,20 @@ pub fn trigger(job: &Job, args: Option<serde_json::Value>, now: DateTime<Utc>) -
         at += TimeDelta::milliseconds(1);
     }
     let expires_at = job
+        .spec
         .expires
         .and_then(|e| TimeDelta::from_std(e).ok())
         .map(|e| at + e);
-    let args = args.unwrap_or_else(|| job.args.clone());
-    Envelope::scheduled(&job.name, &job.task, &job.queue, args, at, expires_at, now)
+    let args = args.unwrap_or_else(|| job.spec.args.clone());
+    Envelope::scheduled(
+        &job.name,
+        &job.spec.task,
+        &job.spec.queue,
+        args,
+        at,
+        expires_at,
+        now,
+    )
 }
 
 /// `backfill`: every instant of `job`'s schedule in `[from, to)`, oldest first, as envelopes
@@ -85,9 +94,9 @@ pub fn backfill(
         .map(|t| {
             let mut env = Envelope::scheduled(
                 &job.name,
-                &job.task,
-                &job.queue,
-                job.args.clone(),
+                &job.spec.task,
+                &job.spec.queue,
+                job.spec.args.clone(),
                 t,
                 None,
                 now,
@@ -118,7 +127,7 @@ mod tests {
         assert_eq!(env.job.as_deref(), Some(j.name.as_str()));
         assert_eq!(
             (env.task.as_str(), env.queue.as_str()),
-            (&*j.task, "default")
+            (&*j.spec.task, "default")
         );
         assert_eq!(env.args, serde_json::json!({"n": 1}));
         assert_eq!(env.expires_at, Some(at("2026-03-02T12:15:30.123Z")));

@@ -206,7 +206,7 @@ async fn check(
         let task = key
             .split_once('@')
             .and_then(|(job, _)| config.job(job))
-            .and_then(|job| config.tasks.get(&*job.task));
+            .and_then(|job| config.tasks.get(&*job.spec.task));
         let max_retries = task.map_or(adhoc_bound, |t| t.max_retries);
         violations.extend(verify::check_key(key, list, Bound { max_retries }));
     }
@@ -218,7 +218,7 @@ async fn check(
             .filter(|e| e.key.starts_with(&prefix))
             .cloned()
             .collect();
-        if job.overlap != Overlap::Allow {
+        if job.spec.overlap != Overlap::Allow {
             let refs: Vec<&JournalEntry> = own.iter().collect();
             violations.extend(verify::check_overlap(&verify::spans(&refs), margin));
         }

@@ -182,8 +182,8 @@ impl Publisher {
 fn job_queues(config: &Config) -> Vec<String> {
     let mut queues: Vec<String> = Vec::new();
     for job in &config.jobs {
-        if !queues.iter().any(|q| **q == *job.queue) {
-            queues.push(job.queue.to_string());
+        if !queues.iter().any(|q| **q == *job.spec.queue) {
+            queues.push(job.spec.queue.to_string());
         }
     }
     queues

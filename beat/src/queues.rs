@@ -90,8 +90,8 @@ impl QueueGauges {
 pub fn queues_of(config: &Config) -> Vec<String> {
     let mut queues: BTreeSet<String> = config.worker.queues.iter().cloned().collect();
     for job in &config.jobs {
-        if !queues.contains(job.queue.as_ref()) {
-            queues.insert(job.queue.to_string());
+        if !queues.contains(job.spec.queue.as_ref()) {
+            queues.insert(job.spec.queue.to_string());
         }
     }
     queues.into_iter().collect()

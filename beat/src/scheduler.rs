@@ -1176,14 +1176,15 @@ fn envelopes(jobs: &[Job], batch: &[Due], stalls: &[Option<Stall>]) -> Sent {
         for t in &due.plan.publish[..due.take] {
             // `expires` counts from when the instant is due: its jittered time.
             let expires_at = job
+                .spec
                 .expires
                 .and_then(|e| chrono::Duration::from_std(e).ok())
                 .map(|e| *t + job.jitter_offset() + e);
             envelopes.push(Envelope::scheduled(
                 &job.name,
-                &job.task,
-                &job.queue,
-                job.args.clone(),
+                &job.spec.task,
+                &job.spec.queue,
+                job.spec.args.clone(),
                 *t,
                 expires_at,
                 Utc::now(),

@@ -11,7 +11,7 @@ use crate::url;
 use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 use serde::Deserialize;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -251,19 +251,37 @@ pub enum Misfire {
     Skip,
 }
 
-/// One checked `[[jobs]]` entry. A config may hold 100,000 of them: what can be derived is
-/// not stored (the schedule's text), and nothing of it is cloned per job.
+/// One checked `[[jobs]]` entry. A config may hold a million of them: what can be derived is
+/// not stored (the schedule's text), what jobs share is held once ([`JobSpec`]), and what few
+/// jobs have is boxed (about 90 bytes a job with a short name; docs/performance.md).
 #[derive(Debug, Clone)]
 pub struct Job {
     /// Unique name; part of every idempotency key.
     pub name: String,
-    /// The `[tasks.*]` entry it runs. Shared (`Arc`) by every job that names it: a config may
-    /// hold 100,000 jobs and a handful of tasks.
-    pub task: Arc<str>,
     /// When it is due.
     pub schedule: Schedule,
     /// Zone the cron is evaluated in. Default UTC.
     pub timezone: Tz,
+    /// What it runs and how its instances are handled: one `Arc` for every job with the same.
+    pub spec: Arc<JobSpec>,
+    /// `jitter = "D"`: every instant is published this job's fixed offset in `[0, D)` late;
+    /// keys keep the instant (docs/design.md#jitter). Default none.
+    pub jitter: Option<Box<Jitter>>,
+    /// `after = "UPSTREAM"`: the job has no schedule of its own and follows UPSTREAM's
+    /// instances (docs/design.md#job-dependencies); `schedule` and `timezone` are then its
+    /// root's (the first job up the chain with a schedule). Default none.
+    pub after: Option<Box<After>>,
+}
+
+/// What a job runs and how its instances are handled: everything of it but its name, schedule,
+/// zone, jitter and upstream. Jobs with the same share one (a config of a million jobs made
+/// from a template holds a handful).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobSpec {
+    /// The `[tasks.*]` entry it runs.
+    pub task: Arc<str>,
+    /// Logical queue. Default `default`.
+    pub queue: Arc<str>,
     /// Handed to the task.
     pub args: serde_json::Value,
     /// Message deadline relative to `scheduled_for`. Default none.
@@ -276,15 +294,6 @@ pub struct Job {
     pub misfire_grace: Duration,
     /// Most missed instances `catch_up` publishes. Default 100.
     pub max_catch_up: usize,
-    /// Logical queue. Default `default`. Shared (`Arc`) by every job that names it.
-    pub queue: Arc<str>,
-    /// `jitter = "D"`: every instant is published this job's fixed offset in `[0, D)` late;
-    /// keys keep the instant (docs/design.md#jitter). Default none.
-    pub jitter: Option<Jitter>,
-    /// `after = "UPSTREAM"`: the job has no schedule of its own and follows UPSTREAM's
-    /// instances (docs/design.md#job-dependencies); `schedule` and `timezone` are then its
-    /// root's (the first job up the chain with a schedule). Default none.
-    pub after: Option<After>,
 }
 
 /// A follower's link to its upstream (`after`, `after_timeout`).
@@ -300,7 +309,9 @@ pub struct After {
 impl Job {
     /// How late each instant is published: the jitter's offset, zero without one.
     pub fn jitter_offset(&self) -> chrono::TimeDelta {
-        self.jitter.map_or(chrono::TimeDelta::zero(), |j| j.delta())
+        self.jitter
+            .as_ref()
+            .map_or(chrono::TimeDelta::zero(), |j| j.delta())
     }
 
     /// The rule (`cron "…"` / `every 30s`), for display.
@@ -726,8 +737,8 @@ impl Config {
     pub fn all_queues(&self) -> Vec<String> {
         let mut queues: Vec<String> = self.worker.queues.clone();
         for job in &self.jobs {
-            if !queues.iter().any(|q| **q == *job.queue) {
-                queues.push(job.queue.to_string());
+            if !queues.iter().any(|q| **q == *job.spec.queue) {
+                queues.push(job.spec.queue.to_string());
             }
         }
         queues
@@ -995,7 +1006,7 @@ struct JobChecker<'t> {
     jobs: Vec<Job>,
     seen: HashSet<String>,
     /// Task and queue names, one `Arc` each for all the jobs that name them.
-    interned: HashSet<Arc<str>>,
+    interned: Interned,
 }
 
 impl<'t> JobChecker<'t> {
@@ -1005,7 +1016,7 @@ impl<'t> JobChecker<'t> {
             tasks,
             jobs: Vec::with_capacity(capacity),
             seen: HashSet::with_capacity(capacity),
-            interned: HashSet::new(),
+            interned: Interned::default(),
         }
     }
 
@@ -1193,7 +1204,7 @@ fn check_job(
     fail: &Failer,
     j: RawJob,
     (namespace, tasks): (&str, &BTreeMap<String, Task>),
-    interned: &mut HashSet<Arc<str>>,
+    interned: &mut Interned,
 ) -> Result<Job, ConfigError> {
     check_job_keys(j, (namespace, tasks), interned)
         .map_err(|(name, (key, message))| fail.at(Some(&format!("job {name:?}")), key, message))
@@ -1202,7 +1213,7 @@ fn check_job(
 fn check_job_keys(
     j: RawJob,
     (namespace, tasks): (&str, &BTreeMap<String, Task>),
-    interned: &mut HashSet<Arc<str>>,
+    interned: &mut Interned,
 ) -> Result<Job, (String, KeyError)> {
     macro_rules! check {
         ($e:expr) => {
@@ -1226,7 +1237,7 @@ fn check_job_keys(
     let jitter = check!(job_jitter(&j, &schedule, namespace));
     let queue = j.queue.as_deref().unwrap_or("default");
     check!(check_name(queue).map_err(|m| ("queue", format!("{queue:?} {m}"))));
-    let queue = intern(interned, queue);
+    let queue = interned.name(queue);
     let args = match &j.args {
         None => serde_json::json!({}),
         Some(v) if !v.is_table() => {
@@ -1255,21 +1266,67 @@ fn check_job_keys(
         3600,
         Zero::Allowed
     ));
-    Ok(Job {
-        task: intern(interned, &j.task),
-        name: j.name,
-        schedule,
-        timezone,
+    let spec = JobSpec {
+        task: interned.name(&j.task),
+        queue,
         args,
         expires,
         overlap,
         misfire,
         misfire_grace,
         max_catch_up,
-        queue,
-        jitter,
-        after,
+    };
+    Ok(Job {
+        name: j.name,
+        schedule,
+        timezone,
+        spec: interned.spec(spec),
+        jitter: jitter.map(Box::new),
+        after: after.map(Box::new),
     })
+}
+
+/// What the jobs checked so far share, one `Arc` each: task and queue names, and
+/// [`JobSpec`]s (a job whose spec equals one already held, compared among those of the same
+/// task and queue, at most [`SPECS_PER_TASK`] of them, shares it).
+#[derive(Default)]
+struct Interned {
+    names: HashSet<Arc<str>>,
+    /// Per (task, queue).
+    specs: HashMap<TaskAndQueue, Vec<Arc<JobSpec>>>,
+}
+
+/// A job's task and queue names.
+type TaskAndQueue = (Arc<str>, Arc<str>);
+
+/// Distinct specs compared per task and queue before a job keeps its own (a file whose jobs
+/// all differ in `args` would otherwise compare each with every other).
+const SPECS_PER_TASK: usize = 16;
+
+impl Interned {
+    fn name(&mut self, name: &str) -> Arc<str> {
+        if let Some(held) = self.names.get(name) {
+            return held.clone();
+        }
+        let held: Arc<str> = Arc::from(name);
+        self.names.insert(held.clone());
+        held
+    }
+
+    fn spec(&mut self, spec: JobSpec) -> Arc<JobSpec> {
+        let held = self
+            .specs
+            .entry((spec.task.clone(), spec.queue.clone()))
+            .or_default();
+        if let Some(same) = held.iter().find(|s| ***s == spec) {
+            return same.clone();
+        }
+        let spec = Arc::new(spec);
+        if held.len() < SPECS_PER_TASK {
+            held.push(spec.clone());
+        }
+        spec
+    }
 }
 
 /// The job's `jitter`: more than zero, and for `every` less than the period (a longer one
@@ -1293,18 +1350,6 @@ fn job_jitter(
         }
     }
     Ok(Some(Jitter::new(namespace, &j.name, max)))
-}
-
-/// The one `Arc` of `name` in `interned`.
-fn intern(interned: &mut HashSet<Arc<str>>, name: &str) -> Arc<str> {
-    match interned.get(name) {
-        Some(shared) => shared.clone(),
-        None => {
-            let shared: Arc<str> = name.into();
-            interned.insert(shared.clone());
-            shared
-        }
-    }
 }
 
 /// A job's duration `key`, as [`Failer::duration`] checks it.
@@ -1765,6 +1810,32 @@ mod tests {
     }
 
     #[test]
+    fn jobs_with_the_same_spec_share_it_and_a_job_stays_small() {
+        let text = jobs_text(&[
+            ("a", "every = \"1m\""),
+            ("b", "cron = \"* * * * *\"\ntimezone = \"Europe/Paris\""),
+            ("c", "every = \"1m\"\nargs = { n = 1 }"),
+            ("d", "every = \"1m\"\nargs = { n = 1 }\njitter = \"5s\""),
+            ("e", "every = \"1m\"\nqueue = \"slow\""),
+        ]);
+        let config = parse(&text).unwrap();
+        let spec = |name: &str| config.job(name).unwrap().spec.clone();
+        // Name, schedule, zone and jitter are each job's own; the rest is shared when equal.
+        assert!(Arc::ptr_eq(&spec("a"), &spec("b")));
+        assert!(Arc::ptr_eq(&spec("c"), &spec("d")));
+        assert!(!Arc::ptr_eq(&spec("a"), &spec("c")));
+        assert!(!Arc::ptr_eq(&spec("a"), &spec("e")));
+        assert_eq!(spec("c").args, serde_json::json!({ "n": 1 }));
+        assert_eq!(&*spec("e").queue, "slow");
+        // A million jobs: what each holds inline (its name's bytes apart) stays under 100 bytes.
+        assert!(
+            std::mem::size_of::<Job>() <= 96,
+            "{}",
+            std::mem::size_of::<Job>()
+        );
+    }
+
+    #[test]
     fn a_file_of_many_pieces_parses_as_a_whole_in_file_order() {
         // Pieces parsed on several threads are checked in file order.
         let n = JOBS_PER_PIECE * 4 + 7;
@@ -1778,7 +1849,7 @@ mod tests {
         assert_eq!(format!("{pieces:?}"), format!("{whole:?}"));
         for (i, job) in pieces.iter().enumerate() {
             assert_eq!(job.name, format!("job-{i}"));
-            assert_eq!(job.args["i"], i);
+            assert_eq!(job.spec.args["i"], i);
         }
     }
 
@@ -2085,11 +2156,11 @@ mod tests {
         assert_eq!(c.worker.max_message_bytes, 1 << 20);
         let j = &c.jobs[0];
         assert_eq!(
-            (j.overlap, j.misfire, j.max_catch_up),
+            (j.spec.overlap, j.spec.misfire, j.spec.max_catch_up),
             (Overlap::Skip, Misfire::RunOnce, 100)
         );
-        assert_eq!(j.misfire_grace, Duration::from_secs(3600));
-        assert_eq!(&*j.queue, "default");
+        assert_eq!(j.spec.misfire_grace, Duration::from_secs(3600));
+        assert_eq!(&*j.spec.queue, "default");
         assert_eq!(j.schedule_text(), "every 30s");
         let t = &c.tasks["t"];
         assert_eq!(
@@ -2155,7 +2226,7 @@ mod tests {
             c.jobs[0].clone()
         };
         let j = one("billing", "every = \"1m\"\njitter = \"59s\"");
-        let jitter = j.jitter.unwrap();
+        let jitter = j.jitter.clone().unwrap();
         assert_eq!(jitter.max, Duration::from_secs(59));
         assert_eq!(
             jitter.offset,

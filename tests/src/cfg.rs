@@ -130,7 +130,7 @@ mod tests {
         assert_eq!(config.worker.concurrency, 4);
         assert_eq!(config.worker.lease.as_secs(), 3);
         assert_eq!(config.jobs.len(), 2);
-        assert_eq!(&*config.jobs[1].task, "slow");
+        assert_eq!(&*config.jobs[1].spec.task, "slow");
         assert_eq!(config.tasks["slow"].max_retries, 1);
         assert_eq!(
             config.tasks["slow"].command.as_deref(),

@@ -996,7 +996,7 @@ pub fn overlaps(config: &Config) -> HashMap<String, Overlap> {
     config
         .jobs
         .iter()
-        .map(|j| (j.name.clone(), j.overlap))
+        .map(|j| (j.name.clone(), j.spec.overlap))
         .collect()
 }
 
