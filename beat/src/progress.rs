@@ -4,6 +4,7 @@
 //! fenced by the leader lease's token; it only moves forward, and never past Redis `TIME` +
 //! `misfire_threshold`. [`progress_after`] is the pure rule for how far one batch moves it.
 
+use crate::reload;
 use chrono::{DateTime, Utc};
 use drumline_shared::config::Job;
 use drumline_shared::store::{ProgressError, Store, StoreError};
@@ -46,12 +47,15 @@ pub async fn load_last(
         .collect())
 }
 
-/// Every job's recorded rule ([`reload::rule`](crate::reload::rule), `{ns}:beat:rule:{job}`;
-/// `None`: none recorded), in `jobs` order, loaded like [`load_last`].
-pub async fn load_rules(store: &Store, jobs: &[Job]) -> Result<Vec<Option<String>>, StoreError> {
+/// Whether each job's recorded rule ([`reload::rule`], `{ns}:beat:rule:{job}`) is the rule
+/// it runs now (`None`: none recorded), in `jobs` order, loaded like [`load_last`]; each rule
+/// is compared as it arrives, none is kept.
+pub async fn load_rules(store: &Store, jobs: &[Job]) -> Result<Vec<Option<bool>>, StoreError> {
     let names: Vec<&str> = jobs.iter().map(|j| j.name.as_str()).collect();
+    let same =
+        |i: usize, recorded: Option<String>| recorded.map(|r| r == reload::rule(&jobs[i].schedule));
     store
-        .progress_rules(&names, LOAD_BATCH, LOAD_PIPELINE)
+        .progress_rules(&names, same, LOAD_BATCH, LOAD_PIPELINE)
         .await
 }
 

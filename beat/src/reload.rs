@@ -78,11 +78,16 @@ pub enum Resume {
 /// How a beat that starts leading resumes `job`, from whether it has progress recorded
 /// (`recorded`) and the rule recorded with it.
 pub fn resume(job: &Job, recorded: bool, recorded_rule: Option<&str>) -> Resume {
-    match (recorded, recorded_rule) {
+    resume_from(recorded, recorded_rule.map(|r| r == rule(&job.schedule)))
+}
+
+/// [`resume`] from whether the recorded rule, if any, is the job's rule now (`Some(true)`).
+pub fn resume_from(recorded: bool, same_rule: Option<bool>) -> Resume {
+    match (recorded, same_rule) {
         (false, _) => Resume::Start,
         (true, None) => Resume::Adopt,
-        (true, Some(r)) if r == rule(&job.schedule) => Resume::Continue,
-        (true, Some(_)) => Resume::Restart,
+        (true, Some(true)) => Resume::Continue,
+        (true, Some(false)) => Resume::Restart,
     }
 }
 

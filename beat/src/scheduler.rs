@@ -214,11 +214,15 @@ fn first_start(now: DateTime<Utc>) -> DateTime<Utc> {
 
 /// How a new term resumes each job ([`reload::resume`]), logging the jobs rescheduled since
 /// their progress was recorded (those start from the new term).
-fn resumes(jobs: &[Job], lasts: &[Option<DateTime<Utc>>], rules: &[Option<String>]) -> Vec<Resume> {
-    let resumes: Vec<Resume> = jobs
+fn resumes(
+    jobs: &[Job],
+    lasts: &[Option<DateTime<Utc>>],
+    same_rules: &[Option<bool>],
+) -> Vec<Resume> {
+    let resumes: Vec<Resume> = lasts
         .iter()
-        .zip(lasts.iter().zip(rules))
-        .map(|(job, (last, rule))| reload::resume(job, last.is_some(), rule.as_deref()))
+        .zip(same_rules)
+        .map(|(last, same)| reload::resume_from(last.is_some(), *same))
         .collect();
     let restarted: Vec<&str> = jobs
         .iter()

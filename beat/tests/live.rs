@@ -156,7 +156,12 @@ async fn a_start_records_its_rule_with_its_progress_and_only_for_the_lease_holde
     let far = Duration::from_secs(86400 * 365 * 100);
     let rules = |jobs: &'static [&'static str]| {
         let store = &store;
-        async move { store.progress_rules(jobs, 1, 1).await.expect("rules") }
+        async move {
+            store
+                .progress_rules(jobs, |_, rule| rule, 1, 1)
+                .await
+                .expect("rules")
+        }
     };
     // Without the lease nothing is written.
     let refused = store

@@ -1179,24 +1179,26 @@ impl Store {
         per_mget: usize,
         per_trip: usize,
     ) -> Result<Vec<Option<Result<DateTime<Utc>, String>>>, StoreError> {
-        let texts = self
-            .mget_per_job(jobs, |j| self.names.beat_last(j), per_mget, per_trip)
-            .await?;
-        Ok(texts
-            .into_iter()
-            .map(|value| value.map(|text| parse_last_instant(&text).ok_or(text)))
-            .collect())
+        self.mget_per_job(
+            jobs,
+            |j| self.names.beat_last(j),
+            |_, value| value.map(|text| parse_last_instant(&text).ok_or(text)),
+            (per_mget, per_trip),
+        )
+        .await
     }
 
-    /// One string key per job (`key(job)`), in `jobs` order: `per_mget` keys per `MGET`,
-    /// `per_trip` of those pipelined per round trip.
-    pub(crate) async fn mget_per_job(
+    /// One string key per job (`key(job)`), in `jobs` order, each value made into what the
+    /// caller keeps by `read(index, value)` as its trip arrives (a million values are never
+    /// held as text at once): `per_mget` keys per `MGET`, `per_trip` of those pipelined per
+    /// round trip.
+    pub(crate) async fn mget_per_job<T>(
         &self,
         jobs: &[&str],
         key: impl Fn(&str) -> String,
-        per_mget: usize,
-        per_trip: usize,
-    ) -> Result<Vec<Option<String>>, StoreError> {
+        mut read: impl FnMut(usize, Option<String>) -> T,
+        (per_mget, per_trip): (usize, usize),
+    ) -> Result<Vec<T>, StoreError> {
         let per_mget = per_mget.max(1);
         let mut out = Vec::with_capacity(jobs.len());
         // Two trips in flight: Redis answers one while this side reads the other.
@@ -1215,7 +1217,12 @@ impl Store {
             })
             .buffered(TRIPS_IN_FLIGHT);
         while let Some(replies) = trips.next().await {
-            out.extend(replies?.into_iter().flatten());
+            for value in replies?.into_iter().flatten() {
+                if out.len() == jobs.len() {
+                    return Err(StoreError::bad_reply("MGET returned more values than keys"));
+                }
+                out.push(read(out.len(), value));
+            }
         }
         if out.len() != jobs.len() {
             // MGET answers one value per key; anything else is a broken server or proxy.

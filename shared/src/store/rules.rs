@@ -35,16 +35,23 @@ return out
 });
 
 impl Store {
-    /// Each job's recorded rule, in `jobs` order (`None`: none recorded, as for progress
-    /// written before rules were). One pipelined round trip per `per_mget`·`per_trip` jobs.
-    pub async fn progress_rules(
+    /// Each job's recorded rule (`None`: none recorded, as for progress written before rules
+    /// were) as `read(index in jobs, rule)` makes it, in `jobs` order. One pipelined round
+    /// trip per `per_mget`·`per_trip` jobs.
+    pub async fn progress_rules<T>(
         &self,
         jobs: &[&str],
+        read: impl FnMut(usize, Option<String>) -> T,
         per_mget: usize,
         per_trip: usize,
-    ) -> Result<Vec<Option<String>>, StoreError> {
-        self.mget_per_job(jobs, |j| self.names.beat_rule(j), per_mget, per_trip)
-            .await
+    ) -> Result<Vec<T>, StoreError> {
+        self.mget_per_job(
+            jobs,
+            |j| self.names.beat_rule(j),
+            read,
+            (per_mget, per_trip),
+        )
+        .await
     }
 
     /// Writes each `(job, instant, rule)` as the job's progress (never moving it back) and the
