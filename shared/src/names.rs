@@ -222,9 +222,10 @@ impl Names {
         format!("{}:worker:{id}", self.ns)
     }
 
-    /// The pattern that matches every [`worker`](Self::worker) key of the namespace.
-    pub fn workers_pattern(&self) -> String {
-        format!("{}:worker:*", self.ns)
+    /// The set of the ids of the workers that announced themselves ([`worker`](Self::worker)
+    /// keys), so that reading them never scans the keyspace.
+    pub fn workers(&self) -> String {
+        format!("{}:workers", self.ns)
     }
 }
 

@@ -1284,3 +1284,56 @@ async fn a_follower_skip_is_fenced_and_never_overwrites_a_record() {
     );
     assert_eq!(s.run_state("f@2").await.unwrap().as_deref(), Some("done"));
 }
+
+/// `status` and the status page list the workers in a few round trips, however many keys the
+/// Redis holds: a million jobs' progress beside them made a `SCAN` of the whole keyspace
+/// (thousands of round trips) miss the page's 4 s deadline. Here 50,000 keys and a link
+/// that holds each chunk 2 ms: a scan takes thousands of those round trips.
+#[tokio::test(flavor = "multi_thread")]
+async fn workers_are_listed_in_a_few_round_trips_beside_many_keys() {
+    use drumline_e2e::proxy::{Fault, Proxy};
+    use drumline_shared::store::WorkerInfo;
+    let s = store("workers_many_keys").await;
+    let names = s.names().clone();
+    let mut conn = redis::Client::open(REDIS_URL)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    for chunk in (0..50_000).collect::<Vec<u32>>().chunks(5_000) {
+        let mut pipe = redis::pipe();
+        for i in chunk {
+            pipe.set(names.beat_last(&format!("job-{i}")), "x").ignore();
+        }
+        let () = pipe.query_async(&mut conn).await.unwrap();
+    }
+    let worker = |id: &str| WorkerInfo {
+        id: id.into(),
+        host: "h".into(),
+        pid: 1,
+        version: "v".into(),
+        queues: vec!["default".into()],
+        concurrency: 8,
+        running: 0,
+        started: "2026-12-04T00:00:00Z".into(),
+    };
+    for id in ["h:1:a", "h:2:b", "h:3:c"] {
+        s.announce_worker(&worker(id), Duration::from_secs(60))
+            .await
+            .unwrap();
+    }
+    s.forget_worker("h:2:b").await.unwrap();
+
+    let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
+    proxy.set(Fault::Delay(Duration::from_millis(2)));
+    let slow = Store::connect(&proxy.redis_url(), None, names.clone())
+        .await
+        .expect("redis through the proxy");
+    let listed = tokio::time::timeout(Duration::from_secs(4), slow.workers())
+        .await
+        .expect("the workers within the page's deadline")
+        .unwrap();
+    let ids: Vec<&str> = listed.iter().map(|w| w.id.as_str()).collect();
+    assert_eq!(ids, ["h:1:a", "h:3:c"]);
+    assert_eq!(listed[0], worker("h:1:a"));
+}

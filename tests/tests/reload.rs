@@ -346,8 +346,9 @@ async fn a_standby_that_reloaded_applies_the_reload_rules_when_it_leads() {
     assert!(
         wait_until(WAIT, || schedule_on(b_port, "only_b").as_deref()
             == Some("every 1s")),
-        "the standby did not reload: {:?}\n{}",
+        "the standby did not reload: {:?} {:?}\n{}",
         schedule_on(b_port, "only_b"),
+        http_get(b_port, "/api/status"),
         b.log_tail(20)
     );
     a.kill9();

@@ -1,5 +1,7 @@
 //! Workers announce themselves (docs/design.md#queues-and-workers): `{ns}:worker:{id}`, a hash
-//! with a TTL that the worker refreshes, read by `status` and the status page.
+//! with a TTL that the worker refreshes, its id in the set `{ns}:workers`, read by `status` and
+//! the status page in two round trips whatever else the Redis holds (a `SCAN` walked the whole
+//! keyspace: thousands of round trips beside a million jobs' progress).
 
 use super::{Store, StoreError};
 use redis::AsyncCommands;
@@ -79,11 +81,17 @@ impl Store {
         let mut conn = self.conn.clone();
         let key = self.names.worker(&worker.id);
         let ms = (ttl.as_millis() as u64).max(1);
+        let index = self.names.workers();
         let mut pipe = redis::pipe();
+        // The set lives as long as the newest announcement: with every worker gone, it goes.
         pipe.atomic()
             .hset_multiple(&key, &worker.fields())
             .ignore()
             .pexpire(&key, ms as i64)
+            .ignore()
+            .sadd(&index, &worker.id)
+            .ignore()
+            .pexpire(&index, ms as i64)
             .ignore();
         Ok(pipe.query_async::<()>(&mut conn).await?)
     }
@@ -91,39 +99,45 @@ impl Store {
     /// Removes worker `id`'s announcement (a clean stop).
     pub async fn forget_worker(&self, id: &str) -> Result<(), StoreError> {
         let mut conn = self.conn.clone();
-        Ok(conn.del(self.names.worker(id)).await?)
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .del(self.names.worker(id))
+            .ignore()
+            .srem(self.names.workers(), id)
+            .ignore();
+        Ok(pipe.query_async::<()>(&mut conn).await?)
     }
 
-    /// The workers announced now (at most [`WORKERS_SHOWN`]), sorted by id.
+    /// The workers announced now (at most [`WORKERS_SHOWN`], the first by id), sorted by id.
+    /// Ids whose announcement expired (a worker killed without a word) leave the set here.
     pub async fn workers(&self) -> Result<Vec<WorkerInfo>, StoreError> {
         let mut conn = self.conn.clone();
-        let prefix = self.names.worker("");
-        let keys: Vec<String> = {
-            let mut iter: redis::AsyncIter<String> =
-                conn.scan_match(self.names.workers_pattern()).await?;
-            let mut keys = Vec::new();
-            while let Some(key) = iter.next_item().await {
-                keys.push(key?);
-                if keys.len() == WORKERS_SHOWN {
-                    break;
-                }
-            }
-            keys
-        };
-        if keys.is_empty() {
+        let index = self.names.workers();
+        let mut ids: Vec<String> = conn.smembers(&index).await?;
+        if ids.is_empty() {
             return Ok(Vec::new());
         }
+        ids.sort();
         let mut pipe = redis::pipe();
-        for key in &keys {
-            pipe.hgetall(key);
+        for id in &ids {
+            pipe.hgetall(self.names.worker(id));
         }
         let hashes: Vec<HashMap<String, String>> = pipe.query_async(&mut conn).await?;
-        let mut workers: Vec<WorkerInfo> = keys
-            .iter()
-            .zip(hashes)
-            .filter_map(|(key, fields)| WorkerInfo::from_fields(&key[prefix.len()..], fields))
-            .collect();
-        workers.sort_by(|a, b| a.id.cmp(&b.id));
+        let mut gone = Vec::new();
+        let mut workers = Vec::new();
+        for (id, fields) in ids.iter().zip(hashes) {
+            if fields.is_empty() {
+                gone.push(id);
+            } else if let Some(worker) = WorkerInfo::from_fields(id, fields) {
+                if workers.len() < WORKERS_SHOWN {
+                    workers.push(worker);
+                }
+            }
+        }
+        if !gone.is_empty() {
+            // A worker that re-announces in between is back in the set with its next refresh.
+            conn.srem::<_, _, ()>(&index, gone).await?;
+        }
         Ok(workers)
     }
 }
