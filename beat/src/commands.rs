@@ -384,12 +384,16 @@ pub async fn show_status(
     runs: bool,
 ) -> Result<(), Failure> {
     let only = job.map(|name| find_job(config, name)).transpose()?;
-    let report = status::read(config, only, Utc::now())
-        .await
-        .map_err(store_failure)?;
+    let jobs = only.map_or(&config.jobs[..], std::slice::from_ref);
     let runs = runs || only.is_some();
-    print_output(&report, json, |r| status::table_with(r, runs));
-    Ok(())
+    let out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
+    match status::stream(config, jobs, (json, runs), out).await {
+        Ok(()) => Ok(()),
+        Err(status::StreamError::Store(e)) => Err(store_failure(e)),
+        // `status | head`: the reader has what it wanted.
+        Err(status::StreamError::Output(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        Err(e @ status::StreamError::Output(_)) => Err(Failure::other(e)),
+    }
 }
 
 /// A command's output on stdout: pretty JSON with `--json`, else the human table.

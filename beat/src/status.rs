@@ -14,10 +14,12 @@ use drumline_shared::envelope::{format_instant, parse_instant};
 use drumline_shared::names::Names;
 use drumline_shared::schedule::Schedule;
 pub use drumline_shared::store::Leader;
-use drumline_shared::store::{JobHistory, Store, StoreError, WorkerInfo};
+use drumline_shared::store::{JobHistory, Store, StoreError, WorkerInfo, HISTORY_TRIP};
+use futures_util::StreamExt;
 use serde::Serialize;
 use std::collections::HashSet;
 use std::future::Future;
+use std::io::Write;
 use std::ops::Range;
 use std::time::Duration;
 
@@ -156,19 +158,36 @@ pub fn is_stale(
     }
 }
 
-/// Reads the status of every job (or only `only`) from Redis, through the [`Store`], and the
-/// dead-letter count from the broker meanwhile. Redis is required; the broker is not (an
-/// unreachable broker leaves `dead_letters` unknown).
-pub async fn read(
+/// Why a streamed report ([`stream`]) stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    /// Redis did not answer, or answered nonsense.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The report could not be written (a closed pipe: the reader has what it wanted).
+    #[error("cannot write the report: {0}")]
+    Output(#[from] std::io::Error),
+}
+
+/// Jobs whose history is read per step of a streamed report, and steps kept in flight.
+const STREAM_STEP: usize = HISTORY_TRIP;
+const STEPS_IN_FLIGHT: usize = 4;
+
+/// Writes the status of `jobs` (every job of `config`, or the one asked for) to `out` as it is
+/// read, so the first rows come at once and a million jobs never sit in memory as one report:
+/// the leader, paused set, workers and (meanwhile, from the broker) the dead-letter and queue
+/// counts first, then each job's history [`STREAM_STEP`] jobs a round trip, several in flight.
+/// The table's columns are as wide as the config says they can be; `--json` is the same
+/// document as [`Status`], one job a line. Redis is required; the broker is not (an
+/// unreachable broker leaves the counts unknown).
+pub async fn stream(
     config: &Config,
-    only: Option<&Job>,
-    now: DateTime<Utc>,
-) -> Result<Status, StoreError> {
+    jobs: &[Job],
+    (json, runs): (bool, bool),
+    out: impl Write,
+) -> Result<(), StreamError> {
     let names = Names::new(config.namespace.clone());
-    let jobs: Vec<&Job> = match only {
-        Some(job) => vec![job],
-        None => config.jobs.iter().collect(),
-    };
+    let queues = crate::queues::queues_of(config);
     let redis = async {
         let store = Store::connect(
             &config.redis_url,
@@ -176,11 +195,40 @@ pub async fn read(
             names.clone(),
         )
         .await?;
-        read_redis(&store, &jobs).await
+        let (leader, paused, workers) =
+            tokio::try_join!(store.leader(), store.paused(), store.workers())?;
+        Ok::<_, StoreError>((store, leader, paused, workers))
     };
-    let queues = crate::queues::queues_of(config);
     let (redis, counts) = tokio::join!(redis, counts(config, &names, &queues));
-    Ok(assemble(&jobs, jobs.len(), now, redis?, (&queues, counts)))
+    let (store, leader, paused, workers) = redis?;
+    let format = if json {
+        Format::Json
+    } else {
+        Format::Table {
+            widths: widths_of(jobs),
+            runs,
+        }
+    };
+    let mut report = Report::begin(out, format, &leader, counts.dead_letters, jobs.len())?;
+    let now = Utc::now();
+    let mut steps = futures_util::stream::iter(jobs.chunks(STREAM_STEP))
+        .map(|step| {
+            let store = &store;
+            async move {
+                let names: Vec<&str> = step.iter().map(|j| j.name.as_str()).collect();
+                store.job_histories(&names).await.map(|h| (step, h))
+            }
+        })
+        .buffered(STEPS_IN_FLIGHT);
+    while let Some(read) = steps.next().await {
+        let (step, histories) = read?;
+        for (job, history) in step.iter().zip(histories) {
+            report.row(&job_status(job, history, paused.contains(&job.name), now))?;
+        }
+        report.flush()?;
+    }
+    report.end(&workers, &queue_statuses(&queues, &counts))?;
+    Ok(())
 }
 
 /// The report on the jobs of `window` (positions in the config, cut to its length) through a
@@ -239,7 +287,19 @@ fn assemble(
             job_status(job, history, is_paused, now)
         })
         .collect();
-    let queues = queues
+    Status {
+        leader,
+        dead_letters: counts.dead_letters,
+        total,
+        jobs,
+        workers,
+        queues: queue_statuses(queues, &counts),
+    }
+}
+
+/// Each of `queues` with what the broker said of it (unknown when it did not answer).
+fn queue_statuses(queues: &[String], counts: &BrokerCounts) -> Vec<QueueStatus> {
+    queues
         .iter()
         .enumerate()
         .map(|(i, queue)| {
@@ -255,15 +315,7 @@ fn assemble(
                 consumers: at.map(|c| c.consumers),
             }
         })
-        .collect();
-    Status {
-        leader,
-        dead_letters: counts.dead_letters,
-        total,
-        jobs,
-        workers,
-        queues,
-    }
+        .collect()
 }
 
 /// The dead letters and the counts of `queues`, each unknown (logged) when the broker cannot
@@ -333,14 +385,29 @@ fn job_status(job: &Job, history: JobHistory, paused: bool, now: DateTime<Utc>) 
 /// Renders the report as an aligned table: the jobs, each failed last run's error, then with
 /// `runs` each job's recent runs, then the workers and queues.
 pub fn table_with(status: &Status, runs: bool) -> String {
-    let mut out = jobs_table(status);
-    if runs {
-        for j in &status.jobs {
-            out.push_str(&crate::recent::table(&j.job, &j.recent));
+    let mut widths: Vec<usize> = HEADERS.iter().map(|h| h.chars().count()).collect();
+    for j in &status.jobs {
+        for (w, cell) in widths.iter_mut().zip(job_cells(j)) {
+            *w = (*w).max(cell.chars().count());
         }
     }
-    out.push_str(&workers_table(status));
-    out
+    let mut out = Vec::new();
+    let format = Format::Table { widths, runs };
+    let written = Report::begin(
+        &mut out,
+        format,
+        &status.leader,
+        status.dead_letters,
+        status.total,
+    )
+    .and_then(|mut report| {
+        for j in &status.jobs {
+            report.row(j)?;
+        }
+        report.end(&status.workers, &status.queues)
+    });
+    written.expect("writing to memory");
+    String::from_utf8(out).expect("the report is text")
 }
 
 /// [`table_with`] without the recent runs.
@@ -348,84 +415,202 @@ pub fn table(status: &Status) -> String {
     table_with(status, false)
 }
 
-/// The leader, dead letters, jobs and last errors of the text report.
-fn jobs_table(status: &Status) -> String {
-    let mut out = match &status.leader {
-        Some(l) => format!(
-            "leader: {} pid {} epoch {} since {}\n",
-            l.host, l.pid, l.epoch, l.since
-        ),
-        None => "leader: none (no beat holds the leader lease)\n".to_owned(),
-    };
-    match status.dead_letters {
-        Some(n) => out.push_str(&format!("dead letters: {n}\n")),
-        None => out.push_str("dead letters: - (broker unreachable)\n"),
-    }
-    let dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
-    let rows: Vec<Vec<String>> = status
-        .jobs
-        .iter()
-        .map(|j| {
-            let schedule = if j.timezone == "UTC" {
-                j.schedule.clone()
+/// The jobs table's columns.
+const HEADERS: [&str; 9] = [
+    "JOB",
+    "SCHEDULE",
+    "NEXT DUE",
+    "LAST PUBLISHED",
+    "LAST SUCCESS",
+    "LAST FAILURE",
+    "RUNNING",
+    "PAUSED",
+    "STALE",
+];
+
+/// The widest an instant is shown (`2026-03-08T07:00:00.123Z`).
+const INSTANT_WIDTH: usize = 24;
+
+/// The jobs table's column widths for `jobs`, known before any is read: names and schedules
+/// from the config, instants at their widest (a jittered job's NEXT DUE with its offset).
+fn widths_of(jobs: &[Job]) -> Vec<usize> {
+    let mut widths: Vec<usize> = HEADERS.iter().map(|h| h.chars().count()).collect();
+    for job in jobs {
+        let schedule = job.schedule_text().chars().count()
+            + if job.timezone.name() == "UTC" {
+                0
             } else {
-                format!("{} {}", j.schedule, j.timezone)
+                1 + job.timezone.name().len()
             };
-            vec![
-                j.job.clone(),
-                schedule,
-                next_cell(j),
-                dash(&j.last_published),
-                dash(&j.last_success),
-                dash(&j.last_failure),
-                j.running.to_string(),
-                if j.paused {
-                    "PAUSED".into()
-                } else {
-                    "-".into()
-                },
-                if j.stale { "STALE".into() } else { "-".into() },
-            ]
-        })
-        .collect();
-    let headers = [
-        "JOB",
-        "SCHEDULE",
-        "NEXT DUE",
-        "LAST PUBLISHED",
-        "LAST SUCCESS",
-        "LAST FAILURE",
-        "RUNNING",
-        "PAUSED",
-        "STALE",
-    ];
-    out.push_str(&drumline_shared::table::render(&headers, &rows));
-    for j in &status.jobs {
-        if let Some(error) = &j.last_error {
-            out.push_str(&format!(
-                "{} last error: {}\n",
-                j.job,
-                drumline_shared::table::one_line(error, 300)
-            ));
-        }
-        if let Some(skip) = &j.last_skipped {
-            let why = match (&skip.reason, &skip.detail) {
-                (Some(reason), Some(detail)) => format!("{reason} ({detail})"),
-                (Some(reason), None) => reason.clone(),
-                (None, detail) => detail.clone().unwrap_or_else(|| "-".into()),
-            };
-            out.push_str(&format!("{} last skipped: {}: {}\n", j.job, skip.key, why));
-        }
+        let next = INSTANT_WIDTH
+            + job.jitter.as_ref().map_or(0, |j| {
+                let offset = chrono::TimeDelta::from_std(j.offset).unwrap_or_default();
+                1 + offset_text(offset).len()
+            });
+        widths[0] = widths[0].max(job.name.chars().count());
+        widths[1] = widths[1].max(schedule);
+        widths[2] = widths[2].max(next);
+    }
+    for w in &mut widths[3..6] {
+        *w = (*w).max(INSTANT_WIDTH);
+    }
+    widths
+}
+
+/// One job's cells in the jobs table.
+fn job_cells(j: &JobStatus) -> [String; 9] {
+    let dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+    let schedule = if j.timezone == "UTC" {
+        j.schedule.clone()
+    } else {
+        format!("{} {}", j.schedule, j.timezone)
+    };
+    [
+        j.job.clone(),
+        schedule,
+        next_cell(j),
+        dash(&j.last_published),
+        dash(&j.last_success),
+        dash(&j.last_failure),
+        j.running.to_string(),
+        if j.paused {
+            "PAUSED".into()
+        } else {
+            "-".into()
+        },
+        if j.stale { "STALE".into() } else { "-".into() },
+    ]
+}
+
+/// The lines under the jobs table for one job: its last run's error, its last skip.
+fn job_notes(j: &JobStatus) -> String {
+    let mut out = String::new();
+    if let Some(error) = &j.last_error {
+        out.push_str(&format!(
+            "{} last error: {}\n",
+            j.job,
+            drumline_shared::table::one_line(error, 300)
+        ));
+    }
+    if let Some(skip) = &j.last_skipped {
+        let why = match (&skip.reason, &skip.detail) {
+            (Some(reason), Some(detail)) => format!("{reason} ({detail})"),
+            (Some(reason), None) => reason.clone(),
+            (None, detail) => detail.clone().unwrap_or_else(|| "-".into()),
+        };
+        out.push_str(&format!("{} last skipped: {}: {}\n", j.job, skip.key, why));
     }
     out
 }
 
+/// How a report is written.
+enum Format {
+    /// `--json`: the [`Status`] document, one job a line.
+    Json,
+    /// The text table, columns `widths` wide; with `runs`, each job's recent runs after it.
+    Table { widths: Vec<usize>, runs: bool },
+}
+
+/// A report being written, row by row ([`stream`], [`table_with`]). The table's notes (errors,
+/// skips) and recent runs, which follow the table, are kept until [`end`](Self::end).
+struct Report<W: Write> {
+    out: W,
+    format: Format,
+    rows: usize,
+    /// Text that follows the jobs table.
+    after: String,
+}
+
+impl<W: Write> Report<W> {
+    fn begin(
+        mut out: W,
+        format: Format,
+        leader: &Option<Leader>,
+        dead_letters: Option<u64>,
+        total: usize,
+    ) -> std::io::Result<Self> {
+        match &format {
+            Format::Json => {
+                out.write_all(b"{\"leader\":")?;
+                serde_json::to_writer(&mut out, leader)?;
+                out.write_all(b",\"dead_letters\":")?;
+                serde_json::to_writer(&mut out, &dead_letters)?;
+                write!(out, ",\"total\":{total},\"jobs\":[")?;
+            }
+            Format::Table { widths, .. } => {
+                match leader {
+                    Some(l) => writeln!(
+                        out,
+                        "leader: {} pid {} epoch {} since {}",
+                        l.host, l.pid, l.epoch, l.since
+                    )?,
+                    None => writeln!(out, "leader: none (no beat holds the leader lease)")?,
+                }
+                match dead_letters {
+                    Some(n) => writeln!(out, "dead letters: {n}")?,
+                    None => writeln!(out, "dead letters: - (broker unreachable)")?,
+                }
+                writeln!(out, "{}", drumline_shared::table::line(&HEADERS, widths))?;
+            }
+        }
+        Ok(Report {
+            out,
+            format,
+            rows: 0,
+            after: String::new(),
+        })
+    }
+
+    fn row(&mut self, j: &JobStatus) -> std::io::Result<()> {
+        match &self.format {
+            Format::Json => {
+                self.out
+                    .write_all(if self.rows == 0 { b"\n" } else { b",\n" })?;
+                serde_json::to_writer(&mut self.out, j)?;
+            }
+            Format::Table { widths, runs } => {
+                let cells = job_cells(j);
+                let cells: Vec<&str> = cells.iter().map(String::as_str).collect();
+                writeln!(self.out, "{}", drumline_shared::table::line(&cells, widths))?;
+                self.after.push_str(&job_notes(j));
+                if *runs {
+                    self.after
+                        .push_str(&crate::recent::table(&j.job, &j.recent));
+                }
+            }
+        }
+        self.rows += 1;
+        Ok(())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
+
+    fn end(mut self, workers: &[WorkerInfo], queues: &[QueueStatus]) -> std::io::Result<()> {
+        match &self.format {
+            Format::Json => {
+                self.out.write_all(b"\n],\"workers\":")?;
+                serde_json::to_writer(&mut self.out, workers)?;
+                self.out.write_all(b",\"queues\":")?;
+                serde_json::to_writer(&mut self.out, queues)?;
+                self.out.write_all(b"}\n")?;
+            }
+            Format::Table { .. } => {
+                self.out.write_all(self.after.as_bytes())?;
+                self.out
+                    .write_all(workers_table(workers, queues).as_bytes())?;
+            }
+        }
+        self.out.flush()
+    }
+}
+
 /// The workers and queues sections of the text report.
-fn workers_table(status: &Status) -> String {
-    let mut out = format!("\nworkers: {}\n", status.workers.len());
-    if !status.workers.is_empty() {
-        let rows: Vec<Vec<String>> = status
-            .workers
+fn workers_table(workers: &[WorkerInfo], queues: &[QueueStatus]) -> String {
+    let mut out = format!("\nworkers: {}\n", workers.len());
+    if !workers.is_empty() {
+        let rows: Vec<Vec<String>> = workers
             .iter()
             .map(|w| {
                 vec![
@@ -446,8 +631,7 @@ fn workers_table(status: &Status) -> String {
     }
     out.push_str("\nqueues:\n");
     let number = |n: Option<u32>| n.map_or_else(|| "-".to_owned(), |n| n.to_string());
-    let rows: Vec<Vec<String>> = status
-        .queues
+    let rows: Vec<Vec<String>> = queues
         .iter()
         .map(|q| vec![q.queue.clone(), number(q.depth), number(q.consumers)])
         .collect();

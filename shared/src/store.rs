@@ -1248,17 +1248,28 @@ impl Store {
         let mut conn = self.conn.clone();
         let mut out = Vec::with_capacity(jobs.len());
         for chunk in jobs.chunks(HISTORY_TRIP) {
+            // The three instants of every job in one MGET (a GET each was a third of Redis's
+            // work for a million jobs), then each job's history ends, then the running counts
+            // (the script's reply comes last). The ends stay commands: in a script, Redis
+            // worked a third longer.
             let mut pipe = redis::pipe();
+            let mut instants = redis::cmd("MGET");
             let mut count = RUNNING_COUNTS.prepare_invoke();
             for job in chunk {
-                pipe.get(self.names.beat_last(job))
-                    .get(self.names.last_success(job))
-                    .get(self.names.last_failure(job))
-                    .lindex(self.names.history(job), -1)
-                    .lrange(self.names.history(job), 0, RECENT_RUNS as isize - 1);
+                instants
+                    .arg(self.names.beat_last(job))
+                    .arg(self.names.last_success(job))
+                    .arg(self.names.last_failure(job));
                 count.key(self.names.running(job));
             }
-            // The script's reply comes last, after the five values of every job.
+            pipe.add_command(instants);
+            for job in chunk {
+                pipe.lindex(self.names.history(job), -1).lrange(
+                    self.names.history(job),
+                    0,
+                    RECENT_RUNS as isize - 1,
+                );
+            }
             pipe.load_script(&RUNNING_COUNTS)
                 .ignore()
                 .invoke_script(&count);
@@ -1267,23 +1278,25 @@ impl Store {
                 Some(value) => redis::from_redis_value(value)?,
                 None => Vec::new(),
             };
-            if replies.len() != 5 * chunk.len() || running.len() != chunk.len() {
+            if replies.len() != 1 + 2 * chunk.len() || running.len() != chunk.len() {
                 return Err(StoreError::bad_reply("status: fewer replies than jobs"));
             }
-            type Row = (
-                Option<String>,
-                Option<String>,
-                Option<String>,
-                Option<String>,
-                Vec<String>,
-            );
-            let rows: Vec<Row> = replies
-                .chunks(5)
+            let mut replies = replies.into_iter();
+            let instants: Vec<Option<String>> =
+                redis::from_redis_value(replies.next().expect("counted"))?;
+            if instants.len() != 3 * chunk.len() {
+                return Err(StoreError::bad_reply("status: fewer instants than jobs"));
+            }
+            let ends: Vec<redis::Value> = replies.collect();
+            type Ends = (Option<String>, Vec<String>);
+            let rows: Vec<Ends> = ends
+                .chunks(2)
                 .map(|row| redis::from_redis_value(redis::Value::Array(row.to_vec())))
                 .collect::<Result<_, _>>()?;
-            let instant = |t: Option<String>| t.as_deref().and_then(parse_instant);
-            out.extend(rows.into_iter().zip(running).map(
-                |((last, success, failure, oldest, recent), running)| {
+            let instant = |t: &Option<String>| t.as_deref().and_then(parse_instant);
+            out.extend(instants.chunks(3).zip(rows).zip(running).map(
+                |((three, (oldest, recent)), running)| {
+                    let (last, success, failure) = (&three[0], &three[1], &three[2]);
                     JobHistory {
                         last_published: instant(last),
                         last_success: instant(success),

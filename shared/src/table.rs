@@ -9,20 +9,24 @@ pub fn render<S: AsRef<str>>(headers: &[&str], rows: &[Vec<S>]) -> String {
             *w = (*w).max(cell.as_ref().chars().count());
         }
     }
-    let mut out = String::new();
-    let mut line = |cells: &mut dyn Iterator<Item = &str>| {
-        let padded: Vec<String> = cells
-            .zip(&widths)
-            .map(|(cell, w)| format!("{cell:<w$}"))
-            .collect();
-        out.push_str(padded.join("  ").trim_end());
-        out.push('\n');
-    };
-    line(&mut headers.iter().copied());
+    let mut out = line(headers, &widths);
+    out.push('\n');
     for row in rows {
-        line(&mut row.iter().map(AsRef::as_ref));
+        out.push_str(&line(row, &widths));
+        out.push('\n');
     }
     out
+}
+
+/// One line of a table whose columns are `widths` wide (no newline): each cell padded, two
+/// spaces between, no trailing blanks. For a table written row by row, widths known first.
+pub fn line<S: AsRef<str>>(cells: &[S], widths: &[usize]) -> String {
+    let padded: Vec<String> = cells
+        .iter()
+        .zip(widths)
+        .map(|(cell, w)| format!("{:<w$}", cell.as_ref()))
+        .collect();
+    padded.join("  ").trim_end().to_owned()
 }
 
 /// A long, possibly multi-line text (a run's error, a stderr tail) shown in one cell or line:

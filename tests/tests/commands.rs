@@ -249,3 +249,76 @@ max_retries = 0
         "{table}"
     );
 }
+
+/// `status` writes rows as it reads them (docs/operations.md#status-of-many-jobs): for 2,000
+/// jobs (several steps) `--json` is one document in config order, the table's columns line up
+/// across steps (the longest name comes last), and `status | head` ends quietly once the reader
+/// has what it wanted (the whole report written at once panicked on the closed pipe).
+#[test]
+fn status_of_many_jobs_is_written_as_read_and_stops_quietly_for_head() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let env = setup("e2e_status_many");
+    let name = |i: usize| {
+        if i == 1999 {
+            "a-much-longer-name-than-any-other-job".to_owned()
+        } else {
+            format!("job-{i:04}")
+        }
+    };
+    let mut text = String::from("[tasks.t]\ncommand = [\"/bin/true\"]\n");
+    for i in 0..2000 {
+        text.push_str(&format!(
+            "[[jobs]]\nname = \"{}\"\ntask = \"t\"\nevery = \"1h\"\n",
+            name(i)
+        ));
+    }
+    let cfg = env.config("drumline.toml", &text);
+    let cfg = cfg.to_str().unwrap();
+
+    let (status, stdout, stderr) = env.run("drumline-beat", &["--config", cfg, "status", "--json"]);
+    assert!(status.success(), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).expect("one JSON document");
+    assert_eq!(doc["total"], 2000);
+    let jobs = doc["jobs"].as_array().unwrap();
+    assert_eq!(jobs.len(), 2000);
+    for (i, job) in jobs.iter().enumerate() {
+        assert_eq!(job["job"], name(i));
+        assert_eq!(job["schedule"], "every 1h");
+    }
+    assert!(
+        doc["workers"].is_array() && doc["queues"].is_array(),
+        "{doc}"
+    );
+
+    let (status, table, stderr) = env.run("drumline-beat", &["--config", cfg, "status"]);
+    assert!(status.success(), "{stderr}");
+    let mut lines = table.lines().skip_while(|l| !l.starts_with("JOB"));
+    let header = lines.next().expect("the jobs table");
+    let at = header.find("SCHEDULE").unwrap();
+    let rows: Vec<&str> = lines.take_while(|l| !l.is_empty()).collect();
+    assert_eq!(rows.len(), 2000);
+    for row in &rows {
+        assert_eq!(row.find("every 1h"), Some(at), "{row}");
+    }
+
+    let mut child = Command::new(drumline_e2e::binary("drumline-beat"))
+        .args(["--config", cfg, "status"])
+        .env_remove("DRUMLINE_CONFIG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut first = String::new();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    for _ in 0..3 {
+        out.read_line(&mut first).unwrap();
+    }
+    drop(out);
+    let ended = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&ended.stderr);
+    assert!(first.starts_with("leader: "), "{first}");
+    assert!(ended.status.success(), "{:?} {stderr}", ended.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
