@@ -16,6 +16,12 @@
 //!   (say a build of an older commit) their runs are interleaved, so they share the machine's
 //!   noise.
 //!
+//! - with `--status`, `drumline-beat status --json` of the whole config, every job's progress
+//!   persisted (once per run, the first binary): time to its first job row and to its end,
+//!   the bytes written and the peak memory seen while it wrote them.
+//!
+//! Above 200,000 jobs the one-`GET`-per-job comparison is skipped (it takes minutes).
+//!
 //! Nothing comes due while it runs (daily jobs whose next instant is 12 h away). Its Redis keys,
 //! queues and exchanges are deleted at the end, whatever happened.
 
@@ -57,14 +63,16 @@ struct Starts {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<()> {
-    let usage = "usage: bench_startup [--jobs N] [--runs R] PATH/TO/drumline-beat [OTHER-BEAT …]";
-    let (mut jobs, mut runs) = (100_000usize, 3usize);
+    let usage =
+        "usage: bench_startup [--jobs N] [--runs R] [--status] PATH/TO/drumline-beat [OTHER-BEAT …]";
+    let (mut jobs, mut runs, mut status) = (100_000usize, 3usize, false);
     let mut beats = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--jobs" => jobs = args.next().context(usage)?.parse().context("--jobs N")?,
             "--runs" => runs = args.next().context(usage)?.parse().context("--runs R")?,
+            "--status" => status = true,
             _ => beats.push(PathBuf::from(arg)),
         }
     }
@@ -76,7 +84,7 @@ async fn main() -> Result<()> {
     );
     let dir = std::env::temp_dir().join(&ns);
     std::fs::create_dir_all(&dir)?;
-    let result = bench(&beats, jobs, runs, &ns, &dir).await;
+    let result = bench(&beats, (jobs, runs, status), &ns, &dir).await;
     let cleaned = cleanup(&ns).await;
     let _ = std::fs::remove_dir_all(&dir);
     let report = result?;
@@ -87,8 +95,7 @@ async fn main() -> Result<()> {
 
 async fn bench(
     beats: &[PathBuf],
-    jobs: usize,
-    runs: usize,
+    (jobs, runs, status): (usize, usize, bool),
     ns: &str,
     dir: &Path,
 ) -> Result<String> {
@@ -119,7 +126,9 @@ async fn bench(
 
     let mut starts: Vec<Starts> = beats.iter().map(|_| Starts::default()).collect();
     let mut batched = Vec::new();
-    let mut one_by_one = None;
+    let mut statuses: Vec<StatusRun> = Vec::new();
+    // One GET per job takes minutes above this.
+    let mut one_by_one = (jobs > 200_000).then_some(None);
     for _ in 0..runs {
         // First start: no job has progress yet (the last run's start is deleted).
         for (beat, starts) in beats.iter().zip(&mut starts) {
@@ -133,7 +142,10 @@ async fn bench(
             for job in &config.jobs {
                 store.last_published(&job.name).await?;
             }
-            one_by_one = Some(started.elapsed());
+            one_by_one = Some(Some(started.elapsed()));
+        }
+        if status {
+            statuses.push(status_run(&beats[0], &config_path)?);
         }
         let started = Instant::now();
         let loaded = load_last(&store, &config.jobs).await?;
@@ -162,7 +174,11 @@ async fn bench(
         ("  heap peak while loading it".into(), mib(peak)),
         (
             "load last instants: one GET per job (old, once)".into(),
-            one_by_one.map(ms).unwrap_or_default(),
+            match one_by_one {
+                Some(Some(took)) => ms(took),
+                Some(None) => "skipped".into(),
+                None => "skipped (over 200,000 jobs)".into(),
+            },
         ),
         (
             "load last instants: pipelined MGET batches".into(),
@@ -200,10 +216,78 @@ async fn bench(
             ]);
         }
     }
+    if !statuses.is_empty() {
+        let of = |f: fn(&StatusRun) -> u64| statuses.iter().map(f).collect::<Vec<u64>>();
+        rows.extend([
+            (
+                "status --json: spawn -> first job row".into(),
+                spread(&of(|s| s.first_row_ms), |v| format!("{v} ms")),
+            ),
+            (
+                "status --json: spawn -> end".into(),
+                spread(&of(|s| s.end_ms), |v| format!("{v} ms")),
+            ),
+            (
+                "status --json: bytes written".into(),
+                spread(&of(|s| s.bytes), |b| format!("{:.0} MB", b as f64 / 1e6)),
+            ),
+            (
+                "status --json: VmHWM (peak) seen".into(),
+                spread(&of(|s| s.hwm_kib), kib),
+            ),
+        ]);
+    }
     for (step, result) in rows {
         writeln!(out, "{step:<56} {result:>24}")?;
     }
     Ok(out)
+}
+
+/// One `status --json`.
+struct StatusRun {
+    first_row_ms: u64,
+    end_ms: u64,
+    bytes: u64,
+    hwm_kib: u64,
+}
+
+/// Runs `beat status --json` on `config`, reading its output as it comes.
+fn status_run(beat: &Path, config: &Path) -> Result<StatusRun> {
+    use std::io::Read;
+    let started = Instant::now();
+    let mut child = Command::new(beat)
+        .arg("--config")
+        .arg(config)
+        .args(["status", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let pid = child.id();
+    let mut stdout = child.stdout.take().context("stdout")?;
+    let mut buf = vec![0u8; 1 << 16];
+    let (mut bytes, mut first_row, mut hwm_kib) = (0u64, None, 0);
+    loop {
+        let n = stdout.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        bytes += n as u64;
+        if first_row.is_none() && buf[..n].windows(6).any(|w| w == b"\"job\":") {
+            first_row = Some(started.elapsed());
+        }
+        if let Ok((_, hwm)) = memory(pid) {
+            hwm_kib = hwm;
+        }
+    }
+    let status = child.wait()?;
+    let end = started.elapsed();
+    ensure!(status.success(), "status --json exited with {status}");
+    Ok(StatusRun {
+        first_row_ms: first_row.context("no job row")?.as_millis() as u64,
+        end_ms: end.as_millis() as u64,
+        bytes,
+        hwm_kib,
+    })
 }
 
 fn ms(d: Duration) -> String {
