@@ -267,6 +267,11 @@ struct Beat {
     paused: HashSet<String>,
     /// The `after` jobs and what this term decided of them ([`follower`]).
     followers: Followers,
+    /// Jobs before this index have had their start persisted this term, if it was new
+    /// ([`Beat::persist_starts_in_gaps`]).
+    starts_from: usize,
+    /// Starts persisted that way this term, for the log line once all are.
+    starts_persisted: usize,
 }
 
 /// Runs the beat until `shutdown` completes: stands by, leads while it holds the lease, stands
@@ -442,9 +447,9 @@ impl Beat {
         for (state, r) in beat.states.iter_mut().zip(&resumes) {
             state.rule_unsaved |= *r == Resume::Adopt;
         }
-        // Paused jobs are known before anything is published for this term.
+        // Paused jobs are known before anything is published for this term. The new jobs'
+        // starts are written while nothing is due ([`Beat::persist_starts_in_gaps`]).
         beat.paused = until_read("the paused jobs", shutdown, || store.paused()).await?;
-        beat.persist_new_starts(store, term).await;
         info!(
             jobs = config.jobs.len(),
             resumed,
@@ -477,6 +482,8 @@ impl Beat {
             stuck: 0,
             backoff: SHARED,
             paused: HashSet::new(),
+            starts_from: 0,
+            starts_persisted: 0,
         }
     }
 
@@ -510,6 +517,42 @@ impl Beat {
         self.followers = Followers::new(&config);
         self.config = config;
         self.persist_new_starts(store, term).await;
+    }
+
+    /// Persists the next [`NEW_STARTS_PER_TRIP`] new jobs' starts (and rules not recorded yet)
+    /// of a term's start, in the gaps while nothing is due: a term leads at once, a million
+    /// new jobs' starts (seconds of Redis's time) follow, and a due job never waits for them
+    /// (its start is written before its first publish, as always). Returns whether any start
+    /// is left to persist. Once all are, a beat that dies before a job's first instant and
+    /// stays down reports those misses when it comes back (docs/design.md#one-scheduled-instance-through-the-beat).
+    async fn persist_starts_in_gaps(&mut self, store: &Store, term: &Term) -> bool {
+        let total = self.states.len();
+        if self.starts_from >= total {
+            return false;
+        }
+        let mut slice = Vec::with_capacity(NEW_STARTS_PER_TRIP);
+        let mut end = self.starts_from;
+        while end < total && slice.len() < NEW_STARTS_PER_TRIP {
+            if self.states[end].to_write() {
+                slice.push(end);
+            }
+            end += 1;
+        }
+        self.starts_from = end;
+        let saved = save(store, term, &self.config.jobs, &mut self.states, &slice).await;
+        let failed = saved.iter().flatten().count();
+        self.starts_persisted += slice.len() - failed;
+        if let Some(e) = saved.into_iter().flatten().next() {
+            warn!(jobs = failed, error = %e,
+                "cannot persist new jobs' start yet; it is written before their first publish");
+        }
+        if end == total && self.starts_persisted > 0 {
+            info!(
+                jobs = self.starts_persisted,
+                "the new jobs' starts are persisted"
+            );
+        }
+        end < total
     }
 
     /// Persists every new job's start (and every rule not recorded yet), so that a beat that
@@ -554,6 +597,8 @@ impl Beat {
                 .await?
             {
                 Next::Shutdown => return Ok(Ended::Shutdown),
+                // Nothing due: a slice of the new starts, then look again.
+                Next::Wait(_) if self.persist_starts_in_gaps(store, term).await => {}
                 Next::Wait(wait) => tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = hangups.recv() => {
