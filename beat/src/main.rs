@@ -10,11 +10,6 @@ use drumline_shared::exit::{self, Failure};
 use drumline_shared::logging;
 use std::process::ExitCode;
 
-/// mimalloc rather than the C library's malloc: a million-job config is millions of small
-/// allocations, and glibc spent 40 % of that start in malloc and free (docs/performance.md).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// The drumline beat: publishes every due instance of every job, once.
 #[derive(Parser, Debug)]
 #[command(name = "drumline-beat", version)]
