@@ -85,6 +85,10 @@ pub const IN_FLIGHT: usize = 8;
 /// New jobs' starts persisted per Redis round trip ([`Beat::persist_new_starts`]).
 const NEW_STARTS_PER_TRIP: usize = 10_000;
 
+/// The least time until the next due instant in which a term writes a slice of its new jobs'
+/// starts ([`Beat::persist_starts_in_gaps`]): a slice is one round trip of a few tens of ms.
+const STARTS_GAP: Duration = Duration::from_millis(100);
+
 /// Stalled jobs logged one by one per batch; the rest are counted in one line.
 pub const STALLS_LISTED: usize = 10;
 
@@ -329,6 +333,8 @@ enum Ended {
 enum Next {
     /// Nothing is due for this long.
     Wait(Duration),
+    /// Jobs stalled (the broker or Redis failed them): wait this long before trying again.
+    Backoff(Duration),
     /// The term does not hold now (a renewal is late, or the lease is lost).
     NotHolding,
     /// `shutdown` completed.
@@ -597,9 +603,10 @@ impl Beat {
                 .await?
             {
                 Next::Shutdown => return Ok(Ended::Shutdown),
-                // Nothing due: a slice of the new starts, then look again.
-                Next::Wait(_) if self.persist_starts_in_gaps(store, term).await => {}
-                Next::Wait(wait) => tokio::select! {
+                // Nothing due for a while: a slice of the new starts, then look again.
+                Next::Wait(wait)
+                    if wait >= STARTS_GAP && self.persist_starts_in_gaps(store, term).await => {}
+                Next::Wait(wait) | Next::Backoff(wait) => tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = hangups.recv() => {
                         if let Some(new) = reload(&self.config) {
@@ -673,7 +680,7 @@ impl Beat {
                     return Ok(Next::Shutdown);
                 }
                 if let Some(wait) = wait {
-                    return Ok(Next::Wait(wait));
+                    return Ok(Next::Backoff(wait));
                 }
                 // Settling put the batches' jobs back: look again with nothing in flight.
                 continue;
@@ -737,7 +744,7 @@ impl Beat {
                     .finish_all(&mut in_flight, store, publisher, stats, term, &mut returned)
                     .await;
                 if let Some(wait) = wait {
-                    return Ok(Next::Wait(wait));
+                    return Ok(Next::Backoff(wait));
                 }
                 continue;
             }
@@ -752,7 +759,7 @@ impl Beat {
                     let also = self
                         .finish_all(&mut in_flight, store, publisher, stats, term, &mut returned)
                         .await;
-                    return Ok(Next::Wait(also.map_or(wait, |w| w.max(wait))));
+                    return Ok(Next::Backoff(also.map_or(wait, |w| w.max(wait))));
                 }
             }
         }

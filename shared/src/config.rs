@@ -1318,7 +1318,15 @@ impl Interned {
             .specs
             .entry((spec.task.clone(), spec.queue.clone()))
             .or_default();
-        if let Some(same) = held.iter().find(|s| ***s == spec) {
+        // Equal `args` written alike (JSON equality takes 0.0 for -0.0; a job publishes what
+        // its file says).
+        let same_text = |a: &serde_json::Value, b: &serde_json::Value| {
+            serde_json::to_string(a).ok() == serde_json::to_string(b).ok()
+        };
+        if let Some(same) = held
+            .iter()
+            .find(|s| ***s == spec && same_text(&s.args, &spec.args))
+        {
             return same.clone();
         }
         let spec = Arc::new(spec);
@@ -1817,6 +1825,8 @@ mod tests {
             ("c", "every = \"1m\"\nargs = { n = 1 }"),
             ("d", "every = \"1m\"\nargs = { n = 1 }\njitter = \"5s\""),
             ("e", "every = \"1m\"\nqueue = \"slow\""),
+            ("f", "every = \"1m\"\nargs = { x = -0.0 }"),
+            ("g", "every = \"1m\"\nargs = { x = 0.0 }"),
         ]);
         let config = parse(&text).unwrap();
         let spec = |name: &str| config.job(name).unwrap().spec.clone();
@@ -1827,6 +1837,9 @@ mod tests {
         assert!(!Arc::ptr_eq(&spec("a"), &spec("e")));
         assert_eq!(spec("c").args, serde_json::json!({ "n": 1 }));
         assert_eq!(&*spec("e").queue, "slow");
+        // JSON equality takes 0.0 for -0.0; each job keeps what its file says.
+        assert!(!Arc::ptr_eq(&spec("f"), &spec("g")));
+        assert_eq!(spec("g").args.to_string(), r#"{"x":0.0}"#);
         // A million jobs: what each holds inline (its name's bytes apart) stays under 100 bytes.
         assert!(
             std::mem::size_of::<Job>() <= 96,

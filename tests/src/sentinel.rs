@@ -150,8 +150,8 @@ impl SentinelSet {
                 &format!("sentinel-{port}"),
                 &[conf.to_str().unwrap(), "--sentinel"],
             );
-            wait_port(port, &child);
             set.children.insert(port, child);
+            wait_port(port, &set.children[&port]);
         }
         set.wait_healthy(first);
         set
@@ -315,8 +315,9 @@ impl SentinelSet {
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let child = self.spawn(&format!("redis-{port}"), &args);
-        wait_port(port, &child);
+        // Held first, so a start that fails is still torn down with the set.
         self.children.insert(port, child);
+        wait_port(port, &self.children[&port]);
     }
 
     /// `redis+sentinel://` URL of the set (no password), database `db`.

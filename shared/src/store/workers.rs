@@ -4,9 +4,10 @@
 //! keyspace: thousands of round trips beside a million jobs' progress).
 
 use super::{Store, StoreError};
-use redis::AsyncCommands;
+use redis::{AsyncCommands, Script};
 use serde::Serialize;
 use std::collections::HashMap;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 /// Most announcements read by [`Store::workers`] (a namespace has a few hundred at most).
@@ -71,6 +72,20 @@ impl WorkerInfo {
     }
 }
 
+// FORGET_GONE
+// KEYS[1]   -> {ns}:workers            the set of announced ids
+// KEYS[i+1] -> {ns}:worker:{ARGV[i]}   an announcement read as gone
+// Output: none. Each id whose announcement is (still) gone leaves the set.
+static FORGET_GONE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+for i, id in ipairs(ARGV) do
+  if redis.call('EXISTS', KEYS[i + 1]) == 0 then redis.call('SREM', KEYS[1], id) end
+end
+"#,
+    )
+});
+
 impl Store {
     /// Writes (or refreshes) `worker`'s announcement, kept for `ttl`.
     pub async fn announce_worker(
@@ -83,16 +98,18 @@ impl Store {
         let ms = (ttl.as_millis() as u64).max(1);
         let index = self.names.workers();
         let mut pipe = redis::pipe();
-        // The set lives as long as the newest announcement: with every worker gone, it goes.
+        // The set lives as long as the longest-lived announcement (`NX` gives a new set its
+        // TTL, `GT` only ever extends it): with every worker gone, it goes.
         pipe.atomic()
             .hset_multiple(&key, &worker.fields())
             .ignore()
             .pexpire(&key, ms as i64)
             .ignore()
             .sadd(&index, &worker.id)
-            .ignore()
-            .pexpire(&index, ms as i64)
             .ignore();
+        for flag in ["NX", "GT"] {
+            pipe.cmd("PEXPIRE").arg(&index).arg(ms).arg(flag).ignore();
+        }
         Ok(pipe.query_async::<()>(&mut conn).await?)
     }
 
@@ -135,8 +152,16 @@ impl Store {
             }
         }
         if !gone.is_empty() {
-            // A worker that re-announces in between is back in the set with its next refresh.
-            conn.srem::<_, _, ()>(&index, gone).await?;
+            // Best effort (a read-only user still gets the list), and only ids whose
+            // announcement is still gone: one may have come back since it was read.
+            let mut forget = FORGET_GONE.prepare_invoke();
+            forget.key(&index);
+            for id in gone {
+                forget.key(self.names.worker(id)).arg(id);
+            }
+            if let Err(e) = forget.invoke_async::<()>(&mut conn).await {
+                tracing::debug!(error = %e, "cannot drop expired workers from their set");
+            }
         }
         Ok(workers)
     }
