@@ -191,17 +191,24 @@ fn job_queues(config: &Config) -> Vec<String> {
 
 /// Whether a batch's outcomes show a failure of the channel or the broker (the session is then
 /// dropped). Neither a message left unsent because leadership lapsed, nor an unroutable one
-/// (the broker returned it), nor a nacked one (the broker refused it, e.g. a full queue that
-/// rejects publishes) is one: the channel carries on, and with it the batches in flight.
+/// (the broker returned it), nor a nacked one beside confirmed ones (the broker refused it, e.g.
+/// a full queue that rejects publishes) is one: the channel carries on, and with it the batches
+/// in flight. A batch the broker nacked whole is: a channel opened while a quorum queue's
+/// leader was dying keeps that leader and has every later publish nacked (CI's cluster test
+/// saw four minutes of it), where a fresh channel finds the new leader.
 fn channel_failed(outcomes: &[Result<(), BrokerError>]) -> bool {
-    outcomes.iter().any(|o| {
+    let hard = outcomes.iter().any(|o| {
         o.as_ref().is_err_and(|e| {
             !matches!(
                 e,
                 BrokerError::Withdrawn | BrokerError::Unroutable(_) | BrokerError::Nacked
             )
         })
-    })
+    });
+    let nacked = outcomes
+        .iter()
+        .any(|o| matches!(o, Err(BrokerError::Nacked)));
+    hard || (nacked && !outcomes.iter().any(Result::is_ok))
 }
 
 /// The messages of `batch`, each made when its turn to be sent comes.
@@ -211,4 +218,22 @@ fn outgoing(batch: &[Envelope], epoch: u64) -> impl ExactSizeIterator<Item = Out
         body: env.encode(),
         properties: env.properties(Utc::now(), epoch),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_nacked_whole_drops_the_channel_a_nack_beside_confirms_does_not() {
+        let ok = || Ok(());
+        let nack = || Err(BrokerError::Nacked);
+        assert!(channel_failed(&[nack()]));
+        assert!(channel_failed(&[nack(), nack()]));
+        assert!(channel_failed(&[nack(), Err(BrokerError::Withdrawn)]));
+        assert!(!channel_failed(&[ok(), nack()]));
+        assert!(!channel_failed(&[Err(BrokerError::Withdrawn)]));
+        assert!(!channel_failed(&[ok()]));
+        assert!(!channel_failed(&[]));
+    }
 }
