@@ -566,25 +566,9 @@ impl Beat {
     /// back. A job whose write fails keeps it unsaved: written before anything is published
     /// for it.
     async fn persist_new_starts(&mut self, store: &Store, term: &Term) {
-        let new: Vec<usize> = (0..self.states.len())
-            .filter(|i| self.states[*i].to_write())
-            .collect();
-        let mut failures: Vec<(usize, Arc<ProgressError>)> = Vec::new();
-        // A round trip per slice: the whole of a first start's 100,000 writes in one pipeline
-        // held about 30 MiB of commands and replies at once.
-        for slice in new.chunks(NEW_STARTS_PER_TRIP) {
-            let saved = save(store, term, &self.config.jobs, &mut self.states, slice).await;
-            failures.extend(
-                slice
-                    .iter()
-                    .zip(saved)
-                    .filter_map(|(i, failed)| Some((*i, failed?))),
-            );
-        }
-        if let Some((i, e)) = failures.first() {
-            warn!(jobs = failures.len(), first = %self.config.jobs[*i].name, error = %e,
-                "cannot persist new jobs' start yet; it is written before their first publish");
-        }
+        // The gaps' slices, one after another.
+        (self.starts_from, self.starts_persisted) = (0, 0);
+        while self.persist_starts_in_gaps(store, term).await {}
     }
 
     /// Leads until the term ends or `shutdown` completes. `Err` only when the broker refused
