@@ -428,7 +428,7 @@ local limited = limit_take(KEYS[5], KEYS[6], ARGV[1], now, tonumber(ARGV[4]),
    tonumber(ARGV[14])})
 if limited then return limited end
 local fence = redis.call('INCR', KEYS[2])
-redis.call('DEL', KEYS[1])
+if state then redis.call('DEL', KEYS[1]) end
 redis.call('HSET', KEYS[1], 'state', 'running', 'token', ARGV[1], 'worker', ARGV[2],
   'fence', fence, 'attempt', ARGV[3], 'lease_until', now + tonumber(ARGV[4]),
   'at', math.floor(now / 1000))
@@ -494,16 +494,21 @@ return 0
 // `holds` whether it is still our running claim. The running entry goes when the run key is
 // ours or gone (with our lease lapsed, nobody else runs it); another claim's entry for the same
 // key stays. The claim's group slot (KEYS[5]) is freed whatever the record says: the run has
-// ended. Each script returns {code, woken or false}.
+// ended. Only a job's claim can hold a job lock, so an ad-hoc one (ARGV[2] '') does not look.
+// `state`, `attempt` and `worker` are the record's as the call found it, read once (each
+// `redis.call` costs Redis about a microsecond beside the command itself: docs/performance.md).
+// Each script returns {code, woken or false}.
 const END_CLAIM: &str = r#"
 redis.call('ZREM', KEYS[5], ARGV[1])
 local woken = false
-if redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
+if ARGV[2] ~= '' and redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
   redis.call('DEL', KEYS[2])
   woken = redis.call('LPOP', KEYS[4])
 end
-local ours = redis.call('HGET', KEYS[1], 'token') == ARGV[1]
-local holds = ours and redis.call('HGET', KEYS[1], 'state') == 'running'
+local rec = redis.call('HMGET', KEYS[1], 'token', 'state', 'attempt', 'worker')
+local state, attempt, worker = rec[2], rec[3], rec[4]
+local ours = rec[1] == ARGV[1]
+local holds = ours and state == 'running'
 if ARGV[2] ~= '' and (ours or redis.call('EXISTS', KEYS[1]) == 0) then
   redis.call('ZREM', KEYS[3], ARGV[2])
 end
@@ -541,14 +546,13 @@ fn ending_claim(body: &str) -> Script {
 static FINISH: LazyLock<Script> = LazyLock::new(|| {
     ending_claim(
         r#"
-if ours and redis.call('HGET', KEYS[1], 'state') == ARGV[3] then return {2, woken} end
+if ours and state == ARGV[3] then return {2, woken} end
 if holds or redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], 'state', ARGV[3], 'token', ARGV[1],
     'at', redis.call('TIME')[1])
   redis.call('HDEL', KEYS[1], 'lease_until')
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
-  jot(ARGV[3] == 'done' and 'success' or 'dead', redis.call('HGET', KEYS[1], 'attempt'),
-    ARGV[1], redis.call('HGET', KEYS[1], 'worker'), ended())
+  jot(ARGV[3] == 'done' and 'success' or 'dead', attempt, ARGV[1], worker, ended())
   if ARGV[5] ~= '' then
     redis.call('LPUSH', KEYS[6], ARGV[5])
     redis.call('LTRIM', KEYS[6], 0, tonumber(ARGV[6]) - 1)
@@ -575,13 +579,11 @@ return {0, woken}
 static RETRY: LazyLock<Script> = LazyLock::new(|| {
     ending_claim(
         r#"
-if ours and redis.call('HGET', KEYS[1], 'state') == 'retrying'
-   and redis.call('HGET', KEYS[1], 'attempt') == ARGV[3] then
+if ours and state == 'retrying' and attempt == ARGV[3] then
   return {2, woken}
 end
 if not holds then return {0, woken} end
-jot('retry', redis.call('HGET', KEYS[1], 'attempt'), ARGV[1], redis.call('HGET', KEYS[1], 'worker'),
-  ended('next', ARGV[3]))
+jot('retry', attempt, ARGV[1], worker, ended('next', ARGV[3]))
 redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[3],
   'at', redis.call('TIME')[1])
 redis.call('HDEL', KEYS[1], 'lease_until')
@@ -600,8 +602,7 @@ static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     ending_claim(
         r#"
 if ours then
-  jot('release', redis.call('HGET', KEYS[1], 'attempt'), ARGV[1],
-    redis.call('HGET', KEYS[1], 'worker'), ended())
+  jot('release', attempt, ARGV[1], worker, ended())
   redis.call('HSET', KEYS[1], 'lease_until', 0)
   redis.call('HDEL', KEYS[1], 'token')
   return {1, woken}

@@ -5,8 +5,9 @@
 //! drumline's path per message is decode → claim in Redis → run a no-op Rust handler → mark
 //! done → history → ack. Both drain a pre-filled durable queue of the same persistent envelopes
 //! (`drain`), and, in mode `together`, consume while the same bodies are published with
-//! confirms. Each figure is `--runs` runs (bare, worker and worker with the journal off
-//! interleaved); the table shows the median and the spread (min–max), and the journal's cost
+//! confirms; a second bare consumer coalesces its acks (one `multiple` ack per run of handled
+//! tags, as the worker does). Each figure is `--runs` runs (bare, bare with coalesced acks,
+//! worker and worker with the journal off interleaved); the table shows the median and the spread (min–max), and the journal's cost
 //! as the worker's rate with it on over the rate with it off, per run. The shell executor
 //! running `/bin/true` (a drain of `--shell N` messages at each of `--shell-concurrency K,…`)
 //! is measured against its own ceiling: `/bin/true` spawned and awaited through
@@ -83,12 +84,16 @@ async fn publish_all(ch: &Channel, exchange: &str, key: &str, bodies: &Bodies) {
 }
 
 /// The bare consumer: each delivery its own task (decode, ack), at most `prefetch` in flight.
-/// Returns the time from connecting the consumer until the last of `n` acks was sent.
+/// With `coalesce`, the tasks hand their delivery tags to one acker, which sends one
+/// `basic.ack` with `multiple` per run of handled tags it has seen (as the worker does), the
+/// best a lapin consumer can do. Returns the time from connecting the consumer until the last
+/// of `n` acks was sent.
 async fn bare(
     conn: &Connection,
     bodies: &Bodies,
     prefetch: u16,
     together: bool,
+    coalesce: bool,
 ) -> (Duration, [f64; 3]) {
     let n = bodies.len();
     let queue = format!("bench_bare_{}", short_id());
@@ -102,14 +107,27 @@ async fn bare(
     let acked = Arc::new(AtomicUsize::new(0));
     let all_acked = Arc::new(tokio::sync::Notify::new());
     let (a, done) = (acked.clone(), all_acked.clone());
+    let (handled, acker) = if coalesce {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        (
+            Some(tx),
+            Some(tokio::spawn(coalesced_acks(rx, a.clone(), done.clone(), n))),
+        )
+    } else {
+        (None, None)
+    };
     let consuming = tokio::spawn(async move {
         for _ in 0..n {
             let d = consumer.next().await.unwrap().unwrap();
-            let (a, done) = (a.clone(), done.clone());
+            let (a, done, handled) = (a.clone(), done.clone(), handled.clone());
             tokio::spawn(async move {
                 // Decode like a worker would, so the baseline is not free of JSON.
                 let env = Envelope::decode(&d.data).unwrap();
                 std::hint::black_box(&env);
+                if let Some(handled) = handled {
+                    let _ = handled.send((d.delivery_tag, d.acker));
+                    return;
+                }
                 d.ack(BasicAckOptions::default()).await.unwrap();
                 if a.fetch_add(1, Ordering::AcqRel) + 1 == n {
                     done.notify_one();
@@ -124,12 +142,48 @@ async fn bare(
     let elapsed = start.elapsed();
     let used = Cpu::now().per_message(cpu, n);
     consuming.await.unwrap();
+    if let Some(acker) = acker {
+        acker.await.unwrap();
+    }
     assert_eq!(acked.load(Ordering::Acquire), n);
     let _ = consumer_conn.close(200, "done".into()).await;
     ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
         .await
         .unwrap();
     (elapsed, used)
+}
+
+/// The coalescing acker of the bare consumer: takes every handled delivery waiting, then acks
+/// the run of consecutive tags just above what it acked before with one `multiple` ack.
+async fn coalesced_acks(
+    mut handled: tokio::sync::mpsc::UnboundedReceiver<(u64, lapin::Acker)>,
+    acked: Arc<AtomicUsize>,
+    done: Arc<tokio::sync::Notify>,
+    n: usize,
+) {
+    let mut ready = std::collections::BTreeMap::new();
+    let mut floor = 0u64;
+    while let Some((tag, acker)) = handled.recv().await {
+        ready.insert(tag, acker);
+        while let Ok((tag, acker)) = handled.try_recv() {
+            ready.insert(tag, acker);
+        }
+        let mut last = None;
+        let mut run = 0;
+        while let Some(acker) = ready.remove(&(floor + 1)) {
+            floor += 1;
+            run += 1;
+            last = Some(acker);
+        }
+        if let Some(acker) = last {
+            let multiple = run > 1;
+            acker.ack(BasicAckOptions { multiple }).await.unwrap();
+            if acked.fetch_add(run, Ordering::AcqRel) + run == n {
+                done.notify_one();
+                return;
+            }
+        }
+    }
 }
 
 /// The drumline worker library with every guarantee on. Returns the time from starting the
@@ -391,21 +445,25 @@ struct Row {
     mode: &'static str,
     concurrency: usize,
     bare: Figure,
+    /// The bare consumer with coalesced acks.
+    coalesced: Figure,
     worker: Figure,
     /// The worker with `[journal] enabled = false`.
     unjournaled: Figure,
     /// Per-run worker/bare ratios (runs interleaved, so each pair shares the machine's mood).
     ratios: Vec<f64>,
+    /// Per-run worker/bare-with-coalesced-acks ratios.
+    coalesced_ratios: Vec<f64>,
     /// Per-run worker (journal on) / worker (journal off) ratios.
     journal: Vec<f64>,
-    /// Per run, µs of CPU per message [this process, broker, Redis]: bare, worker, and the
-    /// worker with the journal off.
-    cpu: Vec<[[f64; 3]; 3]>,
+    /// Per run, µs of CPU per message [this process, broker, Redis]: bare, worker, the
+    /// worker with the journal off, and bare with coalesced acks.
+    cpu: Vec<[[f64; 3]; 4]>,
 }
 
 impl Row {
     /// Per process, the median over the runs of the CPU figures of side `side` (0 bare, 1
-    /// worker, 2 worker with the journal off).
+    /// worker, 2 worker with the journal off, 3 bare with coalesced acks).
     fn cpu_medians(&self, side: usize) -> [f64; 3] {
         std::array::from_fn(|i| {
             let runs = self.cpu.iter().map(|c| c[side][i]).collect();
@@ -511,37 +569,44 @@ async fn main() {
                 mode,
                 concurrency: c,
                 bare: Figure { runs: vec![] },
+                coalesced: Figure { runs: vec![] },
                 worker: Figure { runs: vec![] },
                 unjournaled: Figure { runs: vec![] },
                 ratios: vec![],
+                coalesced_ratios: vec![],
                 journal: vec![],
                 cpu: vec![],
             };
             for run in 0..args.runs {
-                let (b, bare_cpu) = bare(&conn, &bodies[..n], c as u16, together).await;
+                let (b, bare_cpu) = bare(&conn, &bodies[..n], c as u16, together, false).await;
+                let (k, coalesced_cpu) = bare(&conn, &bodies[..n], c as u16, together, true).await;
                 let (w, worker_cpu) = drumline(&conn, &bodies[..n], c, false, together, true).await;
                 let (u, unjournaled_cpu) =
                     drumline(&conn, &bodies[..n], c, false, together, false).await;
-                let (b, w, u) = (rate(n, b), rate(n, w), rate(n, u));
+                let (b, k, w, u) = (rate(n, b), rate(n, k), rate(n, w), rate(n, u));
                 let us = |[me, broker, redis]: [f64; 3]| {
                     format!("{me:.0} here + {broker:.0} broker + {redis:.0} redis µs CPU/msg")
                 };
                 eprintln!(
-                    "{mode} c={c} run {}: bare {b:.0} msg/s ({}), worker {w:.0} msg/s ({}) ({:.2}), \
-                     journal off {u:.0} msg/s ({}) (on/off {:.2})",
+                    "{mode} c={c} run {}: bare {b:.0} msg/s ({}), coalesced acks {k:.0} msg/s ({}), \
+                     worker {w:.0} msg/s ({}) ({:.2}), journal off {u:.0} msg/s ({}) (on/off {:.2})",
                     run + 1,
                     us(bare_cpu),
+                    us(coalesced_cpu),
                     us(worker_cpu),
                     w / b,
                     us(unjournaled_cpu),
                     w / u
                 );
                 row.bare.runs.push(b);
+                row.coalesced.runs.push(k);
+                row.coalesced_ratios.push(w / k);
                 row.worker.runs.push(w);
                 row.unjournaled.runs.push(u);
                 row.ratios.push(w / b);
                 row.journal.push(w / u);
-                row.cpu.push([bare_cpu, worker_cpu, unjournaled_cpu]);
+                row.cpu
+                    .push([bare_cpu, worker_cpu, unjournaled_cpu, coalesced_cpu]);
             }
             rows.push(row);
         }
@@ -620,6 +685,11 @@ async fn main() {
                         "max": ratio.max(),
                         "runs": r.ratios,
                     },
+                    "bare_coalesced_acks_msgs_per_s": r.coalesced.json(),
+                    "ratio_to_coalesced": {
+                        "of_medians": r.worker.median() / r.coalesced.median(),
+                        "runs": r.coalesced_ratios,
+                    },
                     "journal_off_msgs_per_s": r.unjournaled.json(),
                     "journal_on_over_off": {
                         "median": Figure { runs: r.journal.clone() }.median(),
@@ -629,6 +699,7 @@ async fn main() {
                         "bare": r.cpu_medians(0),
                         "worker": r.cpu_medians(1),
                         "worker_journal_off": r.cpu_medians(2),
+                        "bare_coalesced_acks": r.cpu_medians(3),
                     },
                 })
             }).collect::<Vec<_>>(),
@@ -692,6 +763,34 @@ async fn main() {
                     ratio.min(),
                     ratio.max()
                 ),
+            );
+        }
+        if !rows.is_empty() {
+            println!("the bare consumer with coalesced acks (one `multiple` ack per run of handled tags)");
+        }
+        for r in &rows {
+            let ratio = Figure {
+                runs: r.coalesced_ratios.clone(),
+            };
+            let [a, b, c] = r.cpu_medians(3);
+            println!(
+                "{:<9} {:>5} {:>22} {:>22} {:>18}   {a:.0} + {b:.0} + {c:.0} = {:.0} µs CPU/msg",
+                r.mode,
+                r.concurrency,
+                format!(
+                    "{:.0} ({:.0}–{:.0})",
+                    r.coalesced.median(),
+                    r.coalesced.min(),
+                    r.coalesced.max()
+                ),
+                "worker/coalesced",
+                format!(
+                    "{:.2} ({:.2}–{:.2})",
+                    r.worker.median() / r.coalesced.median(),
+                    ratio.min(),
+                    ratio.max()
+                ),
+                a + b + c
             );
         }
         println!("CPU per message, µs (median of the runs): this process + broker + Redis");
