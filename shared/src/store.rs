@@ -496,7 +496,7 @@ return 0
 // key stays. The claim's group slot (KEYS[5]) is freed whatever the record says: the run has
 // ended. Only a job's claim can hold a job lock, so an ad-hoc one (ARGV[2] '') does not look.
 // `state`, `attempt` and `worker` are the record's as the call found it, read once (each
-// `redis.call` costs Redis about a microsecond beside the command itself: docs/performance.md).
+// `redis.call` costs Redis about half a microsecond beside the command: docs/performance.md).
 // Each script returns {code, woken or false}.
 const END_CLAIM: &str = r#"
 redis.call('ZREM', KEYS[5], ARGV[1])

@@ -263,11 +263,11 @@ fn supervisor_pids() -> Vec<i32> {
         .collect()
 }
 
-/// CPU clock ticks (user + system) a process has used.
-fn cpu_ticks(pid: i32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let fields: Vec<&str> = stat.rsplit_once(") ").unwrap().1.split(' ').collect();
-    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+/// CPU clock ticks (user + system) a process has used; `None` once it is gone.
+fn cpu_ticks(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(") ")?.1.split(' ').collect();
+    Some(fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap())
 }
 
 /// Once its tasks have ended the supervisor sleeps, even while the worker still holds their
@@ -299,11 +299,20 @@ fn an_idle_supervisor_uses_no_cpu() {
             !pids.is_empty(),
             "no supervisor among this process's children"
         );
-        let ticks = || pids.iter().map(|&p| cpu_ticks(p)).sum::<u64>();
-        let before = ticks();
+        // Counted per process, over those there at both ends: a test beside this one starts
+        // supervisors of its own that exit at once (CI once saw one go between the listing
+        // and the reading), and a process that ended was not spinning.
+        let before: Vec<(i32, u64)> = pids
+            .iter()
+            .filter_map(|&p| Some((p, cpu_ticks(p)?)))
+            .collect();
+        assert!(!before.is_empty(), "every supervisor exited");
         // Wall time only bounds the window; the assertion is on the CPU used in it.
         std::thread::sleep(Duration::from_millis(1000));
-        let used = ticks() - before;
+        let used: u64 = before
+            .iter()
+            .filter_map(|&(p, then)| Some(cpu_ticks(p)?.saturating_sub(then)))
+            .sum();
         assert!(
             used <= 10,
             "the idle supervisor supervisors used {used} ticks of CPU in a second"
