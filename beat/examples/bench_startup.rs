@@ -11,8 +11,11 @@
 //!   ([`drumline_beat::progress::load_last`]), against one `GET` per job (how the beat used to
 //!   do it; once, it takes seconds);
 //! - each real binary: time from spawn until it logs "beat leading", its resident memory then
-//!   and 2 s later (VmRSS) and its peak (VmHWM), from /proc/PID/status; on a first start (no
-//!   progress in Redis) and resumed (every job's last instant persisted). With several binaries
+//!   and once it has settled (VmRSS), its peak (VmHWM), from /proc/PID/status; how long it
+//!   stays busy after leading (a first start writes the new jobs' starts then: until a second
+//!   in which it used at most one 10 ms tick of CPU) and the CPU it uses in the 2 s after
+//!   that, while nothing is due (idle); on a first start (no progress in Redis) and resumed (every job's last instant persisted).
+//!   With several binaries
 //!   (say a build of an older commit) their runs are interleaved, so they share the machine's
 //!   noise.
 //!
@@ -52,6 +55,10 @@ struct Startup {
     rss_kib: u64,
     hwm_kib: u64,
     settled_rss_kib: u64,
+    /// Whole seconds from leading until a second with at most one tick of CPU.
+    busy: u64,
+    /// CPU (user + system) used in the 2 s after that, in ms (10 ms ticks).
+    idle_cpu_ms: u64,
 }
 
 /// The starts of one binary: first starts and resumed ones.
@@ -206,12 +213,20 @@ async fn bench(
                     spread(&of(|s| s.rss_kib), kib),
                 ),
                 (
-                    format!("{name}, {kind}: VmRSS 2 s later"),
+                    format!("{name}, {kind}: VmRSS once settled"),
                     spread(&of(|s| s.settled_rss_kib), kib),
                 ),
                 (
                     format!("{name}, {kind}: VmHWM (peak)"),
                     spread(&of(|s| s.hwm_kib), kib),
+                ),
+                (
+                    format!("{name}, {kind}: busy after leading"),
+                    spread(&of(|s| s.busy), |v| format!("{v} s")),
+                ),
+                (
+                    format!("{name}, {kind}: CPU in 2 s, settled"),
+                    spread(&of(|s| s.idle_cpu_ms), |v| format!("{v} ms")),
                 ),
             ]);
         }
@@ -339,8 +354,23 @@ fn start_beat(beat: &Path, config: &Path) -> Result<Startup> {
     let pid = child.id();
     let started = started_rx.recv_timeout(Duration::from_secs(300));
     let (rss_kib, _) = memory(pid)?;
+    // Busy until a second with at most one tick (a minute at most: then it is reported busy
+    // for that long and the idle figure says what it was still doing).
+    let mut ticks = cpu_ticks(pid)?;
+    let mut busy = 0;
+    while busy < 60 {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = cpu_ticks(pid)?;
+        let quiet = now - ticks <= 1;
+        ticks = now;
+        if quiet {
+            break;
+        }
+        busy += 1;
+    }
     std::thread::sleep(Duration::from_secs(2));
     let (settled_rss_kib, hwm_kib) = memory(pid)?;
+    let idle_cpu_ms = (cpu_ticks(pid)? - ticks) * 10;
     Command::new("kill")
         .arg("-TERM")
         .arg(pid.to_string())
@@ -358,7 +388,19 @@ fn start_beat(beat: &Path, config: &Path) -> Result<Startup> {
         rss_kib,
         hwm_kib,
         settled_rss_kib,
+        busy,
+        idle_cpu_ms,
     })
+}
+
+/// CPU clock ticks (user + system, 10 ms each) process `pid` has used, from /proc/PID/stat.
+fn cpu_ticks(pid: u32) -> Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The fields after the command name (which may hold spaces); utime and stime are the 14th
+    // and 15th overall.
+    let rest = stat.rsplit_once(") ").context("a /proc stat line")?.1;
+    let fields: Vec<&str> = rest.split(' ').collect();
+    Ok(fields[11].parse::<u64>()? + fields[12].parse::<u64>()?)
 }
 
 /// (VmRSS, VmHWM) in KiB.
