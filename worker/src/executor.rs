@@ -28,10 +28,10 @@ use rustix::process::Signal;
 use std::collections::BTreeMap;
 use std::ffi::{CString, OsStr, OsString};
 use std::io;
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::net::unix::pipe;
@@ -52,15 +52,64 @@ pub fn make_non_dumpable() -> io::Result<()> {
 pub const KILL_GRACE: Duration = Duration::from_secs(5);
 
 /// Runs a `[tasks.*]` command.
+/// Cloned for every run: what it holds is shared.
 #[derive(Debug, Clone)]
 pub struct ShellExecutor {
-    command: Vec<String>,
+    command: Arc<[String]>,
     timeout: Option<Duration>,
-    permanent_exit_codes: Vec<i32>,
-    /// `[tasks.NAME] env`.
-    env: BTreeMap<String, String>,
-    /// Inherited variables a task must not see: the URLs and `[worker] env_remove`.
-    env_remove: Vec<String>,
+    permanent_exit_codes: Arc<[i32]>,
+    /// What every run's environment starts with (see [`Inherited`]).
+    inherited: Inherited,
+}
+
+/// The worker's environment minus the variables a task must not see (the URLs and `[worker]
+/// env_remove`), plus `[tasks.NAME] env`, without the run's context variables, as
+/// `NAME=value` entries: made once per executor, when the worker starts or reloads (reading
+/// and sorting the process environment for every run was a third of the executor's own CPU:
+/// docs/performance.md). Its `Debug` shows how many, never the values: the worker's
+/// environment may hold secrets.
+#[derive(Clone)]
+struct Inherited(Arc<[CString]>);
+
+impl std::fmt::Debug for Inherited {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Inherited({} variables)", self.0.len())
+    }
+}
+
+/// The run's context variables, set by every run; the config cannot override them.
+const CONTEXT: [&str; 6] = [
+    "DRUMLINE_TASK",
+    "DRUMLINE_KEY",
+    "DRUMLINE_JOB",
+    "DRUMLINE_SCHEDULED_FOR",
+    "DRUMLINE_ATTEMPT",
+    "DRUMLINE_FENCING_TOKEN",
+];
+
+/// `NAME=value`, or `None` when either holds a NUL: such a variable cannot be passed (nor set
+/// by a config: TOML strings may hold one) and is left out.
+fn entry(name: &OsStr, value: &OsStr) -> Option<CString> {
+    let mut entry = name.as_bytes().to_vec();
+    entry.push(b'=');
+    entry.extend_from_slice(value.as_bytes());
+    CString::new(entry).ok()
+}
+
+impl Inherited {
+    /// From this process's environment now, without `remove`, with `env` over it.
+    fn new(env: &BTreeMap<String, String>, remove: &[String]) -> Self {
+        let mut all: BTreeMap<OsString, OsString> = std::env::vars_os()
+            .filter(|(name, _)| !remove.iter().any(|r| OsStr::new(r) == name))
+            .collect();
+        all.extend(env.iter().map(|(k, v)| (k.into(), v.into())));
+        let entries = all
+            .iter()
+            .filter(|(name, _)| !CONTEXT.iter().any(|c| OsStr::new(c) == *name))
+            .filter_map(|(name, value)| entry(name, value))
+            .collect();
+        Inherited(entries)
+    }
 }
 
 impl ShellExecutor {
@@ -68,43 +117,36 @@ impl ShellExecutor {
     /// `[worker] env_remove`: inherited variables the task must not see, on top of the
     /// broker and Redis URLs (docs/design.md "Task environment").
     pub fn for_task(task: &Task, env_remove: &[String]) -> Option<Self> {
+        let command = task.command.as_deref()?;
         let mut remove = vec![ENV_AMQP_URL.to_owned(), ENV_REDIS_URL.to_owned()];
         remove.extend(env_remove.iter().cloned());
         Some(Self {
-            command: task.command.clone()?,
+            command: command.into(),
             timeout: task.timeout,
-            permanent_exit_codes: task.permanent_exit_codes.clone(),
-            env: task.env.clone(),
-            env_remove: remove,
+            permanent_exit_codes: task.permanent_exit_codes.as_slice().into(),
+            inherited: Inherited::new(&task.env, &remove),
         })
     }
 
-    /// The worker's environment minus the removed variables, plus `[tasks.NAME] env`, plus
-    /// the run's context (which the config cannot override), as `NAME=value` entries.
+    /// The task's environment: [`Inherited`], plus the run's context, as `NAME=value` entries.
     fn environment(&self, ctx: &TaskContext) -> Vec<CString> {
-        let mut env: BTreeMap<OsString, OsString> = std::env::vars_os()
-            .filter(|(name, _)| !self.env_remove.iter().any(|r| OsStr::new(r) == name))
-            .collect();
-        env.extend(self.env.iter().map(|(k, v)| (k.into(), v.into())));
         let context = [
-            ("DRUMLINE_TASK", ctx.task.clone()),
-            ("DRUMLINE_KEY", ctx.key.clone()),
-            ("DRUMLINE_JOB", ctx.job.clone().unwrap_or_default()),
-            ("DRUMLINE_SCHEDULED_FOR", format_instant(ctx.scheduled_for)),
-            ("DRUMLINE_ATTEMPT", ctx.attempt.to_string()),
-            ("DRUMLINE_FENCING_TOKEN", ctx.fencing_token.to_string()),
+            ctx.task.clone(),
+            ctx.key.clone(),
+            ctx.job.clone().unwrap_or_default(),
+            format_instant(ctx.scheduled_for),
+            ctx.attempt.to_string(),
+            ctx.fencing_token.to_string(),
         ];
-        env.extend(context.into_iter().map(|(k, v)| (k.into(), v.into())));
-        env.into_iter()
-            .filter_map(|(name, value)| {
-                let mut entry = name.into_vec();
-                entry.push(b'=');
-                entry.extend_from_slice(value.as_bytes());
-                // A NUL inside a value cannot be passed (nor set by a config: TOML strings
-                // may hold one); such a variable is left out.
-                CString::new(entry).ok()
-            })
-            .collect()
+        let mut env = Vec::with_capacity(self.inherited.0.len() + CONTEXT.len());
+        env.extend(self.inherited.0.iter().cloned());
+        env.extend(
+            CONTEXT
+                .iter()
+                .zip(&context)
+                .filter_map(|(name, value)| entry(OsStr::new(name), OsStr::new(value))),
+        );
+        env
     }
 
     async fn run(self, ctx: TaskContext) -> Result<(), HandlerError> {
@@ -361,4 +403,86 @@ pub fn use_supervisor(path: PathBuf) -> bool {
 /// How many tasks the worker's supervisors hold right now (see [`link::census`]).
 pub async fn supervised_tasks() -> io::Result<usize> {
     link::census().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(env: &[(&str, &str)]) -> Task {
+        Task {
+            name: "t".into(),
+            command: Some(vec!["/bin/true".into()]),
+            timeout: None,
+            max_retries: 0,
+            retry_base: Duration::from_secs(1),
+            retry_max: Duration::from_secs(1),
+            permanent_exit_codes: vec![],
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            http: None,
+            limit: None,
+        }
+    }
+
+    /// Made once per executor: the removed variables stay out, `[tasks.NAME] env` wins over
+    /// the inherited, the run's context over both, each name once; `Debug` shows no value.
+    #[test]
+    fn a_runs_environment_is_the_shared_part_and_its_own_context() {
+        // PATH is inherited by every process that runs this test; HOME is removed.
+        let executor = ShellExecutor::for_task(
+            &task(&[
+                ("DRUMLINE_KEY", "from the config"),
+                ("DRUMLINE_TEST_ONLY", "configured"),
+                ("PATH", "/configured"),
+            ]),
+            &["HOME".to_owned()],
+        )
+        .expect("a command");
+        let ctx = TaskContext {
+            task: "t".into(),
+            key: "k-1".into(),
+            job: None,
+            scheduled_for: chrono::Utc::now(),
+            attempt: 2,
+            fencing_token: 7,
+            args: serde_json::json!({}),
+            cancel: tokio_util::sync::CancellationToken::new(),
+            kill_grace: Duration::from_secs(1),
+        };
+        let env = executor.environment(&ctx);
+        let pairs: Vec<(String, String)> = env
+            .iter()
+            .map(|e| {
+                let (k, v) = e.to_str().unwrap().split_once('=').unwrap();
+                (k.to_owned(), v.to_owned())
+            })
+            .collect();
+        let get = |name: &str| -> Vec<&str> {
+            pairs
+                .iter()
+                .filter(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+                .collect()
+        };
+        assert_eq!(get("DRUMLINE_KEY"), ["k-1"]);
+        assert_eq!(get("DRUMLINE_ATTEMPT"), ["2"]);
+        assert_eq!(get("DRUMLINE_FENCING_TOKEN"), ["7"]);
+        assert_eq!(get("DRUMLINE_JOB"), [""]);
+        assert_eq!(get("DRUMLINE_TEST_ONLY"), ["configured"]);
+        assert_eq!(get("PATH"), ["/configured"]);
+        assert_eq!(get("HOME"), Vec::<&str>::new());
+        assert_eq!(get(ENV_AMQP_URL), Vec::<&str>::new());
+        // A second run shares the same part and has its own context.
+        let again = executor.environment(&TaskContext {
+            key: "k-2".into(),
+            ..ctx
+        });
+        assert!(again.iter().any(|e| e.as_bytes() == b"DRUMLINE_KEY=k-2"));
+        assert_eq!(again.len(), env.len());
+        let shown = format!("{executor:?}");
+        assert!(!shown.contains("/configured"), "{shown}");
+    }
 }
