@@ -431,6 +431,10 @@ impl Figure {
     fn max(&self) -> f64 {
         *self.sorted().last().unwrap()
     }
+    /// "median (min–max)", whole numbers.
+    fn spread(&self) -> String {
+        format!("{:.0} ({:.0}–{:.0})", self.median(), self.min(), self.max())
+    }
     fn json(&self) -> serde_json::Value {
         serde_json::json!({
             "median": self.median().round(),
@@ -439,6 +443,11 @@ impl Figure {
             "runs": self.runs.iter().map(|r| r.round()).collect::<Vec<_>>(),
         })
     }
+}
+
+/// A ratio of medians and the spread of the per-run ratios: "0.80 (0.68–0.87)".
+fn ratio_text(of_medians: f64, runs: &Figure) -> String {
+    format!("{of_medians:.2} ({:.2}–{:.2})", runs.min(), runs.max())
 }
 
 struct Row {
@@ -745,24 +754,9 @@ async fn main() {
                 "{:<9} {:>5} {:>22} {:>22} {:>18}",
                 r.mode,
                 r.concurrency,
-                format!(
-                    "{:.0} ({:.0}–{:.0})",
-                    r.bare.median(),
-                    r.bare.min(),
-                    r.bare.max()
-                ),
-                format!(
-                    "{:.0} ({:.0}–{:.0})",
-                    r.worker.median(),
-                    r.worker.min(),
-                    r.worker.max()
-                ),
-                format!(
-                    "{:.2} ({:.2}–{:.2})",
-                    r.worker.median() / r.bare.median(),
-                    ratio.min(),
-                    ratio.max()
-                ),
+                r.bare.spread(),
+                r.worker.spread(),
+                ratio_text(r.worker.median() / r.bare.median(), &ratio),
             );
         }
         if !rows.is_empty() {
@@ -777,19 +771,9 @@ async fn main() {
                 "{:<9} {:>5} {:>22} {:>22} {:>18}   {a:.0} + {b:.0} + {c:.0} = {:.0} µs CPU/msg",
                 r.mode,
                 r.concurrency,
-                format!(
-                    "{:.0} ({:.0}–{:.0})",
-                    r.coalesced.median(),
-                    r.coalesced.min(),
-                    r.coalesced.max()
-                ),
+                r.coalesced.spread(),
                 "worker/coalesced",
-                format!(
-                    "{:.2} ({:.2}–{:.2})",
-                    r.worker.median() / r.coalesced.median(),
-                    ratio.min(),
-                    ratio.max()
-                ),
+                ratio_text(r.worker.median() / r.coalesced.median(), &ratio),
                 a + b + c
             );
         }
@@ -816,16 +800,12 @@ async fn main() {
             };
             let [d, e, f] = r.cpu_medians(2);
             println!(
-                "{:<9} {:>5}   journal off {:.0} ({:.0}–{:.0}) msg/s   on/off {:.2} ({:.2}–{:.2})   \
+                "{:<9} {:>5}   journal off {} msg/s   on/off {}   \
                  off: {d:.0} + {e:.0} + {f:.0} = {:.0} µs CPU/msg",
                 r.mode,
                 r.concurrency,
-                r.unjournaled.median(),
-                r.unjournaled.min(),
-                r.unjournaled.max(),
-                ratio.median(),
-                ratio.min(),
-                ratio.max(),
+                r.unjournaled.spread(),
+                ratio_text(ratio.median(), &ratio),
                 d + e + f
             );
         }
@@ -847,24 +827,9 @@ async fn main() {
                     "{:<9} {:>5} {:>22} {:>22} {:>18}",
                     "shell",
                     r.concurrency,
-                    format!(
-                        "{:.0} ({:.0}–{:.0})",
-                        r.ceiling.median(),
-                        r.ceiling.min(),
-                        r.ceiling.max()
-                    ),
-                    format!(
-                        "{:.0} ({:.0}–{:.0})",
-                        r.executor.median(),
-                        r.executor.min(),
-                        r.executor.max()
-                    ),
-                    format!(
-                        "{:.2} ({:.2}–{:.2})",
-                        r.executor.median() / r.ceiling.median(),
-                        ratio.min(),
-                        ratio.max()
-                    ),
+                    r.ceiling.spread(),
+                    r.executor.spread(),
+                    ratio_text(r.executor.median() / r.ceiling.median(), &ratio),
                 );
             }
             if args.shell_background > 0 {
@@ -879,12 +844,7 @@ async fn main() {
                         "loaded",
                         r.concurrency,
                         "",
-                        format!(
-                            "{:.0} ({:.0}–{:.0})",
-                            r.loaded.median(),
-                            r.loaded.min(),
-                            r.loaded.max()
-                        ),
+                        r.loaded.spread(),
                         format!("{:.2} of unloaded", r.loaded.median() / r.executor.median()),
                     );
                 }
