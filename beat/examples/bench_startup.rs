@@ -14,10 +14,9 @@
 //!   and once it has settled (VmRSS), its peak (VmHWM), from /proc/PID/status; how long it
 //!   stays busy after leading (a first start writes the new jobs' starts then: until a second
 //!   in which it used at most one 10 ms tick of CPU) and the CPU it uses in the 2 s after
-//!   that, while nothing is due (idle); on a first start (no progress in Redis) and resumed (every job's last instant persisted).
-//!   With several binaries
-//!   (say a build of an older commit) their runs are interleaved, so they share the machine's
-//!   noise.
+//!   that, while nothing is due (idle); on a first start (no progress in Redis) and resumed
+//!   (every job's last instant persisted). With several binaries (say a build of an older
+//!   commit) their runs are interleaved, so they share the machine's noise.
 //!
 //! - with `--status`, `drumline-beat status --json` of the whole config, every job's progress
 //!   persisted (once per run, the first binary): time to its first job row and to its end,
