@@ -143,6 +143,22 @@ pub struct Config {
 }
 
 impl Config {
+    /// The environment variables no task may see (docs/configuration.md#task-environment):
+    /// every one drumline reads itself (the broker and Redis URLs, each HTTP task's
+    /// `secret_env`), whether or not it is set, and `[worker] env_remove`.
+    pub fn hidden_from_tasks(&self) -> Vec<String> {
+        let read = [ENV_AMQP_URL, ENV_REDIS_URL].map(str::to_owned);
+        let secrets = self
+            .tasks
+            .values()
+            .filter_map(|t| t.http.as_ref()?.secret_env.clone());
+        let mut names: Vec<String> = read.into_iter().chain(secrets).collect();
+        names.extend(self.worker.env_remove.iter().cloned());
+        names.sort();
+        names.dedup();
+        names
+    }
+
     /// Re-reads the file this config came from (SIGHUP). `Err` — a file that does not load —
     /// leaves the caller on its running config. The second value names what changed but takes
     /// a restart to apply: everything outside `[[jobs]]` and `[tasks.*]`.
@@ -2126,6 +2142,25 @@ mod tests {
         err_has(
             "[tasks.h]\ncommand = [\"/bin/true\"]\nhttp = { url = \"http://x/\" }\n",
             "key `http`: a task has a `command` or an `http` endpoint, not both",
+        );
+    }
+
+    /// Every variable drumline reads itself is hidden from tasks, listed or not.
+    #[test]
+    fn the_variables_drumline_reads_are_hidden_from_tasks() {
+        let c = parse(
+            "[worker]\nenv_remove = [\"AWS_SECRET_ACCESS_KEY\"]\n\
+             [tasks.h]\nhttp = { url = \"http://x/\", secret_env = \"HOOK_SECRET\" }\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.hidden_from_tasks(),
+            [
+                "AWS_SECRET_ACCESS_KEY",
+                ENV_AMQP_URL,
+                ENV_REDIS_URL,
+                "HOOK_SECRET"
+            ]
         );
     }
 

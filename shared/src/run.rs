@@ -78,6 +78,10 @@ pub enum Ending {
     Retry {
         /// The attempt that may claim the instance next.
         next_attempt: u32,
+        /// How long the job's overlap lock stays with the instance for its retry (the retry's
+        /// delay plus a lease): the instance holds its job until it ends, and the hold ends
+        /// at this deadline if the retry's message is lost (docs/guarantees.md#overlap).
+        hold: std::time::Duration,
     },
 }
 

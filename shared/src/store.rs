@@ -376,7 +376,9 @@ end
 // go backwards and copies never fork a retry chain; a lapsed lease of the recorded attempt is
 // taken over with a new fence. Only a granted claim enters the running set. The limit is judged
 // last, so a duplicate never takes a slot or a start, and a limited copy leaves the record as
-// it was: waiting is not an attempt.
+// it was: waiting is not an attempt. Only an instance never claimed is `skipped` under a lock
+// held by another: one that started (a retry, a released or lapsed claim) waits for the lock,
+// as under `queue`, so a retry is never skipped (docs/guarantees.md#overlap).
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     keeping_running_set(&format!(
         "{LEASE}{JOURNAL}{LIMIT}{}",
@@ -410,7 +412,7 @@ end
 if ARGV[5] ~= 'allow' then
   local holder = redis.call('HGET', KEYS[3], 'key')
   if holder and holder ~= ARGV[7] then
-    if ARGV[5] == 'skip' then
+    if ARGV[5] == 'skip' and not state then
       redis.call('DEL', KEYS[1])
       redis.call('HSET', KEYS[1], 'state', 'skipped', 'worker', ARGV[2], 'attempt', ARGV[3],
         'overlapped', holder, 'at', math.floor(now / 1000))
@@ -488,7 +490,8 @@ return 0
 });
 
 // The start every script that ends a claim shares: the job lock is released if it is ours,
-// whatever happens to the run key, and then the first copy waiting for it (KEYS[4], the job's
+// whatever happens to the run key (unless the script keeps it for `HOLD_MS`: a retry keeps its
+// job until the retry's deadline, docs/guarantees.md#overlap), and then the first copy waiting for it (KEYS[4], the job's
 // waiters) is taken off the registry as `woken`, for the caller to publish again
 // (docs/design.md#waiting-copies-wake-up). `ours` says whether the run key carries our token,
 // `holds` whether it is still our running claim. The running entry goes when the run key is
@@ -502,8 +505,12 @@ const END_CLAIM: &str = r#"
 redis.call('ZREM', KEYS[5], ARGV[1])
 local woken = false
 if ARGV[2] ~= '' and redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
-  redis.call('DEL', KEYS[2])
-  woken = redis.call('LPOP', KEYS[4])
+  if HOLD_MS then
+    redis.call('PEXPIRE', KEYS[2], HOLD_MS)
+  else
+    redis.call('DEL', KEYS[2])
+    woken = redis.call('LPOP', KEYS[4])
+  end
 end
 local rec = redis.call('HMGET', KEYS[1], 'token', 'state', 'attempt', 'worker')
 local state, attempt, worker = rec[2], rec[3], rec[4]
@@ -525,9 +532,13 @@ local function ended(...)
 end
 "#;
 
-/// A script that starts with [`JOURNAL`], [`ENDED`] and [`END_CLAIM`] and goes on with `body`.
-fn ending_claim(body: &str) -> Script {
-    Script::new(&format!("{JOURNAL}{ENDED}{END_CLAIM}{body}"))
+/// A script that starts with [`JOURNAL`], [`ENDED`] and [`END_CLAIM`] and goes on with `body`;
+/// `hold` is the Lua expression for how many ms the job lock is kept instead of released
+/// (`false`: released).
+fn ending_claim(hold: &str, body: &str) -> Script {
+    Script::new(&format!(
+        "local HOLD_MS = {hold}\n{JOURNAL}{ENDED}{END_CLAIM}{body}"
+    ))
 }
 
 // FINISH (the shared KEYS[1..4] and ARGV[1..2] above, then:)
@@ -545,6 +556,7 @@ fn ending_claim(body: &str) -> Script {
 // the record is gone: the run did finish, and recording it is what stops it running again.
 static FINISH: LazyLock<Script> = LazyLock::new(|| {
     ending_claim(
+        "false",
         r#"
 if ours and state == ARGV[3] then return {2, woken} end
 if holds or redis.call('EXISTS', KEYS[1]) == 0 then
@@ -571,6 +583,8 @@ return {0, woken}
 
 // RETRY (the shared KEYS[1..4] and ARGV[1..2] above, then:)
 // ARGV[3] -> the next attempt        ARGV[4] -> retention in ms
+// ARGV[5] -> how long the job lock stays with the instance, in ms (the retry's delay plus a
+//            lease): the lock is kept, not released, and nobody waiting is woken
 // Output: {code, woken}; code 1 handed over | 2 handed over before by this token (a repeat)
 // | 0 not ours.
 // A failed run hands the instance to its retry: the record stays, `retrying` with the attempt
@@ -578,6 +592,7 @@ return {0, woken}
 // a repeat recognises its own hand-over).
 static RETRY: LazyLock<Script> = LazyLock::new(|| {
     ending_claim(
+        "ARGV[5]",
         r#"
 if ours and state == 'retrying' and attempt == ARGV[3] then
   return {2, woken}
@@ -600,6 +615,7 @@ return {1, woken}
 // token dropped, so the requeued copy takes it over at once with a new fence.
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     ending_claim(
+        "false",
         r#"
 if ours then
   jot('release', attempt, ARGV[1], worker, ended())
@@ -976,9 +992,9 @@ impl Store {
                 self.finish_recorded(key, job, token, state, retention, None)
                     .await
             }
-            Ending::Retry { next_attempt } => {
+            Ending::Retry { next_attempt, hold } => {
                 let mut call = self.holder_call(&RETRY, key, job, token);
-                call.arg((next_attempt, retention_ms));
+                call.arg((next_attempt, retention_ms, hold.as_millis() as u64));
                 self.holder_tail(&mut call, key);
                 Ended::read(self.durable(&RETRY, &call).await?)
             }

@@ -201,6 +201,92 @@ async fn overlap_lock_skips_or_queues_other_instances_of_the_job() {
     ));
 }
 
+/// docs/guarantees.md#overlap: an instance holds its job through its retry delay, a newer
+/// instance is skipped meanwhile, and a started instance is never skipped, only kept waiting.
+#[tokio::test]
+async fn a_retrying_instance_keeps_its_job_and_is_never_skipped() {
+    let s = store("overlap_retry").await;
+    let retention = Duration::from_secs(60);
+    s.claim(&req("j@1", "a", OverlapMode::Skip("j")))
+        .await
+        .unwrap();
+    let retry = Ending::Retry {
+        next_attempt: 1,
+        hold: Duration::from_secs(5),
+    };
+    assert!(
+        s.finish("j@1", Some("j"), "a", retry, retention)
+            .await
+            .unwrap()
+            .ours
+    );
+    // The newer instance is skipped while the older one waits for its retry.
+    assert_eq!(
+        s.claim(&req("j@2", "b", OverlapMode::Skip("j")))
+            .await
+            .unwrap(),
+        Claim::Skipped {
+            running: "j@1".into()
+        }
+    );
+    // The retry claims its job again.
+    let mut again = req("j@1", "c", OverlapMode::Skip("j"));
+    again.attempt = 1;
+    assert!(matches!(
+        s.claim(&again).await.unwrap(),
+        Claim::Claimed { .. }
+    ));
+    // Released by shutdown, its lock taken by a newer instance meanwhile: the requeued copy of
+    // the started instance waits for the lock; it is not skipped.
+    assert!(s.release("j@1", Some("j"), "c").await.unwrap().ours);
+    assert!(matches!(
+        s.claim(&req("j@3", "d", OverlapMode::Skip("j")))
+            .await
+            .unwrap(),
+        Claim::Claimed { .. }
+    ));
+    let mut requeued = req("j@1", "e", OverlapMode::Skip("j"));
+    requeued.attempt = 1;
+    assert!(matches!(
+        s.claim(&requeued).await.unwrap(),
+        Claim::Waiting { running, .. } if running == "j@3"
+    ));
+    assert_eq!(
+        s.run_state("j@1").await.unwrap().as_deref(),
+        Some("running")
+    );
+}
+
+/// The hold of a retry whose message was lost ends at its deadline: the job is free again.
+#[tokio::test]
+async fn a_retrys_hold_on_its_job_ends_at_its_deadline() {
+    let s = store("overlap_hold").await;
+    s.claim(&req("j@1", "a", OverlapMode::Skip("j")))
+        .await
+        .unwrap();
+    let retry = Ending::Retry {
+        next_attempt: 1,
+        hold: Duration::from_millis(300),
+    };
+    let retention = Duration::from_secs(60);
+    assert!(
+        s.finish("j@1", Some("j"), "a", retry, retention)
+            .await
+            .unwrap()
+            .ours
+    );
+    let freed = eventually(Duration::from_secs(5), || async {
+        matches!(
+            s.claim(&req("j@2", "b", OverlapMode::Queue("j")))
+                .await
+                .unwrap(),
+            Claim::Claimed { .. }
+        )
+    })
+    .await;
+    assert!(freed, "the job stayed held past the retry's deadline");
+}
+
 fn candidate(token: &str) -> Candidate {
     Candidate {
         token: token.to_owned(),
@@ -380,7 +466,10 @@ async fn a_retry_keeps_its_place_and_older_copies_are_duplicates() {
             "k",
             Some("j"),
             "b",
-            Ending::Retry { next_attempt: 1 },
+            Ending::Retry {
+                next_attempt: 1,
+                hold: Duration::from_secs(5)
+            },
             Duration::from_secs(60)
         )
         .await
@@ -392,7 +481,10 @@ async fn a_retry_keeps_its_place_and_older_copies_are_duplicates() {
             "k",
             Some("j"),
             "a",
-            Ending::Retry { next_attempt: 1 },
+            Ending::Retry {
+                next_attempt: 1,
+                hold: Duration::from_secs(5)
+            },
             Duration::from_secs(60)
         )
         .await
@@ -400,12 +492,15 @@ async fn a_retry_keeps_its_place_and_older_copies_are_duplicates() {
         .ours
     );
     assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("retrying"));
-    assert!(matches!(
+    // The retrying instance keeps its job: a newer one is skipped (docs/guarantees.md#overlap).
+    assert_eq!(
         s.claim(&req("j@other", "x", OverlapMode::Skip("j")))
             .await
             .unwrap(),
-        Claim::Claimed { .. }
-    ));
+        Claim::Skipped {
+            running: "k".into()
+        }
+    );
     // A copy of attempt 0 (the other beat's, a redelivery) is a duplicate, expired or not.
     assert_eq!(
         s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap(),
@@ -575,7 +670,10 @@ async fn outcome_writes_repeat_by_their_own_token() {
             .ours
     );
 
-    let retry = Ending::Retry { next_attempt: 1 };
+    let retry = Ending::Retry {
+        next_attempt: 1,
+        hold: Duration::from_secs(5),
+    };
     assert!(matches!(
         s.claim(&req("k", "a", OverlapMode::Allow)).await.unwrap(),
         Claim::Claimed { .. }
@@ -754,7 +852,10 @@ async fn running_set_follows_claim_renew_and_every_ending() {
         Claim::Claimed { .. }
     ));
     assert_eq!(running(&s, "j").await, 3);
-    let retry = Ending::Retry { next_attempt: 1 };
+    let retry = Ending::Retry {
+        next_attempt: 1,
+        hold: Duration::from_secs(5),
+    };
     assert!(
         s.finish("j@3", Some("j"), "d", retry, retention)
             .await
@@ -1042,7 +1143,10 @@ async fn each_decision_is_journaled_by_its_own_script_and_none_when_off() {
     let s = store("journal").await;
     s.claim(&req("k", "a", OverlapMode::Allow)).await.unwrap();
     s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap(); // busy: not a decision
-    let retry = Ending::Retry { next_attempt: 1 };
+    let retry = Ending::Retry {
+        next_attempt: 1,
+        hold: Duration::from_secs(5),
+    };
     let retention = Duration::from_secs(60);
     s.finish("k", None, "a", retry, retention).await.unwrap();
     let mut second = req("k", "c", OverlapMode::Allow);
@@ -1189,7 +1293,16 @@ async fn an_outcome_entry_says_how_long_ago_the_run_ended() {
         .unwrap();
     s.claim(&req("b", "t2", OverlapMode::Allow)).await.unwrap();
     holder
-        .finish("b", None, "t2", Ending::Retry { next_attempt: 1 }, ttl)
+        .finish(
+            "b",
+            None,
+            "t2",
+            Ending::Retry {
+                next_attempt: 1,
+                hold: Duration::from_secs(5),
+            },
+            ttl,
+        )
         .await
         .unwrap();
     s.claim(&req("c", "t3", OverlapMode::Allow)).await.unwrap();

@@ -2,6 +2,7 @@
 //! it cannot read of the worker's (run as a non-root user), and a timeout that holds even when
 //! the task never reads its stdin.
 
+use drumline_e2e::cfg::{shell, Cfg, Keys};
 use drumline_e2e::{adhoc, setup, toml_string, wait_until, wait_until_async, AMQP_URL, REDIS_URL};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -203,4 +204,37 @@ mv {0}.tmp {0}"#,
     for leaked in [password.as_str(), secret.as_str(), "guest:guest"] {
         assert!(!text.contains(leaked), "{leaked} leaked:\n{text}");
     }
+}
+
+/// Issue 33: a variable the worker reads itself (an HTTP task's `secret_env`) never reaches a
+/// shell task, without being listed in `env_remove` (docs/guarantees.md#trust-who-can-do-what).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_secret_the_worker_reads_is_not_in_a_shell_tasks_environment() {
+    let env = setup("e2e_secret_env");
+    let dump = env.path("env");
+    let script = format!("env > {}.tmp && mv {0}.tmp {0}", dump.display());
+    let cfg = Cfg::new().task("dump", shell(&script)).task(
+        "hook",
+        Keys::default()
+            .with("http.url", "\"http://127.0.0.1:9/hook\"")
+            .with("http.secret_env", "\"DRUMLINE_TEST_HOOK_SECRET\""),
+    );
+    let config = env.write_config("drumline.toml", &cfg);
+    let secret = format!("whsec_{}", uuid::Uuid::new_v4().simple());
+    let worker = env.worker_with_env(
+        "worker",
+        &["--config", config.to_str().unwrap()],
+        &[("DRUMLINE_TEST_HOOK_SECRET", &secret)],
+    );
+    env.wait_for_topology(&worker).await;
+    env.publish(&adhoc("k-secret", "dump")).await;
+    assert!(
+        wait_until(WAIT, || dump.exists()),
+        "the task never ran\n{}",
+        worker.log_tail(30)
+    );
+    let text = std::fs::read_to_string(&dump).unwrap();
+    assert!(!text.contains("DRUMLINE_TEST_HOOK_SECRET"), "{text}");
+    assert!(!text.contains(&secret), "the secret leaked:\n{text}");
+    assert!(text.contains("DRUMLINE_KEY=k-secret"), "{text}");
 }

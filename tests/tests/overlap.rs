@@ -4,7 +4,7 @@
 
 use drumline_e2e::cfg::{every, shell, Cfg};
 use drumline_e2e::snoop::Snoop;
-use drumline_e2e::{setup, toml_string, wait_until, wait_until_async, TestEnv};
+use drumline_e2e::{counts, setup, toml_string, wait_until, wait_until_async, TestEnv};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -130,4 +130,69 @@ async fn overlap_queue_runs_every_instance_one_after_another() {
         assert!(spans.contains_key(key), "{key} never ran");
     }
     assert_eq!(spans.len(), keys.len());
+}
+
+/// Issue 33: a job whose run plus retry delay passes its next instant. Under the default
+/// `overlap = "skip"` the failed instance keeps the job through its retry delay, so its retry
+/// runs (and succeeds) and the newer instant is the one skipped (docs/guarantees.md).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_attempts_retry_runs_under_overlap_skip() {
+    let env = setup("e2e_overlap_retry_skip");
+    let log = env.path("runs");
+    let script = format!(
+        "echo \"$DRUMLINE_KEY $DRUMLINE_ATTEMPT\" >> {}; sleep 1.5; [ \"$DRUMLINE_ATTEMPT\" != 0 ]",
+        log.display()
+    );
+    let cfg = Cfg::new()
+        .set("worker", "concurrency", "4")
+        .task(
+            "slowfail",
+            shell(&script)
+                .with("max_retries", "3")
+                .with("retry_base", "\"1s\"")
+                .with("retry_max", "\"1s\""),
+        )
+        .job("slowfail", every("2s"));
+    let cfg = env.write_config("drumline.toml", &cfg);
+    let cfg = cfg.to_str().unwrap();
+    let mut worker = env.worker("w1", &["--config", cfg]);
+    env.wait_for_topology(&worker).await;
+    let mut beat = env.beat("beat", &["--config", cfg]);
+    // Three instances have run their attempt 0.
+    let first_attempts = |env: &TestEnv| {
+        env.lines("runs")
+            .iter()
+            .filter(|l| l.ends_with(" 0"))
+            .count()
+    };
+    assert!(
+        wait_until(WAIT, || first_attempts(&env) >= 3),
+        "{}",
+        worker.log_tail(20)
+    );
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    // Every instance that ran its attempt 0 runs its attempt 1 and ends `done`.
+    let started: Vec<String> = env
+        .lines("runs")
+        .iter()
+        .filter_map(|l| l.strip_suffix(" 0").map(str::to_owned))
+        .collect();
+    for key in &started {
+        let done = wait_until_async(WAIT, || async {
+            env.run_state(key).await.as_deref() == Some("done")
+        })
+        .await;
+        assert!(
+            done,
+            "{key}: {:?}, runs {:?}\n{}",
+            env.run_state(key).await,
+            env.lines("runs"),
+            worker.log_tail(30)
+        );
+    }
+    let runs = counts(&env.lines("runs"));
+    for key in &started {
+        assert_eq!(runs.get(&format!("{key} 1")), Some(&1), "{key}: {runs:?}");
+    }
+    assert!(worker.terminate(Duration::from_secs(20)).success());
 }

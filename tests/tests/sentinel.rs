@@ -122,7 +122,13 @@ async fn wait_replicas_counts_acknowledgements_and_fails_closed() {
     short(three.claim(&request("k1b")).await.expect_err("a claim"));
     for (key, ending) in [
         ("k2", Ending::Final(Final::Dead)),
-        ("k3", Ending::Retry { next_attempt: 1 }),
+        (
+            "k3",
+            Ending::Retry {
+                next_attempt: 1,
+                hold: Duration::from_secs(5),
+            },
+        ),
     ] {
         assert!(matches!(
             store.claim(&request(key)).await.unwrap(),

@@ -113,13 +113,16 @@ impl Inherited {
 }
 
 impl ShellExecutor {
-    /// The executor for `task`, or `None` when it has no `command`. `env_remove` is
-    /// `[worker] env_remove`: inherited variables the task must not see, on top of the
-    /// broker and Redis URLs (docs/design.md "Task environment").
-    pub fn for_task(task: &Task, env_remove: &[String]) -> Option<Self> {
+    /// The executor for `task`, or `None` when it has no `command`. `hidden` names the
+    /// inherited variables the task must not see ([`Config::hidden_from_tasks`]: the secrets
+    /// drumline reads and `[worker] env_remove`); the broker and Redis URLs are never passed on
+    /// (docs/design.md "Task environment").
+    ///
+    /// [`Config::hidden_from_tasks`]: drumline_shared::config::Config::hidden_from_tasks
+    pub fn for_task(task: &Task, hidden: &[String]) -> Option<Self> {
         let command = task.command.as_deref()?;
         let mut remove = vec![ENV_AMQP_URL.to_owned(), ENV_REDIS_URL.to_owned()];
-        remove.extend(env_remove.iter().cloned());
+        remove.extend(hidden.iter().cloned());
         Some(Self {
             command: command.into(),
             timeout: task.timeout,

@@ -452,7 +452,7 @@ impl Processor {
         match why {
             Recheck::Busy => debug!(delay_ms, "held under another live lease; re-checking later"),
             Recheck::Waiting { ref running } => debug!(running = %running, delay_ms,
-                "waiting for the job's previous instance (overlap = queue)"),
+                "waiting for the job's lock (overlap = queue, or a started instance)"),
             Recheck::Limited { by } => debug!(
                 by = by.as_str(),
                 delay_ms, "over the task's limit: looking again later (not an attempt)"
@@ -461,7 +461,9 @@ impl Processor {
         self.stats.busy.inc();
         self.publish_delayed(step.publisher, step.delivery, step.env, delay)
             .await?;
-        if let (Recheck::Waiting { .. }, OverlapMode::Queue(job)) = (&why, self.overlap(step.env)) {
+        if let (Recheck::Waiting { .. }, OverlapMode::Queue(job) | OverlapMode::Skip(job)) =
+            (&why, self.overlap(step.env))
+        {
             self.park(step, job, delay).await?;
         }
         Ok(())
@@ -508,8 +510,11 @@ impl Processor {
         // chain.
         self.publish_delayed(step.publisher, step.delivery, &next, delay)
             .await?;
+        // The instance keeps its job through the retry delay, until a lease past it if the
+        // retry's message is lost (docs/guarantees.md#overlap).
         let ending = Ending::Retry {
             next_attempt: next.attempt,
+            hold: delay + self.config.worker.lease,
         };
         let retention = self.config.worker.done_ttl;
         let job = self.lock_job(env);
@@ -1012,7 +1017,7 @@ fn built_in(config: &Config, task: &Task) -> Result<Option<Arc<dyn Handler>>, Wo
         return Ok(Some(Arc::new(http)));
     }
     Ok(
-        crate::executor::ShellExecutor::for_task(task, &config.worker.env_remove)
+        crate::executor::ShellExecutor::for_task(task, &config.hidden_from_tasks())
             .map(|e| Arc::new(e) as Arc<dyn Handler>),
     )
 }
