@@ -107,9 +107,22 @@ pub fn instant_of(job: &str, key: &str) -> Option<DateTime<Utc>> {
     parse_instant(key.strip_prefix(job)?.strip_prefix('@')?)
 }
 
-/// The oldest instant the job's journal or run records know of: instants before it are not
-/// expected (the job did not exist, or its records are gone).
+/// The oldest instant the beat itself decided, as far as the journal or run records know:
+/// instants before it are not expected (the job did not exist, or its records are gone). Only
+/// entries carrying a leader's epoch count (the leader's own, and claims of copies a leader
+/// published), so an operator's backfill or trigger of older instants does not move it back
+/// and make every instant between them and the job's first start a false miss. Without such
+/// entries (a journal from before epochs, or none), any entry or run record counts.
 pub fn first_progress(job: &str, evidence: &Evidence) -> Option<DateTime<Utc>> {
+    let led = evidence
+        .entries
+        .iter()
+        .filter(|e| e.epoch.is_some())
+        .filter_map(|e| instant_of(job, &e.key))
+        .min();
+    if led.is_some() {
+        return led;
+    }
     let journaled = evidence
         .entries
         .iter()
@@ -121,7 +134,8 @@ pub fn first_progress(job: &str, evidence: &Evidence) -> Option<DateTime<Utc>> {
     journaled.chain(recorded).min()
 }
 
-/// Every expected instant of `job` in `[from, to]` (from its first progress on), classified.
+/// Every expected instant of `job` in `[from, to]` (from its first progress on, and any
+/// earlier one the journal names: a backfilled instant), classified.
 pub fn audit(job: &Job, from: DateTime<Utc>, to: DateTime<Utc>, evidence: &Evidence) -> Vec<Row> {
     let Some(first) = first_progress(&job.name, evidence) else {
         return Vec::new();
@@ -138,10 +152,11 @@ pub fn audit(job: &Job, from: DateTime<Utc>, to: DateTime<Utc>, evidence: &Evide
     for r in &evidence.history {
         records.entry(r.key.as_str()).or_default().push(r);
     }
-    expected(job, from.max(first), to)
+    expected(job, from, to)
         .into_iter()
-        .map(|t| {
-            let key = instance_key(&job.name, t);
+        .map(|t| (t, instance_key(&job.name, t)))
+        .filter(|(t, key)| *t >= first || by_key.contains_key(key.as_str()))
+        .map(|(t, key)| {
             let facts = Facts {
                 entries: by_key.get(key.as_str()).map_or(&[][..], Vec::as_slice),
                 records: records.get(key.as_str()).map_or(&[][..], Vec::as_slice),
@@ -150,7 +165,7 @@ pub fn audit(job: &Job, from: DateTime<Utc>, to: DateTime<Utc>, evidence: &Evide
                     .iter()
                     .find(|(a, b, _)| *a <= t && t <= *b)
                     .map(|r| r.2),
-                decided: evidence.progress.is_some_and(|p| t <= p),
+                decided: evidence.progress.is_some_and(|p| t <= p) && t >= first,
             };
             classify(t, key, &facts)
         })
@@ -368,6 +383,8 @@ pub(crate) mod tests {
             attempt: Some(attempt),
             token: token.into(),
             worker: "w1".into(),
+            // As a leader's copy carries (an operator's has none: see `first_progress`).
+            epoch: Some(1),
             ..JournalEntry::default()
         }
     }
@@ -449,6 +466,29 @@ pub(crate) mod tests {
             &Evidence::default()
         )
         .is_empty());
+    }
+
+    /// Issue 33: a backfill of instants before the job's first start names them in the journal
+    /// without a leader's epoch: they are listed as what became of them, and the instants
+    /// between them and the first start are not expected (no false miss).
+    #[test]
+    fn a_backfill_before_the_first_start_moves_nothing_back() {
+        let j = minute_job();
+        let mut ev = evidence(&j);
+        let old = key(&j, "2025-12-31T23:00:00Z");
+        for (event, at_ms) in [("claim", 1), ("success", 2)] {
+            let mut e = entry(ms("2026-01-01T00:05:00Z") + at_ms, event, &old, 0, "op");
+            e.epoch = None;
+            ev.entries.push(e);
+        }
+        let rows = audit(
+            &j,
+            at("2025-12-31T22:00:00Z"),
+            at("2026-01-01T00:02:00Z"),
+            &ev,
+        );
+        assert_eq!(classes(&rows), [Class::Ran, Class::Ran, Class::Retried]);
+        assert_eq!(rows[0].key, old);
     }
 
     #[test]

@@ -128,6 +128,11 @@ pub enum Command {
         /// How far back (e.g. "1h", "30m").
         #[arg(long, value_parser = parse_duration, default_value = "1h")]
         since: std::time::Duration,
+        /// How long after its instant a published instance without `expires` (or a failed
+        /// attempt's retry) may go without an end before it counts as `lost`
+        /// (`retry_dropped`).
+        #[arg(long, value_parser = parse_duration, default_value = "15m")]
+        overdue: std::time::Duration,
         /// Machine-readable output: {since, checked, holds, violations: [...]}.
         #[arg(long)]
         json: bool,
@@ -191,7 +196,11 @@ impl Command {
                 to,
                 json,
             } => prove::audit(&config, &job, (from.as_deref(), to.as_deref()), json).await,
-            Command::Verify { since, json } => prove::verify(&config, since, json).await,
+            Command::Verify {
+                since,
+                overdue,
+                json,
+            } => prove::verify(&config, (since, overdue), json).await,
         }
     }
 }

@@ -149,9 +149,13 @@ fn audit_table(job: &str, (from, to): (DateTime<Utc>, DateTime<Utc>), rows: &[Ro
     out
 }
 
-/// `verify --since D`: every key of the window checked; exit 0 when the promise holds, 1 with
-/// each violation.
-pub async fn verify(config: &Config, since: Duration, json: bool) -> Result<(), Failure> {
+/// `verify --since D --overdue O`: every key of the window checked; exit 0 when the promise
+/// holds, 1 with each violation.
+pub async fn verify(
+    config: &Config,
+    (since, overdue): (Duration, Duration),
+    json: bool,
+) -> Result<(), Failure> {
     let now = Utc::now();
     let since = now - chrono::Duration::from_std(since).map_err(Failure::usage)?;
     let store = store(config).await?;
@@ -168,7 +172,15 @@ pub async fn verify(config: &Config, since: Duration, json: bool) -> Result<(), 
         .journal_since(since.timestamp_millis() - CLOCK_SLACK_MS, |_| true)
         .await
         .map_err(redis_failure)?;
-    let report = check(config, &store, &entries, evidences, (since, now)).await?;
+    let mut report = check(config, &store, &entries, evidences.clone(), (since, now)).await?;
+    let by_key = verify::by_key(&entries);
+    report
+        .violations
+        .extend(fates(config, &store, &by_key, overdue, now).await?);
+    report
+        .violations
+        .extend(unpublished(config, &store, &evidences, since, now).await?);
+    report.holds = report.violations.is_empty();
     if json {
         println!(
             "{}",
@@ -234,6 +246,83 @@ async fn check(
         holds: violations.is_empty(),
         violations,
     })
+}
+
+/// `lost` and `retry_dropped` over every key of the window (docs/audit.md#verify): each key's
+/// entries beside its run state and lease now.
+async fn fates(
+    config: &Config,
+    store: &Store,
+    by_key: &std::collections::BTreeMap<&str, Vec<&JournalEntry>>,
+    overdue: Duration,
+    now: DateTime<Utc>,
+) -> Result<Vec<Violation>, Failure> {
+    let keys: Vec<String> = by_key.keys().map(|k| k.to_string()).collect();
+    let leases = store.run_leases(&keys).await.map_err(redis_failure)?;
+    let overdue_ms = overdue.as_millis() as i64;
+    let mut out = Vec::new();
+    for ((key, list), (state, live)) in by_key.iter().zip(&leases) {
+        let Some(first) = list.first() else { continue };
+        let end_by_ms = end_by(config, key, first.at_ms, overdue_ms);
+        let deadlines = verify::Deadlines {
+            now_ms: now.timestamp_millis(),
+            end_by_ms,
+            overdue_ms,
+        };
+        let now = verify::Now {
+            state: state.as_deref(),
+            live: *live,
+        };
+        out.extend(verify::check_fate(key, list, now, deadlines));
+    }
+    Ok(out)
+}
+
+/// By when `key` must have ended (ms): an instance of a job at its jittered time plus its
+/// `expires`, else plus `overdue`; an ad-hoc key `overdue` after its first entry.
+fn end_by(config: &Config, key: &str, first_ms: i64, overdue_ms: i64) -> i64 {
+    let instance = key.split_once('@').and_then(|(name, _)| {
+        let job = config.job(name)?;
+        Some((job, audit::instant_of(name, key)?))
+    });
+    let Some((job, instant)) = instance else {
+        return first_ms + overdue_ms;
+    };
+    let due = (instant + job.jitter_offset()).timestamp_millis();
+    match job.spec.expires {
+        Some(expires) => due + expires.as_millis() as i64,
+        None => due + overdue_ms,
+    }
+}
+
+/// `not_published` (docs/audit.md#verify): per job with a schedule of its own, recorded
+/// progress and not paused, the first instant after its progress (and the window's start) that
+/// is due — its jitter, `misfire_threshold` and 10 s past — yet undecided: no beat leads.
+async fn unpublished(
+    config: &Config,
+    store: &Store,
+    progress: &[Option<DateTime<Utc>>],
+    since: DateTime<Utc>,
+    now: DateTime<Utc>,
+) -> Result<Vec<Violation>, Failure> {
+    let paused = store.paused().await.map_err(redis_failure)?;
+    let slack = chrono::Duration::from_std(config.beat.misfire_threshold).unwrap_or_default()
+        + chrono::Duration::seconds(10);
+    let mut out = Vec::new();
+    for (job, progress) in config.jobs.iter().zip(progress) {
+        let Some(progress) = progress else { continue };
+        if job.after.is_some() || paused.contains(&job.name) {
+            continue;
+        }
+        let Some(next) = job.schedule.next_after((*progress).max(since)) else {
+            continue;
+        };
+        if next + job.jitter_offset() + slack < now {
+            let instant = format_instant(next);
+            out.extend(verify::check_published(&job.name, Some(&instant)));
+        }
+    }
+    Ok(out)
 }
 
 fn verify_text(report: &Report) -> String {

@@ -1,7 +1,9 @@
 //! `verify` (docs/design.md#audit-and-verify), the pure part: every instance and ad-hoc key the
 //! journal names in the window checked against the promise — no missed instant, no second
 //! success, attempts never backwards, runs within `max_retries + 1` (a takeover after a crash
-//! is the allowed repeat), no two runs of a `skip`/`queue` job overlapping by more than a lease.
+//! is the allowed repeat), no two runs of a `skip`/`queue` job overlapping by more than a lease,
+//! every published instance ended by its deadline (`lost`), every failed attempt's retry run
+//! (`retry_dropped`), every due instant decided by a beat (`not_published`).
 
 use crate::audit::{Class, Row};
 use drumline_shared::store::JournalEntry;
@@ -13,8 +15,8 @@ use std::collections::BTreeMap;
 pub struct Violation {
     /// The instance's (or ad-hoc task's) key.
     pub key: String,
-    /// Which rule: `missed instant`, `second success`, `attempt backwards`,
-    /// `runs beyond bound`, `overlapping runs`.
+    /// Which rule (docs/audit.md#verify): `missed`, `doubled`, `lost`, `not_published`,
+    /// `retry_dropped`, `attempts_backwards`, `over_bound`, `overlap`.
     pub rule: &'static str,
     /// What shows it: journal entry ids, workers, attempts.
     pub evidence: String,
@@ -74,7 +76,7 @@ pub fn check_key(key: &str, entries: &[&JournalEntry], bound: Bound) -> Vec<Viol
     }
     if successes.len() > 1 {
         let cited: Vec<String> = successes.iter().map(|e| cite(e)).collect();
-        out.push(violation("second success", cited.join("; ")));
+        out.push(violation("doubled", cited.join("; ")));
     }
     let runs: Vec<&&JournalEntry> = entries
         .iter()
@@ -84,7 +86,7 @@ pub fn check_key(key: &str, entries: &[&JournalEntry], bound: Bound) -> Vec<Viol
         if let (Some(a), Some(b)) = (pair[0].attempt, pair[1].attempt) {
             if b < a {
                 let evidence = format!("{} then {}", cite(pair[0]), cite(pair[1]));
-                out.push(violation("attempt backwards", evidence));
+                out.push(violation("attempts_backwards", evidence));
             }
         }
     }
@@ -97,9 +99,109 @@ pub fn check_key(key: &str, entries: &[&JournalEntry], bound: Bound) -> Vec<Viol
              allowed (max_retries + 1); last: {}",
             runs.last().map(|e| cite(e)).unwrap_or_default()
         );
-        out.push(violation("runs beyond bound", evidence));
+        out.push(violation("over_bound", evidence));
     }
     out
+}
+
+/// What Redis says of a key now, beside its journal entries.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Now<'a> {
+    /// Its run state (`{ns}:run:{key}` `state`), if recorded.
+    pub state: Option<&'a str>,
+    /// Whether a claim's lease on it is live now (a run in progress).
+    pub live: bool,
+}
+
+/// The times one key's fate is judged by (ms, Redis `TIME`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadlines {
+    /// When `verify` runs.
+    pub now_ms: i64,
+    /// By when the instance must have ended: its expiry (from its jittered time), else its
+    /// due time plus `--overdue`.
+    pub end_by_ms: i64,
+    /// `--overdue`: how long a failed attempt's retry may be waited for.
+    pub overdue_ms: i64,
+}
+
+/// Events after which an instance has ended, whatever follows.
+fn ends(e: &JournalEntry) -> bool {
+    matches!(e.event.as_str(), "success" | "dead" | "expired" | "skipped")
+}
+
+/// The rules of an instance's end (docs/audit.md#verify): `retry_dropped`, a failed attempt
+/// below `max_retries` (the worker only hands over to a retry then) whose retry never ran and
+/// that has no terminal state (skipped by a newer instance, or not claimed within
+/// `--overdue`); `lost`, a published instance with no terminal state and no live claim past
+/// its deadline.
+pub fn check_fate(
+    key: &str,
+    entries: &[&JournalEntry],
+    now: Now<'_>,
+    deadlines: Deadlines,
+) -> Option<Violation> {
+    let violation = |rule, evidence| Violation {
+        key: key.to_owned(),
+        rule,
+        evidence,
+    };
+    let ended_state = matches!(now.state, Some("done" | "dead" | "expired"));
+    if let Some(i) = entries.iter().rposition(|e| e.event == "retry") {
+        let retry = entries[i];
+        let next = retry.next.unwrap_or(0);
+        let after = &entries[i + 1..];
+        let ran_on = after.iter().any(|e| {
+            matches!(e.event.as_str(), "claim" | "takeover") && e.attempt.unwrap_or(0) >= next
+        });
+        let ended = after
+            .iter()
+            .any(|e| matches!(e.event.as_str(), "success" | "dead" | "expired"));
+        if ran_on || ended || ended_state || now.live {
+            return None;
+        }
+        if let Some(skip) = after.iter().find(|e| e.event == "skipped") {
+            let evidence = format!("{} then {}: the retry was skipped", cite(retry), cite(skip));
+            return Some(violation("retry_dropped", evidence));
+        }
+        if deadlines.now_ms - retry.at_ms > deadlines.overdue_ms {
+            let evidence = format!("{}: attempt {next} never claimed", cite(retry));
+            return Some(violation("retry_dropped", evidence));
+        }
+        return None;
+    }
+    let published = entries.iter().find(|e| {
+        matches!(
+            e.event.as_str(),
+            "published" | "claim" | "takeover" | "release"
+        )
+    })?;
+    let ended = entries.iter().any(|e| ends(e)) || ended_state || now.state == Some("skipped");
+    if ended || now.live || deadlines.now_ms <= deadlines.end_by_ms {
+        return None;
+    }
+    let evidence = format!(
+        "{} and no end {} ms past its deadline (state {})",
+        cite(published),
+        deadlines.now_ms - deadlines.end_by_ms,
+        now.state.unwrap_or("none")
+    );
+    Some(violation("lost", evidence))
+}
+
+/// `not_published`: the first instant of a job, after its recorded progress and already due
+/// (`due_ms` of it: jitter, `misfire_threshold` and 10 s of slack included), that no beat
+/// decided: a dead or stuck beat.
+pub fn check_published(job: &str, undecided_due: Option<&str>) -> Option<Violation> {
+    let instant = undecided_due?;
+    Some(Violation {
+        key: format!("{job}@{instant}"),
+        rule: "not_published",
+        evidence: format!(
+            "job {job}: instant {instant} is due and no beat published or dropped it \
+             (is a beat leading?)"
+        ),
+    })
 }
 
 /// One run: its key, start and end (ms, Redis `TIME`), its first entry's id.
@@ -153,7 +255,7 @@ pub fn check_overlap(spans: &[Span<'_>], margin_ms: i64) -> Vec<Violation> {
             if prev.key != s.key && prev.end - s.start > margin_ms {
                 out.push(Violation {
                     key: s.key.to_owned(),
-                    rule: "overlapping runs",
+                    rule: "overlap",
                     evidence: format!(
                         "claimed ({}) {} ms before {} ended (run {}, margin {margin_ms} ms)",
                         s.id,
@@ -178,12 +280,12 @@ pub fn from_audit(rows: &[Row], journaled: impl Fn(&str) -> bool) -> Vec<Violati
         .filter_map(|r| match r.class {
             Class::Missed => Some(Violation {
                 key: r.key.clone(),
-                rule: "missed instant",
+                rule: "missed",
                 evidence: format!("{}: {}", r.instant, r.reason.clone().unwrap_or_default()),
             }),
             Class::Doubled if !journaled(&r.key) => Some(Violation {
                 key: r.key.clone(),
-                rule: "second success",
+                rule: "doubled",
                 evidence: format!("run records: {}", r.reason.clone().unwrap_or_default()),
             }),
             _ => None,
@@ -228,10 +330,7 @@ mod tests {
         ];
         let refs: Vec<&JournalEntry> = e.iter().collect();
         let v = check_key("k", &refs, BOUND);
-        assert_eq!(
-            rules(&v),
-            ["second success", "attempt backwards", "runs beyond bound"]
-        );
+        assert_eq!(rules(&v), ["doubled", "attempts_backwards", "over_bound"]);
         assert!(
             v[0].evidence.contains("2-0 success attempt 1"),
             "{}",
@@ -253,7 +352,7 @@ mod tests {
         let s = spans(&refs);
         assert_eq!(s.len(), 2, "c has no end: left out");
         let v = check_overlap(&s, 30_000);
-        assert_eq!(rules(&v), ["overlapping runs"]);
+        assert_eq!(rules(&v), ["overlap"]);
         assert_eq!(v[0].key, "b");
         assert!(check_overlap(&s, 60_000).is_empty());
     }
@@ -280,9 +379,105 @@ mod tests {
         let mut unknown = e.clone();
         unknown[2].ago = None;
         let refs: Vec<&JournalEntry> = unknown.iter().collect();
+        assert_eq!(rules(&check_overlap(&spans(&refs), 500)), ["overlap"]);
+    }
+
+    const MIN: i64 = 60_000;
+
+    fn fate(entries: &[JournalEntry], now: Now<'_>, now_ms: i64) -> Vec<&'static str> {
+        let refs: Vec<&JournalEntry> = entries.iter().collect();
+        let deadlines = Deadlines {
+            now_ms,
+            end_by_ms: 10 * MIN,
+            overdue_ms: 15 * MIN,
+        };
+        check_fate("k", &refs, now, deadlines)
+            .map(|v| v.rule)
+            .into_iter()
+            .collect()
+    }
+
+    fn retry(at_ms: i64, next: u32) -> JournalEntry {
+        let mut e = entry(at_ms, "retry", "k", next - 1, "a");
+        e.next = Some(next);
+        e
+    }
+
+    /// Issue 33: a retry the claim turned into an overlap skip, and a retry never claimed.
+    #[test]
+    fn a_retry_skipped_or_never_run_is_dropped() {
+        let skipped = [
+            entry(0, "claim", "k", 0, "a"),
+            retry(1_000, 1),
+            entry(2_000, "skipped", "k", 1, "b"),
+        ];
+        assert_eq!(fate(&skipped, Now::default(), 3_000), ["retry_dropped"]);
+        let waiting = [entry(0, "claim", "k", 0, "a"), retry(1_000, 1)];
+        let retrying = Now {
+            state: Some("retrying"),
+            live: false,
+        };
+        assert!(
+            fate(&waiting, retrying, 10 * MIN).is_empty(),
+            "within --overdue"
+        );
+        assert_eq!(fate(&waiting, retrying, 20 * MIN), ["retry_dropped"]);
+        // The retry ran, and ended or runs: nothing dropped.
+        let mut ran = waiting.to_vec();
+        ran.push(entry(2_000, "claim", "k", 1, "b"));
+        let running = Now {
+            state: Some("running"),
+            live: true,
+        };
+        assert!(fate(&ran, running, 20 * MIN).is_empty());
+        ran.push(entry(3_000, "dead", "k", 1, "b"));
+        assert!(fate(&ran, Now::default(), 20 * MIN).is_empty());
+    }
+
+    /// Issue 33: published and never ended, past its deadline, with no live claim.
+    #[test]
+    fn a_published_instance_without_an_end_past_its_deadline_is_lost() {
+        let published = [entry(0, "published", "k", 0, "")];
+        assert!(
+            fate(&published, Now::default(), 10 * MIN).is_empty(),
+            "not yet"
+        );
+        assert_eq!(fate(&published, Now::default(), 11 * MIN), ["lost"]);
+        let mut claimed = published.to_vec();
+        claimed.push(entry(1_000, "claim", "k", 0, "a"));
+        let live = Now {
+            state: Some("running"),
+            live: true,
+        };
+        assert!(fate(&claimed, live, 11 * MIN).is_empty(), "a live run");
+        let lapsed = Now {
+            state: Some("running"),
+            live: false,
+        };
+        assert_eq!(fate(&claimed, lapsed, 11 * MIN), ["lost"]);
+        // Any end is an end: expired (the broker's or the claim's), skipped, dead, done.
+        for end in ["expired", "skipped", "dead", "success"] {
+            let mut ended = published.to_vec();
+            ended.push(entry(2_000, end, "k", 0, ""));
+            assert!(fate(&ended, Now::default(), 11 * MIN).is_empty(), "{end}");
+        }
+        let done = Now {
+            state: Some("done"),
+            live: false,
+        };
+        assert!(fate(&published, done, 11 * MIN).is_empty());
+        // Never published (a duplicate copy's entry alone): nothing to lose.
+        let dup = [entry(0, "duplicate", "k", 0, "a")];
+        assert!(fate(&dup, Now::default(), 11 * MIN).is_empty());
+    }
+
+    #[test]
+    fn an_undecided_due_instant_is_not_published() {
+        assert!(check_published("j", None).is_none());
+        let v = check_published("j", Some("2026-01-01T00:00:00Z")).unwrap();
         assert_eq!(
-            rules(&check_overlap(&spans(&refs), 500)),
-            ["overlapping runs"]
+            (v.rule, v.key.as_str()),
+            ("not_published", "j@2026-01-01T00:00:00Z")
         );
     }
 
@@ -303,10 +498,7 @@ mod tests {
             row(Class::Missed, "b"),
             row(Class::Doubled, "c"),
         ];
-        assert_eq!(rules(&from_audit(&rows, |_| true)), ["missed instant"]);
-        assert_eq!(
-            rules(&from_audit(&rows, |_| false)),
-            ["missed instant", "second success"]
-        );
+        assert_eq!(rules(&from_audit(&rows, |_| true)), ["missed"]);
+        assert_eq!(rules(&from_audit(&rows, |_| false)), ["missed", "doubled"]);
     }
 }

@@ -1132,6 +1132,34 @@ impl Store {
         Ok(out)
     }
 
+    /// The `state` of each of `keys` and whether a claim's lease on it is live now (its
+    /// `lease_until` ahead of Redis `TIME`), in `keys` order: what `verify` judges an
+    /// instance's end by (docs/audit.md#verify).
+    pub async fn run_leases(
+        &self,
+        keys: &[String],
+    ) -> Result<Vec<(Option<String>, bool)>, StoreError> {
+        let mut conn = self.conn.clone();
+        let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await?;
+        let now_ms = secs * 1000 + micros / 1000;
+        let mut out = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(HISTORY_TRIP) {
+            let mut pipe = redis::pipe();
+            for key in chunk {
+                pipe.cmd("HMGET")
+                    .arg(self.names.run_key(key))
+                    .arg("state")
+                    .arg("lease_until");
+            }
+            let read: Vec<(Option<String>, Option<i64>)> = pipe.query_async(&mut conn).await?;
+            out.extend(read.into_iter().map(|(state, until)| {
+                let live = state.as_deref() == Some("running") && until.is_some_and(|u| u > now_ms);
+                (state, live)
+            }));
+        }
+        Ok(out)
+    }
+
     /// The `state` of an instance and when it was written (Unix seconds on Redis `TIME`; a
     /// record written before `at` was kept has none), if the instance is recorded.
     pub async fn run_stamp(&self, key: &str) -> Result<Option<(String, Option<i64>)>, StoreError> {

@@ -5,7 +5,7 @@
 //! `MISSED` / `DOUBLED` by `audit` and as violations (key, rule, evidence, exit 1) by `verify`.
 
 use drumline_e2e::cfg::{every, shell, Cfg, Keys};
-use drumline_e2e::{setup, wait_until, TestEnv};
+use drumline_e2e::{setup, wait_until, wait_until_async, TestEnv};
 use redis::AsyncCommands;
 use serde_json::Value;
 use std::collections::HashMap;
@@ -210,8 +210,8 @@ async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
             .find(|v| v["key"] == key)
             .unwrap_or_else(|| panic!("{key} not reported: {doc:#}"))
     };
-    assert_eq!(rule_of(&gone)["rule"], "missed instant");
-    assert_eq!(rule_of(&twice)["rule"], "second success");
+    assert_eq!(rule_of(&gone)["rule"], "missed");
+    assert_eq!(rule_of(&twice)["rule"], "doubled");
     let evidence = rule_of(&twice)["evidence"].as_str().unwrap();
     assert!(
         evidence.contains(&forged) && evidence.contains("forger"),
@@ -223,4 +223,131 @@ async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
     let (status, out, _) = env.run("drumline", &["--config", &cfg, "verify", "--since", "10m"]);
     assert_eq!(status.code(), Some(1));
     assert!(out.contains("2 violations") && out.contains(&gone), "{out}");
+}
+
+/// `drumline verify --since 10m --overdue O --json`: (exit code, document).
+fn verify_overdue(env: &TestEnv, cfg: &str, overdue: &str) -> (i32, Value) {
+    let args = [
+        "--config",
+        cfg,
+        "verify",
+        "--since",
+        "10m",
+        "--overdue",
+        overdue,
+        "--json",
+    ];
+    let (status, out, err) = env.run("drumline", &args);
+    let doc = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out} {err}"));
+    (status.code().unwrap_or(-1), doc)
+}
+
+fn rules_of(doc: &Value) -> Vec<(String, String)> {
+    doc["violations"]
+        .as_array()
+        .expect("violations")
+        .iter()
+        .map(|v| {
+            (
+                v["rule"].as_str().unwrap().to_owned(),
+                v["key"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// Issue 33: a backfill of instants before the job's first start is a documented operator
+/// action: `verify` holds after it (it reported every instant between the backfill and the
+/// first start `missed`).
+#[tokio::test(flavor = "multi_thread")]
+async fn verify_holds_after_a_backfill_of_instants_before_the_first_start() {
+    let env = setup("e2e_verify_backfill");
+    let cfg = config(&env);
+    let start = chrono::Utc::now();
+    let mut worker = env.worker("worker", &["--config", &cfg]);
+    env.wait_for_topology(&worker).await;
+    let mut beat = env.beat("beat", &["--config", &cfg]);
+    assert!(
+        wait_until(WAIT, || env.lines("ran").len() >= 2),
+        "{}",
+        beat.log_tail(20)
+    );
+    let fmt = |t: chrono::DateTime<chrono::Utc>| t.format("%Y-%m-%dT%H:%M:%SZ").to_string();
+    let (from, to) = (
+        fmt(start - chrono::Duration::seconds(60)),
+        fmt(start - chrono::Duration::seconds(50)),
+    );
+    let (status, out, err) = env.run(
+        "drumline",
+        &[
+            "--config", &cfg, "backfill", "tick", "--from", &from, "--to", &to,
+        ],
+    );
+    assert!(status.success(), "{out}{err}");
+    let backfilled = |env: &TestEnv| {
+        env.lines("ran")
+            .iter()
+            .filter(|k| {
+                k.starts_with("tick@")
+                    && drumline_e2e::instant_of(k) < start - chrono::Duration::seconds(40)
+            })
+            .count()
+    };
+    assert!(
+        wait_until(WAIT, || backfilled(&env) >= 10),
+        "{}",
+        worker.log_tail(20)
+    );
+    let (code, doc) = verify_overdue(&env, &cfg, "15m");
+    assert_eq!((code, rules_of(&doc)), (0, vec![]), "{doc:#}");
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+}
+
+/// Issue 33: the only beat killed, and the published copies it left lost by the broker (the
+/// work queue purged): `verify` names the job's first unpublished instant (`not_published`)
+/// and each published instance that never ended (`lost`); it said "holds".
+#[tokio::test(flavor = "multi_thread")]
+async fn verify_reports_a_dead_beat_and_published_instances_that_never_ended() {
+    let env = setup("e2e_verify_lost");
+    let cfg = Cfg::new()
+        .set("beat", "misfire_threshold", "\"1s\"")
+        .task("ok", shell("true"))
+        .job("tick", every("1s").with("task", "\"ok\""));
+    let cfg = env.write_config("drumline.toml", &cfg);
+    let cfg = cfg.to_str().unwrap();
+    let mut beat = env.beat("beat", &["--config", cfg]);
+    let queue = env.names().work_queue("default");
+    assert!(
+        wait_until_async(WAIT, || async {
+            env.queue_len(&queue).await.unwrap_or(0) >= 2
+        })
+        .await,
+        "{}",
+        beat.log_tail(20)
+    );
+    beat.kill9();
+    let amqp = env.amqp().await;
+    let channel = amqp.create_channel().await.unwrap();
+    let purged = channel
+        .queue_purge(queue.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    assert!(purged >= 2, "{purged}");
+    let reported = |doc: &Value| {
+        let rules = rules_of(doc);
+        let lost = rules.iter().filter(|(r, _)| r == "lost").count();
+        let unpublished = rules
+            .iter()
+            .any(|(r, k)| r == "not_published" && k.starts_with("tick@"));
+        lost >= purged as usize && unpublished
+    };
+    let mut last = Value::Null;
+    let seen = wait_until(WAIT, || {
+        let (code, doc) = verify_overdue(&env, cfg, "1s");
+        let hit = code == 1 && reported(&doc);
+        last = doc;
+        hit
+    });
+    assert!(seen, "{last:#}");
 }
