@@ -13,7 +13,7 @@
 //! [`Lead::publishes`], [`planning_now`]); clocks are read through [`Clocks`], so tests can play
 //! a suspend; the task is their only effect, and touches Redis only through the [`Store`].
 
-use crate::stats::BeatStats;
+use crate::stats::{BeatStats, RedisContact};
 use chrono::{DateTime, TimeDelta, Utc};
 use drumline_shared::store::{Candidate, LeaseMode, LeaseOutcome, Store};
 use nix::time::{clock_gettime, ClockId};
@@ -337,11 +337,12 @@ async fn keep(
                 every
             }
             failed => {
-                let error = match failed {
-                    Ok(Err(e)) => e.to_string(),
-                    _ => "no answer in time".to_owned(),
+                let contact = match failed {
+                    Ok(Err(e)) => RedisContact::Failed(e.to_string()),
+                    _ => RedisContact::NoAnswer,
                 };
-                warn!(error = %error, leading = leading.is_some(), "cannot reach redis for the leader lease; retrying");
+                warn!(error = %contact, leading = leading.is_some(), "cannot reach redis for the leader lease; retrying");
+                stats.redis(contact);
                 if let Some(epoch) = leading.filter(|_| clocks.now() >= valid_until) {
                     warn!(epoch, "leadership lost: no renewal within the lease's publishing window; standing by");
                     stats.set_leader(false, 0);
@@ -378,8 +379,9 @@ fn apply(lead: &mut Lead, outcome: LeaseOutcome, sent: Stamp, lease: Duration) {
     }
 }
 
-/// Logs gains and losses and sets the gauges.
+/// Logs gains and losses, sets the gauges and records that Redis answered.
 fn report(leading: Option<u64>, outcome: LeaseOutcome, stats: &BeatStats) {
+    stats.redis(RedisContact::Answered);
     match (leading, outcome) {
         (_, LeaseOutcome::Acquired { epoch }) => {
             info!(epoch, "leadership gained: this beat publishes");

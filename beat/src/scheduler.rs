@@ -27,8 +27,8 @@ use crate::misfire::{self, plan, Plan};
 use crate::progress::{self, progress_after};
 use crate::publisher::Publisher;
 use crate::reload::{self, Resume};
-use crate::stats::report_dropped;
 pub use crate::stats::BeatStats;
+use crate::stats::{report_dropped, RedisContact};
 use chrono::{DateTime, Utc};
 use drumline_shared::backoff::Backoff;
 use drumline_shared::broker::{BrokerError, Sending};
@@ -295,7 +295,7 @@ pub async fn run(
     // Shared, never cloned: the status page reads the same one.
     let mut config: Arc<Config> = config.into();
     let store = tokio::select! {
-        s = connect_redis(&config) => s,
+        s = connect_redis(&config, &stats) => s,
         _ = &mut shutdown => return Ok(stats),
     };
     let mut publisher = Publisher::new(&config);
@@ -1383,13 +1383,15 @@ async fn save(
     outcomes
 }
 
-/// Connects to Redis, retrying until it answers (it holds each job's progress).
-async fn connect_redis(config: &Config) -> Store {
+/// Connects to Redis, retrying until it answers (it holds each job's progress); each failure is
+/// the health check's reason meanwhile.
+async fn connect_redis(config: &Config, stats: &BeatStats) -> Store {
     let names = Names::new(config.namespace.clone());
     let ca_file = config.redis_ca_file.as_deref();
     let store = Store::connect_retrying(&config.redis_url, ca_file, names, REDIS_CONNECT, |e| {
         error!(error = %e, redis = %Redacted(&config.redis_url),
             "redis unreachable; the beat waits for it (it holds each job's progress)");
+        stats.redis(RedisContact::Failed(e.to_string()));
     })
     .await
     .with_wait(config.redis_wait)
@@ -1400,6 +1402,7 @@ async fn connect_redis(config: &Config) -> Store {
     {
         warn!(%advice, "redis replication");
     }
+    stats.redis(RedisContact::Answered);
     store
 }
 

@@ -1,6 +1,10 @@
 //! The beat's counters (Prometheus metrics under `--metrics-addr`, and the health check) and
 //! the report of every instance it decided not to publish. Touches only logs and counters.
 //!
+//! The health check ([`health`], docs/operations.md#metrics) answers from what the beat last
+//! heard: Redis's last answer to a lease try ([`RedisContact`]) and, on the leader, the stalled
+//! jobs.
+//!
 //! Published and dropped instances are counted per job (`drumline_beat_published_total{job}`,
 //! `drumline_beat_dropped_total{job, reason}`): the label sets are bounded by the config's jobs
 //! and the [`DropReason`]s.
@@ -14,6 +18,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use std::sync::{Arc, Mutex};
 use tracing::warn;
 
 /// Why an instance was not published: the `reason` label of `drumline_beat_dropped_total`.
@@ -67,6 +72,48 @@ impl From<Dropped> for DropReason {
     }
 }
 
+/// What Redis did the last time the beat tried it (the connection at start, then each lease try,
+/// standby or leader): a beat that cannot reach Redis cannot take over, nor go on leading.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum RedisContact {
+    /// Not reached since start.
+    #[default]
+    NotYet,
+    /// The last try was answered.
+    Answered,
+    /// The last try failed: the error (URL redacted).
+    Failed(String),
+    /// The last try had no answer in time.
+    NoAnswer,
+}
+
+impl std::fmt::Display for RedisContact {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RedisContact::NotYet => f.write_str("not reached yet"),
+            RedisContact::Answered => f.write_str("answered"),
+            RedisContact::Failed(error) => f.write_str(error),
+            RedisContact::NoAnswer => f.write_str("no answer in time"),
+        }
+    }
+}
+
+/// `/healthz` from what the beat knows: `redis`, whether it leads and how many jobs are stalled.
+/// 200 `ok` on a leader whose jobs move, 200 `standby` on a standby that reaches Redis (it could
+/// take over now); otherwise the reason for the 503.
+pub fn health(redis: &RedisContact, leading: bool, stalled: i64) -> Result<&'static str, String> {
+    if *redis != RedisContact::Answered {
+        return Err(format!("redis unreachable: {redis}"));
+    }
+    match (leading, stalled) {
+        (false, _) => Ok("standby"),
+        (true, 0) => Ok("ok"),
+        (true, n) => Err(format!(
+            "{n} jobs stalled: the broker or Redis is unreachable"
+        )),
+    }
+}
+
 /// Labels of `drumline_beat_published_total`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct JobLabels {
@@ -108,6 +155,8 @@ pub struct BeatStats {
     /// The epoch of the lease as this beat last saw it: its own while it leads, the holder's
     /// on a standby (0 when no beat holds it).
     pub leader_epoch: Gauge,
+    /// Redis's last answer, or its silence ([`BeatStats::redis`]).
+    redis: Arc<Mutex<RedisContact>>,
 }
 
 impl BeatStats {
@@ -194,18 +243,16 @@ impl BeatStats {
         self.leader_epoch.set(epoch as i64);
     }
 
-    /// `/healthz`: `ok` on a leader that moves, `standby` on a standby (both healthy: a standby
-    /// is doing its job), an error when jobs are stalled.
+    /// Records what Redis did at the beat's last try.
+    pub fn redis(&self, contact: RedisContact) {
+        // A poisoned lock still holds a whole value: every write replaces it.
+        *self.redis.lock().unwrap_or_else(|e| e.into_inner()) = contact;
+    }
+
+    /// `/healthz`: [`health`] of what the beat knows now.
     pub fn health(&self) -> Result<&'static str, String> {
-        if self.is_leader.get() == 0 {
-            return Ok("standby");
-        }
-        match self.stalled_jobs.get() {
-            0 => Ok("ok"),
-            n => Err(format!(
-                "{n} jobs stalled: the broker or Redis is unreachable"
-            )),
-        }
+        let redis = self.redis.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        health(&redis, self.is_leader.get() != 0, self.stalled_jobs.get())
     }
 }
 
@@ -245,6 +292,36 @@ mod tests {
         let mut out = String::new();
         encode(&mut out, &registry).unwrap();
         out
+    }
+
+    // See: issues/33
+    #[test]
+    fn health_is_503_naming_redis_whenever_it_failed_the_last_try_leader_or_standby() {
+        let failed = RedisContact::Failed("WRONGPASS".into());
+        for leading in [false, true] {
+            for (redis, reason) in [
+                (&RedisContact::NotYet, "redis unreachable: not reached yet"),
+                (&failed, "redis unreachable: WRONGPASS"),
+                (
+                    &RedisContact::NoAnswer,
+                    "redis unreachable: no answer in time",
+                ),
+            ] {
+                assert_eq!(health(redis, leading, 0), Err(reason.into()));
+            }
+        }
+        let answered = &RedisContact::Answered;
+        assert_eq!(health(answered, false, 0), Ok("standby"));
+        assert_eq!(health(answered, true, 0), Ok("ok"));
+        let stalled = health(answered, true, 2).unwrap_err();
+        assert!(stalled.starts_with("2 jobs stalled"), "{stalled}");
+        // Stats start before Redis is reached; each try replaces the last.
+        let stats = BeatStats::default();
+        assert!(stats.health().is_err());
+        stats.redis(RedisContact::Answered);
+        assert_eq!(stats.health(), Ok("standby"));
+        stats.redis(RedisContact::NoAnswer);
+        assert!(stats.health().is_err());
     }
 
     #[test]

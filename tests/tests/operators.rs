@@ -2,6 +2,7 @@
 //! warnings, `dlq purge --yes`, and the one `drumline` command.
 
 use drumline_e2e::cfg::{every, shell, Cfg};
+use drumline_e2e::proxy::{Fault, Proxy};
 use drumline_e2e::{http_get, metric, setup, unused_port, wait_until, with_metrics};
 use std::time::Duration;
 
@@ -60,6 +61,67 @@ fn healthz_names_redis_when_redis_is_down_and_metrics_addr_takes_a_host_name() {
         "{body}"
     );
     worker.terminate(Duration::from_secs(10));
+}
+
+// See: issues/33
+#[test]
+fn beat_healthz_is_503_naming_redis_whenever_redis_fails_it_and_200_only_when_it_could_lead() {
+    let env = setup("e2e_op_beat_health");
+    let cfg = Cfg::new()
+        .set("beat", "leader_lease", "\"3s\"")
+        .task("t", shell("true"))
+        .job("j", every("1m").with("task", "\"t\""));
+    let cfg = env.write_config("drumline.toml", &cfg);
+    let beat = |label: &str, redis_url: &str| {
+        let port = unused_port();
+        let addr = format!("127.0.0.1:{port}");
+        let args = ["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr];
+        (
+            env.beat_with_env(label, &args, &[("DRUMLINE_REDIS_URL", redis_url)]),
+            port,
+        )
+    };
+    let answers = |port: u16, code: u16, body: &str| {
+        wait_until(WAIT, || {
+            http_get(port, "/healthz").is_some_and(|(c, b)| c == code && b.starts_with(body))
+        })
+    };
+    let (mut leader, leader_port) = beat("leader", "redis://127.0.0.1:6379/0");
+    assert!(answers(leader_port, 200, "ok"), "{}", leader.log_tail(20));
+    // A user Redis refuses (the shared Redis takes any password for `default`): AUTH fails.
+    let (mut refused, refused_port) = beat("refused", "redis://nosuchuser:pw@127.0.0.1:6379/0");
+    assert!(
+        answers(refused_port, 503, "redis unreachable"),
+        "/healthz {:?}\n{}",
+        http_get(refused_port, "/healthz"),
+        refused.log_tail(20)
+    );
+    // A standby that reached Redis, then loses it, and gets it back.
+    let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
+    let via_proxy = format!("redis://127.0.0.1:{}/0", proxy.port);
+    let (mut standby, standby_port) = beat("standby", &via_proxy);
+    assert!(
+        answers(standby_port, 200, "standby"),
+        "{}",
+        standby.log_tail(20)
+    );
+    proxy.set(Fault::Reset);
+    assert!(
+        answers(standby_port, 503, "redis unreachable"),
+        "/healthz {:?}\n{}",
+        http_get(standby_port, "/healthz"),
+        standby.log_tail(20)
+    );
+    proxy.set(Fault::Pass);
+    assert!(
+        answers(standby_port, 200, "standby"),
+        "{}",
+        standby.log_tail(20)
+    );
+    assert_eq!(http_get(refused_port, "/healthz").map(|r| r.0), Some(503));
+    for proc in [&mut standby, &mut refused, &mut leader] {
+        proc.terminate(Duration::from_secs(10));
+    }
 }
 
 #[test]
