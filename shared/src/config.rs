@@ -208,7 +208,7 @@ pub struct WorkerConfig {
     pub shutdown_grace: Duration,
     /// Retention of `done`/`skipped`/`dead` run states. Default 7 d.
     pub done_ttl: Duration,
-    /// Message TTL of the `{ns}.dead` queue. Default 7 d.
+    /// Message TTL of the `{ns}.dead` queue and its watch queue `{ns}.dead.watch`. Default 7 d.
     pub dead_ttl: Duration,
     /// Larger bodies are dead-lettered unread. Default 1 MiB.
     pub max_message_bytes: usize,

@@ -124,6 +124,12 @@ impl Names {
         format!("{}.dead", self.ns)
     }
 
+    /// `{ns}.dead.watch`: a second queue bound to the dead-letter exchange, which workers
+    /// consume to journal what the broker expired (docs/design.md#rabbitmq).
+    pub fn dead_watch(&self) -> String {
+        format!("{}.dead.watch", self.ns)
+    }
+
     // ---- Redis ----
 
     /// `{ns}:run:{key}` — claim/result state of one instance (hash).
@@ -310,6 +316,7 @@ mod tests {
             "acme.delay.default.1500"
         );
         assert_eq!(n.dead(), "acme.dead");
+        assert_eq!(n.dead_watch(), "acme.dead.watch");
         assert_eq!(
             n.run_key("j@2026-03-08T07:30:00Z"),
             "acme:run:j@2026-03-08T07:30:00Z"

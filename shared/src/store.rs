@@ -17,6 +17,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 mod conn;
+mod dead;
 mod follow;
 mod journal;
 mod leader;
@@ -27,6 +28,7 @@ mod workers;
 use crate::limit::Limit;
 pub use crate::run::{Claim, Ending, Final, LimitedBy, RunState, WaitReplicas};
 pub use conn::Conn;
+pub use dead::Unclaimed;
 pub use follow::Skipped;
 use journal::JOURNAL;
 pub use journal::{JournalEntry, LeaderEntry};

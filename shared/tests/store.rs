@@ -6,7 +6,7 @@ use drumline_e2e::{Namespace, REDIS_URL};
 use drumline_shared::names::Names;
 use drumline_shared::store::{
     Candidate, Claim, ClaimRequest, Ending, Final, LeaseMode, LeaseOutcome, OverlapMode,
-    ProgressError, RunRecord, RunState, Skipped, Store, LUA_RFC3339,
+    ProgressError, RunRecord, RunState, Skipped, Store, Unclaimed, LUA_RFC3339,
 };
 use std::time::{Duration, Instant};
 
@@ -1449,4 +1449,60 @@ async fn workers_are_listed_in_a_few_round_trips_beside_many_keys() {
     let ids: Vec<&str> = listed.iter().map(|w| w.id.as_str()).collect();
     assert_eq!(ids, ["h:1:a", "h:3:c"]);
     assert_eq!(listed[0], worker("h:1:a"));
+}
+
+/// A copy of `key` dead-lettered unrun for an unknown task (`record`: a job's instance).
+fn unclaimed<'a>(key: &'a str, record: Option<(&'a str, &'a RunRecord)>) -> Unclaimed<'a> {
+    Unclaimed {
+        key,
+        reason: "unknown_task",
+        worker: "w",
+        attempt: 0,
+        retention: Duration::from_secs(60),
+        record,
+    }
+}
+
+#[tokio::test]
+async fn a_copy_dead_lettered_unrun_is_recorded_only_where_nothing_is() {
+    let s = store("dead_unclaimed").await;
+    let record = RunRecord {
+        key: "j@2026-03-08T07:30:00Z".into(),
+        scheduled_for: "2026-03-08T07:30:00Z".into(),
+        status: "dead".into(),
+        attempt: 0,
+        worker: "w".into(),
+        started_at: None,
+        finished_at: "2026-03-08T07:30:01Z".into(),
+        error: Some("unknown_task: no task named \"t\" in this worker's config".into()),
+        reason: None,
+    };
+    let record = &record;
+    let key = "j@2026-03-08T07:30:00Z";
+    assert!(s
+        .dead_unclaimed(&unclaimed(key, Some(("j", record))))
+        .await
+        .unwrap());
+    assert_eq!(s.run_state(key).await.unwrap().as_deref(), Some("dead"));
+    assert_eq!(s.history_all("j").await.unwrap(), vec![record.clone()]);
+    // Recorded once: a repeat, or a key with a state of its own, writes nothing.
+    assert!(!s
+        .dead_unclaimed(&unclaimed(key, Some(("j", record))))
+        .await
+        .unwrap());
+    assert_eq!(s.history_all("j").await.unwrap().len(), 1);
+    let Claim::Claimed { .. } = s.claim(&req("k", "a", OverlapMode::Allow)).await.unwrap() else {
+        panic!("claimed")
+    };
+    assert!(!s.dead_unclaimed(&unclaimed("k", None)).await.unwrap());
+    assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("running"));
+    let dead: Vec<_> = s
+        .journal_since(0, |_| true)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.event == "dead")
+        .map(|e| (e.key, e.reason))
+        .collect();
+    assert_eq!(dead, vec![(key.to_owned(), "unknown_task".to_owned())]);
 }

@@ -29,9 +29,9 @@ pub const REDIS_URL: &str = "redis://127.0.0.1:6379/0";
 
 /// A test's own namespace on the shared broker and Redis: a unique name, and on drop (a
 /// panicking test's too) its Redis keys, its work queues (`default` and any named with
-/// [`Namespace::forget_queue_later`]), `{ns}.dead` and its exchanges are deleted; delay queues
-/// expire by themselves. The one clean-up every kind of test uses: end-to-end tests through
-/// [`TestEnv`], the store's and the beat's integration tests directly.
+/// [`Namespace::forget_queue_later`]), `{ns}.dead`, `{ns}.dead.watch` and its exchanges are
+/// deleted; delay queues expire by themselves. The one clean-up every kind of test uses:
+/// end-to-end tests through [`TestEnv`], the store's and the beat's integration tests directly.
 pub struct Namespace {
     name: String,
     extra_queues: Vec<String>,
@@ -345,12 +345,16 @@ impl TestEnv {
     }
 }
 
-/// Deletes namespace `ns`: its Redis keys, queues `default`, `{ns}.dead` and `extra`, and its
-/// exchanges. Whatever is not there is skipped.
+/// Deletes namespace `ns`: its Redis keys, queues `default`, `{ns}.dead`, `{ns}.dead.watch` and
+/// `extra`, and its exchanges. Whatever is not there is skipped.
 async fn cleanup(ns: String, extra: Vec<String>) {
     let names = Names::new(ns.as_str());
     if let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await {
-        let mut queues = vec![names.work_queue("default"), names.dead()];
+        let mut queues = vec![
+            names.work_queue("default"),
+            names.dead(),
+            names.dead_watch(),
+        ];
         queues.extend(extra);
         for q in queues {
             if let Ok(ch) = conn.create_channel().await {

@@ -30,10 +30,14 @@
 //!    was not acked, so the broker redelivers it;
 //! 5. flush the acks and close the connection (bounded).
 //!
+//! Beside the sessions, [`dead_watch`] journals what the broker expired in the queues; it stops
+//! taking letters at step 1.
+//!
 //! A topology mismatch found on a reconnect ends the worker with a config error, but only after
 //! the same drain: runs in flight are never dropped mid-way.
 
 use crate::acks::{Acks, Settled, Ticket, BROKER_CALL_TIMEOUT, SETTLE_TIMEOUT};
+use crate::dead_watch;
 use crate::executor::KILL_GRACE;
 use crate::processor::{self, Processor};
 use crate::stats::Stats;
@@ -143,6 +147,9 @@ async fn work(
     let current = Arc::new(Current(RwLock::new(processor.clone())));
     let reloads =
         reload.map(|(r, hangups)| tokio::spawn(reload_on_hangup(current.clone(), r, hangups)));
+    // Stops with the consumers (a fatal topology too); nothing of it needs draining.
+    let watch_stop = stop.child_token();
+    let watching = tokio::spawn(dead_watch::run(current.clone(), watch_stop.clone()));
 
     let mut in_flight = JoinSet::new();
     let dispatch = Dispatch {
@@ -155,6 +162,7 @@ async fn work(
     };
     let served = dispatch.serve(&names, &mut in_flight).await;
     stats.broker_connected.set(0);
+    watch_stop.cancel();
 
     drain(&config, &processor, &mut in_flight).await;
     if let Some((conn, _publisher, _consumer_channel)) = served.connection {
@@ -162,6 +170,7 @@ async fn work(
     }
     probe.abort();
     announce.abort();
+    let _ = tokio::time::timeout(BROKER_CALL_TIMEOUT, watching).await;
     // Bounded: a Redis that does not answer must not hold up the stop (the TTL removes it).
     let forget = store.forget_worker(&worker_id);
     if !matches!(
@@ -221,7 +230,7 @@ fn first_processor(
 pub(crate) struct Current(RwLock<Arc<Processor>>);
 
 impl Current {
-    fn get(&self) -> Arc<Processor> {
+    pub(crate) fn get(&self) -> Arc<Processor> {
         self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 

@@ -7,7 +7,8 @@ use crate::handler::HandlerError;
 use crate::lease::LeaseLost;
 use crate::retry::{self, Decision};
 use drumline_shared::config::Task;
-use drumline_shared::envelope::{Arrival, DeadReason, Envelope};
+use drumline_shared::envelope::{parse_instant, Arrival, DeadReason, Envelope};
+use drumline_shared::names::check_key;
 use drumline_shared::run::{Claim, LimitedBy, RunState};
 use std::time::Duration;
 
@@ -101,6 +102,48 @@ pub fn unknown_task(task: &str) -> Rejected {
         reason: DeadReason::UnknownTask,
         error: format!("no task named {task:?} in this worker's config"),
     }
+}
+
+/// The key a delivery dead-lettered unrun may be journaled under (docs/audit.md#the-journal),
+/// with its envelope when it decodes: the envelope's key, else the body's `key` field, else
+/// the AMQP `message_id` (`body` is `None` when it was not decoded: oversize). `None` when
+/// there is none, it breaks the key rule, or it names a scheduled instance the message does
+/// not carry — `{job}@{instant}` of a job `is_job` knows, or any key of a message naming a job,
+/// unless the decoded envelope is that job's instance at that instant: a producer cannot
+/// record anything for an instance it does not carry (docs/design.md#trust-model).
+pub fn rejected_key(
+    body: Option<&[u8]>,
+    message_id: Option<&str>,
+    arrival: &Arrival<'_>,
+    is_job: impl Fn(&str) -> bool,
+) -> Option<(String, Option<Envelope>)> {
+    let decoded = body.and_then(|b| Envelope::decode_delivered(b, arrival).ok());
+    let raw: Option<serde_json::Value> = match decoded {
+        Some(_) => None,
+        None => body.and_then(|b| serde_json::from_slice(b).ok()),
+    };
+    let field = |name: &str| Some(raw.as_ref()?.get(name)?.as_str()?.to_owned());
+    let (key, job, at) = match &decoded {
+        Some(env) => (
+            Some(env.key.clone()),
+            env.job.clone(),
+            Some(env.scheduled_for),
+        ),
+        None => (
+            field("key").or(message_id.map(str::to_owned)),
+            field("job"),
+            None,
+        ),
+    };
+    let key = key?;
+    check_key(&key).ok()?;
+    let instance = (key.split_once('@')).and_then(|(j, t)| Some((j, parse_instant(t)?)));
+    let names_a_job = job.is_some() || instance.is_some_and(|(j, _)| is_job(j));
+    let carried = match (instance, job.as_deref(), at) {
+        (Some((j, t)), Some(job), Some(at)) => j == job && t == at,
+        _ => false,
+    };
+    (!names_a_job || carried).then_some((key, decoded))
 }
 
 /// How a run ended, as far as the decision is concerned.
@@ -394,6 +437,48 @@ mod tests {
             admit(&envelope_json(key), &arrival(), 1 << 20, |job| job == "j").unwrap_err();
         assert_eq!(impostor.reason, DeadReason::Malformed);
         assert!(impostor.error.contains('j'), "{}", impostor.error);
+    }
+
+    #[test]
+    fn a_rejected_message_is_journaled_only_under_a_key_it_carries() {
+        let key_of = |body: Option<&[u8]>, id: Option<&str>| {
+            rejected_key(body, id, &arrival(), |job| job == "j").map(|(key, _)| key)
+        };
+        let bad_task = br#"{"key":"k1","task":"no such task"}"#;
+        assert_eq!(key_of(Some(bad_task), None).as_deref(), Some("k1"));
+        let undecodable = br#"{"key":"k2","task":7}"#;
+        assert_eq!(key_of(Some(undecodable), Some("id")).as_deref(), Some("k2"));
+        assert_eq!(
+            key_of(Some(b"{not json"), Some("k3")).as_deref(),
+            Some("k3")
+        );
+        assert_eq!(key_of(None, Some("k4")).as_deref(), Some("k4"), "oversize");
+        assert_eq!(
+            key_of(Some(b"[]"), Some("a b")),
+            None,
+            "breaks the key rule"
+        );
+        assert_eq!(key_of(Some(b"[]"), None), None);
+        // An instance of a job we know, or of any job the message names, only when the
+        // decoded envelope is that instance.
+        let instance = "j@1970-01-01T00:00:00Z";
+        assert_eq!(key_of(Some(&envelope_json(instance)), None), None);
+        assert_eq!(key_of(None, Some(instance)), None);
+        let named = br#"{"key":"other@1970-01-01T00:00:00Z","task":7,"job":"other"}"#;
+        assert_eq!(key_of(Some(named), None), None);
+        let mut carried = Envelope::decode(&envelope_json(instance)).unwrap();
+        carried.job = Some("j".into());
+        carried.task = "no such task".into();
+        assert_eq!(
+            key_of(Some(&carried.encode()), None).as_deref(),
+            Some(instance)
+        );
+        carried.scheduled_for += chrono::Duration::seconds(1);
+        assert_eq!(
+            key_of(Some(&carried.encode()), None),
+            None,
+            "another instant"
+        );
     }
 
     #[test]

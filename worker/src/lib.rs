@@ -26,6 +26,7 @@ pub mod cli;
 #[cfg(feature = "cli")]
 pub mod commands;
 pub mod consumer;
+pub mod dead_watch;
 pub mod decision;
 pub mod dlq;
 pub mod executor;

@@ -21,7 +21,7 @@ use drumline_shared::envelope::{
 use drumline_shared::names::Names;
 use drumline_shared::store::{
     now_text, Claim, ClaimRequest, Ended, Ending, Final, LimitClaim, OverlapMode, RunRecord, Store,
-    StoreError, Waiter,
+    StoreError, Unclaimed, Waiter,
 };
 use lapin::message::Delivery;
 use lapin::types::AMQPValue;
@@ -127,7 +127,7 @@ impl Processor {
 
     /// The `task` label of `task`: itself when this worker has it, else [`UNKNOWN_TASK`], so
     /// that messages cannot grow the label set.
-    fn task_label<'t>(&self, task: &'t str) -> &'t str {
+    pub(crate) fn task_label<'t>(&self, task: &'t str) -> &'t str {
         if self.handlers.contains_key(task) && self.config.tasks.contains_key(task) {
             task
         } else {
@@ -240,11 +240,86 @@ impl Processor {
                     .as_ref()
                     .map_or(UNKNOWN_TASK, |env| self.task_label(&env.task));
                 self.stats.outcome(task, RunOutcome::Malformed);
+                self.journal_rejected(delivery, &arrival, reason, &error)
+                    .await;
                 self.dead_letter(publisher, body, &delivery.properties, reason, &error, 0)
                     .await?;
                 Ok(Disposition::Ack)
             }
         }
+    }
+
+    /// A copy naming a task this worker does not have: recorded `dead` under its key, then
+    /// dead-lettered `unknown_task`. Recorded first: a Redis failure requeues the copy (fail
+    /// closed) and the repeat finds the key recorded.
+    async fn unknown_task(
+        &self,
+        publisher: &Channel,
+        delivery: &Delivery,
+        env: &Envelope,
+    ) -> Result<Disposition, Interrupted> {
+        let Rejected { reason, error } = decision::unknown_task(&env.task);
+        self.stats.outcome(UNKNOWN_TASK, RunOutcome::Dead);
+        self.dead_unclaimed(&env.key, Some(env), reason, &error)
+            .await?;
+        self.dead_letter_env(publisher, delivery, env, reason, &error, env.attempt)
+            .await?;
+        Ok(Disposition::Ack)
+    }
+
+    /// Journals a rejected delivery `dead` under its key when [`decision::rejected_key`] finds
+    /// one it may speak for (docs/audit.md#the-journal). Best effort: a message refused this
+    /// early must not wait on Redis or come back, so a failed write is only logged.
+    async fn journal_rejected(
+        &self,
+        delivery: &Delivery,
+        arrival: &Arrival<'_>,
+        reason: DeadReason,
+        error: &str,
+    ) {
+        let body = (reason != DeadReason::Oversize).then_some(&delivery.data[..]);
+        let id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.as_str());
+        let is_job = |job: &str| self.overlap.contains_key(job);
+        let Some((key, env)) = decision::rejected_key(body, id, arrival, is_job) else {
+            return;
+        };
+        if let Err(e) = self.dead_unclaimed(&key, env.as_ref(), reason, error).await {
+            warn!(key = %key, error = %e, "could not journal the rejected message");
+        }
+    }
+
+    /// Records an instance its copy left unrun (`reason`) as `dead` under `key`, with `env`'s
+    /// run record for a job's instance, unless the key has a state already
+    /// ([`Store::dead_unclaimed`]).
+    async fn dead_unclaimed(
+        &self,
+        key: &str,
+        env: Option<&Envelope>,
+        reason: DeadReason,
+        error: &str,
+    ) -> Result<(), StoreError> {
+        let error = format!("{reason}: {error}");
+        let record = env.and_then(|env| self.run_record(env, Outcome::Dead, None, Some(error)));
+        let job = env.and_then(|env| env.job.as_deref());
+        let what = Unclaimed {
+            key,
+            reason: reason.as_str(),
+            worker: &self.worker_id,
+            attempt: env.map_or(0, |env| env.attempt),
+            retention: self.config.worker.done_ttl,
+            record: job.zip(record.as_ref()),
+        };
+        if !self.store.dead_unclaimed(&what).await? {
+            debug!(
+                key,
+                "dead-lettered unrun; the instance was recorded already"
+            );
+        }
+        Ok(())
     }
 
     /// Claims the instance and asks [`decision::on_claim`] what to do; when that is to run it,
@@ -259,11 +334,7 @@ impl Processor {
             self.handlers.get(&env.task),
             self.config.tasks.get(&env.task),
         ) else {
-            let Rejected { reason, error } = decision::unknown_task(&env.task);
-            self.stats.outcome(UNKNOWN_TASK, RunOutcome::Dead);
-            self.dead_letter_env(publisher, delivery, &env, reason, &error, env.attempt)
-                .await?;
-            return Ok(Disposition::Ack);
+            return self.unknown_task(publisher, delivery, &env).await;
         };
         let token = uuid::Uuid::new_v4().to_string();
         let (claim, claimed_at) = self.claim(&env, &token, epoch_of(delivery)).await?;
@@ -564,7 +635,7 @@ impl Processor {
     /// After a copy of a job with an overlap lock ended without holding the lock (a
     /// duplicate, an expired copy), wakes the next waiting copy if the lock is free: the copy
     /// may itself have been woken, and the turn must not stop with it.
-    async fn pass_the_turn(&self, publisher: &Channel, env: &Envelope) {
+    pub(crate) async fn pass_the_turn(&self, publisher: &Channel, env: &Envelope) {
         let (OverlapMode::Queue(job) | OverlapMode::Skip(job)) = self.overlap(env) else {
             return;
         };
@@ -756,7 +827,7 @@ impl Processor {
 
     /// Appends to the job's history (ad-hoc tasks have none); the outcomes that end a claim in
     /// a final state record through [`Store::finish_recorded`] instead.
-    async fn record(
+    pub(crate) async fn record(
         &self,
         env: &Envelope,
         outcome: Outcome,
@@ -882,7 +953,7 @@ where
 /// What the delivery says about its message besides the body: the defaults of the fields a
 /// producer may omit (docs/envelope.md). The AMQP timestamp has whole seconds only; without
 /// one, the message was published when it arrived, as far as we can tell.
-fn arrival<'a>(names: &Names, delivery: &'a Delivery) -> Arrival<'a> {
+pub(crate) fn arrival<'a>(names: &Names, delivery: &'a Delivery) -> Arrival<'a> {
     let stamped = delivery
         .properties
         .timestamp()
@@ -894,7 +965,7 @@ fn arrival<'a>(names: &Names, delivery: &'a Delivery) -> Arrival<'a> {
 }
 
 /// The leadership epoch a delivery was published under (`x-drumline-epoch`; 0 when absent).
-fn epoch_of(delivery: &Delivery) -> u64 {
+pub(crate) fn epoch_of(delivery: &Delivery) -> u64 {
     envelope::header_int(delivery.properties.headers().as_ref(), envelope::H_EPOCH)
         .map_or(0, |e| e.max(0) as u64)
 }

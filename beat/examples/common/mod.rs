@@ -46,7 +46,11 @@ pub async fn cleanup(ns: &str) -> Result<()> {
     }
     let amqp = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
     // A channel per deletion: one that fails (already gone) closes its channel.
-    for queue in [names.work_queue("default"), names.dead()] {
+    for queue in [
+        names.work_queue("default"),
+        names.dead(),
+        names.dead_watch(),
+    ] {
         let ch = amqp.create_channel().await?;
         let _ = ch
             .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())

@@ -25,7 +25,8 @@ const DELAY_QUEUE_IDLE: Duration = Duration::from_secs(60);
 /// declare (406), so it never changes.
 pub const QUORUM_DELIVERY_LIMIT: i32 = 1_000_000;
 
-/// What a process declares: the dead-letter queue and exchange, the work queues for `queues`
+/// What a process declares: the dead-letter queue, its watch queue and the dead-letter
+/// exchange, the work queues for `queues`
 /// and the tasks exchange, with their bindings (see [`declare`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Declaration<'a> {
@@ -63,9 +64,10 @@ pub(super) fn mismatch_text(queue: &str, source: &lapin::Error, wanted: QueueTyp
              ({source}); a queue cannot change type in place, and nothing past it was declared. To \
              migrate, either drain the namespace (stop the beats, let the workers empty its work \
              queues, stop them, deal with its dead letters) and delete its queues (this one with \
-             `rabbitmqctl delete_queue {queue}`, then each work queue and the `.dead` queue \
-             likewise), then start again; or set a new `namespace` for queue_type = \"{wanted}\" \
-             and retire the old one once drained. Or set queue_type = \"{other}\" back"
+             `rabbitmqctl delete_queue {queue}`, then each work queue, the `.dead` and the \
+             `.dead.watch` queues likewise), then start again; or set a new `namespace` for \
+             queue_type = \"{wanted}\" and retire the old one once drained. Or set queue_type = \
+             \"{other}\" back"
         );
     }
     format!(
@@ -93,8 +95,9 @@ fn string(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
 }
 
-/// Declares the dead-letter queue (`dead_ttl`) and the work queues `{ns}.q.{queue}` for
-/// `queues`, as `queue_type`, then the work and dead-letter exchanges and the bindings.
+/// Declares the dead-letter queue and its watch queue `{ns}.dead.watch` (both `dead_ttl`) and
+/// the work queues `{ns}.q.{queue}` for `queues`, as `queue_type`, then the work and
+/// dead-letter exchanges and the bindings.
 ///
 /// Queues first, the dead-letter queue first of all: it exists in every namespace that ever
 /// ran, with the type of the work queues, so a changed `queue_type` is refused (406) by the
@@ -130,16 +133,16 @@ pub(super) async fn declare_with(
         "x-message-ttl".into(),
         AMQPValue::LongLongInt(what.dead_ttl.as_millis() as i64),
     );
-    declare_queue(channel, &dead, dead_args, queue_type).await?;
+    declare_queue(channel, &dead, dead_args.clone(), queue_type).await?;
+    // The watch queue gets a copy of every dead letter, kept as long, so it never grows
+    // without bound while no worker consumes it (docs/design.md#rabbitmq).
+    let mut watch_args = dead_args;
+    delivery_limit(&mut watch_args, queue_type);
+    declare_queue(channel, &names.dead_watch(), watch_args, queue_type).await?;
     for queue in what.queues {
         let mut args = typed(queue_type);
         args.insert("x-dead-letter-exchange".into(), string(&dead));
-        if queue_type == QueueType::Quorum {
-            args.insert(
-                "x-delivery-limit".into(),
-                AMQPValue::LongInt(QUORUM_DELIVERY_LIMIT),
-            );
-        }
+        delivery_limit(&mut args, queue_type);
         declare_queue(channel, &names.work_queue(queue), args, queue_type).await?;
     }
     let exchanges = [
@@ -156,6 +159,7 @@ pub(super) async fn declare_with(
         bounded("exchange.declare", declared).await?;
     }
     bind(channel, &dead, &dead, "", bindings).await?;
+    bind(channel, &names.dead_watch(), &dead, "", bindings).await?;
     for queue in what.queues {
         let work = names.work_queue(queue);
         bind(channel, &work, &names.tasks_exchange(), queue, bindings).await?;
@@ -171,6 +175,17 @@ fn typed(queue_type: QueueType) -> FieldTable {
     let mut args = FieldTable::default();
     args.insert("x-queue-type".into(), string(queue_type.as_str()));
     args
+}
+
+/// Adds [`QUORUM_DELIVERY_LIMIT`] to a quorum queue's `args`: a queue the worker returns
+/// messages to on purpose.
+fn delivery_limit(args: &mut FieldTable, queue_type: QueueType) {
+    if queue_type == QueueType::Quorum {
+        args.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongInt(QUORUM_DELIVERY_LIMIT),
+        );
+    }
 }
 
 /// Declares the durable queue `queue` with `args` (`queue_type` names the type asked for, for

@@ -129,7 +129,11 @@ pub async fn bare_consumer(queue: &str, prefetch: u16) -> (Connection, Consumer)
 /// Deletes the bench namespace's work queue, dead letters, exchanges and Redis keys.
 pub async fn cleanup(conn: &Connection, names: &Names) {
     let ch = conn.create_channel().await.unwrap();
-    for q in [names.work_queue("default"), names.dead()] {
+    for q in [
+        names.work_queue("default"),
+        names.dead(),
+        names.dead_watch(),
+    ] {
         let _ = ch
             .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
             .await;
