@@ -8,6 +8,7 @@ use chrono::{DateTime, Utc};
 use drumline_shared::config::{Config, Job, Overlap};
 use drumline_shared::envelope::{format_instant, instance_key};
 use drumline_shared::exit::Failure;
+use drumline_shared::planted::{self, planted, Defect};
 use drumline_shared::store::{JournalEntry, Store};
 use drumline_shared::table;
 use serde::Serialize;
@@ -60,12 +61,19 @@ async fn evidence(
         .zip(states)
         .filter_map(|(k, s)| Some((k, s?)))
         .collect();
-    Ok(Evidence {
+    let mut evidence = Evidence {
         entries,
         history,
         states,
         progress,
-    })
+    };
+    if planted(Defect::FalseMissed) {
+        let hidden = |key: &str| planted::one_in(key, 7);
+        evidence.entries.retain(|e| !hidden(&e.key));
+        evidence.history.retain(|r| !hidden(&r.key));
+        evidence.states.retain(|k, _| !hidden(k));
+    }
+    Ok(evidence)
 }
 
 /// The `audit --json` document.

@@ -143,7 +143,7 @@ pub struct Config {
 }
 
 impl Config {
-    /// The environment variables no task may see (docs/configuration.md#task-environment):
+    /// The environment variables no task may see (docs/configuration.md, a shell task's environment):
     /// every one drumline reads itself (the broker and Redis URLs, each HTTP task's
     /// `secret_env`), whether or not it is set, and `[worker] env_remove`.
     pub fn hidden_from_tasks(&self) -> Vec<String> {

@@ -25,6 +25,7 @@ pub mod logging;
 #[cfg(feature = "bin-support")]
 pub mod metrics;
 pub mod names;
+pub mod planted;
 #[cfg(feature = "bin-support")]
 pub mod process_metrics;
 pub mod run;

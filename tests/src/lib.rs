@@ -3,6 +3,7 @@
 //! `drumline-beat` / `drumline-worker` binaries, and cleanup of everything it declared.
 
 pub mod cfg;
+pub mod checker;
 pub mod hook;
 pub mod proxy;
 pub mod sentinel;

@@ -19,6 +19,7 @@ use drumline_shared::envelope::{
     self, long_string, Arrival, DeadReason, Envelope, H_ATTEMPTS, H_ERROR, H_REASON,
 };
 use drumline_shared::names::Names;
+use drumline_shared::planted::{self, planted, Defect};
 use drumline_shared::store::{
     now_text, Claim, ClaimRequest, Ended, Ending, Final, LimitClaim, OverlapMode, RunRecord, Store,
     StoreError, Unclaimed, Waiter,
@@ -117,6 +118,9 @@ impl Processor {
         let Some(job) = env.job.as_deref() else {
             return OverlapMode::Allow;
         };
+        if planted(Defect::IgnoreOverlap) {
+            return OverlapMode::Allow;
+        }
         match self.overlap.get(job).copied().unwrap_or_default() {
             Overlap::Skip if env.backfill => OverlapMode::Queue(job),
             Overlap::Skip => OverlapMode::Skip(job),
@@ -336,6 +340,9 @@ impl Processor {
         ) else {
             return self.unknown_task(publisher, delivery, &env).await;
         };
+        if planted(Defect::DropDelivery) && env.attempt == 0 && planted::one_in(&env.key, 5) {
+            return Ok(Disposition::Ack);
+        }
         let token = uuid::Uuid::new_v4().to_string();
         let (claim, claimed_at) = self.claim(&env, &token, epoch_of(delivery)).await?;
         let mut step = Step {
@@ -367,6 +374,12 @@ impl Processor {
                 claimed_at,
             )
             .await;
+        if planted(Defect::DoubleRun) && matches!(result, RunResult::Succeeded) {
+            let delivered = (&env, &delivery.data[..]);
+            let _ = self
+                .run(handler.clone(), delivered, &token, fence, claimed_at)
+                .await;
+        }
         step.ended = Some(Instant::now());
         self.stats.run_ended(&env.task, started.elapsed());
         let jitter = rand::random::<f64>();
@@ -579,8 +592,10 @@ impl Processor {
         // lease expires and the retry (or a redelivery) takes over. Marking `retrying` instead
         // of deleting the claim makes every older copy a duplicate, so no copy starts a second
         // chain.
-        self.publish_delayed(step.publisher, step.delivery, &next, delay)
-            .await?;
+        if !planted(Defect::SkipRetry) {
+            self.publish_delayed(step.publisher, step.delivery, &next, delay)
+                .await?;
+        }
         // The instance keeps its job through the retry delay, until a lease past it if the
         // retry's message is lost (docs/guarantees.md#overlap).
         let ending = Ending::Retry {

@@ -1,0 +1,223 @@
+//! What one round of the randomized checker runs, drawn from its seed (docs/soak.md#the-randomized-checker):
+//! jobs (period, overlap mode, task duration against the period, failure and permanent-exit
+//! rates, retries, `expires`, jitter), operator actions (pause and resume, a backfill) and
+//! faults (kill -9 or a short SIGSTOP of a worker, kill -9 of a beat).
+
+use crate::cfg::{every, shell, Cfg, Keys};
+use crate::soak::rng::Rng;
+use crate::toml_string;
+use std::path::Path;
+use std::time::Duration;
+
+/// The retry delay of every drawn task (`retry_base = retry_max`).
+pub const RETRY_DELAY: Duration = Duration::from_secs(1);
+/// `[worker] lease` of every round: a drawn freeze stays under a third of it, so no lease
+/// lapses under a frozen worker (a longer freeze is a known gap: docs/soak.md).
+pub const LEASE: Duration = Duration::from_secs(6);
+/// The exit code a task's permanent failure uses (`permanent_exit_codes`).
+pub const PERMANENT: i32 = 3;
+
+/// One drawn job and the task only it runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobDraw {
+    /// `j0`, `j1`, …
+    pub name: String,
+    /// `every`, whole seconds.
+    pub every_s: u32,
+    /// `skip`, `queue` or `allow`.
+    pub overlap: &'static str,
+    /// How long each run sleeps.
+    pub run: Duration,
+    /// Percent of attempts that fail retryably (exit 1).
+    pub fail_pct: u32,
+    /// Percent of attempts that fail for good (exit [`PERMANENT`]).
+    pub permanent_pct: u32,
+    /// `max_retries`.
+    pub max_retries: u32,
+    /// `expires`, whole seconds.
+    pub expires_s: Option<u32>,
+    /// `jitter`, whole seconds.
+    pub jitter_s: Option<u32>,
+}
+
+/// An operator action or a fault, `at` after the round's start.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// `drumline pause JOB`, and `resume` `for_` later.
+    Pause { job: usize, for_: Duration },
+    /// `drumline backfill JOB` of the ten instants ending 30 s before the round began.
+    Backfill { job: usize },
+    /// kill -9 of worker `i`, started again a second later.
+    KillWorker { i: usize },
+    /// SIGSTOP of worker `i` for `for_`, then SIGCONT.
+    FreezeWorker { i: usize, for_: Duration },
+    /// kill -9 of beat `i`, started again two seconds later.
+    KillBeat { i: usize },
+}
+
+/// One round.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Round {
+    /// The seed it was drawn from (the task's failures hash it too).
+    pub seed: u64,
+    /// Its jobs.
+    pub jobs: Vec<JobDraw>,
+    /// Its actions and faults, in time order.
+    pub events: Vec<(Duration, Event)>,
+    /// From the members' start to the last event's end.
+    pub length: Duration,
+}
+
+/// Workers in a round.
+pub const WORKERS: usize = 3;
+/// Beats in a round.
+pub const BEATS: usize = 2;
+
+/// Draws one round of `length` from `seed`.
+pub fn round(seed: u64, length: Duration) -> Round {
+    let mut rng = Rng::new(seed);
+    let count = 1 + rng.below(3);
+    let jobs: Vec<JobDraw> = (0..count).map(|i| job(&mut rng, i)).collect();
+    let mut events = Vec::new();
+    // Nothing in the first 5 s (the beats start and elect) nor the last 3 s.
+    let span = length
+        .saturating_sub(Duration::from_secs(8))
+        .max(Duration::from_secs(1));
+    for _ in 0..(length.as_secs() / 6).max(1) {
+        let at = Duration::from_secs(5) + rng.between(Duration::ZERO, span);
+        events.push((at, event(&mut rng, &jobs)));
+    }
+    events.sort_by_key(|(at, _)| *at);
+    Round {
+        seed,
+        jobs,
+        events,
+        length,
+    }
+}
+
+fn job(rng: &mut Rng, i: usize) -> JobDraw {
+    let every_s = [1, 2, 3][rng.below(3)];
+    let overlap = ["skip", "queue", "allow"][rng.below(3)];
+    let period = Duration::from_secs(every_s.into());
+    // A queue job's backlog must drain: its runs stay under the period.
+    let longest = if overlap == "queue" {
+        period * 6 / 10
+    } else {
+        period * 3 / 2
+    };
+    let run = rng.between(Duration::from_millis(50), longest);
+    JobDraw {
+        name: format!("j{i}"),
+        every_s,
+        overlap,
+        run,
+        fail_pct: [0, 25, 60][rng.below(3)],
+        permanent_pct: [0, 0, 10][rng.below(3)],
+        max_retries: rng.below(4) as u32,
+        expires_s: [None, Some(60)][rng.below(2)],
+        // `check` refuses a jitter not below the period.
+        jitter_s: [None, None, Some(1)][rng.below(3)].filter(|_| every_s > 1),
+    }
+}
+
+fn event(rng: &mut Rng, jobs: &[JobDraw]) -> Event {
+    let job = rng.below(jobs.len());
+    match rng.weighted(&[2, 1, 3, 3, 2]) {
+        0 => Event::Pause {
+            job,
+            for_: rng.between(Duration::from_secs(2), Duration::from_secs(6)),
+        },
+        1 => Event::Backfill { job },
+        2 => Event::KillWorker {
+            i: rng.below(WORKERS),
+        },
+        3 => Event::FreezeWorker {
+            i: rng.below(WORKERS),
+            for_: rng.between(Duration::from_millis(200), LEASE / 3),
+        },
+        _ => Event::KillBeat {
+            i: rng.below(BEATS),
+        },
+    }
+}
+
+impl JobDraw {
+    /// The task's command: a start line, the run, an end line with the exit code, each with
+    /// key, attempt and wall time in ms, appended to `log`; whether an attempt fails is a hash
+    /// of its key, attempt and the round's seed.
+    pub fn script(&self, log: &Path, seed: u64) -> String {
+        let fail = self.fail_pct;
+        let permanent = fail + self.permanent_pct;
+        format!(
+            "log={log}; echo \"start $DRUMLINE_KEY $DRUMLINE_ATTEMPT $(date +%s%3N)\" >> $log; \
+             sleep {run:.3}; \
+             h=$(printf '%s' \"$DRUMLINE_KEY $DRUMLINE_ATTEMPT {seed}\" | cksum | cut -d' ' -f1); \
+             r=$((h % 100)); code=0; \
+             if [ $r -lt {fail} ]; then code=1; elif [ $r -lt {permanent} ]; then code={PERMANENT}; fi; \
+             echo \"end $DRUMLINE_KEY $DRUMLINE_ATTEMPT $(date +%s%3N) $code\" >> $log; exit $code",
+            log = log.display(),
+            run = self.run.as_secs_f64(),
+        )
+    }
+
+    /// Its `[tasks.NAME]` keys.
+    pub fn task(&self, log: &Path, seed: u64) -> Keys {
+        shell(&self.script(log, seed))
+            .with("max_retries", &self.max_retries.to_string())
+            .with("retry_base", &toml_string("1s"))
+            .with("retry_max", &toml_string("1s"))
+            .with("permanent_exit_codes", &format!("[{PERMANENT}]"))
+    }
+
+    /// Its `[[jobs]]` keys.
+    pub fn job(&self) -> Keys {
+        let mut keys = every(&format!("{}s", self.every_s))
+            .with("overlap", &toml_string(self.overlap))
+            .with("task", &toml_string(&self.name));
+        if let Some(s) = self.expires_s {
+            keys = keys.with("expires", &toml_string(&format!("{s}s")));
+        }
+        if let Some(s) = self.jitter_s {
+            keys = keys.with("jitter", &toml_string(&format!("{s}s")));
+        }
+        keys
+    }
+}
+
+impl Round {
+    /// The round's config, its tasks appending to `log`.
+    pub fn config(&self, log: &Path) -> Cfg {
+        let lease = toml_string(&format!("{}s", LEASE.as_secs()));
+        let mut cfg = Cfg::new().set("worker", "lease", &lease);
+        for j in &self.jobs {
+            cfg = cfg
+                .task(&j.name, j.task(log, self.seed))
+                .job(&j.name, j.job());
+        }
+        cfg
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_seed_one_round_and_queue_runs_fit_their_period() {
+        let length = Duration::from_secs(40);
+        assert_eq!(round(5, length), round(5, length));
+        for seed in 0..200 {
+            let r = round(seed, length);
+            assert!(!r.jobs.is_empty() && r.jobs.len() <= 3);
+            assert!(!r.events.is_empty());
+            for j in r.jobs.iter().filter(|j| j.overlap == "queue") {
+                assert!(j.run < Duration::from_secs(j.every_s.into()));
+            }
+            for j in &r.jobs {
+                assert!(j.jitter_s.is_none_or(|s| s < j.every_s));
+            }
+            assert!(r.events.iter().all(|(at, _)| *at >= Duration::from_secs(5)));
+        }
+    }
+}

@@ -1,0 +1,421 @@
+//! The randomized checker's oracle (docs/soak.md#the-randomized-checker): what must hold,
+//! derived from the drawn round (config and events), the times the harness did things, and the
+//! tasks' effect log alone — never from drumline's journal, run records or Redis.
+
+use super::draw::{JobDraw, Round, PERMANENT, RETRY_DELAY};
+use chrono::{DateTime, Utc};
+use drumline_shared::envelope::{instance_key, parse_instant};
+use std::collections::BTreeMap;
+
+/// One broken promise the oracle sees.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finding {
+    /// The instance's key.
+    pub key: String,
+    /// Its job.
+    pub job: String,
+    /// `doubled`, `over_bound`, `retry_dropped`, `overlap`, `missed`.
+    pub rule: &'static str,
+    /// What shows it.
+    pub detail: String,
+}
+
+/// One run of a task, from its `start` line and (unless it was killed) its `end` line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Run {
+    /// The instance.
+    pub key: String,
+    /// `DRUMLINE_ATTEMPT`.
+    pub attempt: u32,
+    /// Wall time of the start line, ms.
+    pub start: i64,
+    /// Wall time and exit code of the end line.
+    pub end: Option<(i64, i32)>,
+}
+
+/// The runs in the effect log, each end paired with its key's and attempt's latest start.
+pub fn runs(lines: &[String]) -> Vec<Run> {
+    let mut out: Vec<Run> = Vec::new();
+    for line in lines {
+        let parts: Vec<&str> = line.split(' ').collect();
+        let (Some(key), Some(attempt), Some(at)) = (
+            parts.get(1),
+            parts.get(2).and_then(|a| a.parse().ok()),
+            parts.get(3).and_then(|t| t.parse().ok()),
+        ) else {
+            continue;
+        };
+        match (parts[0], parts.get(4).and_then(|c| c.parse().ok())) {
+            ("start", _) => out.push(Run {
+                key: (*key).to_owned(),
+                attempt,
+                start: at,
+                end: None,
+            }),
+            ("end", Some(code)) => {
+                let open = out
+                    .iter_mut()
+                    .rev()
+                    .find(|r| r.key == *key && r.attempt == attempt && r.end.is_none());
+                if let Some(run) = open {
+                    run.end = Some((at, code));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// When the harness did what the round drew (ms, wall time), and the window it judges.
+#[derive(Debug, Clone, Default)]
+pub struct Timeline {
+    /// The members started.
+    pub start: i64,
+    /// The faults and actions ended; instants up to here (less their jitter) are judged.
+    pub judge_end: i64,
+    /// Per job: paused from, resumed at.
+    pub pauses: Vec<(usize, i64, i64)>,
+    /// When a beat was killed.
+    pub beat_kills: Vec<i64>,
+    /// Per job: the backfilled instants.
+    pub backfills: Vec<(usize, Vec<DateTime<Utc>>)>,
+    /// How long a beat's takeover may take: its leader lease, `misfire_threshold` and slack.
+    pub takeover_ms: i64,
+}
+
+/// Every finding of `round` over the effect `lines`.
+pub fn judge(round: &Round, timeline: &Timeline, lines: &[String]) -> Vec<Finding> {
+    let all = runs(lines);
+    let mut out = Vec::new();
+    for (j, job) in round.jobs.iter().enumerate() {
+        let prefix = format!("{}@", job.name);
+        let mine: Vec<&Run> = all.iter().filter(|r| r.key.starts_with(&prefix)).collect();
+        let mut by_key: BTreeMap<&str, Vec<&Run>> = BTreeMap::new();
+        for r in &mine {
+            by_key.entry(r.key.as_str()).or_default().push(r);
+        }
+        for (key, runs) in &by_key {
+            // A retry of an instance after the judged window may still be on its way.
+            let judged = instant_ms(key).is_some_and(|t| t <= timeline.judge_end);
+            out.extend(per_key(job, key, runs, judged));
+        }
+        if job.overlap != "allow" {
+            out.extend(overlaps(job, &mine));
+        }
+        out.extend(at_least_once(j, job, timeline, &by_key));
+    }
+    out
+}
+
+fn finding(job: &JobDraw, key: &str, rule: &'static str, detail: String) -> Finding {
+    Finding {
+        key: key.to_owned(),
+        job: job.name.clone(),
+        rule,
+        detail,
+    }
+}
+
+/// At most one success, attempts within `max_retries`, and (for an instant of the judged
+/// window) a retryable failure followed by its retry.
+fn per_key(job: &JobDraw, key: &str, runs: &[&Run], judged: bool) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let successes = runs
+        .iter()
+        .filter(|r| r.end.map(|e| e.1) == Some(0))
+        .count();
+    if successes > 1 {
+        out.push(finding(
+            job,
+            key,
+            "doubled",
+            format!("{successes} successful runs"),
+        ));
+    }
+    if let Some(r) = runs.iter().find(|r| r.attempt > job.max_retries) {
+        let detail = format!("attempt {} ran, max_retries {}", r.attempt, job.max_retries);
+        out.push(finding(job, key, "over_bound", detail));
+    }
+    let last = runs
+        .iter()
+        .filter(|_| judged)
+        .max_by_key(|r| (r.attempt, r.start));
+    if let Some(Run {
+        attempt,
+        end: Some((at, 1)),
+        ..
+    }) = last.map(|r| &**r)
+    {
+        if *attempt < job.max_retries && !expired_by(job, key, at + RETRY_DELAY.as_millis() as i64)
+        {
+            let detail = format!(
+                "attempt {attempt} failed retryably and attempt {} never ran",
+                attempt + 1
+            );
+            out.push(finding(job, key, "retry_dropped", detail));
+        }
+    }
+    out
+}
+
+/// Whether `key`'s `expires` (from its instant, jitter and slack included) has passed at `ms`.
+fn expired_by(job: &JobDraw, key: &str, ms: i64) -> bool {
+    let (Some(expires), Some(t)) = (job.expires_s, instant_ms(key)) else {
+        return false;
+    };
+    let jitter = i64::from(job.jitter_s.unwrap_or(0)) * 1000;
+    ms + 3_000 > t + jitter + i64::from(expires) * 1000
+}
+
+fn instant_ms(key: &str) -> Option<i64> {
+    let text = key.split_once('@')?.1;
+    Some(parse_instant(text)?.timestamp_millis())
+}
+
+/// Two runs of different instances of a `skip` or `queue` job that overlap in time.
+fn overlaps(job: &JobDraw, runs: &[&Run]) -> Vec<Finding> {
+    let mut ended: Vec<(i64, i64, &str)> = runs
+        .iter()
+        .filter_map(|r| Some((r.start, r.end?.0, r.key.as_str())))
+        .collect();
+    ended.sort_unstable();
+    let mut out = Vec::new();
+    let mut longest: Option<(i64, &str)> = None;
+    for (start, end, key) in ended {
+        if let Some((prev_end, prev_key)) = longest {
+            if prev_key != key && prev_end > start {
+                let detail = format!("ran {} ms inside {prev_key}'s run", prev_end - start);
+                out.push(finding(job, key, "overlap", detail));
+            }
+        }
+        if longest.is_none_or(|(e, _)| end > e) {
+            longest = Some((end, key));
+        }
+    }
+    out
+}
+
+/// Whether `runs` end the instance: a success, a permanent failure, or the last attempt's.
+fn finished(job: &JobDraw, runs: &[&Run]) -> bool {
+    runs.iter().any(|r| match r.end {
+        Some((_, 0)) | Some((_, PERMANENT)) => true,
+        Some((_, _)) => r.attempt >= job.max_retries,
+        None => false,
+    })
+}
+
+/// Every instant judged (and every backfilled one) ends, unless the round excuses it: paused,
+/// a beat's takeover, or (`skip`) another instance holding the job when it came.
+fn at_least_once(
+    j: usize,
+    job: &JobDraw,
+    timeline: &Timeline,
+    by_key: &BTreeMap<&str, Vec<&Run>>,
+) -> Vec<Finding> {
+    let jitter = i64::from(job.jitter_s.unwrap_or(0)) * 1000;
+    let period = i64::from(job.every_s) * 1000;
+    let first = (timeline.start + 5_000).div_euclid(period) * period + period;
+    let mut instants: Vec<i64> = (0..)
+        .map(|n| first + n * period)
+        .take_while(|t| t + jitter + 2_000 <= timeline.judge_end)
+        .collect();
+    let backfilled = timeline.backfills.iter().filter(|(b, _)| *b == j);
+    let backfilled: Vec<i64> = backfilled
+        .flat_map(|(_, ts)| ts.iter().map(|t| t.timestamp_millis()))
+        .collect();
+    instants.extend(&backfilled);
+    let holds = holds(job, by_key);
+    let mut out = Vec::new();
+    for t in instants {
+        let at = DateTime::from_timestamp_millis(t).expect("an instant");
+        let key = instance_key(&job.name, at);
+        let runs = by_key.get(key.as_str()).map_or(&[][..], Vec::as_slice);
+        if finished(job, runs) {
+            continue;
+        }
+        let live = !backfilled.contains(&t);
+        if live && excused(j, job, timeline, &holds, (&key, t)) {
+            continue;
+        }
+        let detail = if runs.is_empty() {
+            "never ran".to_owned()
+        } else {
+            format!("{} runs, none final", runs.len())
+        };
+        out.push(finding(job, &key, "missed", detail));
+    }
+    out
+}
+
+/// Per instance of the job: from its first start to its last end (or last start), ms.
+fn holds<'a>(job: &JobDraw, by_key: &BTreeMap<&'a str, Vec<&Run>>) -> Vec<(&'a str, i64, i64)> {
+    if job.overlap != "skip" {
+        return Vec::new();
+    }
+    by_key
+        .iter()
+        .filter_map(|(key, runs)| {
+            let from = runs.iter().map(|r| r.start).min()?;
+            let to = runs.iter().map(|r| r.end.map_or(r.start, |e| e.0)).max()?;
+            Some((*key, from, to))
+        })
+        .collect()
+}
+
+fn excused(
+    j: usize,
+    job: &JobDraw,
+    timeline: &Timeline,
+    holds: &[(&str, i64, i64)],
+    (key, t): (&str, i64),
+) -> bool {
+    let jitter = i64::from(job.jitter_s.unwrap_or(0)) * 1000;
+    let paused = timeline
+        .pauses
+        .iter()
+        .any(|(p, from, to)| *p == j && from - 1_500 <= t + jitter && t <= to + 2_500);
+    let takeover = timeline
+        .beat_kills
+        .iter()
+        .any(|k| k - 1_000 <= t + jitter && t <= k + timeline.takeover_ms);
+    let held = holds
+        .iter()
+        .any(|(k, from, to)| *k != key && *from - 500 <= t + jitter + 1_500 && t - 500 <= *to);
+    paused || takeover || held
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn job(overlap: &'static str, max_retries: u32) -> JobDraw {
+        JobDraw {
+            name: "j0".into(),
+            every_s: 1,
+            overlap,
+            run: Duration::from_millis(100),
+            fail_pct: 0,
+            permanent_pct: 0,
+            max_retries,
+            expires_s: None,
+            jitter_s: None,
+        }
+    }
+
+    fn round(job: JobDraw) -> Round {
+        Round {
+            seed: 1,
+            jobs: vec![job],
+            events: vec![],
+            length: Duration::from_secs(20),
+        }
+    }
+
+    const T0: i64 = 1_800_000_000_000;
+
+    fn key(s: i64) -> String {
+        instance_key(
+            "j0",
+            DateTime::from_timestamp_millis(T0 + s * 1000).unwrap(),
+        )
+    }
+
+    /// Start and end lines of one run of instant `s` (seconds after T0).
+    fn ran(s: i64, attempt: u32, (from, to): (i64, i64), code: i32) -> Vec<String> {
+        let k = key(s);
+        vec![
+            format!("start {k} {attempt} {from}"),
+            format!("end {k} {attempt} {to} {code}"),
+        ]
+    }
+
+    fn timeline(seconds: i64) -> Timeline {
+        Timeline {
+            start: T0 - 5_000,
+            judge_end: T0 + seconds * 1000 + 2_000,
+            takeover_ms: 10_000,
+            ..Timeline::default()
+        }
+    }
+
+    fn rules(f: &[Finding]) -> Vec<&'static str> {
+        f.iter().map(|f| f.rule).collect()
+    }
+
+    /// Instants 1..=3 (T0 is the first judged: start + 5 s rounded up).
+    fn clean() -> Vec<String> {
+        (0..4)
+            .flat_map(|s| ran(s, 0, (T0 + s * 1000 + 10, T0 + s * 1000 + 100), 0))
+            .collect()
+    }
+
+    #[test]
+    fn a_clean_log_holds_and_a_missing_instant_does_not() {
+        let r = round(job("queue", 0));
+        assert_eq!(judge(&r, &timeline(3), &clean()), vec![]);
+        let mut gone = clean();
+        gone.drain(2..4);
+        assert_eq!(rules(&judge(&r, &timeline(3), &gone)), ["missed"]);
+    }
+
+    #[test]
+    fn two_successes_too_many_attempts_and_a_dropped_retry_are_found() {
+        let r = round(job("allow", 1));
+        let mut lines = clean();
+        lines.extend(ran(0, 0, (T0 + 200, T0 + 300), 0));
+        assert_eq!(rules(&judge(&r, &timeline(3), &lines)), ["doubled"]);
+        let mut lines = clean();
+        lines.extend(ran(1, 2, (T0 + 1_200, T0 + 1_300), 1));
+        assert!(rules(&judge(&r, &timeline(3), &lines)).contains(&"over_bound"));
+        // Instant 2 failed its attempt 0 with a retry left, and nothing followed.
+        let mut lines: Vec<String> = clean().into_iter().take(4).collect();
+        lines.extend(ran(2, 0, (T0 + 2_010, T0 + 2_100), 1));
+        lines.extend(ran(3, 0, (T0 + 3_010, T0 + 3_100), 0));
+        assert_eq!(
+            rules(&judge(&r, &timeline(3), &lines)),
+            ["retry_dropped", "missed"]
+        );
+    }
+
+    #[test]
+    fn overlapping_runs_of_a_skip_job_are_found_and_the_skipped_instant_excused() {
+        let r = round(job("skip", 0));
+        // Instant 1 runs 1.5 s: instant 2 is skipped (excused), instant 3 runs after it.
+        let mut lines = ran(0, 0, (T0 + 10, T0 + 100), 0);
+        lines.extend(ran(1, 0, (T0 + 1_010, T0 + 2_510), 0));
+        lines.extend(ran(3, 0, (T0 + 3_010, T0 + 3_100), 0));
+        assert_eq!(judge(&r, &timeline(3), &lines), vec![]);
+        lines.extend(ran(2, 0, (T0 + 2_010, T0 + 2_100), 0));
+        assert_eq!(rules(&judge(&r, &timeline(3), &lines)), ["overlap"]);
+        // Under `queue` nothing excuses the skip.
+        let q = round(job("queue", 0));
+        let mut lines = ran(0, 0, (T0 + 10, T0 + 100), 0);
+        lines.extend(ran(1, 0, (T0 + 1_010, T0 + 2_510), 0));
+        lines.extend(ran(3, 0, (T0 + 3_010, T0 + 3_100), 0));
+        assert_eq!(rules(&judge(&q, &timeline(3), &lines)), ["missed"]);
+    }
+
+    #[test]
+    fn pauses_and_a_beats_takeover_excuse_absent_instants() {
+        let r = round(job("queue", 0));
+        let lines: Vec<String> = clean().into_iter().take(2).collect();
+        let mut t = timeline(3);
+        t.pauses.push((0, T0 + 1_000, T0 + 3_000));
+        assert_eq!(judge(&r, &t, &lines), vec![]);
+        let mut t = timeline(3);
+        t.beat_kills.push(T0 + 500);
+        assert_eq!(judge(&r, &t, &lines), vec![]);
+    }
+
+    #[test]
+    fn a_killed_run_is_repeated_and_a_final_failure_ends_the_instance() {
+        let r = round(job("allow", 1));
+        let mut lines = clean();
+        lines.push(format!("start {} 0 {}", key(4), T0 + 4_010));
+        lines.extend(ran(4, 0, (T0 + 9_000, T0 + 9_100), 1));
+        lines.extend(ran(4, 1, (T0 + 10_200, T0 + 10_300), 1));
+        assert_eq!(judge(&r, &timeline(4), &lines), vec![]);
+    }
+}

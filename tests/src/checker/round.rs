@@ -1,0 +1,365 @@
+//! One round of the randomized checker: start the members, play the drawn events, settle,
+//! judge with the oracle, run `drumline verify` and hold the two against each other.
+
+use super::draw::{self, Event, Round, BEATS, WORKERS};
+use super::oracle::{self, Finding, Timeline};
+use crate::{binary, Proc, TestEnv};
+use chrono::{DateTime, Utc};
+use drumline_shared::envelope::parse_instant;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// `[beat] leader_lease` of every round: a killed leader's standby takes over within it.
+const LEADER_LEASE_S: i64 = 3;
+/// `verify --overdue` of every round.
+const OVERDUE_S: i64 = 10;
+
+/// What one round found.
+#[derive(Debug)]
+pub struct RoundVerdict {
+    /// Its seed.
+    pub seed: u64,
+    /// What was drawn.
+    pub round: Round,
+    /// The oracle's findings.
+    pub findings: Vec<Finding>,
+    /// `verify`'s violations: (rule, key).
+    pub verify: Vec<(String, String)>,
+    /// Where `verify` and the oracle disagree.
+    pub disagreements: Vec<String>,
+    /// How long the round took.
+    pub took: Duration,
+    /// Where its files are.
+    pub dir: std::path::PathBuf,
+}
+
+impl RoundVerdict {
+    /// True when the oracle found nothing and `verify` agreed.
+    pub fn holds(&self) -> bool {
+        self.findings.is_empty() && self.disagreements.is_empty()
+    }
+
+    /// One paragraph for the log.
+    pub fn summary(&self, elapsed: Duration) -> String {
+        let mut out = format!(
+            "checker: seed {} ({} jobs, {} events) {} in {:.0}s (at {:.0}s): {} oracle findings, {} verify violations, {} disagreements; files in {}",
+            self.seed,
+            self.round.jobs.len(),
+            self.round.events.len(),
+            if self.holds() { "holds" } else { "FAILS" },
+            self.took.as_secs_f64(),
+            elapsed.as_secs_f64(),
+            self.findings.len(),
+            self.verify.len(),
+            self.disagreements.len(),
+            self.dir.display()
+        );
+        for f in self.findings.iter().take(10) {
+            out.push_str(&format!("\n  oracle: {} {}: {}", f.rule, f.key, f.detail));
+        }
+        for d in self.disagreements.iter().take(10) {
+            out.push_str(&format!("\n  disagreement: {d}"));
+        }
+        if !self.holds() {
+            out.push_str(&format!("\n  round: {:?}", self.round));
+        }
+        out
+    }
+}
+
+/// The running members and what was done to them.
+struct Members<'a> {
+    env: &'a TestEnv,
+    config: String,
+    vars: Vec<(&'static str, String)>,
+    beats: Vec<Option<Proc>>,
+    workers: Vec<Option<Proc>>,
+    starts: u32,
+}
+
+impl Members<'_> {
+    fn start(&mut self, beat: bool, i: usize) {
+        self.starts += 1;
+        let label = format!(
+            "{}-{i}.{}",
+            if beat { "beat" } else { "worker" },
+            self.starts
+        );
+        let vars: Vec<(&str, &str)> = self.vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let args = ["--config", self.config.as_str()];
+        if beat {
+            self.beats[i] = Some(self.env.beat_with_env(&label, &args, &vars));
+        } else {
+            self.workers[i] = Some(self.env.worker_with_env(&label, &args, &vars));
+        }
+    }
+
+    fn slot(&mut self, beat: bool, i: usize) -> &mut Option<Proc> {
+        if beat {
+            &mut self.beats[i]
+        } else {
+            &mut self.workers[i]
+        }
+    }
+
+    /// A command line tool of the round (`drumline ARGS`): success, stdout, and both outputs.
+    fn cli(&self, args: &[&str]) -> (bool, String, String) {
+        let out = Command::new(binary("drumline"))
+            .arg("--config")
+            .arg(&self.config)
+            .args(args)
+            .env_remove("DRUMLINE_CONFIG")
+            .envs(self.vars.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdin(Stdio::null())
+            .output()
+            .expect("run drumline");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let both = stdout.clone() + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), stdout, both)
+    }
+}
+
+/// A step of the round's schedule: an event, or the undoing of one.
+#[derive(Debug, Clone)]
+enum Step {
+    Do(Event),
+    Restart { beat: bool, i: usize },
+    Thaw(usize),
+    Resume(usize),
+}
+
+fn now_ms() -> i64 {
+    Utc::now().timestamp_millis()
+}
+
+/// Runs round `seed` of `length` (with `defect` planted, if any) and judges it.
+pub fn run_round(seed: u64, length: Duration, defect: Option<&str>) -> RoundVerdict {
+    let began = Instant::now();
+    let round = draw::round(seed, length);
+    let env = crate::setup(&format!("checker_{seed}"));
+    let log = env.path("effects");
+    let cfg = round
+        .config(&log)
+        .set("beat", "leader_lease", &format!("\"{LEADER_LEASE_S}s\""));
+    let config = env.write_config("drumline.toml", &cfg);
+    let mut members = Members {
+        env: &env,
+        config: config.to_str().expect("utf-8 path").to_owned(),
+        vars: defect
+            .map(|d| vec![("DRUMLINE_PLANTED_DEFECT", d.to_owned())])
+            .unwrap_or_default(),
+        beats: (0..BEATS).map(|_| None).collect(),
+        workers: (0..WORKERS).map(|_| None).collect(),
+        starts: 0,
+    };
+    for i in 0..WORKERS {
+        members.start(false, i);
+    }
+    for i in 0..BEATS {
+        members.start(true, i);
+    }
+    let mut timeline = Timeline {
+        start: now_ms(),
+        takeover_ms: (LEADER_LEASE_S + 5 + 3) * 1000,
+        ..Timeline::default()
+    };
+    play(&round, &mut members, &mut timeline, began);
+    timeline.judge_end = now_ms();
+    settle(&round, &timeline, &env);
+    let findings = oracle::judge(&round, &timeline, &env.lines("effects"));
+    let since = began.elapsed().as_secs() + 120;
+    let verify = verify(&members, since);
+    for proc in members
+        .beats
+        .iter_mut()
+        .chain(members.workers.iter_mut())
+        .flatten()
+    {
+        proc.terminate(Duration::from_secs(30));
+    }
+    let disagreements = cross_check(&round, &timeline, &findings, &verify);
+    RoundVerdict {
+        seed,
+        round,
+        findings,
+        verify,
+        disagreements,
+        took: began.elapsed(),
+        dir: env.dir.clone(),
+    }
+}
+
+/// Plays the round's events and their undoing at their times.
+fn play(round: &Round, members: &mut Members<'_>, timeline: &mut Timeline, began: Instant) {
+    let mut schedule: Vec<(Duration, Step)> = round
+        .events
+        .iter()
+        .map(|(at, e)| (*at, Step::Do(e.clone())))
+        .collect();
+    while !schedule.is_empty() || began.elapsed() < round.length {
+        schedule.sort_by_key(|(at, _)| *at);
+        let due = schedule.first().map(|(at, _)| *at).unwrap_or(round.length);
+        if let Some(wait) = due.checked_sub(began.elapsed()) {
+            std::thread::sleep(wait);
+        }
+        if schedule.is_empty() {
+            break;
+        }
+        let (at, step) = schedule.remove(0);
+        if let Some(undo) = apply(&step, round, members, timeline) {
+            schedule.push((at.max(began.elapsed()) + undo.0, undo.1));
+        }
+    }
+}
+
+/// Does `step`; returns what undoes it and after how long.
+fn apply(
+    step: &Step,
+    round: &Round,
+    members: &mut Members<'_>,
+    timeline: &mut Timeline,
+) -> Option<(Duration, Step)> {
+    match step {
+        Step::Do(Event::Pause { job, for_ }) => {
+            let (ok, _, out) = members.cli(&["pause", &round.jobs[*job].name]);
+            assert!(ok, "pause: {out}");
+            timeline.pauses.push((*job, now_ms(), i64::MAX));
+            Some((*for_, Step::Resume(*job)))
+        }
+        Step::Resume(job) => {
+            let (ok, _, out) = members.cli(&["resume", &round.jobs[*job].name]);
+            assert!(ok, "resume: {out}");
+            let open = timeline.pauses.iter_mut().rev().find(|p| p.0 == *job);
+            if let Some(p) = open {
+                p.2 = now_ms();
+            }
+            None
+        }
+        Step::Do(Event::Backfill { job }) => {
+            backfill(round, *job, members, timeline);
+            None
+        }
+        Step::Do(Event::KillWorker { i }) => kill(members, false, *i, Duration::from_secs(1)),
+        Step::Do(Event::KillBeat { i }) => {
+            timeline.beat_kills.push(now_ms());
+            kill(members, true, *i, Duration::from_secs(2))
+        }
+        Step::Restart { beat, i } => {
+            members.start(*beat, *i);
+            None
+        }
+        Step::Do(Event::FreezeWorker { i, for_ }) => {
+            let proc = members.workers[*i].as_ref()?;
+            proc.signal(libc::SIGSTOP);
+            Some((*for_, Step::Thaw(*i)))
+        }
+        Step::Thaw(i) => {
+            if let Some(p) = members.workers[*i].as_ref() {
+                p.signal(libc::SIGCONT);
+            }
+            None
+        }
+    }
+}
+
+fn kill(
+    members: &mut Members<'_>,
+    beat: bool,
+    i: usize,
+    back: Duration,
+) -> Option<(Duration, Step)> {
+    let mut proc = members.slot(beat, i).take()?;
+    proc.kill9();
+    Some((back, Step::Restart { beat, i }))
+}
+
+/// `drumline backfill JOB` of the ten instants ending 30 s before the round began.
+fn backfill(round: &Round, job: usize, members: &Members<'_>, timeline: &mut Timeline) {
+    let period = i64::from(round.jobs[job].every_s) * 1000;
+    let to = (timeline.start - 30_000).div_euclid(period) * period;
+    let from = to - 10 * period;
+    let text = |ms: i64| {
+        DateTime::from_timestamp_millis(ms)
+            .expect("a time")
+            .format("%Y-%m-%dT%H:%M:%SZ")
+            .to_string()
+    };
+    let name = &round.jobs[job].name;
+    let (ok, _, out) = members.cli(&["backfill", name, "--from", &text(from), "--to", &text(to)]);
+    assert!(ok, "backfill: {out}");
+    let instants = (0..10)
+        .filter_map(|n| DateTime::from_timestamp_millis(from + n * period))
+        .collect();
+    timeline.backfills.push((job, instants));
+}
+
+/// Waits until the oracle has nothing left to wait for (every judged instant ended), at most
+/// 60 s, and at least `--overdue` and 5 s past the judged window (what `verify` needs to call a
+/// retry dropped).
+fn settle(round: &Round, timeline: &Timeline, env: &TestEnv) {
+    crate::wait_until(Duration::from_secs(60), || {
+        oracle::judge(round, timeline, &env.lines("effects")).is_empty()
+    });
+    let ready = timeline.judge_end + (OVERDUE_S + 5) * 1000;
+    crate::wait_until(Duration::from_secs(60), || now_ms() >= ready);
+}
+
+/// `drumline verify --since S --overdue 10s --json`: its violations as (rule, key).
+fn verify(members: &Members<'_>, since_s: u64) -> Vec<(String, String)> {
+    let since = format!("{since_s}s");
+    let overdue = format!("{OVERDUE_S}s");
+    let (_, out, both) =
+        members.cli(&["verify", "--since", &since, "--overdue", &overdue, "--json"]);
+    let doc: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("verify --json: {e}: {both}"));
+    doc["violations"]
+        .as_array()
+        .expect("violations")
+        .iter()
+        .map(|v| {
+            let text = |k: &str| v[k].as_str().unwrap_or_default().to_owned();
+            (text("rule"), text("key"))
+        })
+        .collect()
+}
+
+/// Where `verify` and the oracle disagree: a finding `verify` does not name (by key, or for a
+/// missing instant by job), or a violation of a judged instant the oracle does not see.
+fn cross_check(
+    round: &Round,
+    timeline: &Timeline,
+    findings: &[Finding],
+    verify: &[(String, String)],
+) -> Vec<String> {
+    let job_of = |key: &str| key.split_once('@').map_or(key, |(j, _)| j).to_owned();
+    let mut out = Vec::new();
+    for f in findings {
+        let named = verify.iter().any(|(rule, key)| {
+            *key == f.key
+                || (f.rule == "missed"
+                    && job_of(key) == f.job
+                    && matches!(rule.as_str(), "missed" | "not_published" | "lost"))
+        });
+        if !named {
+            out.push(format!(
+                "verify missed the oracle's {} of {}",
+                f.rule, f.key
+            ));
+        }
+    }
+    for (rule, key) in verify {
+        let judged = key
+            .split_once('@')
+            .and_then(|(_, t)| parse_instant(t))
+            .is_some_and(|t| t.timestamp_millis() <= timeline.judge_end);
+        let seen = findings
+            .iter()
+            .any(|f| f.key == *key || f.job == job_of(key));
+        if judged && !seen && round.jobs.iter().any(|j| j.name == job_of(key)) {
+            out.push(format!(
+                "verify reported {rule} of {key}, the oracle saw nothing"
+            ));
+        }
+    }
+    out
+}
