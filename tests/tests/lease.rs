@@ -2,6 +2,7 @@
 //! cannot reach Redis while the others can must have killed its task before its lease could
 //! be taken, so two copies of one instance never run at once.
 
+use drumline_e2e::cfg::{shell, Cfg};
 use drumline_e2e::proxy::{Fault, Proxy};
 use drumline_e2e::{adhoc, setup, toml_string, wait_until, wait_until_async};
 use lapin::options::QueueDeclareOptions;
@@ -369,6 +370,57 @@ async fn a_success_whose_lease_lapsed_before_done_landed_is_recorded_not_rerun()
         vec!["start k-race", "end k-race"],
         "ran once"
     );
+}
+
+/// A worker frozen (SIGSTOP) mid-run while its task, under the supervisor, runs on and exits 0:
+/// on SIGCONT both the finished task and the lapsed lease are news, and the success wins. Nobody
+/// took the instance over, so `done` lands and the task is not run again (issue 33;
+/// docs/guarantees.md "A success is not thrown away").
+#[tokio::test(flavor = "multi_thread")]
+async fn a_success_that_ended_while_its_worker_was_frozen_is_recorded_not_rerun() {
+    let env = setup("e2e_frozen_done");
+    let script = format!(
+        "echo \"start $DRUMLINE_KEY\" >> {starts}; sleep 3; echo \"$DRUMLINE_KEY\" >> {effects}",
+        starts = env.path("starts").display(),
+        effects = env.path("effects").display()
+    );
+    let cfg = Cfg::new()
+        .set("worker", "concurrency", "1")
+        .set("worker", "lease", "\"3s\"")
+        .task("slow", shell(&script));
+    let config = env.write_config("drumline.toml", &cfg);
+    let worker = env.worker("worker", &["--config", config.to_str().unwrap()]);
+    env.wait_for_topology(&worker).await;
+    env.publish(&adhoc("k-frozen", "slow")).await;
+    let started = wait_until(WAIT, || env.lines("starts").len() == 1);
+    assert!(started, "the task never started\n{}", worker.log_tail(30));
+
+    // Frozen 1 s into the run; the task runs on under its supervisor and exits 0 meanwhile.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    worker.signal(libc::SIGSTOP);
+    let frozen_at = std::time::Instant::now();
+    let ended = wait_until(Duration::from_secs(10), || env.lines("effects").len() == 1);
+    let lapsed = wait_until_async(WAIT, || env.lease_lapsed("k-frozen")).await;
+    // Resumed 7 s after the stop, as in the issue: well past the lease's end.
+    tokio::time::sleep(Duration::from_secs(7).saturating_sub(frozen_at.elapsed())).await;
+    worker.signal(libc::SIGCONT);
+    assert!(ended, "the task did not finish while the worker was frozen");
+    assert!(lapsed, "the lease never lapsed while the worker was frozen");
+
+    let done = wait_until_async(WAIT, || async {
+        env.run_state("k-frozen").await.as_deref() == Some("done")
+    })
+    .await;
+    assert!(done, "never recorded done\n{}", worker.log_tail(30));
+    // A dropped success is redelivered and run again at once: give it a lease and more.
+    let rerun = wait_until(Duration::from_secs(5), || env.lines("starts").len() > 1);
+    assert!(
+        !rerun,
+        "the finished run was dropped and run again: {:?}\n{}",
+        env.lines("starts"),
+        worker.log_tail(30)
+    );
+    assert_eq!(env.lines("effects"), vec!["k-frozen"], "ran once");
 }
 
 /// A Rust handler that panics must not leave its lease renewed for ever: the instance's lease

@@ -3,6 +3,8 @@
 //! lease could expire when renewals fail. Validity is judged on the monotonic clock from the
 //! moment the last successful renewal (or the claim) was *sent* — Redis applied it later, so
 //! its expiry is no earlier than that instant plus the lease — never on Redis's word alone.
+//! A loss noticed late (the worker was frozen) first gives the run [`Budget::catch_up`] to
+//! report an end it reached meanwhile: a success is not thrown away (docs/guarantees.md).
 //!
 //! With `L` the lease and `E` that expiry ([`Budget`] has the numbers):
 //!
@@ -76,7 +78,22 @@ impl Budget {
     pub fn drop_margin(&self) -> Duration {
         self.lease / 12
     }
+
+    /// How long a loss noticed late waits for the handler to report an end it reached while
+    /// the worker was not looking, before the run is stopped: `lease/12`, at most
+    /// [`CATCH_UP`]. A loss is late when it comes more than this after it was due
+    /// ([`kill_budget`](Self::kill_budget) before `expiry`): the worker was frozen or starved,
+    /// so its task, which runs on under the supervisor, may have ended meanwhile, its end still
+    /// unread in a socket. A loss on time stops the run at once.
+    pub fn catch_up(&self, expiry: Instant, now: Instant) -> Option<Duration> {
+        let catch_up = (self.lease / 12).min(CATCH_UP);
+        (now > expiry - self.kill_budget() + catch_up).then_some(catch_up)
+    }
 }
+
+/// The longest [`Budget::catch_up`]: ample for an end already in a socket to be read (a
+/// driver turn and two task hops), short beside a run that did not end.
+pub const CATCH_UP: Duration = Duration::from_millis(100);
 
 /// The claim a watchdog keeps alive.
 #[derive(Clone)]
@@ -263,6 +280,27 @@ mod tests {
         stop.cancel();
         assert_eq!(handle.await.unwrap(), None);
         assert_eq!(granted.elapsed(), Duration::from_millis(1200));
+    }
+
+    #[test]
+    fn only_a_loss_noticed_late_waits_for_an_end_on_its_way() {
+        let b = Budget::new(LEASE);
+        let expiry = Instant::now() + LEASE;
+        let due = expiry - b.kill_budget();
+        assert_eq!(b.catch_up(expiry, due), None, "on time");
+        assert_eq!(
+            b.catch_up(expiry, due + CATCH_UP),
+            None,
+            "within the catch-up"
+        );
+        let frozen = expiry + Duration::from_secs(4);
+        assert_eq!(b.catch_up(expiry, frozen), Some(CATCH_UP));
+        let short = Budget::new(Duration::from_millis(600));
+        let expiry = Instant::now() + short.lease;
+        assert_eq!(
+            short.catch_up(expiry, expiry),
+            Some(Duration::from_millis(50))
+        );
     }
 
     #[test]

@@ -749,9 +749,10 @@ impl Processor {
     }
 
     /// Awaits the handler's `call` until it returns, the lease is `lost` or the shutdown grace
-    /// runs out. When stopped, the handler is told (the shell executor SIGTERMs its group, then
-    /// SIGKILLs it after `kill_grace`) and dropped before the lease could be taken whatever it
-    /// does: dropping a shell run SIGKILLs its group.
+    /// runs out; an end that is ready counts over a loss, and a loss noticed late waits
+    /// [`lease::Budget::catch_up`] for an end reached unseen. When stopped, the handler is told
+    /// (the shell executor SIGTERMs its group, then SIGKILLs it after `kill_grace`) and dropped
+    /// before the lease could be taken whatever it does: dropping a shell run SIGKILLs its group.
     async fn call(
         &self,
         mut call: HandlerFuture,
@@ -760,11 +761,22 @@ impl Processor {
         expiry: tokio::sync::watch::Receiver<Instant>,
         budget: lease::Budget,
     ) -> Stopped {
+        // The handler's end first: a worker resumed after a freeze finds its task ended and its
+        // lease lapsed at once, and a success is recorded unless someone took the instance
+        // over meanwhile (docs/guarantees.md "A success is not thrown away").
         let stopped = tokio::select! {
+            biased;
             r = &mut call => return Stopped::Returned(r),
             _ = lost.cancelled() => Stopped::LeaseLost,
             _ = self.abandon.cancelled() => Stopped::Abandoned,
         };
+        // A loss noticed late may have an end on its way ([`lease::Budget::catch_up`]).
+        let late = budget.catch_up(*expiry.borrow(), Instant::now());
+        if let (Stopped::LeaseLost, Some(catch_up)) = (&stopped, late) {
+            if let Ok(r) = tokio::time::timeout(catch_up, &mut call).await {
+                return Stopped::Returned(r);
+            }
+        }
         cancel.cancel();
         let drop_at = *expiry.borrow() - budget.drop_margin();
         if tokio::time::timeout_at(drop_at, call).await.is_err() {
