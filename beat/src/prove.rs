@@ -240,7 +240,7 @@ async fn check(
             .collect();
         if job.spec.overlap != Overlap::Allow {
             let refs: Vec<&JournalEntry> = own.iter().collect();
-            violations.extend(verify::check_overlap(&verify::spans(&refs), margin));
+            violations.extend(verify::check_overlap(&verify::spans(&refs, margin), margin));
         }
         let mut evidence = evidence(store, job, since, now, Some(&own)).await?;
         evidence.progress = progress;
@@ -248,12 +248,38 @@ async fn check(
         checked.extend(rows.iter().map(|r| r.key.clone()));
         violations.extend(verify::from_audit(&rows, |k| by_key.contains_key(k)));
     }
+    violations.extend(limits(config, entries));
     Ok(Report {
         since: format_instant(since),
         checked: checked.len(),
         holds: violations.is_empty(),
         violations,
     })
+}
+
+/// `limit` (docs/audit.md#verify): per concurrency group, the runs of every job whose task is
+/// in it (an ad-hoc key's journal does not name its task: not counted).
+fn limits(config: &Config, entries: &[JournalEntry]) -> Vec<Violation> {
+    let lease = config.worker.lease.as_millis() as i64;
+    let mut out = Vec::new();
+    for (group, limit) in &config.limits {
+        let Some(concurrency) = limit.concurrency else {
+            continue;
+        };
+        let in_group = |key: &str| {
+            let job = key.split_once('@').and_then(|(j, _)| config.job(j));
+            let task = job.and_then(|j| config.tasks.get(&*j.spec.task));
+            task.and_then(|t| t.limit.as_ref())
+                .is_some_and(|l| l.name == *group)
+        };
+        let refs: Vec<&JournalEntry> = entries.iter().filter(|e| in_group(&e.key)).collect();
+        out.extend(verify::check_limit(
+            group,
+            concurrency,
+            &verify::spans(&refs, lease),
+        ));
+    }
+    out
 }
 
 /// `lost` and `retry_dropped` over every key of the window (docs/audit.md#verify): each key's

@@ -217,9 +217,11 @@ pub struct Span<'a> {
     pub id: &'a str,
 }
 
-/// The runs of a job whose start and end are journaled (a crashed run's end is unknown: left
-/// out), in start order. A run ends when its task ended: the end entry's time less its `ago`.
-pub fn spans<'a>(entries: &[&'a JournalEntry]) -> Vec<Span<'a>> {
+/// The runs of a job, in start order. A run ends when its task ended: the end entry's time
+/// less its `ago`; a run with no end entry (a crash, a frozen worker's refused write, or still
+/// running) is counted as running until its lease deadline, `lease_ms` after its claim
+/// (docs/audit.md#verify).
+pub fn spans<'a>(entries: &[&'a JournalEntry], lease_ms: i64) -> Vec<Span<'a>> {
     let mut out = Vec::new();
     for (i, e) in entries.iter().enumerate() {
         if !matches!(e.event.as_str(), "claim" | "takeover") || e.token.is_empty() {
@@ -230,18 +232,48 @@ pub fn spans<'a>(entries: &[&'a JournalEntry]) -> Vec<Span<'a>> {
                 && x.key == e.key
                 && matches!(x.event.as_str(), "success" | "retry" | "dead" | "release")
         });
-        if let Some(end) = end {
-            out.push(Span {
-                key: &e.key,
-                start: e.at_ms,
-                // When the task ended, not when its outcome was written (a late write, after a
-                // stop or a failover, would stretch the run).
-                end: end.ended_ms().max(e.at_ms),
-                id: &e.id,
+        out.push(Span {
+            key: &e.key,
+            start: e.at_ms,
+            // When the task ended, not when its outcome was written (a late write, after a
+            // stop or a failover, would stretch the run).
+            end: end.map_or(e.at_ms + lease_ms, |end| end.ended_ms().max(e.at_ms)),
+            id: &e.id,
+        });
+    }
+    out.sort_by_key(|s| s.start);
+    out
+}
+
+/// `limit`: a moment when more runs of concurrency group `group` ran at once than its
+/// `concurrency` allows, one violation per run that started beyond it. `spans` are the group's
+/// runs from every job whose task is in it (an end and a start at the same ms: the end first).
+pub fn check_limit(group: &str, concurrency: u32, spans: &[Span<'_>]) -> Vec<Violation> {
+    let mut moments: Vec<(i64, bool, &Span<'_>)> = spans
+        .iter()
+        .flat_map(|s| [(s.start, true, s), (s.end, false, s)])
+        .collect();
+    moments.sort_by_key(|(at, starts, _)| (*at, *starts));
+    let mut running = 0u32;
+    let mut out = Vec::new();
+    for (at, starts, span) in moments {
+        if !starts {
+            running = running.saturating_sub(1);
+            continue;
+        }
+        running += 1;
+        if running > concurrency {
+            out.push(Violation {
+                key: span.key.to_owned(),
+                rule: "limit",
+                evidence: format!(
+                    "claimed ({}) at {at} ms while {} runs of group {group} ran (concurrency {concurrency})",
+                    span.id,
+                    running - 1
+                ),
             });
         }
     }
-    out.sort_by_key(|s| s.start);
     out
 }
 
@@ -349,8 +381,9 @@ mod tests {
             entry(50_000, "claim", "c", 0, "t3"),
         ];
         let refs: Vec<&JournalEntry> = e.iter().collect();
-        let s = spans(&refs);
-        assert_eq!(s.len(), 2, "c has no end: left out");
+        let s = spans(&refs, 30_000);
+        assert_eq!(s.len(), 3, "c has no end: counted until its lease deadline");
+        assert_eq!((s[2].start, s[2].end), (50_000, 80_000));
         let v = check_overlap(&s, 30_000);
         assert_eq!(rules(&v), ["overlap"]);
         assert_eq!(v[0].key, "b");
@@ -372,14 +405,17 @@ mod tests {
             entry(12_000, "success", "b", 0, "t2"),
         ];
         let refs: Vec<&JournalEntry> = e.iter().collect();
-        let s = spans(&refs);
+        let s = spans(&refs, 30_000);
         assert_eq!((s[0].start, s[0].end), (0, 2_000));
         assert!(check_overlap(&s, 500).is_empty());
         // Without it, the write's time: the runs overlap by 7 s.
         let mut unknown = e.clone();
         unknown[2].ago = None;
         let refs: Vec<&JournalEntry> = unknown.iter().collect();
-        assert_eq!(rules(&check_overlap(&spans(&refs), 500)), ["overlap"]);
+        assert_eq!(
+            rules(&check_overlap(&spans(&refs, 30_000), 500)),
+            ["overlap"]
+        );
     }
 
     const MIN: i64 = 60_000;
@@ -479,6 +515,33 @@ mod tests {
             (v.rule, v.key.as_str()),
             ("not_published", "j@2026-01-01T00:00:00Z")
         );
+    }
+
+    /// Issue 33: a concurrency group of one, a frozen worker's run with no end entry (its
+    /// write refused) and another worker's run of the group inside its lease: reported.
+    #[test]
+    fn runs_of_a_group_beyond_its_concurrency_are_reported_endless_ones_until_their_lease() {
+        let e = [
+            entry(0, "claim", "a", 0, "t1"),
+            entry(2_000, "claim", "b", 0, "t2"),
+            entry(4_000, "success", "b", 0, "t2"),
+            entry(5_000, "claim", "c", 0, "t3"),
+            entry(6_000, "success", "c", 0, "t3"),
+        ];
+        let refs: Vec<&JournalEntry> = e.iter().collect();
+        let v = check_limit("g", 1, &spans(&refs, 3_000));
+        assert_eq!(rules(&v), ["limit"]);
+        assert_eq!(v[0].key, "b");
+        assert!(check_limit("g", 2, &spans(&refs, 3_000)).is_empty());
+        // One run ending as the next starts is no overlap.
+        let back_to_back = [
+            entry(0, "claim", "a", 0, "t1"),
+            entry(1_000, "success", "a", 0, "t1"),
+            entry(1_000, "claim", "b", 0, "t2"),
+            entry(2_000, "success", "b", 0, "t2"),
+        ];
+        let refs: Vec<&JournalEntry> = back_to_back.iter().collect();
+        assert!(check_limit("g", 1, &spans(&refs, 3_000)).is_empty());
     }
 
     #[test]
