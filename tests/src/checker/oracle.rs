@@ -271,10 +271,9 @@ fn excused(
     (key, t): (&str, i64),
 ) -> bool {
     let jitter = i64::from(job.jitter_s.unwrap_or(0)) * 1000;
-    let paused = timeline
-        .pauses
-        .iter()
-        .any(|(p, from, to)| *p == j && from - 1_500 <= t + jitter && t <= to + 2_500);
+    let paused = timeline.pauses.iter().any(|(p, from, to)| {
+        *p == j && from - 1_500 <= t + jitter && t <= to.saturating_add(2_500)
+    });
     let takeover = timeline
         .beat_kills
         .iter()

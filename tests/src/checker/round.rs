@@ -229,9 +229,12 @@ fn apply(
         Step::Resume(job) => {
             let (ok, _, out) = members.cli(&["resume", &round.jobs[*job].name]);
             assert!(ok, "resume: {out}");
-            let open = timeline.pauses.iter_mut().rev().find(|p| p.0 == *job);
-            if let Some(p) = open {
-                p.2 = now_ms();
+            // A resume resumes the job however often it was paused: every open pause ends.
+            let now = now_ms();
+            for p in timeline.pauses.iter_mut() {
+                if p.0 == *job && p.2 == i64::MAX {
+                    p.2 = now;
+                }
             }
             None
         }
