@@ -689,7 +689,13 @@ impl Beat {
                 sleep_precisely(early).await;
                 continue;
             }
-            let batch = self.take_batch(now);
+            let batch = take_due(
+                &mut self.queue,
+                &self.config.jobs,
+                &self.states,
+                (now, self.threshold),
+                &self.paused,
+            );
             let config = &self.config;
             let sending = send_due(
                 &config.jobs,
@@ -741,20 +747,6 @@ impl Beat {
                 }
             }
         }
-    }
-
-    /// The next batch due at `now` ([`take_due`]). The upstream instants it drops are noted for
-    /// their followers, which are then skipped at once (docs/design.md#job-dependencies).
-    fn take_batch(&mut self, now: DateTime<Utc>) -> Vec<Due> {
-        let jobs = &self.config.jobs;
-        let at = (now, self.threshold);
-        let batch = take_due(&mut self.queue, jobs, &self.states, at, &self.paused);
-        if self.followers.any() {
-            for due in &batch {
-                self.followers.upstream_dropped(due.job, &due.plan);
-            }
-        }
-        batch
     }
 
     /// Finishes and settles every batch in flight, oldest first; the longest backoff any

@@ -375,7 +375,9 @@ async fn a_success_whose_lease_lapsed_before_done_landed_is_recorded_not_rerun()
 /// A worker frozen (SIGSTOP) mid-run while its task, under the supervisor, runs on and exits 0:
 /// on SIGCONT both the finished task and the lapsed lease are news, and the success wins. Nobody
 /// took the instance over, so `done` lands and the task is not run again (issue 33;
-/// docs/guarantees.md "A success is not thrown away").
+/// docs/guarantees.md "A success is not thrown away"). The lease (6 s) leaves the task time to
+/// end before its stop point (4 s after the claim), where its supervisor would stop it (see
+/// `a_frozen_workers_task_is_killed_by_its_supervisor_before_the_lease_ends`).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_success_that_ended_while_its_worker_was_frozen_is_recorded_not_rerun() {
     let env = setup("e2e_frozen_done");
@@ -386,7 +388,7 @@ async fn a_success_that_ended_while_its_worker_was_frozen_is_recorded_not_rerun(
     );
     let cfg = Cfg::new()
         .set("worker", "concurrency", "1")
-        .set("worker", "lease", "\"3s\"")
+        .set("worker", "lease", "\"6s\"")
         .task("slow", shell(&script));
     let config = env.write_config("drumline.toml", &cfg);
     let worker = env.worker("worker", &["--config", config.to_str().unwrap()]);
@@ -395,13 +397,14 @@ async fn a_success_that_ended_while_its_worker_was_frozen_is_recorded_not_rerun(
     let started = wait_until(WAIT, || env.lines("starts").len() == 1);
     assert!(started, "the task never started\n{}", worker.log_tail(30));
 
-    // Frozen 1 s into the run; the task runs on under its supervisor and exits 0 meanwhile.
+    // Frozen 1 s into the run, before the first renewal (2 s); the task runs on under its
+    // supervisor and exits 0 meanwhile, a second before its stop point.
     tokio::time::sleep(Duration::from_secs(1)).await;
     worker.signal(libc::SIGSTOP);
     let frozen_at = std::time::Instant::now();
     let ended = wait_until(Duration::from_secs(10), || env.lines("effects").len() == 1);
     let lapsed = wait_until_async(WAIT, || env.lease_lapsed("k-frozen")).await;
-    // Resumed 7 s after the stop, as in the issue: well past the lease's end.
+    // Resumed 7 s after the stop: past the lease's end (6 s after the claim).
     tokio::time::sleep(Duration::from_secs(7).saturating_sub(frozen_at.elapsed())).await;
     worker.signal(libc::SIGCONT);
     assert!(ended, "the task did not finish while the worker was frozen");
@@ -421,6 +424,90 @@ async fn a_success_that_ended_while_its_worker_was_frozen_is_recorded_not_rerun(
         worker.log_tail(30)
     );
     assert_eq!(env.lines("effects"), vec!["k-frozen"], "ran once");
+}
+
+/// A worker frozen (SIGSTOP) mid-run cannot stop its task, so its supervisor does: the task's
+/// group (which ignores SIGTERM) is dead before the lease could be taken, though the worker
+/// never woke, and never writes its end. Resumed, the worker goes the lease-loss way (the run's
+/// result is not recorded, the delivery is requeued, no attempt is spent) and runs the same
+/// attempt again to `done`
+/// (issue 33; docs/guarantees.md "A partitioned or frozen worker stops its task before anyone
+/// else may start it").
+#[tokio::test(flavor = "multi_thread")]
+async fn a_frozen_workers_task_is_killed_by_its_supervisor_before_the_lease_ends() {
+    let env = setup("e2e_frozen_kill");
+    let script = format!(
+        "trap '' TERM; echo \"start $$ $(date +%s%3N) $DRUMLINE_ATTEMPT\" >> {events}; sleep 10; echo end >> {events}",
+        events = env.path("events").display()
+    );
+    let cfg = Cfg::new()
+        .set("worker", "concurrency", "1")
+        .set("worker", "lease", "\"3s\"")
+        .task("long", shell(&script));
+    let config = env.write_config("drumline.toml", &cfg);
+    let worker = env.worker("worker", &["--config", config.to_str().unwrap()]);
+    env.wait_for_topology(&worker).await;
+    env.publish(&adhoc("k-frozen-kill", "long")).await;
+    let started = wait_until(WAIT, || !env.lines("events").is_empty());
+    assert!(started, "the task never started\n{}", worker.log_tail(30));
+    let first: Vec<String> = env.lines("events")[0]
+        .split(' ')
+        .map(str::to_owned)
+        .collect();
+    let (pid, started_ms): (i32, u128) = (first[1].parse().unwrap(), first[2].parse().unwrap());
+    let group = pgid_of(pid).expect("the task is running");
+    let (sampler, lease_ends_ms) = watch_lease_end(&env, "k-frozen-kill").await;
+
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    worker.signal(libc::SIGSTOP);
+    let died_at = tokio::task::spawn_blocking(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        while group_alive(group) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        (!group_alive(group)).then(now_ms)
+    })
+    .await
+    .unwrap();
+    sampler.await.unwrap();
+    let lease_ends = *lease_ends_ms.lock().unwrap();
+    assert!(lease_ends > 0, "the lease was never seen");
+    let lines = env.lines("events");
+    let died_at = died_at.unwrap_or_else(|| {
+        panic!("the frozen worker's task outlived its lease by 15 s: {lines:?}")
+    });
+    assert!(
+        died_at < lease_ends,
+        "the frozen worker's task group was alive {} ms after its lease could be taken (started \
+         at {started_ms}, lease ended at {lease_ends}, group gone at {died_at}): {lines:?}",
+        died_at - lease_ends
+    );
+    assert!(
+        !lines.iter().any(|l| l == "end"),
+        "the task ran on: {lines:?}"
+    );
+    eprintln!(
+        "the frozen worker's task group gone {} ms after its start, {} ms before its lease could \
+         be taken",
+        died_at - started_ms,
+        lease_ends - died_at
+    );
+
+    worker.signal(libc::SIGCONT);
+    let done = wait_until_async(WAIT, || async {
+        env.run_state("k-frozen-kill").await.as_deref() == Some("done")
+    })
+    .await;
+    assert!(done, "never recorded done\n{}", worker.log_tail(30));
+    let lines = env.lines("events");
+    let starts: Vec<&String> = lines.iter().filter(|l| l.starts_with("start ")).collect();
+    assert_eq!(starts.len(), 2, "killed, then run again: {lines:?}");
+    let second: Vec<&str> = starts[1].split(' ').collect();
+    assert!(died_at < second[2].parse::<u128>().unwrap(), "{lines:?}");
+    // A lease loss, not a failed attempt: the same attempt runs again.
+    assert_eq!(second[3], "0", "{lines:?}");
+    assert_eq!(lines.last().map(String::as_str), Some("end"), "{lines:?}");
+    assert_eq!(lines.iter().filter(|l| *l == "end").count(), 1, "{lines:?}");
 }
 
 /// A Rust handler that panics must not leave its lease renewed for ever: the instance's lease

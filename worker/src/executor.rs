@@ -17,9 +17,10 @@
 //! and the context (docs/design.md "Task environment").
 
 use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
+use crate::lease::{self, LeaseClock};
 use crate::output::{self, Stream};
 use crate::supervisor::link::{self, Spec, StartError};
-use crate::supervisor::wire::Status;
+use crate::supervisor::wire::{Deadline, Status};
 use drumline_shared::config::{Task, ENV_AMQP_URL, ENV_REDIS_URL};
 use drumline_shared::envelope::format_instant;
 use rustix::fd::OwnedFd;
@@ -152,7 +153,9 @@ impl ShellExecutor {
         env
     }
 
-    async fn run(self, ctx: TaskContext) -> Result<(), HandlerError> {
+    /// Starts the task under its lease (when the run has one: the supervisor stops it at the
+    /// lease's stop point on its own) and waits for its end ([`Self::supervise`]).
+    async fn run(self, ctx: TaskContext, lease: Option<LeaseClock>) -> Result<(), HandlerError> {
         let supervisor = supervisor()
             .map_err(|e| HandlerError::retryable("cannot run a shell task").because(e))?;
         let cannot_pipe = |e: rustix::io::Errno| {
@@ -179,18 +182,31 @@ impl ShellExecutor {
             stdin: stdin_theirs,
             stderr: stderr_theirs,
             stdout: stdout_theirs,
+            deadline: lease.as_ref().map(LeaseClock::deadline),
         };
-        let mut task = link::start(supervisor, spec)
+        let task = link::start(supervisor, spec)
             .await
             .map_err(|e| self.not_started(e))?;
         // From here on, however this future ends (returned or dropped), the group is killed.
         let stderr = read_output(stdout_ours, stderr_ours, &ctx);
+        self.supervise(task, &ctx, stdin_ours, stderr, lease).await
+    }
 
+    /// Waits for the task's end while feeding its stdin, moving its deadline with each renewal
+    /// of the lease, and stopping it on its timeout or when the run is cancelled.
+    async fn supervise(
+        &self,
+        mut task: link::Task,
+        ctx: &TaskContext,
+        stdin: OwnedFd,
+        stderr: Readers,
+        mut lease: Option<LeaseClock>,
+    ) -> Result<(), HandlerError> {
         // Fed alongside the wait, never before it: a task that does not read its stdin must
         // not keep the timeout and the cancellation from firing (docs/design.md).
         let args = serde_json::to_vec(&ctx.args).unwrap_or_default();
         let feed = async move {
-            if let Ok(mut stdin) = pipe::Sender::from_owned_fd(stdin_ours) {
+            if let Ok(mut stdin) = pipe::Sender::from_owned_fd(stdin) {
                 // A task that does not read stdin closes it early: not an error.
                 let _ = stdin.write_all(&args).await;
             }
@@ -208,6 +224,7 @@ impl ShellExecutor {
         loop {
             tokio::select! {
                 () = &mut feed, if !fed => fed = true,
+                Some(deadline) = renewed(&mut lease) => task.hold_until(deadline).await,
                 status = task.wait() => {
                     let status = status.map_err(|e| HandlerError::retryable("the task was lost").because(e))?;
                     return self.outcome(exit_status(status)).map_err(with_stderr(stderr).await);
@@ -290,7 +307,8 @@ impl ShellExecutor {
 
 impl Handler for ShellExecutor {
     fn call(&self, ctx: TaskContext) -> HandlerFuture {
-        Box::pin(self.clone().run(ctx))
+        // Read while the future is created: the processor's scope ends with that.
+        Box::pin(self.clone().run(ctx, lease::current()))
     }
 }
 
@@ -339,6 +357,15 @@ async fn with_stderr(readers: Readers) -> impl FnOnce(HandlerError) -> HandlerEr
         } else {
             e.because(output::Stderr(text))
         }
+    }
+}
+
+/// The supervisor's deadline after the lease's next renewal; `None` for a run without a lease
+/// or once its watchdog has stopped. Cancel-safe.
+async fn renewed(lease: &mut Option<LeaseClock>) -> Option<Deadline> {
+    match lease {
+        Some(lease) => lease.renewed().await,
+        None => None,
     }
 }
 

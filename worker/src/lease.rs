@@ -5,6 +5,8 @@
 //! its expiry is no earlier than that instant plus the lease — never on Redis's word alone.
 //! A loss noticed late (the worker was frozen) first gives the run [`Budget::catch_up`] to
 //! report an end it reached meanwhile: a success is not thrown away (docs/guarantees.md).
+//! A shell task's supervisor follows the same expiry ([`LeaseClock`]) and stops the task at the
+//! loss's instant itself, so a frozen worker's task is dead in time too.
 //!
 //! With `L` the lease and `E` that expiry ([`Budget`] has the numbers):
 //!
@@ -15,6 +17,7 @@
 //! ```
 
 use crate::executor::KILL_GRACE;
+use crate::supervisor::{deadline, wire::Deadline};
 use drumline_shared::store::Store;
 use std::fmt::Display;
 use std::future::Future;
@@ -89,6 +92,81 @@ impl Budget {
         let catch_up = (self.lease / 12).min(CATCH_UP);
         (now > expiry - self.kill_budget() + catch_up).then_some(catch_up)
     }
+
+    /// Whether the lease is given up by `now`: the loss is due
+    /// ([`kill_budget`](Self::kill_budget) before `expiry`), the watchdog declares it when it
+    /// next runs, and a shell task's supervisor stops the task from then on. A run that fails
+    /// from then on may have failed because it was stopped: it counts as the lease's loss, not
+    /// as an attempt.
+    pub fn given_up(&self, expiry: Instant, now: Instant) -> bool {
+        expiry
+            .checked_sub(self.kill_budget())
+            .is_none_or(|due| now >= due)
+    }
+
+    /// The supervisor's [`Deadline`] for `expiry`: SIGTERM when the loss is due
+    /// ([`kill_budget`](Self::kill_budget) before it), SIGKILL [`kill_grace`](Self::kill_grace)
+    /// later, as the worker's own stop, on the supervisor's clock, where `clock_now` is what
+    /// it reads at `now`.
+    pub fn deadline(&self, expiry: Instant, now: Instant, clock_now: u64) -> Deadline {
+        let left = expiry
+            .checked_sub(self.kill_budget())
+            .map_or(Duration::ZERO, |due| due.saturating_duration_since(now));
+        let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        let term = clock_now.saturating_add(nanos(left));
+        Deadline {
+            term,
+            kill: term.saturating_add(nanos(self.kill_grace())),
+        }
+    }
+}
+
+/// A run's lease as its handler may follow it: the earliest instant it could expire at, moved
+/// by each renewal ([`watch`]'s `expiry`), and its [`Budget`]. The shell executor hands its
+/// [`deadline`](Self::deadline) to the task's supervisor at the start and after each renewal.
+#[derive(Debug, Clone)]
+pub(crate) struct LeaseClock {
+    expiry: watch::Receiver<Instant>,
+    budget: Budget,
+}
+
+tokio::task_local! {
+    /// The lease of the run whose handler's future is being created (see [`with_lease`]).
+    static LEASE: LeaseClock;
+}
+
+impl LeaseClock {
+    /// The clock of a run whose watchdog sends its expiries to `expiry`.
+    pub fn new(expiry: watch::Receiver<Instant>, budget: Budget) -> Self {
+        Self { expiry, budget }
+    }
+
+    /// The supervisor's deadline for the lease as it stands.
+    pub fn deadline(&self) -> Deadline {
+        let expiry = *self.expiry.borrow();
+        self.budget
+            .deadline(expiry, Instant::now(), deadline::now())
+    }
+
+    /// The deadline after the next renewal; `None` once the watchdog has stopped (it renews no
+    /// more).
+    pub async fn renewed(&mut self) -> Option<Deadline> {
+        self.expiry.changed().await.ok()?;
+        Some(self.deadline())
+    }
+}
+
+/// Creates a run's future with its lease at hand ([`current`]): [`TaskContext`] stays as
+/// handlers know it, and only the executors that can hand the lease on read it.
+///
+/// [`TaskContext`]: crate::handler::TaskContext
+pub(crate) fn with_lease<R>(lease: LeaseClock, create: impl FnOnce() -> R) -> R {
+    LEASE.sync_scope(lease, create)
+}
+
+/// The lease of the run being created, if it has one (a handler called directly has none).
+pub(crate) fn current() -> Option<LeaseClock> {
+    LEASE.try_with(Clone::clone).ok()
 }
 
 /// The longest [`Budget::catch_up`]: ample for an end already in a socket to be read (a
@@ -301,6 +379,35 @@ mod tests {
             short.catch_up(expiry, expiry),
             Some(Duration::from_millis(50))
         );
+    }
+
+    #[test]
+    fn the_supervisors_deadline_is_the_watchdogs_stop_on_its_clock() {
+        let b = Budget::new(LEASE);
+        let now = Instant::now();
+        let expiry = now + LEASE;
+        // 3 s lease: SIGTERM 2 s from now, SIGKILL half a second later.
+        let d = b.deadline(expiry, now, 1_000_000_000);
+        assert_eq!(d.term, 3_000_000_000);
+        assert_eq!(d.kill, 3_500_000_000);
+        // A loss already due is due at once.
+        let late = b.deadline(expiry, now + Duration::from_secs(5), 7);
+        assert_eq!(late.term, 7);
+        assert_eq!(late.kill, 500_000_007);
+        let long = Budget::new(Duration::from_secs(300));
+        let d = long.deadline(now + long.lease, now, 0);
+        assert_eq!(d.term, 200_000_000_000);
+        assert_eq!(d.kill, 205_000_000_000, "the grace is at most KILL_GRACE");
+    }
+
+    #[test]
+    fn a_lease_is_given_up_from_the_instant_its_loss_is_due() {
+        let b = Budget::new(LEASE);
+        let expiry = Instant::now() + LEASE;
+        let due = expiry - b.kill_budget();
+        assert!(!b.given_up(expiry, due - Duration::from_millis(1)));
+        assert!(b.given_up(expiry, due));
+        assert!(b.given_up(expiry, expiry + Duration::from_secs(4)));
     }
 
     #[test]

@@ -719,9 +719,14 @@ impl Processor {
         let stop_on_drop = stop_watchdog.drop_guard();
         let ctx = context(env, fence, cancel.clone(), budget.kill_grace());
         self.stats.running.inc();
-        let call =
-            crate::http::with_delivered(delivered.into(), || handler::call_guarded(&*handler, ctx));
-        let stopped = self.call(call, cancel, &lost, expiry, budget).await;
+        // The lease goes along for a shell task's supervisor, which stops the task at the
+        // loss's instant even if this worker is frozen then (docs/design.md#the-task-supervisor).
+        let clock = lease::LeaseClock::new(expiry.clone(), budget);
+        let call = lease::with_lease(clock, || {
+            crate::http::with_delivered(delivered.into(), || handler::call_guarded(&*handler, ctx))
+        });
+        let stopped = self.call(call, cancel, &lost, expiry.clone(), budget).await;
+        let given_up = budget.given_up(*expiry.borrow(), Instant::now());
         if matches!(&stopped, Stopped::Returned(Err(e)) if e.is_panic()) {
             self.stats.panics.inc();
         }
@@ -730,22 +735,9 @@ impl Processor {
             stop: stop_on_drop.disarm(),
             watchdog,
         };
-        match stopped {
-            Stopped::Abandoned => {
-                renewing.stop().await;
-                (RunResult::Abandoned, None)
-            }
-            // A success is recorded even if the lease was lost meanwhile: `done` lands when
-            // the claim is still ours or nobody took it (docs/design.md).
-            Stopped::Returned(Ok(())) => (RunResult::Succeeded, Some(renewing)),
-            Stopped::Returned(Err(e)) if !lost.is_cancelled() => {
-                (RunResult::Failed(e), Some(renewing))
-            }
-            _ => {
-                let lost = renewing.stop().await.unwrap_or(LeaseLost::Taken);
-                (RunResult::LeaseLost(lost), None)
-            }
-        }
+        renewing
+            .settle(stopped, lost.is_cancelled(), given_up)
+            .await
     }
 
     /// Awaits the handler's `call` until it returns, the lease is `lost` or the shutdown grace
@@ -1047,6 +1039,40 @@ struct Renewing {
 }
 
 impl Renewing {
+    /// The result of a run that `stopped`, with the watchdog kept renewing while a result to
+    /// record is recorded. `lost`: the watchdog declared the loss; `given_up`: the loss was due
+    /// when the run stopped ([`lease::Budget::given_up`]).
+    async fn settle(
+        self,
+        stopped: Stopped,
+        lost: bool,
+        given_up: bool,
+    ) -> (RunResult, Option<Renewing>) {
+        match stopped {
+            Stopped::Abandoned => {
+                self.stop().await;
+                (RunResult::Abandoned, None)
+            }
+            // A success is recorded even if the lease was lost meanwhile: `done` lands when
+            // the claim is still ours or nobody took it (docs/design.md).
+            Stopped::Returned(Ok(())) => (RunResult::Succeeded, Some(self)),
+            // A failure once the lease was given up may be the supervisor's stop (the worker
+            // was frozen): the lease's loss, not an attempt, whatever the watchdog says yet.
+            Stopped::Returned(Err(e)) if !lost && !given_up => (RunResult::Failed(e), Some(self)),
+            _ => {
+                let lost = self.stop().await.unwrap_or_else(|| {
+                    if given_up {
+                        let why = "the lease ran out unrenewed (the worker was frozen or starved)";
+                        LeaseLost::Unreachable(why.into())
+                    } else {
+                        LeaseLost::Taken
+                    }
+                });
+                (RunResult::LeaseLost(lost), None)
+            }
+        }
+    }
+
     /// Stops renewing; why the lease was lost, if it was.
     async fn stop(mut self) -> Option<LeaseLost> {
         self.stop.cancel();

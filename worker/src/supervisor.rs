@@ -23,12 +23,20 @@
 //! id) cannot be reused, so no signal ever reaches another process through a stale number.
 //! When the worker's end of the socket closes (the worker exited or died, even by `kill -9`,
 //! alone or with its whole process group: the supervisor is not in it), the supervisor
-//! SIGKILLs every task's group, reaps them and exits: no task outlives its worker. Each step
-//! costs the same with one task running or thousands (a hash map and epoll, no scan).
+//! SIGKILLs every task's group, reaps them and exits: no task outlives its worker.
+//!
+//! It also holds each task's lease deadline ([`deadline`]), sent with the start and moved by
+//! each renewal: a task still running at its stop point gets SIGTERM, then SIGKILL after the
+//! kill grace, from the supervisor itself, so a frozen worker's task is dead before its lease
+//! can be taken over (docs/design.md#the-task-supervisor). A `CLOCK_BOOTTIME` timerfd in the
+//! epoll set wakes it for the next step. Each step costs the same with one task running or
+//! thousands (a hash map, an ordered set and epoll, no scan).
 
+pub mod deadline;
 pub mod link;
 pub mod wire;
 
+use deadline::{Deadlines, Stop};
 use nix::spawn::{PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags};
 use nix::sys::prctl;
 use nix::sys::signal::{SigSet, Signal};
@@ -41,6 +49,10 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 use rustix::process::{Pid, PidfdFlags, WaitId, WaitIdOptions};
+use rustix::time::{
+    timerfd_create, timerfd_settime, Itimerspec, TimerfdClockId, TimerfdFlags, TimerfdTimerFlags,
+    Timespec,
+};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, OsString};
 use std::io::{IoSlice, IoSliceMut};
@@ -58,8 +70,11 @@ pub const USAGE: i32 = 2;
 /// The largest request the supervisor reads (a start with its whole environment).
 pub const MAX_MESSAGE: usize = 256 * 1024;
 
-/// The epoll token of the socket; every other token is a task's id.
+/// The epoll token of the socket; every token but these two is a task's id (ids count up
+/// from 1).
 const SOCKET: u64 = u64::MAX;
+/// The epoll token of the deadline timer.
+const TIMER: u64 = u64::MAX - 1;
 
 /// Runs the supervisor on its command line (program name first) and returns its exit code.
 pub fn run(args: impl IntoIterator<Item = OsString>) -> i32 {
@@ -110,6 +125,9 @@ struct Supervisor {
     socket: OwnedFd,
     epoll: OwnedFd,
     tasks: HashMap<u64, Task>,
+    /// The tasks' lease deadlines, and the timer armed for the next step due.
+    deadlines: Deadlines,
+    timer: OwnedFd,
 }
 
 impl Supervisor {
@@ -123,16 +141,24 @@ impl Supervisor {
         )?;
         rustix::stdio::dup2_stdin(&null)?;
         let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
-        epoll::add(
-            &epoll,
-            &socket,
-            epoll::EventData::new_u64(SOCKET),
-            epoll::EventFlags::IN,
+        let timer = timerfd_create(
+            TimerfdClockId::Boottime,
+            TimerfdFlags::CLOEXEC | TimerfdFlags::NONBLOCK,
         )?;
+        for (fd, token) in [(&socket, SOCKET), (&timer, TIMER)] {
+            epoll::add(
+                &epoll,
+                fd,
+                epoll::EventData::new_u64(token),
+                epoll::EventFlags::IN,
+            )?;
+        }
         Ok(Self {
             socket,
             epoll,
             tasks: HashMap::new(),
+            deadlines: Deadlines::default(),
+            timer,
         })
     }
 
@@ -152,11 +178,13 @@ impl Supervisor {
                 Err(e) => return Err(e.into()),
             }
             for event in events.drain(..) {
-                let token = event.data.u64();
-                let served = if token == SOCKET {
-                    self.read_requests(&mut buf)
-                } else {
-                    self.reap(token)
+                let served = match event.data.u64() {
+                    SOCKET => self.read_requests(&mut buf),
+                    TIMER => {
+                        self.stop_overdue();
+                        Ok(())
+                    }
+                    id => self.reap(id),
                 };
                 // However the worker's end went (read or written), no task outlives it.
                 if let Err(e) = served {
@@ -167,7 +195,45 @@ impl Supervisor {
                     };
                 }
             }
+            // A timer that cannot be set could not stop a task at its deadline: none stays.
+            if let Err(e) = self.arm() {
+                self.kill_all();
+                return Err(e);
+            }
         }
+    }
+
+    /// Signals every task whose deadline's next step is due (the timer fired).
+    fn stop_overdue(&mut self) {
+        // Read to clear its readiness; nothing to read means a re-arm overtook the expiry.
+        let mut expirations = [0u8; 8];
+        let _ = rustix::io::read(&self.timer, &mut expirations);
+        while let Some((id, stop)) = self.deadlines.poll(deadline::now()) {
+            let signal = match stop {
+                Stop::Term => rustix::process::Signal::TERM,
+                Stop::Kill => rustix::process::Signal::KILL,
+            };
+            // Only a registered task's: its leader is unreaped, its pid still its group's.
+            if let Some(task) = self.tasks.get(&id) {
+                let _ = rustix::process::kill_process_group(task.pid, signal);
+            }
+        }
+    }
+
+    /// Sets the timer to the next deadline step due (an absolute time), or disarms it.
+    fn arm(&self) -> std::io::Result<()> {
+        // All zero disarms the timer: a step is never due at 0 (the clock counts from boot).
+        let at = self.deadlines.next_at().map_or(0, |at| at.max(1));
+        let timespec = |ns: u64| Timespec {
+            tv_sec: (ns / 1_000_000_000) as i64,
+            tv_nsec: (ns % 1_000_000_000) as i64,
+        };
+        let spec = Itimerspec {
+            it_interval: timespec(0),
+            it_value: timespec(at),
+        };
+        timerfd_settime(&self.timer, TimerfdTimerFlags::ABSTIME, &spec)?;
+        Ok(())
     }
 
     /// Handles every request waiting on the socket.
@@ -222,6 +288,12 @@ impl Supervisor {
                         let _ = rustix::process::kill_process_group(task.pid, signal);
                     }
                 }
+                Ok(Request::Deadline { id, deadline }) => {
+                    // A task reaped already has its `Exited` on the way: nothing to hold.
+                    if self.tasks.contains_key(&id) {
+                        self.deadlines.hold(id, deadline);
+                    }
+                }
                 Ok(Request::Census { id }) => {
                     self.send(
                         Reply::Census {
@@ -272,6 +344,9 @@ impl Supervisor {
             return failed(errno);
         }
         self.tasks.insert(start.id, Task { pid, pidfd });
+        if let Some(deadline) = start.deadline {
+            self.deadlines.hold(start.id, deadline);
+        }
         Reply::Started {
             id: start.id,
             pid: pid.as_raw_nonzero().get(),
@@ -283,6 +358,7 @@ impl Supervisor {
         let Some(task) = self.tasks.remove(&id) else {
             return Ok(());
         };
+        self.deadlines.forget(id);
         let _ = rustix::process::kill_process_group(task.pid, rustix::process::Signal::KILL);
         let status = wait(&task.pidfd);
         // Out of the epoll set by hand: closing our pidfd would not do it while the worker

@@ -263,6 +263,69 @@ fn supervisor_pids() -> Vec<i32> {
         .collect()
 }
 
+/// The supervisor stops a task at its lease deadline on its own, with no word from the worker
+/// (issue 33: a frozen worker cannot stop its task): SIGTERM at `term`, and SIGKILL at `kill`
+/// for a task that ignores SIGTERM; a renewal moves the deadline later.
+#[test]
+fn the_supervisor_stops_a_task_at_its_deadline_on_its_own() {
+    use drumline_worker::supervisor::deadline;
+    use drumline_worker::supervisor::wire::{Deadline, Status};
+    serial(async {
+        let program = Path::new(SUPERVISOR);
+        let ms_from_now = |ms: u64| deadline::now() + ms * 1_000_000;
+        let start = |script: &str, deadline: Deadline| {
+            let pipe = || rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+            let ((stdin, _), (_, stderr)) = (pipe(), pipe());
+            let argv = ["/bin/sh", "-c", script].map(|a| std::ffi::CString::new(a).unwrap());
+            let spec = Spec {
+                argv: argv.to_vec(),
+                env: vec![c"PATH=/usr/bin:/bin".to_owned()],
+                stdin,
+                stderr,
+                stdout: None,
+                deadline: Some(deadline),
+            };
+            link::start(program, spec)
+        };
+
+        let began = std::time::Instant::now();
+        let deadline = Deadline {
+            term: ms_from_now(300),
+            kill: ms_from_now(600),
+        };
+        let mut stubborn = start("trap '' TERM; sleep 60", deadline).await.unwrap();
+        let status = tokio::time::timeout(Duration::from_secs(5), stubborn.wait()).await;
+        assert_eq!(status.unwrap().unwrap(), Status::Signal(9));
+        assert!(
+            began.elapsed() >= Duration::from_millis(550),
+            "{:?}",
+            began.elapsed()
+        );
+
+        let began = std::time::Instant::now();
+        let deadline = Deadline {
+            term: ms_from_now(300),
+            kill: ms_from_now(5_000),
+        };
+        let mut renewed = start("sleep 60", deadline).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        renewed
+            .hold_until(Deadline {
+                term: ms_from_now(700),
+                kill: ms_from_now(5_000),
+            })
+            .await;
+        let status = tokio::time::timeout(Duration::from_secs(5), renewed.wait()).await;
+        assert_eq!(status.unwrap().unwrap(), Status::Signal(15));
+        let took = began.elapsed();
+        assert!(took >= Duration::from_millis(750), "not moved: {took:?}");
+        assert!(
+            took < Duration::from_secs(4),
+            "killed, not terminated: {took:?}"
+        );
+    });
+}
+
 /// CPU clock ticks (user + system) a process has used; `None` once it is gone.
 fn cpu_ticks(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -288,6 +351,7 @@ fn an_idle_supervisor_uses_no_cpu() {
                 stdin,
                 stderr,
                 stdout: None,
+                deadline: None,
             };
             let mut task = link::start(program, spec).await.unwrap();
             task.wait().await.unwrap();
@@ -355,6 +419,7 @@ fn a_supervisor_whose_report_cannot_be_sent_still_kills_its_tasks() {
         let request = Request::Start(Start {
             id,
             stdout: false,
+            deadline: None,
             argv,
             env: vec![c"PATH=/usr/bin:/bin".to_owned()],
         });

@@ -10,7 +10,7 @@
 //! finds the socket full waits for room in the run's own task (a kill from a `Drop` is sent
 //! from a task of its own then).
 
-use super::wire::{Reply, Request, Start, Status};
+use super::wire::{Deadline, Reply, Request, Start, Status};
 use drumline_shared::config::{ENV_AMQP_URL, ENV_REDIS_URL};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::net::{
@@ -38,6 +38,9 @@ pub struct Spec {
     pub stdin: OwnedFd,
     pub stderr: OwnedFd,
     pub stdout: Option<OwnedFd>,
+    /// When the supervisor stops the task on its own (its lease's stop point), unless
+    /// [`Task::hold_until`] moves it.
+    pub deadline: Option<Deadline>,
 }
 
 /// The supervisor went away while the task ran (it was killed, or the link broke and the worker
@@ -325,6 +328,7 @@ pub async fn start(program: &Path, spec: Spec) -> Result<Task, StartError> {
     let request = Request::Start(Start {
         id: registration.id,
         stdout: spec.stdout.is_some(),
+        deadline: spec.deadline,
         argv: spec.argv,
         env: spec.env,
     });
@@ -386,6 +390,16 @@ impl Task {
         let request = Request::Signal {
             id: self.registration.id,
             signal: signal.as_raw(),
+        };
+        let _ = self.registration.link.send(&request, &[]).await;
+    }
+
+    /// Moves the task's deadline (its lease was renewed): the supervisor stops it then unless
+    /// it is moved again. Ignored once the supervisor began stopping it.
+    pub async fn hold_until(&self, deadline: Deadline) {
+        let request = Request::Deadline {
+            id: self.registration.id,
+            deadline,
         };
         let _ = self.registration.link.send(&request, &[]).await;
     }

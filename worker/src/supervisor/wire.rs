@@ -19,6 +19,21 @@ pub enum Request {
     Signal { id: u64, signal: i32 },
     /// How many tasks are registered (answered with a `Census` of the same id).
     Census { id: u64 },
+    /// Task `id`'s lease was renewed: its stop moves to `deadline` (an unknown id, or a task
+    /// whose stop has begun, is left as it is).
+    Deadline { id: u64, deadline: Deadline },
+}
+
+/// When the supervisor stops a task on its own, whatever the worker does (it may be frozen):
+/// SIGTERM to its group at `term`, SIGKILL at `kill`, both in nanoseconds on `CLOCK_BOOTTIME`
+/// (one clock for every process of the host, counting a suspend). The worker derives them from
+/// the run's lease (docs/design.md#the-task-supervisor).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadline {
+    /// SIGTERM to the group from then on.
+    pub term: u64,
+    /// SIGKILL to the group from then on (the worker's kill grace after `term`).
+    pub kill: u64,
 }
 
 /// A task to start.
@@ -29,6 +44,9 @@ pub struct Start {
     /// Whether a stdout descriptor comes with the message (else the task writes to the
     /// supervisor's own stdout, the worker's).
     pub stdout: bool,
+    /// When the task is stopped unless a renewal moves it ([`Request::Deadline`]); `None` for
+    /// a run without a lease (a handler called directly).
+    pub deadline: Option<Deadline>,
     /// The command; a program without a `/` is looked for on the `PATH` of `env`.
     pub argv: Vec<CString>,
     /// The task's whole environment, `NAME=value` each.
@@ -66,12 +84,16 @@ impl Request {
         match self {
             Request::Start(start) => {
                 let mut fields: Vec<&[u8]> =
-                    Vec::with_capacity(4 + start.argv.len() + start.env.len());
+                    Vec::with_capacity(5 + start.argv.len() + start.env.len());
                 let (id, argc) = (start.id.to_string(), start.argv.len().to_string());
+                let deadline = start
+                    .deadline
+                    .map_or("-".to_owned(), |d| format!("{}/{}", d.term, d.kill));
                 fields.extend([
                     b"start".as_slice(),
                     id.as_bytes(),
                     if start.stdout { b"1" } else { b"0" },
+                    deadline.as_bytes(),
                     argc.as_bytes(),
                 ]);
                 fields.extend(start.argv.iter().map(|a| a.as_bytes()));
@@ -84,6 +106,12 @@ impl Request {
                 signal.to_string().as_bytes(),
             ]),
             Request::Census { id } => join(&[b"census", id.to_string().as_bytes()]),
+            Request::Deadline { id, deadline } => join(&[
+                b"deadline",
+                id.to_string().as_bytes(),
+                deadline.term.to_string().as_bytes(),
+                deadline.kill.to_string().as_bytes(),
+            ]),
         }
     }
 
@@ -97,6 +125,20 @@ impl Request {
                     Some(b"1") => true,
                     _ => return Err(Malformed("stdout flag")),
                 };
+                let deadline = match fields.next() {
+                    Some(b"-") => None,
+                    Some(field) => {
+                        let (term, kill) = std::str::from_utf8(field)
+                            .ok()
+                            .and_then(|f| f.split_once('/'))
+                            .ok_or(Malformed("deadline"))?;
+                        Some(Deadline {
+                            term: number(Some(term.as_bytes()))?,
+                            kill: number(Some(kill.as_bytes()))?,
+                        })
+                    }
+                    None => return Err(Malformed("deadline")),
+                };
                 let argc: usize = number(fields.next())?;
                 let rest: Vec<CString> = fields
                     .map(|f| CString::new(f).expect("split at NUL"))
@@ -109,6 +151,7 @@ impl Request {
                 Ok(Request::Start(Start {
                     id,
                     stdout,
+                    deadline,
                     argv,
                     env,
                 }))
@@ -119,6 +162,13 @@ impl Request {
             }),
             Some(b"census") => Ok(Request::Census {
                 id: number(fields.next())?,
+            }),
+            Some(b"deadline") => Ok(Request::Deadline {
+                id: number(fields.next())?,
+                deadline: Deadline {
+                    term: number(fields.next())?,
+                    kill: number(fields.next())?,
+                },
             }),
             _ => Err(Malformed("unknown request")),
         }
@@ -217,6 +267,10 @@ mod tests {
         let start = Request::Start(Start {
             id: 7,
             stdout: true,
+            deadline: Some(Deadline {
+                term: 12_000_000_000,
+                kill: 12_500_000_000,
+            }),
             argv: vec![c("/bin/sh"), c("-c"), c("echo a=b; exit 3")],
             env: vec![c("PATH=/usr/bin"), c("EMPTY="), c("DRUMLINE_KEY=k:1")],
         });
@@ -224,6 +278,7 @@ mod tests {
         let no_env = Request::Start(Start {
             id: 1,
             stdout: false,
+            deadline: None,
             argv: vec![c("true")],
             env: vec![],
         });
@@ -234,6 +289,13 @@ mod tests {
                 signal: 15,
             },
             Request::Census { id: 9 },
+            Request::Deadline {
+                id: 9,
+                deadline: Deadline {
+                    term: 1,
+                    kill: u64::MAX,
+                },
+            },
         ] {
             assert_eq!(Request::decode(&request.encode()), Ok(request));
         }
@@ -259,9 +321,12 @@ mod tests {
         for bad in [
             &b""[..],
             b"start",
-            b"start\x001\x002\x001\x00true",
-            b"start\x001\x000\x000",
+            b"start\x001\x002\x00-\x001\x00true",
+            b"start\x001\x000\x00-\x000",
+            b"start\x001\x000\x005\x001\x00true",
+            b"start\x001\x000\x00x/5\x001\x00true",
             b"signal\x00x\x009",
+            b"deadline\x001\x005",
             b"launch\x001",
         ] {
             assert!(Request::decode(bad).is_err(), "{bad:?}");
