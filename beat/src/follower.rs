@@ -1,9 +1,13 @@
 //! `after` jobs (docs/design.md#job-dependencies): the leader publishes a follower's instance
 //! for instant T once its upstream's instance for T is `done`, and records it `skipped`
-//! (reason `upstream`) once that instance is dead, skipped or expired, or `after_timeout` has
-//! passed after T without a success.
+//! (reason `upstream`) once that instance is dead, skipped or expired, was never published
+//! (paused, dropped by the misfire policy), or `after_timeout` has passed without a success.
+//! Expiry and `after_timeout` count from T's jittered time: T plus the root's jitter offset
+//! (docs/design.md#jitter), when the root's instance is published.
 //!
-//! Nothing here is remembered only in memory: what to do for T is decided from the upstream's
+//! Nothing here is remembered only in memory but the upstream instants this term dropped (a
+//! new leader that does not know of them skips their followers at the expiry or the timeout
+//! instead): what to do for T is decided from the upstream's
 //! run record in Redis (written by the worker's own outcome script) and the clock, and the
 //! follower's progress `{ns}:beat:last:{job}` moves past T only after the follower's message was
 //! confirmed or its skip written. A leader killed anywhere in between leaves T undecided for
@@ -15,9 +19,10 @@
 //! moves ([`settled_up_to`]) are pure; [`step`] carries them out.
 
 use crate::leader::Term;
+use crate::misfire::{Dropped, Plan};
 use crate::publisher::Publisher;
 use crate::stats::BeatStats;
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, TimeDelta, Utc};
 use drumline_shared::broker::BrokerError;
 use drumline_shared::config::{Config, Job};
 use drumline_shared::envelope::{format_instant, instance_key, Envelope};
@@ -55,6 +60,8 @@ pub enum Why {
     Skipped,
     /// The upstream's instance expired before it ran.
     Expired,
+    /// The leader did not publish the upstream's instance (paused, misfire policy, expired).
+    NotPublished(Dropped),
     /// `after_timeout` passed without a success.
     TimedOut,
     /// The follower itself is paused.
@@ -76,6 +83,12 @@ impl Why {
             Why::Dead => format!("upstream {upstream_key} is dead"),
             Why::Skipped => format!("upstream {upstream_key} was skipped"),
             Why::Expired => format!("upstream {upstream_key} expired"),
+            Why::NotPublished(why) => {
+                format!(
+                    "upstream {upstream_key} was not published: {}",
+                    why.reason()
+                )
+            }
             Why::TimedOut => format!(
                 "upstream {upstream_key} did not succeed within after_timeout ({})",
                 drumline_shared::duration::format(timeout)
@@ -85,21 +98,31 @@ impl Why {
     }
 }
 
-/// The follower's instance for `instant` from the upstream's run `state` (`None`: no record)
-/// at `now`, given the follower's `timeout` and the upstream's `expires`.
-pub fn decide(
-    state: Option<&str>,
-    instant: DateTime<Utc>,
-    now: DateTime<Utc>,
-    timeout: Duration,
-    upstream_expires: Option<Duration>,
-) -> Follow {
-    let passed = |d: Duration| chrono::Duration::from_std(d).is_ok_and(|d| now >= instant + d);
-    match state {
-        Some("done") => Follow::Publish,
-        Some("dead") => Follow::Skip(Why::Dead),
-        Some("skipped") => Follow::Skip(Why::Skipped),
-        None if upstream_expires.is_some_and(|e| passed(e + EXPIRY_MARGIN)) => {
+/// What is known of an upstream's instance for one instant.
+#[derive(Debug, Clone, Copy)]
+pub struct Upstream<'a> {
+    /// Its run state (`None`: no record).
+    pub state: Option<&'a str>,
+    /// When it is due: the instant plus the root's jitter offset (docs/design.md#jitter).
+    pub due: DateTime<Utc>,
+    /// The upstream's `expires`, counted from `due`.
+    pub expires: Option<Duration>,
+    /// Why this term's leader did not publish it, if it dropped it.
+    pub dropped: Option<Dropped>,
+}
+
+/// The follower's instance for the `upstream`'s instance at `now`, given the follower's
+/// `timeout` (counted from the upstream's `due`).
+pub fn decide(upstream: Upstream<'_>, now: DateTime<Utc>, timeout: Duration) -> Follow {
+    let due = upstream.due;
+    let passed = |d: Duration| TimeDelta::from_std(d).is_ok_and(|d| now >= due + d);
+    match (upstream.state, upstream.dropped) {
+        (Some("done"), _) => Follow::Publish,
+        (Some("dead"), _) => Follow::Skip(Why::Dead),
+        (Some("skipped"), _) => Follow::Skip(Why::Skipped),
+        // Never published: nothing will run it (a backfill later runs it alone).
+        (None, Some(why)) => Follow::Skip(Why::NotPublished(why)),
+        (None, None) if upstream.expires.is_some_and(|e| passed(e + EXPIRY_MARGIN)) => {
             Follow::Skip(Why::Expired)
         }
         _ if passed(timeout) => Follow::Skip(Why::TimedOut),
@@ -151,38 +174,74 @@ pub fn settled_up_to(
     last
 }
 
-/// What a leader knows about its followers for its term: each follower's upstream, and the
+/// A follower's link: indexes into the config's jobs, and its root's jitter offset.
+#[derive(Debug, Clone, Copy)]
+struct Link {
+    follower: usize,
+    upstream: usize,
+    /// How late the root publishes each instant: expiry and timeouts count from then.
+    offset: TimeDelta,
+}
+
+/// Instants of an upstream this term's leader dropped: `first..=last` of its schedule.
+#[derive(Debug, Clone, Copy)]
+struct DroppedSpan {
+    first: DateTime<Utc>,
+    last: DateTime<Utc>,
+    why: Dropped,
+}
+
+/// What a leader knows about its followers for its term: each follower's upstream, the
 /// instants decided beyond its persisted progress (an instant held back by an older one still
-/// waiting). Rebuilt for a new term or a reloaded config; losing it costs at most a duplicate
-/// publish.
+/// waiting), and the upstream instants it dropped. Rebuilt for a new term or a reloaded
+/// config; losing it costs at most a duplicate publish, or a skip that waits for the expiry
+/// or the timeout.
 #[derive(Debug, Default)]
 pub struct Followers {
-    /// (follower, its upstream), as indexes into the config's jobs.
-    links: Vec<(usize, usize)>,
+    links: Vec<Link>,
+    /// The jobs some job follows.
+    upstreams: HashSet<usize>,
     decided: HashMap<usize, BTreeSet<DateTime<Utc>>>,
+    /// Per upstream, what it dropped that a follower may not have decided yet.
+    dropped: HashMap<usize, Vec<DroppedSpan>>,
 }
 
 impl Followers {
     /// The followers of `config` (none when no job has `after`).
     pub fn new(config: &Config) -> Self {
-        let mut links = Vec::new();
-        if config.jobs.iter().any(|j| j.after.is_some()) {
-            let index: HashMap<&str, usize> = config
-                .jobs
-                .iter()
-                .enumerate()
-                .map(|(i, j)| (j.name.as_str(), i))
-                .collect();
-            for (i, job) in config.jobs.iter().enumerate() {
-                if let Some(up) = job.after.as_ref().and_then(|a| index.get(&*a.upstream)) {
-                    links.push((i, *up));
-                }
+        let mut followers = Followers::default();
+        if config.jobs.iter().all(|j| j.after.is_none()) {
+            return followers;
+        }
+        let index: HashMap<&str, usize> = config
+            .jobs
+            .iter()
+            .enumerate()
+            .map(|(i, j)| (j.name.as_str(), i))
+            .collect();
+        let upstream_of = |i: usize| -> Option<usize> {
+            index
+                .get(&*config.jobs[i].after.as_ref()?.upstream)
+                .copied()
+        };
+        for follower in 0..config.jobs.len() {
+            let Some(upstream) = upstream_of(follower) else {
+                continue;
+            };
+            // The checked config has no cycles: the walk ends at the root.
+            let mut root = upstream;
+            while let Some(up) = upstream_of(root) {
+                root = up;
             }
+            let offset = config.jobs[root].jitter_offset();
+            followers.links.push(Link {
+                follower,
+                upstream,
+                offset,
+            });
+            followers.upstreams.insert(upstream);
         }
-        Followers {
-            links,
-            decided: HashMap::new(),
-        }
+        followers
     }
 
     /// Whether any job follows another.
@@ -192,15 +251,70 @@ impl Followers {
 
     /// The followers' job indexes.
     pub fn jobs(&self) -> impl Iterator<Item = usize> + '_ {
-        self.links.iter().map(|(f, _)| *f)
+        self.links.iter().map(|l| l.follower)
+    }
+
+    /// Notes the instants `job`'s `plan` drops (it publishes none of them), when some job
+    /// follows it: their followers are skipped at the next step.
+    pub fn upstream_dropped(&mut self, job: usize, plan: &Plan) {
+        if !self.upstreams.contains(&job) {
+            return;
+        }
+        let spans = self.dropped.entry(job).or_default();
+        for (t, why) in &plan.dropped {
+            spans.push(DroppedSpan {
+                first: *t,
+                last: *t,
+                why: *why,
+            });
+        }
+        let more = &plan.unlisted;
+        if let (Some(first), Some(last)) = (more.first, more.last) {
+            // Past the counted ones, a long cron walk drops up to `dropped_up_to` uncounted.
+            let last = plan.dropped_up_to.map_or(last, |d| d.max(last));
+            let why = more.reasons.first().map_or(Dropped::PastGrace, |r| r.0);
+            spans.push(DroppedSpan { first, last, why });
+        }
+    }
+
+    /// Why `upstream`'s instance at `instant` was dropped, if this term dropped it.
+    fn dropped(&self, upstream: usize, instant: DateTime<Utc>) -> Option<Dropped> {
+        let spans = self.dropped.get(&upstream)?;
+        spans
+            .iter()
+            .find(|s| s.first <= instant && instant <= s.last)
+            .map(|s| s.why)
+    }
+
+    /// Forgets the drops every follower of their upstream has moved past.
+    fn forget_dropped(&mut self, last: impl Fn(usize) -> DateTime<Utc>) {
+        let mut oldest: HashMap<usize, DateTime<Utc>> = HashMap::new();
+        for link in &self.links {
+            let at = last(link.follower);
+            oldest
+                .entry(link.upstream)
+                .and_modify(|o| *o = (*o).min(at))
+                .or_insert(at);
+        }
+        for (upstream, spans) in &mut self.dropped {
+            let settled = oldest.get(upstream).copied();
+            spans.retain(|s| settled.is_some_and(|o| s.last > o));
+        }
+        self.dropped.retain(|_, spans| !spans.is_empty());
     }
 }
 
 /// One follower instance under decision.
 struct Pending {
-    job: usize,
-    upstream: usize,
+    link: Link,
     instant: DateTime<Utc>,
+}
+
+impl Pending {
+    /// When the instant is due: published by its root (docs/design.md#jitter).
+    fn due(&self) -> DateTime<Utc> {
+        self.instant + self.link.offset
+    }
 }
 
 /// What [`step`] needs of the beat.
@@ -229,29 +343,58 @@ pub async fn step(
 ) -> Result<Vec<(usize, DateTime<Utc>)>, BrokerError> {
     let now = ctx.term.now();
     let mut pending = Vec::new();
-    for (job, upstream) in followers.links.clone() {
+    for link in followers.links.clone() {
+        let job = link.follower;
         let decided = followers.decided.entry(job).or_default();
         for instant in candidates(&jobs[job].schedule, last(job), decided, now, PER_STEP) {
-            pending.push(Pending {
-                job,
-                upstream,
-                instant,
-            });
+            pending.push(Pending { link, instant });
         }
     }
     if !pending.is_empty() {
         decide_pending(jobs, followers, &pending, now, ctx).await?;
     }
     let mut moved = Vec::new();
-    for (job, _) in &followers.links {
-        let from = last(*job);
-        let decided = followers.decided.entry(*job).or_default();
-        let to = settled_up_to(&jobs[*job].schedule, from, decided);
+    for link in &followers.links {
+        let (job, from) = (link.follower, last(link.follower));
+        let decided = followers.decided.entry(job).or_default();
+        let to = settled_up_to(&jobs[job].schedule, from, decided);
         if to > from {
-            moved.push((*job, to));
+            moved.push((job, to));
         }
     }
+    followers.forget_dropped(|job| {
+        moved
+            .iter()
+            .find(|(j, _)| *j == job)
+            .map_or_else(|| last(job), |(_, to)| *to)
+    });
     Ok(moved)
+}
+
+/// What to do with `p` now, its upstream's run state being `state`.
+fn judge(
+    jobs: &[Job],
+    followers: &Followers,
+    p: &Pending,
+    state: Option<&str>,
+    (now, paused): (DateTime<Utc>, &HashSet<String>),
+) -> Follow {
+    let job = &jobs[p.link.follower];
+    if paused.contains(&job.name) {
+        return Follow::Skip(Why::Paused);
+    }
+    let upstream = Upstream {
+        state,
+        due: p.due(),
+        expires: jobs[p.link.upstream].spec.expires,
+        dropped: followers.dropped(p.link.upstream, p.instant),
+    };
+    decide(upstream, now, timeout_of(job))
+}
+
+/// A follower's `after_timeout`.
+fn timeout_of(job: &Job) -> Duration {
+    job.after.as_ref().map_or(Duration::ZERO, |a| a.timeout)
 }
 
 /// Reads the upstream records of `pending`, then publishes what may run and records what is
@@ -265,7 +408,7 @@ async fn decide_pending(
 ) -> Result<(), BrokerError> {
     let keys: Vec<String> = pending
         .iter()
-        .map(|p| instance_key(&jobs[p.upstream].name, p.instant))
+        .map(|p| instance_key(&jobs[p.link.upstream].name, p.instant))
         .collect();
     let states = match ctx.store.run_states(&keys).await {
         Ok(states) => states,
@@ -277,20 +420,8 @@ async fn decide_pending(
     let mut publish = Vec::new();
     let mut skip = Vec::new();
     for ((p, state), key) in pending.iter().zip(&states).zip(&keys) {
-        let job = &jobs[p.job];
-        let timeout = job.after.as_ref().map_or(Duration::ZERO, |a| a.timeout);
-        let follow = if ctx.paused.contains(&job.name) {
-            Follow::Skip(Why::Paused)
-        } else {
-            decide(
-                state.as_deref(),
-                p.instant,
-                now,
-                timeout,
-                jobs[p.upstream].spec.expires,
-            )
-        };
-        match follow {
+        let timeout = timeout_of(&jobs[p.link.follower]);
+        match judge(jobs, followers, p, state.as_deref(), (now, ctx.paused)) {
             Follow::Publish => publish.push(p),
             Follow::Skip(why) => skip.push((p, why.reason(), why.detail(key, timeout))),
             Follow::Wait => {}
@@ -326,12 +457,13 @@ async fn publish_followers(
     let envelopes: Vec<Envelope> = which
         .iter()
         .map(|p| {
-            let job = &jobs[p.job];
+            let job = &jobs[p.link.follower];
+            // `expires` counts from the instant's jittered time, as the root's does.
             let expires_at = job
                 .spec
                 .expires
-                .and_then(|e| chrono::Duration::from_std(e).ok())
-                .map(|e| p.instant + e);
+                .and_then(|e| TimeDelta::from_std(e).ok())
+                .map(|e| p.due() + e);
             let (name, task, queue) = (&job.name, &job.spec.task, &job.spec.queue);
             Envelope::scheduled(
                 name,
@@ -356,14 +488,14 @@ async fn publish_followers(
         }
     };
     for ((p, env), outcome) in which.iter().zip(&envelopes).zip(outcomes) {
-        let job = &jobs[p.job].name;
+        let job = &jobs[p.link.follower].name;
         match outcome {
             Ok(()) => {
                 stats.published(job);
                 info!(job = %job, key = %env.key, "published (its upstream succeeded)");
                 followers
                     .decided
-                    .entry(p.job)
+                    .entry(p.link.follower)
                     .or_default()
                     .insert(p.instant);
             }
@@ -384,7 +516,7 @@ async fn skip_one(
     (reason, detail): (&str, String),
     ctx: &Ctx<'_>,
 ) {
-    let job = &jobs[p.job].name;
+    let job = &jobs[p.link.follower].name;
     let key = instance_key(job, p.instant);
     let record = RunRecord {
         key: key.clone(),
@@ -406,14 +538,14 @@ async fn skip_one(
             info!(job = %job, key = %key, reason, detail = %detail, "skipped");
             followers
                 .decided
-                .entry(p.job)
+                .entry(p.link.follower)
                 .or_default()
                 .insert(p.instant);
         }
         Ok(Skipped::Known) => {
             followers
                 .decided
-                .entry(p.job)
+                .entry(p.link.follower)
                 .or_default()
                 .insert(p.instant);
         }
@@ -442,50 +574,128 @@ mod tests {
 
     const S: fn(u64) -> Duration = Duration::from_secs;
 
+    /// The upstream's instance at `t` in `state`, due at `t` (no jitter), with `expires`.
+    fn up(state: Option<&str>, t: DateTime<Utc>, expires: Option<Duration>) -> Upstream<'_> {
+        Upstream {
+            state,
+            due: t,
+            expires,
+            dropped: None,
+        }
+    }
+
     #[test]
     fn a_success_publishes_a_failure_skips_and_the_rest_waits_until_the_timeout() {
         let t = at(10);
-        assert_eq!(decide(Some("done"), t, at(59), S(5), None), Follow::Publish);
+        let decide_at = |state, now| decide(up(state, t, None), now, S(5));
+        assert_eq!(decide_at(Some("done"), at(59)), Follow::Publish);
+        assert_eq!(decide_at(Some("dead"), at(10)), Follow::Skip(Why::Dead));
         assert_eq!(
-            decide(Some("dead"), t, at(10), S(5), None),
-            Follow::Skip(Why::Dead)
-        );
-        assert_eq!(
-            decide(Some("skipped"), t, at(10), S(5), None),
+            decide_at(Some("skipped"), at(10)),
             Follow::Skip(Why::Skipped)
         );
         for state in [None, Some("running"), Some("retrying")] {
+            assert_eq!(decide_at(state, at(14)), Follow::Wait, "{state:?}");
             assert_eq!(
-                decide(state, t, at(14), S(5), None),
-                Follow::Wait,
-                "{state:?}"
-            );
-            assert_eq!(
-                decide(state, t, at(15), S(5), None),
+                decide_at(state, at(15)),
                 Follow::Skip(Why::TimedOut),
                 "{state:?}"
             );
         }
         // A success that comes late still runs the follower if it is seen first.
-        assert_eq!(decide(Some("done"), t, at(50), S(5), None), Follow::Publish);
+        assert_eq!(decide_at(Some("done"), at(50)), Follow::Publish);
     }
 
     #[test]
     fn an_upstream_that_expired_unrun_skips_before_the_timeout() {
         let t = at(10);
         // expires 3 s: no record 5 s (3 + margin) after the instant means it never ran.
-        assert_eq!(decide(None, t, at(14), S(60), Some(S(3))), Follow::Wait);
+        let three = Some(S(3));
+        assert_eq!(decide(up(None, t, three), at(14), S(60)), Follow::Wait);
         assert_eq!(
-            decide(None, t, at(15), S(60), Some(S(3))),
+            decide(up(None, t, three), at(15), S(60)),
             Follow::Skip(Why::Expired)
         );
         // A run that started before its deadline is waited for.
         assert_eq!(
-            decide(Some("running"), t, at(15), S(60), Some(S(3))),
+            decide(up(Some("running"), t, three), at(15), S(60)),
             Follow::Wait
         );
         assert_eq!(Why::Expired.reason(), "upstream");
         assert_eq!(Why::Paused.reason(), "paused");
+    }
+
+    #[test]
+    fn expiry_and_timeout_count_from_the_jittered_time() {
+        // Instant 10, published 8 s late: neither a 3 s expiry nor a 5 s timeout has passed
+        // 2 s after the instant was due.
+        let jittered = |state| Upstream {
+            due: at(18),
+            ..up(state, at(10), Some(S(3)))
+        };
+        assert_eq!(decide(jittered(None), at(20), S(5)), Follow::Wait);
+        assert_eq!(
+            decide(jittered(None), at(23), S(60)),
+            Follow::Skip(Why::Expired)
+        );
+        assert_eq!(
+            decide(jittered(Some("running")), at(22), S(5)),
+            Follow::Wait
+        );
+        assert_eq!(
+            decide(jittered(Some("running")), at(23), S(5)),
+            Follow::Skip(Why::TimedOut)
+        );
+    }
+
+    #[test]
+    fn an_upstream_instance_the_leader_dropped_skips_at_once_unless_it_ran() {
+        let dropped = |state| Upstream {
+            dropped: Some(Dropped::Paused),
+            ..up(state, at(10), None)
+        };
+        let skip = Follow::Skip(Why::NotPublished(Dropped::Paused));
+        assert_eq!(decide(dropped(None), at(10), S(60)), skip);
+        assert_eq!(Why::NotPublished(Dropped::Paused).reason(), "upstream");
+        // A backfill ran it meanwhile: its record decides.
+        assert_eq!(
+            decide(dropped(Some("done")), at(10), S(60)),
+            Follow::Publish
+        );
+        assert_eq!(
+            decide(dropped(Some("running")), at(10), S(60)),
+            Follow::Wait
+        );
+    }
+
+    #[test]
+    fn drops_are_noted_for_upstreams_only_and_forgotten_once_passed() {
+        let config = Config::parse(
+            "[tasks.t]\ncommand = [\"/bin/true\"]\n\
+             [[jobs]]\nname = \"a\"\ntask = \"t\"\nevery = \"2s\"\njitter = \"1s\"\n\
+             [[jobs]]\nname = \"b\"\ntask = \"t\"\nafter = \"a\"\n\
+             [[jobs]]\nname = \"c\"\ntask = \"t\"\nafter = \"b\"\n",
+            std::path::Path::new("d.toml"),
+            |_| None,
+        )
+        .unwrap();
+        let mut followers = Followers::new(&config);
+        let offset = config.jobs[0].jitter_offset();
+        // Both followers count from the root's jittered time.
+        assert!(followers.links.iter().all(|l| l.offset == offset));
+        let plan = crate::misfire::paused(Plan {
+            publish: vec![at(2), at(4)],
+            ..Plan::default()
+        });
+        followers.upstream_dropped(0, &plan);
+        followers.upstream_dropped(2, &plan);
+        assert_eq!(followers.dropped(0, at(4)), Some(Dropped::Paused));
+        assert_eq!(followers.dropped(0, at(6)), None);
+        assert_eq!(followers.dropped(2, at(4)), None, "nothing follows c");
+        followers.forget_dropped(|_| at(2));
+        assert_eq!(followers.dropped(0, at(4)), Some(Dropped::Paused));
+        followers.forget_dropped(|_| at(4));
+        assert!(followers.dropped.is_empty());
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! which to drop, and why. Pure — [`plan`] takes the job, the last decided instant and `now` —
 //! so every policy is tested on fixed instants. Touches nothing: no clock, no Redis, no broker.
 
+use crate::reload::Held;
 use chrono::{DateTime, TimeDelta, Utc};
 use drumline_shared::config::{Job, Misfire};
 use drumline_shared::schedule::{every_between, Schedule};
@@ -134,6 +135,20 @@ impl Drops {
 /// `misfire_grace` old are never published. Instants within `threshold` are on time and always
 /// published. Instants whose `expires` has passed are dropped whatever the policy.
 pub fn plan(job: &Job, last: DateTime<Utc>, now: DateTime<Utc>, threshold: Duration) -> Plan {
+    plan_held(job, last, now, threshold, None)
+}
+
+/// [`plan`], with the instants a reload that lowered the job's jitter `held`: each counts as
+/// due no earlier than the reload ([`Held::due`]) for lateness, grace and expiry alike
+/// (docs/design.md#jitter).
+pub fn plan_held(
+    job: &Job,
+    last: DateTime<Utc>,
+    now: DateTime<Utc>,
+    threshold: Duration,
+    held: Option<Held>,
+) -> Plan {
+    let due = |t| held.map_or(t, |h| h.due(t));
     // `None`: the duration reaches before the start of time, so nothing is that old.
     let older_than = |d: Duration| {
         chrono::Duration::from_std(d)
@@ -142,11 +157,7 @@ pub fn plan(job: &Job, last: DateTime<Utc>, now: DateTime<Utc>, threshold: Durat
     };
     let missed_before = older_than(threshold);
     let stale_before = older_than(job.spec.misfire_grace);
-    let keep = match job.spec.misfire {
-        Misfire::RunOnce => 1,
-        Misfire::CatchUp => job.spec.max_catch_up,
-        Misfire::Skip => 0,
-    };
+    let keep = kept_missed(job);
 
     let mut drops = Drops::default();
     // Missed within grace: only the newest `keep` are kept, the older ones dropped on the way.
@@ -158,14 +169,15 @@ pub fn plan(job: &Job, last: DateTime<Utc>, now: DateTime<Utc>, threshold: Durat
             break;
         }
         cursor = t;
-        if let Some(stale) = stale_before.filter(|s| t < *s) {
+        if let Some(stale) = stale_before.filter(|s| due(t) < *s) {
             drops.push(t, Dropped::PastGrace);
             if drops.listing_full() {
+                let stale = stale_edge(held, stale);
                 if let Some(jump) = count_stale(&job.schedule, t, stale, &mut drops) {
                     cursor = jump;
                 }
             }
-        } else if missed_before.is_some_and(|m| t < m) {
+        } else if missed_before.is_some_and(|m| due(t) < m) {
             missed.push_back(t);
             if missed.len() > keep {
                 let oldest = missed.pop_front().expect("longer than keep");
@@ -177,7 +189,7 @@ pub fn plan(job: &Job, last: DateTime<Utc>, now: DateTime<Utc>, threshold: Durat
     }
 
     let mut publish: Vec<_> = missed.into_iter().chain(on_time).collect();
-    drop_expired(job, now, &mut publish, &mut drops);
+    drop_expired(job, (now, held), &mut publish, &mut drops);
     Plan {
         publish,
         dropped: drops.listed,
@@ -187,10 +199,29 @@ pub fn plan(job: &Job, last: DateTime<Utc>, now: DateTime<Utc>, threshold: Durat
     }
 }
 
-/// Moves the instants of `publish` whose `expires` has passed by `now` to `drops`.
+/// Where a count of the instants missed by more than `misfire_grace` (all older than `stale`)
+/// stops: before the held ones, unless they are that old too.
+fn stale_edge(held: Option<Held>, stale: DateTime<Utc>) -> DateTime<Utc> {
+    match held {
+        Some(h) if h.until >= stale => stale.min(h.after + TimeDelta::nanoseconds(1)),
+        _ => stale,
+    }
+}
+
+/// How many of the newest missed instants the job's `misfire` policy publishes.
+fn kept_missed(job: &Job) -> usize {
+    match job.spec.misfire {
+        Misfire::RunOnce => 1,
+        Misfire::CatchUp => job.spec.max_catch_up,
+        Misfire::Skip => 0,
+    }
+}
+
+/// Moves the instants of `publish` whose `expires` (from when each is due: [`Held::due`]) has
+/// passed by `now` to `drops`.
 fn drop_expired(
     job: &Job,
-    now: DateTime<Utc>,
+    (now, held): (DateTime<Utc>, Option<Held>),
     publish: &mut Vec<DateTime<Utc>>,
     drops: &mut Drops,
 ) {
@@ -201,9 +232,10 @@ fn drop_expired(
     else {
         return;
     };
-    // Expiry is monotone in the instant: the expired ones are a prefix.
+    // Expiry is monotone in the instant (so is `Held::due`): the expired ones are a prefix.
     let live = publish.partition_point(|t| {
-        t.checked_add_signed(expires)
+        held.map_or(*t, |h| h.due(*t))
+            .checked_add_signed(expires)
             .is_some_and(|deadline| deadline <= now)
     });
     for t in publish.drain(..live) {
@@ -670,6 +702,81 @@ pub(crate) mod tests {
         // Below the limit it keeps walking.
         let mut drops = Drops::default();
         assert_eq!(count_stale(&j.schedule, t, stale, &mut drops), None);
+    }
+
+    /// A reload at 12:10:30 lowered the job's offset by 5 min 30 s: 12:06 … 12:10, not yet due
+    /// under the old offset, are held until 12:10:30 on the new jittered clock (`after` and
+    /// `until`: the reload less the old offset and less the new one). See: issues/33
+    fn held() -> Held {
+        Held {
+            after: at("2026-03-02T12:05:00Z"),
+            until: at(NOW),
+        }
+    }
+
+    /// An every-minute job with a 3 min grace, `misfire = policy` and further `keys`.
+    fn graced(policy: &str, keys: &str) -> Job {
+        job(&format!(
+            "every = \"1m\"\nmisfire_grace = \"3m\"\nmisfire = \"{policy}\"\noverlap = \"queue\"\n{keys}"
+        ))
+    }
+
+    #[test]
+    fn instants_a_reload_held_are_late_grace_and_expiry_only_from_the_reload() {
+        let held = Some(held());
+        for policy in ["skip", "run_once", "catch_up"] {
+            let j = graced(policy, "expires = \"3s\"");
+            let p = plan_held(&j, at(LAST), at(NOW), THRESHOLD, held);
+            assert_eq!(p.publish, minutes(6..=10), "{policy}");
+            // The instants due before the reload stay as late as they were.
+            let past_grace = minutes_dropped(1..=5, Dropped::PastGrace);
+            assert_eq!(p.dropped, past_grace, "{policy}");
+            // `expires` (3 s) counts from the reload too.
+            let p = plan_held(&j, at(LAST), at("2026-03-02T12:10:33Z"), THRESHOLD, held);
+            assert!(p.publish.is_empty(), "{policy}");
+            assert_eq!(p.dropped[5..], minutes_dropped(6..=10, Dropped::Expired));
+        }
+        // Missed from the reload on: 6 s after it `skip` drops them; `catch_up` publishes them.
+        let later = at("2026-03-02T12:10:36Z");
+        let p = plan_held(&graced("skip", ""), at(LAST), later, THRESHOLD, held);
+        let skipped = minutes_dropped(6..=10, Dropped::Policy(Misfire::Skip));
+        assert_eq!(p.dropped[5..], skipped);
+        let p = plan_held(&graced("catch_up", ""), at(LAST), later, THRESHOLD, held);
+        assert_eq!(p.publish, minutes(6..=10));
+        // Unheld, the same instants were all missed long ago: `skip` publishes none.
+        let p = plan(&graced("skip", ""), at(LAST), at(NOW), THRESHOLD);
+        assert!(p.publish.is_empty());
+    }
+
+    #[test]
+    fn a_count_of_stale_instants_stops_before_the_held_ones() {
+        let held = Held {
+            after: at("2026-03-30T22:00:00Z"),
+            until: at("2026-03-31T00:00:00Z"),
+        };
+        let stale = at("2026-03-30T23:00:00Z");
+        let edge = held.after + TimeDelta::nanoseconds(1);
+        assert_eq!(stale_edge(Some(held), stale), edge);
+        assert_eq!(stale_edge(None, stale), stale);
+        // Held instants past grace themselves do not stop it.
+        let older = Held {
+            until: at("2026-03-30T22:30:00Z"),
+            ..held
+        };
+        assert_eq!(stale_edge(Some(older), stale), stale);
+        // Every second, down 30 days, grace 1 h, the last 2 h held: counted up to the held
+        // ones, which are all on time.
+        let j = job("every = \"1s\"");
+        let last = at("2026-03-01T00:00:00Z");
+        let now = at("2026-03-31T00:00:00.500Z");
+        let p = plan_held(&j, last, now, THRESHOLD, Some(held));
+        assert_eq!(p.publish.len(), 7200);
+        assert_eq!(p.publish[0], at("2026-03-30T22:00:01Z"));
+        let stale_count = 30 * 86_400 - 7200;
+        assert_eq!(p.dropped_count(), stale_count);
+        let unlisted = stale_count - MAX_LISTED as u64;
+        assert_eq!(p.unlisted.reasons, vec![(Dropped::PastGrace, unlisted)]);
+        assert_eq!(p.dropped_up_to, Some(held.after));
     }
 
     #[test]

@@ -9,8 +9,11 @@
 //! ([`resume`]) goes on from a job's progress only when it was recorded under the schedule the
 //! beat runs; otherwise the job was rescheduled since (a standby reloaded, or started with
 //! another file, while another beat led) and starts from the new term, as a reload starts it.
+//!
+//! A kept job whose jitter a reload lowers has its instants not yet due under the old offset
+//! [`held`] (docs/design.md#jitter): published, never dropped as missed.
 
-use chrono::SecondsFormat;
+use chrono::{DateTime, SecondsFormat, Utc};
 use drumline_shared::config::Job;
 use drumline_shared::schedule::Schedule;
 use std::collections::HashMap;
@@ -30,6 +33,44 @@ pub fn carried(old: &[Job], new: &[Job]) -> Vec<Option<usize>> {
                 .filter(|i| old[*i].schedule == job.schedule)
         })
         .collect()
+}
+
+/// The instants of a job that a reload lowering its jitter found not yet due under the old
+/// offset (docs/design.md#jitter): each counts as due no earlier than the reload, so the reload
+/// drops none of them. In instants (the planner's clock: the beat's clock less the job's offset).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    /// The reload less the old offset: the instants after it were not yet due.
+    pub after: DateTime<Utc>,
+    /// The reload less the new offset: a held instant counts as due from here.
+    pub until: DateTime<Utc>,
+}
+
+impl Held {
+    /// When instant `t` counts as due for lateness, grace and expiry: no earlier than `until`
+    /// when it is held. Monotone in `t`, like the instants themselves.
+    pub fn due(&self, t: DateTime<Utc>) -> DateTime<Utc> {
+        if t > self.after {
+            t.max(self.until)
+        } else {
+            t
+        }
+    }
+}
+
+/// What a reload at `at` holds of a kept job's instants, from its jitter in the old config
+/// (`old`) and in the new (`new`), and what an earlier reload held (`before`): with the same
+/// offset, that; with a lower one, the instants not yet due under the old ([`Held`]); with a
+/// higher one, none (every instant not yet due only moves later).
+pub fn held(old: &Job, new: &Job, at: DateTime<Utc>, before: Option<Held>) -> Option<Held> {
+    let (old, new) = (old.jitter_offset(), new.jitter_offset());
+    if old == new {
+        return before;
+    }
+    (new < old).then(|| Held {
+        after: at - old,
+        until: at - new,
+    })
 }
 
 /// The text a job's progress is recorded under (`{ns}:beat:rule:{job}`): every part of its
@@ -117,6 +158,7 @@ impl Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use chrono::TimeDelta;
     use drumline_shared::config::Config;
     use std::path::Path;
 
@@ -229,6 +271,36 @@ mod tests {
         // Other keys do not.
         let expiring = one("every = \"1s\"\nexpires = \"1m\"\nmisfire = \"skip\"");
         assert_eq!(rule(&expiring.schedule), rule(&every.schedule));
+    }
+
+    #[test]
+    fn only_a_lowered_jitter_holds_the_instants_not_yet_due() {
+        let at = DateTime::parse_from_rfc3339("2026-03-02T12:00:30Z")
+            .unwrap()
+            .with_timezone(&Utc);
+        let plain = one("every = \"1m\"");
+        let wide = one("every = \"1m\"\njitter = \"50s\"");
+        let narrow = one("every = \"1m\"\njitter = \"1ms\"");
+        let (o, n) = (wide.jitter_offset(), narrow.jitter_offset());
+        assert!(o > n, "{o} {n}");
+        let lowered = Held {
+            after: at - o,
+            until: at - n,
+        };
+        assert_eq!(held(&wide, &narrow, at, None), Some(lowered));
+        // Removed: lowered to none.
+        let removed = held(&wide, &plain, at, None).unwrap();
+        assert_eq!((removed.after, removed.until), (at - o, at));
+        // Raised or added: nothing held, whatever an earlier reload held.
+        assert_eq!(held(&narrow, &wide, at, Some(lowered)), None);
+        assert_eq!(held(&plain, &wide, at, None), None);
+        // Unchanged: what an earlier reload held stays held.
+        assert_eq!(held(&narrow, &narrow, at, Some(lowered)), Some(lowered));
+        // Held: the instants after `after` are due from `until` on, no earlier.
+        assert_eq!(lowered.due(lowered.after), lowered.after);
+        let t = lowered.after + TimeDelta::milliseconds(1);
+        assert_eq!(lowered.due(t), lowered.until);
+        assert_eq!(lowered.due(at), at);
     }
 
     #[test]

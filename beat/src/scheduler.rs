@@ -23,10 +23,10 @@
 use crate::follower::{self, Followers};
 use crate::journal;
 use crate::leader::{Leadership, Term};
-use crate::misfire::{self, plan, Plan};
+use crate::misfire::{self, plan_held, Plan};
 use crate::progress::{self, progress_after};
 use crate::publisher::Publisher;
-use crate::reload::{self, Resume};
+use crate::reload::{self, Held, Resume};
 pub use crate::stats::BeatStats;
 use crate::stats::{report_dropped, RedisContact};
 use chrono::{DateTime, Utc};
@@ -169,6 +169,9 @@ struct JobState {
     /// One of its messages failed in a batch: it is published in a batch of its own until
     /// one succeeds (docs/design.md: a job that cannot be published never holds up the others).
     alone: bool,
+    /// The instants a reload that lowered the job's jitter held: due no earlier than the
+    /// reload ([`reload::held`], docs/design.md#jitter).
+    held: Option<Held>,
 }
 
 /// A due job taken into a batch.
@@ -180,6 +183,8 @@ struct Due {
     plan: Plan,
     /// How many of `plan.publish` (the oldest) this batch publishes.
     take: usize,
+    /// Its held instants ([`JobState::held`]): their `expires` counts from the reload.
+    held: Option<Held>,
 }
 
 /// Min-heap of (next instant, job index): a wake looks only at the jobs due, never at all.
@@ -201,12 +206,22 @@ impl JobState {
             rule_unsaved: last.is_none(),
             failures: 0,
             alone: false,
+            held: None,
         }
     }
 
     /// Something of the job is not in Redis yet: written before anything is published for it.
     fn to_write(&self) -> bool {
         self.unsaved || self.rule_unsaved
+    }
+}
+
+/// The state of a job a reload at `now` keeps, its jitter changed from `old`'s to `new`'s: its
+/// instants not yet due under a higher old offset are held ([`reload::held`]).
+fn kept(state: &JobState, old: &Job, new: &Job, now: DateTime<Utc>) -> JobState {
+    JobState {
+        held: reload::held(old, new, now, state.held),
+        ..state.clone()
     }
 }
 
@@ -499,14 +514,15 @@ impl Beat {
     /// the new starts.
     async fn reload(&mut self, config: Arc<Config>, store: &Store, term: &Term) {
         let carried = reload::carried(&self.config.jobs, &config.jobs);
-        let start = first_start(term.now());
+        let now = term.now();
+        let start = first_start(now);
         let old = std::mem::take(&mut self.states);
         self.states = config
             .jobs
             .iter()
             .zip(&carried)
             .map(|(job, from)| match from {
-                Some(i) => old[*i].clone(),
+                Some(i) => kept(&old[*i], &self.config.jobs[*i], job, now),
                 None => JobState::from(job, None, start),
             })
             .collect();
@@ -689,13 +705,7 @@ impl Beat {
                 sleep_precisely(early).await;
                 continue;
             }
-            let batch = take_due(
-                &mut self.queue,
-                &self.config.jobs,
-                &self.states,
-                (now, self.threshold),
-                &self.paused,
-            );
+            let batch = self.take_batch(now);
             let config = &self.config;
             let sending = send_due(
                 &config.jobs,
@@ -747,6 +757,20 @@ impl Beat {
                 }
             }
         }
+    }
+
+    /// The next batch due at `now` ([`take_due`]). The upstream instants it drops are noted for
+    /// their followers, which are then skipped at once (docs/design.md#job-dependencies).
+    fn take_batch(&mut self, now: DateTime<Utc>) -> Vec<Due> {
+        let jobs = &self.config.jobs;
+        let at = (now, self.threshold);
+        let batch = take_due(&mut self.queue, jobs, &self.states, at, &self.paused);
+        if self.followers.any() {
+            for due in &batch {
+                self.followers.upstream_dropped(due.job, &due.plan);
+            }
+        }
+        batch
     }
 
     /// Finishes and settles every batch in flight, oldest first; the longest backoff any
@@ -1013,11 +1037,14 @@ fn take_due(
         queue.pop();
         // A jittered job lives `offset` behind the clock: instant `t` is due at `t + offset`,
         // and is late (a misfire) by as much as `now` is past that (docs/design.md#jitter).
-        let mut plan = plan(
+        // Instants a reload held are late only from the reload.
+        let held = states[job].held;
+        let mut plan = plan_held(
             &jobs[job],
             states[job].last,
             now - jobs[job].jitter_offset(),
             threshold,
+            held,
         );
         if paused.contains(&jobs[job].name) {
             plan = misfire::paused(plan);
@@ -1029,6 +1056,7 @@ fn take_due(
             due,
             plan,
             take,
+            held,
         });
         if alone {
             break;
@@ -1214,12 +1242,14 @@ fn envelopes(jobs: &[Job], batch: &[Due], stalls: &[Option<Stall>]) -> Sent {
         let job = &jobs[due.job];
         let first = envelopes.len();
         for t in &due.plan.publish[..due.take] {
-            // `expires` counts from when the instant is due: its jittered time.
+            // `expires` counts from when the instant is due: its jittered time (a held
+            // instant's: the reload's).
+            let due_at = due.held.map_or(*t, |h| h.due(*t)) + job.jitter_offset();
             let expires_at = job
                 .spec
                 .expires
                 .and_then(|e| chrono::Duration::from_std(e).ok())
-                .map(|e| *t + job.jitter_offset() + e);
+                .map(|e| due_at + e);
             envelopes.push(Envelope::scheduled(
                 &job.name,
                 &job.spec.task,
@@ -1411,6 +1441,7 @@ mod tests {
     use super::*;
     use crate::misfire::tests::{at, job, EVERY_MINUTE, LAST, NOW, THRESHOLD};
     use chrono::TimeDelta;
+    use drumline_shared::config::Misfire;
 
     #[test]
     fn a_job_whose_message_failed_is_batched_alone() {
@@ -1423,6 +1454,7 @@ mod tests {
                 rule_unsaved: false,
                 failures: 0,
                 alone: false,
+                held: None,
             })
             .collect();
         states[1].alone = true;
@@ -1469,6 +1501,47 @@ mod tests {
         );
         assert_eq!(batch[0].plan.publish, vec![instant]);
         assert!(batch[0].plan.dropped.is_empty(), "on time, not a misfire");
+    }
+
+    /// A reload that lowers a job's jitter (here to none) holds the instant not yet due under
+    /// the old offset: at the reload it is published at once, on time, its `expires` counted
+    /// from the reload, though its new jittered time is long past. Unheld, `skip` dropped it.
+    /// See: issues/33
+    #[test]
+    fn a_reload_lowering_the_jitter_publishes_the_pending_instant_on_time() {
+        let old = job("every = \"1m\"\njitter = \"50s\"\nmisfire = \"skip\"");
+        let new = job("every = \"1m\"\nmisfire = \"skip\"\nexpires = \"2s\"");
+        let offset = old.jitter_offset();
+        let threshold = Duration::from_secs(1);
+        assert!(offset > TimeDelta::seconds(2), "{offset}");
+        let last = at("2026-03-02T12:00:00Z");
+        let before = JobState::from(&old, Some(last), last);
+        let instant = at("2026-03-02T12:01:00Z");
+        // Just before the instant's old jittered time, long after its new one.
+        let reload_at = instant + offset - TimeDelta::milliseconds(1);
+        let after = kept(&before, &old, &new, reload_at);
+        let jobs = [new];
+        let now = reload_at + TimeDelta::milliseconds(500);
+        let plan_of = |state: &JobState| {
+            let mut queue = due_queue(&jobs, std::slice::from_ref(state));
+            let states = [state.clone()];
+            let none = HashSet::new();
+            take_due(&mut queue, &jobs, &states, (now, threshold), &none).remove(0)
+        };
+
+        let due = plan_of(&after);
+        assert_eq!(due.plan.publish, vec![instant]);
+        assert_eq!(due.plan.dropped_count(), 0, "{:?}", due.plan.dropped);
+        let sent = envelopes(&jobs, std::slice::from_ref(&due), &[None]);
+        let expires = reload_at + TimeDelta::seconds(2);
+        assert_eq!(sent.envelopes[0].expires_at, Some(expires));
+        // Without the hold, the instant was missed and `skip` dropped it.
+        let unheld = plan_of(&before);
+        assert!(unheld.plan.publish.is_empty());
+        assert_eq!(
+            unheld.plan.dropped,
+            vec![(instant, misfire::Dropped::Policy(Misfire::Skip))]
+        );
     }
 
     #[test]

@@ -375,3 +375,264 @@ fn check_refuses_cycles_unknown_upstreams_and_a_schedule_beside_after() {
         assert!(err.contains(expected), "{err}");
     }
 }
+
+/// A name for a job with `jitter = max` in `env`'s namespace whose offset is at least `least`:
+/// the offset is a hash of the namespace, which is new on every run.
+fn jittered_name(env: &TestEnv, least: Duration, max: Duration) -> String {
+    (0..1000)
+        .map(|i| format!("up{i}"))
+        .find(|name| drumline_shared::jitter::offset(&env.ns, name, max) >= least)
+        .expect("one name in a thousand has a late offset")
+}
+
+/// A jittered upstream is published its offset after the instant; its expiry and its
+/// followers' `after_timeout` count from then, so neither its `expires` (shorter than the
+/// offset) nor the default `after_timeout` skips a follower of a success.
+// See: issues/33
+#[tokio::test(flavor = "multi_thread")]
+async fn a_jittered_upstreams_followers_run_after_its_late_success() {
+    let env = setup("e2e_after_jitter");
+    let up = jittered_name(&env, Duration::from_secs(8), Duration::from_secs(9));
+    let cfg = base()
+        .task(&up, stamped(&env, 2.5, ""))
+        .task("b", stamped(&env, 0.0, ""))
+        .task("c", stamped(&env, 0.0, ""))
+        .job(
+            &up,
+            every("10s")
+                .with("jitter", "\"9s\"")
+                .with("expires", "\"5s\""),
+        )
+        // The default after_timeout: the root's `every`, 10 s.
+        .job("b", Keys::default().with("after", &toml_string(&up)))
+        .job("c", after(&up, "60s"));
+    let (_cfg, mut worker, mut beat) = start(&env, &cfg);
+    let followed = |s: &BTreeMap<String, (u128, Option<u128>)>| {
+        keys_of(s, &up)
+            .iter()
+            .filter(|a| s.contains_key(&key("b", a)) && s.contains_key(&key("c", a)))
+            .count()
+    };
+    let two = wait_until(Duration::from_secs(60), || followed(&spans(&env)) >= 2);
+    let s = spans(&env);
+    let mut skips = Vec::new();
+    for a in keys_of(&s, &up) {
+        for f in ["b", "c"] {
+            let k = key(f, &a);
+            if let Some(state) = run_field(&env, &k, "state").await {
+                skips.push(format!("{k}: {state}"));
+            }
+        }
+    }
+    assert!(
+        two,
+        "followers of {up}'s successes: {skips:?}\n{}",
+        beat.log_tail(20)
+    );
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+}
+
+/// Whole seconds in `(from, to)`: the instants of an `every = "1s"` job.
+fn seconds_between(
+    from: chrono::DateTime<chrono::Utc>,
+    to: chrono::DateTime<chrono::Utc>,
+) -> Vec<chrono::DateTime<chrono::Utc>> {
+    let first = from.timestamp() + 1;
+    (first..)
+        .map(|s| chrono::DateTime::from_timestamp(s, 0).unwrap())
+        .take_while(|t| *t < to)
+        .collect()
+}
+
+/// Waits until each of `job`'s instances at `instants` is recorded `skipped` with reason
+/// `upstream`; the ones that are not, when `within` ran out.
+async fn skipped_upstream(
+    env: &TestEnv,
+    job: &str,
+    instants: &[chrono::DateTime<chrono::Utc>],
+    within: Duration,
+) -> Vec<String> {
+    let keys: Vec<String> = instants
+        .iter()
+        .map(|t| drumline_shared::envelope::instance_key(job, *t))
+        .collect();
+    let not_yet = || async {
+        let mut out = Vec::new();
+        for k in &keys {
+            let state = run_field(env, k, "state").await;
+            let reason = run_field(env, k, "reason").await;
+            if (state.as_deref(), reason.as_deref()) != (Some("skipped"), Some("upstream")) {
+                out.push(format!("{k}: {state:?} {reason:?}"));
+            }
+        }
+        out
+    };
+    wait_until_async(within, || async { not_yet().await.is_empty() }).await;
+    not_yet().await
+}
+
+/// A paused upstream's instants, and the ones a restarted beat drops by its misfire policy,
+/// are never published: their followers are skipped (reason `upstream`, down the chain) at
+/// once, not after `after_timeout`.
+// See: issues/33
+#[tokio::test(flavor = "multi_thread")]
+async fn a_paused_or_misfired_upstream_skips_its_followers_at_once() {
+    let env = setup("e2e_after_paused");
+    let cfg = base()
+        .task("a", stamped(&env, 0.0, ""))
+        .task("b", stamped(&env, 0.0, ""))
+        .task("c", stamped(&env, 0.0, ""))
+        .job("a", every("1s").with("misfire", "\"skip\""))
+        .job("b", after("a", "60s"))
+        .job("c", after("b", "60s"));
+    let (cfg, mut worker, mut beat) = start(&env, &cfg);
+    let path = cfg.to_str().unwrap();
+    assert!(
+        wait_until(WAIT, || !keys_of(&spans(&env), "c").is_empty()),
+        "{}",
+        beat.log_tail(20)
+    );
+    let (status, _, err) = env.run("drumline", &["--config", path, "pause", "a"]);
+    assert!(status.success(), "{err}");
+    let paused_at = chrono::Utc::now();
+    // The leader reads the paused set within a second.
+    let paused = seconds_between(
+        paused_at + chrono::Duration::seconds(2),
+        paused_at + chrono::Duration::seconds(5),
+    );
+    for job in ["b", "c"] {
+        let late = skipped_upstream(&env, job, &paused, Duration::from_secs(15)).await;
+        assert!(late.is_empty(), "paused: {late:?}\n{}", beat.log_tail(20));
+    }
+    let (status, _, err) = env.run("drumline", &["--config", path, "resume", "a"]);
+    assert!(status.success(), "{err}");
+
+    // Down for 10 s: at the restart the instants more than 5 s (misfire_threshold) late are
+    // dropped by `misfire = "skip"`.
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    let down_at = chrono::Utc::now();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let restart_at = chrono::Utc::now();
+    let mut beat = env.beat("beat2", &["--config", path]);
+    let missed = seconds_between(down_at, restart_at - chrono::Duration::seconds(6));
+    assert!(missed.len() >= 3, "{missed:?}");
+    for job in ["b", "c"] {
+        let late = skipped_upstream(&env, job, &missed, Duration::from_secs(15)).await;
+        assert!(late.is_empty(), "misfired: {late:?}\n{}", beat.log_tail(20));
+    }
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+}
+
+/// `drumline audit JOB --from FROM --json`: its rows.
+fn audit_rows(env: &TestEnv, cfg: &str, job: &str, from: &str) -> Vec<serde_json::Value> {
+    let args = ["--config", cfg, "audit", job, "--from", from, "--json"];
+    let (status, out, err) = env.run("drumline", &args);
+    assert!(status.success(), "audit {job}: {err}");
+    let doc: serde_json::Value = serde_json::from_str(&out).expect("audit --json");
+    doc["instants"].as_array().expect("instants").clone()
+}
+
+/// `trigger` and `backfill` of an upstream publish the upstream's instances only: the
+/// follower's instance for a backfilled instant keeps its decision (skipped, reason
+/// `upstream`, while the upstream was paused), a trigger's off-schedule instant has none, and
+/// `audit` shows exactly that, with no follower row left pending (docs/configuration.md).
+// See: issues/33
+#[tokio::test(flavor = "multi_thread")]
+async fn a_triggered_or_backfilled_upstream_runs_alone_and_audit_says_so() {
+    let env = setup("e2e_after_operate");
+    let cfg = base()
+        .task("a", stamped(&env, 0.0, ""))
+        .task("b", stamped(&env, 0.0, ""))
+        .job("a", every("1s").with("overlap", "\"allow\""))
+        .job("b", after("a", "60s"));
+    let (cfg, mut worker, mut beat) = start(&env, &cfg);
+    let path = cfg.to_str().unwrap();
+    let from = drumline_shared::envelope::format_instant(chrono::Utc::now());
+    assert!(
+        wait_until(WAIT, || !keys_of(&spans(&env), "b").is_empty()),
+        "{}",
+        beat.log_tail(20)
+    );
+    let (status, _, err) = env.run("drumline", &["--config", path, "pause", "a"]);
+    assert!(status.success(), "{err}");
+    let paused_at = chrono::Utc::now();
+    let paused = seconds_between(
+        paused_at + chrono::Duration::seconds(2),
+        paused_at + chrono::Duration::seconds(5),
+    );
+    let late = skipped_upstream(&env, "b", &paused, Duration::from_secs(15)).await;
+    assert!(late.is_empty(), "{late:?}\n{}", beat.log_tail(20));
+    let (status, _, err) = env.run("drumline", &["--config", path, "resume", "a"]);
+    assert!(status.success(), "{err}");
+
+    let fmt = drumline_shared::envelope::format_instant;
+    let to = *paused.last().unwrap() + chrono::Duration::milliseconds(1);
+    // `backfill` takes only the past.
+    assert!(wait_until(WAIT, || chrono::Utc::now() > to));
+    let window = [fmt(paused[0]), fmt(to)];
+    let backfill = [
+        "--config", path, "backfill", "a", "--from", &window[0], "--to", &window[1],
+    ];
+    let (status, out, err) = env.run("drumline", &backfill);
+    assert!(status.success(), "{out}{err}");
+    let (status, out, err) = env.run("drumline", &["--config", path, "trigger", "a"]);
+    assert!(status.success(), "{out}{err}");
+    let triggered = out
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("key="))
+        .unwrap_or_else(|| panic!("no key in {out}"))
+        .to_owned();
+    let mut upstream: Vec<String> = paused
+        .iter()
+        .map(|t| drumline_shared::envelope::instance_key("a", *t))
+        .collect();
+    upstream.push(triggered.clone());
+    let ran = wait_until(WAIT, || {
+        let s = spans(&env);
+        upstream
+            .iter()
+            .all(|k| s.get(k).is_some_and(|(_, e)| e.is_some()))
+    });
+    assert!(ran, "{upstream:?}: {:?}", spans(&env));
+
+    // No follower row is pending once the instants are past; each backfilled instant's is
+    // the skip it had, and nothing is decided for the trigger's instant.
+    let settled = wait_until(WAIT, || {
+        audit_rows(&env, path, "b", &from)
+            .iter()
+            .filter(|r| r["class"] == "pending")
+            .all(|r| {
+                drumline_e2e::instant_of(r["key"].as_str().unwrap())
+                    > chrono::Utc::now() - chrono::Duration::seconds(3)
+            })
+    });
+    let rows = audit_rows(&env, path, "b", &from);
+    assert!(settled, "{rows:#?}");
+    for t in &paused {
+        let k = drumline_shared::envelope::instance_key("b", *t);
+        let row = rows.iter().find(|r| r["key"] == k.as_str()).expect("a row");
+        assert_eq!(
+            (row["class"].as_str(), row["reason"].as_str()),
+            (Some("skipped"), Some("upstream")),
+            "{row}"
+        );
+    }
+    assert!(
+        rows.iter()
+            .all(|r| r["key"] != key("b", &triggered).as_str()),
+        "{rows:#?}"
+    );
+    for row in audit_rows(&env, path, "a", &from) {
+        if upstream.iter().any(|k| row["key"] == k.as_str()) {
+            assert_eq!(row["class"], "ran", "{row}");
+        }
+    }
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+    let s = spans(&env);
+    for a in &upstream {
+        assert!(!s.contains_key(&key("b", a)), "{a}'s follower ran: {s:?}");
+    }
+}

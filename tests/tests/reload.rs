@@ -5,8 +5,13 @@
 //! comes to lead.
 
 use chrono::{DateTime, TimeDelta, Utc};
-use drumline_e2e::{counts, http_get, setup, wait_until, with_metrics, TestEnv, REDIS_URL};
-use std::path::Path;
+use drumline_e2e::cfg::{cron, every, Cfg, Keys};
+use drumline_e2e::{
+    counts, http_get, instant_of, setup, toml_string, wait_until, with_metrics, TestEnv, REDIS_URL,
+};
+use drumline_shared::envelope::format_instant;
+use drumline_shared::jitter::offset;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -389,4 +394,155 @@ async fn a_standby_that_reloaded_applies_the_reload_rules_when_it_leads() {
     let both = after_reload(&env);
     assert!(*both.first().unwrap() < since && *both.last().unwrap() > since);
     assert_spaced(&both, 1, "both after the reload, across the failover");
+}
+
+/// A name for a job of `env`'s namespace whose offset under `jitter` is at least `least`
+/// (the offset is a hash of the namespace and the name: docs/design.md#jitter), and its offset.
+fn name_with_offset(env: &TestEnv, prefix: &str, jitter: u64, least: u64) -> (String, TimeDelta) {
+    let ns = env.names();
+    let offset_of = |name: &str| offset(ns.namespace(), name, Duration::from_secs(jitter));
+    let name = (0..1000)
+        .map(|i| format!("{prefix}{i}"))
+        .find(|name| offset_of(name) >= Duration::from_secs(least))
+        .expect("some name gets a large offset");
+    let offset = TimeDelta::from_std(offset_of(&name)).expect("small");
+    (name, offset)
+}
+
+/// `slow` (every 20 s from `anchor`, `misfire = "skip"`) and `tick` (a per-second cron, the
+/// default `run_once`) with jitters `jitters`, under a 1 s misfire threshold, writing their keys.
+fn jittered_config(env: &TestEnv, names: [&str; 2], jitters: [&str; 2], anchor: &str) -> PathBuf {
+    let task = Keys::default().with("command", &env.append_key_command("effects", 0.0));
+    let slow = every("20s")
+        .with("anchor", &toml_string(anchor))
+        .with("misfire", "\"skip\"");
+    let tick = cron("* * * * * *").with("overlap", "\"allow\"");
+    let cfg = Cfg::new()
+        .set("beat", "misfire_threshold", "\"1s\"")
+        .set("worker", "lease", "\"3s\"")
+        .task("append", task);
+    let cfg = [slow, tick]
+        .into_iter()
+        .zip(names.iter().zip(jitters))
+        .fold(cfg, |cfg, (keys, (name, jitter))| {
+            let keys = keys.with("jitter", &toml_string(jitter));
+            cfg.job(name, keys.with("task", "\"append\""))
+        });
+    env.write_config("drumline.toml", &cfg)
+}
+
+/// `t` without its fraction of a second.
+fn whole_second(t: DateTime<Utc>) -> DateTime<Utc> {
+    t - TimeDelta::nanoseconds(t.timestamp_subsec_nanos().into())
+}
+
+/// When `beat` started leading (the lease's `since`).
+fn leading_since(env: &TestEnv, beat: &drumline_e2e::Proc) -> DateTime<Utc> {
+    let mut since = None;
+    let leads = wait_until(WAIT, || {
+        since = leader(env).map(|l| l.2);
+        since.is_some()
+    });
+    assert!(leads, "{}", beat.log_tail(20));
+    since.expect("just checked")
+}
+
+/// `drumline audit JOB --from FROM --json`: (key, class) of each instant up to `to`, once
+/// every one of them is decided (none `pending`) and the last is `to`.
+fn decided(env: &TestEnv, cfg: &Path, job: &str, (from, to): Window) -> Option<Vec<Row>> {
+    let from = format_instant(from);
+    let args = [
+        "--config",
+        config_str(cfg),
+        "audit",
+        job,
+        "--from",
+        &from,
+        "--json",
+    ];
+    let (status, out, err) = env.run("drumline", &args);
+    assert!(status.success(), "audit {job}: {err}");
+    let doc: serde_json::Value = serde_json::from_str(&out).expect("audit --json");
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+    let rows: Vec<Row> = doc["instants"]
+        .as_array()
+        .expect("instants")
+        .iter()
+        .map(|row| (text(&row["key"]), text(&row["class"])))
+        .filter(|(key, _)| instant_of(key) <= to)
+        .collect();
+    let all = rows.iter().all(|(_, class)| class != "pending");
+    let last = rows.last().is_some_and(|(key, _)| instant_of(key) == to);
+    (all && last).then_some(rows)
+}
+
+/// An audit row: (key, class).
+type Row = (String, String);
+/// From, to.
+type Window = (DateTime<Utc>, DateTime<Utc>);
+
+/// Lowering a job's jitter by a reload never drops an instant that was not yet due under the
+/// old offset (docs/design.md#jitter): `slow`'s instant T, due at T + 12 s or later under
+/// `jitter = "19s"`, is 2.5 s past T (more than the 1 s misfire threshold past its new jittered
+/// time) when `jitter = "1s"` comes, and runs once; so does every instant of the per-second
+/// `tick` that its 29 s jitter still held back. See: issues/33
+#[test]
+fn lowering_jitter_by_a_reload_publishes_the_pending_instants_and_drops_none() {
+    let env = setup("reload_jitter");
+    let (slow, slow_offset) = name_with_offset(&env, "slow", 19, 12);
+    let (tick, tick_offset) = name_with_offset(&env, "tick", 29, 15);
+    let names = [slow.as_str(), tick.as_str()];
+    let anchor_at = whole_second(Utc::now()) + TimeDelta::seconds(4);
+    let anchor = format_instant(anchor_at);
+    let cfg = jittered_config(&env, names, ["19s", "29s"], &anchor);
+    let mut worker = env.worker("worker", &["--config", config_str(&cfg)]);
+    let mut beat = env.beat("beat", &["--config", config_str(&cfg)]);
+    let since = leading_since(&env, &beat);
+    // `slow`'s first instant a second or more into the term, and `tick`'s.
+    let mut t = anchor_at - TimeDelta::seconds(20);
+    while t <= since + TimeDelta::seconds(1) {
+        t += TimeDelta::seconds(20);
+    }
+    let first_tick = whole_second(since) + TimeDelta::seconds(2);
+    assert!(wait_until(WAIT, || Utc::now() >= t + TimeDelta::milliseconds(2500)));
+
+    // Not yet due under the old offsets: nothing of either job ran.
+    let held_until = (t + slow_offset).min(first_tick + tick_offset);
+    let late = Utc::now() - held_until + TimeDelta::seconds(2);
+    assert!(
+        late < TimeDelta::zero(),
+        "too slow to reload before {held_until}"
+    );
+    assert_eq!(env.lines("effects"), Vec::<String>::new());
+    jittered_config(&env, names, ["1s", "1s"], &anchor);
+    hup(&beat);
+    let settled = whole_second(Utc::now()) + TimeDelta::seconds(3);
+
+    // Decided: `slow`'s T, and every instant of `tick` up to 3 s after the reload.
+    let mut rows = (Vec::new(), Vec::new());
+    let all_decided = wait_until(WAIT, || {
+        let slow_rows = decided(&env, &cfg, &slow, (since, t));
+        let tick_rows = decided(&env, &cfg, &tick, (since, settled));
+        slow_rows.zip(tick_rows).map(|both| rows = both).is_some()
+    });
+    assert!(all_decided, "{}", beat.log_tail(20));
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+
+    // Audit: T ran, and so did every instant of `tick` (none skipped as missed).
+    let key = format!("{slow}@{}", format_instant(t));
+    let slow_t = rows.0.iter().find(|(k, _)| *k == key);
+    assert_eq!(slow_t.map(|(_, c)| c.as_str()), Some("ran"), "{:?}", rows.0);
+    let ticks = rows.1.iter().filter(|(k, _)| instant_of(k) >= first_tick);
+    let not_run: Vec<_> = ticks.filter(|(_, c)| c != "ran").collect();
+    assert!(not_run.is_empty(), "not run: {not_run:?}");
+    // The effects: T once, and `tick` once a second without a gap.
+    assert_eq!(runs_of(&env, &slow), vec![t]);
+    let ticks: Vec<_> = runs_of(&env, &tick)
+        .into_iter()
+        .filter(|i| *i >= first_tick)
+        .collect();
+    assert_eq!(ticks.first(), Some(&first_tick), "{ticks:?}");
+    assert!(ticks.last().is_some_and(|l| *l >= settled), "{ticks:?}");
+    assert_spaced(&ticks, 1, "tick across the reload");
 }
