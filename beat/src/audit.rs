@@ -134,15 +134,31 @@ pub fn first_progress(job: &str, evidence: &Evidence) -> Option<DateTime<Utc>> {
     journaled.chain(recorded).min()
 }
 
+/// The latest `start` the leader journaled for `job` up to `to` (docs/audit.md#the-journal).
+fn last_start(job: &str, evidence: &Evidence, to: DateTime<Utc>) -> Option<DateTime<Utc>> {
+    evidence
+        .entries
+        .iter()
+        .filter(|e| e.event == "start")
+        .filter_map(|e| instant_of(job, &e.key))
+        .filter(|t| *t <= to)
+        .max()
+}
+
 /// Every expected instant of `job` in `[from, to]` (from its first progress on, and any
 /// earlier one the journal names: a backfilled instant), classified.
 pub fn audit(job: &Job, from: DateTime<Utc>, to: DateTime<Utc>, evidence: &Evidence) -> Vec<Row> {
     let Some(first) = first_progress(&job.name, evidence) else {
         return Vec::new();
     };
+    // The job's rule is in force from its latest start (a reload that rescheduled it): the
+    // instants it names before then belonged to the rule before, and are listed only where the
+    // journal names them.
+    let after_start = |s: DateTime<Utc>| first.max(s + chrono::TimeDelta::nanoseconds(1));
+    let first = last_start(&job.name, evidence, to).map_or(first, after_start);
     let mut by_key: HashMap<&str, Vec<&JournalEntry>> = HashMap::new();
     let mut ranges = Vec::new();
-    for e in &evidence.entries {
+    for e in evidence.entries.iter().filter(|e| e.event != "start") {
         by_key.entry(e.key.as_str()).or_default().push(e);
         if let (Some(a), Some(b)) = (instant_of(&job.name, &e.key), parse_instant(&e.to)) {
             ranges.push((a, b, e.reason.as_str()));
@@ -489,6 +505,60 @@ pub(crate) mod tests {
         );
         assert_eq!(classes(&rows), [Class::Ran, Class::Ran, Class::Retried]);
         assert_eq!(rows[0].key, old);
+    }
+
+    /// Issue 33: a reload rescheduled the job at 00:01:30 (journaled `start`): its rule's
+    /// instants before then are not expected, those after it are, the start's own instant
+    /// (never published: the first is after it) included in neither.
+    #[test]
+    fn a_journaled_start_ends_what_the_rule_expects_before_it() {
+        let j = minute_job();
+        let mut ev = evidence(&j);
+        ev.entries.push(entry(
+            ms("2026-01-01T00:02:30Z"),
+            "start",
+            &key(&j, "2026-01-01T00:02:00Z"),
+            0,
+            "",
+        ));
+        let rows = audit(
+            &j,
+            at("2026-01-01T00:00:00Z"),
+            at("2026-01-01T00:06:00Z"),
+            &ev,
+        );
+        // 00:01 and 00:02 are journaled (ran, retried); 00:03 on: the new rule's.
+        assert_eq!(
+            classes(&rows),
+            [
+                Class::Ran,
+                Class::Retried,
+                Class::Pending,
+                Class::Missed,
+                Class::Missed,
+                Class::Pending
+            ]
+        );
+        let mut bare = evidence(&j);
+        bare.entries.truncate(1);
+        bare.entries.push(entry(
+            ms("2026-01-01T00:03:30Z"),
+            "start",
+            &key(&j, "2026-01-01T00:03:00Z"),
+            0,
+            "",
+        ));
+        let rows = audit(
+            &j,
+            at("2026-01-01T00:00:00Z"),
+            at("2026-01-01T00:04:00Z"),
+            &bare,
+        );
+        assert_eq!(
+            rows.len(),
+            2,
+            "00:01 journaled, 00:04 after the start: {rows:?}"
+        );
     }
 
     #[test]

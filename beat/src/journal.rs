@@ -38,6 +38,18 @@ pub fn dropped(job: &Job, plan: &Plan) -> Vec<LeaderEntry> {
     out
 }
 
+/// The entry for a job that starts at `at` under its rule (a first start, an added or a
+/// rescheduled job): its first instant is the first after `at`, and `audit` plans none of its
+/// rule's instants before it.
+pub fn started(job: &Job, at: chrono::DateTime<chrono::Utc>) -> LeaderEntry {
+    LeaderEntry {
+        event: "start",
+        key: instance_key(&job.name, at),
+        reason: "",
+        to: String::new(),
+    }
+}
+
 /// The entry for a published instance.
 pub fn published(key: &str) -> LeaderEntry {
     LeaderEntry {

@@ -36,6 +36,7 @@ use drumline_shared::config::{Config, Job};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use drumline_shared::signals::Hangups;
+use drumline_shared::store::LeaderEntry;
 use drumline_shared::store::{last_instant_text, parse_last_instant, ProgressError, Store};
 use drumline_shared::url::Redacted;
 use std::cmp::Reverse;
@@ -1404,6 +1405,15 @@ async fn save(
     {
         term.deposed();
     }
+    // A job that starts (a first start, an added or rescheduled job; not an adopted one) is
+    // journaled, so that `audit` plans no instant of its rule before it (docs/audit.md).
+    let started: Vec<LeaderEntry> = which
+        .iter()
+        .zip(&outcomes)
+        .filter(|(i, failed)| failed.is_none() && states[**i].unsaved && states[**i].rule_unsaved)
+        .map(|(i, _)| journal::started(&jobs[*i], states[*i].last))
+        .collect();
+    journal::write(store, term, &started).await;
     for (i, failed) in which.iter().zip(&outcomes) {
         if failed.is_none() {
             states[*i].unsaved = false;

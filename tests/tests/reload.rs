@@ -546,3 +546,36 @@ fn lowering_jitter_by_a_reload_publishes_the_pending_instants_and_drops_none() {
     assert!(ticks.last().is_some_and(|l| *l >= settled), "{ticks:?}");
     assert_spaced(&ticks, 1, "tick across the reload");
 }
+
+/// Issue 33: a reload that reschedules a job is journaled (`start`), so `verify` does not plan
+/// the time before the reload with the new rule: it reported every instant of the new rule
+/// before the reload `missed`.
+#[tokio::test(flavor = "multi_thread")]
+async fn verify_holds_across_a_reload_that_reschedules_a_job() {
+    let env = setup("e2e_reload_verify");
+    let cfg = write_config(&env, &[("tick", "every = \"3s\"")]);
+    let cfg = config_str(&cfg);
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    env.wait_for_topology(&worker).await;
+    let mut beat = env.beat("beat", &["--config", cfg]);
+    assert!(
+        wait_until(WAIT, || runs_of(&env, "tick").len() >= 3),
+        "{}",
+        beat.log_tail(20)
+    );
+    write_config(&env, &[("tick", "every = \"2s\"")]);
+    hup(&beat);
+    let before = runs_of(&env, "tick").len();
+    assert!(
+        wait_until(WAIT, || runs_of(&env, "tick").len() >= before + 3),
+        "{}",
+        beat.log_tail(20)
+    );
+    let (status, out, err) = env.run(
+        "drumline",
+        &["--config", cfg, "verify", "--since", "10m", "--json"],
+    );
+    assert!(status.success(), "{out}{err}");
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+}
