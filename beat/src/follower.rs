@@ -155,6 +155,36 @@ pub fn candidates(
     out
 }
 
+/// What a reload at `at` leaves a restarted follower to decide (docs/design.md#job-dependencies):
+/// for each follower of `new` that does not keep its progress (`kept[i]` is `None`: its root
+/// was rescheduled) and followed under the old config too, the instants of its old rule after
+/// its old progress (`old_last`) up to `at`, at most [`PER_STEP`]: a chain in flight when the
+/// root was rescheduled still decides them.
+pub fn carried_over(
+    (old, old_last): (&[Job], &dyn Fn(usize) -> DateTime<Utc>),
+    new: &[Job],
+    kept: &[Option<usize>],
+    at: DateTime<Utc>,
+) -> Vec<(usize, Vec<DateTime<Utc>>)> {
+    let by_name: HashMap<&str, usize> = old
+        .iter()
+        .enumerate()
+        .filter(|(_, j)| j.after.is_some())
+        .map(|(i, j)| (j.name.as_str(), i))
+        .collect();
+    new.iter()
+        .zip(kept)
+        .enumerate()
+        .filter(|(_, (job, kept))| job.after.is_some() && kept.is_none())
+        .filter_map(|(i, (job, _))| {
+            let o = *by_name.get(job.name.as_str())?;
+            let none = BTreeSet::new();
+            let instants = candidates(&old[o].schedule, old_last(o), &none, at, PER_STEP);
+            Some((i, instants))
+        })
+        .collect()
+}
+
 /// How far the follower's progress may move from `last`: past every instant decided since,
 /// up to the first one that is not; the decided instants passed are taken out of `decided`.
 pub fn settled_up_to(
@@ -204,6 +234,9 @@ pub struct Followers {
     decided: HashMap<usize, BTreeSet<DateTime<Utc>>>,
     /// Per upstream, what it dropped that a follower may not have decided yet.
     dropped: HashMap<usize, Vec<DroppedSpan>>,
+    /// Per follower, instants of the rule before a reload that it has not decided yet
+    /// ([`carried_over`]): decided like the others, whatever its progress says.
+    carried: HashMap<usize, BTreeSet<DateTime<Utc>>>,
 }
 
 impl Followers {
@@ -242,6 +275,23 @@ impl Followers {
             followers.upstreams.insert(upstream);
         }
         followers
+    }
+
+    /// Hands follower `job` the `instants` of its rule before a reload still to decide.
+    pub fn carry(&mut self, job: usize, instants: Vec<DateTime<Utc>>) {
+        if !instants.is_empty() {
+            self.carried.entry(job).or_default().extend(instants);
+        }
+    }
+
+    /// Forgets the carried instants decided meanwhile.
+    fn settle_carried(&mut self) {
+        for (job, instants) in &mut self.carried {
+            if let Some(decided) = self.decided.get(job) {
+                instants.retain(|t| !decided.contains(t));
+            }
+        }
+        self.carried.retain(|_, instants| !instants.is_empty());
     }
 
     /// Whether any job follows another.
@@ -349,9 +399,14 @@ pub async fn step(
         for instant in candidates(&jobs[job].schedule, last(job), decided, now, PER_STEP) {
             pending.push(Pending { link, instant });
         }
+        let carried = followers.carried.get(&job).into_iter().flatten();
+        for instant in carried.take(PER_STEP).copied() {
+            pending.push(Pending { link, instant });
+        }
     }
     if !pending.is_empty() {
         decide_pending(jobs, followers, &pending, now, ctx).await?;
+        followers.settle_carried();
     }
     let mut moved = Vec::new();
     for link in &followers.links {
@@ -666,6 +721,51 @@ mod tests {
             decide(dropped(Some("running")), at(10), S(60)),
             Follow::Wait
         );
+    }
+
+    fn chain(every_a: &str) -> Vec<Job> {
+        let text = format!(
+            "[tasks.t]\ncommand = [\"/bin/true\"]\n\
+             [[jobs]]\nname = \"a\"\ntask = \"t\"\nevery = \"{every_a}\"\n\
+             [[jobs]]\nname = \"b\"\ntask = \"t\"\nafter = \"a\"\n\
+             [[jobs]]\nname = \"c\"\ntask = \"t\"\nafter = \"b\"\n"
+        );
+        Config::parse(&text, std::path::Path::new("d.toml"), |_| None)
+            .unwrap()
+            .jobs
+    }
+
+    /// Issue 33: the root rescheduled by a reload at 00:09 restarts its followers (their
+    /// schedule is its); each keeps its old rule's instants after its progress to decide.
+    #[test]
+    fn a_reload_of_the_root_carries_the_followers_undecided_instants_over() {
+        let (old, new) = (chain("2s"), chain("3s"));
+        let kept = crate::reload::carried(&old, &new);
+        assert_eq!(
+            kept,
+            [None, None, None],
+            "the chain follows its root's schedule"
+        );
+        let progress = |o: usize| if o == 1 { at(4) } else { at(2) };
+        let carried = carried_over((&old, &progress), &new, &kept, at(9));
+        assert_eq!(
+            carried,
+            [(1, vec![at(6), at(8)]), (2, vec![at(4), at(6), at(8)])]
+        );
+        // A follower that keeps its progress carries nothing.
+        let same = chain("2s");
+        let kept = crate::reload::carried(&old, &same);
+        assert!(carried_over((&old, &progress), &same, &kept, at(9)).is_empty());
+        let mut followers = Followers::new(&Config::parse(
+            "[tasks.t]\ncommand = [\"/bin/true\"]\n[[jobs]]\nname = \"a\"\ntask = \"t\"\nevery = \"3s\"\n[[jobs]]\nname = \"b\"\ntask = \"t\"\nafter = \"a\"\n",
+            std::path::Path::new("d.toml"),
+            |_| None,
+        )
+        .unwrap());
+        followers.carry(1, vec![at(6), at(8)]);
+        followers.decided.entry(1).or_default().insert(at(6));
+        followers.settle_carried();
+        assert_eq!(followers.carried[&1], BTreeSet::from([at(8)]));
     }
 
     #[test]

@@ -538,6 +538,13 @@ impl Beat {
             "reloaded the jobs (SIGHUP)"
         );
         self.followers = Followers::new(&config);
+        let old_last = |o: usize| old[o].last;
+        let at = term.now();
+        let carried_over =
+            follower::carried_over((&self.config.jobs, &old_last), &config.jobs, &carried, at);
+        for (job, instants) in carried_over {
+            self.followers.carry(job, instants);
+        }
         self.config = config;
         self.persist_new_starts(store, term).await;
     }

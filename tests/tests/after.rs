@@ -636,3 +636,64 @@ async fn a_triggered_or_backfilled_upstream_runs_alone_and_audit_says_so() {
         assert!(!s.contains_key(&key("b", a)), "{a}'s follower ran: {s:?}");
     }
 }
+
+/// Issue 33: a → b → c with `a` retrying its instant T when a reload reschedules `a`: b and c
+/// still decide T (b's and c's schedule is a's, so the reload restarted them from its moment
+/// and T was never published, never skipped).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_that_reschedules_the_root_keeps_the_chains_in_flight() {
+    let env = setup("e2e_after_reload");
+    let log = env.path("runs").display().to_string();
+    let append = |tail: &str| {
+        shell(&format!(
+            "echo \"$DRUMLINE_KEY $DRUMLINE_ATTEMPT\" >> {log}; {tail}"
+        ))
+    };
+    let config = |every_a: &str| {
+        let cfg = Cfg::new()
+            .task(
+                "a",
+                append("[ \"$DRUMLINE_ATTEMPT\" != 0 ]")
+                    .with("max_retries", "1")
+                    .with("retry_base", "\"4s\"")
+                    .with("retry_max", "\"4s\""),
+            )
+            .task("b", append("true"))
+            .task("c", append("true"))
+            .job("a", every(every_a).with("overlap", "\"allow\""))
+            .job("b", after("a", "60s"))
+            .job("c", after("b", "60s"));
+        env.write_config("drumline.toml", &cfg)
+    };
+    let cfg = config("5s");
+    let cfg = cfg.to_str().unwrap();
+    let mut worker = env.worker("worker", &["--config", cfg]);
+    env.wait_for_topology(&worker).await;
+    let mut beat = env.beat("beat", &["--config", cfg]);
+    // The first instance of `a` failed its attempt 0: its retry comes 4 s later.
+    let failed = |env: &TestEnv| {
+        env.lines("runs")
+            .iter()
+            .find(|l| l.starts_with("a@") && l.ends_with(" 0"))
+            .map(|l| l.trim_end_matches(" 0").to_owned())
+    };
+    assert!(
+        wait_until(WAIT, || failed(&env).is_some()),
+        "{}",
+        beat.log_tail(20)
+    );
+    let t = failed(&env).unwrap();
+    config("7s");
+    beat.signal(libc::SIGHUP);
+    for job in ["b", "c"] {
+        let want = format!("{} 0", key(job, &t));
+        assert!(
+            wait_until(WAIT, || env.lines("runs").contains(&want)),
+            "{want} never ran: {:?}\n{}",
+            env.lines("runs"),
+            beat.log_tail(30)
+        );
+    }
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+}
