@@ -296,12 +296,10 @@ async fn fates(
     let overdue_ms = overdue.as_millis() as i64;
     let mut out = Vec::new();
     for ((key, list), (state, live)) in by_key.iter().zip(&leases) {
-        let Some(first) = list.first() else { continue };
-        let end_by_ms = end_by(config, key, first.at_ms, overdue_ms);
         let deadlines = verify::Deadlines {
             now_ms: now.timestamp_millis(),
-            end_by_ms,
-            overdue_ms,
+            end_by_ms: end_by(config, key, list, overdue_ms),
+            retry_wait_ms: overdue_ms + retry_max_ms(config, key) * 6 / 5,
         };
         let now = verify::Now {
             state: state.as_deref(),
@@ -312,21 +310,58 @@ async fn fates(
     Ok(out)
 }
 
-/// By when `key` must have ended (ms): an instance of a job at its jittered time plus its
-/// `expires`, else plus `overdue`; an ad-hoc key `overdue` after its first entry.
-fn end_by(config: &Config, key: &str, first_ms: i64, overdue_ms: i64) -> i64 {
+/// By when `key`, whose entries are `list`, must have ended (ms): an instance a leader
+/// published at its due time (its root's jittered time) plus its `expires`, else plus
+/// `overdue`; a key only an operator or a producer published (a backfill, a trigger, ad hoc:
+/// no leader's epoch, no `expires_at` from the schedule) `overdue` after its first entry.
+fn end_by(config: &Config, key: &str, list: &[&JournalEntry], overdue_ms: i64) -> i64 {
+    let first_ms = list.first().map_or(0, |e| e.at_ms);
+    let led = list.iter().any(|e| e.epoch.is_some());
     let instance = key.split_once('@').and_then(|(name, _)| {
         let job = config.job(name)?;
         Some((job, audit::instant_of(name, key)?))
     });
-    let Some((job, instant)) = instance else {
+    let (Some((job, instant)), true) = (instance, led) else {
         return first_ms + overdue_ms;
     };
-    let due = (instant + job.jitter_offset()).timestamp_millis();
+    let due = (instant + root_offset(config, job)).timestamp_millis();
     match job.spec.expires {
         Some(expires) => due + expires.as_millis() as i64,
         None => due + overdue_ms,
     }
+}
+
+/// The jitter offset `job`'s instants are published with: its root's, up its `after` chain
+/// (docs/design.md#job-dependencies).
+fn root_offset(config: &Config, job: &Job) -> chrono::TimeDelta {
+    let mut root = job;
+    // The checked config has no cycles; the bound only keeps a bad one finite.
+    for _ in 0..config.jobs.len() {
+        match root.after.as_ref().and_then(|a| config.job(&a.upstream)) {
+            Some(up) => root = up,
+            None => break,
+        }
+    }
+    root.jitter_offset()
+}
+
+/// The longest retry delay of `key`'s task (ms): its job's task's `retry_max`, or for an
+/// ad-hoc key the largest of the config's.
+fn retry_max_ms(config: &Config, key: &str) -> i64 {
+    let task = key
+        .split_once('@')
+        .and_then(|(name, _)| config.job(name))
+        .and_then(|job| config.tasks.get(&*job.spec.task));
+    let max = match task {
+        Some(task) => task.retry_max,
+        None => config
+            .tasks
+            .values()
+            .map(|t| t.retry_max)
+            .max()
+            .unwrap_or_default(),
+    };
+    max.as_millis() as i64
 }
 
 /// `not_published` (docs/audit.md#verify): per job with a schedule of its own, recorded

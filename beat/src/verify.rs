@@ -121,8 +121,9 @@ pub struct Deadlines {
     /// By when the instance must have ended: its expiry (from its jittered time), else its
     /// due time plus `--overdue`.
     pub end_by_ms: i64,
-    /// `--overdue`: how long a failed attempt's retry may be waited for.
-    pub overdue_ms: i64,
+    /// How long a failed attempt's retry may be waited for: `--overdue` beyond the task's
+    /// longest retry delay (`retry_max`, its jitter included).
+    pub retry_wait_ms: i64,
 }
 
 /// Events after which an instance has ended, whatever follows.
@@ -157,18 +158,22 @@ pub fn check_fate(
         let ended = after
             .iter()
             .any(|e| matches!(e.event.as_str(), "success" | "dead" | "expired"));
-        if ran_on || ended || ended_state || now.live {
+        if ended || ended_state || now.live {
             return None;
         }
-        if let Some(skip) = after.iter().find(|e| e.event == "skipped") {
-            let evidence = format!("{} then {}: the retry was skipped", cite(retry), cite(skip));
-            return Some(violation("retry_dropped", evidence));
+        if !ran_on {
+            if let Some(skip) = after.iter().find(|e| e.event == "skipped") {
+                let evidence =
+                    format!("{} then {}: the retry was skipped", cite(retry), cite(skip));
+                return Some(violation("retry_dropped", evidence));
+            }
+            if deadlines.now_ms - retry.at_ms > deadlines.retry_wait_ms {
+                let evidence = format!("{}: attempt {next} never claimed", cite(retry));
+                return Some(violation("retry_dropped", evidence));
+            }
+            return None;
         }
-        if deadlines.now_ms - retry.at_ms > deadlines.overdue_ms {
-            let evidence = format!("{}: attempt {next} never claimed", cite(retry));
-            return Some(violation("retry_dropped", evidence));
-        }
-        return None;
+        // The retry ran and has not ended: judged as any published instance below.
     }
     let published = entries.iter().find(|e| {
         matches!(
@@ -425,7 +430,7 @@ mod tests {
         let deadlines = Deadlines {
             now_ms,
             end_by_ms: 10 * MIN,
-            overdue_ms: 15 * MIN,
+            retry_wait_ms: 15 * MIN,
         };
         check_fate("k", &refs, now, deadlines)
             .map(|v| v.rule)
@@ -466,6 +471,12 @@ mod tests {
             live: true,
         };
         assert!(fate(&ran, running, 20 * MIN).is_empty());
+        // ... and whose run was lost (its worker killed, the requeued copy gone): lost.
+        let lapsed = Now {
+            state: Some("running"),
+            live: false,
+        };
+        assert_eq!(fate(&ran, lapsed, 20 * MIN), ["lost"]);
         ran.push(entry(3_000, "dead", "k", 1, "b"));
         assert!(fate(&ran, Now::default(), 20 * MIN).is_empty());
     }

@@ -50,7 +50,17 @@ pub fn planted(defect: Defect) -> bool {
 #[cfg(debug_assertions)]
 fn chosen() -> Option<Defect> {
     let name = std::env::var("DRUMLINE_PLANTED_DEFECT").ok()?;
-    Defect::ALL.into_iter().find(|d| d.name() == name)
+    let defect = Defect::ALL.into_iter().find(|d| d.name() == name);
+    match defect {
+        Some(d) => tracing::warn!(
+            defect = d.name(),
+            "a defect is planted on purpose (DRUMLINE_PLANTED_DEFECT, a test build)"
+        ),
+        None => {
+            tracing::warn!(name = %name, "DRUMLINE_PLANTED_DEFECT names no defect: none planted")
+        }
+    }
+    defect
 }
 
 #[cfg(not(debug_assertions))]

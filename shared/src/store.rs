@@ -409,6 +409,10 @@ if state == 'running' then
 end
 if ARGV[8] == '1' then
   jot('expired', ARGV[3], ARGV[1], ARGV[2], unpack(ep))
+  -- A retry's hold on its job ends with it (the caller passes the turn on).
+  if ARGV[5] ~= 'allow' and redis.call('HGET', KEYS[3], 'key') == ARGV[7] then
+    redis.call('DEL', KEYS[3])
+  end
   return {'expired'}
 end
 if ARGV[5] ~= 'allow' then

@@ -549,6 +549,35 @@ async fn an_expired_copy_takes_nothing_unless_it_is_a_duplicate() {
     );
 }
 
+/// A retry that expires before it runs ends its instance: the job it held is free at once.
+#[tokio::test]
+async fn an_expired_retry_frees_the_job_it_held() {
+    let s = store("expired_retry").await;
+    s.claim(&req("j@1", "a", OverlapMode::Queue("j")))
+        .await
+        .unwrap();
+    let retry = Ending::Retry {
+        next_attempt: 1,
+        hold: Duration::from_secs(60),
+    };
+    let retention = Duration::from_secs(60);
+    assert!(
+        s.finish("j@1", Some("j"), "a", retry, retention)
+            .await
+            .unwrap()
+            .ours
+    );
+    let mut late = req("j@1", "b", OverlapMode::Queue("j"));
+    (late.attempt, late.expired) = (1, true);
+    assert_eq!(s.claim(&late).await.unwrap(), Claim::Expired);
+    assert!(matches!(
+        s.claim(&req("j@2", "c", OverlapMode::Queue("j")))
+            .await
+            .unwrap(),
+        Claim::Claimed { .. }
+    ));
+}
+
 #[tokio::test]
 async fn a_finished_run_is_recorded_even_when_its_lease_lapsed_unclaimed() {
     let s = store("lapsed").await;

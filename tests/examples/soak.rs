@@ -61,7 +61,13 @@ fn parse(args: impl Iterator<Item = String>) -> Result<Mode, String> {
                 (fixed.seed, drawn.seed) = (seed, seed);
             }
             ("--round", true) => drawn.round = duration()?,
-            ("--defect", true) => drawn.defect = Some(value),
+            ("--defect", true) => {
+                let known = drumline_shared::planted::Defect::ALL.map(|d| d.name());
+                if !known.contains(&value.as_str()) {
+                    return Err(format!("--defect: {value} is none of {known:?}"));
+                }
+                drawn.defect = Some(value);
+            }
             _ => return Err(format!("unknown argument {flag}")),
         }
     }

@@ -222,6 +222,7 @@ impl TestEnv {
             .args(args)
             .env("RUST_LOG", "info")
             .env_remove("DRUMLINE_CONFIG")
+            .env_remove("DRUMLINE_PLANTED_DEFECT")
             .env_remove("DRUMLINE_AMQP_URL")
             .env_remove("DRUMLINE_REDIS_URL")
             .envs(vars.iter().copied())
@@ -242,6 +243,7 @@ impl TestEnv {
         let out = Command::new(binary(bin))
             .args(args)
             .env_remove("DRUMLINE_CONFIG")
+            .env_remove("DRUMLINE_PLANTED_DEFECT")
             .stdin(Stdio::null())
             .output()
             .unwrap_or_else(|e| panic!("cannot run {bin}: {e}"));

@@ -107,18 +107,34 @@ fn job(rng: &mut Rng, i: usize) -> JobDraw {
         period * 3 / 2
     };
     let run = rng.between(Duration::from_millis(50), longest);
+    let mut fail_pct = [0, 25, 60][rng.below(3)];
+    let permanent_pct = [0, 0, 10][rng.below(3)];
+    let max_retries = rng.below(4) as u32;
+    // A queue job's instance holds the job through its retries: what it holds on average
+    // must fit the period too, or the backlog never drains.
+    if overlap == "queue" && held_for(run, fail_pct, max_retries) > period * 6 / 10 {
+        fail_pct = 0;
+    }
     JobDraw {
         name: format!("j{i}"),
         every_s,
         overlap,
         run,
-        fail_pct: [0, 25, 60][rng.below(3)],
-        permanent_pct: [0, 0, 10][rng.below(3)],
-        max_retries: rng.below(4) as u32,
+        fail_pct,
+        permanent_pct,
+        max_retries,
         expires_s: [None, Some(60)][rng.below(2)],
         // `check` refuses a jitter not below the period.
         jitter_s: [None, None, Some(1)][rng.below(3)].filter(|_| every_s > 1),
     }
+}
+
+/// How long an instance holds its job on average: its first run, then each retry (its delay,
+/// jitter included, and its run) as likely as every attempt before it failing.
+fn held_for(run: Duration, fail_pct: u32, max_retries: u32) -> Duration {
+    let p = f64::from(fail_pct) / 100.0;
+    let retries: f64 = (1..=max_retries).map(|k| p.powi(k as i32)).sum();
+    run + (run + RETRY_DELAY * 6 / 5).mul_f64(retries)
 }
 
 fn event(rng: &mut Rng, jobs: &[JobDraw]) -> Event {
@@ -212,7 +228,8 @@ mod tests {
             assert!(!r.jobs.is_empty() && r.jobs.len() <= 3);
             assert!(!r.events.is_empty());
             for j in r.jobs.iter().filter(|j| j.overlap == "queue") {
-                assert!(j.run < Duration::from_secs(j.every_s.into()));
+                let period = Duration::from_secs(j.every_s.into());
+                assert!(held_for(j.run, j.fail_pct, j.max_retries) <= period * 6 / 10);
             }
             for j in &r.jobs {
                 assert!(j.jitter_s.is_none_or(|s| s < j.every_s));

@@ -82,6 +82,9 @@ pub struct Timeline {
     pub backfills: Vec<(usize, Vec<DateTime<Utc>>)>,
     /// How long a beat's takeover may take: its leader lease, `misfire_threshold` and slack.
     pub takeover_ms: i64,
+    /// When the effect log was read: a failure more recent than a retry delay and slack may
+    /// still have its retry on the way.
+    pub now: i64,
 }
 
 /// Every finding of `round` over the effect `lines`.
@@ -98,7 +101,7 @@ pub fn judge(round: &Round, timeline: &Timeline, lines: &[String]) -> Vec<Findin
         for (key, runs) in &by_key {
             // A retry of an instance after the judged window may still be on its way.
             let judged = instant_ms(key).is_some_and(|t| t <= timeline.judge_end);
-            out.extend(per_key(job, key, runs, judged));
+            out.extend(per_key(job, key, runs, judged.then_some(timeline.now)));
         }
         if job.overlap != "allow" {
             out.extend(overlaps(job, &mine));
@@ -118,8 +121,8 @@ fn finding(job: &JobDraw, key: &str, rule: &'static str, detail: String) -> Find
 }
 
 /// At most one success, attempts within `max_retries`, and (for an instant of the judged
-/// window) a retryable failure followed by its retry.
-fn per_key(job: &JobDraw, key: &str, runs: &[&Run], judged: bool) -> Vec<Finding> {
+/// window, the log read at `judged`) a retryable failure followed by its retry.
+fn per_key(job: &JobDraw, key: &str, runs: &[&Run], judged: Option<i64>) -> Vec<Finding> {
     let mut out = Vec::new();
     let successes = runs
         .iter()
@@ -139,16 +142,17 @@ fn per_key(job: &JobDraw, key: &str, runs: &[&Run], judged: bool) -> Vec<Finding
     }
     let last = runs
         .iter()
-        .filter(|_| judged)
+        .filter(|_| judged.is_some())
         .max_by_key(|r| (r.attempt, r.start));
+    let retry_due = RETRY_DELAY.as_millis() as i64 * 6 / 5 + 3_000;
     if let Some(Run {
         attempt,
         end: Some((at, 1)),
         ..
     }) = last.map(|r| &**r)
     {
-        if *attempt < job.max_retries && !expired_by(job, key, at + RETRY_DELAY.as_millis() as i64)
-        {
+        let waited = judged.is_some_and(|now| now - at > retry_due);
+        if *attempt < job.max_retries && waited && !expired_by(job, key, at + retry_due) {
             let detail = format!(
                 "attempt {attempt} failed retryably and attempt {} never ran",
                 attempt + 1
@@ -335,6 +339,7 @@ mod tests {
             start: T0 - 5_000,
             judge_end: T0 + seconds * 1000 + 2_000,
             takeover_ms: 10_000,
+            now: T0 + seconds * 1000 + 60_000,
             ..Timeline::default()
         }
     }

@@ -109,6 +109,7 @@ impl Members<'_> {
             .arg(&self.config)
             .args(args)
             .env_remove("DRUMLINE_CONFIG")
+            .env_remove("DRUMLINE_PLANTED_DEFECT")
             .envs(self.vars.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::null())
             .output()
@@ -165,7 +166,8 @@ pub fn run_round(seed: u64, length: Duration, defect: Option<&str>) -> RoundVerd
     };
     play(&round, &mut members, &mut timeline, began);
     timeline.judge_end = now_ms();
-    settle(&round, &timeline, &env);
+    settle(&round, &mut timeline, &env);
+    timeline.now = now_ms();
     let findings = oracle::judge(&round, &timeline, &env.lines("effects"));
     let since = began.elapsed().as_secs() + 120;
     let verify = verify(&members, since);
@@ -299,8 +301,9 @@ fn backfill(round: &Round, job: usize, members: &Members<'_>, timeline: &mut Tim
 /// Waits until the oracle has nothing left to wait for (every judged instant ended), at most
 /// 60 s, and at least `--overdue` and 5 s past the judged window (what `verify` needs to call a
 /// retry dropped).
-fn settle(round: &Round, timeline: &Timeline, env: &TestEnv) {
+fn settle(round: &Round, timeline: &mut Timeline, env: &TestEnv) {
     crate::wait_until(Duration::from_secs(60), || {
+        timeline.now = now_ms();
         oracle::judge(round, timeline, &env.lines("effects")).is_empty()
     });
     let ready = timeline.judge_end + (OVERDUE_S + 5) * 1000;
