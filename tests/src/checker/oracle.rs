@@ -78,6 +78,8 @@ pub struct Timeline {
     pub pauses: Vec<(usize, i64, i64)>,
     /// When a beat was killed.
     pub beat_kills: Vec<i64>,
+    /// When a worker was stopped (SIGSTOP) and continued: a copy it had prefetched waits.
+    pub freezes: Vec<(i64, i64)>,
     /// Per job: the backfilled instants.
     pub backfills: Vec<(usize, Vec<DateTime<Utc>>)>,
     /// How long a beat's takeover may take: its leader lease, `misfire_threshold` and slack.
@@ -282,9 +284,18 @@ fn excused(
         .beat_kills
         .iter()
         .any(|k| k - 1_000 <= t + jitter && t <= k + timeline.takeover_ms);
+    // The instance comes to be claimed by `came`: soon after it is due, or, when a frozen
+    // worker may have held its copy, soon after that worker continued.
+    let due = t + jitter + 1_500;
+    let came = timeline
+        .freezes
+        .iter()
+        .filter(|(from, to)| *from <= due && t <= *to)
+        .map(|(_, to)| to.saturating_add(1_500))
+        .fold(due, i64::max);
     let held = holds
         .iter()
-        .any(|(k, from, to)| *k != key && *from - 500 <= t + jitter + 1_500 && t - 500 <= *to);
+        .any(|(k, from, to)| *k != key && *from - 500 <= came && t - 500 <= *to);
     paused || takeover || held
 }
 
@@ -410,6 +421,27 @@ mod tests {
         assert_eq!(judge(&r, &t, &lines), vec![]);
         let mut t = timeline(3);
         t.beat_kills.push(T0 + 500);
+        assert_eq!(judge(&r, &t, &lines), vec![]);
+    }
+
+    /// Under `skip`, an instance whose copy a frozen worker held is skipped by the next one if
+    /// that one runs when the frozen worker continues: excused while the freeze lasted.
+    #[test]
+    fn a_copy_held_by_a_frozen_worker_may_be_skipped_by_the_next_instance() {
+        let r = round(JobDraw {
+            every_s: 3,
+            ..job("skip", 0)
+        });
+        // Instant 3's copy sat in a frozen worker until 6.5 s; instant 6 ran from 6.01 s.
+        let mut lines = ran(6, 0, (T0 + 6_010, T0 + 7_900), 0);
+        lines.extend(ran(9, 0, (T0 + 9_010, T0 + 9_100), 0));
+        let mut t = timeline(9);
+        assert_eq!(
+            rules(&judge(&r, &t, &lines)),
+            ["missed"],
+            "3 is not excused"
+        );
+        t.freezes.push((T0 + 2_900, T0 + 6_500));
         assert_eq!(judge(&r, &t, &lines), vec![]);
     }
 

@@ -256,11 +256,16 @@ fn apply(
         Step::Do(Event::FreezeWorker { i, for_ }) => {
             let proc = members.workers[*i].as_ref()?;
             proc.signal(libc::SIGSTOP);
+            timeline.freezes.push((now_ms(), i64::MAX));
             Some((*for_, Step::Thaw(*i)))
         }
         Step::Thaw(i) => {
             if let Some(p) = members.workers[*i].as_ref() {
                 p.signal(libc::SIGCONT);
+            }
+            let now = now_ms();
+            for f in timeline.freezes.iter_mut().filter(|f| f.1 == i64::MAX) {
+                f.1 = now;
             }
             None
         }
