@@ -600,7 +600,7 @@ impl Processor {
         // retry's message is lost (docs/guarantees.md#overlap).
         let ending = Ending::Retry {
             next_attempt: next.attempt,
-            hold: delay + self.config.worker.lease,
+            hold: retry::bucket(delay) + self.config.worker.lease,
         };
         let retention = self.config.worker.done_ttl;
         let job = self.lock_job(env);
