@@ -1412,15 +1412,7 @@ async fn save(
     {
         term.deposed();
     }
-    // A job that starts (a first start, an added or rescheduled job; not an adopted one) is
-    // journaled, so that `audit` plans no instant of its rule before it (docs/audit.md).
-    let started: Vec<LeaderEntry> = which
-        .iter()
-        .zip(&outcomes)
-        .filter(|(i, failed)| failed.is_none() && states[**i].unsaved && states[**i].rule_unsaved)
-        .map(|(i, _)| journal::started(&jobs[*i], states[*i].last))
-        .collect();
-    journal::write(store, term, &started).await;
+    journal_starts(store, term, jobs, states, (which, &outcomes)).await;
     for (i, failed) in which.iter().zip(&outcomes) {
         if failed.is_none() {
             states[*i].unsaved = false;
@@ -1428,6 +1420,25 @@ async fn save(
         }
     }
     outcomes
+}
+
+/// Journals each job of `which` whose start was just written (a first start, an added or
+/// rescheduled job; not an adopted one), so that `audit` plans no instant of its rule before
+/// it (docs/audit.md).
+async fn journal_starts(
+    store: &Store,
+    term: &Term,
+    jobs: &[Job],
+    states: &[JobState],
+    (which, outcomes): (&[usize], &[Option<Arc<ProgressError>>]),
+) {
+    let started: Vec<LeaderEntry> = which
+        .iter()
+        .zip(outcomes)
+        .filter(|(i, failed)| failed.is_none() && states[**i].unsaved && states[**i].rule_unsaved)
+        .map(|(i, _)| journal::started(&jobs[*i], states[*i].last))
+        .collect();
+    journal::write(store, term, &started).await;
 }
 
 /// Connects to Redis, retrying until it answers (it holds each job's progress); each failure is
