@@ -1,7 +1,8 @@
 //! What one round of the randomized checker runs, drawn from its seed (docs/soak.md#the-randomized-checker):
 //! jobs (period, overlap mode, task duration against the period, failure and permanent-exit
-//! rates, retries, `expires`, jitter), operator actions (pause and resume, a backfill) and
-//! faults (kill -9 or a short SIGSTOP of a worker, kill -9 of a beat).
+//! rates, retries, `expires`, jitter), operator actions (pause and resume, a backfill, a
+//! trigger, a reload that changes a job's period) and faults (kill -9 or a short SIGSTOP of a
+//! worker, kill -9 of a beat).
 
 use crate::cfg::{every, shell, Cfg, Keys};
 use crate::soak::rng::Rng;
@@ -53,6 +54,10 @@ pub enum Event {
     FreezeWorker { i: usize, for_: Duration },
     /// kill -9 of beat `i`, started again two seconds later.
     KillBeat { i: usize },
+    /// `drumline trigger JOB`.
+    Trigger { job: usize },
+    /// The job's `every` becomes `every_s` in the config file, then SIGHUP to every member.
+    Reload { job: usize, every_s: u32 },
 }
 
 /// One round.
@@ -87,7 +92,20 @@ pub fn round(seed: u64, length: Duration) -> Round {
         let at = Duration::from_secs(5) + rng.between(Duration::ZERO, span);
         events.push((at, event(&mut rng, &jobs)));
     }
+    // Triggers and reloads come from a stream of their own, so that a seed draws the same
+    // jobs and faults as before they existed.
+    let mut more = Rng::new(seed ^ 0x7269_6767_6572);
+    for _ in 0..(length.as_secs() / 15).max(1) {
+        let at = Duration::from_secs(5) + more.between(Duration::ZERO, span);
+        let job = more.below(jobs.len());
+        let e = match more.below(2) {
+            0 => Event::Trigger { job },
+            _ => Event::Reload { job, every_s: 0 },
+        };
+        events.push((at, e));
+    }
     events.sort_by_key(|(at, _)| *at);
+    periods_for_reloads(&jobs, &mut events, &mut more);
     Round {
         seed,
         jobs,
@@ -129,6 +147,28 @@ fn job(rng: &mut Rng, i: usize) -> JobDraw {
     }
 }
 
+/// Gives each reload, in time order, a period its job's runs fit and different from the one in
+/// force; a reload with none becomes a trigger.
+fn periods_for_reloads(jobs: &[JobDraw], events: &mut [(Duration, Event)], rng: &mut Rng) {
+    let mut now: Vec<u32> = jobs.iter().map(|j| j.every_s).collect();
+    for (_, e) in events.iter_mut() {
+        let Event::Reload { job, every_s } = e else {
+            continue;
+        };
+        let job = *job;
+        let fits: Vec<u32> = [1, 2, 3]
+            .into_iter()
+            .filter(|p| *p != now[job] && jobs[job].fits(*p))
+            .collect();
+        if fits.is_empty() {
+            *e = Event::Trigger { job };
+        } else {
+            *every_s = fits[rng.below(fits.len())];
+            now[job] = *every_s;
+        }
+    }
+}
+
 /// How long an instance holds its job on average: its first run, then each retry (its delay,
 /// jitter included, and its run) as likely as every attempt before it failing.
 fn held_for(run: Duration, fail_pct: u32, max_retries: u32) -> Duration {
@@ -159,6 +199,18 @@ fn event(rng: &mut Rng, jobs: &[JobDraw]) -> Event {
 }
 
 impl JobDraw {
+    /// Whether its runs fit a period of `every_s`: a `queue` job's average hold under 0.6 of
+    /// it, any other run under 1.5 of it, and its jitter below it (as `check` wants).
+    pub fn fits(&self, every_s: u32) -> bool {
+        let period = Duration::from_secs(every_s.into());
+        let held = if self.overlap == "queue" {
+            held_for(self.run, self.fail_pct, self.max_retries) <= period * 6 / 10
+        } else {
+            self.run <= period * 3 / 2
+        };
+        held && self.jitter_s.is_none_or(|s| s < every_s)
+    }
+
     /// The task's command: a start line, the run, an end line with the exit code, each with
     /// key, attempt and wall time in ms, appended to `log`; whether an attempt fails is a hash
     /// of its key, attempt and the round's seed.
@@ -204,12 +256,22 @@ impl JobDraw {
 impl Round {
     /// The round's config, its tasks appending to `log`.
     pub fn config(&self, log: &Path) -> Cfg {
+        let periods: Vec<u32> = self.jobs.iter().map(|j| j.every_s).collect();
+        self.config_with(log, &periods)
+    }
+
+    /// The round's config with each job's `every` from `periods` (after reloads).
+    pub fn config_with(&self, log: &Path, periods: &[u32]) -> Cfg {
         let lease = toml_string(&format!("{}s", LEASE.as_secs()));
         let mut cfg = Cfg::new().set("worker", "lease", &lease);
-        for j in &self.jobs {
+        for (j, every_s) in self.jobs.iter().zip(periods) {
+            let now = JobDraw {
+                every_s: *every_s,
+                ..j.clone()
+            };
             cfg = cfg
                 .task(&j.name, j.task(log, self.seed))
-                .job(&j.name, j.job());
+                .job(&j.name, now.job());
         }
         cfg
     }
@@ -223,6 +285,7 @@ mod tests {
     fn one_seed_one_round_and_queue_runs_fit_their_period() {
         let length = Duration::from_secs(40);
         assert_eq!(round(5, length), round(5, length));
+        let (mut reloads, mut triggers) = (0, 0);
         for seed in 0..200 {
             let r = round(seed, length);
             assert!(!r.jobs.is_empty() && r.jobs.len() <= 3);
@@ -235,6 +298,22 @@ mod tests {
                 assert!(j.jitter_s.is_none_or(|s| s < j.every_s));
             }
             assert!(r.events.iter().all(|(at, _)| *at >= Duration::from_secs(5)));
+            let mut now: Vec<u32> = r.jobs.iter().map(|j| j.every_s).collect();
+            for (_, e) in &r.events {
+                if let Event::Reload { job, every_s } = e {
+                    assert!(
+                        *every_s != now[*job] && r.jobs[*job].fits(*every_s),
+                        "{e:?}"
+                    );
+                    now[*job] = *every_s;
+                    reloads += 1;
+                }
+                triggers += usize::from(matches!(e, Event::Trigger { .. }));
+            }
         }
+        assert!(
+            reloads > 50 && triggers > 50,
+            "{reloads} reloads, {triggers} triggers"
+        );
     }
 }

@@ -82,6 +82,10 @@ pub struct Timeline {
     pub freezes: Vec<(i64, i64)>,
     /// Per job: the backfilled instants.
     pub backfills: Vec<(usize, Vec<DateTime<Utc>>)>,
+    /// Per job: the key `drumline trigger` printed.
+    pub triggers: Vec<(usize, String)>,
+    /// Per job: when its config changed to a new `every` (whole seconds), SIGHUP sent.
+    pub reloads: Vec<(usize, i64, u32)>,
     /// How long a beat's takeover may take: its leader lease, `misfire_threshold` and slack.
     pub takeover_ms: i64,
     /// When the effect log was read: a failure more recent than a retry delay and slack may
@@ -211,37 +215,38 @@ fn finished(job: &JobDraw, runs: &[&Run]) -> bool {
     })
 }
 
-/// Every instant judged (and every backfilled one) ends, unless the round excuses it: paused,
-/// a beat's takeover, or (`skip`) another instance holding the job when it came.
+/// How an instance the oracle expects to end came to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// The job's schedule: pauses, a takeover and (`skip`) another instance excuse it.
+    Scheduled,
+    /// `drumline backfill`: nothing excuses it.
+    Backfilled,
+    /// `drumline trigger`: under `skip`, another instance holding the job excuses it.
+    Triggered,
+}
+
+/// Every instant judged (and every backfilled or triggered one) ends, unless the round excuses
+/// it: paused, a beat's takeover, or (`skip`) another instance holding the job when it came.
 fn at_least_once(
     j: usize,
     job: &JobDraw,
     timeline: &Timeline,
     by_key: &BTreeMap<&str, Vec<&Run>>,
 ) -> Vec<Finding> {
-    let jitter = i64::from(job.jitter_s.unwrap_or(0)) * 1000;
-    let period = i64::from(job.every_s) * 1000;
-    let first = (timeline.start + 5_000).div_euclid(period) * period + period;
-    let mut instants: Vec<i64> = (0..)
-        .map(|n| first + n * period)
-        .take_while(|t| t + jitter + 2_000 <= timeline.judge_end)
-        .collect();
-    let backfilled = timeline.backfills.iter().filter(|(b, _)| *b == j);
-    let backfilled: Vec<i64> = backfilled
-        .flat_map(|(_, ts)| ts.iter().map(|t| t.timestamp_millis()))
-        .collect();
-    instants.extend(&backfilled);
     let holds = holds(job, by_key);
     let mut out = Vec::new();
-    for t in instants {
-        let at = DateTime::from_timestamp_millis(t).expect("an instant");
-        let key = instance_key(&job.name, at);
+    for (key, t, origin) in expected(j, job, timeline) {
         let runs = by_key.get(key.as_str()).map_or(&[][..], Vec::as_slice);
         if finished(job, runs) {
             continue;
         }
-        let live = !backfilled.contains(&t);
-        if live && excused(j, job, timeline, &holds, (&key, t)) {
+        let excuse = match origin {
+            Origin::Scheduled => excused(j, job, timeline, &holds, (&key, t)),
+            Origin::Triggered => held(&holds, (&key, t), t + 1_500),
+            Origin::Backfilled => false,
+        };
+        if excuse {
             continue;
         }
         let detail = if runs.is_empty() {
@@ -250,6 +255,56 @@ fn at_least_once(
             format!("{} runs, none final", runs.len())
         };
         out.push(finding(job, &key, "missed", detail));
+    }
+    out
+}
+
+/// The instances of job `j` that must end: (key, instant in ms, origin).
+fn expected(j: usize, job: &JobDraw, timeline: &Timeline) -> Vec<(String, i64, Origin)> {
+    let key = |t: i64| {
+        let at = DateTime::from_timestamp_millis(t).expect("an instant");
+        instance_key(&job.name, at)
+    };
+    let mut out: Vec<(String, i64, Origin)> = scheduled(j, job, timeline)
+        .into_iter()
+        .map(|t| (key(t), t, Origin::Scheduled))
+        .collect();
+    let backfilled = timeline.backfills.iter().filter(|(b, _)| *b == j);
+    for t in backfilled.flat_map(|(_, ts)| ts.iter().map(|t| t.timestamp_millis())) {
+        out.retain(|(_, s, _)| *s != t);
+        out.push((key(t), t, Origin::Backfilled));
+    }
+    let triggered = timeline.triggers.iter().filter(|(t, _)| *t == j);
+    for (_, k) in triggered {
+        let t = instant_ms(k).expect("a trigger's key names its instant");
+        out.push((k.clone(), t, Origin::Triggered));
+    }
+    out
+}
+
+/// How long before and after a reload the oracle leaves the job's instants unjudged: either
+/// rule may own them (the beat reloads when it reads the signal).
+const RELOAD_SLACK_MS: i64 = 1_500;
+
+/// The job's scheduled instants the round judges, each rule from when it was in force: from
+/// 5 s after the start (or [`RELOAD_SLACK_MS`] after a reload) to the judged window's end (or
+/// as long before the next reload), jitter included.
+fn scheduled(j: usize, job: &JobDraw, timeline: &Timeline) -> Vec<i64> {
+    let jitter = i64::from(job.jitter_s.unwrap_or(0)) * 1000;
+    let mut rules = vec![(timeline.start + 5_000, job.every_s)];
+    let reloads = timeline.reloads.iter().filter(|(r, _, _)| *r == j);
+    rules.extend(reloads.map(|(_, at, every)| (at + RELOAD_SLACK_MS, *every)));
+    let mut out = Vec::new();
+    for (k, (from, every)) in rules.iter().enumerate() {
+        let period = i64::from(*every) * 1000;
+        let until = rules
+            .get(k + 1)
+            .map_or(timeline.judge_end - 2_000, |(next, _)| {
+                next - 2 * RELOAD_SLACK_MS
+            });
+        let first = from.div_euclid(period) * period + period;
+        let instants = (0..).map(|n| first + n * period);
+        out.extend(instants.take_while(|t| t + jitter <= until));
     }
     out
 }
@@ -293,10 +348,14 @@ fn excused(
         .filter(|(from, to)| *from <= due && t <= *to)
         .map(|(_, to)| to.saturating_add(1_500))
         .fold(due, i64::max);
-    let held = holds
+    paused || takeover || held(holds, (key, t), came)
+}
+
+/// Whether another instance held the job (`skip`) between instant `t` and `came`.
+fn held(holds: &[(&str, i64, i64)], (key, t): (&str, i64), came: i64) -> bool {
+    holds
         .iter()
-        .any(|(k, from, to)| *k != key && *from - 500 <= came && t - 500 <= *to);
-    paused || takeover || held
+        .any(|(k, from, to)| *k != key && *from - 500 <= came && t - 500 <= *to)
 }
 
 #[cfg(test)]
@@ -442,6 +501,30 @@ mod tests {
             "3 is not excused"
         );
         t.freezes.push((T0 + 2_900, T0 + 6_500));
+        assert_eq!(judge(&r, &t, &lines), vec![]);
+    }
+
+    /// Each rule judges its own instants, those within the slack of the reload neither; a
+    /// trigger's key must end like any instance.
+    #[test]
+    fn a_reload_changes_the_instants_judged_and_a_trigger_must_end() {
+        let r = round(job("queue", 0));
+        let mut t = timeline(10);
+        t.reloads.push((0, T0 + 4_000, 2));
+        let run = |s: i64| ran(s, 0, (T0 + s * 1000 + 10, T0 + s * 1000 + 100), 0);
+        let lines: Vec<String> = [1, 2, 6, 8, 10].into_iter().flat_map(run).collect();
+        assert_eq!(judge(&r, &t, &lines), vec![]);
+        let gone: Vec<String> = [1, 2, 6, 10].into_iter().flat_map(run).collect();
+        assert_eq!(rules(&judge(&r, &t, &gone)), ["missed"]);
+        let at = DateTime::from_timestamp_millis(T0 + 7_123).unwrap();
+        let trigger = instance_key("j0", at);
+        t.triggers.push((0, trigger.clone()));
+        let found = judge(&r, &t, &lines);
+        assert_eq!(rules(&found), ["missed"]);
+        assert_eq!(found[0].key, trigger);
+        let mut lines = lines;
+        lines.push(format!("start {trigger} 0 {}", T0 + 7_200));
+        lines.push(format!("end {trigger} 0 {} 0", T0 + 7_300));
         assert_eq!(judge(&r, &t, &lines), vec![]);
     }
 

@@ -71,6 +71,10 @@ impl RoundVerdict {
 struct Members<'a> {
     env: &'a TestEnv,
     config: String,
+    /// Where the tasks append their effects.
+    log: std::path::PathBuf,
+    /// Each job's `every` in the config file now.
+    periods: Vec<u32>,
     vars: Vec<(&'static str, String)>,
     beats: Vec<Option<Proc>>,
     workers: Vec<Option<Proc>>,
@@ -146,6 +150,8 @@ pub fn run_round(seed: u64, length: Duration, defect: Option<&str>) -> RoundVerd
     let mut members = Members {
         env: &env,
         config: config.to_str().expect("utf-8 path").to_owned(),
+        log: log.clone(),
+        periods: round.jobs.iter().map(|j| j.every_s).collect(),
         vars: defect
             .map(|d| vec![("DRUMLINE_PLANTED_DEFECT", d.to_owned())])
             .unwrap_or_default(),
@@ -253,6 +259,18 @@ fn apply(
             members.start(*beat, *i);
             None
         }
+        Step::Do(Event::Trigger { job }) => {
+            let (ok, out, both) = members.cli(&["trigger", &round.jobs[*job].name]);
+            assert!(ok, "trigger: {both}");
+            let key = out.split(' ').find_map(|w| w.strip_prefix("key="));
+            let key = key.unwrap_or_else(|| panic!("trigger printed no key: {out}"));
+            timeline.triggers.push((*job, key.to_owned()));
+            None
+        }
+        Step::Do(Event::Reload { job, every_s }) => {
+            reload(round, (*job, *every_s), members, timeline);
+            None
+        }
         Step::Do(Event::FreezeWorker { i, for_ }) => {
             let proc = members.workers[*i].as_ref()?;
             proc.signal(libc::SIGSTOP);
@@ -281,6 +299,26 @@ fn kill(
     let mut proc = members.slot(beat, i).take()?;
     proc.kill9();
     Some((back, Step::Restart { beat, i }))
+}
+
+/// Writes the config with the job's new period and sends SIGHUP to every running member.
+fn reload(
+    round: &Round,
+    (job, every_s): (usize, u32),
+    members: &mut Members<'_>,
+    timeline: &mut Timeline,
+) {
+    members.periods[job] = every_s;
+    let cfg = round.config_with(&members.log, &members.periods).set(
+        "beat",
+        "leader_lease",
+        &format!("\"{LEADER_LEASE_S}s\""),
+    );
+    members.env.write_config("drumline.toml", &cfg);
+    timeline.reloads.push((job, now_ms(), every_s));
+    for proc in members.beats.iter().chain(members.workers.iter()).flatten() {
+        proc.signal(libc::SIGHUP);
+    }
 }
 
 /// `drumline backfill JOB` of the ten instants ending 30 s before the round began.
