@@ -2,13 +2,13 @@
 //! (docs/design.md#bounded-work): read through one broker connection of the page's own, kept
 //! between requests, one read at a time, and cached for [`FRESH_FOR`]. However many requests
 //! come, the page holds at most that one connection and asks the broker at most once per
-//! [`FRESH_FOR`].
+//! [`FRESH_FOR`]. What a read finds is a [`BrokerCounts`], of the queues [`queues_of`] names.
 
-use crate::status::{broker_counts_on, BrokerCounts};
 use drumline_shared::broker;
 use drumline_shared::config::Config;
 use drumline_shared::names::Names;
 use lapin::Connection;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Mutex;
@@ -48,7 +48,7 @@ impl DeadLetters {
     /// read.
     pub fn new(config: Arc<Config>) -> Self {
         let names = Names::new(config.namespace.clone());
-        let queues = crate::queues::queues_of(&config).into();
+        let queues = queues_of(&config).into();
         Self {
             config,
             names,
@@ -131,4 +131,42 @@ async fn read(
         broker::close_later(conn, "status page: read failed");
     }
     BrokerCounts::default()
+}
+
+/// What the broker said for a report: the dead letters and each queue's counts (each `None`
+/// when it did not answer).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BrokerCounts {
+    /// Messages in `{ns}.dead`.
+    pub dead_letters: Option<u64>,
+    /// Per queue of [`queues_of`], in that order; empty when unknown.
+    pub queues: Vec<Option<broker::QueueCounts>>,
+}
+
+/// Reads the [`BrokerCounts`] of `queues` on `conn` (passive declares on channels of their own).
+pub async fn broker_counts_on(
+    conn: &lapin::Connection,
+    names: &Names,
+    queues: &[String],
+) -> Result<BrokerCounts, lapin::Error> {
+    let dead_letters = broker::dead_letter_count_on(conn, names).await?;
+    let mut counts = Vec::with_capacity(queues.len());
+    for queue in queues {
+        counts.push(broker::queue_counts_on(conn, &names.work_queue(queue)).await?);
+    }
+    Ok(BrokerCounts {
+        dead_letters: Some(dead_letters),
+        queues: counts,
+    })
+}
+
+/// Every logical queue `config` names, once each, sorted: its jobs' and `[worker] queues`.
+pub fn queues_of(config: &Config) -> Vec<String> {
+    let mut queues: BTreeSet<String> = config.worker.queues.iter().cloned().collect();
+    for job in &config.jobs {
+        if !queues.contains(job.spec.queue.as_ref()) {
+            queues.insert(job.spec.queue.to_string());
+        }
+    }
+    queues.into_iter().collect()
 }

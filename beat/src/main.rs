@@ -4,10 +4,8 @@
 use clap::Parser;
 use drumline_beat::cli::Command;
 use drumline_beat::commands;
-use drumline_shared::cli::Common;
-use drumline_shared::config::{self, Config};
-use drumline_shared::exit::{self, Failure};
-use drumline_shared::logging;
+use drumline_shared::cli::{run_to_exit, Common};
+use drumline_shared::exit::Failure;
 use std::process::ExitCode;
 
 /// The drumline beat: publishes every due instance of every job, once.
@@ -26,15 +24,12 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logging::init(cli.common.log_format);
-    let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
-    exit::report(runtime.block_on(dispatch(cli)))
+    run_to_exit(cli.common.log_format, dispatch(cli))
 }
 
 /// Load the config, then run the command (no command: the beat itself).
 async fn dispatch(cli: Cli) -> Result<(), Failure> {
-    let path = config::resolve_path(cli.common.config);
-    let config = Config::load(&path).map_err(Failure::usage)?;
+    let (config, path) = cli.common.load()?;
     match cli.command {
         None => commands::run(config, cli.metrics_addr).await,
         Some(command) => command.run(config, &path).await,

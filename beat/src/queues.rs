@@ -6,12 +6,10 @@
 
 use crate::dead_letters::DeadLetters;
 use drumline_shared::broker;
-use drumline_shared::config::Config;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use std::collections::BTreeSet;
 use std::time::Duration;
 
 /// How often the gauges are read again.
@@ -84,15 +82,4 @@ impl QueueGauges {
                 .set(i64::from(counts.consumers));
         }
     }
-}
-
-/// Every logical queue `config` names, once each, sorted: its jobs' and `[worker] queues`.
-pub fn queues_of(config: &Config) -> Vec<String> {
-    let mut queues: BTreeSet<String> = config.worker.queues.iter().cloned().collect();
-    for job in &config.jobs {
-        if !queues.contains(job.spec.queue.as_ref()) {
-            queues.insert(job.spec.queue.to_string());
-        }
-    }
-    queues.into_iter().collect()
 }

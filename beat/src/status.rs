@@ -6,6 +6,7 @@
 //! through one passive queue declare. The beat's status page ([`crate::page`]) builds the same
 //! document for a window of the jobs with [`read_window`].
 
+use crate::dead_letters::{broker_counts_on, queues_of, BrokerCounts};
 use crate::recent::RecentRun;
 use chrono::{DateTime, Utc};
 use drumline_shared::broker;
@@ -92,33 +93,6 @@ pub struct QueueStatus {
     pub consumers: Option<u32>,
 }
 
-/// What the broker said for a report: the dead letters and each queue's counts (each `None`
-/// when it did not answer).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct BrokerCounts {
-    /// Messages in `{ns}.dead`.
-    pub dead_letters: Option<u64>,
-    /// Per queue of [`crate::queues::queues_of`], in that order; empty when unknown.
-    pub queues: Vec<Option<broker::QueueCounts>>,
-}
-
-/// Reads the [`BrokerCounts`] of `queues` on `conn` (passive declares on channels of their own).
-pub async fn broker_counts_on(
-    conn: &lapin::Connection,
-    names: &Names,
-    queues: &[String],
-) -> Result<BrokerCounts, lapin::Error> {
-    let dead_letters = broker::dead_letter_count_on(conn, names).await?;
-    let mut counts = Vec::with_capacity(queues.len());
-    for queue in queues {
-        counts.push(broker::queue_counts_on(conn, &names.work_queue(queue)).await?);
-    }
-    Ok(BrokerCounts {
-        dead_letters: Some(dead_letters),
-        queues: counts,
-    })
-}
-
 /// The whole report.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Status {
@@ -187,7 +161,7 @@ pub async fn stream(
     out: impl Write,
 ) -> Result<(), StreamError> {
     let names = Names::new(config.namespace.clone());
-    let queues = crate::queues::queues_of(config);
+    let queues = queues_of(config);
     let redis = async {
         let store = Store::connect(
             &config.redis_url,
@@ -245,7 +219,7 @@ pub async fn read_window(
     let total = config.jobs.len();
     let window = window.start.min(total)..window.end.clamp(window.start.min(total), total);
     let jobs: Vec<&Job> = config.jobs[window].iter().collect();
-    let queues = crate::queues::queues_of(config);
+    let queues = queues_of(config);
     let (redis, counts) = tokio::join!(read_redis(store, &jobs), counts);
     Ok(assemble(&jobs, total, now, redis?, (&queues, counts)))
 }

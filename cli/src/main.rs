@@ -4,10 +4,8 @@
 //! (docs/design.md#one-command-for-operators); `completions SHELL` prints a completion script.
 
 use clap::{CommandFactory, Parser, Subcommand};
-use drumline_shared::cli::Common;
-use drumline_shared::config::{self, Config};
-use drumline_shared::exit::{self, Failure};
-use drumline_shared::logging;
+use drumline_shared::cli::{run_to_exit, Common};
+use drumline_shared::exit::Failure;
 use std::process::ExitCode;
 
 /// drumline for the person on call: check, inspect and operate the beat, the workers and the
@@ -45,17 +43,12 @@ fn main() -> ExitCode {
         );
         return ExitCode::SUCCESS;
     }
-    logging::init(cli.common.log_format);
-    let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
-    let result = runtime.block_on(dispatch(cli));
-    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
-    exit::report(result)
+    run_to_exit(cli.common.log_format, dispatch(cli))
 }
 
 /// Load the config, then run the command.
 async fn dispatch(cli: Cli) -> Result<(), Failure> {
-    let path = config::resolve_path(cli.common.config);
-    let config = Config::load(&path).map_err(Failure::usage)?;
+    let (config, path) = cli.common.load()?;
     match cli.command {
         Command::Beat(command) => command.run(config, &path).await,
         Command::Worker(command) => command.run(config).await,

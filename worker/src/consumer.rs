@@ -38,13 +38,14 @@
 
 use crate::acks::{Acks, Settled, Ticket, BROKER_CALL_TIMEOUT, SETTLE_TIMEOUT};
 use crate::dead_watch;
-use crate::executor::KILL_GRACE;
+use crate::lease::KILL_GRACE;
 use crate::processor::{self, Processor};
+use crate::reload::{reload_on_hangup, Current, Reload};
 use crate::stats::Stats;
 use crate::{Gate, Handler, WorkerError};
 use drumline_shared::backoff::Backoff;
 use drumline_shared::broker::{self, BrokerError};
-use drumline_shared::config::{Config, WorkerConfig};
+use drumline_shared::config::Config;
 use drumline_shared::names::Names;
 use drumline_shared::signals::Hangups;
 use drumline_shared::store::Store;
@@ -56,7 +57,7 @@ use lapin::types::FieldTable;
 use lapin::Connection;
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
@@ -144,7 +145,7 @@ async fn work(
         processor.gate.clone(),
         stats.clone(),
     ));
-    let current = Arc::new(Current(RwLock::new(processor.clone())));
+    let current = Arc::new(Current::new(processor.clone()));
     let reloads =
         reload.map(|(r, hangups)| tokio::spawn(reload_on_hangup(current.clone(), r, hangups)));
     // Stops with the consumers (a fatal topology too); nothing of it needs draining.
@@ -222,68 +223,6 @@ fn first_processor(
         gate: Gate::default(),
         abandon: CancellationToken::new(),
         overlap: processor::overlaps(config),
-    }
-}
-
-/// The processor new deliveries go to; replaced as a whole on reload, so a delivery is decided
-/// and run under one config from start to end.
-pub(crate) struct Current(RwLock<Arc<Processor>>);
-
-impl Current {
-    pub(crate) fn get(&self) -> Arc<Processor> {
-        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    fn set(&self, processor: Arc<Processor>) {
-        *self.0.write().unwrap_or_else(|e| e.into_inner()) = processor;
-    }
-}
-
-/// What a reload needs besides the file: the Rust handlers registered in code, and `[worker]`
-/// as the file had it before command-line overrides (to tell a changed file from a flag).
-pub struct Reload {
-    /// Handlers registered with [`Worker::handler`](crate::Worker::handler).
-    pub custom: HashMap<String, Arc<dyn Handler>>,
-    /// The file's `[worker]` at start.
-    pub file_worker: WorkerConfig,
-}
-
-/// SIGHUP: re-reads the config file; its `[tasks.*]` and `[[jobs]]` apply to the deliveries
-/// that follow (in-flight runs are untouched). A file that does not load, or names a task with
-/// no command and no handler, is refused and the running config stays.
-async fn reload_on_hangup(current: Arc<Current>, mut reload: Reload, mut hangups: Hangups) {
-    loop {
-        hangups.recv().await;
-        let running = current.get();
-        let (mut new, mut restart) = match running.config.reload() {
-            Ok(loaded) => loaded,
-            Err(e) => {
-                error!(error = %e, "reload refused: the file does not load; the running config stays");
-                continue;
-            }
-        };
-        restart.retain(|what| *what != "[worker]");
-        if new.worker != reload.file_worker {
-            restart.push("[worker]");
-            reload.file_worker = new.worker.clone();
-        }
-        new.worker = running.config.worker.clone();
-        let handlers = match processor::resolve_handlers(&new, &reload.custom) {
-            Ok(handlers) => handlers,
-            Err(e) => {
-                error!(error = %e, "reload refused; the running config stays");
-                continue;
-            }
-        };
-        if !restart.is_empty() {
-            warn!(changed = ?restart, "reloaded tasks and jobs; these changes take a restart of the worker");
-        }
-        info!(
-            tasks = new.tasks.len(),
-            jobs = new.jobs.len(),
-            "reloaded tasks and jobs (SIGHUP)"
-        );
-        current.set(Arc::new(running.reloaded(Arc::new(new), handlers)));
     }
 }
 

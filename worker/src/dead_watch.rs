@@ -10,9 +10,9 @@
 //! reconnects with backoff, waits while Redis is down (the worker's gate), hands a letter back
 //! when its write fails, and stops with the worker's `stop`.
 
-use crate::consumer::Current;
 use crate::decision::{self, Outcome};
 use crate::processor::{self, Processor};
+use crate::reload::Current;
 use crate::stats::RunOutcome;
 use drumline_shared::backoff::Backoff;
 use drumline_shared::broker::{self, BrokerError};

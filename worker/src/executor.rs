@@ -17,7 +17,7 @@
 //! and the context (docs/design.md "Task environment").
 
 use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
-use crate::lease::{self, LeaseClock};
+use crate::lease::{self, LeaseClock, KILL_GRACE};
 use crate::output::{self, Stream};
 use crate::supervisor::link::{self, Spec, StartError};
 use crate::supervisor::wire::{Deadline, Status};
@@ -47,10 +47,6 @@ pub const SUPERVISOR: &str = "drumline-supervisor";
 pub fn make_non_dumpable() -> io::Result<()> {
     nix::sys::prctl::set_dumpable(false).map_err(io::Error::from)
 }
-
-/// The longest grace between SIGTERM and SIGKILL when a task is stopped. The worker gives a
-/// shorter one ([`TaskContext::kill_grace`]) when the lease leaves less room.
-pub const KILL_GRACE: Duration = Duration::from_secs(5);
 
 /// Runs a `[tasks.*]` command.
 /// Cloned for every run: what it holds is shared.

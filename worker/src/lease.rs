@@ -16,7 +16,6 @@
 //!              (retried)     SIGTERM         (≤ 5 s grace)   dropped      may claim
 //! ```
 
-use crate::executor::KILL_GRACE;
 use crate::supervisor::{deadline, wire::Deadline};
 use drumline_shared::store::Store;
 use std::fmt::Display;
@@ -25,6 +24,11 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+/// The longest grace between SIGTERM and SIGKILL when a task is stopped. The worker gives a
+/// shorter one ([`TaskContext::kill_grace`](crate::handler::TaskContext::kill_grace)) when the
+/// lease leaves less room.
+pub const KILL_GRACE: Duration = Duration::from_secs(5);
 
 /// Why the watchdog gave up the lease.
 #[derive(Debug, Clone, PartialEq, Eq)]

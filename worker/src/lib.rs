@@ -35,6 +35,7 @@ pub mod http;
 pub mod lease;
 pub mod output;
 pub mod processor;
+pub mod reload;
 pub mod retry;
 pub mod stats;
 pub mod supervisor;
@@ -197,7 +198,7 @@ impl Worker {
             executor::supervisor()?;
         }
         let handlers = processor::resolve_handlers(&self.config, &self.handlers)?;
-        let reload = self.reload_on_sighup.then(|| consumer::Reload {
+        let reload = self.reload_on_sighup.then(|| reload::Reload {
             custom: self.handlers,
             file_worker: self.file_worker,
         });

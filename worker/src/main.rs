@@ -2,9 +2,8 @@
 //! on one tokio runtime ([`commands`] holds the bodies); its [`Failure`] is the exit code.
 
 use clap::Parser;
-use drumline_shared::cli::Common;
-use drumline_shared::config::{self, Config};
-use drumline_shared::exit::{self, Failure};
+use drumline_shared::cli::{run_to_exit, Common};
+use drumline_shared::exit::Failure;
 use drumline_shared::logging;
 use drumline_worker::cli::Command;
 use drumline_worker::commands;
@@ -31,21 +30,14 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logging::init(cli.common.log_format);
     // JSON logs carry task output as events, not raw text between them.
     drumline_worker::output::output_as_events(cli.common.log_format == logging::LogFormat::Json);
-    let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
-    let result = runtime.block_on(dispatch(cli));
-    // Dropping a runtime waits for its blocking tasks without limit; the worker has stopped in
-    // order by now, so nothing left there may delay the exit.
-    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
-    exit::report(result)
+    run_to_exit(cli.common.log_format, dispatch(cli))
 }
 
 /// Load the config, then run the command (no command: the worker itself).
 async fn dispatch(cli: Cli) -> Result<(), Failure> {
-    let path = config::resolve_path(cli.common.config);
-    let config = Config::load(&path).map_err(Failure::usage)?;
+    let (config, _) = cli.common.load()?;
     match cli.command {
         None => {
             let options = commands::Options {

@@ -15,16 +15,17 @@
 //! when a declaration does not answer in time (docs/design.md#reconnecting-past-a-hung-node).
 
 mod connect;
+mod counts;
 mod declare;
 mod publish;
 
 pub use connect::{
     close_later, connect, connect_or_name, connect_to, failover_order, open_channel, Nodes,
 };
-pub use declare::{
-    dead_letter_count, dead_letter_count_on, declare, declare_delay_queue, queue_counts,
-    queue_counts_on, Declaration, QueueCounts, QUORUM_DELIVERY_LIMIT,
+pub use counts::{
+    dead_letter_count, dead_letter_count_on, queue_counts, queue_counts_on, QueueCounts,
 };
+pub use declare::{declare, declare_delay_queue, Declaration, QUORUM_DELIVERY_LIMIT};
 pub use publish::{
     open_confirm_channel, publish_batch, publish_confirmed, send_batch, settled, Outgoing, Sending,
     CONFIRM_DEADLINE,
