@@ -511,25 +511,7 @@ async fn publish_followers(
     }
     let envelopes: Vec<Envelope> = which
         .iter()
-        .map(|p| {
-            let job = &jobs[p.link.follower];
-            // `expires` counts from the instant's jittered time, as the root's does.
-            let expires_at = job
-                .spec
-                .expires
-                .and_then(|e| TimeDelta::from_std(e).ok())
-                .map(|e| p.due() + e);
-            let (name, task, queue) = (&job.name, &job.spec.task, &job.spec.queue);
-            Envelope::scheduled(
-                name,
-                task,
-                queue,
-                job.spec.args.clone(),
-                p.instant,
-                expires_at,
-                Utc::now(),
-            )
-        })
+        .map(|p| envelope(&jobs[p.link.follower], p))
         .collect();
     let outcomes = match publisher
         .publish_batch(&envelopes, term.epoch, || term.holds())
@@ -560,6 +542,26 @@ async fn publish_followers(
         }
     }
     Ok(())
+}
+
+/// The message of follower `job`'s pending instance `p`: `expires` counts from the instant's
+/// jittered time, as the root's does.
+fn envelope(job: &Job, p: &Pending) -> Envelope {
+    let expires_at = job
+        .spec
+        .expires
+        .and_then(|e| TimeDelta::from_std(e).ok())
+        .map(|e| p.due() + e);
+    let (name, task, queue) = (&job.name, &job.spec.task, &job.spec.queue);
+    Envelope::scheduled(
+        name,
+        task,
+        queue,
+        job.spec.args.clone(),
+        p.instant,
+        expires_at,
+        Utc::now(),
+    )
 }
 
 /// Records one instance `skipped` (while this beat leads); decided once written, or when a

@@ -651,9 +651,7 @@ impl Beat {
         shutdown: &mut Pin<&mut F>,
     ) -> Result<Next, BrokerError> {
         self.read_paused(store).await;
-        let mut in_flight: VecDeque<InFlight> = VecDeque::new();
-        // Returned messages matched across the batches in flight (cleared when none is).
-        let mut returned = HashSet::new();
+        let mut flight = Flight::default();
         let mut stopping = false;
         loop {
             // Leadership is checked before each batch (and before each message is sent).
@@ -661,37 +659,18 @@ impl Beat {
             // Re-read per batch: lateness is judged against the clock when a job is planned.
             let now = term.now();
             let due_now = holds && self.wait(now).is_none() && self.until_next(now).is_none();
-            // Many batches can be due at once (100,000 jobs on the minute): let a signal in
-            // between them — never inside one, between a confirm and its progress write. (A
-            // completed shutdown future must not be polled again: remembered.)
-            stopping = stopping
-                || tokio::select! {
-                    biased;
-                    _ = shutdown.as_mut() => true,
-                    _ = std::future::ready(()) => false,
-                };
-            // A job retried alone after its own message failed is never in flight beside
-            // another batch: a failure that closes the channel would take that one too.
-            let alone = |job: usize| self.states[job].alone;
-            let isolated = in_flight
-                .iter()
-                .any(|f| f.batch.iter().any(|d| alone(d.job)))
-                || self
-                    .queue
-                    .peek()
-                    .is_some_and(|Reverse((_, job))| alone(*job));
-            if !in_flight.is_empty() && (!due_now || stopping || isolated) {
+            // A completed shutdown future must not be polled again: remembered.
+            stopping = stopping || stop_asked(shutdown).await;
+            if !flight.batches.is_empty() && (!due_now || stopping || self.isolated(&flight)) {
                 let wait = self
-                    .finish_all(&mut in_flight, store, publisher, stats, term, &mut returned)
+                    .finish_all(&mut flight, store, publisher, stats, term)
                     .await;
-                if stopping {
-                    return Ok(Next::Shutdown);
+                match (stopping, wait) {
+                    (true, _) => return Ok(Next::Shutdown),
+                    (false, Some(wait)) => return Ok(Next::Backoff(wait)),
+                    // Settling put the batches' jobs back: look again with nothing in flight.
+                    (false, None) => continue,
                 }
-                if let Some(wait) = wait {
-                    return Ok(Next::Backoff(wait));
-                }
-                // Settling put the batches' jobs back: look again with nothing in flight.
-                continue;
             }
             if stopping {
                 return Ok(Next::Shutdown);
@@ -699,72 +678,115 @@ impl Beat {
             if !holds {
                 return Ok(Next::NotHolding);
             }
-            if let Some(wait) = self.wait(now) {
-                if !self.followers.any() || wait < FOLLOW_ROOM {
-                    return Ok(Next::Wait(wait));
-                }
-                self.follow(store, publisher, stats, term).await?;
-                let wait = self.wait(term.now()).unwrap_or_default();
-                return Ok(Next::Wait(wait.min(FOLLOW_POLL)));
+            match self.not_due(now, store, publisher, stats, term).await? {
+                Step::Again => continue,
+                Step::Done(next) => return Ok(next),
+                Step::Send => {}
             }
-            // Woken early on purpose (at most `WAKE_EARLY`): the rest of the way, precisely,
-            // then round again, so a clock that moved meanwhile is looked at with the lease.
-            if let Some(early) = self.until_next(now) {
-                sleep_precisely(early).await;
-                continue;
-            }
-            let batch = self.take_batch(now);
-            let config = &self.config;
-            let sending = send_due(
-                &config.jobs,
-                &mut self.states,
-                batch,
-                now,
-                store,
-                publisher,
-                stats,
-                term,
-            );
-            let sent = match sending.await {
-                Ok(sent) => sent,
-                Err(refused) => {
-                    // The batches in flight were sent: their progress is written first.
-                    self.finish_all(&mut in_flight, store, publisher, stats, term, &mut returned)
-                        .await;
-                    return Err(refused);
-                }
-            };
-            // Nothing could be sent (no connection): finish what is in flight and back off
-            // now, rather than let each next batch wait for a connect of its own.
-            let unsent = sent
-                .stalls
-                .iter()
-                .any(|s| matches!(s, Some(Stall::Unsent(_))));
-            in_flight.push_back(sent);
-            if unsent {
-                let wait = self
-                    .finish_all(&mut in_flight, store, publisher, stats, term, &mut returned)
-                    .await;
-                if let Some(wait) = wait {
-                    return Ok(Next::Backoff(wait));
-                }
-                continue;
-            }
-            if in_flight.len() >= IN_FLIGHT {
-                let oldest = in_flight.pop_front().expect("in flight");
-                let later = (&mut returned, &mut in_flight);
-                let (batch, planned, stalls) = self
-                    .finish(oldest, store, publisher, stats, term, later)
-                    .await;
-                if let Some(wait) = self.settle(&batch, stalls, planned, stats) {
-                    // Backing off: the batches sent meanwhile are finished first.
-                    let also = self
-                        .finish_all(&mut in_flight, store, publisher, stats, term, &mut returned)
-                        .await;
-                    return Ok(Next::Backoff(also.map_or(wait, |w| w.max(wait))));
-                }
+            let sent = self.send_next(now, &mut flight, store, publisher, stats, term);
+            if let Some(next) = sent.await? {
+                return Ok(next);
             }
         }
+    }
+
+    /// A job retried alone after its own message failed is never in flight beside another
+    /// batch: a failure that closes the channel would take that one too.
+    fn isolated(&self, flight: &Flight) -> bool {
+        let alone = |job: usize| self.states[job].alone;
+        flight
+            .batches
+            .iter()
+            .any(|f| f.batch.iter().any(|d| alone(d.job)))
+            || self
+                .queue
+                .peek()
+                .is_some_and(|Reverse((_, job))| alone(*job))
+    }
+
+    /// When nothing is due at `now`: the wait until the next instant (the chains followed
+    /// meanwhile when there is room), or the rest of an early wake-up slept precisely.
+    async fn not_due(
+        &mut self,
+        now: DateTime<Utc>,
+        store: &Store,
+        publisher: &mut Publisher,
+        stats: &BeatStats,
+        term: &Term,
+    ) -> Result<Step, BrokerError> {
+        if let Some(wait) = self.wait(now) {
+            if !self.followers.any() || wait < FOLLOW_ROOM {
+                return Ok(Step::Done(Next::Wait(wait)));
+            }
+            self.follow(store, publisher, stats, term).await?;
+            let wait = self.wait(term.now()).unwrap_or_default();
+            return Ok(Step::Done(Next::Wait(wait.min(FOLLOW_POLL))));
+        }
+        // Woken early on purpose (at most `WAKE_EARLY`): the rest of the way, precisely,
+        // then round again, so a clock that moved meanwhile is looked at with the lease.
+        if let Some(early) = self.until_next(now) {
+            sleep_precisely(early).await;
+            return Ok(Step::Again);
+        }
+        Ok(Step::Send)
+    }
+
+    /// Sends the batch due at `now` and keeps it in flight: the oldest batch is finished when
+    /// [`IN_FLIGHT`] are, all of them when nothing could be sent. `Some` ends the round.
+    async fn send_next(
+        &mut self,
+        now: DateTime<Utc>,
+        flight: &mut Flight,
+        store: &Store,
+        publisher: &mut Publisher,
+        stats: &BeatStats,
+        term: &Term,
+    ) -> Result<Option<Next>, BrokerError> {
+        let batch = self.take_batch(now);
+        let jobs = &self.config.jobs;
+        let sending = send_due(
+            jobs,
+            &mut self.states,
+            batch,
+            now,
+            store,
+            publisher,
+            stats,
+            term,
+        );
+        let sent = match sending.await {
+            Ok(sent) => sent,
+            Err(refused) => {
+                // The batches in flight were sent: their progress is written first.
+                self.finish_all(flight, store, publisher, stats, term).await;
+                return Err(refused);
+            }
+        };
+        // Nothing could be sent (no connection): finish what is in flight and back off now,
+        // rather than let each next batch wait for a connect of its own.
+        let unsent = sent
+            .stalls
+            .iter()
+            .any(|s| matches!(s, Some(Stall::Unsent(_))));
+        flight.batches.push_back(sent);
+        if unsent {
+            let wait = self.finish_all(flight, store, publisher, stats, term).await;
+            return Ok(wait.map(Next::Backoff));
+        }
+        if flight.batches.len() < IN_FLIGHT {
+            return Ok(None);
+        }
+        let oldest = flight.batches.pop_front().expect("in flight");
+        let later = (&mut flight.returned, &mut flight.batches);
+        let (batch, planned, stalls) = self
+            .finish(oldest, store, publisher, stats, term, later)
+            .await;
+        let Some(wait) = self.settle(&batch, stalls, planned, stats) else {
+            return Ok(None);
+        };
+        // Backing off: the batches sent meanwhile are finished first.
+        let also = self.finish_all(flight, store, publisher, stats, term).await;
+        Ok(Some(Next::Backoff(also.map_or(wait, |w| w.max(wait)))))
     }
 
     /// The next batch due at `now` ([`take_due`]). The upstream instants it drops are noted for
@@ -785,16 +807,15 @@ impl Beat {
     /// settling asked for.
     async fn finish_all(
         &mut self,
-        in_flight: &mut VecDeque<InFlight>,
+        flight: &mut Flight,
         store: &Store,
         publisher: &mut Publisher,
         stats: &BeatStats,
         term: &Term,
-        returned: &mut HashSet<String>,
     ) -> Option<Duration> {
         let mut wait: Option<Duration> = None;
-        while let Some(oldest) = in_flight.pop_front() {
-            let later = (&mut *returned, &mut *in_flight);
+        while let Some(oldest) = flight.batches.pop_front() {
+            let later = (&mut flight.returned, &mut flight.batches);
             let (batch, planned, stalls) = self
                 .finish(oldest, store, publisher, stats, term, later)
                 .await;
@@ -802,7 +823,7 @@ impl Beat {
                 wait = Some(wait.map_or(w, |v| v.max(w)));
             }
         }
-        returned.clear();
+        flight.returned.clear();
         wait
     }
 
@@ -1099,6 +1120,35 @@ struct Sent {
 }
 
 /// A batch sent whose confirms are not read yet ([`send_due`], then [`finish_due`]).
+/// The batches sent and not yet finished, oldest first.
+#[derive(Default)]
+struct Flight {
+    batches: VecDeque<InFlight>,
+    /// Returned messages matched across the batches in flight (cleared when none is).
+    returned: HashSet<String>,
+}
+
+/// What [`Beat::run_due`]'s loop does next.
+enum Step {
+    /// Look again.
+    Again,
+    /// Send the batch due.
+    Send,
+    /// End the round.
+    Done(Next),
+}
+
+/// Whether `shutdown` has completed, without waiting: between batches, never inside one
+/// (between a confirm and its progress write), since many can be due at once (100,000 jobs on
+/// the minute).
+async fn stop_asked<F: Future<Output = ()>>(shutdown: &mut Pin<&mut F>) -> bool {
+    tokio::select! {
+        biased;
+        _ = shutdown.as_mut() => true,
+        _ = std::future::ready(()) => false,
+    }
+}
+
 struct InFlight {
     batch: Vec<Due>,
     /// The clock when the batch was planned (its lateness is judged against it).
@@ -1186,24 +1236,7 @@ async fn finish_due(
         }
         None => Vec::new(),
     };
-    // `outcomes` is in `envelopes` order: each job's run of them, in `spans` order.
-    let mut outcomes = outcomes.into_iter();
-    let mut published = Vec::new();
-    for (p, span) in &sent.spans {
-        let results: Vec<Result<(), BrokerError>> = outcomes.by_ref().take(span.len()).collect();
-        if stalls[*p].is_none() {
-            let due = &batch[*p];
-            let (job, state) = (&jobs[due.job], &mut states[due.job]);
-            let envelopes = &sent.envelopes[span.clone()];
-            let confirmed = record_confirmed(job, state, due, envelopes, results, stats);
-            published.extend(
-                envelopes[..confirmed.0]
-                    .iter()
-                    .map(|e| journal::published(&e.key)),
-            );
-            stalls[*p] = confirmed.1;
-        }
-    }
+    let published = record_outcomes(jobs, states, (&batch, &sent), outcomes, &mut stalls, stats);
     journal::write(store, term, &published).await;
 
     // One round trip for the whole batch's progress, including jobs that stalled on a publish
@@ -1223,6 +1256,37 @@ async fn finish_due(
         }
     }
     (batch, now, stalls)
+}
+
+/// Records each job's confirmed instants and returns their journal entries; a job whose
+/// publish failed gets its stall. `outcomes` is in `sent.envelopes` order: each job's run of
+/// them, in `spans` order.
+fn record_outcomes(
+    jobs: &[Job],
+    states: &mut [JobState],
+    (batch, sent): (&[Due], &Sent),
+    outcomes: Vec<Result<(), BrokerError>>,
+    stalls: &mut [Option<Stall>],
+    stats: &BeatStats,
+) -> Vec<LeaderEntry> {
+    let mut outcomes = outcomes.into_iter();
+    let mut published = Vec::new();
+    for (p, span) in &sent.spans {
+        let results: Vec<Result<(), BrokerError>> = outcomes.by_ref().take(span.len()).collect();
+        if stalls[*p].is_none() {
+            let due = &batch[*p];
+            let (job, state) = (&jobs[due.job], &mut states[due.job]);
+            let envelopes = &sent.envelopes[span.clone()];
+            let confirmed = record_confirmed(job, state, due, envelopes, results, stats);
+            published.extend(
+                envelopes[..confirmed.0]
+                    .iter()
+                    .map(|e| journal::published(&e.key)),
+            );
+            stalls[*p] = confirmed.1;
+        }
+    }
+    published
 }
 
 /// Reports the batch's drops and moves each job's progress past them. The drops are all older
