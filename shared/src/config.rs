@@ -1226,6 +1226,8 @@ fn check_job(
         .map_err(|(name, (key, message))| fail.at(Some(&format!("job {name:?}")), key, message))
 }
 
+/// [`check_job`]'s checks, one key after another; a refusal comes back with the job's name
+/// (moved out of `j`, not copied).
 fn check_job_keys(
     j: RawJob,
     (namespace, tasks): (&str, &BTreeMap<String, Task>),
@@ -1241,47 +1243,50 @@ fn check_job_keys(
     }
     check!(check_name(&j.name).map_err(|m| ("name", m.to_string())));
     check!(check_task_ref(&j.task, tasks));
+    let (timezone, schedule, after) = check!(job_timing(&j));
+    let policy = check!(job_policy(&j));
+    let jitter = check!(job_jitter(&j, &schedule, namespace));
+    let spec = check!(job_spec(&j, policy, interned));
+    Ok(Job {
+        name: j.name,
+        schedule,
+        timezone,
+        spec,
+        jitter: jitter.map(Box::new),
+        after: after.map(Box::new),
+    })
+}
+
+/// When the job runs: its zone (UTC by default) and its own schedule, or, for an `after` job,
+/// the placeholder schedule and its upstream.
+fn job_timing(j: &RawJob) -> Result<(Tz, Schedule, Option<After>), KeyError> {
     let timezone = match &j.timezone {
-        Some(name) => check!(parse_timezone(name).map_err(|e| ("timezone", e.to_string()))),
+        Some(name) => parse_timezone(name).map_err(|e| ("timezone", e.to_string()))?,
         None => chrono_tz::UTC,
     };
     let (schedule, after) = match &j.after {
-        Some(_) => check!(follower(&j)),
-        None => (check!(job_schedule(&j, timezone)), None),
+        Some(_) => follower(j)?,
+        None => (job_schedule(j, timezone)?, None),
     };
-    let (overlap, misfire, max_catch_up) = check!(job_policy(&j));
-    let jitter = check!(job_jitter(&j, &schedule, namespace));
+    Ok((timezone, schedule, after))
+}
+
+/// What the job runs and how its instances are handled, shared through `interned` with every
+/// job that has the same; `policy` is its checked overlap, misfire and `max_catch_up`.
+fn job_spec(
+    j: &RawJob,
+    (overlap, misfire, max_catch_up): (Overlap, Misfire, usize),
+    interned: &mut Interned,
+) -> Result<Arc<JobSpec>, KeyError> {
     let queue = j.queue.as_deref().unwrap_or("default");
-    check!(check_name(queue).map_err(|m| ("queue", format!("{queue:?} {m}"))));
+    check_name(queue).map_err(|m| ("queue", format!("{queue:?} {m}")))?;
     let queue = interned.name(queue);
-    let args = match &j.args {
-        None => serde_json::json!({}),
-        Some(v) if !v.is_table() => {
-            check!(Err((
-                "args",
-                format!(
-                    "must be a table (args = {{ k = \"v\" }}), not {}",
-                    v.type_str()
-                )
-            )))
-        }
-        Some(v) => check!(serde_json::to_value(v).map_err(|e| ("args", e.to_string()))),
-    };
+    let args = job_args(j)?;
     let expires = match &j.expires {
-        Some(_) => Some(check!(job_duration(
-            "expires",
-            &j.expires,
-            0,
-            Zero::Refused
-        ))),
+        Some(_) => Some(job_duration("expires", &j.expires, 0, Zero::Refused)?),
         None => None,
     };
-    let misfire_grace = check!(job_duration(
-        "misfire_grace",
-        &j.misfire_grace,
-        3600,
-        Zero::Allowed
-    ));
+    let misfire_grace = job_duration("misfire_grace", &j.misfire_grace, 3600, Zero::Allowed)?;
     let spec = JobSpec {
         task: interned.name(&j.task),
         queue,
@@ -1292,14 +1297,22 @@ fn check_job_keys(
         misfire_grace,
         max_catch_up,
     };
-    Ok(Job {
-        name: j.name,
-        schedule,
-        timezone,
-        spec: interned.spec(spec),
-        jitter: jitter.map(Box::new),
-        after: after.map(Box::new),
-    })
+    Ok(interned.spec(spec))
+}
+
+/// The job's `args` as the JSON handed to its task: a table, `{}` when absent.
+fn job_args(j: &RawJob) -> Result<serde_json::Value, KeyError> {
+    match &j.args {
+        None => Ok(serde_json::json!({})),
+        Some(v) if !v.is_table() => Err((
+            "args",
+            format!(
+                "must be a table (args = {{ k = \"v\" }}), not {}",
+                v.type_str()
+            ),
+        )),
+        Some(v) => serde_json::to_value(v).map_err(|e| ("args", e.to_string())),
+    }
 }
 
 /// What the jobs checked so far share, one `Arc` each: task and queue names, and
