@@ -555,6 +555,58 @@ fn split_day_field(
     })
 }
 
+/// A cron expression's six fields as written; a 5-field one has second `0`.
+struct CronFields<'a> {
+    second: &'a str,
+    minute: &'a str,
+    hour: &'a str,
+    day_of_month: &'a str,
+    month: &'a str,
+    day_of_week: &'a str,
+    /// Written with 6 fields (a leading second).
+    has_seconds: bool,
+}
+
+impl<'a> CronFields<'a> {
+    /// `expanded` (`text` with its macro written out) split on whitespace into 5 or 6 fields.
+    fn split(text: &str, expanded: &'a str) -> Result<Self, ScheduleError> {
+        let fields: Vec<&str> = expanded.split_whitespace().collect();
+        let (second, rest) = match fields.len() {
+            5 => ("0", &fields[..]),
+            6 => (fields[0], &fields[1..]),
+            got => {
+                return Err(ScheduleError::FieldCount {
+                    expr: text.to_owned(),
+                    got,
+                })
+            }
+        };
+        Ok(CronFields {
+            second,
+            minute: rest[0],
+            hour: rest[1],
+            day_of_month: rest[2],
+            month: rest[3],
+            day_of_week: rest[4],
+            has_seconds: fields.len() == 6,
+        })
+    }
+}
+
+/// One field's bit set, errors naming the field; an empty `value` (a day field made only of
+/// `L`/`W`/`#` items) matches no plain value.
+fn parse_field(expr: &str, spec: &Field, value: &str) -> Result<u64, ScheduleError> {
+    if value.is_empty() {
+        // A day field made only of `L`/`W`/`#` items: no plain value matches.
+        return Ok(0);
+    }
+    spec.parse(value).map_err(|why| ScheduleError::Field {
+        expr: expr.to_owned(),
+        field: spec.name,
+        why,
+    })
+}
+
 /// `text` with a macro (`@daily`) written out; any other `@…` is refused.
 fn expand_macro(text: &str) -> Result<&str, ScheduleError> {
     Ok(match text {
@@ -600,39 +652,27 @@ impl CronExpr {
     /// expression that can never match.
     pub fn parse(expr: &str) -> Result<Self, ScheduleError> {
         let text = expr.trim();
-        let expanded = expand_macro(text)?;
-        let fields: Vec<&str> = expanded.split_whitespace().collect();
-        let (second, rest) = match fields.len() {
-            5 => ("0", &fields[..]),
-            6 => (fields[0], &fields[1..]),
-            got => {
-                return Err(ScheduleError::FieldCount {
-                    expr: text.to_owned(),
-                    got,
-                })
-            }
-        };
-        let field = |spec: &Field, value: &str| {
-            if value.is_empty() {
-                // A day field made only of `L`/`W`/`#` items: no plain value matches.
-                return Ok(0);
-            }
-            spec.parse(value).map_err(|why| ScheduleError::Field {
-                expr: text.to_owned(),
-                field: spec.name,
-                why,
-            })
-        };
-        let seconds = field(&SECOND, second)?;
-        let minutes = field(&MINUTE, rest[0])?;
-        let hours = field(&HOUR, rest[1])? as u32;
-        let (dom_special, dom_rest) = split_day_field(text, &DAY_OF_MONTH, rest[2], split_dom)?;
-        let days = field(&DAY_OF_MONTH, &dom_rest)? as u32;
-        let months = field(&MONTH, rest[3])? as u16;
-        let (dow_special, dow_rest) = split_day_field(text, &DAY_OF_WEEK, rest[4], split_dow)?;
-        let weekdays = field(&DAY_OF_WEEK, &dow_rest)? as u8;
+        let fields = CronFields::split(text, expand_macro(text)?)?;
+        let cron = Self::from_fields(text, &fields)?;
+        cron.check_possible(&fields)?;
+        Ok(cron)
+    }
 
-        let cron = CronExpr {
+    /// The expression whose fields are `fields`, each parsed into its bit set; errors name the
+    /// field.
+    fn from_fields(text: &str, fields: &CronFields) -> Result<Self, ScheduleError> {
+        let field = |spec: &Field, value: &str| parse_field(text, spec, value);
+        let seconds = field(&SECOND, fields.second)?;
+        let minutes = field(&MINUTE, fields.minute)?;
+        let hours = field(&HOUR, fields.hour)? as u32;
+        let (dom_special, dom_rest) =
+            split_day_field(text, &DAY_OF_MONTH, fields.day_of_month, split_dom)?;
+        let days = field(&DAY_OF_MONTH, &dom_rest)? as u32;
+        let months = field(&MONTH, fields.month)? as u16;
+        let (dow_special, dow_rest) =
+            split_day_field(text, &DAY_OF_WEEK, fields.day_of_week, split_dow)?;
+        let weekdays = field(&DAY_OF_WEEK, &dow_rest)? as u8;
+        Ok(CronExpr {
             text: text.to_string(),
             seconds,
             minutes,
@@ -640,32 +680,37 @@ impl CronExpr {
             days,
             months,
             weekdays,
-            dom_any: rest[2] == "*",
-            dow_any: rest[4] == "*",
-            has_seconds: fields.len() == 6,
+            dom_any: fields.day_of_month == "*",
+            dow_any: fields.day_of_week == "*",
+            has_seconds: fields.has_seconds,
             dow_days_by_first: weekday_days(weekdays),
             special: DaySpecials {
                 last_of: dow_special.last_of,
                 nth: dow_special.nth,
                 ..dom_special
             },
-        };
+        })
+    }
+
+    /// Refuses an expression that can never match: a day of month none of its months has.
+    fn check_possible(&self, fields: &CronFields) -> Result<(), ScheduleError> {
         // Only a restricted day-of-month ANDed with the months can be impossible: with a
         // restricted weekday every month has matching days. 28 years see every month length
         // and every weekday of the 1st.
-        if cron.dow_any {
-            let possible = (1..=12u32)
-                .filter(|m| months & (1 << m) != 0)
-                .any(|m| (2000..2028).any(|y| cron.day_mask(y, m) != 0));
-            if !possible {
-                return Err(ScheduleError::NeverMatches {
-                    expr: text.to_owned(),
-                    days: rest[2].to_owned(),
-                    months: rest[3].to_owned(),
-                });
-            }
+        if !self.dow_any {
+            return Ok(());
         }
-        Ok(cron)
+        let possible = (1..=12u32)
+            .filter(|m| self.months & (1 << m) != 0)
+            .any(|m| (2000..2028).any(|y| self.day_mask(y, m) != 0));
+        if !possible {
+            return Err(ScheduleError::NeverMatches {
+                expr: self.text.clone(),
+                days: fields.day_of_month.to_owned(),
+                months: fields.month.to_owned(),
+            });
+        }
+        Ok(())
     }
 
     /// The expression as written (trimmed).
