@@ -1299,73 +1299,42 @@ impl Store {
         let mut conn = self.conn.clone();
         let mut out = Vec::with_capacity(jobs.len());
         for chunk in jobs.chunks(HISTORY_TRIP) {
-            // The three instants of every job in one MGET (a GET each was a third of Redis's
-            // work for a million jobs), then each job's history ends, then the running counts
-            // (the script's reply comes last). The ends stay commands: in a script, Redis
-            // worked a third longer.
-            let mut pipe = redis::pipe();
-            let mut instants = redis::cmd("MGET");
-            let mut count = RUNNING_COUNTS.prepare_invoke();
-            for job in chunk {
-                instants
-                    .arg(self.names.beat_last(job))
-                    .arg(self.names.last_success(job))
-                    .arg(self.names.last_failure(job));
-                count.key(self.names.running(job));
-            }
-            pipe.add_command(instants);
-            for job in chunk {
-                pipe.lindex(self.names.history(job), -1).lrange(
-                    self.names.history(job),
-                    0,
-                    RECENT_RUNS as isize - 1,
-                );
-            }
-            pipe.load_script(&RUNNING_COUNTS)
-                .ignore()
-                .invoke_script(&count);
-            let mut replies: Vec<redis::Value> = pipe.query_async(&mut conn).await?;
-            let running: Vec<u64> = match replies.pop() {
-                Some(value) => redis::from_redis_value(value)?,
-                None => Vec::new(),
-            };
-            if replies.len() != 1 + 2 * chunk.len() || running.len() != chunk.len() {
-                return Err(StoreError::bad_reply("status: fewer replies than jobs"));
-            }
-            let mut replies = replies.into_iter();
-            let instants: Vec<Option<String>> =
-                redis::from_redis_value(replies.next().expect("counted"))?;
-            if instants.len() != 3 * chunk.len() {
-                return Err(StoreError::bad_reply("status: fewer instants than jobs"));
-            }
-            let ends: Vec<redis::Value> = replies.collect();
-            type Ends = (Option<String>, Vec<String>);
-            let rows: Vec<Ends> = ends
-                .chunks(2)
-                .map(|row| redis::from_redis_value(redis::Value::Array(row.to_vec())))
-                .collect::<Result<_, _>>()?;
-            let instant = |t: &Option<String>| t.as_deref().and_then(parse_instant);
-            out.extend(instants.chunks(3).zip(rows).zip(running).map(
-                |((three, (oldest, recent)), running)| {
-                    let (last, success, failure) = (&three[0], &three[1], &three[2]);
-                    JobHistory {
-                        last_published: instant(last),
-                        last_success: instant(success),
-                        last_failure: instant(failure),
-                        running,
-                        oldest: oldest.and_then(|text| serde_json::from_str(&text).ok()),
-                        newest: recent
-                            .first()
-                            .and_then(|text| serde_json::from_str(text).ok()),
-                        recent: recent
-                            .iter()
-                            .filter_map(|text| serde_json::from_str(text).ok())
-                            .collect(),
-                    }
-                },
-            ));
+            let replies: Vec<redis::Value> =
+                self.history_trip(chunk).query_async(&mut conn).await?;
+            out.extend(read_histories(chunk.len(), replies)?);
         }
         Ok(out)
+    }
+
+    /// One round trip of [`job_histories`](Self::job_histories): what Redis holds about the
+    /// jobs of `chunk`.
+    fn history_trip(&self, chunk: &[&str]) -> redis::Pipeline {
+        // The three instants of every job in one MGET (a GET each was a third of Redis's
+        // work for a million jobs), then each job's history ends, then the running counts
+        // (the script's reply comes last). The ends stay commands: in a script, Redis
+        // worked a third longer.
+        let mut pipe = redis::pipe();
+        let mut instants = redis::cmd("MGET");
+        let mut count = RUNNING_COUNTS.prepare_invoke();
+        for job in chunk {
+            instants
+                .arg(self.names.beat_last(job))
+                .arg(self.names.last_success(job))
+                .arg(self.names.last_failure(job));
+            count.key(self.names.running(job));
+        }
+        pipe.add_command(instants);
+        for job in chunk {
+            pipe.lindex(self.names.history(job), -1).lrange(
+                self.names.history(job),
+                0,
+                RECENT_RUNS as isize - 1,
+            );
+        }
+        pipe.load_script(&RUNNING_COUNTS)
+            .ignore()
+            .invoke_script(&count);
+        pipe
     }
 
     /// [`connect`](Self::connect), tried until Redis answers: between tries it waits as
@@ -1430,6 +1399,62 @@ pub struct JobHistory {
     pub newest: Option<RunRecord>,
     /// The [`RECENT_RUNS`] newest run records, newest first (unreadable ones left out).
     pub recent: Vec<RunRecord>,
+}
+
+/// The histories of the `jobs` jobs of one [`Store::history_trip`], from its replies in order.
+fn read_histories(
+    jobs: usize,
+    mut replies: Vec<redis::Value>,
+) -> Result<Vec<JobHistory>, StoreError> {
+    let running: Vec<u64> = match replies.pop() {
+        Some(value) => redis::from_redis_value(value)?,
+        None => Vec::new(),
+    };
+    if replies.len() != 1 + 2 * jobs || running.len() != jobs {
+        return Err(StoreError::bad_reply("status: fewer replies than jobs"));
+    }
+    let mut replies = replies.into_iter();
+    let instants: Vec<Option<String>> = redis::from_redis_value(replies.next().expect("counted"))?;
+    if instants.len() != 3 * jobs {
+        return Err(StoreError::bad_reply("status: fewer instants than jobs"));
+    }
+    let ends: Vec<redis::Value> = replies.collect();
+    type Ends = (Option<String>, Vec<String>);
+    let rows: Vec<Ends> = ends
+        .chunks(2)
+        .map(|row| redis::from_redis_value(redis::Value::Array(row.to_vec())))
+        .collect::<Result<_, _>>()?;
+    Ok(instants
+        .chunks(3)
+        .zip(rows)
+        .zip(running)
+        .map(|((three, ends), running)| job_history(three, ends, running))
+        .collect())
+}
+
+/// One job's history from its three instants, its history's ends (the oldest record, the
+/// newest few) and its running count; what does not read is `None` or left out.
+fn job_history(
+    three: &[Option<String>],
+    (oldest, recent): (Option<String>, Vec<String>),
+    running: u64,
+) -> JobHistory {
+    let instant = |t: &Option<String>| t.as_deref().and_then(parse_instant);
+    let (last, success, failure) = (&three[0], &three[1], &three[2]);
+    JobHistory {
+        last_published: instant(last),
+        last_success: instant(success),
+        last_failure: instant(failure),
+        running,
+        oldest: oldest.and_then(|text| serde_json::from_str(&text).ok()),
+        newest: recent
+            .first()
+            .and_then(|text| serde_json::from_str(text).ok()),
+        recent: recent
+            .iter()
+            .filter_map(|text| serde_json::from_str(text).ok())
+            .collect(),
+    }
 }
 
 /// Reads the claim script's reply; `None` for anything it never returns.
