@@ -60,7 +60,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::task::JoinSet;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -128,29 +128,10 @@ async fn work(
     stats.redis_up.set(1);
 
     let processor = Arc::new(first_processor(
-        &config,
-        store.clone(),
-        handlers,
-        &worker_id,
-        &stats,
-    ));
-    let announcing = crate::announce::info(&worker_id, &config);
-    let announce = tokio::spawn(crate::announce::run(
-        store.clone(),
-        announcing,
-        stats.clone(),
-    ));
-    let probe = tokio::spawn(probe_redis(
-        store.clone(),
-        processor.gate.clone(),
-        stats.clone(),
+        &config, store, handlers, &worker_id, &stats,
     ));
     let current = Arc::new(Current::new(processor.clone()));
-    let reloads =
-        reload.map(|(r, hangups)| tokio::spawn(reload_on_hangup(current.clone(), r, hangups)));
-    // Stops with the consumers (a fatal topology too); nothing of it needs draining.
-    let watch_stop = stop.child_token();
-    let watching = tokio::spawn(dead_watch::run(current.clone(), watch_stop.clone()));
+    let beside = Beside::start(&processor, &current, reload, &stop);
 
     let mut in_flight = JoinSet::new();
     let dispatch = Dispatch {
@@ -163,30 +144,85 @@ async fn work(
     };
     let served = dispatch.serve(&names, &mut in_flight).await;
     stats.broker_connected.set(0);
-    watch_stop.cancel();
+    beside.stop_watching();
 
     drain(&config, &processor, &mut in_flight).await;
     if let Some((conn, _publisher, _consumer_channel)) = served.connection {
         close(conn, "worker shutting down").await;
     }
-    probe.abort();
-    announce.abort();
-    let _ = tokio::time::timeout(BROKER_CALL_TIMEOUT, watching).await;
-    // Bounded: a Redis that does not answer must not hold up the stop (the TTL removes it).
-    let forget = store.forget_worker(&worker_id);
-    if !matches!(
-        tokio::time::timeout(Duration::from_secs(2), forget).await,
-        Ok(Ok(()))
-    ) {
-        tracing::debug!("worker announcement not removed; it expires");
-    }
-    if let Some(reloads) = reloads {
-        reloads.abort();
-    }
+    beside.end(&processor).await;
     info!(worker = %worker_id, stats = %processor.stats.summary(), "worker stopped");
     match served.fatal {
         Some(refused) => Err(WorkerError::Topology(refused)),
         None => Ok(processor.stats.clone()),
+    }
+}
+
+/// What runs beside the broker sessions: the worker's announcement, the Redis probe, the
+/// SIGHUP reloads and the dead-letter watch.
+struct Beside {
+    announce: JoinHandle<()>,
+    probe: JoinHandle<()>,
+    reloads: Option<JoinHandle<()>>,
+    watching: JoinHandle<()>,
+    /// Stops the watch with the consumers (a fatal topology too); nothing of it needs draining.
+    watch_stop: CancellationToken,
+}
+
+impl Beside {
+    /// Starts them for the worker of `processor`, the watch and the reloads on `current`.
+    fn start(
+        processor: &Processor,
+        current: &Arc<Current>,
+        reload: Option<(Reload, Hangups)>,
+        stop: &CancellationToken,
+    ) -> Self {
+        let announcing = crate::announce::info(&processor.worker_id, &processor.config);
+        let announce = tokio::spawn(crate::announce::run(
+            processor.store.clone(),
+            announcing,
+            processor.stats.clone(),
+        ));
+        let probe = tokio::spawn(probe_redis(
+            processor.store.clone(),
+            processor.gate.clone(),
+            processor.stats.clone(),
+        ));
+        let reloads =
+            reload.map(|(r, hangups)| tokio::spawn(reload_on_hangup(current.clone(), r, hangups)));
+        let watch_stop = stop.child_token();
+        let watching = tokio::spawn(dead_watch::run(current.clone(), watch_stop.clone()));
+        Beside {
+            announce,
+            probe,
+            reloads,
+            watching,
+            watch_stop,
+        }
+    }
+
+    /// Stops the dead-letter watch taking letters (shutdown step 1).
+    fn stop_watching(&self) {
+        self.watch_stop.cancel();
+    }
+
+    /// Ends them all once the runs are drained and the connection closed; the worker's
+    /// announcement is removed, bounded.
+    async fn end(self, processor: &Processor) {
+        self.probe.abort();
+        self.announce.abort();
+        let _ = tokio::time::timeout(BROKER_CALL_TIMEOUT, self.watching).await;
+        // Bounded: a Redis that does not answer must not hold up the stop (the TTL removes it).
+        let forget = processor.store.forget_worker(&processor.worker_id);
+        if !matches!(
+            tokio::time::timeout(Duration::from_secs(2), forget).await,
+            Ok(Ok(()))
+        ) {
+            tracing::debug!("worker announcement not removed; it expires");
+        }
+        if let Some(reloads) = self.reloads {
+            reloads.abort();
+        }
     }
 }
 
