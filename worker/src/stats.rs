@@ -186,8 +186,16 @@ impl Default for Stats {
 }
 
 impl Stats {
-    /// Registers every metric under `drumline_worker_*`.
+    /// Registers every metric under `drumline_worker_*` (and the `drumline_limit_*` gauges).
     pub fn register(&self, registry: &mut Registry) {
+        self.register_counters(registry);
+        self.register_gauges(registry);
+        self.register_per_task(registry);
+        self.register_limits(registry);
+    }
+
+    /// The totals: `drumline_worker_succeeded` … `drumline_worker_panics`.
+    fn register_counters(&self, registry: &mut Registry) {
         let counters: [(&str, &str, &Counter); 11] = [
             ("succeeded", "Runs that ended done", &self.succeeded),
             ("duplicates", "Deliveries of already finished instances, acked without running", &self.duplicates),
@@ -204,6 +212,11 @@ impl Stats {
         for (name, help, counter) in counters {
             registry.register(format!("drumline_worker_{name}"), help, counter.clone());
         }
+    }
+
+    /// The gauges of what holds now: handlers running, the broker and Redis reached, a consumer
+    /// per configured queue.
+    fn register_gauges(&self, registry: &mut Registry) {
         let gauges: [(&str, &str, &Gauge); 3] = [
             ("running", "Handlers running now", &self.running),
             (
@@ -225,6 +238,10 @@ impl Stats {
             "1 while this worker consumes the queue, per configured queue",
             self.consumers.clone(),
         );
+    }
+
+    /// The families labelled by task: deliveries by outcome, lag, run time and last success.
+    fn register_per_task(&self, registry: &mut Registry) {
         registry.register(
             "drumline_worker_runs",
             "Deliveries by task (unknown: not in this worker's config) and outcome",
@@ -245,6 +262,10 @@ impl Stats {
             "Unix time of the last run of the task that ended done on this worker",
             self.last_success.clone(),
         );
+    }
+
+    /// The `drumline_limit_*` gauges, per `[limits.NAME]`.
+    fn register_limits(&self, registry: &mut Registry) {
         registry.register(
             "drumline_limit_in_use",
             "Runs of the limit's group running on this worker now, per [limits.NAME]",
