@@ -238,6 +238,18 @@ impl Supervisor {
 
     /// Handles every request waiting on the socket.
     fn read_requests(&mut self, buf: &mut [u8]) -> Result<(), Gone> {
+        while let Some((len, fds)) = self.receive(buf)? {
+            match Request::decode(&buf[..len]) {
+                Ok(request) => self.handle(request, fds)?,
+                Err(e) => return Err(Gone::Failed(std::io::Error::other(e))),
+            }
+        }
+        Ok(())
+    }
+
+    /// The next request waiting on the socket, read into `buf`: its length and the descriptors
+    /// that came with it; `None` when none waits.
+    fn receive(&self, buf: &mut [u8]) -> Result<Option<(usize, Vec<OwnedFd>)>, Gone> {
         loop {
             let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
             let mut control = RecvAncillaryBuffer::new(&mut space);
@@ -249,7 +261,7 @@ impl Supervisor {
             );
             let got = match got {
                 Ok(got) => got,
-                Err(Errno::AGAIN) => return Ok(()),
+                Err(Errno::AGAIN) => return Ok(None),
                 Err(Errno::INTR) => continue,
                 // The worker exited with replies unread: its end is gone all the same.
                 Err(Errno::CONNRESET) => return Err(Gone::Closed),
@@ -269,43 +281,48 @@ impl Supervisor {
                     "a request longer than the supervisor reads",
                 )));
             }
-            match Request::decode(&buf[..got.bytes]) {
-                Ok(Request::Start(start)) => {
-                    let reply = self.start(&start, fds);
-                    // The pidfd goes along as a borrow: the kernel gives the worker its own.
-                    let pidfd = match reply {
-                        Reply::Started { id, .. } => self.tasks.get(&id).map(|t| t.pidfd.as_fd()),
-                        _ => None,
-                    };
-                    self.send(reply, pidfd)?;
+            return Ok(Some((got.bytes, fds)));
+        }
+    }
+
+    /// Does what `request` asks; `fds` are a start's descriptors (closed here otherwise).
+    fn handle(&mut self, request: Request, fds: Vec<OwnedFd>) -> Result<(), Gone> {
+        match request {
+            Request::Start(start) => {
+                let reply = self.start(&start, fds);
+                // The pidfd goes along as a borrow: the kernel gives the worker its own.
+                let pidfd = match reply {
+                    Reply::Started { id, .. } => self.tasks.get(&id).map(|t| t.pidfd.as_fd()),
+                    _ => None,
+                };
+                self.send(reply, pidfd)?;
+            }
+            Request::Signal { id, signal } => {
+                if let (Some(task), Some(signal)) = (
+                    self.tasks.get(&id),
+                    rustix::process::Signal::from_named_raw(signal),
+                ) {
+                    // The leader is not reaped yet: its pid is still its group's.
+                    let _ = rustix::process::kill_process_group(task.pid, signal);
                 }
-                Ok(Request::Signal { id, signal }) => {
-                    if let (Some(task), Some(signal)) = (
-                        self.tasks.get(&id),
-                        rustix::process::Signal::from_named_raw(signal),
-                    ) {
-                        // The leader is not reaped yet: its pid is still its group's.
-                        let _ = rustix::process::kill_process_group(task.pid, signal);
-                    }
+            }
+            Request::Deadline { id, deadline } => {
+                // A task reaped already has its `Exited` on the way: nothing to hold.
+                if self.tasks.contains_key(&id) {
+                    self.deadlines.hold(id, deadline);
                 }
-                Ok(Request::Deadline { id, deadline }) => {
-                    // A task reaped already has its `Exited` on the way: nothing to hold.
-                    if self.tasks.contains_key(&id) {
-                        self.deadlines.hold(id, deadline);
-                    }
-                }
-                Ok(Request::Census { id }) => {
-                    self.send(
-                        Reply::Census {
-                            id,
-                            tasks: self.tasks.len(),
-                        },
-                        None,
-                    )?;
-                }
-                Err(e) => return Err(Gone::Failed(std::io::Error::other(e))),
+            }
+            Request::Census { id } => {
+                self.send(
+                    Reply::Census {
+                        id,
+                        tasks: self.tasks.len(),
+                    },
+                    None,
+                )?;
             }
         }
+        Ok(())
     }
 
     /// Starts a task; the received descriptors are closed when this returns (the task has its
