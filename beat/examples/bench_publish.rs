@@ -359,7 +359,7 @@ async fn bench_bare(jobs: usize, ns: &str) -> Result<Duration> {
                         ..Default::default()
                     },
                     &env.encode(),
-                    env.properties(now, 0),
+                    drumline_shared::broker::properties(env, now, 0),
                 )
                 .await?,
         );

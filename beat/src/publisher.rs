@@ -216,7 +216,7 @@ fn outgoing(batch: &[Envelope], epoch: u64) -> impl ExactSizeIterator<Item = Out
     batch.iter().map(move |env| Outgoing {
         routing_key: env.queue.to_string(),
         body: env.encode(),
-        properties: env.properties(Utc::now(), epoch),
+        properties: drumline_shared::broker::properties(env, Utc::now(), epoch),
     })
 }
 

@@ -381,7 +381,7 @@ impl Producer {
             let delayed = broker::declare_delay_queue(channel, &self.names, queue, delay).await;
             (String::new(), delayed?)
         };
-        let props = envelope.properties(Utc::now(), 0);
+        let props = crate::broker::properties(envelope, Utc::now(), 0);
         let body = envelope.encode();
         broker::publish_confirmed(channel, &exchange, &routing_key, true, &body, props).await
     }

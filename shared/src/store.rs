@@ -309,7 +309,7 @@ end
 //   is {'limited', ms until the first slot's lease lapses, 'concurrency'};
 // - rate: stamps older than a window are dropped; this token's reserved start is used when it
 //   has come (and is not more than `late` ms past: else it is given back and placed again);
-//   otherwise the next start goes where `next_start` (shared/src/limit.rs) puts it: now, or the
+//   otherwise the next start goes where `next_start` (core/src/limit.rs) puts it: now, or the
 //   newest stamp plus a gap (window / count, rounded up). A start ahead of now is reserved for the token when it
 //   is within the horizon, and the answer is {'limited', ms until it, 'rate'};
 // - both passed: the slot is taken, scored by the lease's end, and `false` is returned.

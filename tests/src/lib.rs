@@ -835,7 +835,7 @@ impl TestEnv {
         self.publish_raw(
             &envelope.queue,
             &envelope.encode(),
-            envelope.properties(chrono::Utc::now(), 0),
+            drumline_shared::broker::properties(envelope, chrono::Utc::now(), 0),
         )
         .await;
     }
@@ -1206,7 +1206,7 @@ impl StreamPublisher {
                 envelope.queue.as_str().into(),
                 BasicPublishOptions::default(),
                 &envelope.encode(),
-                envelope.properties(chrono::Utc::now(), 0),
+                drumline_shared::broker::properties(envelope, chrono::Utc::now(), 0),
             )
             .await?
             .await

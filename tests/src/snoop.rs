@@ -11,7 +11,8 @@
 
 use crate::{TestEnv, AMQP_URL};
 use chrono::{DateTime, Utc};
-use drumline_shared::envelope::{header_int, Envelope};
+use drumline_shared::broker::header_int;
+use drumline_shared::envelope::Envelope;
 use futures_util::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ExchangeDeclareOptions,

@@ -4,7 +4,7 @@
 
 use chrono::Utc;
 use drumline_e2e::{adhoc, setup, toml_string, wait_until, wait_until_async, TestEnv};
-use drumline_shared::envelope::{header_int, header_str};
+use drumline_shared::broker::{header_int, header_str};
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use std::time::Duration;
 

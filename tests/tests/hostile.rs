@@ -4,7 +4,7 @@
 
 use chrono::{TimeZone, Utc};
 use drumline_e2e::{adhoc, metric, setup, wait_until, with_metrics, Proc, TestEnv};
-use drumline_shared::envelope::header_str;
+use drumline_shared::broker::header_str;
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use lapin::types::ShortString;
 use lapin::BasicProperties;

@@ -376,9 +376,9 @@ async fn poison_messages_are_dead_lettered_and_duplicates_run_once() {
     {
         let headers = msg.delivery.properties.headers().clone();
         let reason =
-            drumline_shared::envelope::header_str(headers.as_ref(), "x-drumline-reason").unwrap();
+            drumline_shared::broker::header_str(headers.as_ref(), "x-drumline-reason").unwrap();
         let error =
-            drumline_shared::envelope::header_str(headers.as_ref(), "x-drumline-error").unwrap();
+            drumline_shared::broker::header_str(headers.as_ref(), "x-drumline-error").unwrap();
         assert!(!error.is_empty());
         reasons.push(reason);
         msg.delivery.ack(BasicAckOptions::default()).await.unwrap();

@@ -299,7 +299,7 @@ command = {cmd}
                     e.queue.as_str().into(),
                     BasicPublishOptions::default(),
                     &e.encode(),
-                    e.properties(Utc::now(), 0),
+                    drumline_shared::broker::properties(&e, Utc::now(), 0),
                 )
                 .await
                 .expect("publish")

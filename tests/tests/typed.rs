@@ -10,9 +10,9 @@
 use drumline_e2e::cfg::{Cfg, Keys};
 use drumline_e2e::proxy::{Fault, Proxy};
 use drumline_e2e::{setup, wait_until, wait_until_async, TestEnv, AMQP_URL, REDIS_URL};
+use drumline_shared::broker::header_str;
 use drumline_shared::client::{Message, Producer};
 use drumline_shared::config::{Config, ENV_AMQP_URL, ENV_REDIS_URL};
-use drumline_shared::envelope::header_str;
 use drumline_worker::{HandlerError, TaskContext, Worker};
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use serde::Deserialize;

@@ -33,7 +33,7 @@ async fn publish_to(url: &str, ns: &str, envelope: &drumline_shared::envelope::E
         envelope.queue.as_str().into(),
         BasicPublishOptions::default(),
         &envelope.encode(),
-        envelope.properties(chrono::Utc::now(), 0),
+        drumline_shared::broker::properties(envelope, chrono::Utc::now(), 0),
     )
     .await
     .expect("publish")

@@ -110,7 +110,7 @@ async fn publish_steady(
                 key.into(),
                 BasicPublishOptions::default(),
                 &env.encode(),
-                env.properties(now, 0),
+                drumline_shared::broker::properties(&env, now, 0),
             )
             .await
             .expect("publish");

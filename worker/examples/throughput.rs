@@ -562,7 +562,10 @@ async fn main() {
     let bodies: Vec<_> = (0..args.messages.max(args.shell))
         .map(|i| {
             let e = envelope(i);
-            (e.encode(), e.properties(Utc::now(), 0))
+            (
+                e.encode(),
+                drumline_shared::broker::properties(&e, Utc::now(), 0),
+            )
         })
         .collect();
     let rate = |count: usize, d: Duration| count as f64 / d.as_secs_f64();

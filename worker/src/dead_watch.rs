@@ -15,8 +15,9 @@ use crate::processor::{self, Processor};
 use crate::reload::Current;
 use crate::stats::RunOutcome;
 use drumline_shared::backoff::Backoff;
+use drumline_shared::broker::header_str;
 use drumline_shared::broker::{self, BrokerError};
-use drumline_shared::envelope::{header_str, Envelope, H_REASON};
+use drumline_shared::envelope::{Envelope, H_REASON};
 use drumline_shared::run::Claim;
 use drumline_shared::store::{ClaimRequest, OverlapMode, StoreError};
 use futures_util::StreamExt;
@@ -219,7 +220,7 @@ pub fn broker_expired(headers: Option<&FieldTable>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use drumline_shared::envelope::long_string;
+    use drumline_shared::broker::long_string;
     use lapin::types::FieldArray;
 
     fn death(reason: &str) -> AMQPValue {

@@ -9,10 +9,9 @@
 
 use chrono::{DateTime, TimeZone, Utc};
 use drumline_shared::broker::{self, BrokerError};
+use drumline_shared::broker::{header_int, header_str};
 use drumline_shared::config::Config;
-use drumline_shared::envelope::{
-    format_instant, header_int, header_str, Envelope, H_ATTEMPTS, H_ERROR, H_REASON, H_TASK,
-};
+use drumline_shared::envelope::{format_instant, Envelope, H_ATTEMPTS, H_ERROR, H_REASON, H_TASK};
 use drumline_shared::names::Names;
 use drumline_shared::store::Store;
 use lapin::message::BasicGetMessage;
@@ -186,7 +185,7 @@ impl DeadQueue {
                 &env.queue,
                 true,
                 &env.encode(),
-                env.properties(Utc::now(), 0),
+                drumline_shared::broker::properties(&env, Utc::now(), 0),
             )
             .await
             .map_err(|e| DlqError::NotConfirmed(env.key.clone(), e))?;

@@ -13,10 +13,11 @@ use crate::stats::{RunOutcome, Stats, UNKNOWN_TASK};
 use crate::{Gate, WorkerError};
 use chrono::Utc;
 use drumline_shared::backoff::Backoff;
+use drumline_shared::broker::long_string;
 use drumline_shared::broker::{self, BrokerError};
 use drumline_shared::config::{Config, Limit, Overlap, Task};
 use drumline_shared::envelope::{
-    self, long_string, Arrival, DeadReason, Envelope, H_ATTEMPTS, H_ERROR, H_REASON,
+    self, Arrival, DeadReason, Envelope, H_ATTEMPTS, H_ERROR, H_REASON,
 };
 use drumline_shared::names::Names;
 use drumline_shared::planted::{self, planted, Defect};
@@ -675,7 +676,7 @@ impl Processor {
             warn!("an unreadable waiting copy was dropped; its delay queue copy remains");
             return Ok(());
         };
-        let props = env.properties(Utc::now(), waiter.epoch);
+        let props = drumline_shared::broker::properties(&env, Utc::now(), waiter.epoch);
         // Straight to the work queue (the default exchange), as re-check copies go straight
         // to their delay queue: the tasks exchange carries only what producers publish.
         let queue = self.names.work_queue(&env.queue);
@@ -876,7 +877,7 @@ impl Processor {
     ) -> Result<(), Interrupted> {
         let delay = retry::bucket(delay);
         let queue = broker::declare_delay_queue(publisher, &self.names, &env.queue, delay).await?;
-        let props = env.properties(Utc::now(), epoch_of(delivery));
+        let props = drumline_shared::broker::properties(env, Utc::now(), epoch_of(delivery));
         Ok(broker::publish_confirmed(publisher, "", &queue, false, &env.encode(), props).await?)
     }
 
@@ -890,7 +891,7 @@ impl Processor {
         error: &str,
         runs: u32,
     ) -> Result<(), Interrupted> {
-        let props = env.properties(Utc::now(), epoch_of(delivery));
+        let props = drumline_shared::broker::properties(env, Utc::now(), epoch_of(delivery));
         self.dead_letter(publisher, &env.encode(), &props, reason, error, runs)
             .await
     }
@@ -985,7 +986,7 @@ pub(crate) fn arrival<'a>(names: &Names, delivery: &'a Delivery) -> Arrival<'a> 
 
 /// The leadership epoch a delivery was published under (`x-drumline-epoch`; 0 when absent).
 pub(crate) fn epoch_of(delivery: &Delivery) -> u64 {
-    envelope::header_int(delivery.properties.headers().as_ref(), envelope::H_EPOCH)
+    drumline_shared::broker::header_int(delivery.properties.headers().as_ref(), envelope::H_EPOCH)
         .map_or(0, |e| e.max(0) as u64)
 }
 

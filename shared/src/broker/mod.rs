@@ -14,11 +14,13 @@
 //! this process declared before, therefore sends its bindings without awaiting them and goes on
 //! when a declaration does not answer in time (docs/design.md#reconnecting-past-a-hung-node).
 
+mod amqp;
 mod connect;
 mod counts;
 mod declare;
 mod publish;
 
+pub use amqp::{header_int, header_str, long_string, properties};
 pub use connect::{
     close_later, connect, connect_or_name, connect_to, failover_order, open_channel, Nodes,
 };

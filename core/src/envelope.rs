@@ -3,8 +3,6 @@
 
 use crate::names::{check_key, check_name, InvalidName};
 use chrono::{DateTime, SecondsFormat, Timelike, Utc};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::BasicProperties;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -330,34 +328,6 @@ impl Envelope {
     pub fn is_expired(&self, now: DateTime<Utc>) -> bool {
         self.expires_at.is_some_and(|at| at <= now)
     }
-
-    /// AMQP properties: persistent, JSON, `message_id` = key, timestamp, expiration and the
-    /// drumline headers, `x-drumline-epoch` included: the leader's epoch on what the beat
-    /// publishes, 0 on ad-hoc tasks and replays, the original's on retries (docs/design.md).
-    pub fn properties(&self, now: DateTime<Utc>, epoch: u64) -> BasicProperties {
-        let mut headers = FieldTable::default();
-        headers.insert(H_TASK.into(), long_string(&self.task));
-        headers.insert(
-            H_ATTEMPT.into(),
-            AMQPValue::LongLongInt(self.attempt as i64),
-        );
-        headers.insert(
-            H_SCHEDULED_FOR.into(),
-            long_string(&format_instant(self.scheduled_for)),
-        );
-        headers.insert(H_EPOCH.into(), AMQPValue::LongLongInt(epoch as i64));
-        let mut props = BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_content_type(ShortString::from("application/json"))
-            .with_message_id(ShortString::from(bounded_short(&self.key)))
-            .with_timestamp(now.timestamp().max(0) as u64)
-            .with_headers(headers);
-        if let Some(at) = self.expires_at {
-            let left = (at - now).num_milliseconds().max(1);
-            props = props.with_expiration(ShortString::from(left.to_string()));
-        }
-        props
-    }
 }
 
 /// `text` cut to an AMQP short string's 255 bytes (at a character boundary). Keys are at most
@@ -368,32 +338,6 @@ pub fn bounded_short(text: &str) -> String {
         end -= 1;
     }
     text[..end].to_owned()
-}
-
-/// A header value as an AMQP long string.
-pub fn long_string(s: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
-}
-
-/// Reads a string header, if present.
-pub fn header_str(headers: Option<&FieldTable>, name: &str) -> Option<String> {
-    let value = headers?.inner().get(name)?;
-    match value {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
-        _ => None,
-    }
-}
-
-/// Reads an integer header, if present.
-pub fn header_int(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
-    match headers?.inner().get(name)? {
-        AMQPValue::LongLongInt(n) => Some(*n),
-        AMQPValue::LongInt(n) => Some(*n as i64),
-        AMQPValue::ShortInt(n) => Some(*n as i64),
-        AMQPValue::LongUInt(n) => Some(*n as i64),
-        _ => None,
-    }
 }
 
 mod rfc3339 {
@@ -640,31 +584,6 @@ mod tests {
         assert_eq!(
             Envelope::decode_delivered(&env.encode(), &arrival()).unwrap(),
             env
-        );
-    }
-
-    #[test]
-    fn properties_carry_key_headers_and_expiration() {
-        let env = Envelope::scheduled(
-            "j",
-            "t",
-            "q",
-            serde_json::json!({}),
-            at(7, 30),
-            Some(at(7, 31)),
-            at(7, 30),
-        );
-        let props = env.properties(at(7, 30), 3);
-        assert_eq!(props.message_id().as_ref().unwrap().as_str(), env.key);
-        assert_eq!(*props.delivery_mode(), Some(2));
-        assert_eq!(props.expiration().as_ref().unwrap().as_str(), "60000");
-        let headers = props.headers().as_ref();
-        assert_eq!(header_str(headers, H_TASK).as_deref(), Some("t"));
-        assert_eq!(header_int(headers, H_ATTEMPT), Some(0));
-        assert_eq!(header_int(headers, H_EPOCH), Some(3));
-        assert_eq!(
-            header_str(headers, H_SCHEDULED_FOR).as_deref(),
-            Some("2026-03-08T07:30:00Z")
         );
     }
 }

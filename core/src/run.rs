@@ -61,7 +61,8 @@ pub enum Final {
 }
 
 impl Final {
-    pub(crate) fn as_str(self) -> &'static str {
+    /// Its name in run records and the journal.
+    pub fn as_str(self) -> &'static str {
         match self {
             Final::Done => RunState::Done.as_str(),
             Final::Dead => RunState::Dead.as_str(),

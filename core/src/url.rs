@@ -72,7 +72,7 @@ pub fn check_amqp(text: &str) -> Result<(), UrlError> {
     parse_hierarchical(text, AMQP_SCHEMES, AMQP_EXAMPLE)?;
     // lapin's own parser has the last word (query options, vhost); its messages quote the
     // input, so only the fact of refusal is reported.
-    text.parse::<lapin::uri::AMQPUri>()
+    text.parse::<amq_protocol_uri::AMQPUri>()
         .map_err(|_| malformed("the AMQP client cannot read it", AMQP_EXAMPLE))?;
     Ok(())
 }
