@@ -74,7 +74,7 @@ impl Rate {
 /// them: `count + 1` stamps span `count` gaps, a whole window. Spread rather than in bursts,
 /// the starts do not queue behind each other to spawn, so the lag from a start's stamp to the
 /// task's own start stays small and even, and the bound holds on the tasks' clocks too
-/// (docs/design.md#limits). The claim script in `shared/src/store.rs` applies the same rule.
+/// (docs/design.md#limits). The claim script in `store/src/lib.rs` applies the same rule.
 pub fn next_start(stamps: &[u64], count: u32, window: u64, now: u64) -> u64 {
     match stamps.iter().max() {
         Some(newest) => now.max(newest + gap(count, window)),

@@ -51,7 +51,7 @@ impl std::fmt::Display for RunState {
     }
 }
 
-/// A final state a run ends in (what [`Store::finish`](crate::store::Store::finish) writes).
+/// A final state a run ends in (what the store's `Store::finish` writes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Final {
     /// Succeeded.
@@ -70,7 +70,7 @@ impl Final {
     }
 }
 
-/// How a run's claim ends (what [`Store::finish`](crate::store::Store::finish) writes).
+/// How a run's claim ends (what the store's `Store::finish` writes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ending {
     /// In a final state.

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use syn::visit::Visit;
 
 /// The product's crates.
-const CRATES: [&str; 5] = ["core", "shared", "beat", "worker", "cli"];
+const CRATES: [&str; 8] = [
+    "core", "store", "broker", "client", "shared", "beat", "worker", "cli",
+];
 /// The longest a function may be, from `fn` to its closing brace.
 const LONGEST_FN: usize = 60;
 /// The shortest block that counts as repeated.

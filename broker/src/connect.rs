@@ -50,7 +50,7 @@ impl Nodes {
 
     /// The nodes at `urls` (tried in this order first), with `ca_file`'s roots for `amqps://`
     /// (the system roots when `None`): for a program that has no config file, like the
-    /// producer client (`crate::client`).
+    /// producer client (`drumline-client`).
     pub fn from_urls(urls: Vec<String>, ca_file: Option<PathBuf>) -> Self {
         Self {
             urls,

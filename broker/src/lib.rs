@@ -14,6 +14,9 @@
 //! this process declared before, therefore sends its bindings without awaiting them and goes on
 //! when a declaration does not answer in time (docs/design.md#reconnecting-past-a-hung-node).
 
+// The core's modules, under the paths this crate's code names them by.
+use drumline_core::{config, names, tls, url};
+
 mod amqp;
 mod connect;
 mod counts;

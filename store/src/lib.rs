@@ -3,6 +3,9 @@
 //! renew, complete or release it) and a fencing token from a monotonic counter (handlers pass it
 //! to the systems they write, which reject writes with an older fence).
 
+// The core's modules, under the paths this crate's code names them by.
+use drumline_core::{backoff, config, envelope, limit, names, run, tls, url};
+
 use crate::backoff::Backoff;
 use crate::config::JournalConfig;
 use crate::envelope::parse_instant;
@@ -33,7 +36,7 @@ pub use follow::Skipped;
 use journal::JOURNAL;
 pub use journal::{JournalEntry, LeaderEntry};
 /// The Lua that formats Redis `TIME` as RFC 3339 for the leader lease's `since`: public only
-/// so `shared/tests/store.rs` can run it against chrono across the calendar.
+/// so `store/tests/store.rs` can run it against chrono across the calendar.
 #[doc(hidden)]
 pub use leader::RFC3339 as LUA_RFC3339;
 pub use leader::{Candidate, LeaseMode, LeaseOutcome, LeaseReply, ProgressError};

@@ -6,7 +6,7 @@
 
 use super::leader::{fenced_script, FencedCall};
 use super::{last_instant_text, Store, StoreError};
-use crate::store::ProgressError;
+use crate::ProgressError;
 use chrono::{DateTime, Utc};
 use redis::{Script, ScriptInvocation};
 use std::sync::LazyLock;

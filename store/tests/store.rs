@@ -2,9 +2,9 @@
 //! test ends, passed or panicked).
 
 use chrono::{TimeZone, Utc};
+use drumline_core::names::Names;
 use drumline_e2e::{Namespace, REDIS_URL};
-use drumline_shared::names::Names;
-use drumline_shared::store::{
+use drumline_store::{
     Candidate, Claim, ClaimRequest, Ending, Final, LeaseMode, LeaseOutcome, OverlapMode,
     ProgressError, RunRecord, RunState, Skipped, Store, Unclaimed, LUA_RFC3339,
 };
@@ -1023,7 +1023,7 @@ async fn status_reads_success_failure_running_and_oldest_per_job() {
         "last_failure lives as long as done_ttl: {ttl}"
     );
 
-    let at = |text: &str| drumline_shared::envelope::parse_instant(text);
+    let at = |text: &str| drumline_core::envelope::parse_instant(text);
     let h = s.job_histories(&["j", "k", "none"]).await.unwrap();
     assert_eq!(h.len(), 3);
     assert_eq!(h[0].last_success, at("2026-03-08T07:00:03Z"));
@@ -1057,7 +1057,7 @@ async fn status_reads_the_newest_runs_newest_first_at_most_recent_runs() {
         .unwrap();
     let h = s.job_histories(&["j", "k", "none"]).await.unwrap();
     let keys = |i: usize| -> Vec<&str> { h[i].recent.iter().map(|r| r.key.as_str()).collect() };
-    assert_eq!(drumline_shared::store::RECENT_RUNS, 5);
+    assert_eq!(drumline_store::RECENT_RUNS, 5);
     assert_eq!(keys(0), ["j@8", "j@7", "j@6", "j@5", "j@4"]);
     assert_eq!(h[0].newest.as_ref().map(|r| r.key.as_str()), Some("j@8"));
     assert_eq!(h[0].oldest.as_ref().map(|r| r.key.as_str()), Some("j@1"));
@@ -1069,7 +1069,7 @@ async fn status_reads_the_newest_runs_newest_first_at_most_recent_runs() {
 async fn a_final_state_and_its_run_record_land_in_one_call_and_only_for_the_holder() {
     let s = store("finish_recorded").await;
     let retention = Duration::from_secs(60);
-    let at = |text: &str| drumline_shared::envelope::parse_instant(text);
+    let at = |text: &str| drumline_core::envelope::parse_instant(text);
     let history_len = |s: &TestStore| {
         let key = s.names().history("j");
         let mut conn = s.connection();
@@ -1206,7 +1206,7 @@ async fn each_decision_is_journaled_by_its_own_script_and_none_when_off() {
     );
     assert_eq!(entries[1].next, Some(1));
 
-    let off = drumline_shared::config::JournalConfig {
+    let off = drumline_core::config::JournalConfig {
         enabled: false,
         ..Default::default()
     };
@@ -1230,7 +1230,7 @@ async fn the_primarys_replicas_are_counted() {
 #[tokio::test]
 async fn the_journal_keeps_entries_for_keep_and_no_longer() {
     let s = store("journal_keep").await;
-    let short = drumline_shared::config::JournalConfig {
+    let short = drumline_core::config::JournalConfig {
         keep: Duration::from_millis(1),
         ..Default::default()
     };
@@ -1434,7 +1434,7 @@ async fn a_follower_skip_is_fenced_and_never_overwrites_a_record() {
 #[tokio::test(flavor = "multi_thread")]
 async fn workers_are_listed_in_a_few_round_trips_beside_many_keys() {
     use drumline_e2e::proxy::{Fault, Proxy};
-    use drumline_shared::store::WorkerInfo;
+    use drumline_store::WorkerInfo;
     let s = store("workers_many_keys").await;
     let names = s.names().clone();
     let mut conn = redis::Client::open(REDIS_URL)

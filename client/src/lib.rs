@@ -1,7 +1,7 @@
 //! The producer client: publish ad-hoc tasks from application code with a broker URL and a
 //! namespace alone, no drumline config file (docs/envelope.md#from-rust). Every message is a
 //! complete v1 envelope, published persistent with publisher confirms through the one broker
-//! door ([`crate::broker`]); `drumline-beat publish` and `trigger` publish through it too.
+//! door (`drumline-broker`); `drumline-beat publish` and `trigger` publish through it too.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), drumline_shared::client::ClientError> {
@@ -28,7 +28,11 @@
 //! rather than the message being dropped. [`ProducerBuilder::declare`] declares the topology
 //! first instead, as the CLI does.
 
-use crate::broker::{self, BrokerError, Declaration, Nodes};
+// The core's modules and the broker door, under the paths this crate's code names them by.
+use drumline_broker as broker;
+use drumline_core::{config, envelope, names};
+
+use crate::broker::{BrokerError, Declaration, Nodes};
 use crate::config::QueueType;
 use crate::envelope::Envelope;
 use crate::names::{check_key, check_name, InvalidName, Names};
