@@ -4,8 +4,8 @@
 //! door (`drumline-broker`); `drumline-beat publish` and `trigger` publish through it too.
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), drumline_shared::client::ClientError> {
-//! use drumline_shared::client::{Message, Producer};
+//! # async fn demo() -> Result<(), drumline_client::ClientError> {
+//! use drumline_client::{Message, Producer};
 //! use std::time::Duration;
 //!
 //! let producer = Producer::connect("amqp://guest:guest@127.0.0.1:5672/%2f", "drumline").await?;
