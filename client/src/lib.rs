@@ -88,7 +88,7 @@ impl ClientError {
 /// Defaults: args `{}`, a fresh UUID key, queue `default`, due now, no expiry.
 ///
 /// ```
-/// use drumline_shared::client::{ClientError, Message};
+/// use drumline_client::{ClientError, Message};
 /// use std::time::Duration;
 ///
 /// #[derive(serde::Serialize)]

@@ -68,7 +68,7 @@ impl Backoff {
     /// item (and panic elsewhere).
     ///
     /// ```
-    /// # use drumline_shared::backoff::Backoff;
+    /// # use drumline_core::backoff::Backoff;
     /// # use std::time::Duration;
     /// const RECONNECT: Backoff =
     ///     Backoff::constant(Duration::from_millis(200), Duration::from_secs(5), 0.0);
@@ -76,7 +76,7 @@ impl Backoff {
     /// ```
     ///
     /// ```compile_fail
-    /// # use drumline_shared::backoff::Backoff;
+    /// # use drumline_core::backoff::Backoff;
     /// # use std::time::Duration;
     /// const SPINS: Backoff = Backoff::constant(Duration::ZERO, Duration::from_secs(5), 0.0);
     /// ```
