@@ -1,11 +1,83 @@
 //! drumline-beat: computes when jobs are due and publishes each instance to RabbitMQ.
 //!
 //! The loop is [`scheduler`]; what to publish or drop is [`misfire::plan`] (pure); leadership is
-//! [`leader`]. Which module does what is the module map in the repository's `docs/design.md`
-//! ("Module map"): the one place it is kept.
+//! [`leader`]. Which module does what is the map below.
 //!
 //! Redis is reached only through [`drumline_shared::store::Store`]; schedule math lives in
 //! [`drumline_shared::schedule`].
+//!
+//! # Map
+//!
+//! - `main.rs`: parse the command line, set up logging, load the config, dispatch on one tokio
+//!   runtime; `exit::report` turns the `Failure` into the exit code. Touches: process.
+//! - `cli.rs`: the operator commands as a clap `Command` enum and its `run` (flattened by
+//!   `drumline-beat` and `drumline`: see docs/design.md#one-command-for-operators).
+//! - `commands.rs`: the commands' bodies (`check`, `next`, `publish`, `status`, `pause`,
+//!   `resume`, `trigger`, `backfill`, the beat itself): output, and a `Failure` carrying the
+//!   exit code. Touches: stdout, stderr (via the modules it calls).
+//! - `misfire.rs`: misfire planning: which instants to publish and which to drop (with
+//!   reasons), from job, last recorded instant and now (`plan_held`: with the instants a reload
+//!   held late only from the reload). Pure.
+//! - `progress.rs`: load each job's last decided instant and its rule at each gain; save it
+//!   fenced by the lease, with the rule on a start. Touches: Redis (through the `Store`), the
+//!   host's clocks.
+//! - `leader.rs`: the lease task (acquire or renew every `leader_lease/3`), `Term::holds` (may
+//!   this beat publish now, on `CLOCK_BOOTTIME`), the planning clock capped at Redis `TIME` +
+//!   threshold. Touches: Redis (through the `Store`).
+//! - `stats.rs`: the beat's counters and gauges for `/metrics` (published per job, dropped per
+//!   job and reason: `BeatStats::published`, `BeatStats::dropped`); logs each dropped instance.
+//!   Touches: memory.
+//! - `scheduler.rs`: stand by until leading, then the loop: wake, plan, publish, save progress
+//!   after the confirm; stall one job, not all; back to standby when the term ends.
+//!   `Beat::run_due` checks the term before each batch and keeps up to `IN_FLIGHT` (8) batches
+//!   in flight, finishing them oldest first. its tests against the real broker and Redis (and
+//!   the publisher's) are `beat/tests/live.rs`. Touches: broker (via `publisher`), Redis (via
+//!   `progress`, `leader`).
+//! - `publisher.rs`: the beat's publisher: one connection and one confirm channel, kept and
+//!   reopened with the topology on every (re)connect; batches go through `broker::send_batch`
+//!   and their confirms are read later (`broker::publish_batch` for one batch at a time); an
+//!   unroutable message does not drop the channel. Touches: broker (through `broker`).
+//! - `adhoc.rs`: `publish`: one ad-hoc task, same envelope and guarantees, published through
+//!   the producer client (`client/src/lib.rs`) with the topology declared. Touches: broker
+//!   (through the client).
+//! - `operate.rs`: `trigger` and `backfill`: the envelopes to publish, and the refusals
+//!   (reversed, future or oversized range). Pure.
+//! - `reload.rs`: SIGHUP: which jobs of a reloaded config keep their progress, and which of a
+//!   kept job's instants a lowered jitter holds (`held`); a job's rule, and how a new term
+//!   resumes a job from the rule its progress was recorded under. Pure.
+//! - `next.rs`: `next`: upcoming instants with DST notes. Pure.
+//! - `status.rs`: `status`: per-job health, paused, the stale warning, the recent runs, dead
+//!   letters, the total, the workers announced, each queue's depth and consumers, written row
+//!   by row as read (`stream`: 500 jobs a round trip, four in flight, the table's widths from
+//!   the config; `--json` one job a line); `read_window` builds the same document on a window
+//!   of the jobs for the status page. Touches: Redis (read only, through the `Store`), broker
+//!   (one passive declare).
+//! - `recent.rs`: each job's recent runs as shown (`RecentRun` from a run record: duration, the
+//!   error on one bounded line) and their text table; see docs/design.md#recent-runs.
+//! - `page.rs`: the read-only status page on `--metrics-addr`: `/` (HTML from a pure
+//!   `render(Status, Window)`, refreshing itself, no JavaScript, everything escaped, `Jobs a–b
+//!   of N` with links) and `/api/status` (the `status --json` document), built per request
+//!   through `status::read_window` within 4 s, else 503 with the reason; at most 4 at once
+//!   (else 503 `Retry-After: 1`), at most `limit` jobs (docs/design.md#bounded-work); follows
+//!   SIGHUP for the reloaded `[[jobs]]`. Touches: Redis (read only, through `status`), SIGHUP.
+//! - `queues.rs`: `drumline_queue_depth` / `drumline_queue_consumers` per queue the config
+//!   names, refreshed every 5 s (docs/design.md#queues-and-workers). Touches: broker (passive
+//!   declares).
+//! - `journal.rs`: what the leader journals: each published instance, each dropped one with its
+//!   reason, under its epoch (docs/design.md#journal). Touches: Redis (through the `Store`).
+//! - `audit.rs`: `audit`: a job's expected instants (its schedule) classified from journal
+//!   entries, run records and states. Pure.
+//! - `verify.rs`: `verify`: the promise's rules over one key's entries, a job's runs (overlap)
+//!   and an audit's rows. Pure.
+//! - `prove.rs`: the bodies of `audit` and `verify`: read through the `Store`, print, exit 1 on
+//!   a violation. Touches: Redis (read only, through the `Store`), stdout.
+//! - `follower.rs`: `after` jobs: for each follower's instants, the upstream's run record →
+//!   publish, skip or wait (`decide`, pure, with `candidates` and `settled_up_to`), carried out
+//!   by the leader between due instants (docs/design.md#job-dependencies). Touches: Redis
+//!   (through the `Store`), broker (via `publisher`).
+//! - `dead_letters.rs`: the broker counts the status page and the queue gauges show
+//!   (`BrokerCounts`: the dead letters and the queues `queues_of` names): one broker connection
+//!   kept between requests, one read at a time, cached 5 s. Touches: broker (passive declares).
 
 pub mod adhoc;
 pub mod audit;

@@ -13,6 +13,23 @@
 //! binding (a write of the cluster's metadata) waits for it. A reconnect, which declares what
 //! this process declared before, therefore sends its bindings without awaiting them and goes on
 //! when a declaration does not answer in time (docs/design.md#reconnecting-past-a-hung-node).
+//!
+//! # Map
+//!
+//! - `amqp.rs`: an envelope's AMQP properties and drumline headers (`properties`), and headers
+//!   read back (`header_str`, `header_int`).
+//! - `connect.rs`: connecting: `Nodes` (the failover order of `[broker] urls`, the connect
+//!   timeout on every call), sessions with the topology declared, a re-declaration not awaited,
+//!   channels closed in the background. Touches: broker.
+//! - `declare.rs`: declaring the exchanges and queues of a namespace; a mismatch named by
+//!   queue. Touches: broker.
+//! - `counts.rs`: the broker's counts for `status`, the page and the gauges: the dead letters
+//!   and each work queue's depth and consumers, by passive declares. Touches: broker.
+//! - `publish.rs`: publishing with confirms: one message (`publish_confirmed`), or a batch
+//!   (`publish_batch`, or `send_batch` then `Sending::confirms` with the batches in flight
+//!   after it: all sent, then every confirm awaited, returns matched by message id across the
+//!   batches in flight, a `may_send` check before each message so a deposed leader stops
+//!   mid-batch). Touches: broker.
 
 // The core's modules, under the paths this crate's code names them by.
 use drumline_core::{config, names, tls, url};

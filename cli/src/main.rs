@@ -2,6 +2,13 @@
 //! command enums (`drumline_beat::cli::Command`, `drumline_worker::cli::Command`), so a command
 //! added to either appears here with no code of its own
 //! (docs/design.md#one-command-for-operators); `completions SHELL` prints a completion script.
+//!
+//! # Map
+//!
+//! - `main.rs`: the one command for operators: flattens `drumline_beat::cli::Command` and
+//!   `drumline_worker::cli::Command` (every command of either is a `drumline` command),
+//!   `completions SHELL` (clap_complete); loads the config and runs the command like the other
+//!   binaries. Touches: process.
 
 use clap::{CommandFactory, Parser, Subcommand};
 use drumline_shared::cli::{run_to_exit, Common};

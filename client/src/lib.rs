@@ -27,6 +27,14 @@
 //! of the namespace ever declared it) the publish fails with [`BrokerError::Unroutable`]
 //! rather than the message being dropped. [`ProducerBuilder::declare`] declares the topology
 //! first instead, as the CLI does.
+//!
+//! # Map
+//!
+//! The feature `bin-support` (off by default) keeps clap, axum, tracing-subscriber and
+//! prometheus-client's server side out of programs that embed the worker library. The beat
+//! enables it; the worker enables it through its default feature `cli`, which also gates its
+//! binary.
+//!
 
 // The core's modules and the broker door, under the paths this crate's code names them by.
 use drumline_broker as broker;

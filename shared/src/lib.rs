@@ -3,11 +3,32 @@
 //! schedule math), `drumline-store` (the one door to Redis), `drumline-broker` (the one door to
 //! RabbitMQ) and `drumline-client` (the producer client), re-exported under their old paths.
 //!
-//! Which module does what, and what each may touch, is the module map in the repository's
-//! `docs/design.md` ("Module map"): the one place it is kept.
+//! Which module does what, and what each may touch, is the map below.
 //!
 //! The feature `bin-support` (off by default) adds what only the binaries need: clap, axum,
 //! tracing-subscriber and prometheus-client stay out of a library user's build.
+//!
+//! # Map
+//!
+//! The binaries' plumbing; it re-exports the crates by role under their old paths
+//! (`drumline_shared::store`, `::broker`, `::client`, `::config`, …).
+//!
+//! - `systemd.rs`: `Type=notify`: `READY=1` at start, `WATCHDOG=1` every half `WATCHDOG_USEC`
+//!   (sd-notify; feature `bin-support`). Touches: the systemd notify socket.
+//! - `signals.rs`: first SIGTERM/SIGINT stops in order, a second exits 1. Touches: OS signals.
+//! - `logging.rs`: tracing subscriber, `--log-format` (feature `bin-support`). Touches: stderr,
+//!   global logger.
+//! - `cli.rs`: `Common`: `--config` and `--log-format`, flattened into every binary's parser,
+//!   and `Common::load` (the config they name); `run_to_exit`: logging, one tokio runtime, the
+//!   command's `Failure` as the exit code (feature `bin-support`).
+//! - `metrics.rs`: `/metrics` and `/healthz` HTTP server (feature `bin-support`); `serve_with`
+//!   adds a binary's own routes, which is how only the beat serves the status page. Touches: a
+//!   TCP listener.
+//! - `process_metrics.rs`: `drumline_build_info` and the `process_*` metrics from `/proc/self`
+//!   (feature `bin-support`). Touches: reads `/proc/self`.
+//! - `exit.rs`: `Failure` (`Usage` → 2, `Other`/`Reported` → 1) and `report`: both binaries map
+//!   a command's outcome to the exit code the same way (feature `bin-support`). Touches:
+//!   stderr.
 
 #[cfg(feature = "bin-support")]
 pub mod cli;

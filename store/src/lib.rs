@@ -2,6 +2,29 @@
 //! beats) can never interleave inside it. A claim carries a random token (only its holder may
 //! renew, complete or release it) and a fencing token from a monotonic counter (handlers pass it
 //! to the systems they write, which reject writes with an older fence).
+//!
+//! # Map
+//!
+//! - `operate.rs`: the paused set `{ns}:paused`; the holder of a job's overlap lock, for
+//!   `trigger`. Touches: Redis.
+//! - `journal.rs`: the journal `{ns}:journal`: the Lua `jot` every fate-deciding script shares,
+//!   the leader's fenced append, reading it back (`journal_since`) and a job's whole history
+//!   for `audit`/`verify` (docs/design.md#journal). Touches: Redis.
+//! - `dead.rs`: `dead_unclaimed`: a message dead-lettered unrun recorded `dead` (state,
+//!   journal, run record) when its key has no state yet (docs/design.md#expired-in-the-queue).
+//!   Touches: Redis.
+//! - `follow.rs`: `skip_follower`: an `after` job's instance recorded `skipped` (reason,
+//!   history entry), fenced by the lease, only when unrecorded. Touches: Redis.
+//! - `leader.rs`: the leader lease scripts (acquire, renew, resign) and the fenced progress
+//!   write. Touches: Redis.
+//! - `workers.rs`: the workers' announcements `{ns}:worker:{id}` and their set `{ns}:workers`
+//!   (`WorkerInfo`): write with a TTL, delete, read all (docs/design.md#queues-and-workers).
+//!   Touches: Redis.
+//! - `rules.rs`: the rule each job's progress was recorded under: read at each gain, written
+//!   with a job's start in one fenced script. Touches: Redis.
+//! - `conn.rs`: the one connection every store call goes through; with `redis+sentinel://` it
+//!   asks the Sentinels for the primary (at start, and after a connection error, a `READONLY`
+//!   reply or a `WAIT` that fell short) and follows a failover. Touches: Redis, Sentinels.
 
 // The core's modules, under the paths this crate's code names them by.
 use drumline_core::{backoff, config, envelope, limit, names, run, tls, url};

@@ -1,8 +1,7 @@
 //! drumline-worker: consumes task messages, deduplicates through Redis, runs handlers.
 //!
 //! One delivery goes [`consumer`] → [`processor`] (claim, run, record, ack), which carries out
-//! what [`decision`] says (pure). Which module does what is the module map in the repository's
-//! `docs/design.md` ("Module map"): the one place it is kept.
+//! what [`decision`] says (pure). Which module does what is the map below.
 //!
 //! ```no_run
 //! # async fn demo(config: drumline_shared::config::Config) -> Result<(), drumline_worker::WorkerError> {
@@ -16,6 +15,71 @@
 //!     .await?;
 //! # Ok(()) }
 //! ```
+//!
+//! # Map
+//!
+//! - `main.rs`: parse the command line (feature `cli`), set up logging, load the config,
+//!   dispatch on one tokio runtime; `exit::report` turns the `Failure` into the exit code.
+//!   Touches: process.
+//! - `cli.rs`: the `dlq` commands as a clap `Command` enum and its `run` (feature `cli`;
+//!   flattened by `drumline-worker` and `drumline`); `dlq purge` asks for `--yes`.
+//! - `commands.rs`: the commands' bodies (feature `cli`): the worker with its command-line
+//!   overrides and metrics, `dlq list / replay / purge`; a `Failure` carrying the exit code.
+//!   Touches: stdout, stderr (via the modules it calls).
+//! - `dead_watch.rs`: the dead-letter watch: consume `{ns}.dead.watch` on a connection of its
+//!   own, journal each instance the broker expired in its queue through the claim script's
+//!   expired branch and its run record (docs/design.md#expired-in-the-queue). Touches: broker,
+//!   Redis (via `store`).
+//! - `consumer.rs`: broker side: connect, declare, consume within the concurrency slots,
+//!   declare and consume again a queue whose consumer the broker cancelled, reconnect, pace
+//!   failures, ordered shutdown. Touches: broker, Redis health ping.
+//! - `reload.rs`: the processor new deliveries go to (`Current`), swapped whole on SIGHUP
+//!   (`drumline-worker`, or `Worker::reload_on_sighup`). Touches: the config file.
+//! - `decision.rs`: admit a body (oversize, malformed); `rejected_key`: the key a rejected
+//!   message may be recorded under; `on_claim`: the claim's answer → run, or settle with an
+//!   `Action`; `after_run`: the run's outcome, the task and the attempt → the `Action`. Pure.
+//! - `processor.rs`: carry out the actions in order: claim, run under the lease, record,
+//!   publish, ack. Touches: Redis (via `store`), broker (via `broker`).
+//! - `acks.rs`: `Settled` (how a delivery ended at the broker) and the settle time limits; a
+//!   consumer channel's acks, coalesced into `multiple` acks over recorded outcomes; bounded:
+//!   done tags kept as runs, a delivery not settled in time closes the channel. Touches: broker
+//!   (the deliveries' ackers, the consumer channel).
+//! - `announce.rs`: the worker's announcement `{ns}:worker:{id}`, refreshed every 10 s with a
+//!   30 s TTL, deleted on a clean stop. Touches: Redis (through the `Store`).
+//! - `lease.rs`: the watchdog: renew every `lease/3`, cancel the run before the lease can
+//!   lapse; the `Budget`'s numbers, and the `LeaseClock` a shell run hands its supervisor as
+//!   deadlines. Touches: Redis (via `store`).
+//! - `retry.rs`: a task's retry delay: `Backoff::nth(attempt)` from `retry_base` to `retry_max`
+//!   with up to 20 % jitter, rounded up to whole milliseconds and bucketed; exhaustion. Pure.
+//! - `executor.rs`: the shell executor: pipes, environment, stdin, kill ladder, a failure's
+//!   stderr tail, through the supervisor; `make_non_dumpable` for the worker.
+//! - `http.rs`: the HTTP executor: one `reqwest` client per task (rustls, no redirects, no
+//!   proxy, `ca_file`), the request (the delivered body, the run's headers, the Standard
+//!   Webhooks signature: `run_headers`, `sign`), and the pure mapping of an answer onto
+//!   `HandlerError` (`outcome`, `retry_after`); a missing secret is `HttpSetupError` at start.
+//!   Touches: the configured URL.
+//! - `output.rs`: a shell task's output: stderr read to its end with the last 4 KiB kept
+//!   (`Tail`), passed on raw, or as JSON log events per line (`key`, `task`, `stream`) with
+//!   `--log-format json`. Touches: the task's pipes, the worker's stdout/stderr and log.
+//! - `supervisor.rs` (binary `drumline-supervisor`, `src/bin/supervisor.rs`): a task supervisor
+//!   (one per core, at most 4, per worker): non-dumpable, checks its parent, starts each
+//!   command as a group leader, holds its pidfd, kills its group, stops it at its lease
+//!   deadline on its own (a timerfd), kills every group when the worker's end closes. Touches:
+//!   the tasks' processes.
+//! - `supervisor/deadline.rs`: the tasks' lease deadlines, in the order they fall due: hold (a
+//!   start's or a renewal's), forget (reaped), poll the SIGTERM or SIGKILL due. Pure.
+//! - `supervisor/link.rs`, `supervisor/wire.rs`: the worker's side: starts the supervisors,
+//!   gives them runs in turn, sends starts, signals and deadlines, routes replies to runs; the
+//!   messages. Touches: the supervisors' sockets.
+//! - `handler.rs`: the Rust handler API: context in, `HandlerError` out (`Retryable`, with an
+//!   optional delay of the handler's own, or `Permanent`; each keeps its source); typed
+//!   handlers (`typed`, `decode_args`), panics caught (`call_guarded`, `Panicked`), the task's
+//!   timeout (`WithTimeout`) (docs/design.md#typed-rust-handlers).
+//! - `stats.rs`: counters and gauges (Prometheus) and the shutdown summary; runs per task and
+//!   outcome (unknown tasks labelled `unknown`), lag and run-time histograms per task. Touches:
+//!   memory.
+//! - `dlq.rs`: `dlq list / replay / purge`. Touches: broker (`{ns}.dead`), Redis (clears `dead`
+//!   on replay).
 
 // Public for worker/tests/acks.rs (the real broker); not part of the API.
 #[doc(hidden)]
