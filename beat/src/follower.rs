@@ -26,6 +26,7 @@ use chrono::{DateTime, TimeDelta, Utc};
 use drumline_shared::broker::BrokerError;
 use drumline_shared::config::{Config, Job};
 use drumline_shared::envelope::{format_instant, instance_key, Envelope};
+use drumline_shared::planted::{planted, Defect};
 use drumline_shared::schedule::Schedule;
 use drumline_shared::store::{now_text, RunRecord, Skipped, Store};
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -118,6 +119,7 @@ pub fn decide(upstream: Upstream<'_>, now: DateTime<Utc>, timeout: Duration) -> 
     let passed = |d: Duration| TimeDelta::from_std(d).is_ok_and(|d| now >= due + d);
     match (upstream.state, upstream.dropped) {
         (Some("done"), _) => Follow::Publish,
+        (Some(_), _) if planted(Defect::EarlyFollower) => Follow::Publish,
         (Some("dead"), _) => Follow::Skip(Why::Dead),
         (Some("skipped"), _) => Follow::Skip(Why::Skipped),
         // Never published: nothing will run it (a backfill later runs it alone).

@@ -12,7 +12,7 @@ use drumline_shared::planted::{self, planted, Defect};
 use drumline_shared::store::{JournalEntry, Store};
 use drumline_shared::table;
 use serde::Serialize;
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
 /// How far before a window the journal is read: entries come after their instant, but a
@@ -249,12 +249,31 @@ async fn check(
         violations.extend(verify::from_audit(&rows, |k| by_key.contains_key(k)));
     }
     violations.extend(limits(config, entries));
+    violations.extend(order(config, &by_key));
     Ok(Report {
         since: format_instant(since),
         checked: checked.len(),
         holds: violations.is_empty(),
         violations,
     })
+}
+
+/// `order` (docs/audit.md#verify): each `after` job's instance against its upstream's for the
+/// same instant.
+fn order(config: &Config, by_key: &BTreeMap<&str, Vec<&JournalEntry>>) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for (key, list) in by_key {
+        let Some((name, instant)) = key.split_once('@') else {
+            continue;
+        };
+        let Some(after) = config.job(name).and_then(|j| j.after.as_ref()) else {
+            continue;
+        };
+        let upstream = format!("{}@{instant}", after.upstream);
+        let upstream = by_key.get(upstream.as_str()).map_or(&[][..], Vec::as_slice);
+        out.extend(verify::check_order(key, list, upstream));
+    }
+    out
 }
 
 /// `limit` (docs/audit.md#verify): per concurrency group, the runs of every job whose task is

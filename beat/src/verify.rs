@@ -209,6 +209,33 @@ pub fn check_published(job: &str, undecided_due: Option<&str>) -> Option<Violati
     })
 }
 
+/// `order`: an `after` job's instance published by the leader (its claim carries the leader's
+/// epoch) was claimed before its upstream's instance for the same instant succeeded, or its
+/// upstream has entries and no success. A trigger or backfill (epoch 0) runs a follower alone;
+/// an upstream with no entries in the window is not judged (docs/audit.md#verify).
+pub fn check_order(
+    key: &str,
+    entries: &[&JournalEntry],
+    upstream: &[&JournalEntry],
+) -> Option<Violation> {
+    let claim = entries.iter().find(|e| {
+        matches!(e.event.as_str(), "claim" | "takeover") && e.epoch.is_some_and(|ep| ep > 0)
+    })?;
+    if upstream.is_empty() {
+        return None;
+    }
+    let evidence = match upstream.iter().find(|e| e.event == "success") {
+        Some(success) if success.at_ms <= claim.at_ms => return None,
+        Some(success) => format!("{} before its upstream's {}", cite(claim), cite(success)),
+        None => format!("{} and its upstream has no success", cite(claim)),
+    };
+    Some(Violation {
+        key: key.to_owned(),
+        rule: "order",
+        evidence,
+    })
+}
+
 /// One run: its key, start and end (ms, Redis `TIME`), its first entry's id.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Span<'a> {
@@ -339,6 +366,39 @@ mod tests {
 
     fn rules(v: &[Violation]) -> Vec<&'static str> {
         v.iter().map(|v| v.rule).collect()
+    }
+
+    /// A follower claimed after its upstream's success holds; one claimed before it, or whose
+    /// upstream failed for good, is out of `order`; a trigger's copy (epoch 0) runs alone.
+    #[test]
+    fn a_follower_claimed_before_its_upstreams_success_is_out_of_order() {
+        let up = [
+            entry(1, "claim", "u@t", 0, "a"),
+            entry(5, "success", "u@t", 0, "a"),
+        ];
+        let up: Vec<&JournalEntry> = up.iter().collect();
+        let on_time = [entry(6, "claim", "f@t", 0, "b")];
+        let on_time: Vec<&JournalEntry> = on_time.iter().collect();
+        assert_eq!(check_order("f@t", &on_time, &up), None);
+        let early = [entry(3, "claim", "f@t", 0, "b")];
+        let early: Vec<&JournalEntry> = early.iter().collect();
+        let v = check_order("f@t", &early, &up).expect("out of order");
+        assert_eq!(v.rule, "order");
+        assert!(v.evidence.contains("5-0 success"), "{}", v.evidence);
+        let failed = [
+            entry(1, "claim", "u@t", 0, "a"),
+            entry(2, "dead", "u@t", 0, "a"),
+        ];
+        let failed: Vec<&JournalEntry> = failed.iter().collect();
+        assert!(check_order("f@t", &on_time, &failed).is_some());
+        let mut triggered = entry(3, "claim", "f@t", 0, "b");
+        triggered.epoch = Some(0);
+        assert_eq!(check_order("f@t", &[&triggered], &failed), None);
+        assert_eq!(
+            check_order("f@t", &early, &[]),
+            None,
+            "no upstream entries: not judged"
+        );
     }
 
     #[test]

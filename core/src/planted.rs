@@ -17,6 +17,9 @@ pub enum Defect {
     IgnoreOverlap,
     /// `audit` ignores the journal of one instant in seven (verify then reports it missed).
     FalseMissed,
+    /// The beat publishes an `after` job's instance once its upstream's instance has any run
+    /// state, not only `done`.
+    EarlyFollower,
 }
 
 impl Defect {
@@ -28,16 +31,18 @@ impl Defect {
             Defect::DropDelivery => "drop_delivery",
             Defect::IgnoreOverlap => "ignore_overlap",
             Defect::FalseMissed => "false_missed",
+            Defect::EarlyFollower => "early_follower",
         }
     }
 
     /// Every planted defect.
-    pub const ALL: [Defect; 5] = [
+    pub const ALL: [Defect; 6] = [
         Defect::SkipRetry,
         Defect::DoubleRun,
         Defect::DropDelivery,
         Defect::IgnoreOverlap,
         Defect::FalseMissed,
+        Defect::EarlyFollower,
     ];
 }
 

@@ -39,7 +39,13 @@ pub struct JobDraw {
     pub expires_s: Option<u32>,
     /// `jitter`, whole seconds.
     pub jitter_s: Option<u32>,
+    /// `after`: the job (an index) whose instance for the same instant must succeed first; the
+    /// job then has no schedule of its own, `overlap = "allow"` and [`AFTER_TIMEOUT`].
+    pub after: Option<usize>,
 }
+
+/// `after_timeout` of every drawn follower: long enough for its upstream's retries.
+pub const AFTER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// An operator action or a fault, `at` after the round's start.
 #[derive(Debug, Clone, PartialEq)]
@@ -105,6 +111,8 @@ pub fn round(seed: u64, length: Duration) -> Round {
         events.push((at, e));
     }
     events.sort_by_key(|(at, _)| *at);
+    let mut jobs = jobs;
+    follow(&mut more, &mut jobs, &mut events);
     periods_for_reloads(&jobs, &mut events, &mut more);
     Round {
         seed,
@@ -144,6 +152,35 @@ fn job(rng: &mut Rng, i: usize) -> JobDraw {
         expires_s: [None, Some(60)][rng.below(2)],
         // `check` refuses a jitter not below the period.
         jitter_s: [None, None, Some(1)][rng.below(3)].filter(|_| every_s > 1),
+        after: None,
+    }
+}
+
+/// Makes the last of `jobs` (when there are two or more) follow the first, one round in two,
+/// and points the events drawn for it at the first: a follower has no schedule to pause,
+/// backfill or reload of its own.
+fn follow(rng: &mut Rng, jobs: &mut [JobDraw], events: &mut [(Duration, Event)]) {
+    let last = jobs.len() - 1;
+    if last == 0 || rng.below(2) == 0 {
+        return;
+    }
+    let follower = &mut jobs[last];
+    follower.after = Some(0);
+    follower.overlap = "allow";
+    follower.expires_s = None;
+    follower.jitter_s = None;
+    for (_, e) in events.iter_mut() {
+        match e {
+            Event::Pause { job, .. }
+            | Event::Backfill { job }
+            | Event::Trigger { job }
+            | Event::Reload { job, .. }
+                if *job == last =>
+            {
+                *job = 0;
+            }
+            _ => {}
+        }
     }
 }
 
@@ -240,6 +277,16 @@ impl JobDraw {
 
     /// Its `[[jobs]]` keys.
     pub fn job(&self) -> Keys {
+        if let Some(up) = self.after {
+            return Keys::default()
+                .with("after", &toml_string(&format!("j{up}")))
+                .with(
+                    "after_timeout",
+                    &toml_string(&format!("{}s", AFTER_TIMEOUT.as_secs())),
+                )
+                .with("overlap", &toml_string(self.overlap))
+                .with("task", &toml_string(&self.name));
+        }
         let mut keys = every(&format!("{}s", self.every_s))
             .with("overlap", &toml_string(self.overlap))
             .with("task", &toml_string(&self.name));

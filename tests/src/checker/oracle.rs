@@ -2,7 +2,7 @@
 //! derived from the drawn round (config and events), the times the harness did things, and the
 //! tasks' effect log alone — never from drumline's journal, run records or Redis.
 
-use super::draw::{JobDraw, Round, PERMANENT, RETRY_DELAY};
+use super::draw::{JobDraw, Round, AFTER_TIMEOUT, PERMANENT, RETRY_DELAY};
 use chrono::{DateTime, Utc};
 use drumline_shared::envelope::{instance_key, parse_instant};
 use std::collections::BTreeMap;
@@ -14,7 +14,7 @@ pub struct Finding {
     pub key: String,
     /// Its job.
     pub job: String,
-    /// `doubled`, `over_bound`, `retry_dropped`, `overlap`, `missed`.
+    /// `doubled`, `over_bound`, `retry_dropped`, `overlap`, `missed`, `order`.
     pub rule: &'static str,
     /// What shows it.
     pub detail: String,
@@ -112,7 +112,10 @@ pub fn judge(round: &Round, timeline: &Timeline, lines: &[String]) -> Vec<Findin
         if job.overlap != "allow" {
             out.extend(overlaps(job, &mine));
         }
-        out.extend(at_least_once(j, job, timeline, &by_key));
+        match job.after {
+            None => out.extend(at_least_once(j, job, timeline, &by_key)),
+            Some(up) => out.extend(follows(job, &round.jobs[up], timeline, &all, &by_key)),
+        }
     }
     out
 }
@@ -213,6 +216,64 @@ fn finished(job: &JobDraw, runs: &[&Run]) -> bool {
         Some((_, _)) => r.attempt >= job.max_retries,
         None => false,
     })
+}
+
+/// A follower's instance for T runs only once its upstream's instance for T has succeeded
+/// (`order`); and when that success came within the play and within `after_timeout` of T
+/// (jitter included), it runs to its end (`missed`). Triggered and backfilled upstream
+/// instances run alone (docs/configuration.md#job-dependencies): nothing is asked of them.
+fn follows(
+    job: &JobDraw,
+    up: &JobDraw,
+    timeline: &Timeline,
+    all: &[Run],
+    by_key: &BTreeMap<&str, Vec<&Run>>,
+) -> Vec<Finding> {
+    let prefix = format!("{}@", up.name);
+    let mut succeeded: BTreeMap<i64, i64> = BTreeMap::new();
+    for r in all.iter().filter(|r| r.key.starts_with(&prefix)) {
+        if let (Some(t), Some((end, 0))) = (instant_ms(&r.key), r.end) {
+            let first = succeeded.entry(t).or_insert(end);
+            *first = (*first).min(end);
+        }
+    }
+    let mut out = Vec::new();
+    for (key, runs) in by_key {
+        let Some(t) = instant_ms(key) else { continue };
+        let after = succeeded.get(&t);
+        if let Some(r) = runs.iter().find(|r| after.is_none_or(|end| r.start < *end)) {
+            let detail = match after {
+                Some(end) => format!("ran at {} before its upstream succeeded at {end}", r.start),
+                None => format!("ran at {} though its upstream never succeeded", r.start),
+            };
+            out.push(finding(job, key, "order", detail));
+        }
+    }
+    let jitter = i64::from(up.jitter_s.unwrap_or(0)) * 1000;
+    let timeout = AFTER_TIMEOUT.as_millis() as i64;
+    let operator = |t: i64| {
+        t < timeline.start
+            || timeline
+                .triggers
+                .iter()
+                .any(|(_, k)| instant_ms(k) == Some(t))
+    };
+    for (t, end) in &succeeded {
+        if *end > timeline.judge_end || *end > t + jitter + timeout - 2_000 || operator(*t) {
+            continue;
+        }
+        let at = DateTime::from_timestamp_millis(*t).expect("an instant");
+        let key = instance_key(&job.name, at);
+        let runs = by_key.get(key.as_str()).map_or(&[][..], Vec::as_slice);
+        if !finished(job, runs) {
+            let detail = format!(
+                "its upstream succeeded at {end}; {} runs, none final",
+                runs.len()
+            );
+            out.push(finding(job, &key, "missed", detail));
+        }
+    }
+    out
 }
 
 /// How an instance the oracle expects to end came to be.
@@ -374,6 +435,7 @@ mod tests {
             max_retries,
             expires_s: None,
             jitter_s: None,
+            after: None,
         }
     }
 
@@ -526,6 +588,54 @@ mod tests {
         lines.push(format!("start {trigger} 0 {}", T0 + 7_200));
         lines.push(format!("end {trigger} 0 {} 0", T0 + 7_300));
         assert_eq!(judge(&r, &t, &lines), vec![]);
+    }
+
+    /// A follower runs after its upstream's success, for each instant that succeeded, and
+    /// never for one that did not.
+    #[test]
+    fn a_follower_runs_after_each_upstream_success_and_only_then() {
+        let follower = JobDraw {
+            name: "j1".into(),
+            after: Some(0),
+            ..job("allow", 0)
+        };
+        let r = Round {
+            jobs: vec![job("queue", 0), follower],
+            ..round(job("queue", 0))
+        };
+        let t = timeline(3);
+        let follow = |s: i64, from: i64| {
+            let at = DateTime::from_timestamp_millis(T0 + s * 1000).unwrap();
+            let k = instance_key("j1", at);
+            vec![
+                format!("start {k} 0 {}", T0 + from),
+                format!("end {k} 0 {} 0", T0 + from + 50),
+            ]
+        };
+        let mut lines = clean();
+        for s in 0..4 {
+            lines.extend(follow(s, s * 1000 + 150));
+        }
+        assert_eq!(judge(&r, &t, &lines), vec![]);
+        // Instant 2's follower never ran; instant 3's ran before its upstream ended.
+        let mut lines = clean();
+        lines.extend(follow(0, 150));
+        lines.extend(follow(1, 1_150));
+        lines.extend(follow(3, 3_050));
+        assert_eq!(rules(&judge(&r, &t, &lines)), ["order", "missed"]);
+        // A follower of an instant whose upstream never succeeded.
+        let mut lines: Vec<String> = clean().into_iter().take(6).collect();
+        lines.extend(follow(0, 150));
+        lines.extend(follow(1, 1_150));
+        lines.extend(follow(2, 2_150));
+        lines.extend(follow(3, 3_150));
+        let found = judge(&r, &t, &lines);
+        assert!(
+            found
+                .iter()
+                .any(|f| f.rule == "order" && f.key.contains("03Z")),
+            "{found:?}"
+        );
     }
 
     #[test]

@@ -321,9 +321,10 @@ fn reload(
     }
 }
 
-/// `drumline backfill JOB` of the ten instants ending 30 s before the round began.
+/// `drumline backfill JOB` of the ten instants ending 30 s before the round began, under the
+/// job's period now (a reload may have changed it).
 fn backfill(round: &Round, job: usize, members: &Members<'_>, timeline: &mut Timeline) {
-    let period = i64::from(round.jobs[job].every_s) * 1000;
+    let period = i64::from(members.periods[job]) * 1000;
     let to = (timeline.start - 30_000).div_euclid(period) * period;
     let from = to - 10 * period;
     let text = |ms: i64| {
