@@ -7,7 +7,6 @@
 use drumline_shared::broker;
 use drumline_shared::config::Config;
 use drumline_shared::names::Names;
-use lapin::Connection;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,7 +37,7 @@ pub struct DeadLetters {
 /// connection, beside it.
 #[derive(Default)]
 struct State {
-    conn: Option<Connection>,
+    conn: Option<broker::Connection>,
     /// When the last read ended and what it found (unknowns: the broker did not say).
     last: Option<(Instant, BrokerCounts)>,
 }
@@ -145,10 +144,10 @@ pub struct BrokerCounts {
 
 /// Reads the [`BrokerCounts`] of `queues` on `conn` (passive declares on channels of their own).
 pub async fn broker_counts_on(
-    conn: &lapin::Connection,
+    conn: &broker::Connection,
     names: &Names,
     queues: &[String],
-) -> Result<BrokerCounts, lapin::Error> {
+) -> Result<BrokerCounts, broker::BrokerError> {
     let dead_letters = broker::dead_letter_count_on(conn, names).await?;
     let mut counts = Vec::with_capacity(queues.len());
     for queue in queues {

@@ -10,10 +10,10 @@
 
 use chrono::Utc;
 use drumline_shared::broker::{self, BrokerError, Outgoing, Sending};
+use drumline_shared::broker::{Channel, Connection};
 use drumline_shared::config::{Config, QueueType};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
-use lapin::{Channel, Connection};
 use std::collections::HashSet;
 use std::time::Duration;
 use tracing::info;

@@ -48,6 +48,8 @@ pub use counts::{
     dead_letter_count, dead_letter_count_on, queue_counts, queue_counts_on, QueueCounts,
 };
 pub use declare::{declare, declare_delay_queue, Declaration, QUORUM_DELIVERY_LIMIT};
+/// The broker's connection and channel handles, as the door hands them out.
+pub use lapin::{Channel, Connection};
 pub use publish::{
     open_confirm_channel, publish_batch, publish_confirmed, send_batch, settled, Outgoing, Sending,
     CONFIRM_DEADLINE,

@@ -41,11 +41,11 @@ use drumline_broker as broker;
 use drumline_core::{config, envelope, names};
 
 use crate::broker::{BrokerError, Declaration, Nodes};
+use crate::broker::{Channel, Connection};
 use crate::config::QueueType;
 use crate::envelope::Envelope;
 use crate::names::{check_key, check_name, InvalidName, Names};
 use chrono::{DateTime, Utc};
-use lapin::{Channel, Connection};
 use serde::Serialize;
 use std::collections::HashSet;
 use std::path::PathBuf;

@@ -385,3 +385,38 @@ fn no_block_of_six_lines_is_repeated_in_src() {
         repeated.join("\n")
     );
 }
+
+/// The names in the `[dependencies]` table of `krate`'s manifest.
+fn dependencies(krate: &str) -> BTreeSet<String> {
+    let manifest = fs::read_to_string(root().join(krate).join("Cargo.toml")).expect("a manifest");
+    manifest
+        .lines()
+        .skip_while(|l| l.trim() != "[dependencies]")
+        .skip(1)
+        .take_while(|l| !l.starts_with('['))
+        .filter(|l| !l.trim_start().starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| l.split(['.', ' ', '=']).next().map(str::to_owned))
+        .collect()
+}
+
+/// Each crate reaches only its role's outside world: the core none (no async runtime either),
+/// Redis only the store. RabbitMQ the broker, and the worker until its consumer and acks go
+/// through the broker door (docs/design.md#module-map).
+#[test]
+fn each_crate_depends_only_on_its_roles_outside_world() {
+    let may = |krate: &str, dep: &str| match dep {
+        "redis" => krate == "store",
+        "lapin" => matches!(krate, "broker" | "worker"),
+        "tokio" | "async-rs" => krate != "core",
+        _ => true,
+    };
+    let mut wrong = Vec::new();
+    for krate in CRATES {
+        for dep in dependencies(krate) {
+            if !may(krate, &dep) {
+                wrong.push(format!("{krate} depends on {dep}"));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
