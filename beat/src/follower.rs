@@ -180,11 +180,20 @@ pub fn carried_over(
         .filter(|(_, (job, kept))| job.after.is_some() && kept.is_none())
         .filter_map(|(i, (job, _))| {
             let o = *by_name.get(job.name.as_str())?;
-            let none = BTreeSet::new();
-            let instants = candidates(&old[o].schedule, old_last(o), &none, at, PER_STEP);
-            Some((i, instants))
+            Some((i, old_rule_instants(&old[o].schedule, old_last(o), at)))
         })
         .collect()
+}
+
+/// A restarted follower's instants of its old rule (`old`) after its old progress (`last`) up
+/// to `at`, at most [`PER_STEP`]: on a reload ([`carried_over`]), or when a beat takes over a
+/// follower rescheduled since its progress was recorded.
+pub fn old_rule_instants(
+    old: &Schedule,
+    last: DateTime<Utc>,
+    at: DateTime<Utc>,
+) -> Vec<DateTime<Utc>> {
+    candidates(old, last, &BTreeSet::new(), at, PER_STEP)
 }
 
 /// How far the follower's progress may move from `last`: past every instant decided since,

@@ -7,6 +7,7 @@
 use crate::reload;
 use chrono::{DateTime, Utc};
 use drumline_shared::config::Job;
+use drumline_shared::schedule::Schedule;
 use drumline_shared::store::{ProgressError, Store, StoreError};
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,6 +57,21 @@ pub async fn load_rules(store: &Store, jobs: &[Job]) -> Result<Vec<Option<bool>>
         |i: usize, recorded: Option<String>| recorded.map(|r| r == reload::rule(&jobs[i].schedule));
     store
         .progress_rules(&names, same, LOAD_BATCH, LOAD_PIPELINE)
+        .await
+}
+
+/// The schedules the jobs `which` (indexes into `jobs`) had when their progress was recorded,
+/// where a rule is recorded and reads back ([`reload::schedule_of`]).
+pub async fn load_recorded_schedules(
+    store: &Store,
+    jobs: &[Job],
+    which: &[usize],
+) -> Result<Vec<Option<Schedule>>, StoreError> {
+    let names: Vec<&str> = which.iter().map(|&i| jobs[i].name.as_str()).collect();
+    let read =
+        |_: usize, recorded: Option<String>| recorded.as_deref().and_then(reload::schedule_of);
+    store
+        .progress_rules(&names, read, LOAD_BATCH, LOAD_PIPELINE)
         .await
 }
 

@@ -15,7 +15,7 @@
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use drumline_shared::config::Job;
-use drumline_shared::schedule::Schedule;
+use drumline_shared::schedule::{parse_timezone, CronExpr, DstFold, DstGap, Schedule};
 use std::collections::HashMap;
 
 /// For each job of `new`, the index in `old` of the job whose state it keeps, if any.
@@ -116,6 +116,36 @@ pub enum Resume {
     Restart,
 }
 
+/// The schedule a [`rule`] text spells, read back: a beat that takes over a job rescheduled
+/// since its progress was recorded decides its followers' instants of the old rule
+/// (docs/design.md#job-dependencies). `None` for a text no release of [`rule`] wrote.
+pub fn schedule_of(rule: &str) -> Option<Schedule> {
+    if let Some(rest) = rule.strip_prefix("every ") {
+        let (period, anchor) = rest.split_once("s from ")?;
+        let (secs, nanos) = period.split_once('.')?;
+        let every = chrono::Duration::seconds(secs.parse().ok()?)
+            + chrono::Duration::nanoseconds(nanos.parse().ok()?);
+        let anchor = DateTime::parse_from_rfc3339(anchor)
+            .ok()?
+            .with_timezone(&Utc);
+        return Some(Schedule::Every { every, anchor });
+    }
+    let rest = rule.strip_prefix("cron \"")?;
+    let (cron, rest) = rest.rsplit_once("\" in ")?;
+    let (tz, rest) = rest.split_once(" dst_gap ")?;
+    let (gap, fold) = rest.split_once(" dst_fold ")?;
+    Some(Schedule::Cron {
+        cron: Box::new(CronExpr::parse(cron).ok()?),
+        tz: parse_timezone(tz).ok()?,
+        gap: [DstGap::Shift, DstGap::Skip]
+            .into_iter()
+            .find(|g| g.as_str() == gap)?,
+        fold: [DstFold::First, DstFold::Second, DstFold::Both]
+            .into_iter()
+            .find(|f| f.as_str() == fold)?,
+    })
+}
+
 /// How a beat that starts leading resumes `job`, from whether it has progress recorded
 /// (`recorded`) and the rule recorded with it.
 pub fn resume(job: &Job, recorded: bool, recorded_rule: Option<&str>) -> Resume {
@@ -171,6 +201,35 @@ mod tests {
 
     fn job(name: &str, rule: &str) -> String {
         format!("[[jobs]]\nname = \"{name}\"\ntask = \"t\"\n{rule}\n")
+    }
+
+    /// Every rule text reads back as the schedule it was written from.
+    #[test]
+    fn a_rule_reads_back_as_its_schedule() {
+        let all = jobs(
+            &[
+                job(
+                    "e",
+                    "every = \"1500ms\"\nanchor = \"2026-01-01T00:00:00.25Z\"",
+                ),
+                job("c", "cron = \"30 2 * * 1-5\"\ntimezone = \"Europe/Paris\""),
+                job(
+                    "d",
+                    "cron = \"0 3 L * *\"\ndst_gap = \"skip\"\ndst_fold = \"both\"",
+                ),
+            ]
+            .concat(),
+        );
+        for j in &all {
+            assert_eq!(
+                schedule_of(&rule(&j.schedule)).as_ref(),
+                Some(&j.schedule),
+                "{}",
+                j.name
+            );
+        }
+        assert_eq!(schedule_of("hourly"), None);
+        assert_eq!(schedule_of("every xs from now"), None);
     }
 
     #[test]

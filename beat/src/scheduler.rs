@@ -37,7 +37,9 @@ use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
 use drumline_shared::signals::Hangups;
 use drumline_shared::store::LeaderEntry;
-use drumline_shared::store::{last_instant_text, parse_last_instant, ProgressError, Store};
+use drumline_shared::store::{
+    last_instant_text, parse_last_instant, ProgressError, Store, StoreError,
+};
 use drumline_shared::url::Redacted;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet, VecDeque};
@@ -230,6 +232,33 @@ fn kept(state: &JobState, old: &Job, new: &Job, now: DateTime<Utc>) -> JobState 
 /// milliseconds), so nothing before it counts as missed.
 fn first_start(now: DateTime<Utc>) -> DateTime<Utc> {
     parse_last_instant(&last_instant_text(now)).unwrap_or(now)
+}
+
+/// What a new term leaves each follower rescheduled since its progress was recorded to decide,
+/// as a reload does ([`follower::carried_over`]): its old rule's instants after its progress up
+/// to `at` (a chain in flight when the last leader died still decides them). One read of the
+/// old rules, only when such a follower exists.
+async fn carried_at_gain(
+    store: &Store,
+    jobs: &[Job],
+    (lasts, resumes): (&[Option<DateTime<Utc>>], &[Resume]),
+    at: DateTime<Utc>,
+) -> Result<Vec<(usize, Vec<DateTime<Utc>>)>, StoreError> {
+    let restarted: Vec<usize> = (0..jobs.len())
+        .filter(|&i| resumes[i] == Resume::Restart && jobs[i].after.is_some())
+        .collect();
+    if restarted.is_empty() {
+        return Ok(Vec::new());
+    }
+    let old = progress::load_recorded_schedules(store, jobs, &restarted).await?;
+    Ok(restarted
+        .into_iter()
+        .zip(old)
+        .filter_map(|(i, old)| {
+            let instants = follower::old_rule_instants(&old?, lasts[i]?, at);
+            Some((i, instants))
+        })
+        .collect())
 }
 
 /// How a new term resumes each job ([`reload::resume`]), logging the jobs rescheduled since
@@ -455,6 +484,10 @@ impl Beat {
         })
         .await?;
         let resumes = resumes(&config.jobs, &lasts, &rules);
+        let carried = until_read("the followers' old rules", shutdown, || {
+            carried_at_gain(store, &config.jobs, (&lasts, &resumes), term.now())
+        })
+        .await?;
         // A job rescheduled since its progress was recorded starts now, as a reload starts it.
         let lasts = lasts
             .into_iter()
@@ -468,6 +501,9 @@ impl Beat {
         let mut beat = Beat::new(config.clone(), lasts, term.now());
         for (state, r) in beat.states.iter_mut().zip(&resumes) {
             state.rule_unsaved |= *r == Resume::Adopt;
+        }
+        for (job, instants) in carried {
+            beat.followers.carry(job, instants);
         }
         // Paused jobs are known before anything is published for this term. The new jobs'
         // starts are written while nothing is due ([`Beat::persist_starts_in_gaps`]).

@@ -697,3 +697,52 @@ async fn a_reload_that_reschedules_the_root_keeps_the_chains_in_flight() {
     assert!(beat.terminate(Duration::from_secs(10)).success());
     assert!(worker.terminate(Duration::from_secs(20)).success());
 }
+
+/// A beat that takes over with a config rescheduling the root (the last leader died, the file
+/// changed) still runs the followers of the old rule's instants that succeeded before it led:
+/// the chain in flight is carried over, as a reload on the leader carries it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_takeover_that_reschedules_the_root_keeps_the_chains_in_flight() {
+    let env = setup("e2e_after_gain");
+    let chain = |every_s: &str| {
+        base()
+            .set("beat", "leader_lease", "\"1s\"")
+            .task("a", stamped(&env, 0.0, ""))
+            .task("b", stamped(&env, 0.0, ""))
+            .job("a", every(every_s).with("overlap", "\"allow\""))
+            .job("b", after("a", "1h"))
+    };
+    let cfg = env.write_config("drumline.toml", &chain("1s"));
+    let path = cfg.to_str().unwrap();
+    // No worker yet: the leader publishes `a`'s instants and no follower can be decided.
+    let mut beat = env.beat("beat", &["--config", path]);
+    let queue = env.names().work_queue("default");
+    let waiting = || async { env.queue_len(&queue).await.unwrap_or(0) >= 3 };
+    let published = wait_until_async(WAIT, waiting).await;
+    assert!(published, "{}", beat.log_tail(30));
+    beat.kill9();
+    let killed_at = chrono::Utc::now();
+    // The old instants run and succeed with no leader to see them.
+    let mut worker = env.worker("worker", &["--config", path]);
+    let ran = wait_until(WAIT, || keys_of(&spans(&env), "a").len() >= 3);
+    assert!(ran, "{}", worker.log_tail(30));
+    // The next leader's file reschedules the root.
+    env.write_config("drumline.toml", &chain("7s"));
+    let mut beat = env.beat("beat2", &["--config", path]);
+    let old: Vec<String> = keys_of(&spans(&env), "a")
+        .into_iter()
+        .filter(|k| instant_of(k) < killed_at)
+        .collect();
+    let followed = wait_until(WAIT, || {
+        let s = spans(&env);
+        old.iter().all(|a| s.contains_key(&key("b", a)))
+    });
+    assert!(
+        followed,
+        "old instants {old:?}, ran {:?}\n{}",
+        spans(&env).keys().collect::<Vec<_>>(),
+        beat.log_tail(30)
+    );
+    assert!(beat.terminate(Duration::from_secs(10)).success());
+    assert!(worker.terminate(Duration::from_secs(20)).success());
+}
