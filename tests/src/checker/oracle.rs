@@ -78,6 +78,8 @@ pub struct Timeline {
     pub pauses: Vec<(usize, i64, i64)>,
     /// When a beat was killed.
     pub beat_kills: Vec<i64>,
+    /// When a worker was killed (kill -9).
+    pub worker_kills: Vec<i64>,
     /// When a worker was stopped (SIGSTOP) and continued: a copy it had prefetched waits.
     pub freezes: Vec<(i64, i64)>,
     /// Per job: the backfilled instants.
@@ -107,7 +109,8 @@ pub fn judge(round: &Round, timeline: &Timeline, lines: &[String]) -> Vec<Findin
         for (key, runs) in &by_key {
             // A retry of an instance after the judged window may still be on its way.
             let judged = instant_ms(key).is_some_and(|t| t <= timeline.judge_end);
-            out.extend(per_key(job, key, runs, judged.then_some(timeline.now)));
+            let now = judged.then_some(timeline.now);
+            out.extend(per_key(job, key, runs, (now, &timeline.worker_kills)));
         }
         if job.overlap != "allow" {
             out.extend(overlaps(job, &mine));
@@ -130,13 +133,23 @@ fn finding(job: &JobDraw, key: &str, rule: &'static str, detail: String) -> Find
 }
 
 /// At most one success, attempts within `max_retries`, and (for an instant of the judged
-/// window, the log read at `judged`) a retryable failure followed by its retry.
-fn per_key(job: &JobDraw, key: &str, runs: &[&Run], judged: Option<i64>) -> Vec<Finding> {
+/// window, the log read at `judged`) a retryable failure followed by its retry. A success a
+/// worker was killed right after (within 2 s of its end: the outcome not written yet) may run
+/// again: the documented limit (docs/guarantees.md), not a double.
+fn per_key(
+    job: &JobDraw,
+    key: &str,
+    runs: &[&Run],
+    (judged, kills): (Option<i64>, &[i64]),
+) -> Vec<Finding> {
     let mut out = Vec::new();
-    let successes = runs
+    let ends: Vec<i64> = runs
         .iter()
-        .filter(|r| r.end.map(|e| e.1) == Some(0))
-        .count();
+        .filter_map(|r| r.end.filter(|e| e.1 == 0).map(|e| e.0))
+        .collect();
+    let unrecorded = |end: &i64| kills.iter().any(|k| (end - 200..=end + 2_000).contains(k));
+    let repeats = ends.iter().filter(|e| unrecorded(e)).count();
+    let successes = ends.len() - repeats.min(ends.len().saturating_sub(1));
     if successes > 1 {
         out.push(finding(
             job,
@@ -636,6 +649,19 @@ mod tests {
                 .any(|f| f.rule == "order" && f.key.contains("03Z")),
             "{found:?}"
         );
+    }
+
+    /// A worker killed right after a success, before its outcome was written: the repeat is
+    /// the documented limit, not a double; with no kill near it, two successes are.
+    #[test]
+    fn a_success_its_worker_died_after_may_run_again() {
+        let r = round(job("allow", 0));
+        let mut lines = clean();
+        lines.extend(ran(0, 0, (T0 + 5_000, T0 + 5_100), 0));
+        let mut t = timeline(3);
+        assert_eq!(rules(&judge(&r, &t, &lines)), ["doubled"]);
+        t.worker_kills.push(T0 + 130);
+        assert_eq!(judge(&r, &t, &lines), vec![]);
     }
 
     #[test]

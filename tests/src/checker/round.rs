@@ -250,7 +250,10 @@ fn apply(
             backfill(round, *job, members, timeline);
             None
         }
-        Step::Do(Event::KillWorker { i }) => kill(members, false, *i, Duration::from_secs(1)),
+        Step::Do(Event::KillWorker { i }) => {
+            timeline.worker_kills.push(now_ms());
+            kill(members, false, *i, Duration::from_secs(1))
+        }
         Step::Do(Event::KillBeat { i }) => {
             timeline.beat_kills.push(now_ms());
             kill(members, true, *i, Duration::from_secs(2))
