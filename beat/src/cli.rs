@@ -2,7 +2,7 @@
 //! ([`Command::run`]): `drumline-beat` and the one `drumline` command both flatten this enum, so
 //! a command added here appears in both (docs/design.md#one-command-for-operators).
 
-use crate::{adhoc, commands, prove};
+use crate::{adhoc, commands, prove, schedules};
 use clap::Subcommand;
 use drumline_shared::config::Config;
 use drumline_shared::exit::Failure;
@@ -137,6 +137,58 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Jobs created, changed and removed at run time, stored in Redis (no file edit, no
+    /// reload): apply, get, list, delete.
+    Schedules {
+        /// What to do.
+        #[command(subcommand)]
+        action: SchedulesCommand,
+    },
+}
+
+/// `drumline schedules …`.
+#[derive(Subcommand, Debug)]
+pub enum SchedulesCommand {
+    /// Create or replace schedules from a JSON object or array (FILE, or stdin with `-` or
+    /// none), all or nothing; prints `created|replaced|unchanged NAME` per object.
+    Apply {
+        /// The JSON file [default: stdin].
+        file: Option<std::path::PathBuf>,
+    },
+    /// Show one schedule (exit 1 when there is none).
+    Get {
+        /// Its name.
+        name: String,
+        /// Machine-readable output: the object with source, created_at, updated_at, next.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the config's jobs and the stored schedules.
+    List {
+        /// Only those with this label (K=V; repeat for all of several).
+        #[arg(long = "label", value_parser = schedules::parse_label)]
+        labels: Vec<(String, String)>,
+        /// Machine-readable output: {schedules: [...], next_cursor}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete schedules: they publish nothing more (runs in flight finish).
+    Delete {
+        /// Their names.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+}
+
+impl SchedulesCommand {
+    async fn run(self, config: &Config) -> Result<(), Failure> {
+        match self {
+            SchedulesCommand::Apply { file } => schedules::apply(config, file.as_deref()).await,
+            SchedulesCommand::Get { name, json } => schedules::get(config, &name, json).await,
+            SchedulesCommand::List { labels, json } => schedules::list(config, &labels, json).await,
+            SchedulesCommand::Delete { names } => schedules::delete(config, &names).await,
+        }
+    }
 }
 
 /// `--delay`, `--expires`: a duration like `30s` or `10m`.
@@ -201,6 +253,7 @@ impl Command {
                 overdue,
                 json,
             } => prove::verify(&config, (since, overdue), json).await,
+            Command::Schedules { action } => action.run(&config).await,
         }
     }
 }

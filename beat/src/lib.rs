@@ -45,6 +45,9 @@
 //! - `reload.rs`: SIGHUP: which jobs of a reloaded config keep their progress, and which of a
 //!   kept job's instants a lowered jitter holds (`held`); a job's rule, and how a new term
 //!   resumes a job from the rule its progress was recorded under. Pure.
+//! - `schedules.rs`: `schedules apply|get|list|delete`: the objects of an apply checked all
+//!   or nothing, a stored schedule as shown (source, times, next instants); stored through the
+//!   store. Touches: Redis (through the store).
 //! - `next.rs`: `next`: upcoming instants with DST notes. Pure.
 //! - `status.rs`: `status`: per-job health, paused, the stale warning, the recent runs, dead
 //!   letters, the total, the workers announced, each queue's depth and consumers, written row
@@ -98,6 +101,7 @@ pub mod queues;
 pub mod recent;
 pub mod reload;
 pub mod scheduler;
+pub mod schedules;
 pub mod stats;
 pub mod status;
 pub mod verify;

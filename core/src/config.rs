@@ -19,6 +19,9 @@ use std::time::Duration;
 
 mod after;
 mod chunks;
+mod dynamic;
+
+pub use dynamic::{Refusal, RefusalKind, ScheduleSpec};
 
 /// `[[jobs]]` parsed per piece when a file is cut ([`chunks`]).
 const JOBS_PER_PIECE: usize = 1000;

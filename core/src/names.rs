@@ -228,6 +228,25 @@ impl Names {
         format!("{}:worker:{id}", self.ns)
     }
 
+    /// `{ns}:objects:{kind}` — the objects applied at run time of one kind (`schedules`,
+    /// `calendars`): a hash, name → the object's canonical JSON
+    /// (docs/design.md#schedules-as-data).
+    pub fn objects(&self, kind: &str) -> String {
+        format!("{}:objects:{kind}", self.ns)
+    }
+
+    /// `{ns}:objects:{kind}:times` — when each object was created and last changed: a hash,
+    /// name → `"CREATED_MS UPDATED_MS"`.
+    pub fn object_times(&self, kind: &str) -> String {
+        format!("{}:objects:{kind}:times", self.ns)
+    }
+
+    /// `{ns}:objects:feed` — the change feed: a stream with one entry (`kind`, `name`, `op`)
+    /// per object put or deleted, which the leader follows (docs/design.md#schedules-as-data).
+    pub fn object_feed(&self) -> String {
+        format!("{}:objects:feed", self.ns)
+    }
+
     /// The set of the ids of the workers that announced themselves ([`worker`](Self::worker)
     /// keys), so that reading them never scans the keyspace.
     pub fn workers(&self) -> String {

@@ -5,6 +5,10 @@
 //!
 //! # Map
 //!
+//! - `objects.rs`: schedules and calendars applied at run time (`{ns}:objects:{kind}`, their
+//!   times) and the change feed `{ns}:objects:feed` the leader follows: put (created,
+//!   replaced, unchanged), delete, get, page, read the feed (docs/design.md#schedules-as-data).
+//!   Touches: Redis.
 //! - `operate.rs`: the paused set `{ns}:paused`; the holder of a job's overlap lock, for
 //!   `trigger`. Touches: Redis.
 //! - `journal.rs`: the journal `{ns}:journal`: the Lua `jot` every fate-deciding script shares,
@@ -47,6 +51,7 @@ mod dead;
 mod follow;
 mod journal;
 mod leader;
+mod objects;
 mod operate;
 mod rules;
 mod workers;
@@ -63,6 +68,7 @@ pub use journal::{JournalEntry, LeaderEntry};
 #[doc(hidden)]
 pub use leader::RFC3339 as LUA_RFC3339;
 pub use leader::{Candidate, LeaseMode, LeaseOutcome, LeaseReply, ProgressError};
+pub use objects::{Applied, Change, FeedRead, ObjectKind, Stored};
 pub use workers::{WorkerInfo, WORKERS_SHOWN};
 
 /// Why a store call failed. Every kind is connection-level for the caller: the worker fails

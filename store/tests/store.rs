@@ -1535,3 +1535,44 @@ async fn a_copy_dead_lettered_unrun_is_recorded_only_where_nothing_is() {
         .collect();
     assert_eq!(dead, vec![(key.to_owned(), "unknown_task".to_owned())]);
 }
+
+#[tokio::test]
+async fn objects_put_get_page_and_delete_with_one_feed_entry_per_change() {
+    use drumline_store::{Applied, FeedRead, ObjectKind::Schedule};
+    let store = store("objects").await;
+    let head = store.feed_head().await.expect("head");
+    let put = |json: &str| vec![("a".to_owned(), json.to_owned()), ("b".into(), "{}".into())];
+    let first = store.put_objects(Schedule, &put("{\"v\":1}"), 1_000).await;
+    assert_eq!(first.expect("put"), [Applied::Created, Applied::Created]);
+    let again = store.put_objects(Schedule, &put("{\"v\":2}"), 2_000).await;
+    assert_eq!(again.expect("put"), [Applied::Replaced, Applied::Unchanged]);
+    let a = store.object(Schedule, "a").await.expect("get").expect("a");
+    assert_eq!(
+        (a.json.as_str(), a.created_ms, a.updated_ms),
+        ("{\"v\":2}", 1_000, 2_000)
+    );
+    let (next, page) = store.objects_page(Schedule, 0, 100).await.expect("page");
+    assert_eq!((next, page.len()), (0, 2));
+    assert_eq!(
+        store
+            .delete_objects(Schedule, &["a", "zz"])
+            .await
+            .expect("delete"),
+        [true, false]
+    );
+    assert_eq!(store.object(Schedule, "a").await.expect("get"), None);
+    let FeedRead::Changes(changes) = store.feed_since(&head, 100, 0).await.expect("feed") else {
+        panic!("a gap in a fresh feed");
+    };
+    let seen: Vec<(&str, bool)> = changes
+        .iter()
+        .map(|c| (c.name.as_str(), c.deleted))
+        .collect();
+    assert_eq!(
+        seen,
+        [("a", false), ("b", false), ("a", false), ("a", true)]
+    );
+    let last = &changes[3].id;
+    let none = store.feed_since(last, 100, 0).await.expect("feed");
+    assert_eq!(none, FeedRead::Changes(Vec::new()));
+}

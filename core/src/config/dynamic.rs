@@ -1,0 +1,255 @@
+//! Schedules as data (docs/design.md#schedules-as-data): a job created at run time is a JSON
+//! object with the keys of a `[[jobs]]` table plus `labels`, checked by the same rules as the
+//! file's jobs ([`Config::check_schedule`]). The keys a stored copy carries besides
+//! (`source`, `created_at`, `updated_at`, `next`) are ignored, so what `schedules get --json`
+//! prints can be applied again.
+
+use super::{check_job_keys, Config, Interned, Job, RawJob};
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+
+/// Keys a stored schedule is shown with that are not part of it.
+pub const SHOWN_ONLY: [&str; 4] = ["source", "created_at", "updated_at", "next"];
+
+/// A checked schedule as applied: its name, labels and job keys.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScheduleSpec {
+    /// The job's name: unique among schedules, never a name the config file uses.
+    pub name: String,
+    /// Free-form `labels` (string → string), for `list --label K=V`.
+    pub labels: BTreeMap<String, String>,
+    /// The `[[jobs]]` keys as given, without `name` and `labels`.
+    pub keys: Map<String, Value>,
+}
+
+impl ScheduleSpec {
+    /// The stored form: one JSON object, keys sorted, `name` and `labels` included; equal
+    /// schedules give equal text (how an apply tells `unchanged`).
+    pub fn to_json(&self) -> String {
+        let mut object = self.keys.clone();
+        object.insert("name".into(), Value::String(self.name.clone()));
+        let labels = self
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone().into()));
+        object.insert("labels".into(), Value::Object(labels.collect()));
+        Value::Object(object).to_string()
+    }
+}
+
+/// Why a schedule is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct Refusal {
+    /// The offending key, when one is.
+    pub field: Option<String>,
+    /// What is wrong.
+    pub message: String,
+    /// Whether the schedule is bad or its name belongs to the config file.
+    pub kind: RefusalKind,
+}
+
+/// The two kinds of [`Refusal`]: the CLI exits 2 for both; the API answers 400 and 409.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusalKind {
+    /// A key is missing, unknown or wrong.
+    Invalid,
+    /// The name is a job of the config file.
+    ConfigName,
+}
+
+impl Refusal {
+    fn invalid(field: Option<&str>, message: impl Into<String>) -> Self {
+        Refusal {
+            field: field.map(str::to_owned),
+            message: message.into(),
+            kind: RefusalKind::Invalid,
+        }
+    }
+}
+
+impl Config {
+    /// Checks one schedule object against this config's tasks, as `check` checks a job.
+    /// `name` is the name the caller addresses (the API's path); the object may then omit
+    /// `name` or must repeat it.
+    pub fn check_schedule(
+        &self,
+        name: Option<&str>,
+        object: Value,
+    ) -> Result<(ScheduleSpec, Job), Refusal> {
+        let Value::Object(mut keys) = object else {
+            return Err(Refusal::invalid(None, "a schedule is a JSON object"));
+        };
+        let name = take_name(&mut keys, name)?;
+        let labels = take_labels(&mut keys)?;
+        for shown in SHOWN_ONLY {
+            keys.remove(shown);
+        }
+        if self.job(&name).is_some() {
+            return Err(Refusal {
+                field: Some("name".into()),
+                message: format!("{name:?} is a job of the config file; change it there"),
+                kind: RefusalKind::ConfigName,
+            });
+        }
+        if keys.contains_key("after") {
+            let message = "a schedule cannot follow another job (`after`); use `every` or `cron`";
+            return Err(Refusal::invalid(Some("after"), message));
+        }
+        let job = self.check_schedule_job(&name, &keys)?;
+        let spec = ScheduleSpec { name, labels, keys };
+        Ok((spec, job))
+    }
+
+    /// The job of schedule `name` with `keys`, checked as the file's jobs are.
+    fn check_schedule_job(&self, name: &str, keys: &Map<String, Value>) -> Result<Job, Refusal> {
+        let mut object = keys.clone();
+        object.insert("name".into(), Value::String(name.to_owned()));
+        let raw: RawJob = serde_path_to_error::deserialize(Value::Object(object)).map_err(|e| {
+            let field = e.path().to_string();
+            let message = e.inner().to_string();
+            let field = unknown_field(&message).or((field != ".").then_some(field));
+            Refusal::invalid(field.as_deref(), message)
+        })?;
+        let tasks = (self.namespace.as_str(), &self.tasks);
+        check_job_keys(raw, tasks, &mut Interned::default())
+            .map_err(|(_, (key, message))| Refusal::invalid(Some(key), message))
+    }
+}
+
+/// The schedule's name: the object's `name` (a string), or `addressed` when the object has
+/// none; both must agree when both are given.
+fn take_name(keys: &mut Map<String, Value>, addressed: Option<&str>) -> Result<String, Refusal> {
+    let given = match keys.remove("name") {
+        None => None,
+        Some(Value::String(name)) => Some(name),
+        Some(_) => return Err(Refusal::invalid(Some("name"), "must be a string")),
+    };
+    let name = match (given, addressed) {
+        (Some(given), Some(addressed)) if given != addressed => {
+            let message = format!("{given:?} differs from the name addressed, {addressed:?}");
+            return Err(Refusal::invalid(Some("name"), message));
+        }
+        (Some(name), _) => name,
+        (None, Some(addressed)) => addressed.to_owned(),
+        (None, None) => return Err(Refusal::invalid(Some("name"), "missing")),
+    };
+    crate::names::check_name(&name)
+        .map_err(|m| Refusal::invalid(Some("name"), format!("{name:?} {m}")))?;
+    Ok(name)
+}
+
+/// The object's `labels`: an object of strings, empty when absent.
+fn take_labels(keys: &mut Map<String, Value>) -> Result<BTreeMap<String, String>, Refusal> {
+    let Some(labels) = keys.remove("labels") else {
+        return Ok(BTreeMap::new());
+    };
+    let Value::Object(labels) = labels else {
+        return Err(Refusal::invalid(
+            Some("labels"),
+            "must be an object of strings",
+        ));
+    };
+    labels
+        .into_iter()
+        .map(|(k, v)| match v {
+            Value::String(v) => Ok((k, v)),
+            _ => Err(Refusal::invalid(
+                Some(&format!("labels.{k}")),
+                "must be a string",
+            )),
+        })
+        .collect()
+}
+
+/// The key an "unknown field `x`, expected …" message names.
+fn unknown_field(message: &str) -> Option<String> {
+    let rest = message.strip_prefix("unknown field `")?;
+    Some(rest[..rest.find('`')?].to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn config() -> Config {
+        let text = r#"
+[tasks.report]
+command = ["true"]
+
+[[jobs]]
+name = "nightly"
+task = "report"
+cron = "0 3 * * *"
+"#;
+        Config::parse(text, std::path::Path::new("drumline.toml"), |_| None).expect("config")
+    }
+
+    fn refused(name: Option<&str>, object: Value) -> Refusal {
+        config().check_schedule(name, object).expect_err("refused")
+    }
+
+    #[test]
+    fn a_schedule_is_checked_as_a_job_and_keeps_its_labels() {
+        let object = json!({"name": "acme-report", "task": "report", "every": "1h",
+            "args": {"customer": "acme"}, "labels": {"tenant": "acme"}});
+        let (spec, job) = config().check_schedule(None, object).expect("valid");
+        assert_eq!(job.name, "acme-report");
+        assert_eq!(job.schedule_text(), "every 1h");
+        assert_eq!(job.spec.args, json!({"customer": "acme"}));
+        assert_eq!(spec.labels["tenant"], "acme");
+        assert!(!spec.keys.contains_key("name") && !spec.keys.contains_key("labels"));
+    }
+
+    #[test]
+    fn the_stored_form_is_canonical_and_can_be_applied_again() {
+        let a = json!({"task": "report", "cron": "0 * * * *", "labels": {"b": "2", "a": "1"}});
+        let (spec, _) = config().check_schedule(Some("x"), a).expect("valid");
+        let text = spec.to_json();
+        let mut shown: Value = serde_json::from_str(&text).expect("json");
+        shown["created_at"] = json!("2026-12-04T00:00:00Z");
+        shown["source"] = json!("api");
+        let (again, _) = config().check_schedule(None, shown).expect("valid again");
+        assert_eq!(again.to_json(), text);
+    }
+
+    #[test]
+    fn bad_keys_are_named() {
+        let cases = [
+            (json!({"task": "report"}), Some("cron")),
+            (json!({"task": "nope", "every": "1m"}), Some("task")),
+            (
+                json!({"task": "report", "every": "1m", "colour": 1}),
+                Some("colour"),
+            ),
+            (json!({"task": "report", "every": "soon"}), Some("every")),
+            (json!({"task": "report", "every": 5}), Some("every")),
+            (
+                json!({"task": "report", "cron": "0 3 * * *", "after": "n"}),
+                Some("after"),
+            ),
+            (
+                json!({"task": "report", "every": "1m", "labels": {"a": 1}}),
+                Some("labels.a"),
+            ),
+            (json!([1]), None),
+        ];
+        for (object, field) in cases {
+            let refusal = refused(Some("s"), object.clone());
+            assert_eq!(refusal.kind, RefusalKind::Invalid, "{object}");
+            assert_eq!(refusal.field.as_deref(), field, "{object}: {refusal}");
+        }
+    }
+
+    #[test]
+    fn names_must_be_valid_agree_and_not_be_the_files() {
+        let body = json!({"task": "report", "every": "1m"});
+        let refusal = refused(Some("nightly"), body.clone());
+        assert_eq!(refusal.kind, RefusalKind::ConfigName);
+        assert_eq!(refused(None, body.clone()).field.as_deref(), Some("name"));
+        assert_eq!(refused(Some("a b"), body).field.as_deref(), Some("name"));
+        let differs = json!({"name": "a", "task": "report", "every": "1m"});
+        assert_eq!(refused(Some("b"), differs).field.as_deref(), Some("name"));
+    }
+}
