@@ -1,6 +1,72 @@
 //! Test support for drumline's end-to-end tests: every test gets its own namespace (so tests
 //! run in parallel on one broker and one Redis), its own scratch directory, the real
 //! `drumline-beat` / `drumline-worker` binaries, and cleanup of everything it declared.
+//!
+//! # Map
+//!
+//! - `lib.rs`: the test kit: `Namespace` (a unique namespace whose keys, queues and exchanges
+//!   are deleted on drop, used by `store/tests/store.rs` and `beat/tests/live.rs` too), and for
+//!   end-to-end tests `TestEnv`: a namespace and scratch directory per test, `env.names()`,
+//!   `env.metric(port, name)`, the real binaries as child processes, cleanup in `Drop`;
+//!   `RabbitCluster`: three private RabbitMQ nodes joined into one cluster (own names, ports,
+//!   dirs), leader and queue-type queries, kill -9 / freeze / start again; `StreamPublisher`
+//!   for long confirmed streams.
+//! - `hook.rs`: `Hook`: a webhook receiver (axum on a free port) that records every request
+//!   (arrival instant, path, headers, body) and answers per path and per how many times that
+//!   key came before, for the HTTP executor's tests.
+//! - `cfg.rs`: `Cfg`: a test's `drumline.toml` written in code
+//!   (`Cfg::new().task("t", shell("…")).job("tick", every("1s"))`), checked against drumline's
+//!   own parser; `TestEnv::write_config` adds the namespace.
+//! - `proxy.rs`: fault-injection TCP proxy between one process and a server: pass, delay or
+//!   blackhole, switched at run time, for every connection, for those from one source address,
+//!   or for those of one process (the proxy reads the owner from `/proc`).
+//! - `suspend.rs`: a host suspend played on one process: SIGSTOP, then SIGCONT with its
+//!   `CLOCK_MONOTONIC` held back by the stop (an `LD_PRELOAD` shim, `src/suspend_shim.c`,
+//!   compiled with `cc`).
+//! - `tls.rs`: throw-away CA, TLS-only Redis, stunnel in front of RabbitMQ.
+//! - `sentinel.rs`: a private Redis primary + 2 replicas + 3 Sentinels, once per test binary,
+//!   torn down at exit; `behind_proxy`: a set of a test's own whose first primary the replicas
+//!   and Sentinels reach through a proxy from 127.0.0.2, so the test can cut it off from them
+//!   and from nobody else; `announced` (the soak's): every node behind a proxy of its own whose
+//!   port it announces, so one client process can be cut off from whichever node is primary.
+//! - `checker/`: the randomized checker (docs/soak.md#the-randomized-checker): `draw.rs` a
+//!   round from its seed (jobs, actions, faults) and its config, `oracle.rs` the promise judged
+//!   from the round, the harness's timeline and the tasks' effect log alone (pure,
+//!   unit-tested), `round.rs` one round on the real binaries and `verify` held against the
+//!   oracle; `tests/checker.rs` runs seeds 1–3, `examples/soak.rs --random` more.
+//! - `soak/`: the soak behind `scripts/soak` (docs/soak.md): the world of beats and workers on
+//!   private servers, the seeded faults, the effect check.
+//! - `snoop.rs`: a test-owned queue bound like the work queue: every message a beat publishes,
+//!   with its epoch and arrival time (what was published is read here, never from logs).
+//! - `tests/*.rs`: one file per area: `pipeline`, `misfire`, `overlap`, `retries`, `failures`,
+//!   `http` (the HTTP executor against `Hook`), `faults`, `worker_faults`, `lease`, `lapses`
+//!   (attempts outlive the lease), `executor`, `dlq`, `hostile`, `validation`, `isolation`,
+//!   `config`, `commands`, `next`, `tls`, `leadership` (kill -9, SIGSTOP, a host suspend,
+//!   SIGTERM, clocks off by an hour under libfaketime, a stolen lease, a partition), `operate`
+//!   (pause, trigger, backfill), `jitter` (offsets across beats and a restart, keys
+//!   un-jittered), `trigger` (a trigger on a running `skip` job warns and runs nothing more),
+//!   `operators` (errors that name the service, `publish`'s warnings, every command through
+//!   `drumline`, workers and queues in `status`, build and process metrics), `deploy` (the files
+//!   in `deploy/`, `READY=1` and `WATCHDOG=1`), `reload` (SIGHUP, a standby that reloaded and
+//!   then leads), `metrics` (labelled series, promtool), `page` (the status page in headless
+//!   Chromium), `sentinel` (WAIT, a primary killed under load, a primary cut off from its
+//!   replicas and Sentinels but not its clients), `queue_type` (quorum queues, a refused type
+//!   change, `urls`), `cluster` (kill -9 of a quorum queue's leader node, SIGSTOP of the node
+//!   the beat publishes through), `typed` (typed Rust handlers: decoded args, decode errors,
+//!   retry after, panics, cancellation, fencing across a kill -9 takeover of the example
+//!   worker), `envelope` (the wire contract: every envelope written checked against the
+//!   schema, the Python producer `examples/python/publish.py` from the virtualenv
+//!   `scripts/services` makes), `client` (the producer client: unroutable, declared,
+//!   recovering), `limits` (a concurrency group across three workers, a killed holder's slot, a
+//!   rate across three workers), `after` (job dependencies: a chain in order per instant, a
+//!   dead upstream and a timeout skip the chain below, `check` refusals, a jittered root's
+//!   followers timed from its jittered time, a paused or misfired root skipping the chain below
+//!   at once, a trigger or backfill of an upstream running it alone), `audit` (the journal,
+//!   `audit` and `verify` on clean and broken histories), `checker` and `soak` (both briefly),
+//!   `docs` (every link and anchor in the README and `docs/` resolves), `house`
+//!   (docs/design.md#the-house).
+//! - `typed-worker` (binary): `worker/examples/typed_worker.rs` built as a binary of this
+//!   crate, so `typed.rs` can kill -9 it.
 
 pub mod cfg;
 pub mod checker;
