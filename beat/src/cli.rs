@@ -182,11 +182,18 @@ pub enum SchedulesCommand {
 
 impl SchedulesCommand {
     async fn run(self, config: &Config) -> Result<(), Failure> {
+        let store = &commands::store(config).await?;
         match self {
-            SchedulesCommand::Apply { file } => schedules::apply(config, file.as_deref()).await,
-            SchedulesCommand::Get { name, json } => schedules::get(config, &name, json).await,
-            SchedulesCommand::List { labels, json } => schedules::list(config, &labels, json).await,
-            SchedulesCommand::Delete { names } => schedules::delete(config, &names).await,
+            SchedulesCommand::Apply { file } => {
+                schedules::apply(config, store, file.as_deref()).await
+            }
+            SchedulesCommand::Get { name, json } => {
+                schedules::get(config, store, &name, json).await
+            }
+            SchedulesCommand::List { labels, json } => {
+                schedules::list(config, store, &labels, json).await
+            }
+            SchedulesCommand::Delete { names } => schedules::delete(store, &names).await,
         }
     }
 }

@@ -15,10 +15,15 @@ use std::path::Path;
 
 /// No command: run the beat until SIGTERM or SIGINT, serving metrics, health and the status
 /// page on `metrics_addr`.
-pub async fn run(config: Config, metrics_addr: Option<SocketAddr>) -> Result<(), Failure> {
+pub async fn run(
+    config: Config,
+    metrics_addr: Option<SocketAddr>,
+    api_addr: Option<SocketAddr>,
+) -> Result<(), Failure> {
     let stats = scheduler::BeatStats::default();
-    // One config for the beat and the status page (a clone would copy every job).
+    // One config for the beat, the status page and the API (a clone would copy every job).
     let config = std::sync::Arc::new(config);
+    crate::api::serve(&config, api_addr, store(&config)).await?;
     if let Some(addr) = metrics_addr {
         let mut registry = prometheus_client::registry::Registry::default();
         stats.register(&mut registry);

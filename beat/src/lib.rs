@@ -45,6 +45,9 @@
 //! - `reload.rs`: SIGHUP: which jobs of a reloaded config keep their progress, and which of a
 //!   kept job's instants a lowered jitter holds (`held`); a job's rule, and how a new term
 //!   resumes a job from the rule its progress was recorded under. Pure.
+//! - `api.rs`: the HTTP API at `--api-addr` (bearer token): schedules put, get, list, delete
+//!   as JSON; its OpenAPI document (`docs/api.openapi.json`). Touches: HTTP, Redis (through the
+//!   store).
 //! - `schedules.rs`: `schedules apply|get|list|delete`: the objects of an apply checked all
 //!   or nothing, a stored schedule as shown (source, times, next instants); stored through the
 //!   store. Touches: Redis (through the store).
@@ -83,6 +86,7 @@
 //!   kept between requests, one read at a time, cached 5 s. Touches: broker (passive declares).
 
 pub mod adhoc;
+pub mod api;
 pub mod audit;
 pub mod cli;
 pub mod commands;

@@ -456,6 +456,7 @@ fn reload(config: &Config) -> Option<Arc<Config>> {
                 beat: config.beat.clone(),
                 worker: config.worker.clone(),
                 journal: config.journal,
+                api: config.api.clone(),
             }))
         }
         Err(e) => {

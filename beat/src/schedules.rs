@@ -3,7 +3,6 @@
 //! follows them. What to store and what to show is decided here without I/O ([`checked`],
 //! [`shown`]); the commands read and write through the [`Store`].
 
-use crate::commands::store;
 use chrono::{DateTime, SecondsFormat, TimeZone, Utc};
 use drumline_shared::config::{Config, Job, Refusal, ScheduleSpec};
 use drumline_shared::exit::Failure;
@@ -118,14 +117,13 @@ pub fn parse_label(text: &str) -> Result<(String, String), String> {
 }
 
 /// `schedules apply [FILE|-]`: prints `created|replaced|unchanged NAME` per object.
-pub async fn apply(config: &Config, file: Option<&Path>) -> Result<(), Failure> {
+pub async fn apply(config: &Config, store: &Store, file: Option<&Path>) -> Result<(), Failure> {
     let text = read_input(file)?;
     let specs = checked(config, objects_of(&text)?)?;
     let objects: Vec<(String, String)> = specs
         .iter()
         .map(|s| (s.name.clone(), s.to_json()))
         .collect();
-    let store = store(config).await?;
     let now = Utc::now().timestamp_millis();
     let applied = store
         .put_objects(ObjectKind::Schedule, &objects, now)
@@ -161,8 +159,7 @@ fn read_input(file: Option<&Path>) -> Result<String, Failure> {
 }
 
 /// `schedules get NAME [--json]`: exit 1 when there is none.
-pub async fn get(config: &Config, name: &str, json: bool) -> Result<(), Failure> {
-    let store = store(config).await?;
+pub async fn get(config: &Config, store: &Store, name: &str, json: bool) -> Result<(), Failure> {
     let stored = store.object(ObjectKind::Schedule, name).await;
     let Some(stored) = stored.map_err(redis_failure)? else {
         return Err(Failure::other(format!("no schedule {name:?}")));
@@ -181,13 +178,17 @@ pub async fn get(config: &Config, name: &str, json: bool) -> Result<(), Failure>
 }
 
 /// `schedules list [--label K=V]… [--json]`: the config's jobs, then every stored schedule.
-pub async fn list(config: &Config, labels: &[(String, String)], json: bool) -> Result<(), Failure> {
-    let store = store(config).await?;
+pub async fn list(
+    config: &Config,
+    store: &Store,
+    labels: &[(String, String)],
+    json: bool,
+) -> Result<(), Failure> {
     let mut rows: Vec<Value> = match labels.is_empty() {
         true => config.jobs.iter().map(shown_config_job).collect(),
         false => Vec::new(),
     };
-    rows.extend(stored_rows(config, &store, labels).await?);
+    rows.extend(stored_rows(config, store, labels).await?);
     if json {
         println!("{}", json!({"schedules": rows, "next_cursor": null}));
         return Ok(());
@@ -231,9 +232,8 @@ async fn stored_rows(
 }
 
 /// `schedules delete NAME…`: `deleted NAME` each; exit 1 when one of them was not stored.
-pub async fn delete(config: &Config, names: &[String]) -> Result<(), Failure> {
+pub async fn delete(store: &Store, names: &[String]) -> Result<(), Failure> {
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
-    let store = store(config).await?;
     let gone = store
         .delete_objects(ObjectKind::Schedule, &names)
         .await

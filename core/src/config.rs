@@ -137,6 +137,8 @@ pub struct Config {
     pub worker: WorkerConfig,
     /// `[journal]`: the fate decisions kept in `{ns}:journal` (docs/design.md#journal).
     pub journal: JournalConfig,
+    /// `[api]`.
+    pub api: ApiConfig,
     /// `[[jobs]]`, in file order.
     pub jobs: Vec<Job>,
     /// `[tasks.*]`, by name.
@@ -150,7 +152,7 @@ impl Config {
     /// every one drumline reads itself (the broker and Redis URLs, each HTTP task's
     /// `secret_env`), whether or not it is set, and `[worker] env_remove`.
     pub fn hidden_from_tasks(&self) -> Vec<String> {
-        let read = [ENV_AMQP_URL, ENV_REDIS_URL].map(str::to_owned);
+        let read = [ENV_AMQP_URL, ENV_REDIS_URL, &self.api.token_env].map(|v| v.to_owned());
         let secrets = self
             .tasks
             .values()
@@ -181,6 +183,7 @@ impl Config {
             ("[beat]", self.beat != new.beat),
             ("[worker]", self.worker != new.worker),
             ("[journal]", self.journal != new.journal),
+            ("[api]", self.api != new.api),
         ]
         .into_iter()
         .filter_map(|(what, changed)| changed.then_some(what))
@@ -430,12 +433,51 @@ struct RawConfig<J, T> {
     worker: RawWorker,
     #[serde(default)]
     journal: RawJournal,
+    #[serde(default)]
+    api: RawApi,
     /// `None` when the file has no `[[jobs]]` (and, in the rest of a cut file, must be).
     jobs: Option<Vec<J>>,
     #[serde(default = "BTreeMap::new")]
     tasks: BTreeMap<String, T>,
     #[serde(default = "BTreeMap::new")]
     limits: BTreeMap<String, RawLimit>,
+}
+
+/// `[api]` as written.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawApi {
+    addr: Option<String>,
+    token_env: Option<String>,
+}
+
+/// `[api]`: the HTTP API every beat serves (docs/api.md).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiConfig {
+    /// `addr`: where to serve it; `--api-addr` wins. Default none (not served).
+    pub addr: Option<std::net::SocketAddr>,
+    /// `token_env`: the variable holding the bearer token every request must carry. Default
+    /// `DRUMLINE_API_TOKEN`.
+    pub token_env: String,
+}
+
+/// The variable `[api] token_env` names by default.
+pub const DEFAULT_API_TOKEN_ENV: &str = "DRUMLINE_API_TOKEN";
+
+/// The `[api]` section.
+fn check_api(fail: &Failer, a: RawApi) -> Result<ApiConfig, ConfigError> {
+    let addr = match a.addr {
+        None => None,
+        Some(text) => Some(text.parse().map_err(|_| {
+            let message = format!("{text:?} is not HOST:PORT (an IP address and a port)");
+            fail.at(Some("[api]"), "addr", message)
+        })?),
+    };
+    let token_env = a
+        .token_env
+        .unwrap_or_else(|| DEFAULT_API_TOKEN_ENV.to_owned());
+    check_env_name(&token_env).map_err(|m| fail.at(Some("[api]"), "token_env", m))?;
+    Ok(ApiConfig { addr, token_env })
 }
 
 /// `[limits.NAME]` as written.
@@ -654,6 +696,7 @@ impl Config {
             beat,
             worker,
             journal,
+            api,
             tasks,
             limits,
             broker: raw_broker,
@@ -685,6 +728,7 @@ impl Config {
             beat,
             worker,
             journal,
+            api,
             jobs,
             tasks,
             limits,
@@ -990,6 +1034,7 @@ struct Prefix {
     beat: BeatConfig,
     worker: WorkerConfig,
     journal: JournalConfig,
+    api: ApiConfig,
     tasks: BTreeMap<String, Task>,
     limits: BTreeMap<String, Limit>,
     broker: RawBroker,
@@ -1003,6 +1048,7 @@ fn check_prefix<J>(fail: &Failer, raw: RawConfig<J, RawTask>) -> Result<Prefix, 
     let beat = check_beat(fail, &raw.beat)?;
     let worker = check_worker(fail, raw.worker)?;
     let journal = check_journal(fail, &raw.journal)?;
+    let api = check_api(fail, raw.api)?;
     let limits = check_limits(fail, raw.limits)?;
     let tasks = check_tasks(fail, raw.tasks, &limits)?;
     Ok(Prefix {
@@ -1010,6 +1056,7 @@ fn check_prefix<J>(fail: &Failer, raw: RawConfig<J, RawTask>) -> Result<Prefix, 
         beat,
         worker,
         journal,
+        api,
         tasks,
         limits,
         broker: raw.broker,
@@ -2174,10 +2221,25 @@ mod tests {
             [
                 "AWS_SECRET_ACCESS_KEY",
                 ENV_AMQP_URL,
+                DEFAULT_API_TOKEN_ENV,
                 ENV_REDIS_URL,
                 "HOOK_SECRET"
             ]
         );
+        let c = parse("[api]\ntoken_env = \"OPS_TOKEN\"\n").unwrap();
+        assert!(c.hidden_from_tasks().contains(&"OPS_TOKEN".to_owned()));
+    }
+
+    #[test]
+    fn the_api_section_is_checked() {
+        let c = parse("[api]\naddr = \"127.0.0.1:8080\"\n").unwrap();
+        assert_eq!(c.api.addr, Some("127.0.0.1:8080".parse().unwrap()));
+        assert_eq!(c.api.token_env, DEFAULT_API_TOKEN_ENV);
+        assert_eq!(parse("").unwrap().api.addr, None);
+        let e = err("[api]\naddr = \"localhost\"\n");
+        assert!(e.contains("[api]") && e.contains("`addr`"), "{e}");
+        assert!(err("[api]\ntoken_env = \"\"\n").contains("`token_env`"));
+        assert!(err("[api]\nport = 1\n").contains("port"));
     }
 
     #[test]

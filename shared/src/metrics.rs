@@ -60,7 +60,6 @@ pub async fn serve_with(
     health: HealthCheck,
     extra: Router,
 ) -> std::io::Result<tokio::task::JoinHandle<()>> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
     let shared = Shared {
         registry: Arc::new(registry),
         health,
@@ -70,10 +69,21 @@ pub async fn serve_with(
         .route("/healthz", get(healthz))
         .with_state(shared)
         .merge(extra);
-    tracing::info!(addr = %listener.local_addr()?, "serving /metrics and /healthz");
+    serve_router(addr, app, "/metrics and /healthz").await
+}
+
+/// Binds `addr` now (a taken port is reported at start) and serves `app`, described by `what`
+/// in the log, in the background.
+pub async fn serve_router(
+    addr: SocketAddr,
+    app: Router,
+    what: &'static str,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(addr = %listener.local_addr()?, "serving {what}");
     Ok(tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "metrics server stopped");
+            tracing::error!(error = %e, "server of {what} stopped");
         }
     }))
 }

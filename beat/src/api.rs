@@ -1,0 +1,444 @@
+//! The HTTP API every beat serves, leader or standby, at `--api-addr` or `[api] addr`
+//! (docs/api.md): schedules created, read, listed and deleted at run time
+//! (docs/design.md#schedules-as-data). Every request carries `Authorization: Bearer T`, T the
+//! value of the variable `[api] token_env` names; answers are JSON, errors
+//! `{"error", "field"}`. [`ApiDoc`] is the OpenAPI document, kept in `docs/api.openapi.json`.
+
+use crate::schedules::{has_labels, shown, shown_config_job};
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use chrono::Utc;
+use drumline_shared::config::{Config, RefusalKind};
+use drumline_shared::store::{Applied, ObjectKind, Store};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use utoipa::{OpenApi, ToSchema};
+
+/// Schedules a list page holds unless `limit` says otherwise, and at most.
+const PAGE: (usize, usize) = (100, 1000);
+
+/// What the handlers share.
+pub struct Api {
+    config: Arc<Config>,
+    store: Store,
+    /// `Bearer T`, as the header must read.
+    expected: String,
+}
+
+impl Api {
+    /// The API on `config` and `store`, answering requests that carry `token`.
+    pub fn new(config: Arc<Config>, store: Store, token: &str) -> Self {
+        Api {
+            config,
+            store,
+            expected: format!("Bearer {token}"),
+        }
+    }
+}
+
+/// The API's routes, every one behind the token.
+pub fn routes(api: Arc<Api>) -> Router {
+    Router::new()
+        .route("/api/v1/schedules", get(list_schedules))
+        .route(
+            "/api/v1/schedules/{name}",
+            get(get_schedule).put(put_schedule).delete(delete_schedule),
+        )
+        .layer(middleware::from_fn_with_state(api.clone(), authorize))
+        .with_state(api)
+}
+
+/// 401 unless the request carries the token (compared in constant time).
+async fn authorize(State(api): State<Arc<Api>>, request: Request, next: Next) -> Response {
+    let given = request.headers().get(header::AUTHORIZATION);
+    let given = given.map(|v| v.as_bytes()).unwrap_or_default();
+    if !same(given, api.expected.as_bytes()) {
+        return error(StatusCode::UNAUTHORIZED, "a bearer token is required", None);
+    }
+    next.run(request).await
+}
+
+/// Equal bytes, in time that depends on the lengths only.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// A JSON answer.
+fn reply(status: StatusCode, body: &Value) -> Response {
+    let json = [(header::CONTENT_TYPE, "application/json")];
+    (status, json, body.to_string()).into_response()
+}
+
+/// An error answer, `{"error", "field"}`.
+fn error(status: StatusCode, message: &str, field: Option<&str>) -> Response {
+    let mut body = json!({ "error": message });
+    if let Some(field) = field {
+        body["field"] = field.into();
+    }
+    reply(status, &body)
+}
+
+fn store_error(e: impl std::fmt::Display) -> Response {
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        &format!("redis: {e}"),
+        None,
+    )
+}
+
+/// Create or replace a schedule.
+#[utoipa::path(put, path = "/api/v1/schedules/{name}", tag = "schedules",
+    params(("name" = String, Path, description = "The schedule's name")),
+    request_body(content = ScheduleInput, description = "The schedule; `name` may be omitted"),
+    responses(
+        (status = 201, description = "Created", body = Schedule),
+        (status = 200, description = "Replaced or unchanged", body = Schedule),
+        (status = 400, description = "Not a valid schedule", body = ApiError),
+        (status = 401, description = "No or a wrong bearer token", body = ApiError),
+        (status = 409, description = "A job of the config file has the name", body = ApiError)),
+    security(("bearer" = [])))]
+async fn put_schedule(
+    State(api): State<Arc<Api>>,
+    Path(name): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let object: Value = match serde_json::from_slice(&body) {
+        Ok(object) => object,
+        Err(e) => return error(StatusCode::BAD_REQUEST, &format!("not JSON: {e}"), None),
+    };
+    let spec = match api.config.check_schedule(Some(&name), object) {
+        Ok((spec, _)) => spec,
+        Err(r) if r.kind == RefusalKind::ConfigName => {
+            return error(StatusCode::CONFLICT, &r.message, r.field.as_deref())
+        }
+        Err(r) => return error(StatusCode::BAD_REQUEST, &r.message, r.field.as_deref()),
+    };
+    let now = Utc::now().timestamp_millis();
+    let objects = [(spec.name.clone(), spec.to_json())];
+    let applied = match api
+        .store
+        .put_objects(ObjectKind::Schedule, &objects, now)
+        .await
+    {
+        Ok(applied) => applied,
+        Err(e) => return store_error(e),
+    };
+    let status = match applied.first() {
+        Some(Applied::Created) => StatusCode::CREATED,
+        _ => StatusCode::OK,
+    };
+    match read_shown(&api, &name).await {
+        Ok(Some(shown)) => reply(status, &shown),
+        Ok(None) => error(StatusCode::CONFLICT, "deleted meanwhile", None),
+        Err(response) => response,
+    }
+}
+
+/// The stored schedule `name` as shown, `None` when there is none.
+async fn read_shown(api: &Api, name: &str) -> Result<Option<Value>, Response> {
+    let stored = api.store.object(ObjectKind::Schedule, name).await;
+    let stored = stored.map_err(store_error)?;
+    Ok(stored.and_then(|s| shown(&api.config, &s, Utc::now())))
+}
+
+/// One schedule.
+#[utoipa::path(get, path = "/api/v1/schedules/{name}", tag = "schedules",
+    params(("name" = String, Path, description = "The schedule's name")),
+    responses(
+        (status = 200, description = "The schedule", body = Schedule),
+        (status = 401, description = "No or a wrong bearer token", body = ApiError),
+        (status = 404, description = "No such schedule", body = ApiError)),
+    security(("bearer" = [])))]
+async fn get_schedule(State(api): State<Arc<Api>>, Path(name): Path<String>) -> Response {
+    match read_shown(&api, &name).await {
+        Ok(Some(shown)) => reply(StatusCode::OK, &shown),
+        Ok(None) => error(
+            StatusCode::NOT_FOUND,
+            &format!("no schedule {name:?}"),
+            None,
+        ),
+        Err(response) => response,
+    }
+}
+
+/// Delete a schedule: it publishes nothing more (runs in flight finish).
+#[utoipa::path(delete, path = "/api/v1/schedules/{name}", tag = "schedules",
+    params(("name" = String, Path, description = "The schedule's name")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 401, description = "No or a wrong bearer token", body = ApiError),
+        (status = 404, description = "No such schedule", body = ApiError)),
+    security(("bearer" = [])))]
+async fn delete_schedule(State(api): State<Arc<Api>>, Path(name): Path<String>) -> Response {
+    match api
+        .store
+        .delete_objects(ObjectKind::Schedule, &[&name])
+        .await
+    {
+        Ok(gone) if gone.first() == Some(&true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(_) => error(
+            StatusCode::NOT_FOUND,
+            &format!("no schedule {name:?}"),
+            None,
+        ),
+        Err(e) => store_error(e),
+    }
+}
+
+/// A page of schedules: the config's jobs first (`source` `config`, on the first page when no
+/// label is asked for), then the stored ones.
+#[utoipa::path(get, path = "/api/v1/schedules", tag = "schedules",
+    params(
+        ("label" = Option<String>, Query, description = "K=V: only schedules with this label"),
+        ("limit" = Option<usize>, Query, description = "About this many stored schedules (default 100, at most 1000)"),
+        ("cursor" = Option<String>, Query, description = "The `next_cursor` of the page before")),
+    responses(
+        (status = 200, description = "A page", body = SchedulePage),
+        (status = 400, description = "A bad parameter", body = ApiError),
+        (status = 401, description = "No or a wrong bearer token", body = ApiError)),
+    security(("bearer" = [])))]
+async fn list_schedules(
+    State(api): State<Arc<Api>>,
+    Query(query): Query<Vec<(String, String)>>,
+) -> Response {
+    let asked = match ListQuery::parse(&query) {
+        Ok(asked) => asked,
+        Err((field, message)) => return error(StatusCode::BAD_REQUEST, &message, Some(field)),
+    };
+    let page = api
+        .store
+        .objects_page(ObjectKind::Schedule, asked.cursor, asked.limit);
+    let (next, page) = match page.await {
+        Ok(page) => page,
+        Err(e) => return store_error(e),
+    };
+    let mut rows: Vec<Value> = match asked.cursor == 0 && asked.labels.is_empty() {
+        true => api.config.jobs.iter().map(shown_config_job).collect(),
+        false => Vec::new(),
+    };
+    let now = Utc::now();
+    let stored = page.iter().filter_map(|s| shown(&api.config, s, now));
+    rows.extend(stored.filter(|o| has_labels(o, &asked.labels)));
+    let next = (next != 0).then(|| next.to_string());
+    reply(
+        StatusCode::OK,
+        &json!({"schedules": rows, "next_cursor": next}),
+    )
+}
+
+/// A list request's parameters.
+#[derive(Debug, PartialEq)]
+struct ListQuery {
+    labels: Vec<(String, String)>,
+    limit: usize,
+    cursor: u64,
+}
+
+impl ListQuery {
+    fn parse(query: &[(String, String)]) -> Result<Self, (&'static str, String)> {
+        let mut asked = ListQuery {
+            labels: Vec::new(),
+            limit: PAGE.0,
+            cursor: 0,
+        };
+        for (key, value) in query {
+            let bad = |what: &str| format!("{value:?} is not {what}");
+            match key.as_str() {
+                "label" => asked
+                    .labels
+                    .push(crate::schedules::parse_label(value).map_err(|m| ("label", m))?),
+                "limit" => match value.parse() {
+                    Ok(n) if (1..=PAGE.1).contains(&n) => asked.limit = n,
+                    _ => return Err(("limit", bad("a number from 1 to 1000"))),
+                },
+                "cursor" => {
+                    asked.cursor = value.parse().map_err(|_| ("cursor", bad("a cursor")))?
+                }
+                _ => return Err(("query", format!("unknown parameter {key:?}"))),
+            }
+        }
+        Ok(asked)
+    }
+}
+
+/// A refused request.
+#[derive(ToSchema)]
+pub struct ApiError {
+    /// What is wrong.
+    pub error: String,
+    /// The offending key, when one is.
+    pub field: Option<String>,
+}
+
+/// A schedule as applied: the keys of a `[[jobs]]` table (docs/configuration.md) plus `labels`.
+/// Exactly one of `every` and `cron`.
+#[derive(ToSchema)]
+pub struct ScheduleInput {
+    /// The name; optional in a PUT (the path names it), equal to the path's when given.
+    pub name: Option<String>,
+    /// The `[tasks.NAME]` it runs.
+    pub task: String,
+    /// Due every this long (`"30s"`, `"1h"`), anchored to the epoch.
+    pub every: Option<String>,
+    /// A cron expression (5 or 6 fields).
+    pub cron: Option<String>,
+    /// The zone `cron` is read in (default UTC).
+    pub timezone: Option<String>,
+    /// Handed to the task.
+    pub args: Option<BTreeMap<String, serde_json::Value>>,
+    /// Logical queue (default `default`).
+    pub queue: Option<String>,
+    /// Not run after this long past its instant.
+    pub expires: Option<String>,
+    /// `skip` (default), `queue` or `allow`.
+    pub overlap: Option<String>,
+    /// `run_once` (default), `skip` or `catch_up`.
+    pub misfire: Option<String>,
+    /// Missed instants older than this are never published (default 1h).
+    pub misfire_grace: Option<String>,
+    /// Most missed instants `catch_up` publishes (default 100).
+    pub max_catch_up: Option<i64>,
+    /// Each instant is published a fixed offset in `[0, jitter)` late.
+    pub jitter: Option<String>,
+    /// `every`'s anchor (RFC 3339).
+    pub anchor: Option<String>,
+    /// Free-form labels, for `label=K=V` filters.
+    pub labels: Option<BTreeMap<String, String>>,
+}
+
+/// A stored schedule as shown: what was applied plus where it came from, when, and what is
+/// next. Config jobs in a list carry `schedule` (the rule) and `source` `config` instead.
+#[derive(ToSchema)]
+pub struct Schedule {
+    /// The name.
+    pub name: String,
+    /// `api` (applied at run time) or `config` (the file).
+    pub source: String,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// The task.
+    pub task: String,
+    /// When created (RFC 3339; stored schedules only).
+    pub created_at: Option<String>,
+    /// When last changed (RFC 3339; stored schedules only).
+    pub updated_at: Option<String>,
+    /// The next three instants (RFC 3339, UTC; stored schedules only).
+    pub next: Option<Vec<String>>,
+}
+
+/// A page of `GET /api/v1/schedules`.
+#[derive(ToSchema)]
+pub struct SchedulePage {
+    /// The schedules.
+    pub schedules: Vec<Schedule>,
+    /// The cursor of the next page; null on the last.
+    pub next_cursor: Option<String>,
+}
+
+/// The OpenAPI document of the API (`docs/api.openapi.json`).
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "drumline API", description = "Schedules at run time (docs/api.md)."),
+    paths(put_schedule, get_schedule, delete_schedule, list_schedules),
+    components(schemas(ApiError, ScheduleInput, Schedule, SchedulePage)),
+    modifiers(&Bearer))]
+pub struct ApiDoc;
+
+/// Adds the bearer token scheme.
+struct Bearer;
+
+impl utoipa::Modify for Bearer {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+        let scheme = SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer));
+        let components = doc.components.get_or_insert_with(Default::default);
+        components.add_security_scheme("bearer", scheme);
+    }
+}
+
+/// Serves the API at `addr` (or `[api] addr`) in the background, when either is given; refused
+/// (exit 2) when the variable `[api] token_env` names is unset or empty. `store` connects to
+/// Redis, only when the API is served.
+pub async fn serve(
+    config: &Arc<Config>,
+    addr: Option<std::net::SocketAddr>,
+    store: impl std::future::Future<Output = Result<Store, drumline_shared::exit::Failure>>,
+) -> Result<(), drumline_shared::exit::Failure> {
+    use drumline_shared::exit::Failure;
+    let Some(addr) = addr.or(config.api.addr) else {
+        return Ok(());
+    };
+    let var = &config.api.token_env;
+    let token = std::env::var(var)
+        .ok()
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| {
+            Failure::usage(format!(
+                "the API at {addr} needs its bearer token in ${var} (unset)"
+            ))
+        })?;
+    let store = store.await?;
+    let app = routes(Arc::new(Api::new(config.clone(), store, &token)));
+    drumline_shared::metrics::serve_router(addr, app, "the API at /api/v1")
+        .await
+        .map_err(|e| Failure::usage(format!("--api-addr {addr}: {e}")))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The document in docs/ is this code's: `DRUMLINE_WRITE_OPENAPI=1 cargo test -p
+    /// drumline-beat api` writes it anew.
+    #[test]
+    fn the_openapi_document_in_docs_is_the_codes() {
+        let doc = ApiDoc::openapi().to_pretty_json().expect("json") + "\n";
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/api.openapi.json");
+        if std::env::var_os("DRUMLINE_WRITE_OPENAPI").is_some() {
+            std::fs::write(path, &doc).expect("write");
+        }
+        let kept = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            kept == doc,
+            "docs/api.openapi.json is stale: run with DRUMLINE_WRITE_OPENAPI=1"
+        );
+        assert!(doc.contains("\"openapi\": \"3.1.0\""));
+    }
+
+    #[test]
+    fn list_parameters_are_checked() {
+        let q = |pairs: &[(&str, &str)]| {
+            let pairs: Vec<(String, String)> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            ListQuery::parse(&pairs)
+        };
+        let asked = q(&[("label", "t=a"), ("limit", "5"), ("cursor", "7")]).expect("ok");
+        assert_eq!(
+            asked,
+            ListQuery {
+                labels: vec![("t".into(), "a".into())],
+                limit: 5,
+                cursor: 7
+            }
+        );
+        assert_eq!(q(&[("limit", "0")]).unwrap_err().0, "limit");
+        assert_eq!(q(&[("limit", "1001")]).unwrap_err().0, "limit");
+        assert_eq!(q(&[("cursor", "x")]).unwrap_err().0, "cursor");
+        assert_eq!(q(&[("label", "x")]).unwrap_err().0, "label");
+        assert_eq!(q(&[("sort", "x")]).unwrap_err().0, "query");
+    }
+
+    #[test]
+    fn tokens_compare_whole() {
+        assert!(same(b"Bearer abc", b"Bearer abc"));
+        assert!(!same(b"Bearer ab", b"Bearer abc") && !same(b"Bearer abd", b"Bearer abc"));
+    }
+}
