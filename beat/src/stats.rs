@@ -1,7 +1,7 @@
 //! The beat's counters (Prometheus metrics under `--metrics-addr`, and the health check) and
 //! the report of every instance it decided not to publish. Touches only logs and counters.
 //!
-//! The health check ([`health`], docs/operations.md#metrics) answers from what the beat last
+//! The health check ([`health`], docs/operations.md#metrics-and-health) answers from what the beat last
 //! heard: Redis's last answer to a lease try ([`RedisContact`]) and, on the leader, the stalled
 //! jobs.
 //!

@@ -42,15 +42,25 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Command::Completions { shell } = cli.command {
-        clap_complete::generate(
-            shell,
-            &mut Cli::command(),
-            "drumline",
-            &mut std::io::stdout(),
-        );
-        return ExitCode::SUCCESS;
+        return completions(shell);
     }
     run_to_exit(cli.common.log_format, dispatch(cli))
+}
+
+/// Prints the completion script for `shell`. A reader that stops early (`| head -1`) ends the
+/// command quietly: the script is made first, then written, and a closed pipe is no error.
+fn completions(shell: clap_complete::Shell) -> ExitCode {
+    use std::io::Write;
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), "drumline", &mut script);
+    match std::io::stdout().lock().write_all(&script) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: cannot write the script: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// Load the config, then run the command.
