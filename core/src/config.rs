@@ -443,6 +443,30 @@ struct RawConfig<J, T> {
     limits: BTreeMap<String, RawLimit>,
 }
 
+/// An "unknown field `evry`, expected one of `name`, …" message with the closest known key
+/// named, when one is close: "unknown field `evry`: did you mean `every`? (expected one of …)".
+/// Any other message as it is.
+fn suggest_key(message: &str) -> String {
+    let unknown = message.strip_prefix("unknown field `").and_then(|rest| {
+        let (given, rest) = rest.split_once('`')?;
+        Some((given, rest.strip_prefix(", expected one of ")?))
+    });
+    let Some((given, known)) = unknown else {
+        return message.to_owned();
+    };
+    let closest = known
+        .split(", ")
+        .map(|k| k.trim_matches('`'))
+        .map(|k| (strsim::jaro_winkler(given, k), k))
+        .max_by(|a, b| a.0.total_cmp(&b.0));
+    match closest {
+        Some((score, key)) if score >= 0.8 => {
+            format!("unknown field `{given}`: did you mean `{key}`? (expected one of {known})")
+        }
+        _ => message.to_owned(),
+    }
+}
+
 /// `[api]` as written.
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -1747,7 +1771,7 @@ impl Failer<'_> {
             file: self.file.to_owned(),
             place: place.map(str::to_owned),
             key: Some(key),
-            message: e.message().to_owned(),
+            message: suggest_key(e.message()),
             at: None,
         }
     }
@@ -1778,7 +1802,7 @@ impl Failer<'_> {
 
     /// A toml/serde error; pulls the key out of "unknown field `x`" / "missing field `x`".
     fn toml(&self, place: Option<&str>, e: toml::de::Error) -> ConfigError {
-        let message = e.message().to_owned();
+        let message = suggest_key(e.message());
         let key = ["unknown field `", "missing field `"]
             .iter()
             .find_map(|prefix| {
@@ -2315,6 +2339,16 @@ mod tests {
             "{e}"
         );
         err_has("[worker]\nconcurency = 3\n", "key `concurency`");
+    }
+
+    #[test]
+    fn an_unknown_key_close_to_a_known_one_is_suggested() {
+        let e = job_err("evry = \"1s\"");
+        assert!(e.contains("key `evry`: unknown field `evry`: did you mean `every`?"), "{e}");
+        err_has("[worker]\nconcurrncy = 3\n", "did you mean `concurrency`?");
+        err_has("[tasks.t]\ncomand = [\"true\"]\n", "did you mean `command`?");
+        let far = job_err("every = \"1s\"\nfrequency = 3");
+        assert!(!far.contains("did you mean"), "{far}");
     }
 
     #[test]
