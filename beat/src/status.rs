@@ -317,6 +317,13 @@ async fn counts(config: &Config, names: &Names, queues: &[String]) -> BrokerCoun
     }
 }
 
+/// Whether `t` is one of `schedule`'s instants. A job's progress starts at the moment its
+/// first leader started it, which is none for a cron job: `status` shows no LAST PUBLISHED
+/// until an instant is.
+fn is_instant(schedule: &Schedule, t: DateTime<Utc>) -> bool {
+    schedule.next_after(t - chrono::TimeDelta::milliseconds(1)) == Some(t)
+}
+
 /// One job's line, from what Redis holds about it.
 fn job_status(job: &Job, history: JobHistory, paused: bool, now: DateTime<Utc>) -> JobStatus {
     let first_seen = history.oldest.and_then(|r| parse_instant(&r.scheduled_for));
@@ -332,7 +339,9 @@ fn job_status(job: &Job, history: JobHistory, paused: bool, now: DateTime<Utc>) 
         timezone: job.timezone.name().to_owned(),
         next_due: next.map(format_instant),
         next_runs_at: next.map(|t| format_instant(t + offset)),
-        last_published: last.map(format_instant),
+        last_published: last
+            .filter(|t| is_instant(&job.schedule, *t))
+            .map(format_instant),
         last_success: success.map(format_instant),
         last_failure: history.last_failure.map(format_instant),
         last_error: history
@@ -656,6 +665,14 @@ mod tests {
             gap: DstGap::Shift,
             fold: DstFold::First,
         }
+    }
+
+    #[test]
+    fn progress_that_is_no_instant_is_not_shown_as_published() {
+        let hourly = cron("0 * * * *");
+        assert!(is_instant(&hourly, at(3, 0)));
+        // The first leader started the job at 03:17: nothing was published yet.
+        assert!(!is_instant(&hourly, at(3, 17)));
     }
 
     #[test]

@@ -2344,9 +2344,15 @@ mod tests {
     #[test]
     fn an_unknown_key_close_to_a_known_one_is_suggested() {
         let e = job_err("evry = \"1s\"");
-        assert!(e.contains("key `evry`: unknown field `evry`: did you mean `every`?"), "{e}");
+        assert!(
+            e.contains("key `evry`: unknown field `evry`: did you mean `every`?"),
+            "{e}"
+        );
         err_has("[worker]\nconcurrncy = 3\n", "did you mean `concurrency`?");
-        err_has("[tasks.t]\ncomand = [\"true\"]\n", "did you mean `command`?");
+        err_has(
+            "[tasks.t]\ncomand = [\"true\"]\n",
+            "did you mean `command`?",
+        );
         let far = job_err("every = \"1s\"\nfrequency = 3");
         assert!(!far.contains("did you mean"), "{far}");
     }

@@ -20,3 +20,43 @@ fn completions_into_a_closed_pipe_exit_quietly() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// A cron job that has not fired yet shows no LAST PUBLISHED, though its first leader recorded
+/// the moment it started it (that moment was shown as published).
+#[tokio::test(flavor = "multi_thread")]
+async fn status_of_a_cron_job_that_never_fired_shows_nothing_published() {
+    use drumline_e2e::cfg::{cron, shell, Cfg};
+    let env = drumline_e2e::setup("reach_never_fired");
+    let cfg = Cfg::new()
+        .task("nightly", shell("true"))
+        .job("nightly", cron("0 3 1 1 *"));
+    let path = env.write_config("drumline.toml", &cfg);
+    let path = path.to_str().expect("utf-8");
+    let beat = env.beat("beat", &["--config", path]);
+    let progress = env.names().beat_last("nightly");
+    let redis = env.redis().await;
+    let started = drumline_e2e::wait_until_async(std::time::Duration::from_secs(30), || {
+        let (progress, mut redis) = (progress.clone(), redis.clone());
+        async move {
+            let exists = redis::cmd("EXISTS")
+                .arg(progress)
+                .query_async(&mut redis)
+                .await;
+            exists.unwrap_or(false)
+        }
+    })
+    .await;
+    assert!(
+        started,
+        "the leader never started the job\n{}",
+        beat.log_tail(20)
+    );
+    let (status, out, err) = env.run("drumline", &["--config", path, "status", "--json"]);
+    assert!(status.success(), "{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(
+        report["jobs"][0]["last_published"],
+        serde_json::Value::Null,
+        "{out}"
+    );
+}
