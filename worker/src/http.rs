@@ -9,6 +9,7 @@
 //! followed and no proxy is used, so only the configured URL is ever called. A cancelled run
 //! (lease lost, shutdown) drops the request at once.
 
+use crate::decision::ERROR_KEPT;
 use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine;
@@ -340,7 +341,19 @@ pub fn outcome(
     if head.is_empty() {
         return Err(error);
     }
-    Err(error.because(ResponseBody(String::from_utf8_lossy(head).into_owned())))
+    // The start is what says what failed (the exception, the error object): kept whole, its end
+    // cut so that the whole report fits what is recorded.
+    let room = ERROR_KEPT.saturating_sub(error.report().len() + ": response: …".len());
+    let mut body = String::from_utf8_lossy(head).into_owned();
+    if body.len() > room {
+        let mut end = room;
+        while !body.is_char_boundary(end) {
+            end -= 1;
+        }
+        body.truncate(end);
+        body.push('…');
+    }
+    Err(error.because(ResponseBody(body)))
 }
 
 /// The start of a failed response's body, kept as the cause of its error.
@@ -427,6 +440,29 @@ mod tests {
         );
         assert_eq!(retry_after("-1", now()), None);
         assert_eq!(retry_after("later", now()), None);
+    }
+
+    #[test]
+    fn a_long_failed_body_keeps_its_start_within_what_is_recorded() {
+        use crate::decision::{bounded, ERROR_KEPT};
+        let body = format!(
+            "Traceback: ValueError: bad customer\n{}",
+            "frame\n".repeat(2000)
+        );
+        let now = Utc::now();
+        let error = outcome(500, None, body.as_bytes(), now).expect_err("a failure");
+        let recorded = bounded(error.report(), ERROR_KEPT);
+        let expected =
+            "HTTP 500 Internal Server Error: response: Traceback: ValueError: bad customer";
+        assert!(recorded.starts_with(expected), "{}", &recorded[..200]);
+        assert!(recorded.len() <= ERROR_KEPT && recorded.ends_with('…'));
+        let kept = &recorded["HTTP 500 Internal Server Error: response: ".len()..];
+        let kept = kept.trim_end_matches('…');
+        assert!(
+            body.starts_with(kept) && kept.len() > 3_000,
+            "{} bytes kept",
+            kept.len()
+        );
     }
 
     #[test]
