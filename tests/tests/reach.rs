@@ -60,3 +60,32 @@ async fn status_of_a_cron_job_that_never_fired_shows_nothing_published() {
         "{out}"
     );
 }
+
+/// A shell task whose output does not end its last line does not glue the worker's next log
+/// line onto it: the worker closes the line.
+#[tokio::test(flavor = "multi_thread")]
+async fn task_output_without_a_final_newline_is_not_glued_to_the_log() {
+    use drumline_e2e::cfg::{shell, Cfg};
+    let env = drumline_e2e::setup("reach_newline");
+    let cfg = Cfg::new().task("partial", shell("printf 'no-newline-here' >&2"));
+    let path = env.write_config("drumline.toml", &cfg);
+    let worker = env.worker("worker", &["--config", path.to_str().expect("utf-8")]);
+    env.wait_for_topology(&worker).await;
+    env.publish(&drumline_e2e::adhoc("k1", "partial")).await;
+    let done = drumline_e2e::wait_until_async(std::time::Duration::from_secs(30), || async {
+        env.run_state("k1").await.as_deref() == Some("done")
+    })
+    .await;
+    assert!(done, "the task never finished\n{}", worker.log_tail(20));
+    let log = worker.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("no-newline-here"))
+        .expect("the output");
+    assert_eq!(
+        line,
+        "no-newline-here",
+        "glued to a log line:\n{}",
+        worker.log_tail(20)
+    );
+}

@@ -128,6 +128,7 @@ pub async fn drain(
         tracing::info!(target: "drumline::task", key = %key, task = %task, stream = stream.as_str(), line = %line, "task output");
     };
     let mut buf = vec![0u8; 8192];
+    let mut last = None;
     loop {
         let n = match reader.read(&mut buf).await {
             Ok(0) | Err(_) => break,
@@ -135,19 +136,34 @@ pub async fn drain(
         };
         let chunk = &buf[..n];
         tail.push(chunk);
+        last = chunk.last().copied();
         if events {
             lines.feed(chunk, emit);
-        } else if stream == Stream::Stderr {
-            // Best effort, as the inherited stderr was.
-            let _ = std::io::stderr().write_all(chunk);
         } else {
-            let _ = std::io::stdout().write_all(chunk);
+            pass_on(stream, chunk);
         }
     }
     if events {
         lines.finish(emit);
+    } else if unterminated(last) {
+        // Output that does not end its last line would be glued to the next log line.
+        pass_on(stream, b"\n");
     }
     tail
+}
+
+/// Copies raw output to the worker's stream of the same kind, best effort (as an inherited
+/// stream was).
+fn pass_on(stream: Stream, bytes: &[u8]) {
+    let _ = match stream {
+        Stream::Stderr => std::io::stderr().write_all(bytes),
+        Stream::Stdout => std::io::stdout().write_all(bytes),
+    };
+}
+
+/// Whether output whose last byte was `last` (none: no output) leaves its last line open.
+fn unterminated(last: Option<u8>) -> bool {
+    last.is_some_and(|b| b != b'\n')
 }
 
 /// A failed shell task's stderr, kept as the cause of its error.
@@ -158,6 +174,12 @@ pub struct Stderr(pub String);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_output_that_ends_mid_line_is_closed() {
+        assert!(unterminated(Some(b'x')));
+        assert!(!unterminated(Some(b'\n')) && !unterminated(None));
+    }
 
     #[test]
     fn the_tail_keeps_the_last_bytes() {
