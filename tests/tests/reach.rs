@@ -89,3 +89,30 @@ async fn task_output_without_a_final_newline_is_not_glued_to_the_log() {
         worker.log_tail(20)
     );
 }
+
+/// A program embedding the worker, with a shell task in its config and no
+/// `drumline-supervisor` beside it or on PATH, refuses to start and says why (instead of
+/// running none of its shell tasks in silence).
+#[test]
+fn an_embedded_worker_without_its_supervisor_refuses_to_start() {
+    use drumline_e2e::cfg::{shell, Cfg};
+    let env = drumline_e2e::setup("reach_no_supervisor");
+    let cfg = Cfg::new()
+        .set("tasks.greet", "timeout", "\"5s\"")
+        .set("tasks.deposit", "timeout", "\"5s\"")
+        .task("sh", shell("true"));
+    let config = env.write_config("drumline.toml", &cfg);
+    let alone = env.path("typed-worker");
+    std::fs::copy(binary("typed-worker"), &alone).expect("a copy");
+    let out = Command::new(&alone)
+        .args([config.as_os_str(), env.path("effects").as_os_str()])
+        .env("PATH", "/usr/bin:/bin")
+        .output()
+        .expect("it runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("drumline-supervisor") && stderr.contains("missing"),
+        "{stderr}"
+    );
+}
