@@ -27,7 +27,7 @@ pub async fn run(
     if let Some(addr) = metrics_addr {
         let mut registry = prometheus_client::registry::Registry::default();
         stats.register(&mut registry);
-        drumline_shared::process_metrics::register(&mut registry, "beat");
+        drumline_shared::process_metrics::register(&mut registry, "beat", &config.namespace);
         let queues = crate::queues::QueueGauges::default();
         queues.register(&mut registry);
         // One broker connection for the page's counts and the queue gauges.

@@ -1,5 +1,5 @@
 //! What every binary's `/metrics` says about itself (feature `bin-support`):
-//! `drumline_build_info{version, binary}` = 1, and the process's CPU time, resident memory and
+//! `drumline_build_info{version, binary, namespace}` = 1, and the process's CPU time, resident memory and
 //! open file descriptors, read from `/proc/self` at each scrape (the Prometheus client
 //! libraries' standard `process_*` names, so existing dashboards work).
 
@@ -10,12 +10,14 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::registry::Registry;
 
-/// Registers `drumline_build_info` for `binary` (`beat`, `worker`) and the process metrics.
-pub fn register(registry: &mut Registry, binary: &str) {
+/// Registers `drumline_build_info` for `binary` (`beat`, `worker`) of `namespace` and the
+/// process metrics. The namespace is what a dashboard picks its instances by.
+pub fn register(registry: &mut Registry, binary: &str, namespace: &str) {
     let info = Family::<Vec<(String, String)>, Gauge>::default();
     info.get_or_create(&vec![
         ("version".to_owned(), env!("CARGO_PKG_VERSION").to_owned()),
         ("binary".to_owned(), binary.to_owned()),
+        ("namespace".to_owned(), namespace.to_owned()),
     ])
     .set(1);
     registry.register(
@@ -104,11 +106,12 @@ mod tests {
     #[test]
     fn build_info_and_process_metrics_are_exposed() {
         let mut registry = Registry::default();
-        register(&mut registry, "beat");
+        register(&mut registry, "beat", "billing");
         let mut text = String::new();
         encode(&mut text, &registry).unwrap();
         let version = env!("CARGO_PKG_VERSION");
-        let info = format!("drumline_build_info{{version=\"{version}\",binary=\"beat\"}} 1");
+        let labels = format!("version=\"{version}\",binary=\"beat\",namespace=\"billing\"");
+        let info = format!("drumline_build_info{{{labels}}} 1");
         assert!(text.contains(&info), "{text}");
         for name in [
             "process_cpu_seconds_total ",

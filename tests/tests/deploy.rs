@@ -271,3 +271,37 @@ fn under_systemd_a_worker_says_ready_and_pings_the_watchdog() {
     assert_eq!(seen[0], "READY=1", "{seen:?}");
     worker.terminate(Duration::from_secs(10));
 }
+
+/// The dashboard picks a namespace and its instances: both are variables, the instances those
+/// whose `drumline_build_info` carries the namespace, and every series a panel reads is of the
+/// instances picked.
+#[test]
+fn the_dashboard_filters_by_namespace_and_instance() {
+    let text = std::fs::read_to_string(deploy("grafana/drumline.json")).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+    let variables = dashboard["templating"]["list"]
+        .as_array()
+        .expect("variables");
+    let query = |name: &str| {
+        let variable = variables.iter().find(|v| v["name"] == name);
+        variable.map(|v| v["definition"].as_str().unwrap_or("").to_owned())
+    };
+    assert_eq!(
+        query("namespace").as_deref(),
+        Some("label_values(drumline_build_info, namespace)")
+    );
+    let instances = query("instance").expect("an instance variable");
+    assert!(
+        instances.contains("namespace=~\"$namespace\""),
+        "{instances}"
+    );
+    for (metric, expr) in dashboard_metrics() {
+        let at = expr.find(&metric).expect("queried");
+        let selector = &expr[at + metric.len()..];
+        assert!(
+            selector.starts_with('{')
+                && selector[..selector.find('}').unwrap_or(0)].contains("instance=~\"$instance\""),
+            "{metric} in {expr}"
+        );
+    }
+}

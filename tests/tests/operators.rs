@@ -263,7 +263,10 @@ fn metrics_carry_build_info_process_and_queue_gauges() {
     let mut worker = env.worker("worker", &args);
     let version = env!("CARGO_PKG_VERSION");
     for (port, binary) in [(beat_port, "beat"), (worker_port, "worker")] {
-        let info = format!("drumline_build_info{{version=\"{version}\",binary=\"{binary}\"}}");
+        let ns = env.names().namespace().to_owned();
+        let info = format!(
+            "drumline_build_info{{version=\"{version}\",binary=\"{binary}\",namespace=\"{ns}\"}}"
+        );
         assert!(
             wait_until(WAIT, || metric(port, &info) == Some(1.0)),
             "{binary}: {:?}",

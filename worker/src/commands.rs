@@ -41,6 +41,7 @@ impl From<WorkerError> for Failure {
 
 /// No command: run the worker with `options` until SIGTERM or SIGINT.
 pub async fn run(config: Config, options: Options) -> Result<(), Failure> {
+    let namespace = config.namespace.clone();
     let mut worker = Worker::new(config).reload_on_sighup();
     if let Some(n) = options.concurrency {
         if n == 0 {
@@ -62,7 +63,7 @@ pub async fn run(config: Config, options: Options) -> Result<(), Failure> {
             let stats = worker.stats();
             let mut registry = prometheus_client::registry::Registry::default();
             stats.register(&mut registry);
-            drumline_shared::process_metrics::register(&mut registry, "worker");
+            drumline_shared::process_metrics::register(&mut registry, "worker", &namespace);
             let health = std::sync::Arc::new(move || stats.health().map(|()| "ok"));
             Some(
                 drumline_shared::metrics::serve(addr, registry, health)
