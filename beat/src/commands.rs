@@ -85,7 +85,7 @@ pub fn show_next(
     };
     let lines: Vec<_> = jobs
         .iter()
-        .flat_map(|j| next::upcoming(j, from, count))
+        .flat_map(|j| next::upcoming(j, from, count, &config.calendars))
         .collect();
     print_output(&lines, json, |l| next::table(l));
     Ok(())

@@ -4,9 +4,11 @@
 //! (docs/design.md#jitter).
 
 use chrono::{DateTime, Offset, SecondsFormat, Utc};
+use drumline_shared::calendar::{excluded_by, Calendar};
 use drumline_shared::config::Job;
 use drumline_shared::envelope::format_instant;
 use serde::Serialize;
+use std::collections::BTreeMap;
 
 /// One line of `next`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -21,13 +23,20 @@ pub struct Upcoming {
     pub local: String,
     /// `+HH:MM`.
     pub offset: String,
-    /// `gap: shifted from 02:30`, `gap: skipped 02:30`, `fold: first of two`, … or null.
+    /// `gap: shifted from 02:30`, `gap: skipped 02:30`, `fold: first of two`, `excluded: NAME`
+    /// (a calendar skips it), … or null.
     pub note: Option<String>,
 }
 
 /// The next `count` occurrences of `job` strictly after `from`, skipped ones included (they are
-/// what a reader of a DST schedule most needs to see).
-pub fn upcoming(job: &Job, from: DateTime<Utc>, count: usize) -> Vec<Upcoming> {
+/// what a reader of a DST schedule most needs to see), those a calendar of `calendars`
+/// excludes marked `excluded: NAME` (docs/design.md#calendars).
+pub fn upcoming(
+    job: &Job,
+    from: DateTime<Utc>,
+    count: usize,
+    calendars: &BTreeMap<String, Calendar>,
+) -> Vec<Upcoming> {
     let mut out = Vec::with_capacity(count.min(1024));
     let mut cursor = from;
     while out.len() < count {
@@ -48,11 +57,32 @@ pub fn upcoming(job: &Job, from: DateTime<Utc>, count: usize) -> Vec<Upcoming> {
                 secs.abs() / 3600,
                 secs.abs() % 3600 / 60
             ),
-            note: occ.note.map(|n| n.to_string()),
+            note: note(
+                occ.note.map(|n| n.to_string()),
+                excluded(job, occ.at, calendars),
+            ),
         });
         cursor = occ.at;
     }
     out
+}
+
+/// `excluded: NAME` when a calendar of the job's `exclude` holds the instant's local date.
+fn excluded(
+    job: &Job,
+    at: DateTime<Utc>,
+    calendars: &BTreeMap<String, Calendar>,
+) -> Option<String> {
+    let name = excluded_by(&job.spec.exclude, at, job.timezone, |n| calendars.get(n))?;
+    Some(format!("excluded: {name}"))
+}
+
+/// A DST note and an exclusion, either, both (`; `) or none.
+fn note(dst: Option<String>, excluded: Option<String>) -> Option<String> {
+    match (dst, excluded) {
+        (Some(dst), Some(excluded)) => Some(format!("{dst}; {excluded}")),
+        (dst, excluded) => dst.or(excluded),
+    }
 }
 
 /// Renders lines as an aligned table with a header. A `RUNS AT` column appears when some

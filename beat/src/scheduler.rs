@@ -445,6 +445,7 @@ fn reload(config: &Config) -> Option<Arc<Config>> {
                 jobs: new.jobs,
                 tasks: new.tasks,
                 limits: new.limits,
+                calendars: new.calendars,
                 path: config.path.clone(),
                 namespace: config.namespace.clone(),
                 broker_url: config.broker_url.clone(),

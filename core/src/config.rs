@@ -2,6 +2,7 @@
 //! [`Config`] in which cron strings, durations, zones and task references are already resolved.
 //! A bad config yields one [`ConfigError`] naming the file, the job or task, and the key.
 
+pub use crate::calendar::Calendar;
 use crate::duration;
 use crate::jitter::Jitter;
 pub use crate::limit::{Limit, Rate};
@@ -145,6 +146,8 @@ pub struct Config {
     pub tasks: BTreeMap<String, Task>,
     /// `[limits.*]`, by name (docs/design.md#limits). Default none.
     pub limits: BTreeMap<String, Limit>,
+    /// `[calendars.*]`, by name (docs/design.md#calendars). Default none.
+    pub calendars: BTreeMap<String, Calendar>,
 }
 
 impl Config {
@@ -316,6 +319,9 @@ pub struct JobSpec {
     pub misfire_grace: Duration,
     /// Most missed instances `catch_up` publishes. Default 100.
     pub max_catch_up: usize,
+    /// `exclude`: the calendars whose dates the job skips (docs/design.md#calendars). Default
+    /// none.
+    pub exclude: Vec<Arc<str>>,
 }
 
 /// A follower's link to its upstream (`after`, `after_timeout`).
@@ -441,6 +447,32 @@ struct RawConfig<J, T> {
     tasks: BTreeMap<String, T>,
     #[serde(default = "BTreeMap::new")]
     limits: BTreeMap<String, RawLimit>,
+    #[serde(default = "BTreeMap::new")]
+    calendars: BTreeMap<String, RawCalendar>,
+}
+
+/// `[calendars.NAME]` as written.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCalendar {
+    dates: Vec<String>,
+}
+
+/// The `[calendars.*]`: names checked, dates parsed.
+fn check_calendars(
+    fail: &Failer,
+    raw: BTreeMap<String, RawCalendar>,
+) -> Result<BTreeMap<String, Calendar>, ConfigError> {
+    raw.into_iter()
+        .map(|(name, c)| {
+            let place = format!("calendar {name:?}");
+            check_name(&name)
+                .map_err(|m| fail.at(Some(&place), "name", format!("{name:?} {m}")))?;
+            let calendar = Calendar::parse(&c.dates)
+                .map_err(|e| fail.at(Some(&place), "dates", e.to_string()))?;
+            Ok((name, calendar))
+        })
+        .collect()
 }
 
 /// An "unknown field `evry`, expected one of `name`, …" message with the closest known key
@@ -571,6 +603,7 @@ struct RawJob {
     jitter: Option<String>,
     after: Option<String>,
     after_timeout: Option<String>,
+    exclude: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -723,6 +756,7 @@ impl Config {
             api,
             tasks,
             limits,
+            calendars,
             broker: raw_broker,
             redis: raw_redis,
         } = prefix;
@@ -756,6 +790,7 @@ impl Config {
             jobs,
             tasks,
             limits,
+            calendars,
         })
     }
 
@@ -1061,6 +1096,7 @@ struct Prefix {
     api: ApiConfig,
     tasks: BTreeMap<String, Task>,
     limits: BTreeMap<String, Limit>,
+    calendars: BTreeMap<String, Calendar>,
     broker: RawBroker,
     redis: RawRedis,
 }
@@ -1075,6 +1111,7 @@ fn check_prefix<J>(fail: &Failer, raw: RawConfig<J, RawTask>) -> Result<Prefix, 
     let api = check_api(fail, raw.api)?;
     let limits = check_limits(fail, raw.limits)?;
     let tasks = check_tasks(fail, raw.tasks, &limits)?;
+    let calendars = check_calendars(fail, raw.calendars)?;
     Ok(Prefix {
         namespace,
         beat,
@@ -1083,6 +1120,7 @@ fn check_prefix<J>(fail: &Failer, raw: RawConfig<J, RawTask>) -> Result<Prefix, 
         api,
         tasks,
         limits,
+        calendars,
         broker: raw.broker,
         redis: raw.redis,
     })
@@ -1361,6 +1399,11 @@ fn job_spec(
         None => None,
     };
     let misfire_grace = job_duration("misfire_grace", &j.misfire_grace, 3600, Zero::Allowed)?;
+    let exclude = j.exclude.iter().flatten().map(|name| {
+        check_name(name).map_err(|m| ("exclude", format!("calendar {name:?} {m}")))?;
+        Ok(interned.name(name))
+    });
+    let exclude = exclude.collect::<Result<Vec<_>, KeyError>>()?;
     let spec = JobSpec {
         task: interned.name(&j.task),
         queue,
@@ -1370,6 +1413,7 @@ fn job_spec(
         misfire,
         misfire_grace,
         max_catch_up,
+        exclude,
     };
     Ok(interned.spec(spec))
 }
@@ -2252,6 +2296,22 @@ mod tests {
         );
         let c = parse("[api]\ntoken_env = \"OPS_TOKEN\"\n").unwrap();
         assert!(c.hidden_from_tasks().contains(&"OPS_TOKEN".to_owned()));
+    }
+
+    #[test]
+    fn calendars_are_parsed_and_jobs_name_them() {
+        let c = parse(
+            "[calendars.holidays]\ndates = [\"2026-12-25\", \"*-01-01\"]\n\
+             [tasks.t]\ncommand = [\"true\"]\n\
+             [[jobs]]\nname = \"j\"\ntask = \"t\"\nevery = \"1h\"\nexclude = [\"holidays\", \"later\"]\n",
+        )
+        .unwrap();
+        assert_eq!(c.calendars["holidays"].dates(), ["2026-12-25", "*-01-01"]);
+        let exclude: Vec<&str> = c.jobs[0].spec.exclude.iter().map(|n| &**n).collect();
+        assert_eq!(exclude, ["holidays", "later"]);
+        let e = err("[calendars.h]\ndates = [\"2026-02-30\"]\n");
+        assert!(e.contains("calendar \"h\"") && e.contains("`dates`"), "{e}");
+        assert!(job_err("every = \"1h\"\nexclude = [\"a b\"]").contains("`exclude`"));
     }
 
     #[test]

@@ -43,6 +43,7 @@
 //! - `table.rs`: aligned text tables for human output. Pure.
 
 pub mod backoff;
+pub mod calendar;
 pub mod config;
 pub mod duration;
 pub mod envelope;

@@ -47,7 +47,7 @@ pub mod systemd;
 pub use drumline_broker as broker;
 pub use drumline_client as client;
 pub use drumline_core::{
-    backoff, config, duration, envelope, jitter, limit, names, planted, run, schedule, table, tls,
-    url,
+    backoff, calendar, config, duration, envelope, jitter, limit, names, planted, run, schedule,
+    table, tls, url,
 };
 pub use drumline_store as store;
