@@ -1,7 +1,7 @@
 //! drumline-beat: computes when jobs are due and publishes each instance to RabbitMQ.
 //!
-//! The loop is [`scheduler`]; what to publish or drop is [`misfire::plan`] (pure); leadership is
-//! [`leader`]. Which module does what is the map below.
+//! The loop is [`scheduler`], driving the state machine `machine`; what to publish or drop is
+//! [`misfire::plan`] (pure); leadership is [`leader`]. Which module does what is the map below.
 //!
 //! Redis is reached only through [`drumline_shared::store::Store`]; schedule math lives in
 //! [`drumline_shared::schedule`].
@@ -27,12 +27,16 @@
 //! - `stats.rs`: the beat's counters and gauges for `/metrics` (published per job, dropped per
 //!   job and reason: `BeatStats::published`, `BeatStats::dropped`); logs each dropped instance.
 //!   Touches: memory.
-//! - `scheduler.rs`: stand by until leading, then the loop: wake, plan, publish, save progress
-//!   after the confirm; stall one job, not all; back to standby when the term ends.
-//!   `Beat::run_due` checks the term before each batch and keeps up to `IN_FLIGHT` (8) batches
-//!   in flight, finishing them oldest first. its tests against the real broker and Redis (and
-//!   the publisher's) are `beat/tests/live.rs`. Touches: broker (via `publisher`), Redis (via
-//!   `progress`, `leader`).
+//! - `machine.rs`: the scheduling state machine, no I/O: events in (a look at the clock, the
+//!   term holding or not, a stop asked, the paused jobs read, a batch's progress written, sent,
+//!   confirmed, a reload, a term gained), actions out (wait, send this batch, journal and write
+//!   this progress, follow, stop); what is due, missed, dropped, retried alone or backed off;
+//!   batches of `BATCH_JOBS`/`BATCH_MESSAGES`, up to `IN_FLIGHT` (8) in flight, finished oldest
+//!   first. Pure (its counters and logs aside).
+//! - `scheduler.rs`: the thin driver: stand by until leading, load the progress, then carry out
+//!   what the `machine` says and feed the answers back; back to standby when the term ends.
+//!   Its tests against the real broker and Redis (and the publisher's) are `beat/tests/live.rs`.
+//!   Touches: broker (via `publisher`), Redis (via `progress`, `journal`, `leader`).
 //! - `publisher.rs`: the beat's publisher: one connection and one confirm channel, kept and
 //!   reopened with the topology on every (re)connect; batches go through `broker::send_batch`
 //!   and their confirms are read later (`broker::publish_batch` for one batch at a time); an
@@ -94,6 +98,7 @@ pub mod dead_letters;
 pub mod follower;
 pub mod journal;
 pub mod leader;
+pub(crate) mod machine;
 pub mod misfire;
 pub mod next;
 pub mod operate;

@@ -1,0 +1,1242 @@
+//! The beat's scheduling as a state machine without I/O (the sans-I/O style of quinn-proto):
+//! the driver, [`scheduler`](crate::scheduler), feeds it events — a look at the clock
+//! ([`Machine::poll`]), the paused jobs read, a progress write answered, a batch sent or
+//! confirmed, a reload, a term gained — and carries out what it answers: wait, send these
+//! messages, journal these entries, write these jobs' progress, follow the `after` jobs, stop.
+//! Time is an input; its only effects are the beat's counters and its logs.
+//!
+//! A batch goes through four steps: [`Machine::plan`] takes the jobs due and answers the drops
+//! to journal and the progress to write first; [`Machine::planned_saved`] answers its messages;
+//! [`Machine::sent`] puts it in flight; once its confirms are read, [`Machine::confirmed`]
+//! answers the published entries and the progress to write, and [`Machine::finished`] puts its
+//! jobs back in the due queue, at their next instant or for a retry. A progress write is asked
+//! as job indexes: [`Machine::writes`] says what to write, [`Machine::saved`] takes Redis's
+//! answers. What a batch takes ([`take_due`]) and what a stall means ([`isolated_backoff`],
+//! `Machine::after_batch`) are decided here; how they are carried out, in the driver.
+
+use crate::follower::Followers;
+use crate::journal;
+use crate::misfire::{self, plan_held, Plan};
+use crate::progress::progress_after;
+use crate::reload::{self, Held, Resume};
+use crate::stats::{report_dropped, BeatStats};
+use chrono::{DateTime, Utc};
+use drumline_shared::backoff::Backoff;
+use drumline_shared::broker::BrokerError;
+use drumline_shared::config::{Config, Job};
+use drumline_shared::envelope::Envelope;
+use drumline_shared::store::{last_instant_text, parse_last_instant, LeaderEntry, ProgressError};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashSet, VecDeque};
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::{info, warn};
+
+/// Most jobs planned and published together (see the scheduler's module doc).
+pub const BATCH_JOBS: usize = 1000;
+
+/// Most messages published together; a job with more to publish (a long catch-up) goes on in
+/// the next batch.
+pub const BATCH_MESSAGES: usize = 5000;
+
+/// The most batches sent whose confirms are not read yet.
+pub(crate) const IN_FLIGHT: usize = 8;
+
+/// New jobs' starts persisted per Redis round trip ([`Machine::next_starts`]).
+const NEW_STARTS_PER_TRIP: usize = 10_000;
+
+/// The least time until the next due instant in which a term writes a slice of its new jobs'
+/// starts: a slice is one round trip of a few tens of ms.
+pub(crate) const STARTS_GAP: Duration = Duration::from_millis(100);
+
+/// Stalled jobs logged one by one per batch; the rest are counted in one line.
+const STALLS_LISTED: usize = 10;
+
+/// First wait before a job whose own message failed is tried again (alone); doubled per
+/// consecutive failure up to [`ISOLATED_BACKOFF_MAX`].
+const ISOLATED_BACKOFF: Duration = Duration::from_millis(200);
+
+/// Longest wait between two tries of a job whose own message keeps failing.
+const ISOLATED_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// A job whose own message failed: [`ISOLATED_BACKOFF`] doubled per consecutive failure up to
+/// [`ISOLATED_BACKOFF_MAX`], without jitter.
+const ISOLATED: Backoff = Backoff::constant(ISOLATED_BACKOFF, ISOLATED_BACKOFF_MAX, 0.0);
+
+/// The wait when the broker or Redis stalled a batch: 200 ms, doubled per such batch up to
+/// 5 s, back to 200 ms after a batch without one.
+const SHARED: Backoff = Backoff::constant(Duration::from_millis(200), Duration::from_secs(5), 0.0);
+
+/// Longest sleep: the loop looks at the clock at least once a second to notice wall-clock jumps.
+const MAX_WAIT: Duration = Duration::from_secs(1);
+
+/// How long before the next instant the beat wakes. tokio's timer ticks in whole milliseconds
+/// and wakes up to about one tick late, and a wake first reads the paused set (a Redis round
+/// trip): both fit in this margin, and the rest of the way to the instant is slept with the OS
+/// timer ([`Do::SleepPrecisely`]), so a job's messages leave within a fraction of a millisecond
+/// of its instant rather than one to two milliseconds after it.
+pub(crate) const WAKE_EARLY: Duration = Duration::from_millis(3);
+
+/// How often the leader looks at the upstream instances its `after` jobs wait for
+/// ([`follower`](crate::follower)), at most.
+const FOLLOW_POLL: Duration = Duration::from_millis(200);
+
+/// The followers are looked at only when the next due instant is at least this far off, so
+/// that their Redis read and publish never delay it.
+const FOLLOW_ROOM: Duration = Duration::from_millis(20);
+
+/// Why a job could not move forward now; it is planned again after a backoff. Shared (`Arc`)
+/// because one failure — the broker or Redis unreachable — stalls every job of a batch.
+#[derive(Debug, Clone, thiserror::Error)]
+enum Stall {
+    /// One of the job's messages was sent and failed (refused, unroutable, or lost with a
+    /// channel that some message of the batch closed). The job is tried again alone, so that
+    /// whatever is wrong with its message cannot fail the others' again.
+    #[error(transparent)]
+    Publish(Arc<BrokerError>),
+    /// Nothing of the batch could be sent (no connection): every job waits for the broker.
+    #[error(transparent)]
+    Unsent(Arc<BrokerError>),
+    /// The term stopped holding mid-batch (a renewal late), so the job's messages were not
+    /// sent. Not the job's fault: it is planned again, at its due instant, once the term holds.
+    #[error("not sent: this beat stopped leading mid-batch")]
+    NotLeading,
+    /// Redis did not take the job's progress (unreachable, or the lease is not ours).
+    #[error("cannot persist the job's progress to redis: {0}")]
+    Persist(Arc<ProgressError>),
+}
+
+/// Per-job progress.
+#[derive(Clone)]
+struct JobState {
+    /// Newest instant decided (published or dropped); never moves back.
+    last: DateTime<Utc>,
+    /// The first instant after `last`, if any.
+    next: Option<DateTime<Utc>>,
+    /// `last` is ahead of what Redis holds (not written yet, or a write failed): written
+    /// before anything is published for the job.
+    unsaved: bool,
+    /// The job's rule ([`reload::rule`]) is not recorded with its progress yet (a start, or
+    /// progress from a release before rules): written with the next write of its progress,
+    /// before anything is published for the job.
+    rule_unsaved: bool,
+    /// Consecutive attempts that stalled; 0 when the last one moved.
+    failures: u32,
+    /// One of its messages failed in a batch: it is published in a batch of its own until
+    /// one succeeds (docs/design.md: a job that cannot be published never holds up the others).
+    alone: bool,
+    /// The instants a reload that lowered the job's jitter held: due no earlier than the
+    /// reload ([`reload::held`], docs/design.md#jitter).
+    held: Option<Held>,
+}
+
+/// A due job taken into a batch.
+struct Due {
+    /// Index in `config.jobs`.
+    job: usize,
+    /// Its instant in the due queue (where it goes back when it stalls).
+    due: DateTime<Utc>,
+    plan: Plan,
+    /// How many of `plan.publish` (the oldest) this batch publishes.
+    take: usize,
+    /// Its held instants ([`JobState::held`]): their `expires` counts from the reload.
+    held: Option<Held>,
+}
+
+/// Min-heap of (next instant, job index): a wake looks only at the jobs due, never at all.
+type Queue = BinaryHeap<Reverse<(DateTime<Utc>, usize)>>;
+
+impl JobState {
+    /// A job's state from its persisted progress `last`; without one (a first start, or a job
+    /// added or rescheduled by a reload) it starts at `start`, unsaved, its rule with it.
+    fn from(job: &Job, last: Option<DateTime<Utc>>, start: DateTime<Utc>) -> Self {
+        JobState {
+            last: last.unwrap_or(start),
+            // An `after` job is never due on its own: the followers' step publishes it.
+            next: job
+                .after
+                .is_none()
+                .then(|| job.schedule.next_after(last.unwrap_or(start)))
+                .flatten(),
+            unsaved: last.is_none(),
+            rule_unsaved: last.is_none(),
+            failures: 0,
+            alone: false,
+            held: None,
+        }
+    }
+
+    /// Something of the job is not in Redis yet: written before anything is published for it.
+    fn to_write(&self) -> bool {
+        self.unsaved || self.rule_unsaved
+    }
+}
+
+/// The state of a job a reload at `now` keeps, its jitter changed from `old`'s to `new`'s: its
+/// instants not yet due under a higher old offset are held ([`reload::held`]).
+fn kept(state: &JobState, old: &Job, new: &Job, now: DateTime<Utc>) -> JobState {
+    JobState {
+        held: reload::held(old, new, now, state.held),
+        ..state.clone()
+    }
+}
+
+/// Where a job starts on its first start: `now` as a restart would read it back (whole
+/// milliseconds), so nothing before it counts as missed.
+fn first_start(now: DateTime<Utc>) -> DateTime<Utc> {
+    parse_last_instant(&last_instant_text(now)).unwrap_or(now)
+}
+
+/// How a new term resumes each job ([`reload::resume`]), logging the jobs rescheduled since
+/// their progress was recorded (those start from the new term).
+pub(crate) fn resumes(
+    jobs: &[Job],
+    lasts: &[Option<DateTime<Utc>>],
+    same_rules: &[Option<bool>],
+) -> Vec<Resume> {
+    let resumes: Vec<Resume> = lasts
+        .iter()
+        .zip(same_rules)
+        .map(|(last, same)| reload::resume_from(last.is_some(), *same))
+        .collect();
+    let restarted: Vec<&str> = jobs
+        .iter()
+        .zip(&resumes)
+        .filter(|(_, r)| **r == Resume::Restart)
+        .map(|(job, _)| job.name.as_str())
+        .collect();
+    for job in restarted.iter().take(STALLS_LISTED) {
+        info!(job = %job, "rescheduled since its progress was recorded: starts now, as on a reload");
+    }
+    if restarted.len() > STALLS_LISTED {
+        info!(
+            more = restarted.len() - STALLS_LISTED,
+            "more jobs rescheduled since their progress was recorded start now"
+        );
+    }
+    resumes
+}
+
+/// The due queue of `states`: each job at its next instant, plus its jitter.
+fn due_queue(jobs: &[Job], states: &[JobState]) -> Queue {
+    states
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| s.next.map(|n| Reverse((n + jobs[i].jitter_offset(), i))))
+        .collect()
+}
+
+/// Why the driver's round ended ([`Machine::poll`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// Nothing is due for this long.
+    Wait(Duration),
+    /// Jobs stalled (the broker or Redis failed them): wait this long before trying again.
+    Backoff(Duration),
+    /// The term does not hold now (a renewal is late, or the lease is lost).
+    NotHolding,
+    /// A stop was asked.
+    Shutdown,
+}
+
+/// What the driver does next, from [`Machine::poll`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Do {
+    /// Finish every batch in flight, oldest first ([`Machine::confirmed`],
+    /// [`Machine::finished`]), then ask [`after_finishing`].
+    FinishAll,
+    /// End the round.
+    Return(Next),
+    /// Follow the `after` jobs ([`Machine::following`], [`Machine::followed`]), then wait
+    /// [`Machine::wait_after_follow`].
+    Follow,
+    /// Woken early on purpose (at most [`WAKE_EARLY`]): sleep the rest precisely, then poll.
+    SleepPrecisely(Duration),
+    /// Plan and send the batch due ([`Machine::plan`]).
+    Send,
+}
+
+/// What the driver does once a batch is in flight ([`Machine::sent`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AfterSend {
+    /// Poll again: more batches may be sent before the oldest's confirms are read.
+    More,
+    /// [`IN_FLIGHT`] are: finish the oldest; if it asks for a backoff, finish all and back off.
+    FinishOldest,
+    /// Nothing could be sent (no connection): finish every batch and back off now, rather
+    /// than let each next batch wait for a connect of its own.
+    FinishAll,
+}
+
+/// After every batch in flight was finished, with `wait` the longest backoff asked: how the
+/// round ends, or `None` to poll again (settling put the batches' jobs back).
+pub(crate) fn after_finishing(stopping: bool, wait: Option<Duration>) -> Option<Next> {
+    match (stopping, wait) {
+        (true, _) => Some(Next::Shutdown),
+        (false, Some(wait)) => Some(Next::Backoff(wait)),
+        (false, None) => None,
+    }
+}
+
+/// What a beat that gained the lease read of Redis, for [`Machine::gained`].
+pub(crate) struct Gain {
+    /// Each job's recorded progress (`None`: never recorded).
+    pub(crate) lasts: Vec<Option<DateTime<Utc>>>,
+    /// How each job resumes ([`resumes`]).
+    pub(crate) resumes: Vec<Resume>,
+    /// The old rule's instants each rescheduled follower still decides
+    /// ([`follower::old_rule_instants`](crate::follower::old_rule_instants)).
+    pub(crate) carried: Vec<(usize, Vec<DateTime<Utc>>)>,
+    /// The paused jobs.
+    pub(crate) paused: HashSet<String>,
+}
+
+/// What [`Machine::plan`] asks before the batch's messages go: journal the drops, write the
+/// progress of these jobs ([`Machine::writes`]), then [`Machine::planned_saved`].
+pub(crate) struct Planned {
+    /// The batch's drops, to journal.
+    pub(crate) drops: Vec<LeaderEntry>,
+    /// The jobs whose progress to write before anything of theirs is published.
+    pub(crate) save: Vec<usize>,
+}
+
+/// What [`Machine::confirmed`] asks: journal the published, write these jobs' progress, then
+/// [`Machine::finished`].
+pub(crate) struct Confirmed {
+    /// The instances confirmed, to journal.
+    pub(crate) published: Vec<LeaderEntry>,
+    /// The jobs whose progress to write.
+    pub(crate) save: Vec<usize>,
+}
+
+/// The progress writes of some jobs ([`Machine::writes`]): moves of recorded progress, and
+/// starts (progress with the rule it is recorded under).
+pub(crate) struct Writes<'a> {
+    /// `(job, instant)`: [`progress::save`](crate::progress::save).
+    pub(crate) progress: Vec<(&'a str, DateTime<Utc>)>,
+    /// `(job, instant, rule)`: [`progress::start`](crate::progress::start).
+    pub(crate) starts: Vec<(&'a str, DateTime<Utc>, String)>,
+}
+
+/// Redis's answers to [`Writes`] as the machine took them ([`Machine::saved`]).
+pub(crate) struct Saved {
+    /// Each job's failure, if any, in the order asked.
+    pub(crate) outcomes: Vec<Option<Arc<ProgressError>>>,
+    /// Redis said the lease is not ours: the term ends.
+    pub(crate) deposed: bool,
+    /// The starts just written, to journal, so that `audit` plans no instant before them.
+    pub(crate) started: Vec<LeaderEntry>,
+}
+
+/// Each job's progress, for [`follower::step`](crate::follower::step).
+#[derive(Clone, Copy)]
+pub(crate) struct Lasts<'a>(&'a [JobState]);
+
+impl Lasts<'_> {
+    /// Job `job`'s progress.
+    pub(crate) fn get(&self, job: usize) -> DateTime<Utc> {
+        self.0[job].last
+    }
+}
+
+/// What following the `after` jobs needs of the machine ([`Machine::following`]).
+pub(crate) struct Following<'a> {
+    /// The jobs.
+    pub(crate) jobs: &'a [Job],
+    /// The followers and what this term decided of them.
+    pub(crate) followers: &'a mut Followers,
+    /// Each job's progress.
+    pub(crate) lasts: Lasts<'a>,
+    /// The paused jobs.
+    pub(crate) paused: &'a HashSet<String>,
+    /// How long a skip is kept: the worker's `done_ttl`.
+    pub(crate) retention: Duration,
+}
+
+/// The messages of a batch: `envelopes` in send order, and for each job position with something
+/// to send, its run of them (`spans`, in batch order).
+#[derive(Default)]
+struct Sent {
+    envelopes: Vec<Envelope>,
+    spans: Vec<(usize, Range<usize>)>,
+}
+
+/// A batch of due jobs on its way: planned, sent, confirmed, finished.
+struct Batch {
+    dues: Vec<Due>,
+    /// The clock when the batch was planned (its lateness is judged against it).
+    now: DateTime<Utc>,
+    sent: Sent,
+    stalls: Vec<Option<Stall>>,
+    /// The positions whose progress is being written.
+    saving: Vec<usize>,
+}
+
+impl Batch {
+    /// The jobs of the positions being written.
+    fn saving_jobs(&self) -> Vec<usize> {
+        self.saving.iter().map(|p| self.dues[*p].job).collect()
+    }
+
+    /// A position whose write failed stalls (unless it already stalled on a publish, the
+    /// first reason).
+    fn persist_failed(&mut self, saved: &[Option<Arc<ProgressError>>]) {
+        for (p, failed) in self.saving.iter().zip(saved) {
+            if let Some(e) = failed {
+                self.stalls[*p].get_or_insert(Stall::Persist(e.clone()));
+            }
+        }
+    }
+}
+
+/// The scheduling state of one term: the config it runs (replaced on a reload), every job's
+/// progress, the due queue, the paused jobs, the followers, the batches on their way and the
+/// stall bookkeeping.
+pub(crate) struct Machine {
+    config: Arc<Config>,
+    states: Vec<JobState>,
+    queue: Queue,
+    /// `beat.misfire_threshold`.
+    threshold: Duration,
+    /// Jobs whose last attempt stalled (`failures > 0`), for the gauge.
+    stuck: i64,
+    /// The waits when the broker or Redis stalls batches in a row.
+    backoff: Backoff,
+    /// Jobs paused (`{ns}:paused`), as last read: their instants are dropped, not published.
+    paused: HashSet<String>,
+    /// The `after` jobs and what this term decided of them ([`follower`](crate::follower)).
+    followers: Followers,
+    /// Jobs before this index have had their start persisted this term, if it was new
+    /// ([`Machine::next_starts`]).
+    starts_from: usize,
+    /// Starts persisted that way this term, for the log line once all are.
+    starts_persisted: usize,
+    /// The batch planned and not sent yet.
+    planned: Option<Batch>,
+    /// The batches sent whose confirms are not read yet, oldest first.
+    flight: VecDeque<Batch>,
+    stats: BeatStats,
+}
+
+impl Machine {
+    /// A new term's machine from what it read ([`Gain`]): a job rescheduled since its progress
+    /// was recorded starts at `now`, as a reload starts it. Also returns how many jobs resumed
+    /// their recorded progress.
+    pub(crate) fn gained(
+        config: Arc<Config>,
+        gain: Gain,
+        now: DateTime<Utc>,
+        stats: BeatStats,
+    ) -> (Self, usize) {
+        let Gain {
+            lasts,
+            resumes,
+            carried,
+            paused,
+        } = gain;
+        let lasts = lasts
+            .into_iter()
+            .zip(&resumes)
+            .map(|(last, r)| last.filter(|_| *r != Resume::Restart))
+            .collect();
+        let resumed = resumes
+            .iter()
+            .filter(|r| matches!(r, Resume::Continue | Resume::Adopt))
+            .count();
+        let mut machine = Machine::new(config, lasts, now, stats);
+        for (state, r) in machine.states.iter_mut().zip(&resumes) {
+            state.rule_unsaved |= *r == Resume::Adopt;
+        }
+        for (job, instants) in carried {
+            machine.followers.carry(job, instants);
+        }
+        // Paused jobs are known before anything is published for this term.
+        machine.paused = paused;
+        (machine, resumed)
+    }
+
+    /// The state at start, from each job's loaded progress. On a job's very first start nothing
+    /// before `now` counts as missed: it starts from `now`, as a restart would read it back
+    /// (whole milliseconds).
+    fn new(
+        config: Arc<Config>,
+        lasts: Vec<Option<DateTime<Utc>>>,
+        now: DateTime<Utc>,
+        stats: BeatStats,
+    ) -> Self {
+        let start = first_start(now);
+        let states: Vec<JobState> = config
+            .jobs
+            .iter()
+            .zip(lasts)
+            .map(|(job, last)| JobState::from(job, last, start))
+            .collect();
+        Machine {
+            queue: due_queue(&config.jobs, &states),
+            followers: Followers::new(&config),
+            threshold: config.beat.misfire_threshold,
+            config,
+            states,
+            stuck: 0,
+            backoff: SHARED,
+            paused: HashSet::new(),
+            starts_from: 0,
+            starts_persisted: 0,
+            planned: None,
+            flight: VecDeque::new(),
+            stats,
+        }
+    }
+
+    /// The config it runs.
+    pub(crate) fn config(&self) -> &Arc<Config> {
+        &self.config
+    }
+
+    /// The paused jobs as just read (at every wake, so a pause is honoured within a second).
+    pub(crate) fn paused_seen(&mut self, paused: HashSet<String>) {
+        if paused != self.paused {
+            info!(paused = paused.len(), "paused jobs changed");
+        }
+        self.paused = paused;
+    }
+
+    /// Runs `config` from `now` on (SIGHUP while leading): a job kept with the same schedule
+    /// keeps its progress; an added job, or one whose schedule changed, starts from now as on
+    /// a first start (nothing before the reload is caught up); a removed job stops. The new
+    /// starts are then to persist, all of them ([`Machine::next_starts`] until `None`).
+    pub(crate) fn reload(&mut self, config: Arc<Config>, now: DateTime<Utc>) {
+        let carried = reload::carried(&self.config.jobs, &config.jobs);
+        let start = first_start(now);
+        let old = std::mem::take(&mut self.states);
+        self.states = config
+            .jobs
+            .iter()
+            .zip(&carried)
+            .map(|(job, from)| match from {
+                Some(i) => kept(&old[*i], &self.config.jobs[*i], job, now),
+                None => JobState::from(job, None, start),
+            })
+            .collect();
+        self.queue = due_queue(&config.jobs, &self.states);
+        self.stuck = self.states.iter().filter(|s| s.failures > 0).count() as i64;
+        let summary = reload::Summary::of(&carried, old.len());
+        info!(
+            jobs = config.jobs.len(),
+            kept = summary.kept,
+            started = summary.started,
+            removed = summary.removed,
+            "reloaded the jobs (SIGHUP)"
+        );
+        self.followers = Followers::new(&config);
+        let old_last = |o: usize| old[o].last;
+        let carried_over = crate::follower::carried_over(
+            (&self.config.jobs, &old_last),
+            &config.jobs,
+            &carried,
+            now,
+        );
+        for (job, instants) in carried_over {
+            self.followers.carry(job, instants);
+        }
+        self.config = config;
+        (self.starts_from, self.starts_persisted) = (0, 0);
+    }
+
+    /// The next [`NEW_STARTS_PER_TRIP`] new jobs whose start (or rule) is to be persisted, in
+    /// the gaps while nothing is due: a term leads at once, a million new jobs' starts (seconds
+    /// of Redis's time) follow, and a due job never waits for them (its start is written before
+    /// its first publish, as always). `None` when every job was looked at. Once all are
+    /// persisted, a beat that dies before a job's first instant and stays down reports those
+    /// misses when it comes back (docs/design.md#one-scheduled-instance-through-the-beat).
+    pub(crate) fn next_starts(&mut self) -> Option<Vec<usize>> {
+        let total = self.states.len();
+        if self.starts_from >= total {
+            return None;
+        }
+        let mut slice = Vec::with_capacity(NEW_STARTS_PER_TRIP.min(total));
+        let mut end = self.starts_from;
+        while end < total && slice.len() < NEW_STARTS_PER_TRIP {
+            if self.states[end].to_write() {
+                slice.push(end);
+            }
+            end += 1;
+        }
+        self.starts_from = end;
+        Some(slice)
+    }
+
+    /// A slice of starts written ([`Machine::next_starts`], `saved` in its order): logs, and
+    /// returns whether any start is left to persist. A job whose write failed keeps it unsaved:
+    /// written before anything is published for it.
+    pub(crate) fn starts_saved(&mut self, saved: &[Option<Arc<ProgressError>>]) -> bool {
+        let failed = saved.iter().flatten().count();
+        self.starts_persisted += saved.len() - failed;
+        if let Some(e) = saved.iter().flatten().next() {
+            warn!(jobs = failed, error = %e,
+                "cannot persist new jobs' start yet; it is written before their first publish");
+        }
+        let total = self.states.len();
+        if self.starts_from == total && self.starts_persisted > 0 {
+            info!(
+                jobs = self.starts_persisted,
+                "the new jobs' starts are persisted"
+            );
+        }
+        self.starts_from < total
+    }
+
+    /// What to do at `now`, the term holding or not, a stop asked or not. Leadership is checked
+    /// before each batch; a batch in flight is finished before anything else but sending the
+    /// next one due.
+    pub(crate) fn poll(&self, now: DateTime<Utc>, holds: bool, stopping: bool) -> Do {
+        let due_now = holds && self.wait(now).is_none() && self.until_next(now).is_none();
+        if !self.flight.is_empty() && (!due_now || stopping || self.isolated()) {
+            return Do::FinishAll;
+        }
+        if stopping {
+            return Do::Return(Next::Shutdown);
+        }
+        if !holds {
+            return Do::Return(Next::NotHolding);
+        }
+        if let Some(wait) = self.wait(now) {
+            if !self.followers.any() || wait < FOLLOW_ROOM {
+                return Do::Return(Next::Wait(wait));
+            }
+            return Do::Follow;
+        }
+        match self.until_next(now) {
+            Some(early) => Do::SleepPrecisely(early.min(WAKE_EARLY)),
+            None => Do::Send,
+        }
+    }
+
+    /// A job retried alone after its own message failed is never in flight beside another
+    /// batch: a failure that closes the channel would take that one too.
+    fn isolated(&self) -> bool {
+        let alone = |job: usize| self.states[job].alone;
+        self.flight
+            .iter()
+            .any(|f| f.dues.iter().any(|d| alone(d.job)))
+            || self
+                .queue
+                .peek()
+                .is_some_and(|Reverse((_, job))| alone(*job))
+    }
+
+    /// How long to sleep before the next job is due, waking [`WAKE_EARLY`] before it, at most
+    /// [`MAX_WAIT`]; `None` when one is due now or within `WAKE_EARLY`.
+    fn wait(&self, now: DateTime<Utc>) -> Option<Duration> {
+        match self.queue.peek() {
+            Some(Reverse((due, _))) => {
+                let until = (*due - now).to_std().unwrap_or_default();
+                (until > WAKE_EARLY).then(|| MAX_WAIT.min(until - WAKE_EARLY))
+            }
+            None => Some(MAX_WAIT),
+        }
+    }
+
+    /// How long until the next job is due; `None` when it is due now (or nothing is queued).
+    fn until_next(&self, now: DateTime<Utc>) -> Option<Duration> {
+        let Reverse((due, _)) = self.queue.peek()?;
+        (*due - now).to_std().ok().filter(|d| !d.is_zero())
+    }
+
+    /// The first step of a batch: takes the jobs due at `now` ([`take_due`]), notes the
+    /// upstream instants it drops for their followers (which are then skipped at once,
+    /// docs/design.md#job-dependencies), reports the drops and moves each job's progress past
+    /// them. Asks to journal the drops and to write the progress they make (with any progress
+    /// a failed write left unsaved): a job whose write fails publishes nothing now.
+    pub(crate) fn plan(&mut self, now: DateTime<Utc>) -> Planned {
+        let jobs = &self.config.jobs;
+        let at = (now, self.threshold);
+        let dues = take_due(&mut self.queue, jobs, &self.states, at, &self.paused);
+        if self.followers.any() {
+            for due in &dues {
+                self.followers.upstream_dropped(due.job, &due.plan);
+            }
+        }
+        let drops = dues
+            .iter()
+            .flat_map(|due| journal::dropped(&jobs[due.job], &due.plan))
+            .collect();
+        settle_drops(jobs, &mut self.states, &dues, &self.stats);
+        let saving = (0..dues.len())
+            .filter(|p| self.states[dues[*p].job].to_write())
+            .collect();
+        let batch = Batch {
+            stalls: vec![None; dues.len()],
+            dues,
+            now,
+            sent: Sent::default(),
+            saving,
+        };
+        let save = batch.saving_jobs();
+        self.planned = Some(batch);
+        Planned { drops, save }
+    }
+
+    /// The planned batch's progress written (`saved`, in [`Planned::save`]'s order): its
+    /// messages to send, stamped `published_at` — those of the jobs whose write worked.
+    pub(crate) fn planned_saved(
+        &mut self,
+        saved: &[Option<Arc<ProgressError>>],
+        published_at: DateTime<Utc>,
+    ) -> &[Envelope] {
+        let batch = self.planned.as_mut().expect("a batch planned");
+        batch.persist_failed(saved);
+        batch.sent = envelopes(&self.config.jobs, batch, published_at);
+        &batch.sent.envelopes
+    }
+
+    /// The planned batch's messages handed to the broker, or not one of them (`unsent`: no
+    /// connection, every job with something to publish stalls): the batch is in flight.
+    pub(crate) fn sent(&mut self, unsent: Option<BrokerError>) -> AfterSend {
+        let mut batch = self.planned.take().expect("a batch planned");
+        let unsent = unsent.map(Arc::new);
+        if let Some(e) = &unsent {
+            for (p, span) in &batch.sent.spans {
+                if !span.is_empty() {
+                    batch.stalls[*p] = Some(Stall::Unsent(e.clone()));
+                }
+            }
+        }
+        self.flight.push_back(batch);
+        if unsent.is_some() {
+            AfterSend::FinishAll
+        } else if self.flight.len() < IN_FLIGHT {
+            AfterSend::More
+        } else {
+            AfterSend::FinishOldest
+        }
+    }
+
+    /// The oldest batch's confirms (`outcomes`, one per message sent in send order; none when
+    /// nothing was): moves each job to the newest instant of its contiguous confirmed prefix
+    /// ([`progress_after`]). Asks to journal what was published and to write the whole
+    /// batch's progress in one round trip — including jobs that stalled on a publish after
+    /// some of their instants were confirmed. Progress is written only after the broker
+    /// confirmed (docs/design.md).
+    pub(crate) fn confirmed(&mut self, outcomes: Vec<Result<(), BrokerError>>) -> Confirmed {
+        let batch = self.flight.front_mut().expect("a batch in flight");
+        let jobs = &self.config.jobs;
+        let published = record_outcomes(jobs, &mut self.states, batch, outcomes, &self.stats);
+        let states = &self.states;
+        batch.saving = (0..batch.dues.len())
+            .filter(|p| {
+                let persist_failed = matches!(batch.stalls[*p], Some(Stall::Persist(_)));
+                !persist_failed && states[batch.dues[*p].job].to_write()
+            })
+            .collect();
+        Confirmed {
+            published,
+            save: batch.saving_jobs(),
+        }
+    }
+
+    /// The oldest batch's progress written (`saved`, in [`Confirmed::save`]'s order): a failed
+    /// write stalls the job, like a broker failure — this beat remembers the progress (it never
+    /// republishes an instant it recorded), writes it first when it retries, and instances that
+    /// come due meanwhile are misses. Puts the batch's jobs back in the due queue; returns the
+    /// shared backoff when the broker or Redis stalled some job.
+    pub(crate) fn finished(&mut self, saved: &[Option<Arc<ProgressError>>]) -> Option<Duration> {
+        let mut batch = self.flight.pop_front().expect("a batch in flight");
+        batch.persist_failed(saved);
+        for (due, stall) in batch.dues.iter().zip(&batch.stalls) {
+            if stall.is_none() {
+                let state = &mut self.states[due.job];
+                state.next = self.config.jobs[due.job].schedule.next_after(state.last);
+            }
+        }
+        self.settle(&batch.dues, batch.stalls, batch.now)
+    }
+
+    /// What following the `after` jobs needs ([`follower::step`](crate::follower::step)).
+    pub(crate) fn following(&mut self) -> Following<'_> {
+        Following {
+            jobs: &self.config.jobs,
+            followers: &mut self.followers,
+            lasts: Lasts(&self.states),
+            paused: &self.paused,
+            retention: self.config.worker.done_ttl,
+        }
+    }
+
+    /// The followers' progress the step moved (`moved`: job, to): the followers whose progress
+    /// to write (fenced, only past what was confirmed or recorded).
+    pub(crate) fn followed(&mut self, moved: Vec<(usize, DateTime<Utc>)>) -> Vec<usize> {
+        for (i, to) in moved {
+            self.states[i].last = to;
+            self.states[i].unsaved = true;
+        }
+        self.followers
+            .jobs()
+            .filter(|i| self.states[*i].to_write())
+            .collect()
+    }
+
+    /// The wait after following at `now`: until the next instant, at most [`FOLLOW_POLL`].
+    pub(crate) fn wait_after_follow(&self, now: DateTime<Utc>) -> Next {
+        Next::Wait(self.wait(now).unwrap_or_default().min(FOLLOW_POLL))
+    }
+
+    /// The writes of jobs `which`'s progress (never moving it back), with the job's rule where
+    /// it is not recorded yet.
+    pub(crate) fn writes(&self, which: &[usize]) -> Writes<'_> {
+        let (starting, moving): (Vec<usize>, Vec<usize>) =
+            which.iter().partition(|i| self.states[**i].rule_unsaved);
+        let jobs = &self.config.jobs;
+        let name = |i: usize| (jobs[i].name.as_str(), self.states[i].last);
+        Writes {
+            progress: moving.into_iter().map(name).collect(),
+            starts: starting
+                .into_iter()
+                .map(|i| (name(i).0, name(i).1, reload::rule(&jobs[i].schedule)))
+                .collect(),
+        }
+    }
+
+    /// Redis's answers to [`Machine::writes`] for `which` (`moved` for its progress, `started`
+    /// for its starts, each in order): each job's failure back in `which` order; clears what
+    /// was written. The starts just written (a first start, an added or rescheduled job; not
+    /// an adopted one) are to journal, so that `audit` plans no instant of its rule before
+    /// them (docs/audit.md).
+    pub(crate) fn saved(
+        &mut self,
+        which: &[usize],
+        moved: Vec<Option<Arc<ProgressError>>>,
+        started: Vec<Option<Arc<ProgressError>>>,
+    ) -> Saved {
+        let (mut moved, mut started) = (moved.into_iter(), started.into_iter());
+        let outcomes: Vec<Option<Arc<ProgressError>>> = which
+            .iter()
+            .map(|i| {
+                let outcome = if self.states[*i].rule_unsaved {
+                    started.next()
+                } else {
+                    moved.next()
+                };
+                outcome.flatten()
+            })
+            .collect();
+        let deposed = outcomes
+            .iter()
+            .flatten()
+            .any(|e| matches!(**e, ProgressError::Deposed));
+        let states = &mut self.states;
+        let started = which
+            .iter()
+            .zip(&outcomes)
+            .filter(|(i, failed)| {
+                failed.is_none() && states[**i].unsaved && states[**i].rule_unsaved
+            })
+            .map(|(i, _)| journal::started(&self.config.jobs[*i], states[*i].last))
+            .collect();
+        for (i, failed) in which.iter().zip(&outcomes) {
+            if failed.is_none() {
+                states[*i].unsaved = false;
+                states[*i].rule_unsaved = false;
+            }
+        }
+        Saved {
+            outcomes,
+            deposed,
+            started,
+        }
+    }
+
+    /// Puts every job of the batch back in the queue — at its next instant when it moved on,
+    /// for a retry when it stalled — and sets the stall gauge. Returns the shared backoff when
+    /// the broker or Redis stalled some job.
+    fn settle(
+        &mut self,
+        batch: &[Due],
+        stalls: Vec<Option<Stall>>,
+        now: DateTime<Utc>,
+    ) -> Option<Duration> {
+        let (mut stalled, mut shared) = (0, 0);
+        for (due, stall) in batch.iter().zip(stalls) {
+            let state = &mut self.states[due.job];
+            let Some(stall) = stall else {
+                if state.failures > 0 {
+                    self.stuck -= 1;
+                }
+                state.failures = 0;
+                state.alone = false;
+                if let Some(next) = state.next {
+                    let offset = self.config.jobs[due.job].jitter_offset();
+                    self.queue.push(Reverse((next + offset, due.job)));
+                }
+                continue;
+            };
+            if matches!(stall, Stall::NotLeading) {
+                self.queue.push(Reverse((due.due, due.job)));
+                continue;
+            }
+            if state.failures == 0 {
+                self.stuck += 1;
+            }
+            state.failures = state.failures.saturating_add(1);
+            match &stall {
+                Stall::Publish(_) | Stall::Unsent(_) => self.stats.publish_failures.inc(),
+                Stall::Persist(_) => self.stats.persist_failures.inc(),
+                Stall::NotLeading => 0,
+            };
+            let listed = stalled < STALLS_LISTED;
+            shared += usize::from(!self.stalled(due, &stall, now, listed));
+            stalled += 1;
+        }
+        self.stats.stalled_jobs.set(self.stuck);
+        self.after_batch(stalled, shared)
+    }
+
+    /// Requeues a stalled job, planned again from the progress made so far (instances the stall
+    /// made late become misses and follow the policy). Its own message failed: tried again
+    /// alone after its own backoff, while the other jobs go on now (returns `true`); otherwise
+    /// at its due instant, after the shared backoff.
+    fn stalled(&mut self, due: &Due, stall: &Stall, now: DateTime<Utc>, listed: bool) -> bool {
+        let job = &self.config.jobs[due.job];
+        let state = &mut self.states[due.job];
+        let own = matches!(stall, Stall::Publish(_));
+        let retry_at = if own {
+            state.alone = true;
+            let backoff = isolated_backoff(state.failures);
+            if listed {
+                warn!(job = %job.name, error = %stall, retry_in_ms = backoff.as_millis() as u64,
+                    "job stalled; will retry it alone");
+            }
+            due.due.max(now + backoff)
+        } else {
+            if listed {
+                warn!(job = %job.name, error = %stall,
+                    retry_in_ms = self.backoff.peek().as_millis() as u64, "job stalled; will retry");
+            }
+            due.due
+        };
+        self.queue.push(Reverse((retry_at, due.job)));
+        own
+    }
+
+    /// After a batch with `stalled` stalls, `shared` of them the broker's or Redis's: logs the
+    /// ones not listed, and moves the shared backoff — reset when nothing shared stalled (the
+    /// loop goes on now), else its next delay returned as the wait ([`SHARED`]).
+    fn after_batch(&mut self, stalled: usize, shared: usize) -> Option<Duration> {
+        let more = stalled.saturating_sub(STALLS_LISTED);
+        if shared == 0 {
+            self.backoff.reset();
+            if more > 0 {
+                warn!(more, "more jobs stalled; will retry them alone");
+            }
+            return None;
+        }
+        if more > 0 {
+            warn!(
+                more,
+                retry_in_ms = self.backoff.peek().as_millis() as u64,
+                "more jobs stalled; will retry"
+            );
+        }
+        Some(self.backoff.next_delay())
+    }
+}
+
+/// Takes the jobs due at `now` off the queue, oldest first, and plans each (a paused job's
+/// plan publishes nothing: [`misfire::paused`]), up to [`BATCH_JOBS`] jobs or
+/// [`BATCH_MESSAGES`] messages (the last job taken may publish only the first part of its plan;
+/// it stays due for the next batch).
+fn take_due(
+    queue: &mut Queue,
+    jobs: &[Job],
+    states: &[JobState],
+    (now, threshold): (DateTime<Utc>, Duration),
+    paused: &HashSet<String>,
+) -> Vec<Due> {
+    let mut batch = Vec::new();
+    let mut messages = 0;
+    while batch.len() < BATCH_JOBS && messages < BATCH_MESSAGES {
+        let Some(Reverse((due, job))) = queue.peek().copied() else {
+            break;
+        };
+        if due > now {
+            break;
+        }
+        // A job whose message failed goes in a batch of its own, so that a failure that
+        // closes the channel cannot take the others' messages with it.
+        let alone = states[job].alone;
+        if alone && !batch.is_empty() {
+            break;
+        }
+        queue.pop();
+        // A jittered job lives `offset` behind the clock: instant `t` is due at `t + offset`,
+        // and is late (a misfire) by as much as `now` is past that (docs/design.md#jitter).
+        // Instants a reload held are late only from the reload.
+        let held = states[job].held;
+        let mut plan = plan_held(
+            &jobs[job],
+            states[job].last,
+            now - jobs[job].jitter_offset(),
+            threshold,
+            held,
+        );
+        if paused.contains(&jobs[job].name) {
+            plan = misfire::paused(plan);
+        }
+        let take = plan.publish.len().min(BATCH_MESSAGES - messages);
+        messages += take;
+        batch.push(Due {
+            job,
+            due,
+            plan,
+            take,
+            held,
+        });
+        if alone {
+            break;
+        }
+    }
+    batch
+}
+
+/// Wait before the `failures`-th consecutive try of a job whose own message failed.
+fn isolated_backoff(failures: u32) -> Duration {
+    ISOLATED.nth(failures.saturating_sub(1), 0.0)
+}
+
+/// Reports the batch's drops and moves each job's progress past them. The drops are all older
+/// than the first instance to publish: settled first, so that if a publish fails, the next plan
+/// starts after them and does not report them again.
+fn settle_drops(jobs: &[Job], states: &mut [JobState], batch: &[Due], stats: &BeatStats) {
+    for due in batch {
+        report_dropped(&jobs[due.job], &due.plan, stats);
+        let state = &mut states[due.job];
+        if let Some(dropped) = due.plan.dropped_up_to.filter(|d| *d > state.last) {
+            state.last = dropped;
+            state.unsaved = true;
+        }
+    }
+}
+
+/// The envelopes of the batch's jobs that have not stalled: the first `take` of each plan,
+/// stamped `published_at`.
+fn envelopes(jobs: &[Job], batch: &Batch, published_at: DateTime<Utc>) -> Sent {
+    let mut envelopes = Vec::new();
+    let mut spans = Vec::new();
+    for (p, due) in batch.dues.iter().enumerate() {
+        if batch.stalls[p].is_some() {
+            continue;
+        }
+        let job = &jobs[due.job];
+        let first = envelopes.len();
+        for t in &due.plan.publish[..due.take] {
+            // `expires` counts from when the instant is due: its jittered time (a held
+            // instant's: the reload's).
+            let due_at = due.held.map_or(*t, |h| h.due(*t)) + job.jitter_offset();
+            let expires_at = job
+                .spec
+                .expires
+                .and_then(|e| chrono::Duration::from_std(e).ok())
+                .map(|e| due_at + e);
+            envelopes.push(Envelope::scheduled(
+                &job.name,
+                &job.spec.task,
+                &job.spec.queue,
+                job.spec.args.clone(),
+                *t,
+                expires_at,
+                published_at,
+            ));
+        }
+        spans.push((p, first..envelopes.len()));
+    }
+    Sent { envelopes, spans }
+}
+
+/// Records each job's confirmed instants and returns their journal entries; a job whose
+/// publish failed gets its stall. `outcomes` is in `sent.envelopes` order: each job's run of
+/// them, in `spans` order.
+fn record_outcomes(
+    jobs: &[Job],
+    states: &mut [JobState],
+    batch: &mut Batch,
+    outcomes: Vec<Result<(), BrokerError>>,
+    stats: &BeatStats,
+) -> Vec<LeaderEntry> {
+    let mut outcomes = outcomes.into_iter();
+    let mut published = Vec::new();
+    for (p, span) in &batch.sent.spans {
+        let results: Vec<Result<(), BrokerError>> = outcomes.by_ref().take(span.len()).collect();
+        if batch.stalls[*p].is_none() {
+            let due = &batch.dues[*p];
+            let (job, state) = (&jobs[due.job], &mut states[due.job]);
+            let envelopes = &batch.sent.envelopes[span.clone()];
+            let confirmed = record_confirmed(job, state, due, envelopes, results, stats);
+            published.extend(
+                envelopes[..confirmed.0]
+                    .iter()
+                    .map(|e| journal::published(&e.key)),
+            );
+            batch.stalls[*p] = confirmed.1;
+        }
+    }
+    published
+}
+
+/// Moves one job's progress to the newest instant of its contiguous confirmed prefix
+/// ([`progress_after`]) and counts and logs what that records as published. Returns how many
+/// of `envelopes` that records, and the job's stall when one of its messages failed.
+fn record_confirmed(
+    job: &Job,
+    state: &mut JobState,
+    due: &Due,
+    envelopes: &[Envelope],
+    results: Vec<Result<(), BrokerError>>,
+    stats: &BeatStats,
+) -> (usize, Option<Stall>) {
+    let confirmed: Vec<bool> = results.iter().map(Result::is_ok).collect();
+    let whole = due.take == due.plan.publish.len();
+    let (to, recorded) = progress_after(
+        state.last,
+        &due.plan.publish[..due.take],
+        &confirmed,
+        due.plan.decided_up_to.filter(|_| whole),
+    );
+    for env in &envelopes[..recorded] {
+        stats.published(&job.name);
+        info!(job = %job.name, key = %env.key, "published");
+    }
+    if to > state.last {
+        state.last = to;
+        state.unsaved = true;
+    }
+    let stall = match results.into_iter().find_map(Result::err) {
+        None => None,
+        Some(BrokerError::Withdrawn) => Some(Stall::NotLeading),
+        Some(failed) => Some(Stall::Publish(Arc::new(failed))),
+    };
+    (recorded, stall)
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::misfire::tests::{at, job, EVERY_MINUTE, LAST, NOW, THRESHOLD};
+    use chrono::TimeDelta;
+    use drumline_shared::config::Misfire;
+
+    #[test]
+    fn a_job_whose_message_failed_is_batched_alone() {
+        let jobs: Vec<Job> = (0..4).map(|_| job(EVERY_MINUTE)).collect();
+        let mut states: Vec<JobState> = (0..4)
+            .map(|_| JobState {
+                last: at(LAST),
+                next: None,
+                unsaved: false,
+                rule_unsaved: false,
+                failures: 0,
+                alone: false,
+                held: None,
+            })
+            .collect();
+        states[1].alone = true;
+        let due = at("2026-03-02T12:01:00Z");
+        let mut queue: BinaryHeap<Reverse<(DateTime<Utc>, usize)>> =
+            (0..4).map(|i| Reverse((due, i))).collect();
+        let mut batches = Vec::new();
+        loop {
+            let none = HashSet::new();
+            let batch = take_due(&mut queue, &jobs, &states, (at(NOW), THRESHOLD), &none);
+            if batch.is_empty() {
+                break;
+            }
+            batches.push(batch.iter().map(|d| d.job).collect::<Vec<_>>());
+        }
+        assert_eq!(batches, vec![vec![0], vec![1], vec![2, 3]]);
+    }
+
+    /// A jittered job is queued `offset` after its instant and planned `offset` behind the
+    /// clock: at `instant + offset` it publishes `instant` (the key's), on time.
+    #[test]
+    fn a_jittered_job_is_due_its_offset_late_and_publishes_the_instant() {
+        let jobs = vec![job("every = \"1m\"\njitter = \"50s\"")];
+        let offset = jobs[0].jitter_offset();
+        assert!(offset > TimeDelta::zero() && offset < TimeDelta::seconds(50));
+        let last = at("2026-03-02T12:00:00Z");
+        let state = JobState::from(&jobs[0], Some(last), last);
+        let instant = at("2026-03-02T12:01:00Z");
+        assert_eq!(state.next, Some(instant));
+        let mut queue = due_queue(&jobs, std::slice::from_ref(&state));
+        assert_eq!(queue.peek(), Some(&Reverse((instant + offset, 0))));
+
+        let none = HashSet::new();
+        let states = [state];
+        let just_before = instant + offset - TimeDelta::milliseconds(1);
+        let batch = take_due(&mut queue, &jobs, &states, (just_before, THRESHOLD), &none);
+        assert!(batch.is_empty(), "not due before instant + offset");
+        let batch = take_due(
+            &mut queue,
+            &jobs,
+            &states,
+            (instant + offset, THRESHOLD),
+            &none,
+        );
+        assert_eq!(batch[0].plan.publish, vec![instant]);
+        assert!(batch[0].plan.dropped.is_empty(), "on time, not a misfire");
+    }
+
+    /// A reload that lowers a job's jitter (here to none) holds the instant not yet due under
+    /// the old offset: at the reload it is published at once, on time, its `expires` counted
+    /// from the reload, though its new jittered time is long past. Unheld, `skip` dropped it.
+    /// See: issues/33
+    #[test]
+    fn a_reload_lowering_the_jitter_publishes_the_pending_instant_on_time() {
+        let old = job("every = \"1m\"\njitter = \"50s\"\nmisfire = \"skip\"");
+        let new = job("every = \"1m\"\nmisfire = \"skip\"\nexpires = \"2s\"");
+        let offset = old.jitter_offset();
+        let threshold = Duration::from_secs(1);
+        assert!(offset > TimeDelta::seconds(2), "{offset}");
+        let last = at("2026-03-02T12:00:00Z");
+        let before = JobState::from(&old, Some(last), last);
+        let instant = at("2026-03-02T12:01:00Z");
+        // Just before the instant's old jittered time, long after its new one.
+        let reload_at = instant + offset - TimeDelta::milliseconds(1);
+        let after = kept(&before, &old, &new, reload_at);
+        let jobs = [new];
+        let now = reload_at + TimeDelta::milliseconds(500);
+        let plan_of = |state: &JobState| {
+            let mut queue = due_queue(&jobs, std::slice::from_ref(state));
+            let states = [state.clone()];
+            let none = HashSet::new();
+            take_due(&mut queue, &jobs, &states, (now, threshold), &none).remove(0)
+        };
+
+        let due = plan_of(&after);
+        assert_eq!(due.plan.publish, vec![instant]);
+        assert_eq!(due.plan.dropped_count(), 0, "{:?}", due.plan.dropped);
+        let batch = Batch {
+            dues: vec![due],
+            now,
+            sent: Sent::default(),
+            stalls: vec![None],
+            saving: Vec::new(),
+        };
+        let sent = envelopes(&jobs, &batch, now);
+        let expires = reload_at + TimeDelta::seconds(2);
+        assert_eq!(sent.envelopes[0].expires_at, Some(expires));
+        // Without the hold, the instant was missed and `skip` dropped it.
+        let unheld = plan_of(&before);
+        assert!(unheld.plan.publish.is_empty());
+        assert_eq!(
+            unheld.plan.dropped,
+            vec![(instant, misfire::Dropped::Policy(Misfire::Skip))]
+        );
+    }
+
+    #[test]
+    fn isolated_backoff_doubles_up_to_its_cap() {
+        let ms = |n| isolated_backoff(n).as_millis();
+        assert_eq!((ms(1), ms(2), ms(3)), (200, 400, 800));
+        assert_eq!(ms(8), 25_600);
+        assert_eq!((ms(9), ms(u32::MAX)), (30_000, 30_000));
+    }
+}
