@@ -1240,3 +1240,686 @@ mod tests {
         assert_eq!((ms(9), ms(u32::MAX)), (30_000, 30_000));
     }
 }
+
+/// The machine driven through its cases with plain values: Redis and the broker are answers the
+/// test chooses, time is the `now` it passes. See: issues/34
+#[cfg(test)]
+mod driven {
+    use super::*;
+    use crate::misfire::tests::at;
+    use drumline_shared::envelope::instance_key;
+    use std::collections::HashMap;
+    use std::path::Path;
+
+    /// A config of the jobs `(name, keys)`, each running task `t`.
+    fn config(jobs: &[(&str, &str)]) -> Arc<Config> {
+        let mut text = String::new();
+        for (name, keys) in jobs {
+            text += &format!("[[jobs]]\nname = \"{name}\"\ntask = \"t\"\n{keys}\n");
+        }
+        text += "[tasks.t]\ncommand = [\"/bin/true\"]\n";
+        let config = Config::parse(&text, Path::new("test.toml"), |_| None);
+        Arc::new(config.unwrap_or_else(|e| panic!("bad test config: {e}")))
+    }
+
+    const MINUTELY: &str = "every = \"1m\"";
+
+    /// How Redis answers progress writes.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Redis {
+        Takes,
+        /// The instant is too far ahead of Redis `TIME`.
+        Refuses,
+        /// The lease is not ours.
+        Deposes,
+    }
+
+    /// How a round of the driver ended.
+    #[derive(Debug, PartialEq)]
+    enum Out {
+        Next(Next),
+        Follow,
+        Early(Duration),
+    }
+
+    /// The machine and the world around it, played by the test as the driver plays it.
+    struct World {
+        m: Machine,
+        /// The messages of each batch in flight, oldest first.
+        flight: VecDeque<Vec<Envelope>>,
+        /// Jobs (or keys) whose messages the broker refuses.
+        refused: HashSet<String>,
+        /// No connection to the broker: nothing is sent.
+        unreachable: bool,
+        /// The term stops holding after this many messages of the next batch.
+        withdraw_after: Option<usize>,
+        redis: Redis,
+        deposed: bool,
+        /// Keys the broker confirmed, in order: what workers receive.
+        delivered: Vec<String>,
+        journal: Vec<LeaderEntry>,
+        /// Each job's progress as Redis holds it.
+        recorded: HashMap<String, DateTime<Utc>>,
+        holds: bool,
+        stopping: bool,
+        stats: BeatStats,
+    }
+
+    impl World {
+        /// A term gained at `now` over `jobs`, each with `last` recorded (`None`: never).
+        fn gained(jobs: &[(&str, &str)], last: Option<&str>, now: &str) -> World {
+            World::recorded_at(jobs, &vec![last; jobs.len()], now)
+        }
+
+        /// A term gained at `now` over `jobs`, with each one's recorded progress.
+        fn recorded_at(jobs: &[(&str, &str)], lasts: &[Option<&str>], now: &str) -> World {
+            let config = config(jobs);
+            let n = config.jobs.len();
+            let recorded = config
+                .jobs
+                .iter()
+                .zip(lasts)
+                .filter_map(|(j, last)| Some((j.name.clone(), at((*last)?))))
+                .collect();
+            let lasts = lasts.iter().map(|l| l.map(at)).collect();
+            let gain = Gain {
+                lasts,
+                resumes: vec![Resume::Continue; n],
+                carried: Vec::new(),
+                paused: HashSet::new(),
+            };
+            let stats = BeatStats::default();
+            let (m, _) = Machine::gained(config, gain, at(now), stats.clone());
+            World {
+                m,
+                flight: VecDeque::new(),
+                refused: HashSet::new(),
+                unreachable: false,
+                withdraw_after: None,
+                redis: Redis::Takes,
+                deposed: false,
+                delivered: Vec::new(),
+                journal: Vec::new(),
+                recorded,
+                holds: true,
+                stopping: false,
+                stats,
+            }
+        }
+
+        /// One round of the driver at `now` (as `Beat::run_due`).
+        fn round(&mut self, now: &str) -> Out {
+            let now = at(now);
+            loop {
+                match self.m.poll(now, self.holds, self.stopping) {
+                    Do::FinishAll => {
+                        let wait = self.finish_all();
+                        if let Some(next) = after_finishing(self.stopping, wait) {
+                            return Out::Next(next);
+                        }
+                    }
+                    Do::Return(next) => return Out::Next(next),
+                    Do::Follow => return Out::Follow,
+                    Do::SleepPrecisely(d) => return Out::Early(d),
+                    Do::Send => {
+                        if let Some(next) = self.send(now) {
+                            return Out::Next(next);
+                        }
+                    }
+                }
+            }
+        }
+
+        /// Plans and sends the batch due (as `Beat::send_next`).
+        fn send(&mut self, now: DateTime<Utc>) -> Option<Next> {
+            let planned = self.m.plan(now);
+            self.journal.extend(planned.drops);
+            let saved = self.save(&planned.save);
+            let outgoing = self.m.planned_saved(&saved, now).to_vec();
+            let unsent = (self.unreachable && !outgoing.is_empty()).then(|| {
+                let (nodes, reason) = ("127.0.0.1:5672".into(), "refused".into());
+                BrokerError::Unreachable { nodes, reason }
+            });
+            let sent = if unsent.is_some() {
+                Vec::new()
+            } else {
+                outgoing
+            };
+            self.flight.push_back(sent);
+            match self.m.sent(unsent) {
+                AfterSend::More => None,
+                AfterSend::FinishAll => self.finish_all().map(Next::Backoff),
+                AfterSend::FinishOldest => {
+                    let wait = self.finish_oldest().flatten()?;
+                    let also = self.finish_all();
+                    Some(Next::Backoff(also.map_or(wait, |w| w.max(wait))))
+                }
+            }
+        }
+
+        /// The broker's answer to one message.
+        fn confirm(&mut self, e: &Envelope, nth: usize) -> Result<(), BrokerError> {
+            if self.withdraw_after.is_some_and(|n| nth >= n) {
+                self.holds = false;
+                return Err(BrokerError::Withdrawn);
+            }
+            let job = e.key.split('@').next().unwrap_or_default();
+            if self.refused.contains(job) || self.refused.contains(&e.key) {
+                return Err(BrokerError::Nacked);
+            }
+            self.delivered.push(e.key.clone());
+            Ok(())
+        }
+
+        /// Finishes the oldest batch in flight (as `Beat::finish_oldest`).
+        fn finish_oldest(&mut self) -> Option<Option<Duration>> {
+            let sent = self.flight.pop_front()?;
+            let outcomes = sent
+                .iter()
+                .enumerate()
+                .map(|(nth, e)| self.confirm(e, nth))
+                .collect();
+            let confirmed = self.m.confirmed(outcomes);
+            self.journal.extend(confirmed.published);
+            let saved = self.save(&confirmed.save);
+            Some(self.m.finished(&saved))
+        }
+
+        fn finish_all(&mut self) -> Option<Duration> {
+            let mut wait: Option<Duration> = None;
+            while let Some(asked) = self.finish_oldest() {
+                if let Some(w) = asked {
+                    wait = Some(wait.map_or(w, |v| v.max(w)));
+                }
+            }
+            wait
+        }
+
+        /// Writes the progress of `which` as Redis answers (as `Beat::save`).
+        fn save(&mut self, which: &[usize]) -> Vec<Option<Arc<ProgressError>>> {
+            let writes = self.m.writes(which);
+            let mut all: Vec<(String, DateTime<Utc>)> = Vec::new();
+            all.extend(writes.progress.iter().map(|(j, t)| (j.to_string(), *t)));
+            let moved_n = all.len();
+            all.extend(writes.starts.iter().map(|(j, t, _)| (j.to_string(), *t)));
+            let answer = |t: DateTime<Utc>| match self.redis {
+                Redis::Takes => None,
+                Redis::Refuses => Some(Arc::new(ProgressError::Ahead { at: t })),
+                Redis::Deposes => Some(Arc::new(ProgressError::Deposed)),
+            };
+            let answers: Vec<_> = all.iter().map(|(_, t)| answer(*t)).collect();
+            if self.redis == Redis::Takes {
+                for (job, t) in &all {
+                    let was = self.recorded.entry(job.clone()).or_insert(*t);
+                    *was = (*was).max(*t);
+                }
+            }
+            let started = answers[moved_n..].to_vec();
+            let moved = answers[..moved_n].to_vec();
+            let saved = self.m.saved(which, moved, started);
+            self.deposed |= saved.deposed;
+            self.journal.extend(saved.started);
+            saved.outcomes
+        }
+
+        /// Persists every new start (as `Beat::reload`'s loop).
+        fn persist_starts(&mut self) {
+            while let Some(slice) = self.m.next_starts() {
+                let saved = self.save(&slice);
+                if !self.m.starts_saved(&saved) {
+                    break;
+                }
+            }
+        }
+
+        fn journaled(&self, event: &str) -> Vec<(String, &'static str)> {
+            let entries = self.journal.iter().filter(|e| e.event == event);
+            entries.map(|e| (e.key.clone(), e.reason)).collect()
+        }
+
+        fn recorded(&self, job: &str) -> Option<DateTime<Utc>> {
+            self.recorded.get(job).copied()
+        }
+    }
+
+    fn key(job: &str, t: &str) -> String {
+        instance_key(job, at(t))
+    }
+
+    fn keys(job: &str, minutes: std::ops::RangeInclusive<u32>) -> Vec<String> {
+        let ts = crate::misfire::tests::minutes(minutes);
+        ts.into_iter().map(|t| instance_key(job, t)).collect()
+    }
+
+    const ABC: [(&str, &str); 3] = [("a", MINUTELY), ("b", MINUTELY), ("c", MINUTELY)];
+
+    #[test]
+    fn instants_due_in_one_tick_are_published_once_each() {
+        let mut w = World::gained(&ABC, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        let next = w.round("2026-03-02T12:01:00Z");
+        assert_eq!(next, Out::Next(Next::Wait(MAX_WAIT)));
+        let t = "2026-03-02T12:01:00Z";
+        assert_eq!(w.delivered, vec![key("a", t), key("b", t), key("c", t)]);
+        assert_eq!(w.journaled("published").len(), 3);
+        assert_eq!(w.recorded("b"), Some(at(t)));
+        // Looked at again within the same instant: nothing more.
+        w.round("2026-03-02T12:01:00.400Z");
+        assert_eq!(w.delivered.len(), 3);
+        assert_eq!(w.stats.published_total(), 3);
+    }
+
+    #[test]
+    fn a_tick_with_nothing_due_sleeps_until_the_next_instant() {
+        let mut w = World::gained(&ABC, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:10Z");
+        let wait = |ms| Out::Next(Next::Wait(Duration::from_millis(ms)));
+        assert_eq!(w.round("2026-03-02T12:00:30Z"), wait(1000));
+        assert_eq!(w.round("2026-03-02T12:00:59.500Z"), wait(497));
+        // Within `WAKE_EARLY`: the rest is slept precisely, then the instant is sent.
+        let early = w.round("2026-03-02T12:00:59.999Z");
+        assert_eq!(early, Out::Early(Duration::from_millis(1)));
+        assert!(w.delivered.is_empty());
+        w.round("2026-03-02T12:01:00Z");
+        assert_eq!(w.delivered.len(), 3);
+    }
+
+    /// The beat was down ten minutes and a half: what each misfire policy publishes.
+    fn after_a_long_pause(policy: &str) -> World {
+        let keys = format!("{MINUTELY}\nmisfire = \"{policy}\"\noverlap = \"queue\"");
+        let jobs = [("a", keys.as_str())];
+        let mut w = World::gained(&jobs, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:10:30Z");
+        w.round("2026-03-02T12:10:30Z");
+        w
+    }
+
+    #[test]
+    fn after_a_long_pause_run_once_publishes_only_the_latest_missed() {
+        let w = after_a_long_pause("run_once");
+        assert_eq!(w.delivered, keys("a", 10..=10));
+        let skipped = w.journaled("skipped");
+        assert_eq!(skipped.len(), 9);
+        assert!(
+            skipped.iter().all(|(_, why)| *why == "misfire_run_once"),
+            "{skipped:?}"
+        );
+        assert_eq!(w.recorded("a"), Some(at("2026-03-02T12:10:00Z")));
+    }
+
+    #[test]
+    fn after_a_long_pause_skip_publishes_none_and_moves_past_them() {
+        let mut w = after_a_long_pause("skip");
+        assert!(w.delivered.is_empty());
+        assert_eq!(w.journaled("skipped").len(), 10);
+        assert_eq!(w.recorded("a"), Some(at("2026-03-02T12:10:00Z")));
+        // The next instant, on time, is published.
+        w.round("2026-03-02T12:11:00Z");
+        assert_eq!(w.delivered, keys("a", 11..=11));
+    }
+
+    #[test]
+    fn after_a_long_pause_catch_up_publishes_every_missed_instant_oldest_first() {
+        let w = after_a_long_pause("catch_up");
+        assert_eq!(w.delivered, keys("a", 1..=10));
+        assert!(w.journaled("skipped").is_empty());
+    }
+
+    /// The term stops holding after the first message of the batch: the rest is withdrawn,
+    /// nothing further is published, and only what was confirmed is recorded.
+    #[test]
+    fn leadership_lost_mid_batch_publishes_nothing_further() {
+        let mut w = World::gained(&ABC, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        w.withdraw_after = Some(1);
+        let t = "2026-03-02T12:01:00Z";
+        assert_eq!(w.round(t), Out::Next(Next::NotHolding));
+        assert_eq!(w.delivered, vec![key("a", t)]);
+        assert_eq!(w.recorded("a"), Some(at(t)));
+        assert_eq!(w.recorded("b"), Some(at("2026-03-02T12:00:00Z")));
+        assert_eq!(w.recorded("c"), Some(at("2026-03-02T12:00:00Z")));
+        // Not the jobs' fault: no stall counted, no drop journaled.
+        assert_eq!(w.stats.publish_failures.get(), 0);
+        assert!(w.journaled("skipped").is_empty());
+        assert_eq!(w.round("2026-03-02T12:01:01Z"), Out::Next(Next::NotHolding));
+        assert_eq!(w.delivered.len(), 1);
+    }
+
+    /// What the last leader left unconfirmed, its successor publishes, on time, from the
+    /// progress recorded: nothing it recorded is published again.
+    #[test]
+    fn a_successor_publishes_the_instants_left_unconfirmed_and_nothing_twice() {
+        let mut w = World::gained(&ABC, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        w.withdraw_after = Some(1);
+        let t = "2026-03-02T12:01:00Z";
+        w.round(t);
+        let (a, b) = (w.recorded("a").unwrap(), w.recorded("b").unwrap());
+        let (a, b) = (a.to_rfc3339(), b.to_rfc3339());
+        let jobs = [("a", MINUTELY), ("b", MINUTELY)];
+        let lasts = [Some(a.as_str()), Some(b.as_str())];
+        let mut next = World::recorded_at(&jobs, &lasts, "2026-03-02T12:01:02Z");
+        next.round("2026-03-02T12:01:02Z");
+        assert_eq!(next.delivered, vec![key("b", t)]);
+    }
+
+    #[test]
+    fn a_gained_term_picks_up_from_recorded_progress_without_republishing() {
+        let last = Some("2026-03-02T12:01:00Z");
+        let mut w = World::gained(&ABC, last, "2026-03-02T12:01:30Z");
+        assert_eq!(
+            w.round("2026-03-02T12:01:30Z"),
+            Out::Next(Next::Wait(MAX_WAIT))
+        );
+        assert!(w.delivered.is_empty());
+        assert!(w.journal.is_empty());
+        w.round("2026-03-02T12:02:00Z");
+        let t = "2026-03-02T12:02:00Z";
+        assert_eq!(w.delivered, vec![key("a", t), key("b", t), key("c", t)]);
+    }
+
+    #[test]
+    fn a_refused_message_is_retried_alone_without_skipping_ahead() {
+        let jobs = [("a", MINUTELY)];
+        let mut w = World::gained(&jobs, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        w.refused.insert("a".into());
+        // Its own failure: no shared backoff; retried after its own (200 ms).
+        let next = w.round("2026-03-02T12:01:00Z");
+        assert_eq!(next, Out::Next(Next::Wait(Duration::from_millis(197))));
+        assert!(w.delivered.is_empty());
+        assert_eq!(w.recorded("a"), Some(at("2026-03-02T12:00:00Z")));
+        assert_eq!(w.stats.publish_failures.get(), 1);
+        assert_eq!(w.stats.stalled_jobs.get(), 1);
+        w.refused.clear();
+        w.round("2026-03-02T12:01:00.200Z");
+        assert_eq!(w.delivered, keys("a", 1..=1));
+        assert_eq!(w.stats.stalled_jobs.get(), 0);
+    }
+
+    #[test]
+    fn a_job_refused_by_the_broker_does_not_hold_up_the_others() {
+        let mut w = World::gained(&ABC, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        w.refused.insert("b".into());
+        let t = "2026-03-02T12:01:00Z";
+        let next = w.round(t);
+        assert!(matches!(next, Out::Next(Next::Wait(_))), "{next:?}");
+        assert_eq!(w.delivered, vec![key("a", t), key("c", t)]);
+        w.refused.clear();
+        w.round("2026-03-02T12:01:00.300Z");
+        assert_eq!(w.delivered.last(), Some(&key("b", t)));
+        assert_eq!(w.delivered.len(), 3);
+    }
+
+    #[test]
+    fn a_partly_confirmed_catch_up_records_the_confirmed_prefix_and_retries_the_rest() {
+        let jobs = [(
+            "a",
+            "every = \"1m\"\nmisfire = \"catch_up\"\noverlap = \"queue\"",
+        )];
+        let mut w = World::gained(&jobs, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:03:01Z");
+        w.refused.insert(key("a", "2026-03-02T12:02:00Z"));
+        w.round("2026-03-02T12:03:01Z");
+        // 12:03 was confirmed, but after the refused 12:02: only 12:01 is recorded.
+        assert_eq!(w.delivered, [keys("a", 1..=1), keys("a", 3..=3)].concat());
+        assert_eq!(w.recorded("a"), Some(at("2026-03-02T12:01:00Z")));
+        w.refused.clear();
+        w.round("2026-03-02T12:03:01.300Z");
+        let again = &w.delivered[2..];
+        assert_eq!(again, keys("a", 2..=3), "12:01 is not published again");
+        assert_eq!(w.recorded("a"), Some(at("2026-03-02T12:03:00Z")));
+    }
+
+    #[test]
+    fn an_unreachable_broker_backs_off_and_the_same_instants_go_out_later() {
+        let mut w = World::gained(&ABC, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        w.unreachable = true;
+        let backoff = |ms| Out::Next(Next::Backoff(Duration::from_millis(ms)));
+        assert_eq!(w.round("2026-03-02T12:01:00Z"), backoff(200));
+        assert_eq!(w.round("2026-03-02T12:01:00.200Z"), backoff(400));
+        assert_eq!(w.stats.stalled_jobs.get(), 3);
+        w.unreachable = false;
+        w.round("2026-03-02T12:01:00.600Z");
+        assert_eq!(
+            w.delivered,
+            keys("a", 1..=1)
+                .into_iter()
+                .chain(keys("b", 1..=1))
+                .chain(keys("c", 1..=1))
+                .collect::<Vec<_>>()
+        );
+        assert!(
+            w.journaled("skipped").is_empty(),
+            "late within the threshold: not missed"
+        );
+        assert_eq!(w.stats.stalled_jobs.get(), 0);
+    }
+
+    #[test]
+    fn a_job_whose_progress_cannot_be_written_publishes_nothing_until_it_is() {
+        let jobs = [("a", MINUTELY)];
+        // A first start: its start is written before its first publish.
+        let mut w = World::gained(&jobs, None, "2026-03-02T12:00:30Z");
+        w.redis = Redis::Refuses;
+        let next = w.round("2026-03-02T12:01:00Z");
+        assert_eq!(next, Out::Next(Next::Backoff(Duration::from_millis(200))));
+        assert!(w.delivered.is_empty());
+        assert_eq!(w.stats.persist_failures.get(), 1);
+        w.redis = Redis::Takes;
+        w.round("2026-03-02T12:01:00.200Z");
+        assert_eq!(w.delivered, keys("a", 1..=1));
+        let start = key("a", "2026-03-02T12:00:30Z");
+        assert_eq!(w.journaled("start"), vec![(start, "")]);
+    }
+
+    #[test]
+    fn a_progress_write_refused_for_the_lease_says_the_term_is_over() {
+        let mut w = World::gained(&ABC, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        w.redis = Redis::Deposes;
+        w.round("2026-03-02T12:01:00Z");
+        assert!(w.deposed);
+    }
+
+    #[test]
+    fn a_first_start_misses_nothing_before_it_and_journals_its_start() {
+        let mut w = World::gained(&ABC, None, "2026-03-02T12:00:30.250Z");
+        w.persist_starts();
+        assert_eq!(w.journaled("start").len(), 3);
+        // As a restart reads it back: the whole millisecond.
+        let start = first_start(at("2026-03-02T12:00:30.250Z"));
+        assert_eq!(w.recorded("a"), Some(start));
+        assert!(w.m.next_starts().is_none());
+        w.round("2026-03-02T12:01:00Z");
+        assert_eq!(w.delivered.len(), 3);
+        assert!(w.journaled("skipped").is_empty());
+    }
+
+    #[test]
+    fn a_paused_job_drops_its_instants_and_a_resumed_one_publishes_again() {
+        let mut w = World::gained(&ABC, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        w.m.paused_seen(HashSet::from(["a".to_owned()]));
+        let t = "2026-03-02T12:01:00Z";
+        w.round(t);
+        assert_eq!(w.delivered, vec![key("b", t), key("c", t)]);
+        assert_eq!(w.journaled("skipped"), vec![(key("a", t), "paused")]);
+        assert_eq!(
+            w.recorded("a"),
+            Some(at(t)),
+            "moved past what the pause dropped"
+        );
+        w.m.paused_seen(HashSet::new());
+        w.round("2026-03-02T12:02:00Z");
+        assert!(w.delivered.contains(&key("a", "2026-03-02T12:02:00Z")));
+    }
+
+    /// Job `a` stalls on its 12:01; a reload reschedules `b` and keeps `a`: `a`'s 12:01 is
+    /// still published, `b` starts from the reload.
+    #[test]
+    fn a_reload_that_reschedules_keeps_the_pending_instants_of_kept_jobs() {
+        let jobs = [("a", MINUTELY), ("b", MINUTELY)];
+        let mut w = World::gained(&jobs, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        w.refused.insert("a".into());
+        w.round("2026-03-02T12:01:00Z");
+        w.refused.clear();
+        let new = config(&[("a", MINUTELY), ("b", "every = \"2m\"")]);
+        w.m.reload(new, at("2026-03-02T12:01:00.100Z"));
+        w.persist_starts();
+        assert_eq!(
+            w.journaled("start"),
+            vec![(key("b", "2026-03-02T12:01:00.100Z"), "")]
+        );
+        w.round("2026-03-02T12:01:00.300Z");
+        assert_eq!(
+            w.delivered,
+            vec![
+                key("b", "2026-03-02T12:01:00Z"),
+                key("a", "2026-03-02T12:01:00Z")
+            ]
+        );
+        w.round("2026-03-02T12:02:00Z");
+        assert_eq!(
+            &w.delivered[2..],
+            [
+                key("a", "2026-03-02T12:02:00Z"),
+                key("b", "2026-03-02T12:02:00Z")
+            ]
+        );
+    }
+
+    #[test]
+    fn a_reload_adding_a_job_starts_it_from_the_reload() {
+        let jobs = [("a", MINUTELY)];
+        let mut w = World::gained(&jobs, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:01:30Z");
+        w.m.reload(config(&ABC[..2]), at("2026-03-02T12:01:30Z"));
+        w.persist_starts();
+        w.round("2026-03-02T12:01:30Z");
+        assert_eq!(
+            w.delivered,
+            keys("a", 1..=1),
+            "nothing of b before the reload"
+        );
+        w.round("2026-03-02T12:02:00Z");
+        assert!(w.delivered.contains(&key("b", "2026-03-02T12:02:00Z")));
+    }
+
+    #[test]
+    fn a_jittered_instant_goes_out_at_its_offset_and_is_never_dropped() {
+        let jobs = [("a", "every = \"1m\"\njitter = \"50s\"\nmisfire = \"skip\"")];
+        let mut w = World::gained(&jobs, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        let offset = w.m.config.jobs[0].jitter_offset();
+        let instant = at("2026-03-02T12:01:00Z");
+        let due = (instant + offset).to_rfc3339();
+        let before = (instant + offset - chrono::TimeDelta::seconds(1)).to_rfc3339();
+        w.round(&before);
+        assert!(w.delivered.is_empty(), "not before its offset");
+        w.round(&due);
+        assert_eq!(w.delivered, vec![instance_key("a", instant)]);
+        assert!(w.journaled("skipped").is_empty());
+    }
+
+    /// A reload lowering the jitter (to none) just before the instant's old jittered time:
+    /// `skip` would drop it as long missed; held, it is published at once.
+    #[test]
+    fn a_reload_lowering_the_jitter_never_drops_the_pending_instant() {
+        let jobs = [("a", "every = \"1m\"\njitter = \"50s\"\nmisfire = \"skip\"")];
+        let mut w = World::gained(&jobs, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        let offset = w.m.config.jobs[0].jitter_offset();
+        let instant = at("2026-03-02T12:01:00Z");
+        let reload_at = instant + offset - chrono::TimeDelta::milliseconds(1);
+        w.m.reload(
+            config(&[("a", "every = \"1m\"\nmisfire = \"skip\"")]),
+            reload_at,
+        );
+        w.round(&(reload_at + chrono::TimeDelta::milliseconds(1)).to_rfc3339());
+        assert_eq!(w.delivered, vec![instance_key("a", instant)]);
+        assert!(w.journaled("skipped").is_empty());
+    }
+
+    #[test]
+    fn a_follower_is_never_due_on_its_own_and_is_followed_when_there_is_room() {
+        let jobs = [("a", MINUTELY), ("b", "after = \"a\"")];
+        let mut w = World::gained(&jobs, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        assert_eq!(w.round("2026-03-02T12:00:30Z"), Out::Follow);
+        // Too close to the next instant: the followers wait, the instant does not.
+        let close = w.round("2026-03-02T12:00:59.990Z");
+        assert_eq!(close, Out::Next(Next::Wait(Duration::from_millis(7))));
+        w.round("2026-03-02T12:01:00Z");
+        assert_eq!(
+            w.delivered,
+            keys("a", 1..=1),
+            "b is published by the followers' step"
+        );
+        // The step decided b's 12:01 (its upstream succeeded): its progress is written.
+        let which = w.m.followed(vec![(1, at("2026-03-02T12:01:00Z"))]);
+        assert_eq!(which, vec![1]);
+        w.save(&which);
+        assert_eq!(w.recorded("b"), Some(at("2026-03-02T12:01:00Z")));
+        let after = w.m.wait_after_follow(at("2026-03-02T12:01:30Z"));
+        assert_eq!(after, Next::Wait(FOLLOW_POLL));
+    }
+
+    #[test]
+    fn a_stop_finishes_the_batches_in_flight_and_sends_no_more() {
+        let mut w = World::gained(&ABC, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        let t = at("2026-03-02T12:01:00Z");
+        assert_eq!(w.m.poll(t, true, false), Do::Send);
+        assert_eq!(w.send(t), None, "in flight, its confirms not read yet");
+        assert!(w.delivered.is_empty());
+        w.stopping = true;
+        let next = w.round("2026-03-02T12:01:00Z");
+        assert_eq!(next, Out::Next(Next::Shutdown));
+        assert_eq!(w.delivered.len(), 3);
+        assert_eq!(
+            w.recorded("c"),
+            Some(t),
+            "confirmed, so recorded before the exit"
+        );
+    }
+
+    #[test]
+    fn a_stop_with_nothing_in_flight_publishes_nothing_due() {
+        let mut w = World::gained(&ABC, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        w.stopping = true;
+        assert_eq!(w.round("2026-03-02T12:01:00Z"), Out::Next(Next::Shutdown));
+        assert!(w.delivered.is_empty());
+        assert_eq!(w.recorded("a"), Some(at("2026-03-02T12:00:00Z")));
+    }
+
+    #[test]
+    fn jobs_due_beyond_a_batch_go_out_in_batches_several_in_flight() {
+        let names: Vec<String> = (0..BATCH_JOBS + 200).map(|i| format!("j{i}")).collect();
+        let jobs: Vec<(&str, &str)> = names.iter().map(|n| (n.as_str(), MINUTELY)).collect();
+        let mut w = World::gained(&jobs, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        let t = at("2026-03-02T12:01:00Z");
+        assert_eq!(w.send(t), None);
+        assert_eq!(w.flight[0].len(), BATCH_JOBS);
+        assert_eq!(
+            w.m.poll(t, true, false),
+            Do::Send,
+            "the rest is sent before a confirm"
+        );
+        assert_eq!(w.send(t), None);
+        assert_eq!(w.flight.len(), 2);
+        assert_eq!(w.m.poll(t, true, false), Do::FinishAll);
+        w.round("2026-03-02T12:01:00Z");
+        let unique: HashSet<&String> = w.delivered.iter().collect();
+        assert_eq!(
+            (w.delivered.len(), unique.len()),
+            (BATCH_JOBS + 200, BATCH_JOBS + 200)
+        );
+    }
+
+    #[test]
+    fn a_backward_clock_jump_republishes_nothing() {
+        let mut w = World::gained(&ABC, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        w.round("2026-03-02T12:01:00Z");
+        let next = w.round("2026-03-02T12:00:20Z");
+        assert_eq!(next, Out::Next(Next::Wait(MAX_WAIT)));
+        assert_eq!(w.delivered.len(), 3);
+    }
+
+    #[test]
+    fn a_term_that_stops_holding_sends_nothing_and_says_so() {
+        let mut w = World::gained(&ABC, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
+        w.holds = false;
+        assert_eq!(w.round("2026-03-02T12:01:00Z"), Out::Next(Next::NotHolding));
+        assert!(w.delivered.is_empty());
+        w.holds = true;
+        w.round("2026-03-02T12:01:00.500Z");
+        assert_eq!(w.delivered.len(), 3, "late within the threshold: published");
+    }
+}
