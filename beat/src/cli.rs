@@ -199,7 +199,7 @@ impl SchedulesCommand {
 }
 
 /// `--delay`, `--expires`: a duration like `30s` or `10m`.
-pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+pub(crate) fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     drumline_shared::duration::parse(text)
 }
 

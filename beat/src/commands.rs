@@ -52,7 +52,7 @@ pub async fn run(
 }
 
 /// `check`: the config at `path` loaded; say so.
-pub fn check(path: &Path, config: &Config) -> Result<(), Failure> {
+pub(crate) fn check(path: &Path, config: &Config) -> Result<(), Failure> {
     println!(
         "{}: ok ({} jobs, {} tasks, namespace {:?})",
         path.display(),
@@ -64,7 +64,7 @@ pub fn check(path: &Path, config: &Config) -> Result<(), Failure> {
 }
 
 /// `next`: the next `count` instants of `job` (or of every job) after `from` (default now).
-pub fn show_next(
+pub(crate) fn show_next(
     config: &Config,
     job: Option<&str>,
     count: usize,
@@ -92,12 +92,12 @@ pub fn show_next(
 }
 
 /// `publish --args TEXT`: the task's arguments, which must be JSON.
-pub fn json_args(text: &str) -> Result<serde_json::Value, Failure> {
+pub(crate) fn json_args(text: &str) -> Result<serde_json::Value, Failure> {
     serde_json::from_str(text).map_err(|e| Failure::usage(format!("--args is not JSON: {e}")))
 }
 
 /// `publish`: one ad-hoc task.
-pub async fn publish(config: &Config, request: &adhoc::Request) -> Result<(), Failure> {
+pub(crate) async fn publish(config: &Config, request: &adhoc::Request) -> Result<(), Failure> {
     let env = adhoc::envelope(config, request, Utc::now()).map_err(Failure::usage)?;
     warn_unconsumed(config, &env.queue).await?;
     if request.key.is_some() {
@@ -119,7 +119,7 @@ pub async fn publish(config: &Config, request: &adhoc::Request) -> Result<(), Fa
 /// `publish`'s first look at the broker: warns on stderr when no worker consumes `queue` (the
 /// copy would wait until one does). A broker that cannot be reached fails the command, naming
 /// it; any other failure of the look is only told.
-pub async fn warn_unconsumed(config: &Config, queue: &str) -> Result<(), Failure> {
+pub(crate) async fn warn_unconsumed(config: &Config, queue: &str) -> Result<(), Failure> {
     let names = Names::new(config.namespace.clone());
     let queues = [queue.to_owned()];
     match drumline_shared::broker::queue_counts(config, &names, &queues).await {
@@ -138,7 +138,7 @@ pub async fn warn_unconsumed(config: &Config, queue: &str) -> Result<(), Failure
 }
 
 /// The warning for a queue with `counts` (`None`: the broker has no such queue yet), if any.
-pub fn unconsumed_warning(
+pub(crate) fn unconsumed_warning(
     queue: &str,
     counts: Option<drumline_shared::broker::QueueCounts>,
 ) -> Option<String> {
@@ -150,7 +150,7 @@ pub fn unconsumed_warning(
 
 /// `publish --key K`: warns on stderr when K's run record exists (the copy is a duplicate and
 /// will not run). Only told: a Redis that cannot be read does not stop the publish.
-pub async fn warn_recorded(config: &Config, key: &str) {
+pub(crate) async fn warn_recorded(config: &Config, key: &str) {
     let names = Names::new(config.namespace.clone());
     let stamp = async {
         let store = Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names);
@@ -165,7 +165,7 @@ pub async fn warn_recorded(config: &Config, key: &str) {
 }
 
 /// `key K already recorded (STATE at T): this copy will not run`; `at` in Unix seconds.
-pub fn recorded_warning(key: &str, state: &str, at: Option<i64>) -> String {
+pub(crate) fn recorded_warning(key: &str, state: &str, at: Option<i64>) -> String {
     let when = at
         .and_then(|s| DateTime::<Utc>::from_timestamp(s, 0))
         .map_or_else(
@@ -177,7 +177,7 @@ pub fn recorded_warning(key: &str, state: &str, at: Option<i64>) -> String {
 
 /// `pause` (`pause = true`) or `resume`: `jobs`, or every job with `all`; each must be a job
 /// of the config (checked before anything changes).
-pub async fn pause(
+pub(crate) async fn pause(
     config: &Config,
     jobs: &[String],
     all: bool,
@@ -206,7 +206,7 @@ pub async fn pause(
 }
 
 /// `trigger`: one instance of `job` now, as the job; prints its key.
-pub async fn trigger(
+pub(crate) async fn trigger(
     config: &Config,
     job: &str,
     args: Option<serde_json::Value>,
@@ -258,7 +258,7 @@ async fn overlap_holder(config: &Config, job: &Job) -> Result<Option<String>, St
 
 /// `trigger`'s warning when the copy it publishes will be skipped: the job runs under
 /// `overlap = "skip"` and instance `holder` holds its lock (docs/design.md#manual-runs).
-pub fn skip_warning(job: &Job, holder: Option<&str>) -> Option<String> {
+pub(crate) fn skip_warning(job: &Job, holder: Option<&str>) -> Option<String> {
     let holder = holder.filter(|_| job.spec.overlap == Overlap::Skip)?;
     Some(format!(
         "warning: job {} (overlap = \"skip\") is running: this trigger will be skipped \
@@ -269,7 +269,7 @@ pub fn skip_warning(job: &Job, holder: Option<&str>) -> Option<String> {
 
 /// `backfill`: every instant of `job` in `[from, to)`, published with confirms (or listed with
 /// `dry_run`); with `wait`, then follows them until each is finished.
-pub async fn backfill(
+pub(crate) async fn backfill(
     config: &Config,
     job: &str,
     (from, to): (&str, &str),
@@ -382,7 +382,7 @@ fn publish_failure(e: ClientError) -> Failure {
 
 /// `status`: per-job health read from Redis, for `job` or for every job; the table lists the
 /// recent runs with `runs` or for one `job`.
-pub async fn show_status(
+pub(crate) async fn show_status(
     config: &Config,
     job: Option<&str>,
     json: bool,

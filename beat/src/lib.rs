@@ -1,7 +1,7 @@
 //! drumline-beat: computes when jobs are due and publishes each instance to RabbitMQ.
 //!
 //! The loop is [`scheduler`], driving the state machine `machine`; what to publish or drop is
-//! [`misfire::plan`] (pure); leadership is [`leader`]. Which module does what is the map below.
+//! `misfire::plan` (pure); leadership is `leader`. Which module does what is the map below.
 //!
 //! Redis is reached only through [`drumline_shared::store::Store`]; schedule math lives in
 //! [`drumline_shared::schedule`].
@@ -89,28 +89,28 @@
 //!   (`BrokerCounts`: the dead letters and the queues `queues_of` names): one broker connection
 //!   kept between requests, one read at a time, cached 5 s. Touches: broker (passive declares).
 
-pub mod adhoc;
+pub(crate) mod adhoc;
 pub mod api;
-pub mod audit;
+pub(crate) mod audit;
 pub mod cli;
 pub mod commands;
-pub mod dead_letters;
-pub mod follower;
-pub mod journal;
-pub mod leader;
+pub(crate) mod dead_letters;
+pub(crate) mod follower;
+pub(crate) mod journal;
+pub(crate) mod leader;
 pub(crate) mod machine;
-pub mod misfire;
-pub mod next;
-pub mod operate;
-pub mod page;
+pub(crate) mod misfire;
+pub(crate) mod next;
+pub(crate) mod operate;
+pub(crate) mod page;
 pub mod progress;
-pub mod prove;
+pub(crate) mod prove;
 pub mod publisher;
-pub mod queues;
-pub mod recent;
-pub mod reload;
+pub(crate) mod queues;
+pub(crate) mod recent;
+pub(crate) mod reload;
 pub mod scheduler;
-pub mod schedules;
-pub mod stats;
-pub mod status;
-pub mod verify;
+pub(crate) mod schedules;
+pub(crate) mod stats;
+pub(crate) mod status;
+pub(crate) mod verify;

@@ -84,6 +84,7 @@ pub struct Plan {
 
 impl Plan {
     /// Instances not published (listed and unlisted).
+    #[cfg(test)]
     pub fn dropped_count(&self) -> u64 {
         self.dropped.len() as u64 + self.unlisted.count
     }
@@ -134,6 +135,7 @@ impl Drops {
 /// latest missed, `catch_up` the `max_catch_up` latest, `skip` none), and those more than
 /// `misfire_grace` old are never published. Instants within `threshold` are on time and always
 /// published. Instants whose `expires` has passed are dropped whatever the policy.
+#[cfg(test)]
 pub fn plan(job: &Job, last: DateTime<Utc>, now: DateTime<Utc>, threshold: Duration) -> Plan {
     plan_held(job, last, now, threshold, None)
 }

@@ -2,7 +2,7 @@
 //! everything up to it has been decided (published, or dropped and reported). Loaded at each
 //! gain of leadership and written after the broker confirmed, always through the [`Store`] and
 //! fenced by the leader lease's token; it only moves forward, and never past Redis `TIME` +
-//! `misfire_threshold`. [`progress_after`] is the pure rule for how far one batch moves it.
+//! `misfire_threshold`. `progress_after` is the pure rule for how far one batch moves it.
 
 use crate::reload;
 use chrono::{DateTime, Utc};
@@ -14,18 +14,18 @@ use std::time::Duration;
 use tracing::warn;
 
 /// Keys per `MGET` when the beat loads every job's last instant at start.
-pub const LOAD_BATCH: usize = 1000;
+pub(crate) const LOAD_BATCH: usize = 1000;
 
 /// `MGET`s sent per round trip (pipelined) at start.
-pub const LOAD_PIPELINE: usize = 10;
+pub(crate) const LOAD_PIPELINE: usize = 10;
 
 /// Progress writes per script call (each call checks the lease once); the calls of one save go
 /// in one round trip.
-pub const SAVE_PER_CALL: usize = 1000;
+pub(crate) const SAVE_PER_CALL: usize = 1000;
 
 /// Every job's persisted last instant (`None`: the job never ran, or the value is unreadable,
 /// which is logged), in `jobs` order: one pipelined round trip per
-/// [`LOAD_BATCH`]·[`LOAD_PIPELINE`] jobs rather than one per job.
+/// `LOAD_BATCH`·`LOAD_PIPELINE` jobs rather than one per job.
 pub async fn load_last(
     store: &Store,
     jobs: &[Job],
@@ -51,7 +51,10 @@ pub async fn load_last(
 /// Whether each job's recorded rule ([`reload::rule`], `{ns}:beat:rule:{job}`) is the rule
 /// it runs now (`None`: none recorded), in `jobs` order, loaded like [`load_last`]; each rule
 /// is compared as it arrives, none is kept.
-pub async fn load_rules(store: &Store, jobs: &[Job]) -> Result<Vec<Option<bool>>, StoreError> {
+pub(crate) async fn load_rules(
+    store: &Store,
+    jobs: &[Job],
+) -> Result<Vec<Option<bool>>, StoreError> {
     let names: Vec<&str> = jobs.iter().map(|j| j.name.as_str()).collect();
     let same =
         |i: usize, recorded: Option<String>| recorded.map(|r| r == reload::rule(&jobs[i].schedule));
@@ -62,7 +65,7 @@ pub async fn load_rules(store: &Store, jobs: &[Job]) -> Result<Vec<Option<bool>>
 
 /// The schedules the jobs `which` (indexes into `jobs`) had when their progress was recorded,
 /// where a rule is recorded and reads back ([`reload::schedule_of`]).
-pub async fn load_recorded_schedules(
+pub(crate) async fn load_recorded_schedules(
     store: &Store,
     jobs: &[Job],
     which: &[usize],
@@ -88,7 +91,7 @@ pub async fn load_recorded_schedules(
 ///
 /// Returns the new progress and the length of that prefix (the instants it records as
 /// published).
-pub fn progress_after(
+pub(crate) fn progress_after(
     last: DateTime<Utc>,
     sent: &[DateTime<Utc>],
     confirmed: &[bool],
@@ -111,7 +114,7 @@ pub fn progress_after(
 /// [`SAVE_PER_CALL`] jobs per script call. Returns each one's failure, if any, in order (all of
 /// them when Redis did not answer or the lease is not ours). Shared (`Arc`) because one
 /// failure can stall many jobs.
-pub async fn save(
+pub(crate) async fn save(
     store: &Store,
     token: &str,
     max_ahead: Duration,
@@ -130,7 +133,7 @@ pub async fn save(
 
 /// [`save`] for jobs whose rule is not recorded yet: writes each `(job, instant, rule)` as the
 /// job's progress and the rule it is recorded under, in one fenced script per call.
-pub async fn start(
+pub(crate) async fn start(
     store: &Store,
     token: &str,
     max_ahead: Duration,

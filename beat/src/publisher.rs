@@ -47,7 +47,7 @@ impl Publisher {
 
     /// Publishes for `config`'s jobs from now on (a reload): a queue not declared yet makes the
     /// next publish reconnect and declare it.
-    pub fn reconfigure(&mut self, config: &Config) {
+    pub(crate) fn reconfigure(&mut self, config: &Config) {
         let queues = job_queues(config);
         if queues.iter().any(|q| !self.queues.contains(q)) {
             self.session = None;

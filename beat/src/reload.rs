@@ -148,6 +148,7 @@ pub fn schedule_of(rule: &str) -> Option<Schedule> {
 
 /// How a beat that starts leading resumes `job`, from whether it has progress recorded
 /// (`recorded`) and the rule recorded with it.
+#[cfg(test)]
 pub fn resume(job: &Job, recorded: bool, recorded_rule: Option<&str>) -> Resume {
     resume_from(recorded, recorded_rule.map(|r| r == rule(&job.schedule)))
 }

@@ -1,14 +1,14 @@
 //! The beat loop (docs/design.md): the thin driver of the scheduling `Machine` (no I/O in
 //! it). It asks the machine what to do at each wake and carries it out — reads the paused jobs,
-//! journals and writes progress through the [`Store`] (via [`progress`] and [`journal`]),
+//! journals and writes progress through the [`Store`] (via [`progress`] and `journal`),
 //! publishes through the [`Publisher`] — and feeds the answers back. What is due, missed,
 //! dropped, retried or backed off is decided in `machine.rs`.
 //!
-//! Only the leader publishes ([`leader`](crate::leader)): a beat stands by until it holds the
-//! lease, then loads every job's progress and leads a [`Term`] — checked before each batch and
+//! Only the leader publishes (`leader.rs`): a beat stands by until it holds the
+//! lease, then loads every job's progress and leads a `Term` — checked before each batch and
 //! before each message is handed to the broker — until the term ends; then it drops what it
 //! knew and stands by again. Its progress writes are fenced by the lease's token. It plans with
-//! its own clock capped at Redis `TIME` + `misfire_threshold` ([`Term::now`]).
+//! its own clock capped at Redis `TIME` + `misfire_threshold` (`Term::now`).
 //!
 //! Progress is one instant per job, `{ns}:beat:last:{job}`: everything up to it has been
 //! decided (published, or dropped and reported). Because it is persisted and only moves

@@ -249,7 +249,7 @@ impl BeatStats {
         *self.redis.lock().unwrap_or_else(|e| e.into_inner()) = contact;
     }
 
-    /// `/healthz`: [`health`] of what the beat knows now.
+    /// `/healthz`: `stats::health` of what the beat knows now.
     pub fn health(&self) -> Result<&'static str, String> {
         let redis = self.redis.lock().unwrap_or_else(|e| e.into_inner()).clone();
         health(&redis, self.is_leader.get() != 0, self.stalled_jobs.get())

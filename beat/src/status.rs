@@ -367,6 +367,7 @@ fn job_status(job: &Job, history: JobHistory, paused: bool, now: DateTime<Utc>) 
 
 /// Renders the report as an aligned table: the jobs, each failed last run's error, then with
 /// `runs` each job's recent runs, then the workers and queues.
+#[cfg(test)]
 pub fn table_with(status: &Status, runs: bool) -> String {
     let mut widths: Vec<usize> = HEADERS.iter().map(|h| h.chars().count()).collect();
     for j in &status.jobs {
@@ -394,6 +395,7 @@ pub fn table_with(status: &Status, runs: bool) -> String {
 }
 
 /// [`table_with`] without the recent runs.
+#[cfg(test)]
 pub fn table(status: &Status) -> String {
     table_with(status, false)
 }
