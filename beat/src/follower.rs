@@ -16,7 +16,8 @@
 //! its outcome and its ack changes nothing here: the outcome is in Redis or it is not.
 //!
 //! The decision ([`decide`]), which instants to look at ([`candidates`]) and how far progress
-//! moves ([`settled_up_to`]) are pure; [`step`] carries them out.
+//! moves ([`settled_up_to`]) are pure, and so is a step's deciding over all the followers
+//! (`Followers::pending`, `verdicts`, `Followers::moved`); [`step`] only carries it out.
 
 use crate::leader::Term;
 use crate::misfire::{Dropped, Plan};
@@ -396,6 +397,8 @@ pub struct Ctx<'a> {
 
 /// Decides what it can of every follower's instants after `last(job)`; returns the followers
 /// whose progress may move, with where to. `Err` only when the broker refused the topology.
+/// The deciding is [`Followers`]'s (pure); this reads the upstreams' records, publishes and
+/// records the skips.
 pub async fn step(
     jobs: &[Job],
     followers: &mut Followers,
@@ -403,38 +406,68 @@ pub async fn step(
     ctx: Ctx<'_>,
 ) -> Result<Vec<(usize, DateTime<Utc>)>, BrokerError> {
     let now = ctx.term.now();
-    let mut pending = Vec::new();
-    for link in followers.links.clone() {
-        let job = link.follower;
-        let decided = followers.decided.entry(job).or_default();
-        for instant in candidates(&jobs[job].schedule, last(job), decided, now, PER_STEP) {
-            pending.push(Pending { link, instant });
-        }
-        let carried = followers.carried.get(&job).into_iter().flatten();
-        for instant in carried.take(PER_STEP).copied() {
-            pending.push(Pending { link, instant });
-        }
-    }
+    let pending = followers.pending(jobs, &last, now);
     if !pending.is_empty() {
         decide_pending(jobs, followers, &pending, now, ctx).await?;
         followers.settle_carried();
     }
-    let mut moved = Vec::new();
-    for link in &followers.links {
-        let (job, from) = (link.follower, last(link.follower));
-        let decided = followers.decided.entry(job).or_default();
-        let to = settled_up_to(&jobs[job].schedule, from, decided);
-        if to > from {
-            moved.push((job, to));
+    Ok(followers.moved(jobs, &last))
+}
+
+impl Followers {
+    /// The instances to decide at `now`: each follower's undecided instants after its progress
+    /// (`last`) and the instants carried over to it, at most [`PER_STEP`] of each.
+    fn pending(
+        &mut self,
+        jobs: &[Job],
+        last: impl Fn(usize) -> DateTime<Utc>,
+        now: DateTime<Utc>,
+    ) -> Vec<Pending> {
+        let mut pending = Vec::new();
+        for link in self.links.clone() {
+            let job = link.follower;
+            let decided = self.decided.entry(job).or_default();
+            for instant in candidates(&jobs[job].schedule, last(job), decided, now, PER_STEP) {
+                pending.push(Pending { link, instant });
+            }
+            let carried = self.carried.get(&job).into_iter().flatten();
+            for instant in carried.take(PER_STEP).copied() {
+                pending.push(Pending { link, instant });
+            }
         }
+        pending
     }
-    followers.forget_dropped(|job| {
+
+    /// Notes `p` decided (published and confirmed, or its skip recorded).
+    fn decided(&mut self, p: &Pending) {
+        let decided = self.decided.entry(p.link.follower).or_default();
+        decided.insert(p.instant);
+    }
+
+    /// The followers whose progress may move past what they decided, with where to; forgets
+    /// the drops every follower has moved past.
+    fn moved(
+        &mut self,
+        jobs: &[Job],
+        last: impl Fn(usize) -> DateTime<Utc>,
+    ) -> Vec<(usize, DateTime<Utc>)> {
+        let mut moved = Vec::new();
+        for link in &self.links {
+            let (job, from) = (link.follower, last(link.follower));
+            let decided = self.decided.entry(job).or_default();
+            let to = settled_up_to(&jobs[job].schedule, from, decided);
+            if to > from {
+                moved.push((job, to));
+            }
+        }
+        self.forget_dropped(|job| {
+            moved
+                .iter()
+                .find(|(j, _)| *j == job)
+                .map_or_else(|| last(job), |(_, to)| *to)
+        });
         moved
-            .iter()
-            .find(|(j, _)| *j == job)
-            .map_or_else(|| last(job), |(_, to)| *to)
-    });
-    Ok(moved)
+    }
 }
 
 /// What to do with `p` now, its upstream's run state being `state`.
@@ -463,6 +496,30 @@ fn timeout_of(job: &Job) -> Duration {
     job.after.as_ref().map_or(Duration::ZERO, |a| a.timeout)
 }
 
+/// The instances to publish, and the ones to skip with the reason and detail of their record.
+type Verdicts<'p> = (Vec<&'p Pending>, Vec<(&'p Pending, &'static str, String)>);
+
+/// What to do with each of `pending` at `now`, its upstream's run state being `states`' (in
+/// order; `keys` are the upstream instances'); the ones neither published nor skipped wait.
+fn verdicts<'p>(
+    jobs: &[Job],
+    followers: &Followers,
+    (pending, states, keys): (&'p [Pending], &[Option<String>], &[String]),
+    (now, paused): (DateTime<Utc>, &HashSet<String>),
+) -> Verdicts<'p> {
+    let mut publish = Vec::new();
+    let mut skip = Vec::new();
+    for ((p, state), key) in pending.iter().zip(states).zip(keys) {
+        let timeout = timeout_of(&jobs[p.link.follower]);
+        match judge(jobs, followers, p, state.as_deref(), (now, paused)) {
+            Follow::Publish => publish.push(p),
+            Follow::Skip(why) => skip.push((p, why.reason(), why.detail(key, timeout))),
+            Follow::Wait => {}
+        }
+    }
+    (publish, skip)
+}
+
 /// Reads the upstream records of `pending`, then publishes what may run and records what is
 /// skipped; marks each done so in `followers`.
 async fn decide_pending(
@@ -483,16 +540,8 @@ async fn decide_pending(
             return Ok(());
         }
     };
-    let mut publish = Vec::new();
-    let mut skip = Vec::new();
-    for ((p, state), key) in pending.iter().zip(&states).zip(&keys) {
-        let timeout = timeout_of(&jobs[p.link.follower]);
-        match judge(jobs, followers, p, state.as_deref(), (now, ctx.paused)) {
-            Follow::Publish => publish.push(p),
-            Follow::Skip(why) => skip.push((p, why.reason(), why.detail(key, timeout))),
-            Follow::Wait => {}
-        }
-    }
+    let at = (now, ctx.paused);
+    let (publish, skip) = verdicts(jobs, followers, (pending, &states, &keys), at);
     publish_followers(
         jobs,
         followers,
@@ -541,11 +590,7 @@ async fn publish_followers(
             Ok(()) => {
                 stats.published(job);
                 info!(job = %job, key = %env.key, "published (its upstream succeeded)");
-                followers
-                    .decided
-                    .entry(p.link.follower)
-                    .or_default()
-                    .insert(p.instant);
+                followers.decided(p);
             }
             Err(e) => {
                 warn!(job = %job, key = %env.key, error = %e, "not published yet; trying again")
@@ -604,19 +649,9 @@ async fn skip_one(
     match skipped {
         Ok(Skipped::Recorded) => {
             info!(job = %job, key = %key, reason, detail = %detail, "skipped");
-            followers
-                .decided
-                .entry(p.link.follower)
-                .or_default()
-                .insert(p.instant);
+            followers.decided(p);
         }
-        Ok(Skipped::Known) => {
-            followers
-                .decided
-                .entry(p.link.follower)
-                .or_default()
-                .insert(p.instant);
-        }
+        Ok(Skipped::Known) => followers.decided(p),
         Ok(Skipped::NotLeading) => ctx.term.deposed(),
         Err(e) => {
             warn!(job = %job, key = %key, error = %e, "cannot record the skip yet; trying again")
@@ -834,5 +869,105 @@ mod tests {
         decided.insert(at(2));
         assert_eq!(settled_up_to(&every2(), at(0), &mut decided), at(6));
         assert_eq!(decided, [at(10)].into());
+    }
+
+    /// `a` every `every_a`, `b` after `a`, `c` after `b` (each waiting a minute), as one config.
+    fn chain_config(every_a: &str) -> Config {
+        let text = format!(
+            "[tasks.t]\ncommand = [\"/bin/true\"]\n\
+             [[jobs]]\nname = \"a\"\ntask = \"t\"\nevery = \"{every_a}\"\n\
+             [[jobs]]\nname = \"b\"\ntask = \"t\"\nafter = \"a\"\nafter_timeout = \"1m\"\n\
+             [[jobs]]\nname = \"c\"\ntask = \"t\"\nafter = \"b\"\nafter_timeout = \"1m\"\n"
+        );
+        Config::parse(&text, std::path::Path::new("d.toml"), |_| None).unwrap()
+    }
+
+    /// What one step published and skipped (follower, instant, reason), and the progress it moved.
+    type Step = (
+        Vec<(usize, DateTime<Utc>)>,
+        Vec<(usize, DateTime<Utc>, &'static str)>,
+        Vec<(usize, DateTime<Utc>)>,
+    );
+
+    /// One step's decisions at `now` with every follower at `at(0)`, the upstream instances
+    /// in `states` (`(upstream job, instant) -> state`), the jobs `paused`: what it publishes
+    /// and skips (follower, instant, reason); both are marked decided. Returns with them the
+    /// progress moved.
+    fn one_step(
+        followers: &mut Followers,
+        config: &Config,
+        states: &[((usize, DateTime<Utc>), &str)],
+        (now, paused): (DateTime<Utc>, &[&str]),
+    ) -> Step {
+        let jobs = &config.jobs;
+        let last = |_: usize| at(0);
+        let pending = followers.pending(jobs, last, now);
+        let keys: Vec<String> = pending
+            .iter()
+            .map(|p| instance_key(&jobs[p.link.upstream].name, p.instant))
+            .collect();
+        let state_of = |p: &Pending| {
+            let found = states
+                .iter()
+                .find(|(k, _)| *k == (p.link.upstream, p.instant));
+            found.map(|(_, s)| s.to_string())
+        };
+        let read: Vec<Option<String>> = pending.iter().map(state_of).collect();
+        let paused: HashSet<String> = paused.iter().map(|p| p.to_string()).collect();
+        let seen = (&pending[..], &read[..], &keys[..]);
+        let (publish, skip) = verdicts(jobs, followers, seen, (now, &paused));
+        let published: Vec<(usize, DateTime<Utc>)> = publish
+            .iter()
+            .map(|p| (p.link.follower, p.instant))
+            .collect();
+        let skipped: Vec<_> = skip
+            .iter()
+            .map(|(p, reason, _)| (p.link.follower, p.instant, *reason))
+            .collect();
+        let decided: Vec<&Pending> = publish
+            .into_iter()
+            .chain(skip.into_iter().map(|s| s.0))
+            .collect();
+        for p in decided {
+            followers.decided(p);
+        }
+        (published, skipped, followers.moved(jobs, last))
+    }
+
+    #[test]
+    fn a_success_publishes_its_follower_and_moves_the_followers_progress() {
+        let config = chain_config("2s");
+        let mut followers = Followers::new(&config);
+        let done = [((0, at(2)), "done")];
+        let (published, skipped, moved) = one_step(&mut followers, &config, &done, (at(3), &[]));
+        assert_eq!(published, [(1, at(2))], "b's 2; c waits for b's");
+        assert!(skipped.is_empty());
+        assert_eq!(moved, [(1, at(2))]);
+    }
+
+    #[test]
+    fn an_undecided_instant_holds_the_followers_progress_back() {
+        let config = chain_config("2s");
+        let mut followers = Followers::new(&config);
+        let later_done = [((0, at(4)), "done")];
+        let step = one_step(&mut followers, &config, &later_done, (at(5), &[]));
+        assert_eq!(step.0, [(1, at(4))], "published, out of order");
+        assert!(step.2.is_empty(), "b's 2 is not decided: {step:?}");
+        let both = [((0, at(2)), "done"), ((0, at(4)), "done")];
+        let step = one_step(&mut followers, &config, &both, (at(5), &[]));
+        assert_eq!(step.0, [(1, at(2))], "b's 4 is not published twice");
+        assert_eq!(step.2, [(1, at(4))]);
+    }
+
+    #[test]
+    fn a_dead_upstream_skips_its_follower_and_a_paused_follower_is_skipped_paused() {
+        let config = chain_config("2s");
+        let mut followers = Followers::new(&config);
+        let states = [((0, at(2)), "dead"), ((1, at(2)), "done")];
+        let (published, skipped, _) = one_step(&mut followers, &config, &states, (at(3), &["c"]));
+        assert!(published.is_empty());
+        let dead = (1, at(2), Why::Dead.reason());
+        let paused = (2, at(2), Why::Paused.reason());
+        assert_eq!(skipped, [dead, paused]);
     }
 }
