@@ -82,9 +82,10 @@
 //! - `prove.rs`: the bodies of `audit` and `verify`: read through the `Store`, print, exit 1 on
 //!   a violation. Touches: Redis (read only, through the `Store`), stdout.
 //! - `follower.rs`: `after` jobs: for each follower's instants, the upstream's run record →
-//!   publish, skip or wait (`decide`, pure, with `candidates` and `settled_up_to`), carried out
-//!   by the leader between due instants (docs/design.md#job-dependencies). Touches: Redis
-//!   (through the `Store`), broker (via `publisher`).
+//!   publish, skip or wait (`decide`, pure, with `candidates`, `settled_up_to` and a step's
+//!   `Followers::pending`/`verdicts`/`moved`), carried out by `step` when the machine says
+//!   follow (docs/design.md#job-dependencies). Touches: Redis (through the `Store`), broker
+//!   (via `publisher`).
 //! - `dead_letters.rs`: the broker counts the status page and the queue gauges show
 //!   (`BrokerCounts`: the dead letters and the queues `queues_of` names): one broker connection
 //!   kept between requests, one read at a time, cached 5 s. Touches: broker (passive declares).
