@@ -204,8 +204,32 @@ pub(crate) fn parse_duration(text: &str) -> Result<std::time::Duration, String> 
 }
 
 impl Command {
+    /// Whether the command reads Redis anyway: it then sees the schedules applied at run time
+    /// as jobs.
+    fn reads_redis(&self) -> bool {
+        matches!(
+            self,
+            Command::Pause { .. }
+                | Command::Resume { .. }
+                | Command::Trigger { .. }
+                | Command::Backfill { .. }
+                | Command::Status { .. }
+                | Command::Audit { .. }
+                | Command::Verify { .. }
+        )
+    }
+
+    /// `config`, and the schedules applied at run time when [`Command::reads_redis`].
+    async fn with_schedules(&self, config: Config) -> Result<Config, Failure> {
+        match self.reads_redis() {
+            true => commands::with_schedules(config).await,
+            false => Ok(config),
+        }
+    }
+
     /// Runs the command on `config`, loaded from `path`.
     pub async fn run(self, config: Config, path: &Path) -> Result<(), Failure> {
+        let config = self.with_schedules(config).await?;
         match self {
             Command::Check => commands::check(path, &config),
             Command::Next {

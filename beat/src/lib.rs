@@ -52,6 +52,10 @@
 //! - `api.rs`: the HTTP API at `--api-addr` (bearer token): schedules put, get, list, delete
 //!   as JSON; its OpenAPI document (`docs/api.openapi.json`). Touches: HTTP, Redis (through the
 //!   store).
+//! - `dynamic.rs`: what changes the running jobs: SIGHUP and the schedules and calendars
+//!   applied at run time, read whole at start and then followed through the change feed by a
+//!   task of its own; a change is a new config run as a reload. Touches: Redis (through the
+//!   store), signals.
 //! - `schedules.rs`: `schedules apply|get|list|delete`: the objects of an apply checked all
 //!   or nothing, a stored schedule as shown (source, times, next instants); stored through the
 //!   store. Touches: Redis (through the store).
@@ -96,6 +100,7 @@ pub(crate) mod audit;
 pub mod cli;
 pub mod commands;
 pub(crate) mod dead_letters;
+pub(crate) mod dynamic;
 pub(crate) mod follower;
 pub(crate) mod journal;
 pub(crate) mod leader;

@@ -23,6 +23,7 @@
 //! confirms of the oldest are read, so the broker's confirms (its disk writes) overlap the
 //! sending; each batch's progress is still written only after its own confirms, oldest first.
 
+use crate::dynamic::Changes;
 use crate::follower;
 use crate::journal;
 use crate::leader::{Leadership, Term};
@@ -119,20 +120,25 @@ pub async fn run(
 ) -> Result<BeatStats, BrokerError> {
     tokio::pin!(shutdown);
     // Listen for SIGHUP from the start: its default action would end the process.
-    let mut hangups = Hangups::new();
+    let hangups = Hangups::new();
     // Shared, never cloned: the status page reads the same one.
     let mut config: Arc<Config> = config.into();
     let store = tokio::select! {
         s = connect_redis(&config, &stats) => s,
         _ = &mut shutdown => return Ok(stats),
     };
+    let mut changes = tokio::select! {
+        c = load_changes(config.clone(), &store, hangups) => c,
+        _ = &mut shutdown => return Ok(stats),
+    };
+    config = changes.config();
     let mut publisher = Publisher::new(&config);
     let (lease, threshold) = (config.beat.leader_lease, config.beat.misfire_threshold);
     let mut leadership = Leadership::start(store.clone(), lease, threshold, stats.clone());
     let served = serve(
         &mut config,
         &store,
-        (&mut publisher, &mut leadership, &mut hangups),
+        (&mut publisher, &mut leadership, &mut changes),
         &stats,
         &mut shutdown,
     )
@@ -156,7 +162,7 @@ pub async fn run(
 async fn serve<F: Future<Output = ()>>(
     config: &mut Arc<Config>,
     store: &Store,
-    (publisher, leadership, hangups): (&mut Publisher, &mut Leadership, &mut Hangups),
+    (publisher, leadership, changes): (&mut Publisher, &mut Leadership, &mut Changes),
     stats: &BeatStats,
     shutdown: &mut Pin<&mut F>,
 ) -> Result<(), BrokerError> {
@@ -165,8 +171,8 @@ async fn serve<F: Future<Output = ()>>(
         let mut term = loop {
             tokio::select! {
                 term = leadership.next_term() => break term,
-                _ = hangups.recv() => {
-                    if let Some(new) = reload(config) {
+                new = changes.next() => {
+                    if let Some(new) = new {
                         publisher.reconfigure(&new);
                         *config = new;
                     }
@@ -180,7 +186,7 @@ async fn serve<F: Future<Output = ()>>(
         let ended = beat
             .lead(
                 (store, &mut *publisher, stats),
-                (&mut term, &mut *hangups),
+                (&mut term, &mut *changes),
                 shutdown,
             )
             .await?;
@@ -188,42 +194,6 @@ async fn serve<F: Future<Output = ()>>(
         match ended {
             Ended::Shutdown => return Ok(()),
             Ended::Lost => info!(epoch = term.epoch, "stopped publishing; standing by"),
-        }
-    }
-}
-
-/// Re-reads the config file on SIGHUP: the running config with the file's `[[jobs]]` and
-/// `[tasks.*]` (everything else takes a restart, and is named), or `None` (logged) when the
-/// file does not load and the running one stays.
-fn reload(config: &Config) -> Option<Arc<Config>> {
-    match config.reload() {
-        Ok((new, restart)) => {
-            if !restart.is_empty() {
-                warn!(changed = ?restart, "reloaded [[jobs]]; these changes take a restart of the beat");
-            }
-            // Field by field: `..config.clone()` would copy every running job only to drop it.
-            Some(Arc::new(Config {
-                jobs: new.jobs,
-                tasks: new.tasks,
-                limits: new.limits,
-                calendars: new.calendars,
-                path: config.path.clone(),
-                namespace: config.namespace.clone(),
-                broker_url: config.broker_url.clone(),
-                broker: config.broker.clone(),
-                redis_url: config.redis_url.clone(),
-                broker_ca_file: config.broker_ca_file.clone(),
-                redis_ca_file: config.redis_ca_file.clone(),
-                redis_wait: config.redis_wait,
-                beat: config.beat.clone(),
-                worker: config.worker.clone(),
-                journal: config.journal,
-                api: config.api.clone(),
-            }))
-        }
-        Err(e) => {
-            error!(error = %e, "reload refused: the file does not load; the running config stays");
-            None
         }
     }
 }
@@ -327,7 +297,7 @@ impl Beat {
     async fn lead<F: Future<Output = ()>>(
         &mut self,
         (store, publisher, stats): (&Store, &mut Publisher, &BeatStats),
-        (term, hangups): (&mut Term, &mut Hangups),
+        (term, changes): (&mut Term, &mut Changes),
         shutdown: &mut Pin<&mut F>,
     ) -> Result<Ended, BrokerError> {
         loop {
@@ -345,8 +315,8 @@ impl Beat {
                     if wait >= STARTS_GAP && self.persist_starts_in_gaps(&io).await => {}
                 Next::Wait(wait) | Next::Backoff(wait) => tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
-                    _ = hangups.recv() => {
-                        if let Some(new) = reload(self.machine.config()) {
+                    new = changes.next() => {
+                        if let Some(new) = new {
                             io.publisher.reconfigure(&new);
                             self.reload(new, &io).await;
                         }
@@ -561,6 +531,22 @@ async fn connect_broker(config: &Config, publisher: &mut Publisher) -> Result<()
 
 /// Sleeps `d` (at most [`WAKE_EARLY`]) with the OS timer on a blocking thread: it wakes within
 /// tens of microseconds, where tokio's timer rounds up to its next millisecond tick.
+/// The schedules applied at run time, read whole (retrying while Redis fails), and the
+/// changes to come ([`Changes`]).
+async fn load_changes(file: Arc<Config>, store: &Store, hangups: Hangups) -> Changes {
+    let mut hangups = hangups;
+    loop {
+        match Changes::load(file.clone(), store, hangups).await {
+            Ok(changes) => return changes,
+            Err((e, back)) => {
+                warn!(error = %e, "cannot read the schedules applied at run time; trying again");
+                hangups = back;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
 async fn sleep_precisely(d: Duration) {
     let d = d.min(WAKE_EARLY);
     if tokio::task::spawn_blocking(move || std::thread::sleep(d))

@@ -2,10 +2,11 @@
 //! command and Redis: apply, get, list and delete, and the refusals (exit 2 naming the object
 //! and key, nothing stored).
 
-use drumline_e2e::cfg::{cron, shell, Cfg};
-use drumline_e2e::{setup, TestEnv};
+use drumline_e2e::cfg::{cron, shell, Cfg, Keys};
+use drumline_e2e::{counts, instant_of, setup, wait_until, TestEnv};
 use serde_json::Value;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// A config with task `report` and the file job `nightly`.
 fn config(env: &TestEnv) -> PathBuf {
@@ -13,6 +14,24 @@ fn config(env: &TestEnv) -> PathBuf {
         .task("report", shell("true"))
         .job("nightly", cron("0 3 * * *").with("task", "\"report\""));
     env.write_config("drumline.toml", &cfg)
+}
+
+/// A config with task `mark` (appends its key to `effects`) and no file job.
+fn marking(env: &TestEnv) -> PathBuf {
+    let mark = Keys::default().with("command", &env.append_key_command("effects", 0.0));
+    env.write_config("drumline.toml", &Cfg::new().task("mark", mark))
+}
+
+/// The instants schedule `name` ran, each asserted run once.
+fn runs_of(env: &TestEnv, name: &str) -> Vec<chrono::DateTime<chrono::Utc>> {
+    let lines: Vec<String> = env
+        .lines("effects")
+        .into_iter()
+        .filter(|l| l.starts_with(&format!("{name}@")))
+        .collect();
+    let counts = counts(&lines);
+    assert!(counts.values().all(|n| *n == 1), "run twice: {counts:?}");
+    counts.keys().map(|k| instant_of(k)).collect()
 }
 
 /// `drumline --config CFG ARGS…`: (exit code, stdout, stderr).
@@ -125,4 +144,70 @@ fn a_bad_apply_exits_2_names_object_and_key_and_stores_nothing() {
         Some(1),
         "{out}"
     );
+}
+
+#[test]
+fn a_schedule_applied_to_a_running_beat_runs_changes_and_stops_when_deleted() {
+    let env = setup("sched_live");
+    let path = marking(&env);
+    let path = path.to_str().expect("utf-8");
+    let _worker = env.worker("worker", &["--config", path]);
+    let beat = env.beat("beat", &["--config", path]);
+    let leading = wait_until(Duration::from_secs(30), || {
+        let (_, out, _) = drumline(&env, &["status", "--json"]);
+        serde_json::from_str::<Value>(&out).is_ok_and(|s| s["leader"].is_object())
+    });
+    assert!(leading, "no leader\n{}", beat.log_tail(20));
+    let applied = chrono::Utc::now();
+    let (code, _, err) = apply(
+        &env,
+        "s.json",
+        r#"{"name": "s", "task": "mark", "every": "1s"}"#,
+    );
+    assert_eq!(code, 0, "{err}");
+    let ran = wait_until(Duration::from_secs(20), || runs_of(&env, "s").len() >= 3);
+    assert!(ran, "the schedule did not run\n{}", beat.log_tail(20));
+    let first = runs_of(&env, "s")[0];
+    assert!(
+        first > applied,
+        "caught up before it existed: {first} <= {applied}"
+    );
+    assert!(
+        first - applied < chrono::TimeDelta::milliseconds(2_500),
+        "first run {first}, applied {applied}"
+    );
+
+    let edited = chrono::Utc::now();
+    apply(
+        &env,
+        "s2.json",
+        r#"{"name": "s", "task": "mark", "every": "2s"}"#,
+    );
+    let two = |runs: &[chrono::DateTime<chrono::Utc>]| {
+        let after: Vec<_> = runs
+            .iter()
+            .filter(|t| **t > edited + chrono::TimeDelta::seconds(1))
+            .collect();
+        after.len() >= 2 && after.iter().all(|t| t.timestamp() % 2 == 0)
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), || two(&runs_of(&env, "s"))),
+        "the edit did not apply\n{}",
+        beat.log_tail(20)
+    );
+
+    let (_, out, _) = drumline(&env, &["status", "--json"]);
+    let status: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(status["jobs"][0]["job"], "s", "{out}");
+    let (code, out, err) = drumline(&env, &["verify", "--since", "2m"]);
+    assert_eq!(code, 0, "verify over the schedule and its edit: {out}{err}");
+    let (code, _, _) = drumline(&env, &["schedules", "delete", "s"]);
+    assert_eq!(code, 0);
+    let deleted = chrono::Utc::now();
+    let later = |runs: &[chrono::DateTime<chrono::Utc>]| {
+        runs.iter()
+            .any(|t| *t > deleted + chrono::TimeDelta::seconds(1))
+    };
+    let ran_on = wait_until(Duration::from_secs(5), || later(&runs_of(&env, "s")));
+    assert!(!ran_on, "ran after its delete: {:?}", runs_of(&env, "s"));
 }

@@ -4,9 +4,10 @@
 //! (`source`, `created_at`, `updated_at`, `next`) are ignored, so what `schedules get --json`
 //! prints can be applied again.
 
-use super::{check_job_keys, Config, Interned, Job, RawJob};
+use super::{check_job_keys, Calendar, Config, Interned, Job, RawJob};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
+use std::collections::HashSet;
 
 /// Keys a stored schedule is shown with that are not part of it.
 pub const SHOWN_ONLY: [&str; 4] = ["source", "created_at", "updated_at", "next"];
@@ -99,6 +100,55 @@ impl Config {
         let job = self.check_schedule_job(&name, &keys)?;
         let spec = ScheduleSpec { name, labels, keys };
         Ok((spec, job))
+    }
+
+    /// This config with `schedules` (checked jobs, [`Config::check_schedule`]) after the
+    /// file's jobs and `calendars` beside the file's: what the leader runs. A schedule or a
+    /// calendar named as one of the file's is left out (the file wins).
+    pub fn with_schedules<'j>(
+        &self,
+        schedules: impl IntoIterator<Item = &'j Job>,
+        calendars: impl IntoIterator<Item = (&'j String, &'j Calendar)>,
+    ) -> Config {
+        let file: HashSet<&str> = self.jobs.iter().map(|j| j.name.as_str()).collect();
+        let mut jobs = self.jobs.clone();
+        jobs.extend(
+            schedules
+                .into_iter()
+                .filter(|j| !file.contains(j.name.as_str()))
+                .cloned(),
+        );
+        let mut all = self.calendars.clone();
+        for (name, calendar) in calendars {
+            all.entry(name.clone()).or_insert_with(|| calendar.clone());
+        }
+        Config {
+            jobs,
+            calendars: all,
+            ..self.clone_without_jobs()
+        }
+    }
+
+    /// Everything of this config but its jobs (none).
+    fn clone_without_jobs(&self) -> Config {
+        Config {
+            path: self.path.clone(),
+            namespace: self.namespace.clone(),
+            broker_url: self.broker_url.clone(),
+            broker: self.broker.clone(),
+            redis_url: self.redis_url.clone(),
+            broker_ca_file: self.broker_ca_file.clone(),
+            redis_ca_file: self.redis_ca_file.clone(),
+            redis_wait: self.redis_wait,
+            beat: self.beat.clone(),
+            worker: self.worker.clone(),
+            journal: self.journal,
+            api: self.api.clone(),
+            jobs: Vec::new(),
+            tasks: self.tasks.clone(),
+            limits: self.limits.clone(),
+            calendars: self.calendars.clone(),
+        }
     }
 
     /// The job of schedule `name` with `keys`, checked as the file's jobs are.
@@ -240,6 +290,26 @@ cron = "0 3 * * *"
             assert_eq!(refusal.kind, RefusalKind::Invalid, "{object}");
             assert_eq!(refusal.field.as_deref(), field, "{object}: {refusal}");
         }
+    }
+
+    #[test]
+    fn schedules_join_the_files_jobs_and_the_file_wins_a_name() {
+        let config = config();
+        let (_, a) = config
+            .check_schedule(Some("a"), json!({"task": "report", "every": "1m"}))
+            .unwrap();
+        let mut clash = a.clone();
+        clash.name = "nightly".into();
+        let extra = Calendar::parse(&["2026-12-25"]).unwrap();
+        let calendars = [("holidays".to_owned(), extra)];
+        let all = config.with_schedules([&a, &clash], calendars.iter().map(|(n, c)| (n, c)));
+        let names: Vec<&str> = all.jobs.iter().map(|j| j.name.as_str()).collect();
+        assert_eq!(names, ["nightly", "a"]);
+        assert_eq!(
+            all.job("nightly").unwrap().schedule_text(),
+            "cron \"0 3 * * *\""
+        );
+        assert!(all.calendars.contains_key("holidays") && all.tasks == config.tasks);
     }
 
     #[test]

@@ -1,0 +1,347 @@
+//! What changes the jobs a beat runs while it runs (docs/design.md#schedules-as-data): SIGHUP
+//! (the file again) and the schedules and calendars applied at run time. Those are read whole
+//! at start ([`Changes::load`]) and then followed through the change feed by a task of their
+//! own, which reads each changed object and hands it over; a change becomes a new config (the
+//! file's jobs, then the schedules), which the scheduler runs as it runs a reload.
+
+use chrono::Utc;
+use drumline_shared::calendar::Calendar;
+use drumline_shared::config::{Config, Job};
+use drumline_shared::signals::Hangups;
+use drumline_shared::store::{FeedRead, ObjectKind, Store, StoreError, Stored};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tracing::{error, info, warn};
+
+/// Objects read per page at start.
+const PAGE: usize = 1000;
+
+/// Changes read from the feed at once.
+const FEED_BATCH: usize = 1000;
+
+/// Between reads of the feed that found nothing. The feed is polled, not read with `BLOCK`:
+/// the store's one connection is shared, and a blocked read would hold up the leader's
+/// renewals and progress writes behind it.
+const FEED_POLL: Duration = Duration::from_millis(200);
+
+/// Between tries of a failed feed read.
+const FEED_RETRY: Duration = Duration::from_millis(500);
+
+/// One object's new state from the feed: its stored JSON, or `None` when deleted.
+#[derive(Debug)]
+enum Update {
+    /// These objects changed.
+    Objects(Vec<(ObjectKind, String, Option<String>)>),
+    /// The feed lost its place: everything, read again.
+    All(Box<Objects>),
+}
+
+/// Every schedule and calendar applied at run time, as stored JSON by name.
+#[derive(Debug, Default)]
+struct Objects {
+    schedules: BTreeMap<String, String>,
+    calendars: BTreeMap<String, String>,
+}
+
+/// The file's config and the objects applied at run time, and where changes to either come
+/// from.
+pub(crate) struct Changes {
+    hangups: Hangups,
+    file: Arc<Config>,
+    objects: Objects,
+    /// The schedules checked against `file` (those that no longer check left out, logged).
+    jobs: BTreeMap<String, Job>,
+    calendars: BTreeMap<String, Calendar>,
+    updates: mpsc::Receiver<Update>,
+}
+
+impl Changes {
+    /// Reads every stored object, then follows the feed from before that read (so no change is
+    /// missed) in a task of its own.
+    /// `Err` gives `hangups` back with the error.
+    pub(crate) async fn load(
+        file: Arc<Config>,
+        store: &Store,
+        hangups: Hangups,
+    ) -> Result<Self, (StoreError, Hangups)> {
+        let read =
+            async { Ok::<_, StoreError>((store.feed_head().await?, read_all(store).await?)) };
+        let (head, objects) = match read.await {
+            Ok(read) => read,
+            Err(e) => return Err((e, hangups)),
+        };
+        let (tx, updates) = mpsc::channel(16);
+        tokio::spawn(follow(store.clone(), head, tx));
+        let mut changes = Changes {
+            hangups,
+            file,
+            objects,
+            jobs: BTreeMap::new(),
+            calendars: BTreeMap::new(),
+            updates,
+        };
+        changes.check_all();
+        Ok(changes)
+    }
+
+    /// The config to run: the file's jobs and the schedules.
+    pub(crate) fn config(&self) -> Arc<Config> {
+        let config = self
+            .file
+            .with_schedules(self.jobs.values(), self.calendars.iter());
+        Arc::new(config)
+    }
+
+    /// The next change: SIGHUP or a change in the feed. `None` when it changed nothing (a
+    /// file that does not load, a put of what was stored). Cancel-safe.
+    pub(crate) async fn next(&mut self) -> Option<Arc<Config>> {
+        tokio::select! {
+            _ = self.hangups.recv() => {
+                self.file = reload(&self.file)?;
+                self.check_all();
+            }
+            update = self.updates.recv() => {
+                let update = update?;
+                if !self.apply(update) {
+                    return None;
+                }
+            }
+        }
+        Some(self.config())
+    }
+
+    /// Applies `update`; whether any object changed.
+    fn apply(&mut self, update: Update) -> bool {
+        let objects = match update {
+            Update::All(all) => {
+                self.objects = *all;
+                self.check_all();
+                return true;
+            }
+            Update::Objects(objects) => objects,
+        };
+        let mut changed = false;
+        for (kind, name, json) in objects {
+            let held = match kind {
+                ObjectKind::Schedule => &mut self.objects.schedules,
+                ObjectKind::Calendar => &mut self.objects.calendars,
+            };
+            let before = match &json {
+                Some(json) => held.insert(name.clone(), json.clone()),
+                None => held.remove(&name),
+            };
+            if before != json {
+                changed = true;
+                self.check_one(kind, &name);
+            }
+        }
+        changed
+    }
+
+    /// Checks every stored object again (at start, after SIGHUP or a gap in the feed).
+    fn check_all(&mut self) {
+        self.jobs.clear();
+        self.calendars.clear();
+        let names: Vec<(ObjectKind, String)> = self
+            .objects
+            .schedules
+            .keys()
+            .map(|n| (ObjectKind::Schedule, n.clone()))
+            .chain(
+                self.objects
+                    .calendars
+                    .keys()
+                    .map(|n| (ObjectKind::Calendar, n.clone())),
+            )
+            .collect();
+        for (kind, name) in names {
+            self.check_one(kind, &name);
+        }
+        info!(
+            schedules = self.jobs.len(),
+            calendars = self.calendars.len(),
+            "schedules applied at run time"
+        );
+    }
+
+    /// Takes object `name` of `kind` as now stored (or gone).
+    fn check_one(&mut self, kind: ObjectKind, name: &str) {
+        match kind {
+            ObjectKind::Schedule => {
+                self.jobs.remove(name);
+                let Some(json) = self.objects.schedules.get(name) else {
+                    return;
+                };
+                match schedule_job(&self.file, json) {
+                    Ok(job) => drop(self.jobs.insert(name.to_owned(), job)),
+                    Err(e) => warn!(schedule = name, error = %e, "schedule left out"),
+                }
+            }
+            ObjectKind::Calendar => {
+                self.calendars.remove(name);
+                let Some(json) = self.objects.calendars.get(name) else {
+                    return;
+                };
+                match calendar_of(json) {
+                    Some(calendar) => drop(self.calendars.insert(name.to_owned(), calendar)),
+                    None => warn!(calendar = name, "calendar left out: not readable"),
+                }
+            }
+        }
+    }
+}
+
+/// A stored schedule as the job it runs, checked against `file`.
+pub(crate) fn schedule_job(file: &Config, json: &str) -> Result<Job, String> {
+    let object: Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    let (_, job) = file
+        .check_schedule(None, object)
+        .map_err(|r| r.to_string())?;
+    Ok(job)
+}
+
+/// A stored calendar (`{"name", "dates"}`).
+pub(crate) fn calendar_of(json: &str) -> Option<Calendar> {
+    let object: Value = serde_json::from_str(json).ok()?;
+    let dates: Vec<String> = serde_json::from_value(object.get("dates")?.clone()).ok()?;
+    Calendar::parse(&dates).ok()
+}
+
+/// Every stored schedule and calendar.
+async fn read_all(store: &Store) -> Result<Objects, StoreError> {
+    let mut objects = Objects::default();
+    for kind in [ObjectKind::Schedule, ObjectKind::Calendar] {
+        let held = match kind {
+            ObjectKind::Schedule => &mut objects.schedules,
+            ObjectKind::Calendar => &mut objects.calendars,
+        };
+        let mut cursor = 0;
+        loop {
+            let (next, page) = store.objects_page(kind, cursor, PAGE).await?;
+            held.extend(page.into_iter().map(|s: Stored| (s.name, s.json)));
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+    }
+    Ok(objects)
+}
+
+/// Follows the feed from `from` until the receiver is gone: each batch of changes read with
+/// the objects as now stored.
+async fn follow(store: Store, mut from: String, tx: mpsc::Sender<Update>) {
+    loop {
+        let update = match store.feed_since(&from, FEED_BATCH, 0).await {
+            Ok(FeedRead::Changes(changes)) if changes.is_empty() => {
+                tokio::time::sleep(FEED_POLL).await;
+                continue;
+            }
+            Ok(FeedRead::Changes(changes)) => {
+                let last = changes[changes.len() - 1].id.clone();
+                match read_changed(&store, changes).await {
+                    Ok(objects) => {
+                        from = last;
+                        Update::Objects(objects)
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "cannot read the changed schedules; trying again");
+                        tokio::time::sleep(FEED_RETRY).await;
+                        continue;
+                    }
+                }
+            }
+            Ok(FeedRead::Gap) => {
+                match (store.feed_head().await, read_all(&store).await) {
+                    (Ok(head), Ok(all)) => {
+                        warn!("the change feed was trimmed past this beat's place: read everything again");
+                        from = head;
+                        Update::All(Box::new(all))
+                    }
+                    _ => {
+                        tokio::time::sleep(FEED_RETRY).await;
+                        continue;
+                    }
+                }
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot read the change feed; trying again");
+                tokio::time::sleep(FEED_RETRY).await;
+                continue;
+            }
+        };
+        if tx.send(update).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// The changed objects as now stored (`None`: deleted), one read per kind.
+async fn read_changed(
+    store: &Store,
+    changes: Vec<drumline_shared::store::Change>,
+) -> Result<Vec<(ObjectKind, String, Option<String>)>, StoreError> {
+    let started = Utc::now();
+    let mut out = Vec::with_capacity(changes.len());
+    for kind in [ObjectKind::Schedule, ObjectKind::Calendar] {
+        let mut names: Vec<String> = changes
+            .iter()
+            .filter(|c| c.kind == kind)
+            .map(|c| c.name.clone())
+            .collect();
+        names.sort();
+        names.dedup();
+        let stored = store.objects_named(kind, &names).await?;
+        out.extend(
+            names
+                .into_iter()
+                .zip(stored)
+                .map(|(n, s)| (kind, n, s.map(|s| s.json))),
+        );
+    }
+    tracing::debug!(
+        changes = out.len(),
+        read_ms = (Utc::now() - started).num_milliseconds(),
+        "schedules changed"
+    );
+    Ok(out)
+}
+
+/// Re-reads the config file on SIGHUP: the running config with the file's `[[jobs]]` and
+/// `[tasks.*]` (everything else takes a restart, and is named), or `None` (logged) when the
+/// file does not load and the running one stays.
+fn reload(config: &Config) -> Option<Arc<Config>> {
+    match config.reload() {
+        Ok((new, restart)) => {
+            if !restart.is_empty() {
+                warn!(changed = ?restart, "reloaded [[jobs]]; these changes take a restart of the beat");
+            }
+            // Field by field: `..config.clone()` would copy every running job only to drop it.
+            Some(Arc::new(Config {
+                jobs: new.jobs,
+                tasks: new.tasks,
+                limits: new.limits,
+                calendars: new.calendars,
+                path: config.path.clone(),
+                namespace: config.namespace.clone(),
+                broker_url: config.broker_url.clone(),
+                broker: config.broker.clone(),
+                redis_url: config.redis_url.clone(),
+                broker_ca_file: config.broker_ca_file.clone(),
+                redis_ca_file: config.redis_ca_file.clone(),
+                redis_wait: config.redis_wait,
+                beat: config.beat.clone(),
+                worker: config.worker.clone(),
+                journal: config.journal,
+                api: config.api.clone(),
+            }))
+        }
+        Err(e) => {
+            error!(error = %e, "reload refused: the file does not load; the running config stays");
+            None
+        }
+    }
+}
