@@ -23,11 +23,12 @@ use crate::stats::{report_dropped, BeatStats};
 use chrono::{DateTime, Utc};
 use drumline_shared::backoff::Backoff;
 use drumline_shared::broker::BrokerError;
+use drumline_shared::calendar::{excluded_by, Calendar};
 use drumline_shared::config::{Config, Job};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::store::{last_instant_text, parse_last_instant, LeaderEntry, ProgressError};
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
@@ -652,7 +653,8 @@ impl Machine {
     pub(crate) fn plan(&mut self, now: DateTime<Utc>) -> Planned {
         let jobs = &self.config.jobs;
         let at = (now, self.threshold);
-        let dues = take_due(&mut self.queue, jobs, &self.states, at, &self.paused);
+        let held = (&self.paused, &self.config.calendars);
+        let dues = take_due(&mut self.queue, jobs, &self.states, at, held);
         if self.followers.any() {
             for due in &dues {
                 self.followers.upstream_dropped(due.job, &due.plan);
@@ -942,6 +944,17 @@ impl Machine {
     }
 }
 
+/// `plan` without the instants a calendar of `job`'s `exclude` holds ([`misfire::excluded`]).
+fn skip_excluded(job: &Job, plan: Plan, calendars: &BTreeMap<String, Calendar>) -> Plan {
+    if job.spec.exclude.is_empty() {
+        return plan;
+    }
+    let exclude = &job.spec.exclude;
+    misfire::excluded(plan, |t| {
+        excluded_by(exclude, t, job.timezone, |name| calendars.get(name)).is_some()
+    })
+}
+
 /// Takes the jobs due at `now` off the queue, oldest first, and plans each (a paused job's
 /// plan publishes nothing: [`misfire::paused`]), up to [`BATCH_JOBS`] jobs or
 /// [`BATCH_MESSAGES`] messages (the last job taken may publish only the first part of its plan;
@@ -951,7 +964,7 @@ fn take_due(
     jobs: &[Job],
     states: &[JobState],
     (now, threshold): (DateTime<Utc>, Duration),
-    paused: &HashSet<String>,
+    (paused, calendars): (&HashSet<String>, &BTreeMap<String, Calendar>),
 ) -> Vec<Due> {
     let mut batch = Vec::new();
     let mut messages = 0;
@@ -983,6 +996,7 @@ fn take_due(
         if paused.contains(&jobs[job].name) {
             plan = misfire::paused(plan);
         }
+        plan = skip_excluded(&jobs[job], plan, calendars);
         let take = plan.publish.len().min(BATCH_MESSAGES - messages);
         messages += take;
         batch.push(Due {
@@ -1145,7 +1159,13 @@ mod tests {
         let mut batches = Vec::new();
         loop {
             let none = HashSet::new();
-            let batch = take_due(&mut queue, &jobs, &states, (at(NOW), THRESHOLD), &none);
+            let batch = take_due(
+                &mut queue,
+                &jobs,
+                &states,
+                (at(NOW), THRESHOLD),
+                (&none, &BTreeMap::new()),
+            );
             if batch.is_empty() {
                 break;
             }
@@ -1171,14 +1191,20 @@ mod tests {
         let none = HashSet::new();
         let states = [state];
         let just_before = instant + offset - TimeDelta::milliseconds(1);
-        let batch = take_due(&mut queue, &jobs, &states, (just_before, THRESHOLD), &none);
+        let batch = take_due(
+            &mut queue,
+            &jobs,
+            &states,
+            (just_before, THRESHOLD),
+            (&none, &BTreeMap::new()),
+        );
         assert!(batch.is_empty(), "not due before instant + offset");
         let batch = take_due(
             &mut queue,
             &jobs,
             &states,
             (instant + offset, THRESHOLD),
-            &none,
+            (&none, &BTreeMap::new()),
         );
         assert_eq!(batch[0].plan.publish, vec![instant]);
         assert!(batch[0].plan.dropped.is_empty(), "on time, not a misfire");
@@ -1207,7 +1233,14 @@ mod tests {
             let mut queue = due_queue(&jobs, std::slice::from_ref(state));
             let states = [state.clone()];
             let none = HashSet::new();
-            take_due(&mut queue, &jobs, &states, (now, threshold), &none).remove(0)
+            take_due(
+                &mut queue,
+                &jobs,
+                &states,
+                (now, threshold),
+                (&none, &BTreeMap::new()),
+            )
+            .remove(0)
         };
 
         let due = plan_of(&after);
@@ -1744,6 +1777,24 @@ mod driven {
         w.m.paused_seen(HashSet::new());
         w.round("2026-03-02T12:02:00Z");
         assert!(w.delivered.contains(&key("a", "2026-03-02T12:02:00Z")));
+    }
+
+    #[test]
+    fn an_instant_on_a_calendar_date_is_skipped_and_journaled() {
+        let holiday = "every = \"1h\"\nexclude = [\"h\"]\n[calendars.h]\ndates = [\"2026-03-03\"]";
+        let jobs = [("a", holiday), ("b", "every = \"1h\"")];
+        let mut w = World::gained(&jobs, Some("2026-03-02T23:00:00Z"), "2026-03-02T23:30:00Z");
+        let t = "2026-03-03T00:00:00Z";
+        w.round(t);
+        assert_eq!(w.delivered, vec![key("b", t)]);
+        assert_eq!(w.journaled("skipped"), vec![(key("a", t), "calendar")]);
+        assert_eq!(
+            w.recorded("a"),
+            Some(at(t)),
+            "moved past what the calendar skipped"
+        );
+        w.round("2026-03-04T00:00:00Z");
+        assert!(w.delivered.contains(&key("a", "2026-03-04T00:00:00Z")));
     }
 
     /// Job `a` stalls on its 12:01; a reload reschedules `b` and keeps `a`: `a`'s 12:01 is

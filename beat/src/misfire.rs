@@ -29,6 +29,8 @@ pub enum Dropped {
     Expired,
     /// The job was paused (`drumline-beat pause`) when it came due.
     Paused,
+    /// A calendar of the job's `exclude` holds its local date (docs/design.md#calendars).
+    Calendar,
 }
 
 impl Dropped {
@@ -43,6 +45,7 @@ impl Dropped {
             Dropped::Policy(Misfire::Skip) => "missed; misfire = skip",
             Dropped::Expired => "expired before it could be published",
             Dropped::Paused => "the job is paused",
+            Dropped::Calendar => "a calendar excludes its date",
         }
     }
 }
@@ -263,6 +266,38 @@ pub fn paused(plan: Plan) -> Plan {
         unlisted: drops.unlisted,
         dropped_up_to: drops.up_to,
         decided_up_to: plan.decided_up_to,
+    }
+}
+
+/// `plan` with the instants `excluded` holds not published: dropped as [`Dropped::Calendar`].
+/// Drops come before every publish, so an excluded instant after one to publish ends the plan
+/// there (it is decided by the next, which drops it).
+pub fn excluded(plan: Plan, excluded: impl Fn(DateTime<Utc>) -> bool) -> Plan {
+    if !plan.publish.iter().any(|t| excluded(*t)) {
+        return plan;
+    }
+    let mut drops = Drops {
+        listed: plan.dropped,
+        unlisted: plan.unlisted,
+        up_to: plan.dropped_up_to,
+    };
+    let (mut publish, mut decided_up_to) = (Vec::new(), plan.decided_up_to);
+    for t in plan.publish {
+        match (excluded(t), publish.last()) {
+            (false, _) => publish.push(t),
+            (true, None) => drops.push(t, Dropped::Calendar),
+            (true, Some(kept)) => {
+                decided_up_to = Some(*kept);
+                break;
+            }
+        }
+    }
+    Plan {
+        publish,
+        dropped: drops.listed,
+        unlisted: drops.unlisted,
+        dropped_up_to: drops.up_to,
+        decided_up_to,
     }
 }
 
@@ -797,5 +832,25 @@ pub(crate) mod tests {
             (p.dropped_up_to, p.decided_up_to),
             (Some(newest), Some(newest))
         );
+    }
+
+    #[test]
+    fn excluded_instants_are_dropped_before_the_first_kept_one_and_end_the_plan_after_it() {
+        let t = |m: u32| at(&format!("2026-03-02T12:{m:02}:00Z"));
+        let plan = Plan {
+            publish: vec![t(1), t(2), t(3), t(4)],
+            decided_up_to: Some(t(4)),
+            ..Plan::default()
+        };
+        let odd = |x: DateTime<Utc>| chrono::Timelike::minute(&x) % 2 == 1;
+        let p = excluded(plan.clone(), odd);
+        assert_eq!(p.publish, vec![t(2)]);
+        assert_eq!(p.dropped, vec![(t(1), Dropped::Calendar)]);
+        assert_eq!(
+            p.decided_up_to,
+            Some(t(2)),
+            "03 is decided by the next plan"
+        );
+        assert_eq!(excluded(plan.clone(), |_| false), plan);
     }
 }

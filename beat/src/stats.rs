@@ -36,6 +36,8 @@ pub enum DropReason {
     Expired,
     /// The job was paused when it came due (`drumline-beat pause`).
     Paused,
+    /// A calendar of the job's `exclude` holds its date (docs/design.md#calendars).
+    Calendar,
 }
 
 impl DropReason {
@@ -48,6 +50,7 @@ impl DropReason {
             DropReason::MisfireSkip => "misfire_skip",
             DropReason::Expired => "expired",
             DropReason::Paused => "paused",
+            DropReason::Calendar => "calendar",
         }
     }
 
@@ -68,6 +71,7 @@ impl From<Dropped> for DropReason {
             Dropped::Policy(misfire) => DropReason::policy(misfire),
             Dropped::Expired => DropReason::Expired,
             Dropped::Paused => DropReason::Paused,
+            Dropped::Calendar => DropReason::Calendar,
         }
     }
 }

@@ -211,3 +211,51 @@ fn a_schedule_applied_to_a_running_beat_runs_changes_and_stops_when_deleted() {
     let ran_on = wait_until(Duration::from_secs(5), || later(&runs_of(&env, "s")));
     assert!(!ran_on, "ran after its delete: {:?}", runs_of(&env, "s"));
 }
+
+#[test]
+fn a_calendar_date_skips_the_jobs_instants_visibly() {
+    let env = setup("sched_calendar");
+    let today = chrono::Utc::now().date_naive();
+    let dates = format!(
+        "[\"{today}\", \"{}\"]",
+        today.succ_opt().expect("a tomorrow")
+    );
+    let mark = Keys::default().with("command", &env.append_key_command("effects", 0.0));
+    let cfg = Cfg::new()
+        .set("calendars.today", "dates", &dates)
+        .task("mark", mark)
+        .job(
+            "j",
+            Keys::default()
+                .with("task", "\"mark\"")
+                .with("every", "\"1s\"")
+                .with("exclude", "[\"today\"]"),
+        );
+    let path = env.write_config("drumline.toml", &cfg);
+    let path = path.to_str().expect("utf-8");
+    let (_, out, _) = drumline(&env, &["next", "j", "--count", "1", "--json"]);
+    assert!(out.contains("excluded: today"), "{out}");
+    let _worker = env.worker("worker", &["--config", path]);
+    let beat = env.beat("beat", &["--config", path]);
+    let skipped = wait_until(Duration::from_secs(30), || {
+        let (_, out, _) = drumline(&env, &["audit", "j", "--json"]);
+        let audit: Value = serde_json::from_str(&out).unwrap_or(Value::Null);
+        let rows = audit["instants"].as_array().cloned().unwrap_or_default();
+        rows.iter()
+            .filter(|r| r["class"] == "skipped" && r["reason"] == "calendar")
+            .count()
+            >= 3
+    });
+    assert!(
+        skipped,
+        "no instant skipped for the calendar\n{}",
+        beat.log_tail(20)
+    );
+    assert!(
+        env.lines("effects").is_empty(),
+        "an excluded instant ran: {:?}",
+        env.lines("effects")
+    );
+    let (code, out, err) = drumline(&env, &["verify", "--since", "5m"]);
+    assert_eq!(code, 0, "{out}{err}");
+}
