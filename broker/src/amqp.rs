@@ -3,7 +3,8 @@
 
 use chrono::{DateTime, Utc};
 use drumline_core::envelope::{
-    bounded_short, format_instant, Envelope, H_ATTEMPT, H_EPOCH, H_SCHEDULED_FOR, H_TASK,
+    bounded_short, format_instant, Envelope, H_ATTEMPT, H_ATTEMPTS, H_EPOCH, H_ERROR, H_REASON,
+    H_SCHEDULED_FOR, H_TASK,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::BasicProperties;
@@ -31,6 +32,45 @@ pub fn properties(env: &Envelope, now: DateTime<Utc>, epoch: u64) -> BasicProper
         props = props.with_expiration(ShortString::from(left.to_string()));
     }
     props
+}
+
+/// Why a message is dead-lettered, as its dead letter's headers say.
+#[derive(Debug, Clone, Copy)]
+pub struct DeadHeaders<'a> {
+    /// `x-drumline-reason`.
+    pub reason: &'a str,
+    /// `x-drumline-error`.
+    pub error: &'a str,
+    /// `x-drumline-attempts`: the runs made.
+    pub attempts: u32,
+}
+
+/// The properties of a dead letter of a message with properties `from`: its headers with the
+/// reason headers added, its message id and content type, persistent, stamped `now`, without
+/// any per-message expiration (docs/design.md).
+pub fn dead_letter_properties(
+    from: &BasicProperties,
+    why: DeadHeaders<'_>,
+    now: DateTime<Utc>,
+) -> BasicProperties {
+    let mut headers = from.headers().clone().unwrap_or_default();
+    headers.insert(H_REASON.into(), long_string(why.reason));
+    headers.insert(H_ERROR.into(), long_string(why.error));
+    headers.insert(
+        H_ATTEMPTS.into(),
+        AMQPValue::LongLongInt(why.attempts as i64),
+    );
+    let mut out = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_headers(headers)
+        .with_timestamp(now.timestamp().max(0) as u64);
+    if let Some(id) = from.message_id() {
+        out = out.with_message_id(id.clone());
+    }
+    if let Some(ct) = from.content_type() {
+        out = out.with_content_type(ct.clone());
+    }
+    out
 }
 
 /// A header value as an AMQP long string.
@@ -91,5 +131,32 @@ mod tests {
             header_str(headers, H_SCHEDULED_FOR).as_deref(),
             Some("2026-03-08T07:30:00Z")
         );
+    }
+
+    #[test]
+    fn a_dead_letter_keeps_the_headers_and_drops_the_expiration() {
+        let env = Envelope::scheduled(
+            "j",
+            "t",
+            "q",
+            serde_json::json!({}),
+            at(7, 30),
+            Some(at(7, 31)),
+            at(7, 30),
+        );
+        let why = DeadHeaders {
+            reason: "expired",
+            error: "late",
+            attempts: 2,
+        };
+        let dead = dead_letter_properties(&properties(&env, at(7, 30), 3), why, at(8, 0));
+        assert_eq!(dead.message_id().as_ref().unwrap().as_str(), env.key);
+        assert_eq!(*dead.expiration(), None);
+        assert_eq!(*dead.timestamp(), Some(at(8, 0).timestamp() as u64));
+        let headers = dead.headers().as_ref();
+        assert_eq!(header_int(headers, H_EPOCH), Some(3));
+        assert_eq!(header_str(headers, H_REASON).as_deref(), Some("expired"));
+        assert_eq!(header_str(headers, H_ERROR).as_deref(), Some("late"));
+        assert_eq!(header_int(headers, H_ATTEMPTS), Some(2));
     }
 }

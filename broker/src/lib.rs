@@ -5,7 +5,8 @@
 //!   session (a connection, the topology declared, a confirm-mode channel).
 //! - `declare` — the exchanges, work queues, dead-letter queue and delay queues (idempotent:
 //!   declared at start and after every reconnect), and the dead-letter count.
-//! - `publish` — one message or a whole batch with confirms and returns; settling a delivery.
+//! - `publish` — one message or a whole batch with confirms and returns.
+//! - `consume` — taking messages, each decoded once into a [`Delivery`], and settling them.
 //!
 //! Every broker call on the way to a session (a node's connection, each channel's opening,
 //! `confirm.select`, each declaration) is bounded by [`CONNECT_TIMEOUT`]: a hung node accepts
@@ -16,8 +17,11 @@
 //!
 //! # Map
 //!
-//! - `amqp.rs`: an envelope's AMQP properties and drumline headers (`properties`), and headers
-//!   read back (`header_str`, `header_int`).
+//! - `amqp.rs`: an envelope's AMQP properties and drumline headers (`properties`), a dead
+//!   letter's (`dead_letter_properties`), and headers read back (`header_str`, `header_int`).
+//! - `consume.rs`: taking messages: a `Delivery` decoded once (body, AMQP facts, drumline
+//!   headers, the broker's `x-death`) with its `Acker` (ack, requeue); a queue's `Consumer`
+//!   (`consume`, `qos`, `cancel`), `get`, `purge`. Touches: broker.
 //! - `connect.rs`: connecting: `Nodes` (the failover order of `[broker] urls`, the connect
 //!   timeout on every call), sessions with the topology declared, a re-declaration not awaited,
 //!   channels closed in the background. Touches: broker.
@@ -36,13 +40,19 @@ use drumline_core::{config, names, tls, url};
 
 mod amqp;
 mod connect;
+mod consume;
 mod counts;
 mod declare;
 mod publish;
 
-pub use amqp::{header_int, header_str, long_string, properties};
+pub use amqp::{
+    dead_letter_properties, header_int, header_str, long_string, properties, DeadHeaders,
+};
 pub use connect::{
     close_later, connect, connect_or_name, connect_to, failover_order, open_channel, Nodes,
+};
+pub use consume::{
+    cancel, consume, expired_by_broker, get, purge, qos, Acker, Consumer, Death, Delivery,
 };
 pub use counts::{
     dead_letter_count, dead_letter_count_on, queue_counts, queue_counts_on, QueueCounts,
@@ -51,7 +61,7 @@ pub use declare::{declare, declare_delay_queue, Declaration, QUORUM_DELIVERY_LIM
 /// The broker's connection and channel handles, as the door hands them out.
 pub use lapin::{Channel, Connection};
 pub use publish::{
-    open_confirm_channel, publish_batch, publish_confirmed, send_batch, settled, Outgoing, Sending,
+    open_confirm_channel, publish_batch, publish_confirmed, send_batch, Outgoing, Sending,
     CONFIRM_DEADLINE,
 };
 
@@ -66,7 +76,7 @@ use std::time::Duration;
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why a broker call failed, with the fix where we know it.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum BrokerError {
     /// The broker refused a queue whose arguments differ from an existing one (406): needs a
     /// human; the text says what to do.
@@ -120,6 +130,12 @@ impl BrokerError {
             BrokerError::Mismatch { source, .. } | BrokerError::Amqp(source) => reply_code(source),
             _ => None,
         }
+    }
+
+    /// A call refused because its channel closed: `why` says how.
+    pub fn channel_closed(why: &'static str) -> BrokerError {
+        let closed = lapin::ErrorKind::InvalidChannelState(lapin::ChannelState::Closed, why);
+        BrokerError::Amqp(closed.into())
     }
 
     /// A copy for a message that shares this failure (a batch cut short by it): the broker's

@@ -1,6 +1,6 @@
 //! Publishing with confirms: one message ([`publish_confirmed`]) or a whole batch sent before
 //! its first confirm is awaited ([`publish_batch`], the beat's scheduled instances), with
-//! `mandatory` returns charged to their own message; and settling a delivery ([`settled`]).
+//! `mandatory` returns charged to their own message; and an ack's answer as a `Result` ([`settled`]).
 
 use super::{bounded, io_error, BrokerError};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -278,7 +278,7 @@ fn carried_return(confirmation: Confirmation) -> Carried {
 /// An ack, nack or reject's answer from lapin as a `Result`: lapin 4 answers `Ok(false)`, not
 /// an error, when it did not send it (the delivery's channel is closed, or the delivery was
 /// already settled); the broker then redelivers the message, so for the caller it failed.
-pub fn settled(sent: Result<bool, lapin::Error>) -> Result<(), lapin::Error> {
+pub(crate) fn settled(sent: Result<bool, lapin::Error>) -> Result<(), lapin::Error> {
     match sent {
         Ok(true) => Ok(()),
         Ok(false) => Err(io_error(

@@ -400,13 +400,12 @@ fn dependencies(krate: &str) -> BTreeSet<String> {
 }
 
 /// Each crate reaches only its role's outside world: the core none (no async runtime either),
-/// Redis only the store. RabbitMQ the broker, and the worker until its consumer and acks go
-/// through the broker door (docs/design.md#module-map).
+/// Redis only the store, RabbitMQ only the broker (docs/design.md#module-map).
 #[test]
 fn each_crate_depends_only_on_its_roles_outside_world() {
     let may = |krate: &str, dep: &str| match dep {
         "redis" => krate == "store",
-        "lapin" => matches!(krate, "broker" | "worker"),
+        "lapin" => matches!(krate, "broker"),
         "tokio" | "async-rs" => krate != "core",
         _ => true,
     };

@@ -27,10 +27,7 @@
 //! the ones whose outcome is recorded), and [`Acks::stalled`] tells the consumer to start a new
 //! session.
 
-use drumline_shared::broker;
-use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
-use lapin::{Acker, Channel};
+use drumline_shared::broker::{Acker, BrokerError, Channel, Delivery};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -77,7 +74,7 @@ pub struct Ticket {
 }
 
 /// Who waits for an ack frame to be sent.
-type Reply = oneshot::Sender<Result<(), lapin::Error>>;
+type Reply = oneshot::Sender<Result<(), BrokerError>>;
 
 /// What the table hears about a tag; `A` acks it (an [`Acker`]), `R` waits for that.
 enum Request<A, R> {
@@ -111,9 +108,9 @@ impl Acks {
 
     /// Registers `delivery` as taken, before anything else can settle it.
     pub fn taken(&self, delivery: &Delivery) -> Ticket {
-        self.apply(Request::Taken(delivery.delivery_tag));
+        self.apply(Request::Taken(delivery.tag));
         Ticket {
-            tag: delivery.delivery_tag,
+            tag: delivery.tag,
             acker: delivery.acker.clone(),
             acks: self.clone(),
             settled: false,
@@ -129,7 +126,7 @@ impl Acks {
 
 impl Ticket {
     /// Acks the delivery, possibly together with others; returns once the frame is sent.
-    pub async fn ack(mut self) -> Result<(), lapin::Error> {
+    pub async fn ack(mut self) -> Result<(), BrokerError> {
         let (done, result) = oneshot::channel();
         let result = if self
             .acks
@@ -138,13 +135,10 @@ impl Ticket {
             .is_err()
         {
             // The batcher is gone (the channel stalled); ack alone.
-            broker::settled(self.acker.ack(BasicAckOptions::default()).await)
+            self.acker.ack(false).await
         } else {
             // The batcher drops the reply only when it stops, with the channel.
-            let gone = lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
-                lapin::ChannelState::Closed,
-                "the ack batcher stopped with its channel",
-            ));
+            let gone = BrokerError::channel_closed("the ack batcher stopped with its channel");
             result.await.unwrap_or(Err(gone))
         };
         self.settled = result.is_ok();
@@ -152,12 +146,8 @@ impl Ticket {
     }
 
     /// Hands the delivery back to the broker, alone.
-    pub async fn requeue(mut self) -> Result<(), lapin::Error> {
-        let requeue = BasicNackOptions {
-            requeue: true,
-            ..Default::default()
-        };
-        broker::settled(self.acker.nack(requeue).await)?;
+    pub async fn requeue(mut self) -> Result<(), BrokerError> {
+        self.acker.requeue().await?;
         self.acks.apply(Request::Requeued(self.tag));
         self.settled = true;
         Ok(())
@@ -196,8 +186,8 @@ async fn batch(
             }
             table.acks()
         };
-        for (acker, options, waiting) in sends {
-            let result = broker::settled(acker.ack(options).await);
+        for (acker, multiple, waiting) in sends {
+            let result = acker.ack(multiple).await;
             for done in waiting {
                 let _ = done.send(result.clone());
             }
@@ -233,8 +223,8 @@ impl<A, R> Default for Table<A, R> {
     }
 }
 
-/// One ack frame to send: by `A`, with these options, answering these `R`s.
-type Pending<A, R> = (A, BasicAckOptions, Vec<R>);
+/// One ack frame to send: by `A`, `multiple` or not, answering these `R`s.
+type Pending<A, R> = (A, bool, Vec<R>);
 
 impl<A, R> Table<A, R> {
     fn apply(&mut self, request: Request<A, R>) {
@@ -292,7 +282,7 @@ impl<A, R> Table<A, R> {
         if let Some(acker) = last {
             // The run is acked by its last ready tag; `multiple` once it holds more than one.
             let multiple = waiting.len() > 1;
-            out.push((acker, BasicAckOptions { multiple }, waiting));
+            out.push((acker, multiple, waiting));
         }
         let ready: Vec<u64> = self
             .entries
@@ -303,7 +293,7 @@ impl<A, R> Table<A, R> {
         for tag in ready {
             if let Some(Entry::Ready(acker, done)) = self.entries.remove(&tag) {
                 self.settled_alone(tag);
-                out.push((acker, BasicAckOptions::default(), vec![done]));
+                out.push((acker, false, vec![done]));
             }
         }
         out
@@ -323,11 +313,7 @@ mod tests {
         for r in requests {
             table.apply(r);
         }
-        table
-            .acks()
-            .into_iter()
-            .map(|(tag, options, answered)| (tag, options.multiple, answered))
-            .collect()
+        table.acks()
     }
 
     fn ack(tag: u64) -> Request<u64, u64> {

@@ -44,17 +44,13 @@ use crate::reload::{reload_on_hangup, Current, Reload};
 use crate::stats::Stats;
 use crate::{Gate, Handler, WorkerError};
 use drumline_shared::backoff::Backoff;
-use drumline_shared::broker::{self, BrokerError};
+use drumline_shared::broker::{self, BrokerError, Channel, Connection, Consumer, Delivery};
 use drumline_shared::config::Config;
 use drumline_shared::names::Names;
 use drumline_shared::signals::Hangups;
 use drumline_shared::store::Store;
 use futures_util::stream::{self, BoxStream, FuturesUnordered, SelectAll, StreamExt};
 use futures_util::FutureExt;
-use lapin::message::Delivery;
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
-use lapin::Connection;
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -265,9 +261,9 @@ fn first_processor(
 /// How the broker sessions ended.
 #[derive(Default)]
 struct Served {
-    /// Kept open through the drain: acks travel on the consumer channel, and lapin closes a
+    /// Kept open through the drain: acks travel on the consumer channel, and the client closes a
     /// channel when its last handle is dropped.
-    connection: Option<(Connection, PublishChannel, lapin::Channel)>,
+    connection: Option<(Connection, PublishChannel, Channel)>,
     /// A topology mismatch: the worker cannot serve with this config.
     fatal: Option<BrokerError>,
 }
@@ -316,13 +312,13 @@ enum Reaction {
 #[allow(clippy::large_enum_variant)]
 enum Event {
     Delivery(Delivery),
-    Failed(String, lapin::Error),
+    Failed(String, BrokerError),
     Ended(String),
 }
 
 /// The deliveries of `consumer` (of logical queue `queue`), then its end as an event of its
 /// own: a consumer that ends alone must be noticed, not dropped from a merged stream.
-fn events(queue: String, consumer: lapin::Consumer) -> BoxStream<'static, Event> {
+fn events(queue: String, consumer: Consumer) -> BoxStream<'static, Event> {
     let failed = queue.clone();
     consumer
         .map(move |next| match next {
@@ -404,9 +400,9 @@ impl Dispatch {
     /// unacked, as it would in the consumer's buffer.
     async fn consume(
         &self,
-        (conn, channel): (&Connection, &lapin::Channel),
+        (conn, channel): (&Connection, &Channel),
         publisher: &mut PublishChannel,
-        consumers: Vec<(String, lapin::Consumer)>,
+        consumers: Vec<(String, Consumer)>,
         in_flight: &mut JoinSet<()>,
     ) -> SessionEnd {
         let acks = Acks::start(channel.clone());
@@ -499,7 +495,7 @@ impl Dispatch {
     fn on_event(
         &self,
         event: Event,
-        channel: &lapin::Channel,
+        channel: &Channel,
         waiting: &mut VecDeque<Delivery>,
     ) -> Reaction {
         match event {
@@ -527,7 +523,7 @@ impl Dispatch {
     /// other arguments ends the worker; any other failure, the session.
     fn on_resubscribed(
         &self,
-        resubscribed: Result<(String, lapin::Consumer), SessionError>,
+        resubscribed: Result<(String, Consumer), SessionError>,
         merged: &mut SelectAll<BoxStream<'static, Event>>,
     ) -> Option<SessionEnd> {
         match resubscribed {
@@ -550,7 +546,7 @@ impl Dispatch {
     /// back anyway), bounded: other workers can take it during the drain.
     async fn hand_back(
         &self,
-        channel: &lapin::Channel,
+        channel: &Channel,
         acks: &Acks,
         mut merged: SelectAll<BoxStream<'static, Event>>,
         mut waiting: VecDeque<Delivery>,
@@ -617,9 +613,9 @@ impl Dispatch {
     /// at most while the declare fails; a declare refused for other arguments is fatal.
     async fn resubscribe(
         &self,
-        (conn, channel): (&Connection, &lapin::Channel),
+        (conn, channel): (&Connection, &Channel),
         queue: String,
-    ) -> Result<(String, lapin::Consumer), SessionError> {
+    ) -> Result<(String, Consumer), SessionError> {
         let config = &self.processor.config;
         let mut backoff = REDECLARE;
         for attempt in 1u32.. {
@@ -628,7 +624,7 @@ impl Dispatch {
                 return Err(SessionError::Gone);
             }
             let declare = async {
-                let side = conn.create_channel().await?;
+                let side = conn.create_channel().await.map_err(BrokerError::from)?;
                 broker::declare(
                     &side,
                     &self.processor.names,
@@ -638,7 +634,7 @@ impl Dispatch {
                 )
                 .await
                 .map_err(|e| match e {
-                    BrokerError::Amqp(e) => SessionError::Amqp(e),
+                    e @ BrokerError::Amqp(_) => SessionError::Amqp(e),
                     refused => SessionError::Fatal(refused),
                 })
             };
@@ -671,12 +667,10 @@ impl Dispatch {
 }
 
 /// Cancels the session's consumers, bounded: the channel may be dead.
-async fn cancel_consumers(channel: &lapin::Channel, tags: &[String]) {
+async fn cancel_consumers(channel: &Channel, tags: &[String]) {
     let cancel = async {
         for tag in tags {
-            let _ = channel
-                .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
-                .await;
+            let _ = broker::cancel(channel, tag).await;
         }
     };
     if tokio::time::timeout(BROKER_CALL_TIMEOUT, cancel)
@@ -761,11 +755,11 @@ async fn join_all(set: &mut JoinSet<()>, within: Duration) -> bool {
 /// The session's confirm-mode publishing channel (retries, dead letters, woken waiters),
 /// reopened when the broker closed it (a refused publish or declare closes the channel, not the
 /// connection).
-struct PublishChannel(lapin::Channel);
+struct PublishChannel(Channel);
 
 impl PublishChannel {
     /// A usable publishing channel on `conn`: the current one, or a fresh one if it was closed.
-    async fn channel(&mut self, conn: &Connection) -> Result<lapin::Channel, SessionError> {
+    async fn channel(&mut self, conn: &Connection) -> Result<Channel, SessionError> {
         if !self.0.status().connected() {
             warn!(status = ?self.0.status(), "the publisher channel was closed; reopening it");
             let open = broker::open_confirm_channel(conn);
@@ -831,8 +825,9 @@ impl Pacer {
 
 #[derive(Debug, thiserror::Error)]
 enum SessionError {
+    /// The connection or a channel failed, or the broker refused a call: retried.
     #[error(transparent)]
-    Amqp(#[from] lapin::Error),
+    Amqp(BrokerError),
     #[error("the broker did not answer in time ({0})")]
     Timeout(&'static str),
     #[error("the connection or the consumer channel is gone")]
@@ -849,7 +844,7 @@ impl From<BrokerError> for SessionError {
     /// A refused declaration needs a human; anything else is retried.
     fn from(e: BrokerError) -> Self {
         match e {
-            BrokerError::Amqp(e) => SessionError::Amqp(e),
+            e @ BrokerError::Amqp(_) => SessionError::Amqp(e),
             BrokerError::Timeout { what } => SessionError::Timeout(what),
             e @ BrokerError::Mismatch { .. } => SessionError::Fatal(e),
             e => SessionError::Publish(e),
@@ -857,12 +852,7 @@ impl From<BrokerError> for SessionError {
     }
 }
 
-type Session = (
-    Connection,
-    lapin::Channel,
-    lapin::Channel,
-    Vec<(String, lapin::Consumer)>,
-);
+type Session = (Connection, Channel, Channel, Vec<(String, Consumer)>);
 
 async fn open_session(
     config: &Config,
@@ -884,8 +874,7 @@ async fn open_session(
     // hold `concurrency` unacked deliveries; the slots (the semaphore) bound what runs, so
     // with several queues the extra deliveries only wait, unacked, for a slot.
     let prefetch = config.worker.concurrency.min(u16::MAX as usize) as u16;
-    let qos = channel.basic_qos(prefetch, BasicQosOptions { global: false });
-    broker::bounded("basic.qos", qos).await?;
+    broker::qos(&channel, prefetch).await?;
     let mut consumers = Vec::new();
     for queue in &config.worker.queues {
         let subscribed = subscribe(&channel, names, queue, worker_id);
@@ -902,19 +891,13 @@ fn consumer_tag(worker_id: &str, queue: &str) -> String {
 
 /// Consumes `{ns}.q.{queue}` on `channel`.
 async fn subscribe(
-    channel: &lapin::Channel,
+    channel: &Channel,
     names: &Names,
     queue: &str,
     worker_id: &str,
-) -> Result<lapin::Consumer, lapin::Error> {
-    channel
-        .basic_consume(
-            names.work_queue(queue).into(),
-            consumer_tag(worker_id, queue).into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
+) -> Result<Consumer, BrokerError> {
+    let tag = consumer_tag(worker_id, queue);
+    broker::consume(channel, &names.work_queue(queue), &tag).await
 }
 
 async fn connect_redis(config: &Config, names: &Names) -> Store {

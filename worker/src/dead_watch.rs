@@ -15,16 +15,11 @@ use crate::processor::{self, Processor};
 use crate::reload::Current;
 use crate::stats::RunOutcome;
 use drumline_shared::backoff::Backoff;
-use drumline_shared::broker::header_str;
-use drumline_shared::broker::{self, BrokerError};
-use drumline_shared::envelope::{Envelope, H_REASON};
+use drumline_shared::broker::{self, BrokerError, Channel, Connection, Consumer, Delivery};
+use drumline_shared::envelope::Envelope;
 use drumline_shared::run::Claim;
 use drumline_shared::store::{ClaimRequest, OverlapMode, StoreError};
 use futures_util::StreamExt;
-use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Connection};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -44,12 +39,6 @@ enum WatchError {
     Broker(#[from] BrokerError),
     #[error("the broker ended the watch consumer")]
     Ended,
-}
-
-impl From<lapin::Error> for WatchError {
-    fn from(e: lapin::Error) -> Self {
-        WatchError::Broker(e.into())
-    }
 }
 
 /// Watches `{ns}.dead.watch` until `stop`, through the processor `current` serves (its config,
@@ -85,7 +74,7 @@ pub(crate) async fn run(current: Arc<Current>, stop: CancellationToken) {
 }
 
 /// A connection (the topology declared as the worker's), and a consumer of the watch queue.
-async fn open(p: &Processor) -> Result<(Connection, Channel, lapin::Consumer), WatchError> {
+async fn open(p: &Processor) -> Result<(Connection, Channel, Consumer), WatchError> {
     let config = &p.config;
     let what = broker::Declaration {
         names: &p.names,
@@ -95,14 +84,9 @@ async fn open(p: &Processor) -> Result<(Connection, Channel, lapin::Consumer), W
     };
     let (conn, channel) = broker::Nodes::new(config).open_session(&what).await?;
     let consumer = async {
-        let qos = BasicQosOptions { global: false };
-        broker::bounded("basic.qos", channel.basic_qos(PREFETCH, qos)).await?;
-        let consume = channel.basic_consume(
-            p.names.dead_watch().as_str().into(),
-            format!("{}/dead.watch", p.worker_id).as_str().into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        );
+        broker::qos(&channel, PREFETCH).await?;
+        let (queue, tag) = (p.names.dead_watch(), format!("{}/dead.watch", p.worker_id));
+        let consume = broker::consume(&channel, &queue, &tag);
         broker::bounded("basic.consume", consume).await
     };
     match consumer.await {
@@ -120,7 +104,7 @@ async fn open(p: &Processor) -> Result<(Connection, Channel, lapin::Consumer), W
 async fn watch(
     current: &Current,
     channel: &Channel,
-    mut consumer: lapin::Consumer,
+    mut consumer: Consumer,
     stop: &CancellationToken,
 ) -> Result<(), WatchError> {
     info!("watching the dead letters for expired instances");
@@ -135,15 +119,11 @@ async fn watch(
             _ = stop.cancelled() => return Ok(()),
         }
         match letter(&processor, channel, &delivery).await {
-            Ok(()) => broker::settled(delivery.ack(BasicAckOptions::default()).await)?,
+            Ok(()) => delivery.acker.ack(false).await?,
             Err(e) => {
                 warn!(error = %e, "redis: could not journal an expired instance; handing it back");
                 processor.gate.close();
-                let requeue = BasicNackOptions {
-                    requeue: true,
-                    ..Default::default()
-                };
-                broker::settled(delivery.nack(requeue).await)?;
+                delivery.acker.requeue().await?;
             }
         }
     }
@@ -153,13 +133,13 @@ async fn watch(
 /// instance is judged as a claim of an expired copy judges it (dedupe first: a finished
 /// instance stays a duplicate) and, when the claim answers expired, recorded.
 async fn letter(p: &Processor, publisher: &Channel, delivery: &Delivery) -> Result<(), StoreError> {
-    if !broker_expired(delivery.properties.headers().as_ref()) {
+    if !delivery.expired_by_broker {
         return Ok(());
     }
     let arrival = processor::arrival(&p.names, delivery);
     let max = p.config.worker.max_message_bytes;
     let is_job = |job: &str| p.overlap.contains_key(job);
-    let Ok(env) = decision::admit(&delivery.data, &arrival, max, is_job) else {
+    let Ok(env) = decision::admit(&delivery.body, &arrival, max, is_job) else {
         debug!("an expired letter that is not an envelope we run; left to dlq");
         return Ok(());
     };
@@ -177,7 +157,7 @@ async fn letter(p: &Processor, publisher: &Channel, delivery: &Delivery) -> Resu
             retention: p.config.worker.done_ttl,
             expired: true,
             limit: None,
-            epoch: processor::epoch_of(delivery),
+            epoch: delivery.epoch,
         })
         .await?;
     if claim == Claim::Expired {
@@ -197,60 +177,4 @@ async fn expired(p: &Processor, publisher: &Channel, env: &Envelope) {
         .outcome(p.task_label(&env.task), RunOutcome::Expired);
     p.record(env, Outcome::Expired, None, None).await;
     p.pass_the_turn(publisher, env).await;
-}
-
-/// Whether the broker dead-lettered this message because it expired: its latest death (the
-/// first `x-death` entry) says `expired`, and no worker put it in `{ns}.dead` itself (those
-/// carry `x-drumline-reason`).
-pub fn broker_expired(headers: Option<&FieldTable>) -> bool {
-    if header_str(headers, H_REASON).is_some() {
-        return false;
-    }
-    let Some(AMQPValue::FieldArray(deaths)) = headers.and_then(|h| h.inner().get("x-death")) else {
-        return false;
-    };
-    match deaths.as_slice().first() {
-        Some(AMQPValue::FieldTable(death)) => {
-            header_str(Some(death), "reason").as_deref() == Some("expired")
-        }
-        _ => false,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use drumline_shared::broker::long_string;
-    use lapin::types::FieldArray;
-
-    fn death(reason: &str) -> AMQPValue {
-        let mut table = FieldTable::default();
-        table.insert("reason".into(), long_string(reason));
-        table.insert("queue".into(), long_string("ns.q.default"));
-        AMQPValue::FieldTable(table)
-    }
-
-    fn headers(deaths: Vec<AMQPValue>) -> FieldTable {
-        let mut headers = FieldTable::default();
-        headers.insert(
-            "x-death".into(),
-            AMQPValue::FieldArray(FieldArray::from(deaths)),
-        );
-        headers
-    }
-
-    #[test]
-    fn only_the_brokers_latest_expiry_counts() {
-        assert!(broker_expired(Some(&headers(vec![death("expired")]))));
-        // A retry copy expired in its delay queue first, then died otherwise.
-        let later = headers(vec![death("delivery_limit"), death("expired")]);
-        assert!(!broker_expired(Some(&later)));
-        assert!(!broker_expired(Some(&headers(vec![]))));
-        assert!(!broker_expired(Some(&FieldTable::default())));
-        assert!(!broker_expired(None));
-        // Written by a worker (whatever it carried before): recorded already.
-        let mut ours = headers(vec![death("expired")]);
-        ours.insert(H_REASON.into(), long_string("expired"));
-        assert!(!broker_expired(Some(&ours)));
-    }
 }

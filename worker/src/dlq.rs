@@ -8,16 +8,11 @@
 //! confirm, clears the instance's `dead` state in Redis, and only then acks the dead letter.
 
 use chrono::{DateTime, TimeZone, Utc};
-use drumline_shared::broker::{self, BrokerError};
-use drumline_shared::broker::{header_int, header_str};
+use drumline_shared::broker::{self, BrokerError, Channel, Connection, Delivery};
 use drumline_shared::config::Config;
-use drumline_shared::envelope::{format_instant, Envelope, H_ATTEMPTS, H_ERROR, H_REASON, H_TASK};
+use drumline_shared::envelope::{format_instant, Envelope};
 use drumline_shared::names::Names;
 use drumline_shared::store::Store;
-use lapin::message::BasicGetMessage;
-use lapin::options::{BasicAckOptions, BasicGetOptions, QueuePurgeOptions};
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Connection};
 use serde::Serialize;
 
 /// One dead letter, as `dlq list --json` prints it.
@@ -54,63 +49,33 @@ pub enum DlqError {
     NotConfirmed(String, BrokerError),
 }
 
-impl From<lapin::Error> for DlqError {
-    fn from(e: lapin::Error) -> Self {
-        DlqError::Broker(e.into())
-    }
-}
-
 /// Describes one dead-lettered message.
-pub fn describe(message: &BasicGetMessage) -> DeadLetter {
-    let props = &message.delivery.properties;
-    let headers = props.headers().as_ref();
-    let env = Envelope::decode(&message.delivery.data).ok();
-    let death = first_death(headers);
-    let reason = header_str(headers, H_REASON)
-        .or_else(|| death.as_ref().and_then(|d| table_str(d, "reason")))
+pub fn describe(letter: &Delivery) -> DeadLetter {
+    let env = Envelope::decode(&letter.body).ok();
+    let death = letter.death.as_ref();
+    let reason = (letter.reason.clone())
+        .or_else(|| death.and_then(|d| d.reason.clone()))
         .unwrap_or_else(|| "unknown".into());
     // A broker-expired message never ran in its last attempt: runs made = its attempt number.
-    let attempts = header_int(headers, H_ATTEMPTS)
+    let attempts = (letter.attempts)
         .map(|a| a.max(0) as u32)
         .or(env.as_ref().map(|e| e.attempt))
         .unwrap_or(0);
-    let dead_at = match (header_str(headers, H_REASON), &death) {
-        (Some(_), _) => props
-            .timestamp()
-            .and_then(|t| Utc.timestamp_opt(t as i64, 0).single()),
-        (None, Some(d)) => match d.inner().get("time") {
-            Some(AMQPValue::Timestamp(t)) => Utc.timestamp_opt(*t as i64, 0).single(),
-            _ => None,
-        },
+    let dead_at = match (&letter.reason, death) {
+        (Some(_), _) => letter.timestamp,
+        (None, Some(d)) => d.time,
         _ => None,
     };
+    let dead_at = dead_at.and_then(|t| Utc.timestamp_opt(t as i64, 0).single());
     DeadLetter {
-        key: props
-            .message_id()
-            .as_ref()
-            .map(|m| m.to_string())
-            .or(env.as_ref().map(|e| e.key.clone())),
-        task: header_str(headers, H_TASK).or(env.as_ref().map(|e| e.task.clone())),
+        key: (letter.message_id.clone()).or(env.as_ref().map(|e| e.key.clone())),
+        task: (letter.task.clone()).or(env.as_ref().map(|e| e.task.clone())),
         job: env.as_ref().and_then(|e| e.job.clone()),
         reason,
         attempts,
-        error: header_str(headers, H_ERROR),
+        error: letter.error.clone(),
         dead_at: dead_at.map(|t: DateTime<Utc>| format_instant(t)),
     }
-}
-
-fn first_death(headers: Option<&FieldTable>) -> Option<FieldTable> {
-    match headers?.inner().get("x-death")? {
-        AMQPValue::FieldArray(deaths) => deaths.as_slice().iter().find_map(|d| match d {
-            AMQPValue::FieldTable(t) => Some(t.clone()),
-            _ => None,
-        }),
-        _ => None,
-    }
-}
-
-fn table_str(table: &FieldTable, key: &str) -> Option<String> {
-    header_str(Some(table), key)
 }
 
 /// The namespace's names and a channel on which the worker's topology (so `{ns}.dead`) is declared.
@@ -133,7 +98,7 @@ pub struct DeadQueue {
     channel: Channel,
     names: Names,
     /// The messages read, in queue order.
-    pub messages: Vec<BasicGetMessage>,
+    pub messages: Vec<Delivery>,
 }
 
 impl DeadQueue {
@@ -141,10 +106,7 @@ impl DeadQueue {
     pub async fn open(config: &Config) -> Result<Self, DlqError> {
         let (names, conn, channel) = open_dead(config).await?;
         let mut messages = Vec::new();
-        while let Some(m) = channel
-            .basic_get(names.dead().into(), BasicGetOptions { no_ack: false })
-            .await?
-        {
+        while let Some(m) = broker::get(&channel, &names.dead()).await? {
             messages.push(m);
         }
         Ok(Self {
@@ -169,7 +131,7 @@ impl DeadQueue {
             if !wanted {
                 continue;
             }
-            let Ok(mut env) = Envelope::decode(&m.delivery.data) else {
+            let Ok(mut env) = Envelope::decode(&m.body) else {
                 refused.push(info.key.unwrap_or_else(|| "(no key)".into()));
                 continue;
             };
@@ -189,7 +151,7 @@ impl DeadQueue {
             )
             .await
             .map_err(|e| DlqError::NotConfirmed(env.key.clone(), e))?;
-            broker::settled(m.delivery.ack(BasicAckOptions::default()).await)?;
+            m.acker.ack(false).await?;
             done.push(env.key);
         }
         Ok((done, refused))
@@ -205,9 +167,7 @@ impl DeadQueue {
 /// Empties `{ns}.dead`; returns how many messages were removed.
 pub async fn purge(config: &Config) -> Result<u32, DlqError> {
     let (names, conn, channel) = open_dead(config).await?;
-    let n = channel
-        .queue_purge(names.dead().into(), QueuePurgeOptions::default())
-        .await?;
+    let n = broker::purge(&channel, &names.dead()).await?;
     let _ = conn.close(200, "purged".into()).await;
     Ok(n)
 }

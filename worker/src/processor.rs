@@ -13,21 +13,15 @@ use crate::stats::{RunOutcome, Stats, UNKNOWN_TASK};
 use crate::{Gate, WorkerError};
 use chrono::Utc;
 use drumline_shared::backoff::Backoff;
-use drumline_shared::broker::long_string;
-use drumline_shared::broker::{self, BrokerError};
+use drumline_shared::broker::{self, BrokerError, Channel, DeadHeaders, Delivery};
 use drumline_shared::config::{Config, Limit, Overlap, Task};
-use drumline_shared::envelope::{
-    self, Arrival, DeadReason, Envelope, H_ATTEMPTS, H_ERROR, H_REASON,
-};
+use drumline_shared::envelope::{self, Arrival, DeadReason, Envelope};
 use drumline_shared::names::Names;
 use drumline_shared::planted::{self, planted, Defect};
 use drumline_shared::store::{
     now_text, Claim, ClaimRequest, Ended, Ending, Final, LimitClaim, OverlapMode, RunRecord, Store,
     StoreError, Unclaimed, Waiter,
 };
-use lapin::message::Delivery;
-use lapin::types::AMQPValue;
-use lapin::{BasicProperties, Channel};
 use prometheus_client::metrics::gauge::Gauge;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -83,12 +77,6 @@ pub(crate) enum Interrupted {
     Redis(#[from] StoreError),
     #[error(transparent)]
     Broker(#[from] BrokerError),
-}
-
-impl From<lapin::Error> for Interrupted {
-    fn from(e: lapin::Error) -> Self {
-        Interrupted::Broker(e.into())
-    }
 }
 
 impl Processor {
@@ -224,7 +212,7 @@ impl Processor {
         publisher: &Channel,
         delivery: &Delivery,
     ) -> Result<Disposition, Interrupted> {
-        let body = &delivery.data;
+        let body = &delivery.body;
         let max = self.config.worker.max_message_bytes;
         let arrival = arrival(&self.names, delivery);
         match decision::admit(body, &arrival, max, |job| self.overlap.contains_key(job)) {
@@ -247,7 +235,7 @@ impl Processor {
                 self.stats.outcome(task, RunOutcome::Malformed);
                 self.journal_rejected(delivery, &arrival, reason, &error)
                     .await;
-                self.dead_letter(publisher, body, &delivery.properties, reason, &error, 0)
+                self.dead_letter(publisher, delivery, None, reason, &error, 0)
                     .await?;
                 Ok(Disposition::Ack)
             }
@@ -267,7 +255,7 @@ impl Processor {
         self.stats.outcome(UNKNOWN_TASK, RunOutcome::Dead);
         self.dead_unclaimed(&env.key, Some(env), reason, &error)
             .await?;
-        self.dead_letter_env(publisher, delivery, env, reason, &error, env.attempt)
+        self.dead_letter(publisher, delivery, Some(env), reason, &error, env.attempt)
             .await?;
         Ok(Disposition::Ack)
     }
@@ -282,12 +270,8 @@ impl Processor {
         reason: DeadReason,
         error: &str,
     ) {
-        let body = (reason != DeadReason::Oversize).then_some(&delivery.data[..]);
-        let id = delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|m| m.as_str());
+        let body = (reason != DeadReason::Oversize).then_some(&delivery.body[..]);
+        let id = delivery.message_id.as_deref();
         let is_job = |job: &str| self.overlap.contains_key(job);
         let Some((key, env)) = decision::rejected_key(body, id, arrival, is_job) else {
             return;
@@ -345,7 +329,7 @@ impl Processor {
             return Ok(Disposition::Ack);
         }
         let token = uuid::Uuid::new_v4().to_string();
-        let (claim, claimed_at) = self.claim(&env, &token, epoch_of(delivery)).await?;
+        let (claim, claimed_at) = self.claim(&env, &token, delivery.epoch).await?;
         let mut step = Step {
             publisher,
             delivery,
@@ -369,14 +353,14 @@ impl Processor {
         let (result, _renewing) = self
             .run(
                 handler.clone(),
-                (&env, &delivery.data),
+                (&env, &delivery.body),
                 &token,
                 fence,
                 claimed_at,
             )
             .await;
         if planted(Defect::DoubleRun) && matches!(result, RunResult::Succeeded) {
-            let delivered = (&env, &delivery.data[..]);
+            let delivered = (&env, &delivery.body[..]);
             let _ = self
                 .run(handler.clone(), delivered, &token, fence, claimed_at)
                 .await;
@@ -518,8 +502,15 @@ impl Processor {
         self.stats.outcome(&env.task, RunOutcome::Expired);
         let error = "expires_at passed before the run";
         let reason = DeadReason::Expired;
-        self.dead_letter_env(publisher, step.delivery, env, reason, error, env.attempt)
-            .await?;
+        self.dead_letter(
+            publisher,
+            step.delivery,
+            Some(env),
+            reason,
+            error,
+            env.attempt,
+        )
+        .await?;
         self.record(env, Outcome::Expired, None, None).await;
         self.pass_the_turn(publisher, env).await;
         Ok(())
@@ -636,7 +627,7 @@ impl Processor {
     /// two comes second. When the lock was released meanwhile, the copy is published now.
     async fn park(&self, step: &Step<'_>, job: &str, delay: Duration) -> Result<(), Interrupted> {
         let waiter = Waiter {
-            epoch: epoch_of(step.delivery),
+            epoch: step.delivery.epoch,
             body: step.env.encode(),
         };
         // Kept until well after the fallback copy: an entry woken later is only a duplicate.
@@ -810,8 +801,15 @@ impl Processor {
         }
         let env = step.env;
         let runs = env.attempt.saturating_add(1);
-        self.dead_letter_env(step.publisher, step.delivery, env, reason, error, runs)
-            .await?;
+        self.dead_letter(
+            step.publisher,
+            step.delivery,
+            Some(env),
+            reason,
+            error,
+            runs,
+        )
+        .await?;
         let started_at = step.started_at.clone();
         let record = self.run_record(env, Outcome::Dead, started_at, Some(error.to_owned()));
         let ended = self
@@ -877,53 +875,41 @@ impl Processor {
     ) -> Result<(), Interrupted> {
         let delay = retry::bucket(delay);
         let queue = broker::declare_delay_queue(publisher, &self.names, &env.queue, delay).await?;
-        let props = drumline_shared::broker::properties(env, Utc::now(), epoch_of(delivery));
+        let props = broker::properties(env, Utc::now(), delivery.epoch);
         Ok(broker::publish_confirmed(publisher, "", &queue, false, &env.encode(), props).await?)
     }
 
-    /// Dead-letters an envelope; `runs` = runs made (the `x-drumline-attempts` header).
-    async fn dead_letter_env(
-        &self,
-        publisher: &Channel,
-        delivery: &Delivery,
-        env: &Envelope,
-        reason: DeadReason,
-        error: &str,
-        runs: u32,
-    ) -> Result<(), Interrupted> {
-        let props = drumline_shared::broker::properties(env, Utc::now(), epoch_of(delivery));
-        self.dead_letter(publisher, &env.encode(), &props, reason, error, runs)
-            .await
-    }
-
-    /// Publishes `body` to `{ns}.dead` with the reason headers (docs/design.md) and waits for the
-    /// confirm. Keeps the original properties, minus any per-message expiration.
+    /// Publishes `env` (encoded, with its own properties and the epoch of `delivery`), or, with
+    /// none, `delivery` as it came, to `{ns}.dead` with the reason headers (docs/design.md) and
+    /// waits for the confirm. Keeps the properties, minus any per-message expiration.
     async fn dead_letter(
         &self,
         publisher: &Channel,
-        body: &[u8],
-        props: &BasicProperties,
+        delivery: &Delivery,
+        env: Option<&Envelope>,
         reason: DeadReason,
         error: &str,
         attempts: u32,
     ) -> Result<(), Interrupted> {
         warn!(reason = reason.as_str(), error, "dead-lettering");
         self.stats.dead_lettered.inc();
-        let mut headers = props.headers().clone().unwrap_or_default();
-        headers.insert(H_REASON.into(), long_string(reason.as_str()));
-        headers.insert(H_ERROR.into(), long_string(error));
-        headers.insert(H_ATTEMPTS.into(), AMQPValue::LongLongInt(attempts as i64));
-        let mut out = BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_headers(headers)
-            .with_timestamp(Utc::now().timestamp().max(0) as u64);
-        if let Some(id) = props.message_id() {
-            out = out.with_message_id(id.clone());
-        }
-        if let Some(ct) = props.content_type() {
-            out = out.with_content_type(ct.clone());
-        }
-        Ok(broker::publish_confirmed(publisher, &self.names.dead(), "", false, body, out).await?)
+        let why = DeadHeaders {
+            reason: reason.as_str(),
+            error,
+            attempts,
+        };
+        let now = Utc::now();
+        let (body, out) = match env {
+            Some(env) => {
+                let own = broker::properties(env, now, delivery.epoch);
+                (env.encode(), broker::dead_letter_properties(&own, why, now))
+            }
+            None => {
+                let out = broker::dead_letter_properties(delivery.properties(), why, now);
+                (delivery.body.clone(), out)
+            }
+        };
+        Ok(broker::publish_confirmed(publisher, &self.names.dead(), "", false, &body, out).await?)
     }
 }
 
@@ -975,19 +961,12 @@ where
 /// one, the message was published when it arrived, as far as we can tell.
 pub(crate) fn arrival<'a>(names: &Names, delivery: &'a Delivery) -> Arrival<'a> {
     let stamped = delivery
-        .properties
-        .timestamp()
+        .timestamp
         .and_then(|t| chrono::DateTime::from_timestamp(t.min(i64::MAX as u64) as i64, 0));
     Arrival {
-        routing_key: names.logical_queue(delivery.routing_key.as_str()),
+        routing_key: names.logical_queue(&delivery.routing_key),
         published_at: stamped.unwrap_or_else(Utc::now),
     }
-}
-
-/// The leadership epoch a delivery was published under (`x-drumline-epoch`; 0 when absent).
-pub(crate) fn epoch_of(delivery: &Delivery) -> u64 {
-    drumline_shared::broker::header_int(delivery.properties.headers().as_ref(), envelope::H_EPOCH)
-        .map_or(0, |e| e.max(0) as u64)
 }
 
 /// One delivery being handled: what every action needs.

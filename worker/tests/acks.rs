@@ -13,7 +13,7 @@ const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 #[tokio::test]
 async fn a_delivery_that_is_not_settled_closes_the_channel_and_comes_back() {
     use futures_util::StreamExt;
-    use lapin::options::{BasicConsumeOptions, BasicGetOptions, QueueDeclareOptions};
+    use lapin::options::{BasicGetOptions, QueueDeclareOptions};
     use lapin::types::FieldTable;
     use lapin::{BasicProperties, Connection, ConnectionProperties};
     use std::time::{Duration, Instant};
@@ -44,13 +44,7 @@ async fn a_delivery_that_is_not_settled_closes_the_channel_and_comes_back() {
             .await
             .expect("publish");
     }
-    let mut consumer = channel
-        .basic_consume(
-            queue.clone(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
+    let mut consumer = drumline_shared::broker::consume(&channel, queue.as_str(), "")
         .await
         .expect("basic.consume");
     let acks = Acks::start(channel.clone());
@@ -61,7 +55,7 @@ async fn a_delivery_that_is_not_settled_closes_the_channel_and_comes_back() {
             .await
             .expect("a delivery")
             .expect("delivery");
-        tickets.push((acks.taken(&delivery), delivery.data));
+        tickets.push((acks.taken(&delivery), delivery.body));
     }
     let (unsettled, body) = tickets.remove(0);
     for (ticket, _) in tickets {
