@@ -1,7 +1,8 @@
 //! drumline-worker: consumes task messages, deduplicates through Redis, runs handlers.
 //!
-//! One delivery goes [`consumer`] → [`processor`] (claim, run, record, ack), which carries out
-//! what [`decision`] says (pure). Which module does what is the map below.
+//! One delivery goes [`consumer`] → [`processor`] (claim, run, record, ack), the driver of its
+//! state machine (`machine.rs`, no I/O), which asks [`decision`] (pure). Which module does what
+//! is the map below.
 //!
 //! ```no_run
 //! # async fn demo(config: drumline_shared::config::Config) -> Result<(), drumline_worker::WorkerError> {
@@ -28,22 +29,27 @@
 //!   Touches: stdout, stderr (via the modules it calls).
 //! - `dead_watch.rs`: the dead-letter watch: consume `{ns}.dead.watch` on a connection of its
 //!   own, journal each instance the broker expired in its queue through the claim script's
-//!   expired branch and its run record (docs/design.md#expired-in-the-queue). Touches: broker,
-//!   Redis (via `store`).
+//!   expired branch and its run record (docs/design.md#expired-in-the-queue). Touches: broker
+//!   (via `broker`), Redis (via `store`).
 //! - `consumer.rs`: broker side: connect, declare, consume within the concurrency slots,
 //!   declare and consume again a queue whose consumer the broker cancelled, reconnect, pace
-//!   failures, ordered shutdown. Touches: broker, Redis health ping.
+//!   failures, ordered shutdown. Touches: broker (via `broker`), Redis health ping.
 //! - `reload.rs`: the processor new deliveries go to (`Current`), swapped whole on SIGHUP
 //!   (`drumline-worker`, or `Worker::reload_on_sighup`). Touches: the config file.
 //! - `decision.rs`: admit a body (oversize, malformed); `rejected_key`: the key a rejected
 //!   message may be recorded under; `on_claim`: the claim's answer → run, or settle with an
 //!   `Action`; `after_run`: the run's outcome, the task and the attempt → the `Action`. Pure.
-//! - `processor.rs`: carry out the actions in order: claim, run under the lease, record,
-//!   publish, ack. Touches: Redis (via `store`), broker (via `broker`).
+//! - `machine.rs`: one delivery's life as a state machine without I/O: events in (the claim's
+//!   answer, the run's end, a timer, shutdown, a step's answer or failure), effects out (claim,
+//!   hold, run, publish, dead-letter, park, write the outcome and retry it, release, report,
+//!   settle). Pure.
+//! - `processor.rs`: the machine's driver: performs its effects (the run under the lease
+//!   watchdog among them) and feeds the answers back; rejected and unknown-task messages.
+//!   Touches: Redis (via `store`), broker (via `broker`).
 //! - `acks.rs`: `Settled` (how a delivery ended at the broker) and the settle time limits; a
 //!   consumer channel's acks, coalesced into `multiple` acks over recorded outcomes; bounded:
 //!   done tags kept as runs, a delivery not settled in time closes the channel. Touches: broker
-//!   (the deliveries' ackers, the consumer channel).
+//!   (the deliveries' `broker::Acker`s, the consumer channel).
 //! - `announce.rs`: the worker's announcement `{ns}:worker:{id}`, refreshed every 10 s with a
 //!   30 s TTL, deleted on a clean stop. Touches: Redis (through the `Store`).
 //! - `lease.rs`: the watchdog: renew every `lease/3`, cancel the run before the lease can
@@ -78,8 +84,8 @@
 //! - `stats.rs`: counters and gauges (Prometheus) and the shutdown summary; runs per task and
 //!   outcome (unknown tasks labelled `unknown`), lag and run-time histograms per task. Touches:
 //!   memory.
-//! - `dlq.rs`: `dlq list / replay / purge`. Touches: broker (`{ns}.dead`), Redis (clears `dead`
-//!   on replay).
+//! - `dlq.rs`: `dlq list / replay / purge`. Touches: broker (`{ns}.dead`, via `broker`), Redis
+//!   (clears `dead` on replay).
 
 // Public for worker/tests/acks.rs (the real broker); not part of the API.
 #[doc(hidden)]
@@ -97,6 +103,7 @@ pub mod executor;
 pub mod handler;
 pub mod http;
 pub mod lease;
+mod machine;
 pub mod output;
 pub mod processor;
 pub mod reload;

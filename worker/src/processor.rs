@@ -1,23 +1,25 @@
 //! One delivery, start to finish (docs/design.md): admit → claim → run (with the lease watchdog) →
-//! record → ack. What to do at each step is decided in [`crate::decision`] (pure); this module
-//! performs it ([`Processor::execute`]): it may touch the broker (publish, ack) and Redis (the
-//! [`Store`]). Every path ends in exactly one ack or one requeue; nothing is requeued that would
-//! fail the same way again (those go to `{ns}.dead`).
+//! record → ack. The thin driver of the delivery's [`crate::machine`] (no I/O; what each answer
+//! means is [`crate::decision`]'s): it performs each effect the machine hands out and hands it
+//! the answer, touching the broker (publish, ack) and Redis (the [`Store`]); the run itself
+//! (the handler, the lease watchdog) is here too. Every path ends in exactly one ack or one
+//! requeue; nothing is requeued that would fail the same way again (those go to `{ns}.dead`).
 
 use crate::acks::{Settled, Ticket, SETTLE_TIMEOUT};
-use crate::decision::{self, Action, LimitWait, Next, Outcome, Recheck, Rejected, RunResult};
+use crate::decision::{self, Outcome, Recheck, Rejected, RunResult};
 use crate::handler::{self, Handler, HandlerError, HandlerFuture, TaskContext};
 use crate::lease::{self, LeaseLost};
+use crate::machine::{Effect, Event, Facts, Failure, Finish, Machine, Report, Settle};
 use crate::retry;
 use crate::stats::{RunOutcome, Stats, UNKNOWN_TASK};
 use crate::{Gate, WorkerError};
 use chrono::Utc;
-use drumline_shared::backoff::Backoff;
 use drumline_shared::broker::{self, BrokerError, Channel, DeadHeaders, Delivery};
 use drumline_shared::config::{Config, Limit, Overlap, Task};
 use drumline_shared::envelope::{self, Arrival, DeadReason, Envelope};
 use drumline_shared::names::Names;
 use drumline_shared::planted::{self, planted, Defect};
+use drumline_shared::run::LimitedBy;
 use drumline_shared::store::{
     now_text, Claim, ClaimRequest, Ended, Ending, Final, LimitClaim, OverlapMode, RunRecord, Store,
     StoreError, Unclaimed, Waiter,
@@ -29,15 +31,6 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn, Instrument};
-
-/// How long an outcome write is retried from its first failure before the worker gives up on
-/// it: long enough to ride out a Redis blip or a Sentinel failover (2–3 s with
-/// `down-after-milliseconds 1000`).
-pub const FINISH_RETRY_FOR: Duration = Duration::from_secs(10);
-
-/// Between tries of an outcome write: 100 ms, doubled up to 1 s.
-const FINISH_BACKOFF: Backoff =
-    Backoff::constant(Duration::from_millis(100), Duration::from_secs(1), 0.0);
 
 /// Everything processing needs that outlives one broker connection.
 pub struct Processor {
@@ -158,13 +151,14 @@ impl Processor {
     ) -> Settled {
         let mut broker_trouble = false;
         let disposition = match self.disposition(&publisher, &delivery).await {
-            Ok(d) => d,
-            Err(Interrupted::Redis(e)) => {
+            Settle::Ack => Disposition::Ack,
+            Settle::Requeue => Disposition::Requeue,
+            Settle::Interrupted(Failure::Redis(e)) => {
                 error!(error = %e, "redis unreachable: requeueing and pausing (fail closed)");
                 self.gate.close();
                 Disposition::Requeue
             }
-            Err(e) => {
+            Settle::Interrupted(Failure::Broker(e)) => {
                 warn!(error = %e, "cannot finish handling a delivery; requeueing");
                 broker_trouble = true;
                 Disposition::Requeue
@@ -207,11 +201,7 @@ impl Processor {
 
     /// Admits the delivery (size and shape, before anything touches Redis: docs/design.md), then
     /// handles its envelope inside the task's span.
-    async fn disposition(
-        &self,
-        publisher: &Channel,
-        delivery: &Delivery,
-    ) -> Result<Disposition, Interrupted> {
+    async fn disposition(&self, publisher: &Channel, delivery: &Delivery) -> Settle {
         let body = &delivery.body;
         let max = self.config.worker.max_message_bytes;
         let arrival = arrival(&self.names, delivery);
@@ -220,26 +210,38 @@ impl Processor {
                 let span = tracing::info_span!("task", key = %env.key, task = %env.task, attempt = env.attempt, worker = %self.worker_id);
                 self.handle(publisher, delivery, env).instrument(span).await
             }
-            Err(Rejected { reason, error }) => {
-                if reason == DeadReason::Malformed {
-                    self.stats.malformed.inc();
-                }
-                // The task label only when the envelope decodes (it broke a limit) and names
-                // one of ours; an oversize body is not even decoded.
-                let decoded = (reason == DeadReason::Malformed)
-                    .then(|| Envelope::decode_delivered(body, &arrival).ok())
-                    .flatten();
-                let task = decoded
-                    .as_ref()
-                    .map_or(UNKNOWN_TASK, |env| self.task_label(&env.task));
-                self.stats.outcome(task, RunOutcome::Malformed);
-                self.journal_rejected(delivery, &arrival, reason, &error)
-                    .await;
-                self.dead_letter(publisher, delivery, None, reason, &error, 0)
-                    .await?;
-                Ok(Disposition::Ack)
+            Err(rejected) => {
+                let rejected = self.rejected(publisher, delivery, &arrival, rejected);
+                settled(rejected.await)
             }
         }
+    }
+
+    /// A message refused before anything touches Redis: counted, journaled under a key it
+    /// carries (best effort), dead-lettered as it came.
+    async fn rejected(
+        &self,
+        publisher: &Channel,
+        delivery: &Delivery,
+        arrival: &Arrival<'_>,
+        Rejected { reason, error }: Rejected,
+    ) -> Result<(), Interrupted> {
+        if reason == DeadReason::Malformed {
+            self.stats.malformed.inc();
+        }
+        // The task label only when the envelope decodes (it broke a limit) and names one of
+        // ours; an oversize body is not even decoded.
+        let decoded = (reason == DeadReason::Malformed)
+            .then(|| Envelope::decode_delivered(&delivery.body, arrival).ok())
+            .flatten();
+        let task = decoded
+            .as_ref()
+            .map_or(UNKNOWN_TASK, |env| self.task_label(&env.task));
+        self.stats.outcome(task, RunOutcome::Malformed);
+        self.journal_rejected(delivery, arrival, reason, &error)
+            .await;
+        self.dead_letter(publisher, delivery, None, reason, &error, 0)
+            .await
     }
 
     /// A copy naming a task this worker does not have: recorded `dead` under its key, then
@@ -250,14 +252,13 @@ impl Processor {
         publisher: &Channel,
         delivery: &Delivery,
         env: &Envelope,
-    ) -> Result<Disposition, Interrupted> {
+    ) -> Result<(), Interrupted> {
         let Rejected { reason, error } = decision::unknown_task(&env.task);
         self.stats.outcome(UNKNOWN_TASK, RunOutcome::Dead);
         self.dead_unclaimed(&env.key, Some(env), reason, &error)
             .await?;
         self.dead_letter(publisher, delivery, Some(env), reason, &error, env.attempt)
-            .await?;
-        Ok(Disposition::Ack)
+            .await
     }
 
     /// Journals a rejected delivery `dead` under its key when [`decision::rejected_key`] finds
@@ -311,114 +312,357 @@ impl Processor {
         Ok(())
     }
 
-    /// Claims the instance and asks [`decision::on_claim`] what to do; when that is to run it,
-    /// runs it and asks [`decision::after_run`] how the result settles. [`Processor::execute`] performs the answer.
-    async fn handle(
-        &self,
-        publisher: &Channel,
-        delivery: &Delivery,
-        env: Envelope,
-    ) -> Result<Disposition, Interrupted> {
+    /// Drives the delivery's [`Machine`]: performs each effect it hands out (claim, run under
+    /// the lease, record, publish) and hands it the answer, until it says how to settle.
+    async fn handle(&self, publisher: &Channel, delivery: &Delivery, env: Envelope) -> Settle {
         let (Some(handler), Some(task)) = (
             self.handlers.get(&env.task),
             self.config.tasks.get(&env.task),
         ) else {
-            return self.unknown_task(publisher, delivery, &env).await;
+            return settled(self.unknown_task(publisher, delivery, &env).await);
         };
         if planted(Defect::DropDelivery) && env.attempt == 0 && planted::one_in(&env.key, 5) {
-            return Ok(Disposition::Ack);
+            return Settle::Ack;
         }
+        let facts = Facts {
+            task,
+            attempt: env.attempt,
+            limited: self.limit(&env).is_some(),
+            parks: matches!(
+                self.overlap(&env),
+                OverlapMode::Queue(_) | OverlapMode::Skip(_)
+            ),
+            lease: self.config.worker.lease,
+        };
         let token = uuid::Uuid::new_v4().to_string();
-        let (claim, claimed_at) = self.claim(&env, &token, delivery.epoch).await?;
         let mut step = Step {
             publisher,
             delivery,
             env: &env,
+            handler,
             token: &token,
             started_at: None,
             ended: None,
+            record: None,
+            renewing: None,
+            in_use: None,
+            waiting: None,
         };
-        let fence = match decision::on_claim(&claim) {
-            Next::Run { fence } => fence,
-            Next::Settle(action) => return self.execute(&step, action).await,
+        let mut machine = Machine::new(facts, Instant::now());
+        while let Some(effect) = machine.poll() {
+            if let Effect::Settle(settle) = effect {
+                return settle;
+            }
+            if let Some(event) = self.perform(&mut step, effect).await {
+                machine.handle(event, Instant::now());
+            }
+        }
+        // The machine ends every path with `Settle`; were it ever left waiting, the copy goes
+        // back rather than hang.
+        error!("the delivery's machine stopped without settling it; requeueing");
+        Settle::Requeue
+    }
+
+    /// Performs one effect; the answer the machine waits for, if it waits for one.
+    async fn perform(&self, step: &mut Step<'_>, effect: Effect) -> Option<Event> {
+        if !matches!(effect, Effect::Claim { .. } | Effect::Hold { .. }) {
+            step.waiting = None;
+        }
+        let event = match effect {
+            Effect::Claim { reserve_within } => self.claim(step, reserve_within).await,
+            Effect::Hold { wait, by, first } => self.hold(step, wait, by, first).await,
+            Effect::Run { fence, claimed_at } => self.run_step(step, fence, claimed_at).await,
+            Effect::WriteAgain(delay) => {
+                tokio::time::sleep(delay).await;
+                Event::TimerFired
+            }
+            Effect::Finish(finish) => answer(self.finish(step, finish).await.map(Event::Written)),
+            Effect::Release => answer(self.release(step).await.map(Event::Written)),
+            Effect::Park { delay } => answer(self.park(step, delay).await.map(Event::Parked)),
+            publish @ (Effect::PublishDelayed { .. }
+            | Effect::DeadLetter { .. }
+            | Effect::PublishWoken) => {
+                answer(self.publish(step, publish).await.map(|()| Event::Done))
+            }
+            told => {
+                self.tell(step, told).await;
+                return None;
+            }
         };
+        Some(event)
+    }
+
+    /// Performs a publish the machine waits on: a copy to a delay queue, a dead letter, the
+    /// copy itself to its work queue.
+    async fn publish(&self, step: &Step<'_>, effect: Effect) -> Result<(), Interrupted> {
+        let (publisher, env) = (step.publisher, step.env);
+        match effect {
+            Effect::PublishDelayed {
+                next_attempt,
+                delay,
+            } => self.publish_copy(step, next_attempt, delay).await,
+            Effect::DeadLetter {
+                reason,
+                error,
+                attempts,
+            } => {
+                let delivery = step.delivery;
+                (self.dead_letter(publisher, delivery, Some(env), reason, &error, attempts)).await
+            }
+            Effect::PublishWoken => {
+                let waiter = Waiter {
+                    epoch: step.delivery.epoch,
+                    body: env.encode(),
+                };
+                self.publish_woken(publisher, waiter).await
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Performs an effect the machine does not wait on: a report, a best-effort write or
+    /// publish, the gate.
+    async fn tell(&self, step: &Step<'_>, effect: Effect) {
+        let (publisher, env) = (step.publisher, step.env);
+        match effect {
+            Effect::Report(report) => self.report(step, report),
+            Effect::Record(outcome, error) => {
+                let started_at = step.started_at.clone();
+                self.record(env, outcome, started_at, error).await
+            }
+            Effect::PassTheTurn => self.pass_the_turn(publisher, env).await,
+            Effect::Wake(waiter) => self.wake(publisher, Some(waiter)).await,
+            Effect::CloseGate => self.gate.close(),
+            // The others are answered (`perform`), and `Settle` is taken by `handle`.
+            _ => {}
+        }
+    }
+
+    /// Claims the instance; the answer, and when its claim was sent (the lease runs from
+    /// there). Over the task's limit, a start is reserved at most `reserve_within` ahead
+    /// (docs/design.md#limits).
+    async fn claim(&self, step: &Step<'_>, reserve_within: Duration) -> Event {
+        let env = step.env;
+        let sent = Instant::now();
+        let limit = self.limit(env).map(|limit| LimitClaim {
+            limit,
+            reserve_within,
+        });
+        let epoch = step.delivery.epoch;
+        match self.claim_once(env, step.token, limit, epoch).await {
+            Ok(claim) => Event::Claimed { claim, sent },
+            Err(e) => Event::Failed(Interrupted::from(e).into()),
+        }
+    }
+
+    /// Holds a delivery over its task's limit for `wait` (not an attempt); a shutdown ends
+    /// the hold at once: no new run, the copy goes to a delay queue.
+    async fn hold(&self, step: &mut Step<'_>, wait: Duration, by: LimitedBy, first: bool) -> Event {
+        if let (true, Some(limit)) = (first, self.limit(step.env)) {
+            debug!(limit = %limit.name, by = by.as_str(), "over the limit: waiting (not an attempt)");
+            step.waiting = Some(Counted::new(self.stats.limit_waiting(&limit.name)));
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => Event::TimerFired,
+            _ = self.abandon.cancelled() => Event::Shutdown,
+        }
+    }
+
+    /// Runs the handler under the claim's lease; the watchdog is kept renewing in `step`
+    /// until the result is recorded.
+    async fn run_step(&self, step: &mut Step<'_>, fence: u64, claimed_at: Instant) -> Event {
+        let env = step.env;
         step.started_at = Some(now_text());
-        let _in_use = self
-            .limit(&env)
-            .map(|l| Counted::new(self.stats.limit_in_use(&l.name)));
+        step.in_use = (self.limit(env)).map(|l| Counted::new(self.stats.limit_in_use(&l.name)));
         self.stats
             .run_started(&env.task, Utc::now() - env.scheduled_for);
         let started = Instant::now();
-        // `_renewing` keeps the lease renewed until the action has recorded the result.
-        let (result, _renewing) = self
-            .run(
-                handler.clone(),
-                (&env, &delivery.body),
-                &token,
-                fence,
-                claimed_at,
-            )
+        let delivered = (env, &step.delivery.body[..]);
+        let (handler, token) = (step.handler.clone(), step.token);
+        let (result, renewing) = self
+            .run(handler.clone(), delivered, token, fence, claimed_at)
             .await;
         if planted(Defect::DoubleRun) && matches!(result, RunResult::Succeeded) {
-            let delivered = (&env, &delivery.body[..]);
-            let _ = self
-                .run(handler.clone(), delivered, &token, fence, claimed_at)
-                .await;
+            let _ = self.run(handler, delivered, token, fence, claimed_at).await;
         }
+        step.renewing = renewing;
         step.ended = Some(Instant::now());
         self.stats.run_ended(&env.task, started.elapsed());
         let jitter = rand::random::<f64>();
-        let action = decision::after_run(fence, &result, task, env.attempt, jitter);
-        self.execute(&step, action).await
+        Event::RunEnded { result, jitter }
     }
 
-    /// Asks Redis for the instance (docs/design.md steps 3–4: dedupe, expiry, lease, overlap,
-    /// limit). Over the task's limit, the delivery is held and claimed again with the same
-    /// token as [`decision::on_limited`] says, for up to [`decision::LIMIT_HOLD`]
-    /// (docs/design.md#limits). `epoch` is the publishing leader's, for the journal. Returns
-    /// the last answer and when its claim was sent (the lease runs from there).
-    async fn claim(
+    /// Publishes `step`'s copy to the delay queue of `delay`: itself again, or its retry at
+    /// `next_attempt` (a new id, published now).
+    async fn publish_copy(
         &self,
-        env: &Envelope,
-        token: &str,
-        epoch: u64,
-    ) -> Result<(Claim, Instant), StoreError> {
-        let limit = self.limit(env);
-        let held_since = Instant::now();
-        let mut waiting: Option<Counted> = None;
-        let mut looks = 0;
-        loop {
-            let sent = Instant::now();
-            // A start is reserved only as far ahead as this delivery will still be held.
-            let left = decision::LIMIT_HOLD.saturating_sub(held_since.elapsed());
-            let reserve_within = left.saturating_sub(Duration::from_millis(100));
-            let limit = limit.map(|limit| LimitClaim {
-                limit,
-                reserve_within,
-            });
-            let claim = self.claim_once(env, token, limit, epoch).await?;
-            let (Claim::Limited { retry_in, by }, Some(limit)) = (&claim, limit) else {
-                return Ok((claim, sent));
-            };
-            let wait = match decision::on_limited(*retry_in, *by, held_since.elapsed(), looks) {
-                LimitWait::Hold(wait) => wait,
-                LimitWait::Release => return Ok((claim, sent)),
-            };
-            let name = &limit.limit.name;
-            if waiting.is_none() {
-                debug!(limit = %name, by = by.as_str(), "over the limit: waiting (not an attempt)");
-                waiting = Some(Counted::new(self.stats.limit_waiting(name)));
+        step: &Step<'_>,
+        next_attempt: Option<u32>,
+        delay: Duration,
+    ) -> Result<(), Interrupted> {
+        let (publisher, delivery) = (step.publisher, step.delivery);
+        let Some(attempt) = next_attempt else {
+            return self
+                .publish_delayed(publisher, delivery, step.env, delay)
+                .await;
+        };
+        if planted(Defect::SkipRetry) {
+            return Ok(());
+        }
+        let mut next = step.env.clone();
+        next.attempt = attempt;
+        next.id = uuid::Uuid::new_v4();
+        next.published_at = Utc::now();
+        self.publish_delayed(publisher, delivery, &next, delay)
+            .await
+    }
+
+    /// Registers a copy that found its job's overlap lock held, so the worker that releases
+    /// the lock publishes it again at once (docs/design.md#waiting-copies-wake-up); the copy
+    /// just sent to the delay queue stays as the fallback, and dedupe absorbs whichever of the
+    /// two comes second. `false`: the lock was released meanwhile.
+    async fn park(&self, step: &Step<'_>, delay: Duration) -> Result<bool, Interrupted> {
+        let (OverlapMode::Queue(job) | OverlapMode::Skip(job)) = self.overlap(step.env) else {
+            return Ok(true);
+        };
+        let waiter = Waiter {
+            epoch: step.delivery.epoch,
+            body: step.env.encode(),
+        };
+        // Kept until well after the fallback copy: an entry woken later is only a duplicate.
+        let keep = delay * 2 + Duration::from_secs(1);
+        Ok(self.store.park(job, &waiter, keep).await?)
+    }
+
+    /// Writes the claim's outcome: `done` or `dead` with the run record (made once, for every
+    /// try), or the hand-over to the retry. A success we fail to record would run again once
+    /// the lease expires: the machine retries a failed write.
+    async fn finish(&self, step: &mut Step<'_>, finish: Finish) -> Result<Ended, Interrupted> {
+        let env = step.env;
+        let retention = self.config.worker.done_ttl;
+        let (job, token) = (self.lock_job(env), step.token);
+        let holder = self.holder(env).with_ended(step.ended);
+        let (state, outcome, error) = match finish {
+            Finish::Retry { next_attempt, hold } => {
+                let ending = Ending::Retry { next_attempt, hold };
+                return Ok(holder
+                    .finish(&env.key, job, token, ending, retention)
+                    .await?);
             }
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
-                // Shutting down: no new run; the copy goes to a delay queue.
-                _ = self.abandon.cancelled() => return Ok((claim, sent)),
+            Finish::Done { .. } => (Final::Done, Outcome::Done, None),
+            Finish::Dead { error } => (Final::Dead, Outcome::Dead, Some(error)),
+        };
+        let started_at = step.started_at.clone();
+        let record = (step.record)
+            .get_or_insert_with(|| self.run_record(env, outcome, started_at, error))
+            .as_ref();
+        Ok(holder
+            .finish_recorded(&env.key, job, token, state, retention, record)
+            .await?)
+    }
+
+    /// Releases an abandoned run's claim for redelivery.
+    async fn release(&self, step: &Step<'_>) -> Result<Ended, Interrupted> {
+        let env = step.env;
+        let holder = self.holder(env).with_ended(step.ended);
+        Ok(holder
+            .release(&env.key, self.lock_job(env), step.token)
+            .await?)
+    }
+
+    /// Logs and counts what the machine reports before a run, or hands the rest on.
+    fn report(&self, step: &Step<'_>, report: Report) {
+        let task = &step.env.task;
+        match report {
+            Report::Duplicate(state) => {
+                let redelivered = step.delivery.redelivered;
+                info!(state = %state, redelivered, "duplicate delivery: already finished or retried");
+                self.stats.duplicates.inc();
+                self.stats.outcome(task, RunOutcome::Duplicate);
             }
-            looks += 1;
+            Report::Expired => {
+                info!("expired before it could run");
+                self.stats.expired.inc();
+                self.stats.outcome(task, RunOutcome::Expired);
+            }
+            Report::Recheck(why, delay) => self.report_recheck(why, delay),
+            Report::LockReleased => {
+                debug!("the job's lock was released meanwhile: looking again now")
+            }
+            Report::Skipped(running) => {
+                info!(running = %running, "skipped: the job's previous instance still runs (overlap = skip)");
+                self.stats.skipped.inc();
+                self.stats.outcome(task, RunOutcome::Skipped);
+            }
+            Report::LeaseLost(lost) => {
+                warn!(reason = ?lost, "lease lost mid-run: result not recorded; requeueing");
+                self.stats.outcome(task, RunOutcome::LeaseLost);
+            }
+            Report::Abandoned => {
+                warn!("shutdown grace exhausted: abandoned; releasing the claim for redelivery");
+                self.stats.abandoned.inc();
+                self.stats.outcome(task, RunOutcome::Abandoned);
+            }
+            report => self.report_outcome(task, report),
         }
     }
 
-    /// One claim of `env` (see [`claim`](Self::claim)).
+    /// Logs and counts a recorded outcome, or a try at recording it.
+    fn report_outcome(&self, task: &str, report: Report) {
+        match report {
+            Report::Succeeded(fence) => {
+                info!(fence, "done");
+                self.stats.succeeded.inc();
+                self.stats.outcome(task, RunOutcome::Success);
+            }
+            Report::Overtaken => {
+                warn!("succeeded, but another worker claimed the instance before it could be recorded; requeueing");
+                self.stats.outcome(task, RunOutcome::LeaseLost);
+            }
+            Report::Retrying(delay, error) => {
+                let delay_ms = delay.as_millis() as u64;
+                warn!(error = %error, delay_ms, "failed; retrying");
+            }
+            Report::HandedOverLate => {
+                warn!("the retry is published, but another claim holds the instance now")
+            }
+            Report::HandOverFailed(error) => error!(error = %error,
+                "redis unreachable: the retry is published but not handed over; pausing (fail closed)"),
+            Report::Retried => {
+                self.stats.retried.inc();
+                self.stats.outcome(task, RunOutcome::Retry);
+            }
+            Report::Dying(DeadReason::Permanent, error) => {
+                warn!(error = %error, "permanent failure: dead-lettering")
+            }
+            Report::Dying(_, error) => {
+                warn!(error = %error, "failed; retries exhausted: dead-lettering")
+            }
+            Report::Dead => self.stats.outcome(task, RunOutcome::Dead),
+            Report::WriteRetried(error) => {
+                warn!(error = %error, "could not record the outcome yet; retrying")
+            }
+            _ => {}
+        }
+    }
+
+    /// Logs and counts a copy sent to look again later.
+    fn report_recheck(&self, why: Recheck, delay: Duration) {
+        let delay_ms = delay.as_millis() as u64;
+        match why {
+            Recheck::Busy => debug!(delay_ms, "held under another live lease; re-checking later"),
+            Recheck::Waiting { ref running } => debug!(running = %running, delay_ms,
+                "waiting for the job's lock (overlap = queue, or a started instance)"),
+            Recheck::Limited { by } => debug!(
+                by = by.as_str(),
+                delay_ms, "over the task's limit: looking again later (not an attempt)"
+            ),
+        }
+        self.stats.busy.inc();
+    }
+
+    /// One claim of `env` with our `token` (docs/design.md steps 3–4: dedupe, expiry, lease,
+    /// overlap, limit); `epoch` is the publishing leader's, for the journal.
     async fn claim_once(
         &self,
         env: &Envelope,
@@ -443,200 +687,6 @@ impl Processor {
                 epoch,
             })
             .await
-    }
-
-    /// Performs one [`Action`]: where a decision turns into broker and Redis calls.
-    async fn execute(&self, step: &Step<'_>, action: Action) -> Result<Disposition, Interrupted> {
-        let (publisher, env) = (step.publisher, step.env);
-        match action {
-            Action::Duplicate { state } => {
-                info!(state = %state, redelivered = step.delivery.redelivered, "duplicate delivery: already finished or retried");
-                self.stats.duplicates.inc();
-                self.stats.outcome(&env.task, RunOutcome::Duplicate);
-                self.pass_the_turn(publisher, env).await;
-            }
-            Action::Expire => self.expire(step).await?,
-            Action::Recheck { why, delay } => self.recheck(step, why, delay).await?,
-            Action::Skip { running } => {
-                info!(running = %running, "skipped: the job's previous instance still runs (overlap = skip)");
-                self.stats.skipped.inc();
-                self.stats.outcome(&env.task, RunOutcome::Skipped);
-                let error = Some(format!("{running} still running"));
-                self.record(env, Outcome::Skipped, None, error).await;
-            }
-            Action::Done { fence } => return self.done(step, fence).await,
-            Action::Retry { delay, error } => self.retry(step, delay, error).await?,
-            Action::Dead { reason, error } => self.fail_dead(step, reason, &error).await?,
-            Action::Requeue { lost } => {
-                warn!(reason = ?lost, "lease lost mid-run: result not recorded; requeueing");
-                self.stats.outcome(&env.task, RunOutcome::LeaseLost);
-                if matches!(lost, LeaseLost::Unreachable(_)) {
-                    self.gate.close();
-                }
-                return Ok(Disposition::Requeue);
-            }
-            Action::Release => {
-                warn!("shutdown grace exhausted: abandoned; releasing the claim for redelivery");
-                self.stats.abandoned.inc();
-                self.stats.outcome(&env.task, RunOutcome::Abandoned);
-                if let Ok(ended) = self
-                    .holder(env)
-                    .with_ended(step.ended)
-                    .release(&env.key, self.lock_job(env), step.token)
-                    .await
-                {
-                    self.wake(publisher, ended.woken).await;
-                }
-                return Ok(Disposition::Requeue);
-            }
-        }
-        Ok(Disposition::Ack)
-    }
-
-    /// An instance that expired before it could run: dead-lettered `expired` and recorded;
-    /// the job's turn passes to the next waiting copy.
-    async fn expire(&self, step: &Step<'_>) -> Result<(), Interrupted> {
-        let (publisher, env) = (step.publisher, step.env);
-        info!("expired before it could run");
-        self.stats.expired.inc();
-        self.stats.outcome(&env.task, RunOutcome::Expired);
-        let error = "expires_at passed before the run";
-        let reason = DeadReason::Expired;
-        self.dead_letter(
-            publisher,
-            step.delivery,
-            Some(env),
-            reason,
-            error,
-            env.attempt,
-        )
-        .await?;
-        self.record(env, Outcome::Expired, None, None).await;
-        self.pass_the_turn(publisher, env).await;
-        Ok(())
-    }
-
-    /// A copy held back (another live lease, or the job's lock under `overlap = "queue"`):
-    /// a copy to look again after `delay`, and, for the job's lock, a place in its waiters.
-    async fn recheck(
-        &self,
-        step: &Step<'_>,
-        why: Recheck,
-        delay: Duration,
-    ) -> Result<(), Interrupted> {
-        let delay_ms = delay.as_millis() as u64;
-        match why {
-            Recheck::Busy => debug!(delay_ms, "held under another live lease; re-checking later"),
-            Recheck::Waiting { ref running } => debug!(running = %running, delay_ms,
-                "waiting for the job's lock (overlap = queue, or a started instance)"),
-            Recheck::Limited { by } => debug!(
-                by = by.as_str(),
-                delay_ms, "over the task's limit: looking again later (not an attempt)"
-            ),
-        }
-        self.stats.busy.inc();
-        self.publish_delayed(step.publisher, step.delivery, step.env, delay)
-            .await?;
-        if let (Recheck::Waiting { .. }, OverlapMode::Queue(job) | OverlapMode::Skip(job)) =
-            (&why, self.overlap(step.env))
-        {
-            self.park(step, job, delay).await?;
-        }
-        Ok(())
-    }
-
-    /// Marks a success `done` and records it; requeues when another worker claimed the
-    /// instance before the result could be recorded.
-    async fn done(&self, step: &Step<'_>, fence: u64) -> Result<Disposition, Interrupted> {
-        let record = self.run_record(step.env, Outcome::Done, step.started_at.clone(), None);
-        let ended = self
-            .finish_with_retries(step, Final::Done, record.as_ref())
-            .await?;
-        self.wake(step.publisher, ended.woken).await;
-        if ended.ours {
-            info!(fence, "done");
-            self.stats.succeeded.inc();
-            self.stats.outcome(&step.env.task, RunOutcome::Success);
-            Ok(Disposition::Ack)
-        } else {
-            warn!("succeeded, but another worker claimed the instance before it could be recorded; requeueing");
-            self.stats.outcome(&step.env.task, RunOutcome::LeaseLost);
-            Ok(Disposition::Requeue)
-        }
-    }
-
-    /// Publishes attempt + 1 after `delay`, then hands the claim over to it.
-    async fn retry(
-        &self,
-        step: &Step<'_>,
-        delay: Duration,
-        error: String,
-    ) -> Result<(), Interrupted> {
-        let env = step.env;
-        warn!(error = %error, delay_ms = delay.as_millis() as u64, "failed; retrying");
-        self.record(env, Outcome::Failed, step.started_at.clone(), Some(error))
-            .await;
-        let mut next = env.clone();
-        next.attempt = env.attempt.saturating_add(1);
-        next.id = uuid::Uuid::new_v4();
-        next.published_at = Utc::now();
-        // Publish the retry first, then hand the claim to it: if we crash in between, our
-        // lease expires and the retry (or a redelivery) takes over. Marking `retrying` instead
-        // of deleting the claim makes every older copy a duplicate, so no copy starts a second
-        // chain.
-        if !planted(Defect::SkipRetry) {
-            self.publish_delayed(step.publisher, step.delivery, &next, delay)
-                .await?;
-        }
-        // The instance keeps its job through the retry delay, until a lease past it if the
-        // retry's message is lost (docs/guarantees.md#overlap).
-        let ending = Ending::Retry {
-            next_attempt: next.attempt,
-            hold: retry::bucket(delay) + self.config.worker.lease,
-        };
-        let retention = self.config.worker.done_ttl;
-        let job = self.lock_job(env);
-        let holder = self.holder(env).with_ended(step.ended);
-        let handed =
-            outcome_write_retried(|| holder.finish(&env.key, job, step.token, ending, retention))
-                .await;
-        match handed {
-            Ok(Ended { ours: true, woken }) => self.wake(step.publisher, woken).await,
-            Ok(Ended { ours: false, woken }) => {
-                self.wake(step.publisher, woken).await;
-                // Our lease lapsed and another copy took the instance over: its attempt is
-                // recorded, and ours is a duplicate when it arrives.
-                warn!("the retry is published, but another claim holds the instance now");
-            }
-            Err(e) => {
-                // The retry copy is confirmed and carries the instance: once our lease lapses
-                // it takes over (its attempt is never older than the recorded one). Requeueing
-                // this copy instead would repeat this attempt.
-                error!(error = %e, "redis unreachable: the retry is published but not handed over; pausing (fail closed)");
-                self.gate.close();
-            }
-        }
-        self.stats.retried.inc();
-        self.stats.outcome(&env.task, RunOutcome::Retry);
-        Ok(())
-    }
-
-    /// Registers a copy that found its job's overlap lock held, so the worker that releases
-    /// the lock publishes it again at once (docs/design.md#waiting-copies-wake-up); the copy
-    /// just sent to the delay queue stays as the fallback, and dedupe absorbs whichever of the
-    /// two comes second. When the lock was released meanwhile, the copy is published now.
-    async fn park(&self, step: &Step<'_>, job: &str, delay: Duration) -> Result<(), Interrupted> {
-        let waiter = Waiter {
-            epoch: step.delivery.epoch,
-            body: step.env.encode(),
-        };
-        // Kept until well after the fallback copy: an entry woken later is only a duplicate.
-        let keep = delay * 2 + Duration::from_secs(1);
-        if !self.store.park(job, &waiter, keep).await? {
-            debug!("the job's lock was released meanwhile: looking again now");
-            self.publish_woken(step.publisher, waiter).await?;
-        }
-        Ok(())
     }
 
     /// After a copy of a job with an overlap lock ended without holding the lock (a
@@ -769,57 +819,6 @@ impl Processor {
         stopped
     }
 
-    /// Marks `key` finished, retrying a Redis blip or a Sentinel failover
-    /// ([`outcome_write_retried`]): a success we fail to record would run again once the lease
-    /// expires.
-    async fn finish_with_retries(
-        &self,
-        step: &Step<'_>,
-        state: Final,
-        record: Option<&RunRecord>,
-    ) -> Result<Ended, StoreError> {
-        let (env, token) = (step.env, step.token);
-        let retention = self.config.worker.done_ttl;
-        let job = self.lock_job(env);
-        let holder = self.holder(env).with_ended(step.ended);
-        outcome_write_retried(|| {
-            holder.finish_recorded(&env.key, job, token, state, retention, record)
-        })
-        .await
-    }
-
-    /// Dead-letters after a run, marks the instance `dead` and records it.
-    async fn fail_dead(
-        &self,
-        step: &Step<'_>,
-        reason: DeadReason,
-        error: &str,
-    ) -> Result<(), Interrupted> {
-        match reason {
-            DeadReason::Permanent => warn!(error = %error, "permanent failure: dead-lettering"),
-            _ => warn!(error = %error, "failed; retries exhausted: dead-lettering"),
-        }
-        let env = step.env;
-        let runs = env.attempt.saturating_add(1);
-        self.dead_letter(
-            step.publisher,
-            step.delivery,
-            Some(env),
-            reason,
-            error,
-            runs,
-        )
-        .await?;
-        let started_at = step.started_at.clone();
-        let record = self.run_record(env, Outcome::Dead, started_at, Some(error.to_owned()));
-        let ended = self
-            .finish_with_retries(step, Final::Dead, record.as_ref())
-            .await?;
-        self.wake(step.publisher, ended.woken).await;
-        self.stats.outcome(&env.task, RunOutcome::Dead);
-        Ok(())
-    }
-
     /// The run record of `env`'s run, for its job's history (ad-hoc tasks have none).
     fn run_record(
         &self,
@@ -929,33 +928,6 @@ impl Drop for Counted {
     }
 }
 
-/// Runs an outcome write (`done`, `dead`, the retry hand-over) until it answers, retrying a
-/// Redis error (a blip, a failover, a `WAIT` shortfall) for up to [`FINISH_RETRY_FOR`] from
-/// the first failure. Repeating is safe: a write that landed although its reply was lost is
-/// found by its own token and reported recorded (docs/design.md#outcome-writes-are-idempotent).
-async fn outcome_write_retried<F, Fut>(mut write: F) -> Result<Ended, StoreError>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<Ended, StoreError>>,
-{
-    let mut backoff = FINISH_BACKOFF;
-    let mut give_up = None;
-    loop {
-        match write().await {
-            Ok(ended) => return Ok(ended),
-            Err(e) => {
-                let give_up = *give_up.get_or_insert_with(|| Instant::now() + FINISH_RETRY_FOR);
-                let delay = backoff.next_delay();
-                if Instant::now() + delay >= give_up {
-                    return Err(e);
-                }
-                warn!(error = %e, "could not record the outcome yet; retrying");
-                tokio::time::sleep(delay).await;
-            }
-        }
-    }
-}
-
 /// What the delivery says about its message besides the body: the defaults of the fields a
 /// producer may omit (docs/envelope.md). The AMQP timestamp has whole seconds only; without
 /// one, the message was published when it arrived, as far as we can tell.
@@ -969,17 +941,48 @@ pub(crate) fn arrival<'a>(names: &Names, delivery: &'a Delivery) -> Arrival<'a> 
     }
 }
 
-/// One delivery being handled: what every action needs.
+/// One delivery being handled: what every effect needs, and what its run leaves behind.
 struct Step<'a> {
     publisher: &'a Channel,
     delivery: &'a Delivery,
     env: &'a Envelope,
+    handler: &'a Arc<dyn Handler>,
     /// Our claim's token.
     token: &'a str,
     /// When the run started; `None` before a run.
     started_at: Option<String>,
     /// When the run ended, for the journal ([`Store::with_ended`]); `None` before a run's end.
     ended: Option<Instant>,
+    /// The run's record, made once for every try of its outcome write.
+    record: Option<Option<RunRecord>>,
+    /// The lease watchdog, renewing until the result is recorded.
+    renewing: Option<Renewing>,
+    /// `drumline_limit_in_use` while the run holds a slot of its limit.
+    in_use: Option<Counted>,
+    /// `drumline_limit_waiting` while the delivery is held over its limit.
+    waiting: Option<Counted>,
+}
+
+/// A step's answer as the event the machine waits for: a failure is one too.
+fn answer(done: Result<Event, Interrupted>) -> Event {
+    done.unwrap_or_else(|e| Event::Failed(e.into()))
+}
+
+/// A step's result as the way the delivery settles: acked, or interrupted.
+fn settled(done: Result<(), Interrupted>) -> Settle {
+    match done {
+        Ok(()) => Settle::Ack,
+        Err(e) => Settle::Interrupted(e.into()),
+    }
+}
+
+impl From<Interrupted> for Failure {
+    fn from(e: Interrupted) -> Self {
+        match e {
+            Interrupted::Redis(e) => Failure::Redis(e.to_string()),
+            Interrupted::Broker(e) => Failure::Broker(e.to_string()),
+        }
+    }
 }
 
 /// How a handler call ended.
