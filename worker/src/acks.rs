@@ -41,7 +41,7 @@ pub(crate) const SETTLE_TIMEOUT: Duration = Duration::from_secs(2);
 /// reopen a channel, close the connection); a dead connection does not always answer.
 pub(crate) const BROKER_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// How [`Processor::process`](crate::processor::Processor::process) settled a delivery; the consumer paces itself by it.
+/// How `Processor::process` settled a delivery; the consumer paces itself by it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settled {
     /// Acked.

@@ -69,7 +69,7 @@ pub struct TaskContext {
     pub cancel: CancellationToken,
     /// How long a handler may take to stop once `cancel` fires: the shell executor's wait
     /// between SIGTERM and SIGKILL. The worker derives it from the lease (at most
-    /// [`KILL_GRACE`](crate::lease::KILL_GRACE)), so the task is dead before anyone else
+    /// `KILL_GRACE` in `lease.rs`), so the task is dead before anyone else
     /// could claim the instance.
     pub kill_grace: Duration,
 }

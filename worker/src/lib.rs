@@ -1,7 +1,7 @@
 //! drumline-worker: consumes task messages, deduplicates through Redis, runs handlers.
 //!
-//! One delivery goes [`consumer`] → [`processor`] (claim, run, record, ack), the driver of its
-//! state machine (`machine.rs`, no I/O), which asks [`decision`] (pure). Which module does what
+//! One delivery goes `consumer` → `processor` (claim, run, record, ack), the driver of its
+//! state machine (`machine.rs`, no I/O), which asks `decision` (pure). Which module does what
 //! is the map below.
 //!
 //! ```no_run
@@ -90,24 +90,24 @@
 // Public for worker/tests/acks.rs (the real broker); not part of the API.
 #[doc(hidden)]
 pub mod acks;
-pub mod announce;
+pub(crate) mod announce;
 #[cfg(feature = "cli")]
 pub mod cli;
 #[cfg(feature = "cli")]
 pub mod commands;
-pub mod consumer;
-pub mod dead_watch;
-pub mod decision;
-pub mod dlq;
+pub(crate) mod consumer;
+pub(crate) mod dead_watch;
+pub(crate) mod decision;
+pub(crate) mod dlq;
 pub mod executor;
 pub mod handler;
 pub mod http;
-pub mod lease;
+pub(crate) mod lease;
 mod machine;
 pub mod output;
-pub mod processor;
-pub mod reload;
-pub mod retry;
+pub(crate) mod processor;
+pub(crate) mod reload;
+pub(crate) mod retry;
 pub mod stats;
 pub mod supervisor;
 
@@ -252,7 +252,7 @@ impl Worker {
         self.handler(task, handler::typed(f))
     }
 
-    /// Runs until `shutdown` completes, then stops in order (see [`consumer::run`]). First,
+    /// Runs until `shutdown` completes, then stops in order (see `consumer.rs`). First,
     /// before anything is spawned, makes this process non-dumpable so that tasks running as
     /// the same user cannot read its environment or memory
     /// (docs/design.md#tasks-cannot-read-the-worker), and, when a task runs a `command`, finds
