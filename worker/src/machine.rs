@@ -268,6 +268,7 @@ struct Retries {
     give_up: Option<Instant>,
 }
 
+/// Where the delivery is in its life.
 #[derive(Debug)]
 enum State {
     /// The claim was sent.
@@ -278,18 +279,22 @@ enum State {
     Running(u64),
     /// The step handed out last is awaited.
     Awaiting(Awaited),
-    /// The next step may go.
-    Settling,
-    /// Settled.
+    /// Settled (or, for a moment inside `handle`, between two states).
     Ended,
 }
 
+/// The settling step whose answer is awaited.
 #[derive(Debug)]
 enum Awaited {
+    /// A publish or write that must go through.
     Must,
+    /// Joining the job's waiters.
     Park,
+    /// An outcome write, and its retries so far.
     Write(Retries),
+    /// The wait before the outcome write goes again.
     WriteTimer(Retries),
+    /// The release of an abandoned claim.
     Release,
 }
 
@@ -309,7 +314,7 @@ impl<'a> Machine<'a> {
     pub(crate) fn new(facts: Facts<'a>, now: Instant) -> Self {
         let mut machine = Machine {
             facts,
-            state: State::Settling,
+            state: State::Ended,
             shutdown: false,
             plan: VecDeque::new(),
             out: VecDeque::new(),
@@ -330,7 +335,7 @@ impl<'a> Machine<'a> {
 
     /// Takes `event`, which came at `now`. An event the state does not wait for is ignored.
     pub(crate) fn handle(&mut self, event: Event, now: Instant) {
-        let state = std::mem::replace(&mut self.state, State::Settling);
+        let state = std::mem::replace(&mut self.state, State::Ended);
         self.state = match (state, event) {
             (State::Claiming(held), Event::Claimed { claim, sent }) => {
                 self.claimed(held, claim, sent, now)
