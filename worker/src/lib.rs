@@ -43,9 +43,11 @@
 //!   answer, the run's end, a timer, shutdown, a step's answer or failure), effects out (claim,
 //!   hold, run, publish, dead-letter, park, write the outcome and retry it, release, report,
 //!   settle). Pure.
-//! - `processor.rs`: the machine's driver: performs its effects (the run under the lease
-//!   watchdog among them) and feeds the answers back; rejected and unknown-task messages.
-//!   Touches: Redis (via `store`), broker (via `broker`).
+//! - `processor.rs`: the machine's driver: performs its effects and feeds the answers back;
+//!   rejected and unknown-task messages. Touches: Redis (via `store`), broker (via `broker`).
+//! - `run.rs`: one run of a handler under its claim's lease: the watchdog, the stop when the
+//!   lease is lost or the shutdown grace runs out, the watchdog kept renewing until the result
+//!   is recorded (`Renewing`). Touches: Redis (via `lease`), the handler.
 //! - `acks.rs`: `Settled` (how a delivery ended at the broker) and the settle time limits; a
 //!   consumer channel's acks, coalesced into `multiple` acks over recorded outcomes; bounded:
 //!   done tags kept as runs, a delivery not settled in time closes the channel. Touches: broker
@@ -108,6 +110,7 @@ pub mod output;
 pub(crate) mod processor;
 pub(crate) mod reload;
 pub(crate) mod retry;
+mod run;
 pub mod stats;
 pub mod supervisor;
 

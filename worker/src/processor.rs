@@ -1,16 +1,17 @@
 //! One delivery, start to finish (docs/design.md): admit → claim → run (with the lease watchdog) →
 //! record → ack. The thin driver of the delivery's [`crate::machine`] (no I/O; what each answer
 //! means is [`crate::decision`]'s): it performs each effect the machine hands out and hands it
-//! the answer, touching the broker (publish, ack) and Redis (the [`Store`]); the run itself
-//! (the handler, the lease watchdog) is here too. Every path ends in exactly one ack or one
-//! requeue; nothing is requeued that would fail the same way again (those go to `{ns}.dead`).
+//! the answer, touching the broker (publish, ack) and Redis (the [`Store`]); the run itself is
+//! [`crate::run`]'s. Every path ends in exactly one ack or one requeue; nothing is requeued that
+//! would fail the same way again (those go to `{ns}.dead`).
 
 use crate::acks::{Settled, Ticket, SETTLE_TIMEOUT};
 use crate::decision::{self, Outcome, Recheck, Rejected, RunResult};
-use crate::handler::{self, Handler, HandlerError, HandlerFuture, TaskContext};
-use crate::lease::{self, LeaseLost};
+use crate::handler::{self, Handler};
+use crate::lease;
 use crate::machine::{Effect, Event, Facts, Failure, Finish, Machine, Report, Settle};
 use crate::retry;
+use crate::run::{self, Renewing};
 use crate::stats::{RunOutcome, Stats, UNKNOWN_TASK};
 use crate::{Gate, WorkerError};
 use chrono::Utc;
@@ -477,13 +478,24 @@ impl Processor {
         self.stats
             .run_started(&env.task, Utc::now() - env.scheduled_for);
         let started = Instant::now();
-        let delivered = (env, &step.delivery.body[..]);
-        let (handler, token) = (step.handler.clone(), step.token);
-        let (result, renewing) = self
-            .run(handler.clone(), delivered, token, fence, claimed_at)
-            .await;
+        let held = lease::Held {
+            store: self.holder(env),
+            key: env.key.clone(),
+            job: self.lock_job(env).map(str::to_owned),
+            token: step.token.to_owned(),
+        };
+        let one = run::Run {
+            handler: step.handler.clone(),
+            env,
+            delivered: &step.delivery.body,
+            held,
+            fence,
+            claimed_at,
+            budget: lease::Budget::new(self.config.worker.lease),
+        };
+        let (result, renewing) = run::run(one.clone(), &self.stats, &self.abandon).await;
         if planted(Defect::DoubleRun) && matches!(result, RunResult::Succeeded) {
-            let _ = self.run(handler, delivered, token, fence, claimed_at).await;
+            let _ = run::run(one, &self.stats, &self.abandon).await;
         }
         step.renewing = renewing;
         step.ended = Some(Instant::now());
@@ -725,100 +737,6 @@ impl Processor {
         Ok(broker::publish_confirmed(publisher, "", &queue, false, &waiter.body, props).await?)
     }
 
-    /// Runs the handler under the lease watchdog, with `env` and the body it was `delivered` in
-    /// (the HTTP executor sends it as is). `claimed_at` is when the claim was sent: the
-    /// lease runs from there (docs/design.md "Lease loss stops the run in time"). A finished run
-    /// comes with its [`Renewing`] watchdog, which renews the lease until it is dropped.
-    async fn run(
-        &self,
-        handler: Arc<dyn Handler>,
-        (env, delivered): (&Envelope, &[u8]),
-        token: &str,
-        fence: u64,
-        claimed_at: Instant,
-    ) -> (RunResult, Option<Renewing>) {
-        let budget = lease::Budget::new(self.config.worker.lease);
-        let cancel = CancellationToken::new();
-        let lost = CancellationToken::new();
-        let stop_watchdog = CancellationToken::new();
-        let (expiry_tx, expiry) = tokio::sync::watch::channel(claimed_at + budget.lease);
-        let held = lease::Held {
-            store: self.holder(env),
-            key: env.key.clone(),
-            job: self.lock_job(env).map(str::to_owned),
-            token: token.to_owned(),
-        };
-        let watchdog = tokio::spawn(lease::watch(
-            held,
-            budget,
-            claimed_at,
-            stop_watchdog.clone(),
-            lost.clone(),
-            expiry_tx,
-        ));
-        // Stops the watchdog if this future is dropped or unwinds before the run's end is
-        // handed to `Renewing` (a handler that panics): a lease must never outlive its run.
-        let stop_on_drop = stop_watchdog.drop_guard();
-        let ctx = context(env, fence, cancel.clone(), budget.kill_grace());
-        self.stats.running.inc();
-        // The lease goes along for a shell task's supervisor, which stops the task at the
-        // loss's instant even if this worker is frozen then (docs/design.md#the-task-supervisor).
-        let clock = lease::LeaseClock::new(expiry.clone(), budget);
-        let call = lease::with_lease(clock, || {
-            crate::http::with_delivered(delivered.into(), || handler::call_guarded(&*handler, ctx))
-        });
-        let stopped = self.call(call, cancel, &lost, expiry.clone(), budget).await;
-        let given_up = budget.given_up(*expiry.borrow(), Instant::now());
-        if matches!(&stopped, Stopped::Returned(Err(e)) if e.is_panic()) {
-            self.stats.panics.inc();
-        }
-        self.stats.running.dec();
-        let renewing = Renewing {
-            stop: stop_on_drop.disarm(),
-            watchdog,
-        };
-        renewing
-            .settle(stopped, lost.is_cancelled(), given_up)
-            .await
-    }
-
-    /// Awaits the handler's `call` until it returns, the lease is `lost` or the shutdown grace
-    /// runs out; an end that is ready counts over a loss, and a loss noticed late waits
-    /// [`lease::Budget::catch_up`] for an end reached unseen. When stopped, the handler is told
-    /// (the shell executor SIGTERMs its group, then SIGKILLs it after `kill_grace`) and dropped
-    /// before the lease could be taken whatever it does: dropping a shell run SIGKILLs its group.
-    async fn call(
-        &self,
-        mut call: HandlerFuture,
-        cancel: CancellationToken,
-        lost: &CancellationToken,
-        expiry: tokio::sync::watch::Receiver<Instant>,
-        budget: lease::Budget,
-    ) -> Stopped {
-        // The handler's end first: a worker resumed after a freeze finds its task ended and its
-        // lease lapsed at once, and a success is recorded unless someone took the instance
-        // over meanwhile (docs/guarantees.md "A success is not thrown away").
-        let stopped = tokio::select! {
-            biased;
-            r = &mut call => return Stopped::Returned(r),
-            _ = lost.cancelled() => Stopped::LeaseLost,
-            _ = self.abandon.cancelled() => Stopped::Abandoned,
-        };
-        // A loss noticed late may have an end on its way ([`lease::Budget::catch_up`]).
-        let late = budget.catch_up(*expiry.borrow(), Instant::now());
-        if let (Stopped::LeaseLost, Some(catch_up)) = (&stopped, late) {
-            if let Ok(r) = tokio::time::timeout(catch_up, &mut call).await {
-                return Stopped::Returned(r);
-            }
-        }
-        cancel.cancel();
-        let drop_at = *expiry.borrow() - budget.drop_margin();
-        if tokio::time::timeout_at(drop_at, call).await.is_err() {
-            warn!("the handler did not stop when cancelled; dropped it");
-        }
-        stopped
-    }
-
     /// The run record of `env`'s run, for its job's history (ad-hoc tasks have none).
     fn run_record(
         &self,
@@ -982,90 +900,6 @@ impl From<Interrupted> for Failure {
             Interrupted::Redis(e) => Failure::Redis(e.to_string()),
             Interrupted::Broker(e) => Failure::Broker(e.to_string()),
         }
-    }
-}
-
-/// How a handler call ended.
-enum Stopped {
-    /// It returned.
-    Returned(Result<(), HandlerError>),
-    /// Stopped: the lease was lost.
-    LeaseLost,
-    /// Stopped: the shutdown grace ran out.
-    Abandoned,
-}
-
-/// What a handler is told about its run.
-fn context(
-    env: &Envelope,
-    fence: u64,
-    cancel: CancellationToken,
-    kill_grace: Duration,
-) -> TaskContext {
-    TaskContext {
-        task: env.task.clone(),
-        key: env.key.clone(),
-        job: env.job.clone(),
-        scheduled_for: env.scheduled_for,
-        attempt: env.attempt,
-        fencing_token: fence,
-        args: env.args.clone(),
-        cancel,
-        kill_grace,
-    }
-}
-
-/// A run's lease watchdog, still renewing; stopped when dropped.
-struct Renewing {
-    stop: CancellationToken,
-    watchdog: tokio::task::JoinHandle<Option<LeaseLost>>,
-}
-
-impl Renewing {
-    /// The result of a run that `stopped`, with the watchdog kept renewing while a result to
-    /// record is recorded. `lost`: the watchdog declared the loss; `given_up`: the loss was due
-    /// when the run stopped ([`lease::Budget::given_up`]).
-    async fn settle(
-        self,
-        stopped: Stopped,
-        lost: bool,
-        given_up: bool,
-    ) -> (RunResult, Option<Renewing>) {
-        match stopped {
-            Stopped::Abandoned => {
-                self.stop().await;
-                (RunResult::Abandoned, None)
-            }
-            // A success is recorded even if the lease was lost meanwhile: `done` lands when
-            // the claim is still ours or nobody took it (docs/design.md).
-            Stopped::Returned(Ok(())) => (RunResult::Succeeded, Some(self)),
-            // A failure once the lease was given up may be the supervisor's stop (the worker
-            // was frozen): the lease's loss, not an attempt, whatever the watchdog says yet.
-            Stopped::Returned(Err(e)) if !lost && !given_up => (RunResult::Failed(e), Some(self)),
-            _ => {
-                let lost = self.stop().await.unwrap_or_else(|| {
-                    if given_up {
-                        let why = "the lease ran out unrenewed (the worker was frozen or starved)";
-                        LeaseLost::Unreachable(why.into())
-                    } else {
-                        LeaseLost::Taken
-                    }
-                });
-                (RunResult::LeaseLost(lost), None)
-            }
-        }
-    }
-
-    /// Stops renewing; why the lease was lost, if it was.
-    async fn stop(mut self) -> Option<LeaseLost> {
-        self.stop.cancel();
-        (&mut self.watchdog).await.ok().flatten()
-    }
-}
-
-impl Drop for Renewing {
-    fn drop(&mut self) {
-        self.stop.cancel();
     }
 }
 
