@@ -72,6 +72,7 @@ pub mod cfg;
 pub mod checker;
 pub mod hook;
 pub mod proxy;
+pub mod scenario;
 pub mod sentinel;
 pub mod snoop;
 pub mod soak;
