@@ -322,3 +322,17 @@ pub fn class_of(rows: &[serde_json::Value], key: &str) -> Option<String> {
     let row = rows.iter().find(|r| r["key"] == key)?;
     row["class"].as_str().map(str::to_owned)
 }
+
+/// `cfg` written as `drumline.toml` and parsed as drumline does, for a worker run in the test's
+/// own process; Redis is reached at `redis_url` (a proxy's, or [`REDIS_URL`]).
+pub fn parsed(env: &TestEnv, cfg: &Cfg, redis_url: &str) -> drumline_shared::config::Config {
+    use drumline_shared::config::{Config, ENV_AMQP_URL, ENV_REDIS_URL};
+    let path = env.write_config("drumline.toml", cfg);
+    let text = std::fs::read_to_string(&path).expect("read the config back");
+    Config::parse(&text, &path, |name| match name {
+        ENV_REDIS_URL => Some(redis_url.to_owned()),
+        ENV_AMQP_URL => Some(crate::AMQP_URL.to_owned()),
+        _ => None,
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
+}

@@ -5,45 +5,33 @@
 //! `MISSED` / `DOUBLED` by `audit` and as violations (key, rule, evidence, exit 1) by `verify`.
 
 use drumline_e2e::cfg::{every, shell, Cfg, Keys};
-use drumline_e2e::{setup, wait_until, wait_until_async, TestEnv};
+use drumline_e2e::scenario::{appends, journal, Scenario};
+use drumline_e2e::{instant_of, wait_until, TestEnv};
 use redis::AsyncCommands;
 use serde_json::Value;
-use std::collections::HashMap;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(30);
 
-fn config(env: &TestEnv) -> String {
-    let ran = env.path("ran");
-    let cfg = Cfg::new()
+/// `tick` (1 s) appends its key to `ran`, `bad` (2 s) fails twice, `held` (1 s) like `tick`.
+fn config(env: &TestEnv) -> Cfg {
+    let fail = Keys::default()
+        .with("command", "[\"/bin/false\"]")
+        .with("max_retries", "1")
+        .with("retry_base", "\"1s\"");
+    let on = |task: &str| every("1s").with("task", &format!("\"{task}\""));
+    Cfg::new()
         .set("worker", "lease", "\"5s\"")
-        .task(
-            "ok",
-            shell(&format!("echo \"$DRUMLINE_KEY\" >> {}", ran.display())),
-        )
-        .task(
-            "fail",
-            Keys::default()
-                .with("command", "[\"/bin/false\"]")
-                .with("max_retries", "1")
-                .with("retry_base", "\"1s\""),
-        )
-        .job("tick", every("1s").with("task", "\"ok\""))
+        .task("ok", appends(env, "ran"))
+        .task("fail", fail)
+        .job("tick", on("ok"))
         .job("bad", every("2s").with("task", "\"fail\""))
-        .job("held", every("1s").with("task", "\"ok\""));
-    env.write_config("drumline.toml", &cfg)
-        .to_str()
-        .unwrap()
-        .to_owned()
+        .job("held", on("ok"))
 }
 
 /// `drumline audit JOB --from FROM --json`: its rows.
-fn audit(env: &TestEnv, cfg: &str, job: &str, from: &str) -> Vec<Value> {
-    let (status, out, err) = env.run(
-        "drumline",
-        &["--config", cfg, "audit", job, "--from", from, "--json"],
-    );
-    assert!(status.success(), "audit {job}: {err}");
+fn audit(sc: &Scenario, job: &str, from: &str) -> Vec<Value> {
+    let out = sc.cli(&["audit", job, "--from", from, "--json"]);
     let doc: Value = serde_json::from_str(&out).expect("audit --json");
     assert_eq!(doc["job"], job);
     doc["instants"].as_array().expect("instants").clone()
@@ -53,45 +41,36 @@ fn with_class<'a>(rows: &'a [Value], class: &str) -> Vec<&'a Value> {
     rows.iter().filter(|r| r["class"] == class).collect()
 }
 
-/// `drumline-beat verify --since 10m --json`: (exit code, document).
-fn verify(env: &TestEnv, cfg: &str) -> (i32, Value) {
-    let args = ["--config", cfg, "verify", "--since", "10m", "--json"];
-    let (status, out, err) = env.run("drumline-beat", &args);
+/// `bin verify --since 10m [extra…] --json`: (exit code, document).
+fn verify(sc: &Scenario, bin: &str, extra: &[&str]) -> (i32, Value) {
+    let mut args = vec!["--config", sc.cfg(), "verify", "--since", "10m", "--json"];
+    args.extend_from_slice(extra);
+    let (status, out, err) = sc.run(bin, &args);
     let doc = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out} {err}"));
     (status.code().unwrap_or(-1), doc)
 }
 
 /// Runs the beat and a worker until `tick` ran 4 times, `bad` has a dead instance and `held`
 /// (paused before the beat starts) skipped 2; stops them.
-fn run_a_while(env: &TestEnv, cfg: &str, from: &str) {
-    let (status, _, err) = env.run("drumline", &["--config", cfg, "pause", "held"]);
-    assert!(status.success(), "{err}");
-    let mut worker = env.worker("worker", &["--config", cfg]);
-    let mut beat = env.beat("beat", &["--config", cfg]);
-    let settled = wait_until(WAIT, || {
-        env.lines("ran").len() >= 4
-            && !with_class(&audit(env, cfg, "bad", from), "dead").is_empty()
-            && with_class(&audit(env, cfg, "held", from), "skipped").len() >= 2
+async fn run_a_while(sc: &mut Scenario, from: &str) {
+    sc.cli(&["pause", "held"]);
+    sc.start_workers(1).await;
+    sc.start_beat();
+    sc.wait(WAIT, "tick ran 4, bad died, held skipped 2", || {
+        sc.lines("ran").len() >= 4
+            && !with_class(&audit(sc, "bad", from), "dead").is_empty()
+            && with_class(&audit(sc, "held", from), "skipped").len() >= 2
     });
-    assert!(settled, "{}\n{}", beat.log_tail(20), worker.log_tail(20));
-    assert!(beat.terminate(Duration::from_secs(10)).success());
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+    sc.stop();
 }
 
 /// Deletes every trace of instance `key` of `job`: its journal entries, run state and record.
 async fn erase(env: &TestEnv, job: &str, key: &str) {
     let mut redis = env.redis().await;
-    let journal = format!("{}:journal", env.ns);
-    let entries: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
-        .arg(&journal)
-        .arg("-")
-        .arg("+")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    for (id, fields) in entries {
+    let journal_key = env.names().journal();
+    for (id, fields) in journal(env).await {
         if fields.get("key").map(String::as_str) == Some(key) {
-            let _: i64 = redis.xdel(&journal, &[id]).await.unwrap();
+            let _: i64 = redis.xdel(&journal_key, &[id]).await.unwrap();
         }
     }
     let _: i64 = redis.del(format!("{}:run:{key}", env.ns)).await.unwrap();
@@ -102,18 +81,33 @@ async fn erase(env: &TestEnv, job: &str, key: &str) {
     }
 }
 
+/// A second `success` of `key`, by worker `forger`: its journal id.
+async fn forge_success(env: &TestEnv, key: &str) -> String {
+    let fields = [
+        ("ev", "success"),
+        ("key", key),
+        ("att", "0"),
+        ("tok", "forged"),
+        ("w", "forger"),
+    ];
+    let mut redis = env.redis().await;
+    redis
+        .xadd(env.names().journal(), "*", &fields)
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
-    let env = setup("e2e_audit");
-    let cfg = config(&env);
+    let mut sc = Scenario::new("e2e_audit", config);
     let from = chrono::Utc::now().to_rfc3339();
-    run_a_while(&env, &cfg, &from);
+    run_a_while(&mut sc, &from).await;
 
     // Every `ran` row is one effect, and every effect a `ran` row.
-    let tick = audit(&env, &cfg, "tick", &from);
+    let tick = audit(&sc, "tick", &from);
     let ran = with_class(&tick, "ran");
-    let effects = env.lines("ran");
     let ran_keys: Vec<&str> = ran.iter().map(|r| r["key"].as_str().unwrap()).collect();
+    let effects = sc.lines("ran");
     let tick_effects: Vec<&str> = effects
         .iter()
         .map(String::as_str)
@@ -128,18 +122,15 @@ async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
             "{row}"
         );
     }
-    assert!(
-        tick.iter()
-            .all(|r| r["class"] == "ran" || r["class"] == "pending"),
-        "{tick:#?}"
-    );
+    let ran_or_pending = |r: &Value| r["class"] == "ran" || r["class"] == "pending";
+    assert!(tick.iter().all(ran_or_pending), "{tick:#?}");
 
-    let bad = audit(&env, &cfg, "bad", &from);
+    let bad = audit(&sc, "bad", &from);
     let dead = with_class(&bad, "dead");
     assert_eq!(dead[0]["attempts"], 2, "max_retries + 1: {bad:#?}");
     assert!(with_class(&bad, "ran").is_empty(), "{bad:#?}");
 
-    let held = audit(&env, &cfg, "held", &from);
+    let held = audit(&sc, "held", &from);
     let skipped = with_class(&held, "skipped");
     assert!(skipped.iter().all(|r| r["reason"] == "paused"), "{held:#?}");
     assert_eq!(
@@ -148,25 +139,19 @@ async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
         "a paused job never runs: {held:#?}"
     );
 
-    let (code, doc) = verify(&env, &cfg);
+    let (code, doc) = verify(&sc, "drumline-beat", &[]);
     assert_eq!((code, &doc["holds"]), (0, &Value::Bool(true)), "{doc:#}");
-    assert!(doc["checked"].as_u64().unwrap() >= (ran.len() + dead.len() + skipped.len()) as u64);
+    let decided = (ran.len() + dead.len() + skipped.len()) as u64;
+    assert!(doc["checked"].as_u64().unwrap() >= decided);
     assert_eq!(doc["violations"], serde_json::json!([]));
 
     // A worker's claim names the epoch of the leader that published the copy it ran.
-    let mut redis = env.redis().await;
-    let entries: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
-        .arg(format!("{}:journal", env.ns))
-        .arg("-")
-        .arg("+")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
+    let entries = journal(&sc).await;
     let field = |ev: &str, key: &str| {
-        entries
+        let entry = entries
             .iter()
-            .find(|(_, f)| f["ev"] == ev && f["key"] == key)
-            .and_then(|(_, f)| f.get("ep").cloned())
+            .find(|(_, f)| f["ev"] == ev && f["key"] == key);
+        entry.and_then(|(_, f)| f.get("ep").cloned())
     };
     for key in &ran_keys {
         let published = field("published", key);
@@ -176,23 +161,9 @@ async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
 
     // Broken on purpose: every trace of one instant gone, a second success forged for another.
     let (gone, twice) = (ran_keys[1].to_owned(), ran_keys[2].to_owned());
-    erase(&env, "tick", &gone).await;
-    let forged: String = redis
-        .xadd(
-            format!("{}:journal", env.ns),
-            "*",
-            &[
-                ("ev", "success"),
-                ("key", &twice),
-                ("att", "0"),
-                ("tok", "forged"),
-                ("w", "forger"),
-            ],
-        )
-        .await
-        .unwrap();
-
-    let tick = audit(&env, &cfg, "tick", &from);
+    erase(&sc, "tick", &gone).await;
+    let forged = forge_success(&sc, &twice).await;
+    let tick = audit(&sc, "tick", &from);
     let class_of = |key: &str| {
         tick.iter()
             .find(|r| r["key"] == key)
@@ -201,14 +172,12 @@ async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
     assert_eq!(class_of(&gone), Some(Value::from("missed")), "{tick:#?}");
     assert_eq!(class_of(&twice), Some(Value::from("doubled")), "{tick:#?}");
 
-    let (code, doc) = verify(&env, &cfg);
+    let (code, doc) = verify(&sc, "drumline-beat", &[]);
     assert_eq!((code, &doc["holds"]), (1, &Value::Bool(false)), "{doc:#}");
     let violations = doc["violations"].as_array().unwrap();
     let rule_of = |key: &str| {
-        violations
-            .iter()
-            .find(|v| v["key"] == key)
-            .unwrap_or_else(|| panic!("{key} not reported: {doc:#}"))
+        let found = violations.iter().find(|v| v["key"] == key);
+        found.unwrap_or_else(|| panic!("{key} not reported: {doc:#}"))
     };
     assert_eq!(rule_of(&gone)["rule"], "missed");
     assert_eq!(rule_of(&twice)["rule"], "doubled");
@@ -220,39 +189,31 @@ async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
     assert_eq!(violations.len(), 2, "{doc:#}");
 
     // The table says the same, with the same exit code, on both binaries.
-    let (status, out, _) = env.run("drumline", &["--config", &cfg, "verify", "--since", "10m"]);
+    let (status, out, _) = sc.run(
+        "drumline",
+        &["--config", sc.cfg(), "verify", "--since", "10m"],
+    );
     assert_eq!(status.code(), Some(1));
     assert!(out.contains("2 violations") && out.contains(&gone), "{out}");
 }
 
 /// `drumline verify --since 10m --overdue O --json`: (exit code, document).
-fn verify_overdue(env: &TestEnv, cfg: &str, overdue: &str) -> (i32, Value) {
-    let args = [
-        "--config",
-        cfg,
-        "verify",
-        "--since",
-        "10m",
-        "--overdue",
-        overdue,
-        "--json",
-    ];
-    let (status, out, err) = env.run("drumline", &args);
-    let doc = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out} {err}"));
-    (status.code().unwrap_or(-1), doc)
+fn verify_overdue(sc: &Scenario, overdue: &str) -> (i32, Value) {
+    verify(sc, "drumline", &["--overdue", overdue])
 }
 
 fn rules_of(doc: &Value) -> Vec<(String, String)> {
+    let rule = |v: &Value| {
+        (
+            v["rule"].as_str().unwrap().to_owned(),
+            v["key"].as_str().unwrap().to_owned(),
+        )
+    };
     doc["violations"]
         .as_array()
         .expect("violations")
         .iter()
-        .map(|v| {
-            (
-                v["rule"].as_str().unwrap().to_owned(),
-                v["key"].as_str().unwrap().to_owned(),
-            )
-        })
+        .map(rule)
         .collect()
 }
 
@@ -261,47 +222,21 @@ fn rules_of(doc: &Value) -> Vec<(String, String)> {
 /// first start `missed`).
 #[tokio::test(flavor = "multi_thread")]
 async fn verify_holds_after_a_backfill_of_instants_before_the_first_start() {
-    let env = setup("e2e_verify_backfill");
-    let cfg = config(&env);
     let start = chrono::Utc::now();
-    let mut worker = env.worker("worker", &["--config", &cfg]);
-    env.wait_for_topology(&worker).await;
-    let mut beat = env.beat("beat", &["--config", &cfg]);
-    assert!(
-        wait_until(WAIT, || env.lines("ran").len() >= 2),
-        "{}",
-        beat.log_tail(20)
-    );
+    let mut sc = Scenario::start("e2e_verify_backfill", 1, 1, config).await;
+    sc.wait(WAIT, "two runs", || sc.lines("ran").len() >= 2);
     let fmt = |t: chrono::DateTime<chrono::Utc>| t.format("%Y-%m-%dT%H:%M:%SZ").to_string();
-    let (from, to) = (
-        fmt(start - chrono::Duration::seconds(60)),
-        fmt(start - chrono::Duration::seconds(50)),
-    );
-    let (status, out, err) = env.run(
-        "drumline",
-        &[
-            "--config", &cfg, "backfill", "tick", "--from", &from, "--to", &to,
-        ],
-    );
-    assert!(status.success(), "{out}{err}");
-    let backfilled = |env: &TestEnv| {
-        env.lines("ran")
-            .iter()
-            .filter(|k| {
-                k.starts_with("tick@")
-                    && drumline_e2e::instant_of(k) < start - chrono::Duration::seconds(40)
-            })
-            .count()
+    let from = fmt(start - chrono::Duration::seconds(60));
+    let to = fmt(start - chrono::Duration::seconds(50));
+    sc.cli(&["backfill", "tick", "--from", &from, "--to", &to]);
+    let before_start = |k: &&String| {
+        k.starts_with("tick@") && instant_of(k) < start - chrono::Duration::seconds(40)
     };
-    assert!(
-        wait_until(WAIT, || backfilled(&env) >= 10),
-        "{}",
-        worker.log_tail(20)
-    );
-    let (code, doc) = verify_overdue(&env, &cfg, "15m");
+    let backfilled = |sc: &Scenario| sc.lines("ran").iter().filter(before_start).count();
+    sc.wait(WAIT, "ten backfilled", || backfilled(&sc) >= 10);
+    let (code, doc) = verify_overdue(&sc, "15m");
     assert_eq!((code, rules_of(&doc)), (0, vec![]), "{doc:#}");
-    assert!(beat.terminate(Duration::from_secs(10)).success());
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+    sc.stop();
 }
 
 /// Issue 33: the only beat killed, and the published copies it left lost by the broker (the
@@ -309,25 +244,18 @@ async fn verify_holds_after_a_backfill_of_instants_before_the_first_start() {
 /// and each published instance that never ended (`lost`); it said "holds".
 #[tokio::test(flavor = "multi_thread")]
 async fn verify_reports_a_dead_beat_and_published_instances_that_never_ended() {
-    let env = setup("e2e_verify_lost");
-    let cfg = Cfg::new()
-        .set("beat", "misfire_threshold", "\"1s\"")
-        .task("ok", shell("true"))
-        .job("tick", every("1s").with("task", "\"ok\""));
-    let cfg = env.write_config("drumline.toml", &cfg);
-    let cfg = cfg.to_str().unwrap();
-    let mut beat = env.beat("beat", &["--config", cfg]);
-    let queue = env.names().work_queue("default");
-    assert!(
-        wait_until_async(WAIT, || async {
-            env.queue_len(&queue).await.unwrap_or(0) >= 2
-        })
-        .await,
-        "{}",
-        beat.log_tail(20)
-    );
-    beat.kill9();
-    let amqp = env.amqp().await;
+    let mut sc = Scenario::start("e2e_verify_lost", 1, 0, |_| {
+        Cfg::new()
+            .set("beat", "misfire_threshold", "\"1s\"")
+            .task("ok", shell("true"))
+            .job("tick", every("1s").with("task", "\"ok\""))
+    })
+    .await;
+    let queue = sc.names().work_queue("default");
+    let two = || async { sc.queue_len(&queue).await.unwrap_or(0) >= 2 };
+    sc.wait_async(WAIT, "two published", two).await;
+    sc.last_beat().kill9();
+    let amqp = sc.amqp().await;
     let channel = amqp.create_channel().await.unwrap();
     let purged = channel
         .queue_purge(queue.as_str().into(), Default::default())
@@ -344,7 +272,7 @@ async fn verify_reports_a_dead_beat_and_published_instances_that_never_ended() {
     };
     let mut last = Value::Null;
     let seen = wait_until(WAIT, || {
-        let (code, doc) = verify_overdue(&env, cfg, "1s");
+        let (code, doc) = verify_overdue(&sc, "1s");
         let hit = code == 1 && reported(&doc);
         last = doc;
         hit
