@@ -1,240 +1,163 @@
 //! `drumline-worker dlq list | replay | purge` against the real broker, Redis and worker.
 
 use drumline_e2e::cfg::{every, shell, Cfg};
-use drumline_e2e::{adhoc, setup, toml_string, wait_until, wait_until_async, TestEnv};
+use drumline_e2e::scenario::{
+    appends, appends_after, class_of, journal, stop, JournalEntry, Scenario,
+};
+use drumline_e2e::{adhoc, wait_until};
 use lapin::BasicProperties;
 use serde_json::Value;
-use std::collections::HashMap;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// `drumline-worker dlq list --json`, sorted by key.
+fn dlq_list(sc: &Scenario) -> Vec<Value> {
+    let out = sc.run_ok("drumline-worker", &["dlq", "list", "--json"]);
+    let mut rows: Vec<Value> = serde_json::from_str(&out).expect("dlq list --json");
+    rows.sort_by_key(|r| r["key"].as_str().unwrap_or_default().to_owned());
+    rows
+}
+
+/// (key, reason, attempts) of a dead letter.
+fn letter(row: &Value) -> (Option<&str>, Option<&str>, Option<u64>) {
+    (
+        row["key"].as_str(),
+        row["reason"].as_str(),
+        row["attempts"].as_u64(),
+    )
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn dead_letters_are_listed_replayed_and_purged() {
-    let mut env = setup("e2e_dlq");
-    let broken = env.path("broken");
-    std::fs::write(&broken, "").unwrap();
     // Fails permanently while the flag file exists.
-    let script = format!(
-        "[ -e {flag} ] && exit 3; echo \"$DRUMLINE_KEY\" >> {effects}",
-        flag = broken.display(),
-        effects = env.path("effects").display()
-    );
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[worker]\nlease = \"3s\"\n[tasks.fragile]\ncommand = [\"/bin/sh\", \"-c\", {}]\npermanent_exit_codes = [3]\n",
-            toml_string(&script)
-        ),
-    );
-    let cfg = cfg.to_str().unwrap();
-    let dead = env.names().dead();
-    let mut worker = env.worker("worker", &["--config", cfg]);
-    for key in ["k1", "k2"] {
-        let (status, _, stderr) = env.run(
-            "drumline-beat",
-            &["--config", cfg, "publish", "fragile", "--key", key],
+    let mut sc = Scenario::start("e2e_dlq", 0, 1, |env| {
+        let flag = env.path("broken");
+        std::fs::write(&flag, "").expect("flag");
+        let fragile = appends_after(
+            env,
+            "effects",
+            &format!("[ ! -e {} ] || exit 3", flag.display()),
         );
-        assert!(status.success(), "{stderr}");
+        let fragile = fragile.with("permanent_exit_codes", "[3]");
+        Cfg::new()
+            .set("worker", "lease", "\"3s\"")
+            .task("fragile", fragile)
+    })
+    .await;
+    let dead = sc.names().dead();
+    for key in ["k1", "k2"] {
+        sc.run_ok("drumline-beat", &["publish", "fragile", "--key", key]);
     }
     // An instance that expires while queued where nobody consumes: the broker dead-letters it.
-    env.forget_queue_later(env.names().work_queue("idle"));
-    let (status, _, stderr) = env.run(
-        "drumline-beat",
-        &[
-            "--config",
-            cfg,
-            "publish",
-            "fragile",
-            "--key",
-            "k3",
-            "--queue",
-            "idle",
-            "--expires",
-            "100ms",
-        ],
-    );
-    assert!(status.success(), "{stderr}");
-    assert!(
-        wait_until_async(WAIT, || async { env.queue_len(&dead).await == Some(3) }).await,
-        "{:?}\n{}",
-        env.queue_len(&dead).await,
-        worker.log_tail(20)
-    );
+    let idle = sc.names().work_queue("idle");
+    sc.forget_queue_later(idle);
+    let k3 = [
+        "publish",
+        "fragile",
+        "--key",
+        "k3",
+        "--queue",
+        "idle",
+        "--expires",
+        "100ms",
+    ];
+    sc.run_ok("drumline-beat", &k3);
+    let three = || async { sc.queue_len(&dead).await == Some(3) };
+    sc.wait_async(WAIT, "three dead letters", three).await;
 
-    let list = || {
-        let (status, stdout, stderr) = env.run(
-            "drumline-worker",
-            &["--config", cfg, "dlq", "list", "--json"],
-        );
-        assert!(status.success(), "{stderr}");
-        let mut rows: Vec<serde_json::Value> = serde_json::from_str(&stdout).unwrap();
-        rows.sort_by_key(|r| r["key"].as_str().unwrap_or_default().to_owned());
-        rows
-    };
-    let rows = list();
+    let rows = dlq_list(&sc);
     assert_eq!(rows.len(), 3, "{rows:?}");
-    assert_eq!(
-        (
-            rows[0]["key"].as_str(),
-            rows[0]["reason"].as_str(),
-            rows[0]["attempts"].as_u64()
-        ),
-        (Some("k1"), Some("permanent"), Some(1))
-    );
+    assert_eq!(letter(&rows[0]), (Some("k1"), Some("permanent"), Some(1)));
     assert_eq!(rows[0]["error"], "exit code 3");
     assert_eq!(rows[0]["task"], "fragile");
     assert!(rows[0]["dead_at"].is_string());
-    assert_eq!(
-        (
-            rows[2]["key"].as_str(),
-            rows[2]["reason"].as_str(),
-            rows[2]["attempts"].as_u64()
-        ),
-        (Some("k3"), Some("expired"), Some(0))
-    );
+    assert_eq!(letter(&rows[2]), (Some("k3"), Some("expired"), Some(0)));
     assert!(rows[2]["dead_at"].is_string(), "from x-death");
     // Listing leaves them in place.
-    assert_eq!(env.queue_len(&dead).await, Some(3));
+    assert_eq!(sc.queue_len(&dead).await, Some(3));
 
     // Fix the cause, replay one: it runs, the others stay.
-    std::fs::remove_file(&broken).unwrap();
-    let (status, stdout, stderr) =
-        env.run("drumline-worker", &["--config", cfg, "dlq", "replay", "k1"]);
-    assert!(status.success(), "{stderr}");
-    assert_eq!(stdout.trim(), "replayed k1");
-    assert!(
-        wait_until(WAIT, || env.lines("effects") == vec!["k1"]),
-        "{}",
-        worker.log_tail(20)
-    );
-    let keys: Vec<_> = list()
-        .iter()
-        .map(|r| r["key"].as_str().unwrap().to_owned())
-        .collect();
+    std::fs::remove_file(sc.path("broken")).expect("unflag");
+    let out = sc.run_ok("drumline-worker", &["dlq", "replay", "k1"]);
+    assert_eq!(out.trim(), "replayed k1");
+    sc.wait(WAIT, "k1 ran", || sc.lines("effects") == vec!["k1"]);
+    let keys: Vec<_> = dlq_list(&sc).iter().map(|r| r["key"].clone()).collect();
     assert_eq!(keys, vec!["k2", "k3"]);
 
-    let (status, _, stderr) = env.run(
-        "drumline-worker",
-        &["--config", cfg, "dlq", "replay", "no-such-key"],
-    );
+    let args = ["--config", sc.cfg(), "dlq", "replay", "no-such-key"];
+    let (status, _, stderr) = sc.run("drumline-worker", &args);
     assert_eq!(status.code(), Some(1));
-    assert!(
-        stderr.contains("not found in the dead letters: no-such-key"),
-        "{stderr}"
-    );
+    let what = "not found in the dead letters: no-such-key";
+    assert!(stderr.contains(what), "{stderr}");
 
-    let (status, stdout, _) = env.run(
-        "drumline-worker",
-        &["--config", cfg, "dlq", "purge", "--yes"],
-    );
-    assert!(status.success());
-    assert_eq!(stdout.trim(), "purged 2 dead letters");
-    assert_eq!(env.queue_len(&dead).await, Some(0));
-    assert!(worker.terminate(Duration::from_secs(20)).success());
-    assert_eq!(env.lines("effects"), vec!["k1"], "k2 was purged, never run");
+    let out = sc.run_ok("drumline-worker", &["dlq", "purge", "--yes"]);
+    assert_eq!(out.trim(), "purged 2 dead letters");
+    assert_eq!(sc.queue_len(&dead).await, Some(0));
+    sc.stop();
+    assert_eq!(sc.lines("effects"), vec!["k1"], "k2 was purged, never run");
 }
 
-/// `drumline audit JOB --json` over the window from `from`: its rows.
-fn audit(env: &TestEnv, cfg: &str, job: &str, from: &str) -> Vec<Value> {
-    let (status, out, err) = env.run(
-        "drumline",
-        &["--config", cfg, "audit", job, "--from", from, "--json"],
-    );
-    assert!(status.success(), "audit {job}: {err}");
-    let doc: Value = serde_json::from_str(&out).expect("audit --json");
-    doc["instants"].as_array().expect("instants").clone()
-}
-
-/// The class `audit` gives `key` among `rows`.
-fn class_of(rows: &[Value], key: &str) -> Option<String> {
-    let row = rows.iter().find(|r| r["key"] == key)?;
-    row["class"].as_str().map(str::to_owned)
-}
-
-/// Every journal entry of the namespace, oldest first.
-async fn journal(env: &TestEnv) -> Vec<HashMap<String, String>> {
-    let mut redis = env.redis().await;
-    let entries: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
-        .arg(env.names().journal())
-        .arg("-")
-        .arg("+")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    entries.into_iter().map(|(_, fields)| fields).collect()
+/// The journal's entries of event `ev` under `key`.
+fn entries_of<'a>(entries: &'a [JournalEntry], ev: &str, key: &str) -> Vec<&'a JournalEntry> {
+    let of = |(_, e): &&JournalEntry| e["ev"] == ev && e["key"] == key;
+    entries.iter().filter(of).collect()
 }
 
 // See: issues/33. Instances the broker expired in their queue while no worker ran are
 // journaled `expired` once a worker is back, so `audit` never leaves them `pending`.
 #[tokio::test(flavor = "multi_thread")]
 async fn instances_the_broker_expired_are_audited_expired() {
-    let env = setup("e2e_broker_expired");
-    let ran = env.path("ran");
-    let cfg = Cfg::new()
-        .set("worker", "lease", "\"5s\"")
-        .task(
-            "ok",
-            shell(&format!("echo \"$DRUMLINE_KEY\" >> {}", ran.display())),
-        )
-        .job(
-            "tick",
-            every("1s").with("task", "\"ok\"").with("expires", "\"2s\""),
-        );
-    let cfg = env.write_config("drumline.toml", &cfg);
-    let cfg = cfg.to_str().unwrap();
+    let mut sc = Scenario::start("e2e_broker_expired", 1, 0, |env| {
+        let tick = every("1s").with("task", "\"ok\"").with("expires", "\"2s\"");
+        let cfg = Cfg::new().set("worker", "lease", "\"5s\"");
+        cfg.task("ok", appends(env, "ran")).job("tick", tick)
+    })
+    .await;
     let from = chrono::Utc::now().to_rfc3339();
-    let dead = env.names().dead();
-    let mut beat = env.beat("beat", &["--config", cfg]);
+    let dead = sc.names().dead();
     // No worker: the broker dead-letters each instance 2 s after it was published.
-    assert!(
-        wait_until_async(WAIT, || async {
-            env.queue_len(&dead).await.is_some_and(|n| n >= 3)
-        })
-        .await,
-        "{}",
-        beat.log_tail(20)
-    );
-    assert!(beat.terminate(Duration::from_secs(10)).success());
-    let (status, stdout, stderr) = env.run(
-        "drumline-worker",
-        &["--config", cfg, "dlq", "list", "--json"],
-    );
-    assert!(status.success(), "{stderr}");
-    let letters: Vec<Value> = serde_json::from_str(&stdout).unwrap();
+    let three = || async { sc.queue_len(&dead).await.is_some_and(|n| n >= 3) };
+    sc.wait_async(WAIT, "three dead letters", three).await;
+    sc.stop();
+    let letters = dlq_list(&sc);
     let expired: Vec<String> = letters
         .iter()
         .filter(|l| l["reason"] == "expired")
-        .map(|l| l["key"].as_str().unwrap().to_owned())
+        .map(|l| l["key"].as_str().expect("a key").to_owned())
         .collect();
     assert!(expired.len() >= 3, "{letters:?}");
 
-    let mut worker = env.worker("worker", &["--config", cfg]);
-    let audited = wait_until(WAIT, || {
-        let rows = audit(&env, cfg, "tick", &from);
+    sc.start_workers(1).await;
+    let rows = || sc.audit_rows("tick", &["--from", &from]);
+    let all_expired = |rows: &[Value]| {
         expired
             .iter()
-            .all(|key| class_of(&rows, key).as_deref() == Some("expired"))
-    });
-    let rows = audit(&env, cfg, "tick", &from);
-    assert!(audited, "{expired:?}\n{rows:#?}\n{}", worker.log_tail(20));
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+            .all(|key| class_of(rows, key).as_deref() == Some("expired"))
+    };
+    let audited = wait_until(WAIT, || all_expired(&rows()));
+    sc.check(audited, format!("{expired:?}\n{:#?}", rows()));
+    sc.stop();
     for key in &expired {
-        assert!(!env.lines("ran").contains(key), "{key} never ran");
+        assert!(!sc.lines("ran").contains(key), "{key} never ran");
     }
     // Each once, journaled under its key; the letters stay listed for `dlq`.
-    let entries = journal(&env).await;
+    let entries = journal(&sc).await;
     for key in &expired {
-        let n = entries
-            .iter()
-            .filter(|e| e["ev"] == "expired" && &e["key"] == key)
-            .count();
-        assert_eq!(n, 1, "{key}: {entries:#?}");
+        assert_eq!(
+            entries_of(&entries, "expired", key).len(),
+            1,
+            "{key}: {entries:#?}"
+        );
     }
-    assert!(env
-        .queue_len(&dead)
-        .await
-        .is_some_and(|n| n as usize >= expired.len()));
+    let listed = sc.queue_len(&dead).await;
+    assert!(listed.is_some_and(|n| n as usize >= expired.len()));
+}
+
+/// The reason (`r`) of the first `dead` entry for `key`, if any.
+fn dead_reason(entries: &[JournalEntry], key: &str) -> Option<String> {
+    let first = entries_of(entries, "dead", key).into_iter().next();
+    first.map(|(_, e)| e.get("r").cloned().unwrap_or_default())
 }
 
 // See: issues/33. A message naming a task no worker has, and a malformed one whose key can be
@@ -242,79 +165,74 @@ async fn instances_the_broker_expired_are_audited_expired() {
 // instances `dead`; a key another instance already holds is left alone.
 #[tokio::test(flavor = "multi_thread")]
 async fn unknown_task_and_malformed_dead_letters_are_journaled_dead() {
-    let env = setup("e2e_dead_journaled");
-    // The beat schedules `gone`, whose task this worker's config does not have.
+    // The beat schedules `gone`, whose task the worker's config does not have.
+    let mut sc = Scenario::start("e2e_dead_journaled", 0, 1, |_| {
+        Cfg::new().task("ok", shell("true"))
+    })
+    .await;
     let beat_cfg = Cfg::new()
         .task("gone", shell("true"))
         .job("gone", every("1s"));
-    let beat_cfg = env.write_config("beat.toml", &beat_cfg);
-    let beat_cfg = beat_cfg.to_str().unwrap();
-    let worker_cfg = Cfg::new().task("ok", shell("true"));
-    let worker_cfg = env.write_config("worker.toml", &worker_cfg);
-    let worker_cfg = worker_cfg.to_str().unwrap();
+    let beat_cfg = sc.write_config("beat.toml", &beat_cfg);
+    let beat_cfg = beat_cfg.to_str().expect("utf-8");
     let from = chrono::Utc::now().to_rfc3339();
-    let mut worker = env.worker("worker", &["--config", worker_cfg]);
-    env.wait_for_topology(&worker).await;
-    let mut beat = env.beat("beat", &["--config", beat_cfg]);
-    let dead_rows = || {
-        audit(&env, beat_cfg, "gone", &from)
-            .into_iter()
+    let beat = sc.env.beat("beat", &["--config", beat_cfg]);
+    sc.beats.push(beat);
+    let dead_rows = |sc: &Scenario| {
+        let args = [
+            "--config", beat_cfg, "audit", "gone", "--from", &from, "--json",
+        ];
+        let (status, out, err) = sc.run("drumline", &args);
+        assert!(status.success(), "audit gone: {err}");
+        let doc: Value = serde_json::from_str(&out).expect("audit --json");
+        let rows = doc["instants"].as_array().cloned().unwrap_or_default();
+        rows.into_iter()
             .filter(|r| r["class"] == "dead")
             .collect::<Vec<_>>()
     };
-    let settled = wait_until(WAIT, || dead_rows().len() >= 2);
-    assert!(settled, "{}\n{}", beat.log_tail(20), worker.log_tail(20));
-    assert!(beat.terminate(Duration::from_secs(10)).success());
-    for row in dead_rows() {
+    sc.wait(WAIT, "two dead rows", || dead_rows(&sc).len() >= 2);
+    stop(&mut [sc.last_beat()]);
+    for row in dead_rows(&sc) {
         let reason = row["reason"].as_str().unwrap_or_default();
         assert!(reason.starts_with("unknown_task"), "{row}");
     }
 
     // Ad hoc: an unknown task; a task name no config allows (malformed, its key readable);
     // an unknown task under the key of an instance that is done already.
-    env.publish(&adhoc("k-unknown", "nope")).await;
+    sc.publish(&adhoc("k-unknown", "nope")).await;
     let bad_name = br#"{"key":"k-malformed","task":"no such task"}"#;
-    env.publish_raw("default", bad_name, BasicProperties::default())
+    sc.publish_raw("default", bad_name, BasicProperties::default())
         .await;
-    let mut redis = env.redis().await;
     let _: () = redis::cmd("HSET")
-        .arg(env.names().run_key("k-done"))
+        .arg(sc.names().run_key("k-done"))
         .arg("state")
         .arg("done")
-        .query_async(&mut redis)
+        .query_async(&mut sc.redis().await)
         .await
-        .unwrap();
-    env.publish(&adhoc("k-done", "nope")).await;
-    let reason_of = |entries: &[HashMap<String, String>], key: &str| {
-        entries
-            .iter()
-            .find(|e| e["ev"] == "dead" && e["key"] == key)
-            .map(|e| e.get("r").cloned().unwrap_or_default())
+        .expect("HSET");
+    sc.publish(&adhoc("k-done", "nope")).await;
+    let both = |entries: &[JournalEntry]| {
+        dead_reason(entries, "k-unknown").is_some() && dead_reason(entries, "k-malformed").is_some()
     };
-    let journaled = wait_until_async(WAIT, || async {
-        let entries = journal(&env).await;
-        reason_of(&entries, "k-unknown").is_some() && reason_of(&entries, "k-malformed").is_some()
-    })
-    .await;
-    let entries = journal(&env).await;
-    assert!(journaled, "{entries:#?}\n{}", worker.log_tail(20));
+    let journaled = drumline_e2e::wait_until_async(WAIT, || async { both(&journal(&sc).await) });
+    let journaled = journaled.await;
+    let entries = journal(&sc).await;
+    sc.check(journaled, format!("{entries:#?}"));
     assert_eq!(
-        reason_of(&entries, "k-unknown").as_deref(),
+        dead_reason(&entries, "k-unknown").as_deref(),
         Some("unknown_task")
     );
     assert_eq!(
-        reason_of(&entries, "k-malformed").as_deref(),
+        dead_reason(&entries, "k-malformed").as_deref(),
         Some("malformed")
     );
-    assert_eq!(env.run_state("k-unknown").await.as_deref(), Some("dead"));
-    assert_eq!(env.run_state("k-malformed").await.as_deref(), Some("dead"));
+    assert_eq!(sc.run_state("k-unknown").await.as_deref(), Some("dead"));
+    assert_eq!(sc.run_state("k-malformed").await.as_deref(), Some("dead"));
     // k-done was done: once the worker has taken and settled its copy, nothing changed.
-    let drained = wait_until_async(WAIT, || async {
-        env.queue_len(&env.names().work_queue("default")).await == Some(0)
-    })
-    .await;
-    assert!(drained);
-    assert!(worker.terminate(Duration::from_secs(20)).success());
-    assert_eq!(reason_of(&journal(&env).await, "k-done"), None);
-    assert_eq!(env.run_state("k-done").await.as_deref(), Some("done"));
+    let queue = sc.names().work_queue("default");
+    let drained = || async { sc.queue_len(&queue).await == Some(0) };
+    sc.wait_async(WAIT, "the work queue drained", drained).await;
+    sc.stop();
+    assert_eq!(dead_reason(&journal(&sc).await, "k-done"), None);
+    assert_eq!(sc.run_state("k-done").await.as_deref(), Some("done"));
 }
