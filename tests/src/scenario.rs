@@ -110,6 +110,44 @@ impl Scenario {
         }
     }
 
+    /// Starts one more worker with `extra` arguments after `--config CFG`, and waits until the
+    /// first worker consumes.
+    pub async fn start_worker_with(&mut self, extra: &[&str]) -> &mut Proc {
+        let label = numbered("worker", self.workers.len());
+        let args = [&["--config", self.cfg()], extra].concat();
+        self.workers.push(self.env.worker(&label, &args));
+        self.env.wait_for_topology(&self.workers[0]).await;
+        self.workers.last_mut().expect("just started")
+    }
+
+    /// Waits until instance `key`'s run state is `state`, or panics with every log tail.
+    pub async fn wait_state(&self, key: &str, state: &str) {
+        let reached = || async { self.env.run_state(key).await.as_deref() == Some(state) };
+        let held = wait_until_async(WAIT, reached).await;
+        let now = self.env.run_state(key).await;
+        self.check(held, format!("{key} is {now:?}, not {state}"));
+    }
+
+    /// Starts one more worker that also serves `/metrics`, and waits until the first worker
+    /// consumes: the metrics port.
+    pub async fn start_metered_worker(&mut self) -> u16 {
+        let label = numbered("worker", self.workers.len());
+        let (args, port) = crate::with_metrics(&["--config", self.cfg()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.workers.push(self.env.worker(&label, &args));
+        self.env.wait_for_topology(&self.workers[0]).await;
+        port
+    }
+
+    /// Starts one more beat that also serves `/metrics` (and `/healthz`): the port.
+    pub fn start_metered_beat(&mut self) -> u16 {
+        let label = numbered("beat", self.beats.len());
+        let (args, port) = crate::with_metrics(&["--config", self.cfg()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.beats.push(self.env.beat(&label, &args));
+        port
+    }
+
     /// The beat started last.
     pub fn last_beat(&mut self) -> &mut Proc {
         self.beats.last_mut().expect("a beat was started")
