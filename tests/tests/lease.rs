@@ -2,11 +2,11 @@
 //! cannot reach Redis while the others can must have killed its task before its lease could
 //! be taken, so two copies of one instance never run at once.
 
-use drumline_e2e::cfg::{shell, Cfg};
+use drumline_e2e::cfg::{shell, Cfg, Keys};
 use drumline_e2e::proxy::{Fault, Proxy};
-use drumline_e2e::{adhoc, setup, toml_string, wait_until, wait_until_async};
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
+use drumline_e2e::scenario::{parsed, Scenario};
+use drumline_e2e::{adhoc, wait_until, wait_until_async, TestEnv, REDIS_URL};
+use drumline_worker::{HandlerError, TaskContext, Worker};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -49,23 +49,56 @@ fn group_alive(pgid: i32) -> bool {
     })
 }
 
-async fn consumers(env: &drumline_e2e::TestEnv) -> u32 {
-    let conn = env.amqp().await;
-    let ch = conn.create_channel().await.expect("channel");
-    let count = ch
-        .queue_declare(
-            env.names().work_queue("default").as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map(|q| q.consumer_count())
-        .unwrap_or(0);
-    let _ = conn.close(200, "bye".into()).await;
-    count
+async fn consumers(env: &TestEnv) -> u32 {
+    let queue = env.names().work_queue("default");
+    env.queue_consumers(&queue).await.unwrap_or(0)
+}
+
+/// Watches process group `group` at a 5 ms grain until it is gone (the moment recorded is
+/// when it was seen gone, never earlier than its death) or 15 s pass (`None`).
+async fn death_of(group: i32) -> Option<u128> {
+    let watch = move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        while group_alive(group) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        (!group_alive(group)).then(now_ms)
+    };
+    tokio::task::spawn_blocking(watch).await.expect("the watch")
+}
+
+/// A task `name` run by `/bin/sh -c script`, one at a time, under `lease`.
+fn one_task(name: &str, lease: &str, script: &str) -> Cfg {
+    Cfg::new()
+        .set("worker", "concurrency", "1")
+        .set("worker", "lease", &format!("\"{lease}\""))
+        .task(name, shell(script))
+}
+
+/// A worker running `handler` for task `task` in this process (lease `lease`, Redis at
+/// `redis_url`), once it consumes: its shutdown trigger and its run.
+async fn in_process(
+    env: &TestEnv,
+    lease: &str,
+    redis_url: &str,
+    task: &str,
+    handler: impl drumline_worker::Handler,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let cfg = Cfg::new()
+        .set("worker", "concurrency", "1")
+        .set("worker", "lease", &format!("\"{lease}\""))
+        .task(task, Keys::default());
+    let worker = Worker::new(parsed(env, &cfg, redis_url)).handler(task, handler);
+    let (stop, shutdown) = shutdown_trigger();
+    let running = tokio::spawn(async move {
+        let _ = worker.run(shutdown).await;
+    });
+    let up = wait_until_async(WAIT, || async { consumers(env).await == 1 }).await;
+    assert!(up, "the in-process worker never consumed");
+    (stop, running)
 }
 
 /// Watches the lease of instance `key` (held now) from outside, until another token holds it
@@ -117,37 +150,25 @@ async fn watch_lease_end(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
-    let env = setup("e2e_partition");
-    let events = env.path("events");
     // The task ignores SIGTERM (and so does its `sleep`, which inherits the disposition): only
     // SIGKILL stops it, so the kill budget is what is measured.
-    let script = format!(
-        "trap '' TERM; echo \"start $DRUMLINE_KEY $$ $(date +%s%3N)\" >> {events}; sleep 10; echo \"end $DRUMLINE_KEY $$\" >> {events}",
-        events = events.display()
-    );
-    let config = env.config(
-        "drumline.toml",
-        &format!(
-            "[worker]\nconcurrency = 1\nlease = \"3s\"\n\n[tasks.long]\ncommand = [\"/bin/sh\", \"-c\", {}]\n",
-            toml_string(&script)
-        ),
-    );
-    let cfg = config.to_str().unwrap();
+    let mut sc = Scenario::new("e2e_partition", |env| {
+        let events = env.path("events").display().to_string();
+        one_task("long", "3s", &format!(
+            "trap '' TERM; echo \"start $DRUMLINE_KEY $$ $(date +%s%3N)\" >> {events}; sleep 10; echo \"end $DRUMLINE_KEY $$\" >> {events}"
+        ))
+    });
     let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
-    let redis_through_proxy = proxy.redis_url();
-    let mut a = env.worker_with_env(
-        "worker-a",
-        &["--config", cfg],
-        &[("DRUMLINE_REDIS_URL", &redis_through_proxy)],
-    );
-    env.wait_for_topology(&a).await;
-    env.publish(&adhoc("k-part", "long")).await;
-    assert!(
-        wait_until(WAIT, || !env.lines("events").is_empty()),
-        "A never started the task\n{}",
-        a.log_tail(30)
-    );
-    let first: Vec<String> = env.lines("events")[0]
+    let via_proxy = [("DRUMLINE_REDIS_URL", proxy.redis_url())];
+    let via_proxy: Vec<(&str, &str)> = via_proxy.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let a = sc.worker_with_env("worker-a", &["--config", sc.cfg()], &via_proxy);
+    sc.wait_for_topology(&a).await;
+    sc.workers.push(a);
+    sc.publish(&adhoc("k-part", "long")).await;
+    sc.wait(WAIT, "A never started the task", || {
+        !sc.lines("events").is_empty()
+    });
+    let first: Vec<String> = sc.lines("events")[0]
         .split(' ')
         .map(str::to_owned)
         .collect();
@@ -155,25 +176,14 @@ async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
     let a_group = pgid_of(a_pid).expect("A's task is running");
 
     // B consumes the same queue, straight from Redis.
-    let b = env.worker("worker-b", &["--config", cfg]);
-    let both = wait_until_async(WAIT, || async { consumers(&env).await == 2 }).await;
-    assert!(both, "B never consumed\n{}", b.log_tail(30));
+    sc.start_workers(1).await;
+    let both = || async { consumers(&sc).await == 2 };
+    sc.wait_async(WAIT, "B never consumed", both).await;
 
-    let (sampler, lease_ends_ms) = watch_lease_end(&env, "k-part").await;
-
+    let (sampler, lease_ends_ms) = watch_lease_end(&sc, "k-part").await;
     proxy.set(Fault::Blackhole);
     let partitioned_at = now_ms();
-    // Watch A's task group die, at a 5 ms grain; the moment recorded is when we saw it gone,
-    // never earlier than the death itself.
-    let died_at = tokio::task::spawn_blocking(move || {
-        let deadline = std::time::Instant::now() + Duration::from_secs(15);
-        while group_alive(a_group) && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        (!group_alive(a_group)).then(now_ms)
-    })
-    .await
-    .unwrap();
+    let died_at = death_of(a_group).await;
     let died_at = died_at.expect("A's task group outlived the partition by 15 s");
     sampler.await.unwrap();
     let lease_ends = *lease_ends_ms.lock().unwrap();
@@ -183,7 +193,6 @@ async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
         "A's task group was still alive {} ms after its lease could be taken (partitioned at {partitioned_at}, lease ended at {lease_ends}, group gone at {died_at})",
         died_at - lease_ends
     );
-
     eprintln!(
         "A's task group gone {} ms after the partition, {} ms before its lease could be taken",
         died_at - partitioned_at,
@@ -191,16 +200,10 @@ async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
     );
 
     // A never heals; stop it so the requeued delivery cannot wait at its closed gate.
-    a.kill9();
-    assert!(
-        wait_until(WAIT, || env
-            .lines("events")
-            .iter()
-            .any(|l| l.starts_with("end "))),
-        "the instance never completed\n{}",
-        b.log_tail(30)
-    );
-    let lines = env.lines("events");
+    sc.workers[0].kill9();
+    let ended = || sc.lines("events").iter().any(|l| l.starts_with("end "));
+    sc.wait(WAIT, "the instance never completed", ended);
+    let lines = sc.lines("events");
     let starts: Vec<Vec<&str>> = lines
         .iter()
         .filter(|l| l.starts_with("start "))
@@ -213,15 +216,11 @@ async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
     assert_ne!(b_pid, a_pid.to_string());
     assert_eq!(ends[0], &format!("end k-part {b_pid}"), "B finished it");
     let b_started: u128 = starts[1][3].parse().unwrap();
-    assert!(
-        died_at < b_started,
-        "A's task was alive when B started the instance ({died_at} vs {b_started})"
-    );
-    let done = wait_until_async(Duration::from_secs(10), || async {
-        env.run_state("k-part").await.as_deref() == Some("done")
-    })
-    .await;
-    assert!(done, "{}", b.log_tail(30));
+    let what = format!("A's task was alive when B started the instance ({died_at} vs {b_started})");
+    assert!(died_at < b_started, "{what}");
+    let done = || async { sc.run_state("k-part").await.as_deref() == Some("done") };
+    sc.wait_async(Duration::from_secs(10), "k-part not done", done)
+        .await;
 }
 
 /// Records when a stubborn handler's future is dropped.
@@ -235,30 +234,12 @@ impl Drop for DropClock {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rust_handler_that_ignores_cancellation_is_dropped_before_its_lease_ends() {
-    use drumline_shared::config::{Config, ENV_AMQP_URL, ENV_REDIS_URL};
-    use drumline_worker::{HandlerError, TaskContext, Worker};
-
-    let env = setup("e2e_partition_rust");
+    let env = drumline_e2e::setup("e2e_partition_rust");
     let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
-    let config_path = env.config(
-        "drumline.toml",
-        "[worker]\nconcurrency = 1\nlease = \"3s\"\n\n[tasks.stubborn]\n",
-    );
-    let through_proxy = proxy.redis_url();
-    let config = Config::parse(
-        &std::fs::read_to_string(&config_path).unwrap(),
-        &config_path,
-        |name| match name {
-            ENV_REDIS_URL => Some(through_proxy.clone()),
-            ENV_AMQP_URL => Some(drumline_e2e::AMQP_URL.to_owned()),
-            _ => None,
-        },
-    )
-    .unwrap();
     let started = Arc::new(Mutex::new(None::<u128>));
     let dropped = Arc::new(Mutex::new(None::<u128>));
     let (started_in, dropped_in) = (started.clone(), dropped.clone());
-    let worker = Worker::new(config).handler("stubborn", move |_ctx: TaskContext| {
+    let stubborn = move |_ctx: TaskContext| {
         let clock = DropClock(dropped_in.clone());
         *started_in.lock().unwrap() = Some(now_ms());
         async move {
@@ -267,36 +248,30 @@ async fn a_rust_handler_that_ignores_cancellation_is_dropped_before_its_lease_en
             tokio::time::sleep(Duration::from_secs(60)).await;
             Ok::<(), HandlerError>(())
         }
-    });
-    let stop = shutdown_trigger();
-    let running = tokio::spawn(worker.run(stop.1));
-    let up = wait_until_async(WAIT, || async { consumers(&env).await == 1 }).await;
-    assert!(up, "the in-process worker never consumed");
+    };
+    let (stop, running) = in_process(&env, "3s", &proxy.redis_url(), "stubborn", stubborn).await;
     env.publish(&adhoc("k-rust", "stubborn")).await;
     let began = wait_until_async(WAIT, || async { started.lock().unwrap().is_some() }).await;
     assert!(began, "the handler never ran");
     let (sampler, lease_ends_ms) = watch_lease_end(&env, "k-rust").await;
 
     proxy.set(Fault::Blackhole);
-    let gone = wait_until_async(Duration::from_secs(10), || async {
-        dropped.lock().unwrap().is_some()
-    })
-    .await;
+    let is_dropped = || async { dropped.lock().unwrap().is_some() };
+    let gone = wait_until_async(Duration::from_secs(10), is_dropped).await;
     assert!(gone, "the handler's future was never dropped");
     sampler.await.unwrap();
     let dropped_at = dropped.lock().unwrap().unwrap();
     let lease_ends = *lease_ends_ms.lock().unwrap();
     assert!(lease_ends > 0, "the lease was never seen");
+    let past = || dropped_at - lease_ends;
     assert!(
         dropped_at < lease_ends,
         "the handler ran {} ms past its lease",
-        dropped_at - lease_ends
+        past()
     );
-    eprintln!(
-        "the Rust handler was dropped {} ms before its lease could be taken",
-        lease_ends - dropped_at
-    );
-    let _ = stop.0.send(());
+    let margin = lease_ends - dropped_at;
+    eprintln!("the Rust handler was dropped {margin} ms before its lease could be taken");
+    let _ = stop.send(());
     running.abort();
 }
 
@@ -313,63 +288,43 @@ fn shutdown_trigger() -> (
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_success_whose_lease_lapsed_before_done_landed_is_recorded_not_rerun() {
-    let env = setup("e2e_done_race");
-    let events = env.path("events");
-    let release = env.path("release");
     // Starts, waits for the test to say so, ends.
-    let script = format!(
-        "echo \"start $DRUMLINE_KEY\" >> {events}; while [ ! -e {release} ]; do sleep 0.05; done; echo \"end $DRUMLINE_KEY\" >> {events}",
-        events = events.display(),
-        release = release.display()
-    );
-    let config = env.config(
-        "drumline.toml",
-        &format!(
-            "[worker]\nconcurrency = 1\nlease = \"3s\"\n\n[tasks.slow]\ncommand = [\"/bin/sh\", \"-c\", {}]\n",
-            toml_string(&script)
-        ),
-    );
+    let mut sc = Scenario::new("e2e_done_race", |env| {
+        let (events, release) = (env.path("events"), env.path("release"));
+        one_task("slow", "3s", &format!(
+            "echo \"start $DRUMLINE_KEY\" >> {events}; while [ ! -e {release} ]; do sleep 0.05; done; echo \"end $DRUMLINE_KEY\" >> {events}",
+            events = events.display(),
+            release = release.display()
+        ))
+    });
     let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
-    let through_proxy = proxy.redis_url();
-    let mut worker = env.worker_with_env(
-        "worker",
-        &["--config", config.to_str().unwrap()],
-        &[("DRUMLINE_REDIS_URL", &through_proxy)],
-    );
-    env.wait_for_topology(&worker).await;
-    env.publish(&adhoc("k-race", "slow")).await;
-    assert!(
-        wait_until(WAIT, || env.lines("events") == vec!["start k-race"]),
-        "{}",
-        worker.log_tail(30)
-    );
+    let via_proxy = proxy.redis_url();
+    let args = ["--config", sc.cfg()];
+    let worker = sc.worker_with_env("worker", &args, &[("DRUMLINE_REDIS_URL", &via_proxy)]);
+    sc.wait_for_topology(&worker).await;
+    sc.workers.push(worker);
+    sc.publish(&adhoc("k-race", "slow")).await;
+    sc.wait(WAIT, "k-race started", || {
+        sc.lines("events") == vec!["start k-race"]
+    });
 
     // The task succeeds while the worker cannot reach Redis: its `done` write is held in the
     // proxy until the lease has run out (nobody took the instance over), then it lands.
     proxy.set(Fault::Blackhole);
-    std::fs::write(&release, "").unwrap();
-    assert!(wait_until(WAIT, || env.lines("events").len() == 2));
-    let lapsed = wait_until_async(WAIT, || env.lease_lapsed("k-race")).await;
+    std::fs::write(sc.path("release"), "").unwrap();
+    assert!(wait_until(WAIT, || sc.lines("events").len() == 2));
+    let lapsed = wait_until_async(WAIT, || sc.lease_lapsed("k-race")).await;
     assert!(lapsed, "the lease never lapsed");
     proxy.set(Fault::Pass);
 
-    let done = wait_until_async(WAIT, || async {
-        env.run_state("k-race").await.as_deref() == Some("done")
-    })
-    .await;
-    assert!(done, "{}", worker.log_tail(30));
-    assert!(
-        wait_until_async(WAIT, || async {
-            env.queue_len(&env.names().work_queue("default")).await == Some(0)
-        })
-        .await
-    );
-    assert!(worker.terminate(Duration::from_secs(20)).success());
-    assert_eq!(
-        env.lines("events"),
-        vec!["start k-race", "end k-race"],
-        "ran once"
-    );
+    let done = || async { sc.run_state("k-race").await.as_deref() == Some("done") };
+    sc.wait_async(WAIT, "k-race not done", done).await;
+    let queue = sc.names().work_queue("default");
+    let drained = || async { sc.queue_len(&queue).await == Some(0) };
+    sc.wait_async(WAIT, "the queue not drained", drained).await;
+    sc.stop();
+    let ran = sc.lines("events");
+    assert_eq!(ran, vec!["start k-race", "end k-race"], "ran once");
 }
 
 /// A worker frozen (SIGSTOP) mid-run while its task, under the supervisor, runs on and exits 0:
@@ -380,50 +335,42 @@ async fn a_success_whose_lease_lapsed_before_done_landed_is_recorded_not_rerun()
 /// `a_frozen_workers_task_is_killed_by_its_supervisor_before_the_lease_ends`).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_success_that_ended_while_its_worker_was_frozen_is_recorded_not_rerun() {
-    let env = setup("e2e_frozen_done");
-    let script = format!(
-        "echo \"start $DRUMLINE_KEY\" >> {starts}; sleep 3; echo \"$DRUMLINE_KEY\" >> {effects}",
-        starts = env.path("starts").display(),
-        effects = env.path("effects").display()
-    );
-    let cfg = Cfg::new()
-        .set("worker", "concurrency", "1")
-        .set("worker", "lease", "\"6s\"")
-        .task("slow", shell(&script));
-    let config = env.write_config("drumline.toml", &cfg);
-    let worker = env.worker("worker", &["--config", config.to_str().unwrap()]);
-    env.wait_for_topology(&worker).await;
-    env.publish(&adhoc("k-frozen", "slow")).await;
-    let started = wait_until(WAIT, || env.lines("starts").len() == 1);
-    assert!(started, "the task never started\n{}", worker.log_tail(30));
+    let sc = Scenario::start("e2e_frozen_done", 0, 1, |env| {
+        one_task("slow", "6s", &format!(
+            "echo \"start $DRUMLINE_KEY\" >> {starts}; sleep 3; echo \"$DRUMLINE_KEY\" >> {effects}",
+            starts = env.path("starts").display(),
+            effects = env.path("effects").display()
+        ))
+    })
+    .await;
+    sc.publish(&adhoc("k-frozen", "slow")).await;
+    sc.wait(WAIT, "the task never started", || {
+        sc.lines("starts").len() == 1
+    });
 
     // Frozen 1 s into the run, before the first renewal (2 s); the task runs on under its
     // supervisor and exits 0 meanwhile, a second before its stop point.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    worker.signal(libc::SIGSTOP);
+    sc.workers[0].signal(libc::SIGSTOP);
     let frozen_at = std::time::Instant::now();
-    let ended = wait_until(Duration::from_secs(10), || env.lines("effects").len() == 1);
-    let lapsed = wait_until_async(WAIT, || env.lease_lapsed("k-frozen")).await;
+    let ended = wait_until(Duration::from_secs(10), || sc.lines("effects").len() == 1);
+    let lapsed = wait_until_async(WAIT, || sc.lease_lapsed("k-frozen")).await;
     // Resumed 7 s after the stop: past the lease's end (6 s after the claim).
     tokio::time::sleep(Duration::from_secs(7).saturating_sub(frozen_at.elapsed())).await;
-    worker.signal(libc::SIGCONT);
+    sc.workers[0].signal(libc::SIGCONT);
     assert!(ended, "the task did not finish while the worker was frozen");
     assert!(lapsed, "the lease never lapsed while the worker was frozen");
 
-    let done = wait_until_async(WAIT, || async {
-        env.run_state("k-frozen").await.as_deref() == Some("done")
-    })
-    .await;
-    assert!(done, "never recorded done\n{}", worker.log_tail(30));
+    let done = || async { sc.run_state("k-frozen").await.as_deref() == Some("done") };
+    sc.wait_async(WAIT, "never recorded done", done).await;
     // A dropped success is redelivered and run again at once: give it a lease and more.
-    let rerun = wait_until(Duration::from_secs(5), || env.lines("starts").len() > 1);
-    assert!(
-        !rerun,
-        "the finished run was dropped and run again: {:?}\n{}",
-        env.lines("starts"),
-        worker.log_tail(30)
+    let rerun = wait_until(Duration::from_secs(5), || sc.lines("starts").len() > 1);
+    let what = format!(
+        "the finished run was dropped and run again: {:?}",
+        sc.lines("starts")
     );
-    assert_eq!(env.lines("effects"), vec!["k-frozen"], "ran once");
+    sc.check(!rerun, what);
+    assert_eq!(sc.lines("effects"), vec!["k-frozen"], "ran once");
 }
 
 /// A worker frozen (SIGSTOP) mid-run cannot stop its task, so its supervisor does: the task's
@@ -435,44 +382,32 @@ async fn a_success_that_ended_while_its_worker_was_frozen_is_recorded_not_rerun(
 /// else may start it").
 #[tokio::test(flavor = "multi_thread")]
 async fn a_frozen_workers_task_is_killed_by_its_supervisor_before_the_lease_ends() {
-    let env = setup("e2e_frozen_kill");
-    let script = format!(
-        "trap '' TERM; echo \"start $$ $(date +%s%3N) $DRUMLINE_ATTEMPT\" >> {events}; sleep 10; echo end >> {events}",
-        events = env.path("events").display()
-    );
-    let cfg = Cfg::new()
-        .set("worker", "concurrency", "1")
-        .set("worker", "lease", "\"3s\"")
-        .task("long", shell(&script));
-    let config = env.write_config("drumline.toml", &cfg);
-    let worker = env.worker("worker", &["--config", config.to_str().unwrap()]);
-    env.wait_for_topology(&worker).await;
-    env.publish(&adhoc("k-frozen-kill", "long")).await;
-    let started = wait_until(WAIT, || !env.lines("events").is_empty());
-    assert!(started, "the task never started\n{}", worker.log_tail(30));
-    let first: Vec<String> = env.lines("events")[0]
+    let sc = Scenario::start("e2e_frozen_kill", 0, 1, |env| {
+        one_task("long", "3s", &format!(
+            "trap '' TERM; echo \"start $$ $(date +%s%3N) $DRUMLINE_ATTEMPT\" >> {events}; sleep 10; echo end >> {events}",
+            events = env.path("events").display()
+        ))
+    })
+    .await;
+    sc.publish(&adhoc("k-frozen-kill", "long")).await;
+    sc.wait(WAIT, "the task never started", || {
+        !sc.lines("events").is_empty()
+    });
+    let first: Vec<String> = sc.lines("events")[0]
         .split(' ')
         .map(str::to_owned)
         .collect();
     let (pid, started_ms): (i32, u128) = (first[1].parse().unwrap(), first[2].parse().unwrap());
     let group = pgid_of(pid).expect("the task is running");
-    let (sampler, lease_ends_ms) = watch_lease_end(&env, "k-frozen-kill").await;
+    let (sampler, lease_ends_ms) = watch_lease_end(&sc, "k-frozen-kill").await;
 
     tokio::time::sleep(Duration::from_secs(1)).await;
-    worker.signal(libc::SIGSTOP);
-    let died_at = tokio::task::spawn_blocking(move || {
-        let deadline = std::time::Instant::now() + Duration::from_secs(15);
-        while group_alive(group) && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        (!group_alive(group)).then(now_ms)
-    })
-    .await
-    .unwrap();
+    sc.workers[0].signal(libc::SIGSTOP);
+    let died_at = death_of(group).await;
     sampler.await.unwrap();
     let lease_ends = *lease_ends_ms.lock().unwrap();
     assert!(lease_ends > 0, "the lease was never seen");
-    let lines = env.lines("events");
+    let lines = sc.lines("events");
     let died_at = died_at.unwrap_or_else(|| {
         panic!("the frozen worker's task outlived its lease by 15 s: {lines:?}")
     });
@@ -493,13 +428,10 @@ async fn a_frozen_workers_task_is_killed_by_its_supervisor_before_the_lease_ends
         lease_ends - died_at
     );
 
-    worker.signal(libc::SIGCONT);
-    let done = wait_until_async(WAIT, || async {
-        env.run_state("k-frozen-kill").await.as_deref() == Some("done")
-    })
-    .await;
-    assert!(done, "never recorded done\n{}", worker.log_tail(30));
-    let lines = env.lines("events");
+    sc.workers[0].signal(libc::SIGCONT);
+    let done = || async { sc.run_state("k-frozen-kill").await.as_deref() == Some("done") };
+    sc.wait_async(WAIT, "never recorded done", done).await;
+    let lines = sc.lines("events");
     let starts: Vec<&String> = lines.iter().filter(|l| l.starts_with("start ")).collect();
     assert_eq!(starts.len(), 2, "killed, then run again: {lines:?}");
     let second: Vec<&str> = starts[1].split(' ').collect();
@@ -514,27 +446,10 @@ async fn a_frozen_workers_task_is_killed_by_its_supervisor_before_the_lease_ends
 /// lapses, so a redelivered copy can take it over (the run's watchdog stops with the run).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_panicking_rust_handler_leaves_no_lease_renewed_behind() {
-    use drumline_shared::config::{Config, ENV_AMQP_URL, ENV_REDIS_URL};
-    use drumline_worker::{HandlerError, TaskContext, Worker};
-
-    let env = setup("e2e_panic_lease");
-    let config_path = env.config(
-        "drumline.toml",
-        "[worker]\nconcurrency = 1\nlease = \"2s\"\n\n[tasks.boom]\n",
-    );
-    let config = Config::parse(
-        &std::fs::read_to_string(&config_path).unwrap(),
-        &config_path,
-        |name| match name {
-            ENV_REDIS_URL => Some(drumline_e2e::REDIS_URL.to_owned()),
-            ENV_AMQP_URL => Some(drumline_e2e::AMQP_URL.to_owned()),
-            _ => None,
-        },
-    )
-    .unwrap();
+    let env = drumline_e2e::setup("e2e_panic_lease");
     let started = Arc::new(Mutex::new(false));
     let started_in = started.clone();
-    let worker = Worker::new(config).handler("boom", move |_ctx: TaskContext| {
+    let boom = move |_ctx: TaskContext| {
         let started = started_in.clone();
         async move {
             *started.lock().unwrap() = true;
@@ -545,17 +460,14 @@ async fn a_panicking_rust_handler_leaves_no_lease_renewed_behind() {
             }
             Ok::<(), HandlerError>(())
         }
-    });
-    let stop = shutdown_trigger();
-    let running = tokio::spawn(worker.run(stop.1));
-    let up = wait_until_async(WAIT, || async { consumers(&env).await == 1 }).await;
-    assert!(up, "the in-process worker never consumed");
+    };
+    let (stop, running) = in_process(&env, "2s", REDIS_URL, "boom", boom).await;
     env.publish(&adhoc("k-boom", "boom")).await;
     let began = wait_until_async(WAIT, || async { *started.lock().unwrap() }).await;
     assert!(began, "the handler never ran");
     // The lease (2 s) lapses a few seconds after the panic at the latest.
     let lapsed = wait_until_async(Duration::from_secs(8), || env.lease_lapsed("k-boom")).await;
     assert!(lapsed, "the lease of a panicked run is still renewed");
-    let _ = stop.0.send(());
+    let _ = stop.send(());
     running.abort();
 }
