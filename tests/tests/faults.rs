@@ -2,9 +2,12 @@
 //! runs without its claim) and resume by themselves when it is back. Uses a private
 //! `redis-server` on a free port, never the shared one.
 
-use chrono::Utc;
+use drumline_e2e::cfg::{every, Cfg};
+use drumline_e2e::scenario::{appends, stop, Scenario};
 use drumline_e2e::snoop::Snoop;
-use drumline_e2e::{adhoc, http_get, metric, setup, toml_string, unused_port, wait_until};
+use drumline_e2e::{
+    adhoc, assert_contiguous_exactly_once, http_get, metric, toml_string, wait_until,
+};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -59,193 +62,112 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// The worker's `/healthz` answer: (status, body).
+fn healthz(port: u16) -> Option<(u16, String)> {
+    http_get(port, "/healthz")
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_outage_fails_closed_and_resumes() {
-    let env = setup("e2e_redis_down");
     let port = free_port();
     let mut redis = PrivateRedis::start(port);
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[redis]\nurl = {}\n[worker]\nlease = \"3s\"\n[tasks.append]\ncommand = {}\n",
-            toml_string(&format!("redis://127.0.0.1:{}/0", redis.port)),
-            env.append_key_command("effects", 0.0)
-        ),
-    );
-    let metrics = unused_port();
-    let metrics_addr = format!("127.0.0.1:{metrics}");
-    let mut worker = env.worker(
-        "worker",
-        &[
-            "--config",
-            cfg.to_str().unwrap(),
-            "--metrics-addr",
-            &metrics_addr,
-        ],
-    );
-    env.wait_for_topology(&worker).await;
-    env.publish(&adhoc("k-before", "append")).await;
-    assert!(
-        wait_until(WAIT, || env.lines("effects").len() == 1),
-        "{}",
-        worker.log_tail(20)
-    );
-    assert_eq!(http_get(metrics, "/healthz").map(|r| r.0), Some(200));
+    let url = toml_string(&format!("redis://127.0.0.1:{}/0", redis.port));
+    let mut sc = Scenario::new("e2e_redis_down", |env| {
+        let cfg = Cfg::new()
+            .set("redis", "url", &url)
+            .set("worker", "lease", "\"3s\"");
+        cfg.task("append", appends(env, "effects"))
+    });
+    let metrics = sc.start_metered_worker().await;
+    sc.publish(&adhoc("k-before", "append")).await;
+    sc.wait(WAIT, "k-before ran", || sc.lines("effects").len() == 1);
+    assert_eq!(healthz(metrics).map(|r| r.0), Some(200));
     // The task writes its effect before the worker records `done`: wait for the record, or the
     // outage below would erase an unrecorded success (this Redis keeps nothing on disk).
-    assert!(wait_until(WAIT, || metric(
-        metrics,
-        "drumline_worker_succeeded_total"
-    ) == Some(1.0)));
+    let succeeded = || metric(metrics, "drumline_worker_succeeded_total");
+    sc.wait(WAIT, "k-before recorded", || succeeded() == Some(1.0));
 
     redis.stop();
     // The health check reports the outage even before any delivery hits it.
-    assert!(
-        wait_until(WAIT, || http_get(metrics, "/healthz").is_some_and(
-            |(code, body)| code == 503 && body.contains("redis unreachable")
-        )),
-        "{:?}",
-        http_get(metrics, "/healthz")
-    );
-    env.publish(&adhoc("k-during", "append")).await;
+    let outage = |(code, body): (u16, String)| code == 503 && body.contains("redis unreachable");
+    let reported = wait_until(WAIT, || healthz(metrics).is_some_and(outage));
+    assert!(reported, "{:?}", healthz(metrics));
+    sc.publish(&adhoc("k-during", "append")).await;
     // While Redis is gone nothing may run: watch for a while (no claim, no run).
     let watch_until = Instant::now() + Duration::from_secs(4);
     while Instant::now() < watch_until {
         assert_eq!(
-            env.lines("effects"),
+            sc.lines("effects"),
             vec!["k-before"],
             "ran without its claim"
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(
-        worker.is_running(),
-        "the worker waits for Redis, it does not die"
-    );
+    let what = "the worker waits for Redis, it does not die";
+    assert!(sc.workers[0].is_running(), "{what}");
 
     let _redis = PrivateRedis::start(port);
-    assert!(
-        wait_until(WAIT, || env.lines("effects").len() == 2),
-        "did not resume\n{}",
-        worker.log_tail(30)
-    );
-    assert!(wait_until(WAIT, || http_get(metrics, "/healthz")
-        .map(|r| r.0)
-        == Some(200)));
-    // The effect is written by the task before the worker records `done` and counts it.
-    let counted = wait_until(WAIT, || {
-        http_get(metrics, "/metrics")
-            .is_some_and(|(_, body)| body.contains("drumline_worker_succeeded_total 2"))
+    sc.wait(WAIT, "did not resume", || sc.lines("effects").len() == 2);
+    sc.wait(WAIT, "not healthy", || {
+        healthz(metrics).map(|r| r.0) == Some(200)
     });
+    // The effect is written by the task before the worker records `done` and counts it.
+    let counted = wait_until(WAIT, || succeeded() == Some(2.0));
     let (_, exposition) = http_get(metrics, "/metrics").unwrap();
     assert!(counted, "{exposition}");
     assert!(
         exposition.contains("drumline_worker_redis_up 1"),
         "{exposition}"
     );
-    assert!(worker.terminate(Duration::from_secs(20)).success());
-    assert_eq!(env.lines("effects"), vec!["k-before", "k-during"]);
-    assert_eq!(
-        env.queue_len(&env.names().work_queue("default")).await,
-        Some(0)
-    );
+    sc.stop();
+    assert_eq!(sc.lines("effects"), vec!["k-before", "k-during"]);
+    let queue = sc.names().work_queue("default");
+    assert_eq!(sc.queue_len(&queue).await, Some(0));
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_broker_restart_loses_nothing_and_doubles_nothing() {
-    let mut env = setup("e2e_broker_restart");
     let mut rabbit = drumline_e2e::PrivateRabbit::start("restart");
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            r#"
-[broker]
-url = {url}
-[worker]
-lease = "3s"
-
-[[jobs]]
-name = "tick"
-task = "append"
-every = "1s"
-misfire = "catch_up"
-overlap = "queue"
-
-[tasks.append]
-command = {cmd}
-"#,
-            url = toml_string(&rabbit.url()),
-            cmd = env.append_key_command("effects", 0.0)
-        ),
-    );
-    let cfg = cfg.to_str().unwrap();
-    let mut workers = [
-        env.worker("w1", &["--config", cfg]),
-        env.worker("w2", &["--config", cfg]),
-    ];
+    let url = toml_string(&rabbit.url());
+    let mut sc = Scenario::new("e2e_broker_restart", |env| {
+        let tick = every("1s")
+            .with("task", "\"append\"")
+            .with("misfire", "\"catch_up\"")
+            .with("overlap", "\"queue\"");
+        let cfg = Cfg::new()
+            .set("broker", "url", &url)
+            .set("worker", "lease", "\"3s\"");
+        cfg.job("tick", tick)
+            .task("append", appends(env, "effects"))
+    });
+    // On the private broker: the kit's topology wait asks the shared one, so start by hand.
+    for label in ["w1", "w2"] {
+        let worker = sc.env.worker(label, &["--config", sc.cfg()]);
+        sc.workers.push(worker);
+    }
     // Records what the beat publishes on the private broker, across its restart.
-    let snoop = Snoop::start_at(&mut env, &rabbit.url(), "default");
-    let mut beat = env.beat("beat", &["--config", cfg]);
-    assert!(
-        wait_until(WAIT, || env.lines("effects").len() >= 4),
-        "{}",
-        beat.log_tail(20)
-    );
+    let snoop = Snoop::start_at(&mut sc, &rabbit.url(), "default");
+    sc.start_beat();
+    sc.wait(WAIT, "four runs", || sc.lines("effects").len() >= 4);
 
     rabbit.restart();
-    let before = env.lines("effects").len();
-    assert!(
-        wait_until(Duration::from_secs(90), || env.lines("effects").len()
-            >= before + 4),
-        "no progress after the broker restart\n{}\n{}",
-        beat.log_tail(20),
-        workers[0].log_tail(20)
-    );
-    assert!(
-        beat.terminate(Duration::from_secs(10)).success(),
-        "{}",
-        beat.log_tail(20)
-    );
-    let published = snoop.published_keys();
-    let mut unique = published.clone();
+    let before = sc.lines("effects").len();
+    let what = "no progress after the broker restart";
+    sc.wait(Duration::from_secs(90), what, || {
+        sc.lines("effects").len() >= before + 4
+    });
+    stop(&mut [sc.last_beat()]);
+    let mut unique = snoop.published_keys();
     unique.sort();
     unique.dedup();
-    assert!(
-        wait_until(WAIT, || env.lines("effects").len() >= unique.len()),
-        "published {} instances, ran {}",
-        unique.len(),
-        env.lines("effects").len()
-    );
-    for w in &mut workers {
-        assert!(
-            w.terminate(Duration::from_secs(20)).success(),
-            "{}",
-            w.log_tail(20)
-        );
-    }
+    let all_ran = wait_until(WAIT, || sc.lines("effects").len() >= unique.len());
+    let ran = sc.lines("effects").len();
+    assert!(all_ran, "published {} instances, ran {ran}", unique.len());
+    sc.stop();
 
     // Exactly once, and with catch_up nothing in the outage window is lost.
-    let mut lines = env.lines("effects");
+    let mut lines = sc.lines("effects");
+    assert_contiguous_exactly_once(&lines, before + 4);
     lines.sort();
-    let mut deduped = lines.clone();
-    deduped.dedup();
-    assert_eq!(lines, deduped, "an instance ran twice");
     assert_eq!(lines, unique, "every published instance ran, nothing else");
-    let instants: Vec<chrono::DateTime<Utc>> = lines
-        .iter()
-        .map(|k| {
-            chrono::DateTime::parse_from_rfc3339(k.split_once('@').unwrap().1)
-                .unwrap()
-                .with_timezone(&Utc)
-        })
-        .collect();
-    for pair in instants.windows(2) {
-        assert_eq!(
-            (pair[1] - pair[0]).num_seconds(),
-            1,
-            "gap between {} and {}",
-            pair[0],
-            pair[1]
-        );
-    }
 }
