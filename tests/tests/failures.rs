@@ -3,61 +3,59 @@
 //! task's whole process group.
 
 use chrono::Utc;
-use drumline_e2e::{adhoc, setup, toml_string, wait_until, wait_until_async, TestEnv};
+use drumline_e2e::cfg::{cron, shell, Cfg};
+use drumline_e2e::scenario::Scenario;
+use drumline_e2e::{adhoc, wait_until_async, TestEnv};
 use drumline_shared::broker::{header_int, header_str};
 use lapin::options::{BasicAckOptions, BasicGetOptions};
+use serde_json::Value;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// Config with tasks whose shell scripts log `KEY ATTEMPT` to `runs` and then behave per task.
-fn config(env: &TestEnv) -> std::path::PathBuf {
-    let runs = env.path("runs");
-    let log = format!(
-        "echo \"$DRUMLINE_KEY $DRUMLINE_ATTEMPT\" >> {}",
-        runs.display()
-    );
-    let task = |name: &str, tail: &str, extra: &str| {
-        format!(
-            "[tasks.{name}]\ncommand = [\"/bin/sh\", \"-c\", {}]\nretry_base = \"200ms\"\nretry_max = \"1s\"\n{extra}\n",
-            toml_string(&format!("{log}; {tail}"))
-        )
+/// Tasks whose shell scripts log `KEY ATTEMPT` to `runs` and then behave per task.
+fn config(env: &TestEnv) -> Cfg {
+    let runs = env.path("runs").display().to_string();
+    let task = |tail: &str| {
+        shell(&format!(
+            "echo \"$DRUMLINE_KEY $DRUMLINE_ATTEMPT\" >> {runs}; {tail}"
+        ))
+        .with("retry_base", "\"200ms\"")
+        .with("retry_max", "\"1s\"")
     };
-    let pids = env.path("pids");
-    env.config(
-        "drumline.toml",
-        &format!(
-            "[worker]\nconcurrency = 4\nlease = \"3s\"\nmax_message_bytes = 4096\n\n{}{}{}{}",
-            task(
-                "flaky",
-                "[ \"$DRUMLINE_ATTEMPT\" -ge 2 ]",
-                "max_retries = 5"
-            ),
-            task("broken", "exit 1", "max_retries = 1"),
-            task("refuses", "exit 3", "permanent_exit_codes = [3]"),
-            task(
-                "hangs",
-                &format!("sleep 30 & echo $! >> {}; wait", pids.display()),
-                "timeout = \"1s\"\nmax_retries = 0"
-            ),
-        ),
-    )
+    let pids = env.path("pids").display().to_string();
+    Cfg::new()
+        .set("worker", "concurrency", "4")
+        .set("worker", "lease", "\"3s\"")
+        .set("worker", "max_message_bytes", "4096")
+        .task(
+            "flaky",
+            task("[ \"$DRUMLINE_ATTEMPT\" -ge 2 ]").with("max_retries", "5"),
+        )
+        .task("broken", task("exit 1").with("max_retries", "1"))
+        .task(
+            "refuses",
+            task("exit 3").with("permanent_exit_codes", "[3]"),
+        )
+        .task(
+            "hangs",
+            task(&format!("sleep 30 & echo $! >> {pids}; wait"))
+                .with("timeout", "\"1s\"")
+                .with("max_retries", "0"),
+        )
 }
 
+/// (key, reason, attempts, error) of every dead letter, taken off `{ns}.dead`, sorted.
 async fn dead_letters(env: &TestEnv) -> Vec<(String, String, i64, String)> {
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.unwrap();
     let mut out = Vec::new();
     let dead = env.names().dead();
-    while let Some(msg) = ch
-        .basic_get(dead.as_str().into(), BasicGetOptions::default())
-        .await
-        .unwrap()
-    {
-        let h = msg.delivery.properties.headers().clone();
-        let key = msg
-            .delivery
-            .properties
+    let get = || ch.basic_get(dead.as_str().into(), BasicGetOptions::default());
+    while let Some(msg) = get().await.unwrap() {
+        let props = &msg.delivery.properties;
+        let h = props.headers().clone();
+        let key = props
             .message_id()
             .as_ref()
             .map(|m| m.to_string())
@@ -75,101 +73,85 @@ async fn dead_letters(env: &TestEnv) -> Vec<(String, String, i64, String)> {
     out
 }
 
+/// Waits until `{ns}.dead` holds `n` letters.
+async fn wait_dead(sc: &Scenario, n: u32) {
+    let dead = sc.names().dead();
+    let full = || async { sc.queue_len(&dead).await == Some(n) };
+    let held = wait_until_async(WAIT, full).await;
+    sc.check(
+        held,
+        format!("dead letters: {:?}", sc.queue_len(&dead).await),
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn retries_exhaustion_permanent_failures_expiry_and_size() {
-    let env = setup("e2e_failures");
-    let cfg = config(&env);
-    let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
-    let dead = env.names().dead();
-    env.wait_for_topology(&worker).await;
-
-    env.publish(&adhoc("k-flaky", "flaky")).await;
-    env.publish(&adhoc("k-broken", "broken")).await;
-    env.publish(&adhoc("k-refuses", "refuses")).await;
-    env.publish(&adhoc("k-hangs", "hangs")).await;
+    let mut sc = Scenario::start("e2e_failures", 0, 1, config).await;
+    for (key, task) in [
+        ("k-flaky", "flaky"),
+        ("k-broken", "broken"),
+        ("k-refuses", "refuses"),
+        ("k-hangs", "hangs"),
+    ] {
+        sc.publish(&adhoc(key, task)).await;
+    }
     let mut expired = adhoc("k-expired", "flaky");
     expired.expires_at = Some(Utc::now() - chrono::Duration::seconds(1));
     // Published without an AMQP expiration, so it reaches the worker, which must refuse to run it.
-    env.publish_raw("default", &expired.encode(), Default::default())
+    sc.publish_raw("default", &expired.encode(), Default::default())
         .await;
     let mut big = adhoc("k-big", "flaky");
     big.args = serde_json::json!({ "blob": "x".repeat(5000) });
-    env.publish(&big).await;
+    sc.publish(&big).await;
+    wait_dead(&sc, 5).await;
+    sc.wait_state("k-flaky", "done").await;
 
-    assert!(
-        wait_until_async(WAIT, || async { env.queue_len(&dead).await == Some(5) }).await,
-        "dead letters: {:?}\n{}",
-        env.queue_len(&dead).await,
-        worker.log_tail(40)
-    );
-    assert!(
-        wait_until_async(WAIT, || async {
-            env.run_state("k-flaky").await.as_deref() == Some("done")
-        })
-        .await
-    );
-
-    let letters = dead_letters(&env).await;
+    let letters = dead_letters(&sc).await;
     let summary: Vec<(&str, &str, i64)> = letters
         .iter()
         .map(|(k, r, a, _)| (k.as_str(), r.as_str(), *a))
         .collect();
-    assert_eq!(
-        summary,
-        vec![
-            ("k-big", "oversize", 0),
-            ("k-broken", "retries_exhausted", 2),
-            ("k-expired", "expired", 0),
-            ("k-hangs", "retries_exhausted", 1),
-            ("k-refuses", "permanent", 1),
-        ]
+    let expected = [
+        ("k-big", "oversize", 0),
+        ("k-broken", "retries_exhausted", 2),
+        ("k-expired", "expired", 0),
+        ("k-hangs", "retries_exhausted", 1),
+        ("k-refuses", "permanent", 1),
+    ];
+    assert_eq!(summary, expected);
+    let error_of = |key: &str| letters.iter().find(|l| l.0 == key).unwrap().3.clone();
+    assert!(
+        error_of("k-hangs").contains("timed out"),
+        "{}",
+        error_of("k-hangs")
     );
-    let hang_error = &letters.iter().find(|l| l.0 == "k-hangs").unwrap().3;
-    assert!(hang_error.contains("timed out"), "{hang_error}");
-    assert_eq!(
-        letters.iter().find(|l| l.0 == "k-refuses").unwrap().3,
-        "exit code 3"
-    );
+    assert_eq!(error_of("k-refuses"), "exit code 3");
 
-    let mut runs = env.lines("runs");
+    let mut runs = sc.lines("runs");
     runs.sort();
-    assert_eq!(
-        runs,
-        vec![
-            "k-broken 0",
-            "k-broken 1", // max_retries = 1: two runs
-            "k-flaky 0",
-            "k-flaky 1",
-            "k-flaky 2", // succeeded on the third
-            "k-hangs 0",
-            "k-refuses 0", // permanent: never retried
-        ]
-    );
+    let expected = [
+        "k-broken 0",
+        "k-broken 1", // max_retries = 1: two runs
+        "k-flaky 0",
+        "k-flaky 1",
+        "k-flaky 2", // succeeded on the third
+        "k-hangs 0",
+        "k-refuses 0", // permanent: never retried
+    ];
+    assert_eq!(runs, expected);
     // The dead letter is confirmed before the run state is marked: wait for the mark.
-    for key in ["k-broken", "k-refuses"] {
-        let marked = wait_until_async(WAIT, || async {
-            env.run_state(key).await.as_deref() == Some("dead")
-        })
-        .await;
-        assert!(marked, "{key}: {:?}", env.run_state(key).await);
-    }
-    assert_eq!(env.run_state("k-expired").await, None, "never claimed");
+    sc.wait_state("k-broken", "dead").await;
+    sc.wait_state("k-refuses", "dead").await;
+    assert_eq!(sc.run_state("k-expired").await, None, "never claimed");
 
     // The timed-out task's whole process group was killed, background child included.
-    let sleeper: i32 = env.lines("pids")[0].parse().unwrap();
-    assert!(
-        wait_until(Duration::from_secs(5), || !std::path::Path::new(&format!(
-            "/proc/{sleeper}"
-        ))
-        .exists()),
-        "the timed-out task's child {sleeper} survived"
-    );
-
-    assert!(worker.terminate(Duration::from_secs(20)).success());
-    assert_eq!(
-        env.queue_len(&env.names().work_queue("default")).await,
-        Some(0)
-    );
+    let sleeper: i32 = sc.lines("pids")[0].parse().unwrap();
+    let gone = || !std::path::Path::new(&format!("/proc/{sleeper}")).exists();
+    let what = format!("the timed-out task's child {sleeper} survived");
+    sc.wait(Duration::from_secs(5), what, gone);
+    sc.stop();
+    let queue = sc.names().work_queue("default");
+    assert_eq!(sc.queue_len(&queue).await, Some(0));
 }
 
 /// A failing shell task's stderr is readable where people look: its dead letter's
@@ -177,69 +159,49 @@ async fn retries_exhaustion_permanent_failures_expiry_and_size() {
 /// json` its output lines are JSON events carrying key, task and stream.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_failing_tasks_stderr_reaches_its_dead_letter_and_status() {
-    use drumline_e2e::cfg::{cron, shell, Cfg};
-    let env = setup("e2e_failures_stderr");
     // 8 KiB of noise on stderr, then the line that explains the failure.
     let script = "echo 'hello out'; i=0; while [ $i -lt 100 ]; do \
                   echo \"noise $i $(printf '%070d' 0)\" >&2; i=$((i+1)); done; \
                   echo 'ledger refused: account 42 is closed' >&2; exit 1";
-    let cfg = env.write_config(
-        "drumline.toml",
-        &Cfg::new()
-            .task("noisy", shell(script).with("max_retries", "0"))
-            .job("noisy", cron("0 0 1 1 *")),
-    );
-    let cfg = cfg.to_str().unwrap();
-    let worker = env.worker("worker", &["--config", cfg, "--log-format", "json"]);
-    env.wait_for_topology(&worker).await;
-    let (status, _, stderr) = env.run("drumline-beat", &["--config", cfg, "trigger", "noisy"]);
-    assert!(status.success(), "{stderr}");
-    let dead = env.names().dead();
-    assert!(
-        wait_until_async(WAIT, || async { env.queue_len(&dead).await == Some(1) }).await,
-        "{}",
-        worker.log_tail(20)
-    );
-    let letters = dead_letters(&env).await;
+    let mut sc = Scenario::new("e2e_failures_stderr", |_| {
+        let noisy = shell(script).with("max_retries", "0");
+        Cfg::new()
+            .task("noisy", noisy)
+            .job("noisy", cron("0 0 1 1 *"))
+    });
+    sc.start_worker_with(&["--log-format", "json"]).await;
+    sc.run_ok("drumline-beat", &["trigger", "noisy"]);
+    wait_dead(&sc, 1).await;
+    let letters = dead_letters(&sc).await;
     let (key, reason, _, error) = &letters[0];
     assert_eq!(reason, "retries_exhausted");
     assert!(error.starts_with("exit code 1: stderr: "), "{error}");
-    assert!(
-        error
-            .trim_end()
-            .ends_with("ledger refused: account 42 is closed"),
-        "{error}"
-    );
+    let explained = error
+        .trim_end()
+        .ends_with("ledger refused: account 42 is closed");
+    assert!(explained, "{error}");
     assert!(error.len() <= 4096, "{} bytes", error.len());
-    assert!(
-        !error.contains("noise 0 "),
-        "the start of stderr is dropped, not its end"
-    );
+    let what = "the start of stderr is dropped, not its end";
+    assert!(!error.contains("noise 0 "), "{what}");
 
-    let (status, stdout, stderr) = env.run("drumline-beat", &["--config", cfg, "status", "--json"]);
-    assert!(status.success(), "{stderr}");
-    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let report = sc.status_json();
     let last_error = report["jobs"][0]["last_error"].as_str().unwrap_or_default();
     assert_eq!(last_error, error, "{report:#}");
 
     // The task's output lines are JSON events of the worker's log, with their fields.
     let said = |stream: &str, line: &str| {
-        worker
-            .log()
+        let log = sc.workers[0].log();
+        let events = log
             .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .any(|e| {
-                let f = &e["fields"];
-                f["stream"] == stream
-                    && f["line"] == line
-                    && f["key"] == key.as_str()
-                    && f["task"] == "noisy"
-            })
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok());
+        events.into_iter().any(|e| {
+            let f = &e["fields"];
+            f["stream"] == stream
+                && f["line"] == line
+                && f["key"] == key.as_str()
+                && f["task"] == "noisy"
+        })
     };
-    assert!(
-        wait_until(WAIT, || said("stdout", "hello out")),
-        "{}",
-        worker.log_tail(5)
-    );
+    sc.wait(WAIT, "no stdout event", || said("stdout", "hello out"));
     assert!(said("stderr", "ledger refused: account 42 is closed"));
 }
