@@ -569,8 +569,8 @@ async fn a_reload_that_reschedules_the_root_keeps_the_chains_in_flight() {
     sc.last_beat().signal(libc::SIGHUP);
     for job in ["b", "c"] {
         let want = format!("{} 0", key(job, &t));
-        let what = format!("{want} never ran: {:?}", sc.lines("runs"));
-        sc.wait(WAIT, what, || sc.lines("runs").contains(&want));
+        let ran = wait_until(WAIT, || sc.lines("runs").contains(&want));
+        sc.check(ran, format!("{want} never ran: {:?}", sc.lines("runs")));
     }
     sc.stop();
 }
