@@ -1,32 +1,55 @@
 //! A beat job that cannot be published (any reason) never stops the other jobs from being
 //! published (docs/design.md "Limits and validation").
 
-use drumline_e2e::{http_get, setup, unused_port, wait_until, PrivateRabbit};
+use drumline_e2e::cfg::{every, Cfg, Keys};
+use drumline_e2e::scenario::Scenario;
+use drumline_e2e::{metric, toml_string, wait_until, PrivateRabbit};
 use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-/// Messages ready in `queue` on the broker at `url` (passive declare), 0 when it is missing.
+/// Messages ready in `queue` on the broker at `url` (passive declare on a channel of its own:
+/// a missing queue closes it), 0 when it is missing.
 async fn ready(url: &str, queue: &str) -> u32 {
     let conn = Connection::connect(url, ConnectionProperties::default())
         .await
         .expect("broker");
     let ch = conn.create_channel().await.expect("channel");
-    let n = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_or(0, |q| q.message_count());
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let declared = ch
+        .queue_declare(queue.into(), passive, Default::default())
+        .await;
     let _ = conn.close(200, "bye".into()).await;
-    n
+    declared.map_or(0, |q| q.message_count())
+}
+
+/// Takes every message off `queue` on the broker at `url`: their keys (message ids).
+async fn drain(url: &str, queue: &str) -> Vec<String> {
+    let conn = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .expect("broker");
+    let ch = conn.create_channel().await.expect("channel");
+    let mut keys = Vec::new();
+    let get = || ch.basic_get(queue.into(), BasicGetOptions::default());
+    while let Some(m) = get().await.expect("get") {
+        let id = m
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .expect("message id");
+        keys.push(id.to_string());
+        m.delivery
+            .ack(BasicAckOptions::default())
+            .await
+            .expect("ack");
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    keys
 }
 
 /// The broker refuses one job's messages in a way that closes the channel (a body over the
@@ -35,33 +58,23 @@ async fn ready(url: &str, queue: &str) -> u32 {
 /// it, and nothing was ever published again.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_job_the_broker_refuses_does_not_hold_up_the_others() {
-    let env = setup("e2e_isolation");
     let rabbit = PrivateRabbit::start_with("isolation", "max_message_size = 2048");
-    let big = "x".repeat(4096);
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[broker]\nurl = \"{}\"\n\
-             [[jobs]]\nname = \"big\"\ntask = \"t\"\nevery = \"1s\"\nargs = {{ blob = \"{big}\" }}\n\
-             [[jobs]]\nname = \"small\"\ntask = \"t\"\nevery = \"1s\"\n\
-             [[jobs]]\nname = \"other\"\ntask = \"t\"\nevery = \"1s\"\n\
-             [tasks.t]\ncommand = [\"/bin/true\"]\n",
-            rabbit.url()
-        ),
-    );
-    let metrics = unused_port();
-    let metrics_addr = format!("127.0.0.1:{metrics}");
-    let mut beat = env.beat(
-        "beat",
-        &[
-            "--config",
-            cfg.to_str().unwrap(),
-            "--metrics-addr",
-            &metrics_addr,
-        ],
-    );
-    let queue = env.names().work_queue("default");
-    let url = rabbit.url();
+    let (url, big) = (rabbit.url(), "x".repeat(4096));
+    let mut sc = Scenario::new("e2e_isolation", |_| {
+        let on_t = || every("1s").with("task", "\"t\"");
+        Cfg::new()
+            .set("broker", "url", &toml_string(&url))
+            .job(
+                "big",
+                on_t().with("args", &format!("{{ blob = \"{big}\" }}")),
+            )
+            .job("small", on_t())
+            .job("other", on_t())
+            .task("t", Keys::default().with("command", "[\"/bin/true\"]"))
+    });
+    let metrics = sc.start_metered_beat();
+    // On the private broker: count what waits in the work queue there.
+    let queue = sc.names().work_queue("default");
     let mut published = 0;
     for _ in 0..300 {
         published = ready(&url, &queue).await;
@@ -70,62 +83,28 @@ async fn a_job_the_broker_refuses_does_not_hold_up_the_others() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(
+    sc.check(
         published >= 10,
-        "only {published} messages in 30 s:\n{}",
-        beat.log_tail(20)
+        format!("only {published} messages in 30 s"),
     );
     // The one job that cannot be published is the one the beat reports stalled.
-    assert!(
-        wait_until(Duration::from_secs(20), || http_get(metrics, "/metrics")
-            .is_some_and(
-                |(_, body)| body.contains("drumline_beat_stalled_jobs 1\n")
-            )),
-        "{:?}",
-        http_get(metrics, "/metrics")
-    );
-    assert!(beat.terminate(Duration::from_secs(20)).success());
+    let stalled = || metric(metrics, "drumline_beat_stalled_jobs");
+    let one = wait_until(Duration::from_secs(20), || stalled() == Some(1.0));
+    sc.check(one, format!("drumline_beat_stalled_jobs {:?}", stalled()));
+    sc.stop();
 
     // Every message is the small or the other job's, each instant once, both jobs moving.
-    let conn = Connection::connect(&url, ConnectionProperties::default())
-        .await
-        .expect("broker");
-    let ch = conn.create_channel().await.expect("channel");
-    let mut keys = Vec::new();
-    while let Some(m) = ch
-        .basic_get(queue.as_str().into(), BasicGetOptions::default())
-        .await
-        .expect("get")
-    {
-        keys.push(
-            m.delivery
-                .properties
-                .message_id()
-                .as_ref()
-                .expect("message id")
-                .to_string(),
-        );
-        m.delivery
-            .ack(BasicAckOptions::default())
-            .await
-            .expect("ack");
-    }
-    let _ = conn.close(200, "bye".into()).await;
+    let keys = drain(&url, &queue).await;
     let distinct: BTreeSet<&String> = keys.iter().collect();
     assert_eq!(
         distinct.len(),
         keys.len(),
         "an instant published twice: {keys:?}"
     );
-    assert!(
-        keys.iter()
-            .all(|k| k.starts_with("small@") || k.starts_with("other@")),
-        "{keys:?}"
-    );
+    let ours = |k: &String| k.starts_with("small@") || k.starts_with("other@");
+    assert!(keys.iter().all(ours), "{keys:?}");
     for job in ["small@", "other@"] {
-        assert!(
-            keys.iter().filter(|k| k.starts_with(job)).count() >= 4,
-            "{job}: {keys:?}"
-        );
+        let n = keys.iter().filter(|k| k.starts_with(job)).count();
+        assert!(n >= 4, "{job}: {keys:?}");
     }
 }
