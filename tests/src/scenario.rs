@@ -120,6 +120,18 @@ impl Scenario {
         self.workers.last_mut().expect("just started")
     }
 
+    /// Starts one more worker with extra environment `vars` (see [`TestEnv::worker_with_env`])
+    /// and waits until the first worker consumes.
+    pub async fn start_worker_env(&mut self, vars: &[(&str, &str)]) -> &mut Proc {
+        let label = numbered("worker", self.workers.len());
+        let worker = self
+            .env
+            .worker_with_env(&label, &["--config", self.cfg()], vars);
+        self.workers.push(worker);
+        self.env.wait_for_topology(&self.workers[0]).await;
+        self.workers.last_mut().expect("just started")
+    }
+
     /// Waits until instance `key`'s run state is `state`, or panics with every log tail.
     pub async fn wait_state(&self, key: &str, state: &str) {
         let reached = || async { self.env.run_state(key).await.as_deref() == Some(state) };

@@ -3,7 +3,8 @@
 //! the task never reads its stdin.
 
 use drumline_e2e::cfg::{shell, Cfg, Keys};
-use drumline_e2e::{adhoc, setup, toml_string, wait_until, wait_until_async, AMQP_URL, REDIS_URL};
+use drumline_e2e::scenario::Scenario;
+use drumline_e2e::{adhoc, toml_string, wait_until, AMQP_URL, REDIS_URL};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -16,118 +17,100 @@ fn pid_alive(pid: i32) -> bool {
             .unwrap_or(true)
 }
 
+/// A task `dump` that writes its whole environment to the file `env` (atomically).
+fn dump_env(env: &drumline_e2e::TestEnv) -> Keys {
+    shell(&format!(
+        "env > {}.tmp && mv {0}.tmp {0}",
+        env.path("env").display()
+    ))
+}
+
+/// Publishes an ad-hoc instance `key` of `task` and waits until the file `file` exists: its
+/// text.
+async fn run_once(sc: &Scenario, key: &str, task: &str, file: &std::path::Path) -> String {
+    sc.publish(&adhoc(key, task)).await;
+    sc.wait(WAIT, "the task never ran", || file.exists());
+    std::fs::read_to_string(file).expect("the task's file")
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_task_sees_neither_url_nor_removed_variables_but_its_own_env() {
-    let env = setup("e2e_taskenv");
-    let dump = env.path("env");
-    let script = format!("env > {}.tmp && mv {0}.tmp {0}", dump.display());
-    let config = env.config(
-        "drumline.toml",
-        &format!(
-            r#"
-[worker]
-env_remove = ["DRUMLINE_TEST_SECRET"]
-
-[tasks.dump]
-command = ["/bin/sh", "-c", {}]
-env = {{ DRUMLINE_TEST_GREETING = "hello there", DRUMLINE_TEST_KEPT = "overridden" }}
-"#,
-            toml_string(&script)
-        ),
-    );
+    let mut sc = Scenario::new("e2e_taskenv", |env| {
+        let own =
+            "{ DRUMLINE_TEST_GREETING = \"hello there\", DRUMLINE_TEST_KEPT = \"overridden\" }";
+        Cfg::new()
+            .set("worker", "env_remove", "[\"DRUMLINE_TEST_SECRET\"]")
+            .task("dump", dump_env(env).with("env", own))
+    });
     // The worker's own environment holds both URLs (as the compose file sets them), a secret
     // the config removes, and an ordinary variable tasks inherit.
-    let worker = env.worker_with_env(
-        "worker",
-        &["--config", config.to_str().unwrap()],
-        &[
-            ("DRUMLINE_AMQP_URL", AMQP_URL),
-            ("DRUMLINE_REDIS_URL", REDIS_URL),
-            ("DRUMLINE_TEST_SECRET", "s3cret"),
-            ("DRUMLINE_TEST_INHERITED", "from the worker"),
-            ("DRUMLINE_TEST_KEPT", "from the worker"),
-        ],
-    );
-    env.wait_for_topology(&worker).await;
-    env.publish(&adhoc("k-env", "dump")).await;
-    assert!(
-        wait_until(WAIT, || dump.exists()),
-        "the task never ran\n{}",
-        worker.log_tail(30)
-    );
-    let text = std::fs::read_to_string(&dump).unwrap();
+    sc.start_worker_env(&[
+        ("DRUMLINE_AMQP_URL", AMQP_URL),
+        ("DRUMLINE_REDIS_URL", REDIS_URL),
+        ("DRUMLINE_TEST_SECRET", "s3cret"),
+        ("DRUMLINE_TEST_INHERITED", "from the worker"),
+        ("DRUMLINE_TEST_KEPT", "from the worker"),
+    ])
+    .await;
+    let text = run_once(&sc, "k-env", "dump", &sc.path("env")).await;
     let vars: BTreeMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
-    assert_eq!(vars.get("DRUMLINE_AMQP_URL"), None, "{text}");
-    assert_eq!(vars.get("DRUMLINE_REDIS_URL"), None, "{text}");
-    assert_eq!(vars.get("DRUMLINE_TEST_SECRET"), None, "{text}");
+    for gone in [
+        "DRUMLINE_AMQP_URL",
+        "DRUMLINE_REDIS_URL",
+        "DRUMLINE_TEST_SECRET",
+    ] {
+        assert_eq!(vars.get(gone), None, "{text}");
+    }
     assert!(!text.contains("s3cret"), "{text}");
-    assert_eq!(
-        vars.get("DRUMLINE_TEST_INHERITED"),
-        Some(&"from the worker")
-    );
-    assert_eq!(vars.get("DRUMLINE_TEST_GREETING"), Some(&"hello there"));
-    assert_eq!(vars.get("DRUMLINE_TEST_KEPT"), Some(&"overridden"));
-    assert_eq!(vars.get("DRUMLINE_KEY"), Some(&"k-env"));
-    assert_eq!(vars.get("DRUMLINE_TASK"), Some(&"dump"));
-    assert_eq!(vars.get("DRUMLINE_ATTEMPT"), Some(&"0"));
+    let expected = [
+        ("DRUMLINE_TEST_INHERITED", "from the worker"),
+        ("DRUMLINE_TEST_GREETING", "hello there"),
+        ("DRUMLINE_TEST_KEPT", "overridden"),
+        ("DRUMLINE_KEY", "k-env"),
+        ("DRUMLINE_TASK", "dump"),
+        ("DRUMLINE_ATTEMPT", "0"),
+    ];
+    for (name, value) in expected {
+        assert_eq!(vars.get(name), Some(&value), "{name}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_task_that_never_reads_a_mebibyte_of_args_still_times_out() {
-    let env = setup("e2e_stdin");
-    let script = format!(
-        "echo \"$DRUMLINE_KEY $$\" >> {starts}; sleep 30; echo \"$DRUMLINE_KEY\" >> {effects}",
-        starts = env.path("starts").display(),
-        effects = env.path("effects").display()
-    );
-    let config = env.config(
-        "drumline.toml",
-        &format!(
-            r#"
-[worker]
-max_message_bytes = 4194304
-
-[tasks.deaf]
-command = ["/bin/sh", "-c", {}]
-timeout = "1s"
-max_retries = 0
-"#,
-            toml_string(&script)
-        ),
-    );
-    let worker = env.worker("worker", &["--config", config.to_str().unwrap()]);
-    env.wait_for_topology(&worker).await;
+    let sc = Scenario::start("e2e_stdin", 0, 1, |env| {
+        let script = format!(
+            "echo \"$DRUMLINE_KEY $$\" >> {starts}; sleep 30; echo \"$DRUMLINE_KEY\" >> {effects}",
+            starts = env.path("starts").display(),
+            effects = env.path("effects").display()
+        );
+        let deaf = shell(&script)
+            .with("timeout", "\"1s\"")
+            .with("max_retries", "0");
+        Cfg::new()
+            .set("worker", "max_message_bytes", "4194304")
+            .task("deaf", deaf)
+    })
+    .await;
     let mut envelope = adhoc("k-deaf", "deaf");
     // Sixteen pipe buffers' worth: a blocking write of it could never finish.
     envelope.args = serde_json::json!({ "blob": "x".repeat(1 << 20) });
-    env.publish(&envelope).await;
-    assert!(
-        wait_until(WAIT, || env.lines("starts").len() == 1),
-        "never started\n{}",
-        worker.log_tail(30)
-    );
-    let pid: i32 = env.lines("starts")[0]
+    sc.publish(&envelope).await;
+    sc.wait(WAIT, "never started", || sc.lines("starts").len() == 1);
+    let pid: i32 = sc.lines("starts")[0]
         .split(' ')
         .nth(1)
         .unwrap()
         .parse()
         .unwrap();
     // timeout 1 s, then SIGTERM (sh dies of it at once): well inside 10 s.
-    let dead = wait_until_async(Duration::from_secs(10), || async {
-        env.run_state("k-deaf").await.as_deref() == Some("dead")
-    })
-    .await;
-    assert!(dead, "the run never timed out\n{}", worker.log_tail(30));
-    assert!(
-        wait_until(Duration::from_secs(2), || !pid_alive(pid)),
-        "the task outlived its timeout"
-    );
-    assert_eq!(
-        env.queue_len(&env.names().dead()).await,
-        Some(1),
-        "dead-lettered once (retries exhausted)"
-    );
-    assert!(env.lines("effects").is_empty());
+    let dead = || async { sc.run_state("k-deaf").await.as_deref() == Some("dead") };
+    let what = "the run never timed out";
+    sc.wait_async(Duration::from_secs(10), what, dead).await;
+    let gone = wait_until(Duration::from_secs(2), || !pid_alive(pid));
+    assert!(gone, "the task outlived its timeout");
+    let what = "dead-lettered once (retries exhausted)";
+    assert_eq!(sc.queue_len(&sc.names().dead()).await, Some(1), "{what}");
+    assert!(sc.lines("effects").is_empty());
 }
 
 /// A task running as the worker's own (non-root) user cannot read the worker's environment,
@@ -139,14 +122,13 @@ max_retries = 0
 #[tokio::test(flavor = "multi_thread")]
 async fn a_task_as_the_workers_user_cannot_read_the_workers_environment() {
     use std::os::unix::fs::PermissionsExt;
-    let env = setup("e2e_nondumpable");
-    // Where the task (as `nobody`) may write.
-    let out = env.path("out");
-    std::fs::create_dir_all(&out).unwrap();
-    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let report = out.join("report");
-    let script = format!(
-        r#"sup=$PPID
+    let mut sc = Scenario::new("e2e_nondumpable", |env| {
+        // Where the task (as `nobody`) may write.
+        let out = env.path("out");
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let script = format!(
+            r#"sup=$PPID
 worker=$(awk '/^PPid:/ {{print $2}}' /proc/$sup/status)
 {{
   echo "uid $(id -u) worker $worker"
@@ -159,46 +141,37 @@ worker=$(awk '/^PPid:/ {{print $2}}' /proc/$sup/status)
   done
 }} > {0}.tmp 2>&1
 mv {0}.tmp {0}"#,
-        report.display()
-    );
-    let config = env.config(
-        "drumline.toml",
-        &format!(
-            "[worker]\nenv_remove = [\"DRUMLINE_TEST_SECRET\"]\n\
-             [tasks.peek]\ncommand = [\"/bin/sh\", \"-c\", {}]\n",
+            out.join("report").display()
+        );
+        let command = format!(
+            "[\"/bin/sh\", \"-c\", {}]",
             toml_string(&script).replace('\n', "\\n")
-        ),
-    );
+        );
+        Cfg::new()
+            .set("worker", "env_remove", "[\"DRUMLINE_TEST_SECRET\"]")
+            .task("peek", Keys::default().with("command", &command))
+    });
     let password = format!("pw-{}", uuid::Uuid::new_v4().simple());
     let secret = format!("secret-{}", uuid::Uuid::new_v4().simple());
     // Redis accepts any password for its password-less `default` user.
     let redis_url = format!("redis://default:{password}@127.0.0.1:6379/0");
-    let worker = env.worker_as_nobody(
-        "worker",
-        &["--config", config.to_str().unwrap()],
-        &[
-            ("DRUMLINE_AMQP_URL", AMQP_URL),
-            ("DRUMLINE_REDIS_URL", &redis_url),
-            ("DRUMLINE_TEST_SECRET", &secret),
-        ],
-    );
-    env.wait_for_topology(&worker).await;
-    let status = std::fs::read_to_string(format!("/proc/{}/status", worker.pid())).unwrap();
+    let vars = [
+        ("DRUMLINE_AMQP_URL", AMQP_URL),
+        ("DRUMLINE_REDIS_URL", &redis_url),
+        ("DRUMLINE_TEST_SECRET", &secret),
+    ];
+    let worker = sc.worker_as_nobody("worker", &["--config", sc.cfg()], &vars);
+    sc.wait_for_topology(&worker).await;
+    let pid = worker.pid();
+    sc.workers.push(worker);
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     assert!(
         status.contains("\nUid:\t65534\t"),
         "the worker is not nobody:\n{status}"
     );
-    env.publish(&adhoc("k-peek", "peek")).await;
-    assert!(
-        wait_until(WAIT, || report.exists()),
-        "the task never ran\n{}",
-        worker.log_tail(30)
-    );
-    let text = std::fs::read_to_string(&report).unwrap();
-    assert!(
-        text.starts_with(&format!("uid 65534 worker {}\n", worker.pid())),
-        "{text}"
-    );
+    let text = run_once(&sc, "k-peek", "peek", &sc.path("out").join("report")).await;
+    let uid = format!("uid 65534 worker {pid}\n");
+    assert!(text.starts_with(&uid), "{text}");
     assert!(text.contains("\nworker environ: denied\n"), "{text}");
     assert!(text.contains("\nsupervisor environ: denied\n"), "{text}");
     for leaked in [password.as_str(), secret.as_str(), "guest:guest"] {
@@ -210,30 +183,16 @@ mv {0}.tmp {0}"#,
 /// shell task, without being listed in `env_remove` (docs/guarantees.md#trust-who-can-do-what).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_secret_the_worker_reads_is_not_in_a_shell_tasks_environment() {
-    let env = setup("e2e_secret_env");
-    let dump = env.path("env");
-    let script = format!("env > {}.tmp && mv {0}.tmp {0}", dump.display());
-    let cfg = Cfg::new().task("dump", shell(&script)).task(
-        "hook",
-        Keys::default()
+    let mut sc = Scenario::new("e2e_secret_env", |env| {
+        let hook = Keys::default()
             .with("http.url", "\"http://127.0.0.1:9/hook\"")
-            .with("http.secret_env", "\"DRUMLINE_TEST_HOOK_SECRET\""),
-    );
-    let config = env.write_config("drumline.toml", &cfg);
+            .with("http.secret_env", "\"DRUMLINE_TEST_HOOK_SECRET\"");
+        Cfg::new().task("dump", dump_env(env)).task("hook", hook)
+    });
     let secret = format!("whsec_{}", uuid::Uuid::new_v4().simple());
-    let worker = env.worker_with_env(
-        "worker",
-        &["--config", config.to_str().unwrap()],
-        &[("DRUMLINE_TEST_HOOK_SECRET", &secret)],
-    );
-    env.wait_for_topology(&worker).await;
-    env.publish(&adhoc("k-secret", "dump")).await;
-    assert!(
-        wait_until(WAIT, || dump.exists()),
-        "the task never ran\n{}",
-        worker.log_tail(30)
-    );
-    let text = std::fs::read_to_string(&dump).unwrap();
+    sc.start_worker_env(&[("DRUMLINE_TEST_HOOK_SECRET", &secret)])
+        .await;
+    let text = run_once(&sc, "k-secret", "dump", &sc.path("env")).await;
     assert!(!text.contains("DRUMLINE_TEST_HOOK_SECRET"), "{text}");
     assert!(!text.contains(&secret), "the secret leaked:\n{text}");
     assert!(text.contains("DRUMLINE_KEY=k-secret"), "{text}");
