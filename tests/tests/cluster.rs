@@ -5,6 +5,8 @@
 //! Every scheduled instant and every ad-hoc key runs exactly once; the time to recover is
 //! printed. The cluster is private (never the shared node) and is torn down when the test ends.
 
+use drumline_e2e::cfg::{every, Cfg};
+use drumline_e2e::scenario::{appends, check, stop, tails};
 use drumline_e2e::{
     adhoc, assert_contiguous_exactly_once, counts, instant_of, setup, toml_string, wait_until,
     RabbitCluster, StreamPublisher,
@@ -111,50 +113,30 @@ async fn node_fails(scenario: Scenario) {
             .iter()
             .map(|&i| toml_string(&format!("{}{query}", cluster.url(i))))
             .collect();
-        let path = env.config(
-            file,
-            &format!(
-                r#"
-[broker]
-urls = [{urls}]
-queue_type = "quorum"
-
-[worker]
-concurrency = 8
-lease = "3s"
-
-[[jobs]]
-name = "tick"
-task = "append"
-every = "1s"
-misfire = "catch_up"
-overlap = "queue"
-
-[tasks.append]
-command = {ticks}
-
-[tasks.adhoc]
-command = {adhoc}
-"#,
-                urls = urls.join(", "),
-                ticks = env.append_key_command("ticks", 0.0),
-                adhoc = env.append_key_command("adhoc", 0.0),
-            ),
-        );
+        let tick = every("1s")
+            .with("task", "\"append\"")
+            .with("misfire", "\"catch_up\"")
+            .with("overlap", "\"queue\"");
+        let cfg = Cfg::new()
+            .set("broker", "urls", &format!("[{}]", urls.join(", ")))
+            .set("broker", "queue_type", "\"quorum\"")
+            .set("worker", "concurrency", "8")
+            .set("worker", "lease", "\"3s\"")
+            .job("tick", tick)
+            .task("append", appends(&env, "ticks"))
+            .task("adhoc", appends(&env, "adhoc"));
+        let path = env.write_config(file, &cfg);
         path.to_str().unwrap().to_owned()
     };
 
     // Whoever declares the queues first, on its node, makes that node lead them (most likely).
     let lead_of = |proc: &drumline_e2e::Proc| {
         let mut leader = None;
-        assert!(
-            wait_until(WAIT, || {
-                leader = cluster.leader_of(1, &queue);
-                leader.is_some()
-            }),
-            "{queue} has no leader\n{}",
-            proc.log_tail(20)
-        );
+        let led = wait_until(WAIT, || {
+            leader = cluster.leader_of(1, &queue);
+            leader.is_some()
+        });
+        check(led, &[proc], format!("{queue} has no leader"));
         leader.unwrap()
     };
     let started;
@@ -221,15 +203,15 @@ command = {adhoc}
             publisher.retries
         })
     };
-    assert!(
-        wait_until(WAIT, || confirmed.load(Ordering::SeqCst) >= fault_after
-            && env.lines("ticks").len() >= 3),
-        "the stream did not start: {} confirmed, ticks {:?}\n{}\n{}",
+    let going = wait_until(WAIT, || {
+        confirmed.load(Ordering::SeqCst) >= fault_after && env.lines("ticks").len() >= 3
+    });
+    let what = format!(
+        "the stream did not start: {} confirmed, ticks {:?}",
         confirmed.load(Ordering::SeqCst),
-        env.lines("ticks"),
-        beat.log_tail(20),
-        workers[0].log_tail(20)
+        env.lines("ticks")
     );
+    check(going, &[&beat, &workers[0]], what);
 
     let killed_at = Instant::now();
     let killed_at_wall = chrono::Utc::now();
@@ -271,11 +253,9 @@ command = {adhoc}
         panic!(
             "{fault:?} of node {victim}: no instant due after it ran within {ticks_back_within:?} \
              (ran after {tick_recovery:?}; last tick {:?}), or no ad-hoc task sent after it \
-             ran (after {adhoc_recovery:?})\n{}\n{}\n{}",
+             ran (after {adhoc_recovery:?})\n{}",
             env.lines("ticks").last(),
-            beat.log_tail(20),
-            workers[0].log_tail(20),
-            workers[1].log_tail(20)
+            tails(&[&beat, &workers[0], &workers[1]])
         );
     };
     println!(
@@ -308,20 +288,13 @@ command = {adhoc}
         .await
         .expect("the ad-hoc stream did not finish")
         .expect("the ad-hoc stream panicked");
-    assert!(
-        wait_until(WAIT, || counts(&env.lines("adhoc")).len() >= adhoc_tasks),
-        "{} of {adhoc_tasks} ad-hoc tasks ran\n{}\n{}",
-        counts(&env.lines("adhoc")).len(),
-        workers[0].log_tail(20),
-        workers[1].log_tail(20)
-    );
+    let all_ran = wait_until(WAIT, || counts(&env.lines("adhoc")).len() >= adhoc_tasks);
+    let ran = counts(&env.lines("adhoc")).len();
+    let what = format!("{ran} of {adhoc_tasks} ad-hoc tasks ran");
+    check(all_ran, &[&workers[0], &workers[1]], what);
 
     // Stop the beat, let the workers run what it published, then stop them.
-    assert!(
-        beat.terminate(Duration::from_secs(10)).success(),
-        "{}",
-        beat.log_tail(20)
-    );
+    stop(&mut [&mut beat]);
     // What the beat published, from what it recorded (not its log): with `catch_up`, every
     // second from the first tick up to its progress in Redis.
     let published = published_ticks(&env, started).await;
@@ -332,13 +305,7 @@ command = {adhoc}
         published.len(),
         counts(&env.lines("ticks")).len()
     );
-    for w in &mut workers {
-        assert!(
-            w.terminate(Duration::from_secs(20)).success(),
-            "{}",
-            w.log_tail(20)
-        );
-    }
+    stop(&mut workers.iter_mut().collect::<Vec<_>>());
 
     let adhoc_runs = counts(&env.lines("adhoc"));
     let twice: Vec<_> = adhoc_runs.iter().filter(|(_, n)| **n > 1).collect();
