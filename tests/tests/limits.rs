@@ -3,38 +3,36 @@
 //! stamps, written to an effects file. See: issues/21.
 
 use drumline_e2e::cfg::{shell, Cfg};
-use drumline_e2e::{counts, setup, wait_until, TestEnv, AMQP_URL};
+use drumline_e2e::scenario::{journal, JournalEntry, Scenario};
+use drumline_e2e::{counts, wait_until, TestEnv, AMQP_URL};
 use drumline_shared::client::{Message, Producer};
 use drumline_shared::limit::most_in_window;
-use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// A config whose task `t` runs `script` under `[limits.grp]` with `limit` keys; lease `lease`.
-fn config(env: &TestEnv, limit: &[(&str, &str)], script: &str, lease: &str) -> PathBuf {
-    let mut cfg = Cfg::new().set("worker", "concurrency", "4").set(
-        "worker",
-        "lease",
-        &format!("\"{lease}\""),
-    );
-    for (key, value) in limit {
-        cfg = cfg.set("limits.grp", key, value);
-    }
-    let cfg = cfg.task("t", shell(script).with("limit", "\"grp\""));
-    env.write_config("drumline.toml", &cfg)
-}
-
-/// Starts three workers on `cfg` and waits until they consume.
-async fn three_workers(env: &TestEnv, cfg: &std::path::Path) -> Vec<drumline_e2e::Proc> {
-    let cfg = cfg.to_str().unwrap();
-    let workers: Vec<_> = ["w1", "w2", "w3"]
+/// A config whose task `t` runs the script `script(env)` under `[limits.grp]` with `limit`
+/// keys; lease `lease`.
+fn config(
+    limit: &[(&str, &str)],
+    lease: &str,
+    script: impl FnOnce(&TestEnv) -> String,
+) -> impl FnOnce(&TestEnv) -> Cfg {
+    let limit: Vec<(String, String)> = limit
         .iter()
-        .map(|label| env.worker(label, &["--config", cfg]))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-    env.wait_for_topology(&workers[0]).await;
-    workers
+    let lease = format!("\"{lease}\"");
+    move |env| {
+        let cfg = Cfg::new()
+            .set("worker", "concurrency", "4")
+            .set("worker", "lease", &lease);
+        let cfg = limit
+            .iter()
+            .fold(cfg, |cfg, (k, v)| cfg.set("limits.grp", k, v));
+        cfg.task("t", shell(&script(env)).with("limit", "\"grp\""))
+    }
 }
 
 /// Publishes ad-hoc task `t` with keys `{prefix}-{i}` for `i` in `0..n`.
@@ -91,17 +89,15 @@ fn most_at_once(spans: &BTreeMap<String, (Vec<u128>, Vec<u128>)>) -> usize {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_group_of_two_never_runs_three_at_once_across_three_workers() {
-    let env = setup("e2e_limit_group");
-    let script = spanning(&env, "sleep 0.3");
-    let cfg = config(&env, &[("concurrency", "2")], &script, "3s");
-    let workers = three_workers(&env, &cfg).await;
-    let n = 24;
-    publish(&env, "g", n).await;
-    let finished = wait_until(WAIT, || {
-        spans(&env).values().filter(|(_, e)| !e.is_empty()).count() == n
+    let cfg = config(&[("concurrency", "2")], "3s", |env| {
+        spanning(env, "sleep 0.3")
     });
-    assert!(finished, "{}", workers[0].log_tail(30));
-    let spans = spans(&env);
+    let sc = Scenario::start("e2e_limit_group", 0, 3, cfg).await;
+    let n = 24;
+    publish(&sc, "g", n).await;
+    let ended = || spans(&sc).values().filter(|(_, e)| !e.is_empty()).count() == n;
+    sc.wait(WAIT, "not all ended", ended);
+    let spans = spans(&sc);
     for (key, (starts, ends)) in &spans {
         assert_eq!(
             (starts.len(), ends.len()),
@@ -117,45 +113,39 @@ async fn a_group_of_two_never_runs_three_at_once_across_three_workers() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_workers_slot_frees_within_its_lease() {
-    let env = setup("e2e_limit_killed");
     // The first run of `stuck` holds the group's only slot for a long time; every other run,
     // its takeover included, is short.
-    let marker = env.path("marker").display().to_string();
-    let middle = format!(
-        "if [ \"$DRUMLINE_KEY\" = stuck ] && [ ! -e {marker} ]; then touch {marker}; sleep 60; fi"
-    );
-    let cfg = config(
-        &env,
-        &[("concurrency", "1")],
-        &spanning(&env, &middle),
-        "2s",
-    );
-    let cfg_path = cfg.to_str().unwrap();
-    let mut holder = env.worker("holder", &["--config", cfg_path]);
-    env.wait_for_topology(&holder).await;
-    let producer = Producer::connect(AMQP_URL, &env.ns).await.unwrap();
+    let cfg = config(&[("concurrency", "1")], "2s", |env| {
+        let marker = env.path("marker").display().to_string();
+        let middle = format!(
+            "if [ \"$DRUMLINE_KEY\" = stuck ] && [ ! -e {marker} ]; then touch {marker}; sleep 60; fi"
+        );
+        spanning(env, &middle)
+    });
+    // The holder is the first worker; three others come once it holds the slot.
+    let mut sc = Scenario::start("e2e_limit_killed", 0, 1, cfg).await;
+    let producer = Producer::connect(AMQP_URL, &sc.ns).await.unwrap();
     producer
         .publish(&Message::new("t").key("stuck"))
         .await
         .unwrap();
-    let holding = wait_until(WAIT, || spans(&env).contains_key("stuck"));
-    assert!(holding, "{}", holder.log_tail(30));
-    let others = three_workers(&env, &cfg).await;
-    publish(&env, "after", 3).await;
-    // Taken off the queue by the workers and held, waiting for the slot `holder` has.
-    let queue = env.names().work_queue("default");
-    let held =
-        drumline_e2e::wait_until_async(WAIT, || async { env.queue_len(&queue).await == Some(0) })
-            .await;
-    assert!(held, "{}", others[0].log_tail(30));
-    holder.kill9();
+    sc.wait(WAIT, "stuck never started", || {
+        spans(&sc).contains_key("stuck")
+    });
+    sc.start_workers(3).await;
+    publish(&sc, "after", 3).await;
+    // Taken off the queue by the workers and held, waiting for the slot the holder has.
+    let queue = sc.names().work_queue("default");
+    let taken = || async { sc.queue_len(&queue).await == Some(0) };
+    sc.wait_async(WAIT, "not taken off the queue", taken).await;
+    sc.workers[0].kill9();
     let killed_at = now_ns();
     let all_done = wait_until(WAIT, || {
-        let spans = spans(&env);
+        let spans = spans(&sc);
         spans.len() == 4 && spans.values().all(|(_, ends)| !ends.is_empty())
     });
-    assert!(all_done, "{:?}\n{}", spans(&env), others[0].log_tail(30));
-    let spans = spans(&env);
+    sc.check(all_done, format!("{:?}", spans(&sc)));
+    let spans = spans(&sc);
     let first_after = (0..3)
         .map(|i| spans[&format!("after-{i}")].0[0])
         .min()
@@ -179,26 +169,23 @@ async fn a_killed_workers_slot_frees_within_its_lease() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rate_of_ten_a_second_holds_in_every_window_across_three_workers() {
-    let env = setup("e2e_limit_rate");
-    let log = env.path("starts").display().to_string();
-    let script = format!("echo \"$DRUMLINE_KEY $(date +%s%N)\" >> {log}");
-    let cfg = config(&env, &[("rate", "\"10/s\"")], &script, "5s");
-    let workers = three_workers(&env, &cfg).await;
-    let n = 300;
-    publish(&env, "r", n).await;
-    let ran = |lines: &[String]| {
-        counts(
-            &lines
-                .iter()
-                .map(|l| l.split(' ').next().unwrap().to_owned())
-                .collect::<Vec<_>>(),
-        )
-    };
-    let finished = wait_until(Duration::from_secs(120), || {
-        ran(&env.lines("starts")).len() >= n
+    let cfg = config(&[("rate", "\"10/s\"")], "5s", |env| {
+        let log = env.path("starts").display().to_string();
+        format!("echo \"$DRUMLINE_KEY $(date +%s%N)\" >> {log}")
     });
-    assert!(finished, "{}", workers[0].log_tail(30));
-    let lines = env.lines("starts");
+    let sc = Scenario::start("e2e_limit_rate", 0, 3, cfg).await;
+    let n = 300;
+    publish(&sc, "r", n).await;
+    let ran = |lines: &[String]| {
+        let keys: Vec<String> = lines
+            .iter()
+            .map(|l| l.split(' ').next().unwrap().to_owned())
+            .collect();
+        counts(&keys)
+    };
+    let finished = || ran(&sc.lines("starts")).len() >= n;
+    sc.wait(Duration::from_secs(120), "not all ran", finished);
+    let lines = sc.lines("starts");
     let keys = ran(&lines);
     assert_eq!(keys.len(), n, "every key ran");
     // Each key succeeded once. A key may run a second time only as the promise allows: the
@@ -208,7 +195,7 @@ async fn a_rate_of_ten_a_second_holds_in_every_window_across_three_workers() {
         .filter(|(_, c)| **c > 1)
         .map(|(k, _)| k)
         .collect();
-    let journal = journal_of(&env, &keys.keys().collect::<Vec<_>>()).await;
+    let journal = journal(&sc).await;
     let events = |key: &str, ev: &str| {
         journal
             .iter()
@@ -231,7 +218,7 @@ async fn a_rate_of_ten_a_second_holds_in_every_window_across_three_workers() {
     // A start is a granted claim: the journal stamps each with Redis `TIME`, the clock the
     // limit is judged on (docs/design.md#limits). The tasks' own stamps add the spawn's lag,
     // which a loaded machine stretches unevenly; they are reported, not asserted.
-    let claims = claim_stamps(&env).await;
+    let claims = claim_stamps(&journal);
     assert_eq!(claims.len(), n + twice.len(), "one granted claim per run");
     let most = most_in_window(&claims, 1000);
     let span = claims.iter().max().unwrap() - claims.iter().min().unwrap();
@@ -249,42 +236,13 @@ async fn a_rate_of_ten_a_second_holds_in_every_window_across_three_workers() {
     );
 }
 
-/// The journal entries of `keys`.
-async fn journal_of(env: &TestEnv, keys: &[&String]) -> Vec<(String, HashMap<String, String>)> {
-    let mut redis = env.redis().await;
-    let entries: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
-        .arg(format!("{}:journal", env.ns))
-        .arg("-")
-        .arg("+")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    entries
-        .into_iter()
-        .filter(|(_, f)| f.get("key").is_some_and(|k| keys.contains(&k)))
-        .collect()
-}
-
-/// The Redis `TIME` (ms) of every granted claim (a takeover too) in the namespace's journal.
-async fn claim_stamps(env: &TestEnv) -> Vec<u64> {
-    let mut redis = env.redis().await;
-    let entries: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
-        .arg(format!("{}:journal", env.ns))
-        .arg("-")
-        .arg("+")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    entries
-        .iter()
-        .filter(|(_, fields)| {
-            matches!(
-                fields.get("ev").map(String::as_str),
-                Some("claim" | "takeover")
-            )
-        })
-        .map(|(id, _)| id.split('-').next().unwrap().parse().unwrap())
-        .collect()
+/// The Redis `TIME` (ms) of every granted claim (a takeover too) in `journal`.
+fn claim_stamps(journal: &[JournalEntry]) -> Vec<u64> {
+    let granted = |(_, f): &&JournalEntry| {
+        matches!(f.get("ev").map(String::as_str), Some("claim" | "takeover"))
+    };
+    let stamp = |(id, _): &JournalEntry| id.split('-').next().unwrap().parse().unwrap();
+    journal.iter().filter(granted).map(stamp).collect()
 }
 
 fn now_ns() -> u128 {
