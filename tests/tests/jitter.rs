@@ -3,13 +3,14 @@
 //! the same in `next` from any config that holds the job, on every beat, and after a restart;
 //! the key and `scheduled_for` keep the instant, so dedupe is unchanged.
 
-use chrono::{DateTime, TimeDelta, Utc};
-use drumline_e2e::cfg::{every, Cfg, Keys};
+use chrono::TimeDelta;
+use drumline_e2e::cfg::{every, Cfg};
+use drumline_e2e::scenario::{appends, parse_instant as instant, stop, Scenario};
 use drumline_e2e::snoop::Snoop;
-use drumline_e2e::{counts, setup, wait_until, TestEnv};
+use drumline_e2e::{counts, setup, TestEnv};
 use drumline_shared::envelope::format_instant;
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -17,9 +18,8 @@ const JITTER: Duration = Duration::from_millis(1500);
 
 /// The job `spread` (every 2 s, jitter 1.5 s) writing its key to `effects`; with `other`, a
 /// job of another name before it (which must not move `spread`'s offset).
-fn config(env: &TestEnv, name: &str, other: bool) -> PathBuf {
-    let task = Keys::default().with("command", &env.append_key_command("effects", 0.0));
-    let mut cfg = Cfg::new().task("spread", task);
+fn config(env: &TestEnv, other: bool) -> Cfg {
+    let mut cfg = Cfg::new().task("spread", appends(env, "effects"));
     if other {
         cfg = cfg.job(
             "other",
@@ -28,8 +28,7 @@ fn config(env: &TestEnv, name: &str, other: bool) -> PathBuf {
                 .with("jitter", "\"59m\""),
         );
     }
-    cfg = cfg.job("spread", every("2s").with("jitter", "\"1500ms\""));
-    env.write_config(name, &cfg)
+    cfg.job("spread", every("2s").with("jitter", "\"1500ms\""))
 }
 
 fn beat_cmd(env: &TestEnv, cfg: &Path, args: &[&str]) -> (i32, String, String) {
@@ -37,12 +36,6 @@ fn beat_cmd(env: &TestEnv, cfg: &Path, args: &[&str]) -> (i32, String, String) {
     all.extend_from_slice(args);
     let (status, out, err) = env.run("drumline-beat", &all);
     (status.code().unwrap_or(-1), out, err)
-}
-
-fn instant(text: &str) -> DateTime<Utc> {
-    DateTime::parse_from_rfc3339(text)
-        .unwrap_or_else(|e| panic!("{text:?}: {e}"))
-        .with_timezone(&Utc)
 }
 
 /// The offset this test's job gets: what every beat must apply.
@@ -55,8 +48,8 @@ fn expected_offset(env: &TestEnv) -> TimeDelta {
 #[test]
 fn next_shows_the_instant_and_the_same_jittered_time_from_any_config() {
     let env = setup("jitter_next");
-    let plain = config(&env, "a.toml", false);
-    let other = config(&env, "b.toml", true);
+    let plain = env.write_config("a.toml", &config(&env, false));
+    let other = env.write_config("b.toml", &config(&env, true));
     let args = [
         "next",
         "spread",
@@ -131,29 +124,27 @@ fn check_refuses_a_jitter_not_below_the_period() {
 /// and none left before instant + offset; each instant ran once.
 #[tokio::test(flavor = "multi_thread")]
 async fn two_beats_and_a_restart_publish_each_instant_its_offset_late() {
-    let mut env = setup("jitter_beats");
-    let cfg = config(&env, "drumline.toml", false);
-    let cfg = cfg.to_str().unwrap().to_owned();
-    let mut worker = env.worker("worker", &["--config", &cfg]);
-    env.wait_for_topology(&worker).await;
-    let snoop = Snoop::start(&mut env, "default");
-    let ran = |env: &TestEnv| env.lines("effects").len();
-    let grows_by = |env: &TestEnv, n: usize| {
-        let from = ran(env);
-        wait_until(WAIT, || ran(env) >= from + n)
+    let mut sc = Scenario::start("jitter_beats", 0, 1, |env| config(env, false)).await;
+    let snoop = Snoop::start(&mut sc, "default");
+    let ran = |sc: &Scenario| sc.lines("effects").len();
+    // Each beat in turn (the second standing by until the first stops) adds `n` runs.
+    let grows_by = |sc: &Scenario, n: usize| {
+        let from = ran(sc);
+        sc.wait(WAIT, format!("fewer than {n} more runs"), || {
+            ran(sc) >= from + n
+        });
     };
+    sc.start_beat();
+    grows_by(&sc, 2);
+    sc.start_beat();
+    stop(&mut [&mut sc.beats[0]]);
+    grows_by(&sc, 3);
+    stop(&mut [&mut sc.beats[1]]);
+    sc.start_beat();
+    grows_by(&sc, 3);
+    stop(&mut [sc.last_beat()]);
 
-    let mut first = env.beat("beat-a", &["--config", &cfg]);
-    assert!(grows_by(&env, 2), "{}", first.log_tail(20));
-    let mut second = env.beat("beat-b", &["--config", &cfg]);
-    assert!(first.terminate(Duration::from_secs(10)).success());
-    assert!(grows_by(&env, 3), "{}", second.log_tail(20));
-    assert!(second.terminate(Duration::from_secs(10)).success());
-    let mut again = env.beat("beat-a-again", &["--config", &cfg]);
-    assert!(grows_by(&env, 3), "{}", again.log_tail(20));
-    assert!(again.terminate(Duration::from_secs(10)).success());
-
-    let offset = expected_offset(&env);
+    let offset = expected_offset(&sc);
     let published: Vec<_> = snoop
         .settle()
         .into_iter()
@@ -189,8 +180,8 @@ async fn two_beats_and_a_restart_publish_each_instant_its_offset_late() {
     }
 
     // Dedupe is unchanged: every instant ran exactly once.
-    assert!(worker.terminate(Duration::from_secs(20)).success());
-    let effects = env.lines("effects");
+    sc.stop();
+    let effects = sc.lines("effects");
     assert!(effects.len() >= 8, "{effects:?}");
     for (key, n) in counts(&effects) {
         assert_eq!(n, 1, "{key} ran {n} times");
