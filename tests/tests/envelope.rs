@@ -4,8 +4,9 @@
 //! `args`, or adds a field drumline does not know, gets each message run exactly once.
 
 use drumline_e2e::cfg::{every, shell, Cfg};
+use drumline_e2e::scenario::Scenario;
 use drumline_e2e::snoop::Snoop;
-use drumline_e2e::{setup, wait_until, wait_until_async, TestEnv, AMQP_URL};
+use drumline_e2e::{TestEnv, AMQP_URL};
 use drumline_shared::client::{Message, Producer};
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use std::path::PathBuf;
@@ -94,25 +95,21 @@ fn the_schema_accepts_the_documented_messages_and_refuses_what_workers_refuse() 
 
 #[tokio::test(flavor = "multi_thread")]
 async fn every_envelope_drumline_writes_validates_against_the_schema() {
-    let mut env = setup("e2e_envelope_schema");
     // `flaky` fails its first attempt (a retry copy), `doomed` fails for good (a dead letter).
-    let cfg = Cfg::new()
-        .task(
-            "flaky",
-            shell("[ \"$DRUMLINE_ATTEMPT\" -gt 0 ]").with("retry_base", "\"200ms\""),
-        )
-        .task(
-            "doomed",
-            shell("exit 3").with("permanent_exit_codes", "[3]"),
-        )
-        .job("flaky", every("1s").with("args", "{ region = \"eu\" }"));
-    let config = env.write_config("drumline.toml", &cfg);
-    let config = config.to_str().unwrap();
-    let worker = env.worker("worker", &["--config", config]);
-    env.wait_for_topology(&worker).await;
-    let snoop = Snoop::start(&mut env, "default");
-    let beat = env.beat("beat", &["--config", config]);
-    let producer = Producer::connect(AMQP_URL, &env.ns).await.unwrap();
+    let mut sc = Scenario::start("e2e_envelope_schema", 0, 1, |_| {
+        let flaky = shell("[ \"$DRUMLINE_ATTEMPT\" -gt 0 ]").with("retry_base", "\"200ms\"");
+        Cfg::new()
+            .task("flaky", flaky)
+            .task(
+                "doomed",
+                shell("exit 3").with("permanent_exit_codes", "[3]"),
+            )
+            .job("flaky", every("1s").with("args", "{ region = \"eu\" }"))
+    })
+    .await;
+    let snoop = Snoop::start(&mut sc, "default");
+    sc.start_beat();
+    let producer = Producer::connect(AMQP_URL, &sc.ns).await.unwrap();
     let args = serde_json::json!({"n": 1});
     let doomed = Message::new("doomed").key("doomed-1").args(args);
     producer
@@ -126,19 +123,14 @@ async fn every_envelope_drumline_writes_validates_against_the_schema() {
 
     let seen =
         |pred: &dyn Fn(&drumline_e2e::snoop::Snooped) -> bool| snoop.messages().iter().any(pred);
-    let all_seen = wait_until(WAIT, || {
+    sc.wait(WAIT, "not every kind of envelope was seen", || {
         seen(&|m| m.envelope.job.is_some() && m.envelope.attempt == 0)
             && seen(&|m| m.envelope.job.is_some() && m.envelope.attempt == 1)
             && seen(&|m| m.envelope.key == "doomed-1")
             && seen(&|m| m.envelope.key == "later-1" && m.envelope.attempt == 0)
     });
-    assert!(all_seen, "{}", worker.log_tail(20));
-    let dead = wait_until_async(WAIT, || async {
-        env.run_state("doomed-1").await.as_deref() == Some("dead")
-    })
-    .await;
-    assert!(dead, "{}", worker.log_tail(20));
-    drop(beat);
+    sc.wait_state("doomed-1", "dead").await;
+    sc.beats.clear();
 
     let validator = validator();
     for m in snoop.messages() {
@@ -149,7 +141,7 @@ async fn every_envelope_drumline_writes_validates_against_the_schema() {
         };
         assert_valid(&validator, what, &m.body);
     }
-    let letters = dead_bodies(&env).await;
+    let letters = dead_bodies(&sc).await;
     assert!(!letters.is_empty());
     for body in letters {
         assert_valid(&validator, "the worker (a dead letter)", &body);
@@ -173,20 +165,17 @@ fn python_with_pika() -> PathBuf {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_python_producer_with_a_minimal_envelope_and_an_unknown_field_runs_each_once() {
-    let env = setup("e2e_envelope_python");
-    let cfg = Cfg::new().task(
-        "report",
-        shell(&format!(
-            "echo \"$DRUMLINE_KEY $(cat)\" >> {}",
-            env.path("runs").display()
-        )),
-    );
-    let config = env.write_config("drumline.toml", &cfg);
-    let worker = env.worker("worker", &["--config", config.to_str().unwrap()]);
-    env.wait_for_topology(&worker).await;
+    let sc = Scenario::start("e2e_envelope_python", 0, 1, |env| {
+        let runs = env.path("runs").display().to_string();
+        Cfg::new().task(
+            "report",
+            shell(&format!("echo \"$DRUMLINE_KEY $(cat)\" >> {runs}")),
+        )
+    })
+    .await;
     let out = std::process::Command::new(python_with_pika())
         .arg(repo().join("examples/python/publish.py"))
-        .args([AMQP_URL, &env.ns, "report", "py"])
+        .args([AMQP_URL, &sc.ns, "report", "py"])
         .output()
         .unwrap();
     assert!(
@@ -195,16 +184,13 @@ async fn a_python_producer_with_a_minimal_envelope_and_an_unknown_field_runs_eac
         String::from_utf8_lossy(&out.stderr)
     );
     for key in ["py-minimal", "py-extra"] {
-        let done = wait_until_async(WAIT, || async {
-            env.run_state(key).await.as_deref() == Some("done")
-        })
-        .await;
-        assert!(done, "{key} did not run\n{}", worker.log_tail(20));
+        sc.wait_state(key, "done").await;
     }
-    let queue = env.names().work_queue("default");
-    let drained = wait_until_async(WAIT, || async { env.queue_len(&queue).await == Some(0) }).await;
-    assert!(drained);
-    let mut runs = env.lines("runs");
+    let queue = sc.names().work_queue("default");
+    let drained = || async { sc.queue_len(&queue).await == Some(0) };
+    sc.wait_async(WAIT, "the queue did not drain", drained)
+        .await;
+    let mut runs = sc.lines("runs");
     runs.sort();
     assert_eq!(
         runs,
@@ -212,7 +198,7 @@ async fn a_python_producer_with_a_minimal_envelope_and_an_unknown_field_runs_eac
         "each ran exactly once, with its args"
     );
     assert!(
-        dead_bodies(&env).await.is_empty(),
+        dead_bodies(&sc).await.is_empty(),
         "nothing was dead-lettered"
     );
 }
