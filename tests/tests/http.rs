@@ -6,6 +6,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine;
 use drumline_e2e::cfg::{Cfg, Keys};
 use drumline_e2e::hook::{Hook, Received, Reply};
+use drumline_e2e::scenario::Scenario;
 use drumline_e2e::{adhoc, setup, toml_string, wait_until_async, TestEnv};
 use drumline_shared::envelope::{format_instant, Envelope};
 use hmac::{Hmac, Mac};
@@ -34,20 +35,6 @@ async fn publish(env: &TestEnv, key: &str, task: &str) -> Envelope {
     envelope
 }
 
-/// Waits until `key`'s run state is `state`.
-async fn wait_state(env: &TestEnv, key: &str, state: &str, log: impl Fn() -> String) {
-    let reached = wait_until_async(WAIT, || async {
-        env.run_state(key).await.as_deref() == Some(state)
-    })
-    .await;
-    assert!(
-        reached,
-        "{key}: {:?}, not {state}\n{}",
-        env.run_state(key).await,
-        log()
-    );
-}
-
 /// Recomputes the Standard Webhooks signature of a received request, as a receiver would.
 fn expected_signature(r: &Received) -> String {
     let mut mac = Hmac::<Sha256>::new_from_slice(SECRET).unwrap();
@@ -63,34 +50,21 @@ fn expected_signature(r: &Received) -> String {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn every_key_is_sent_once_signed_with_its_context() {
-    let env = setup("e2e_http_once");
     let hook = Hook::start(|_, _| Reply::status(200)).await;
-    let cfg = env.write_config(
-        "drumline.toml",
-        &Cfg::new().task(
-            "hook",
-            http_task(
-                &hook.url("/ok"),
-                ", secret_env = \"HOOK_SECRET\", headers = { X-Tenant = \"acme\" }",
-            ),
-        ),
-    );
+    let extra = ", secret_env = \"HOOK_SECRET\", headers = { X-Tenant = \"acme\" }";
+    let cfg = Cfg::new().task("hook", http_task(&hook.url("/ok"), extra));
+    let mut sc = Scenario::new("e2e_http_once", |_| cfg);
     let secret = format!("whsec_{}", BASE64.encode(SECRET));
-    let worker = env.worker_with_env(
-        "worker",
-        &["--config", cfg.to_str().unwrap()],
-        &[("HOOK_SECRET", &secret)],
-    );
-    env.wait_for_topology(&worker).await;
+    sc.start_worker_env(&[("HOOK_SECRET", &secret)]).await;
     let mut sent = Vec::new();
     for i in 0..5 {
-        let envelope = publish(&env, &format!("k{i}"), "hook").await;
+        let envelope = publish(&sc, &format!("k{i}"), "hook").await;
         // A second copy of the same key: dedupe, not a second request.
-        env.publish(&envelope).await;
+        sc.publish(&envelope).await;
         sent.push(envelope);
     }
     for envelope in &sent {
-        wait_state(&env, &envelope.key, "done", || worker.log_tail(20)).await;
+        sc.wait_state(&envelope.key, "done").await;
     }
     let received = hook.on("/ok");
     assert_eq!(received.len(), 5, "{received:#?}");
@@ -122,7 +96,6 @@ async fn every_key_is_sent_once_signed_with_its_context() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn retryable_answers_and_timeouts_are_retried() {
-    let env = setup("e2e_http_retry");
     // Each path fails its first request for a key, then succeeds.
     let hook = Hook::start(|path, before| match (path, before) {
         ("/flaky", 0) => Reply::With(500, vec![], "database is down".into()),
@@ -131,20 +104,16 @@ async fn retryable_answers_and_timeouts_are_retried() {
         _ => Reply::status(200),
     })
     .await;
-    let cfg = env.write_config(
-        "drumline.toml",
-        &Cfg::new()
-            .task("flaky", http_task(&hook.url("/flaky"), ""))
-            .task("busy", http_task(&hook.url("/busy"), ""))
-            .task("slow", http_task(&hook.url("/slow"), ", timeout = \"1s\"")),
-    );
-    let worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
-    env.wait_for_topology(&worker).await;
+    let cfg = Cfg::new()
+        .task("flaky", http_task(&hook.url("/flaky"), ""))
+        .task("busy", http_task(&hook.url("/busy"), ""))
+        .task("slow", http_task(&hook.url("/slow"), ", timeout = \"1s\""));
+    let sc = Scenario::start("e2e_http_retry", 0, 1, |_| cfg).await;
     for task in ["flaky", "busy", "slow"] {
-        publish(&env, &format!("{task}-1"), task).await;
+        publish(&sc, &format!("{task}-1"), task).await;
     }
     for task in ["flaky", "busy", "slow"] {
-        wait_state(&env, &format!("{task}-1"), "done", || worker.log_tail(20)).await;
+        sc.wait_state(&format!("{task}-1"), "done").await;
         let received = hook.on(&format!("/{task}"));
         let attempts: Vec<&str> = received
             .iter()
@@ -161,12 +130,8 @@ async fn retryable_answers_and_timeouts_are_retried() {
 }
 
 /// `dlq list --json` rows: (key, reason, error).
-fn dead_letters(env: &TestEnv, cfg: &str) -> Vec<(String, String, String)> {
-    let (status, stdout, stderr) = env.run(
-        "drumline-worker",
-        &["--config", cfg, "dlq", "list", "--json"],
-    );
-    assert!(status.success(), "{stderr}");
+fn dead_letters(sc: &Scenario) -> Vec<(String, String, String)> {
+    let stdout = sc.run_ok("drumline-worker", &["dlq", "list", "--json"]);
     let rows: Vec<serde_json::Value> = serde_json::from_str(&stdout).unwrap();
     let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
     let mut rows: Vec<_> = rows
@@ -179,7 +144,6 @@ fn dead_letters(env: &TestEnv, cfg: &str) -> Vec<(String, String, String)> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn other_answers_are_permanent_and_redirects_are_not_followed() {
-    let env = setup("e2e_http_permanent");
     // The redirect's target is on the receiver itself, so a request to it would be seen.
     let hook = Hook::start(|path, _| match path {
         "/missing" => Reply::With(404, vec![], "no such invoice".into()),
@@ -191,24 +155,19 @@ async fn other_answers_are_permanent_and_redirects_are_not_followed() {
         _ => Reply::status(200),
     })
     .await;
-    let cfg = env.write_config(
-        "drumline.toml",
-        &Cfg::new()
-            .task("missing", http_task(&hook.url("/missing"), ""))
-            .task("moved", http_task(&hook.url("/moved"), "")),
-    );
-    let cfg = cfg.to_str().unwrap();
-    let worker = env.worker("worker", &["--config", cfg]);
-    env.wait_for_topology(&worker).await;
-    publish(&env, "m-1", "missing").await;
-    publish(&env, "r-1", "moved").await;
+    let cfg = Cfg::new()
+        .task("missing", http_task(&hook.url("/missing"), ""))
+        .task("moved", http_task(&hook.url("/moved"), ""));
+    let sc = Scenario::start("e2e_http_permanent", 0, 1, |_| cfg).await;
+    publish(&sc, "m-1", "missing").await;
+    publish(&sc, "r-1", "moved").await;
     for key in ["m-1", "r-1"] {
-        wait_state(&env, key, "dead", || worker.log_tail(20)).await;
+        sc.wait_state(key, "dead").await;
     }
     assert_eq!(hook.on("/missing").len(), 1);
     assert_eq!(hook.on("/moved").len(), 1);
     assert_eq!(hook.on("/target").len(), 0, "the redirect was followed");
-    let rows = dead_letters(&env, cfg);
+    let rows = dead_letters(&sc);
     assert_eq!(rows.len(), 2, "{rows:?}");
     let (key, reason, error) = &rows[0];
     assert_eq!((key.as_str(), reason.as_str()), ("m-1", "permanent"));
@@ -245,10 +204,12 @@ async fn a_cancelled_run_drops_its_request() {
     use drumline_worker::handler::{Handler, HandlerError, TaskContext};
     use drumline_worker::http::HttpExecutor;
     let hook = Hook::start(|_, _| Reply::Hang(Duration::from_secs(60), 200)).await;
-    let text = format!(
-        "namespace = \"t\"\n[tasks.hook]\nhttp = {{ url = {}, timeout = \"60s\" }}\n",
+    let http = format!(
+        "{{ url = {}, timeout = \"60s\" }}",
         toml_string(&hook.url("/hang"))
     );
+    let cfg = Cfg::new().task("hook", Keys::default().with("http", &http));
+    let text = format!("namespace = \"t\"\n{}", cfg.toml());
     let config = drumline_shared::config::Config::parse(
         &text,
         std::path::Path::new("drumline.toml"),
@@ -291,33 +252,28 @@ async fn a_cancelled_run_drops_its_request() {
 #[tokio::test(flavor = "multi_thread")]
 async fn https_trusts_the_ca_file_and_not_an_unknown_ca() {
     use drumline_e2e::tls::{Certs, Stunnel};
-    let env = setup("e2e_http_tls");
+    let mut sc = Scenario::new("e2e_http_tls", |_| Cfg::new());
     let hook = Hook::start(|_, _| Reply::status(200)).await;
-    let certs = Certs::generate(&env.path("certs"));
-    let tls = Stunnel::start(&env.dir, &certs, hook.port);
+    let certs = Certs::generate(&sc.path("certs"));
+    let tls = Stunnel::start(&sc.dir, &certs, hook.port);
     let url = format!("https://127.0.0.1:{}/tls", tls.port);
     let ca_file = format!(", ca_file = {}", toml_string(certs.ca.to_str().unwrap()));
-    let cfg = env.write_config(
-        "drumline.toml",
-        &Cfg::new()
-            .task("trusted", http_task(&url, &ca_file))
-            // The system roots do not know the test's CA: the handshake fails, every time.
-            .task(
-                "untrusted",
-                Keys::default()
-                    .with("http", &format!("{{ url = {} }}", toml_string(&url)))
-                    .with("max_retries", "0"),
-            ),
-    );
-    let worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
-    env.wait_for_topology(&worker).await;
-    publish(&env, "t-1", "trusted").await;
-    publish(&env, "u-1", "untrusted").await;
-    wait_state(&env, "t-1", "done", || worker.log_tail(20)).await;
-    wait_state(&env, "u-1", "dead", || worker.log_tail(20)).await;
+    // The system roots do not know the test's CA: the handshake fails, every time.
+    let untrusted = Keys::default()
+        .with("http", &format!("{{ url = {} }}", toml_string(&url)))
+        .with("max_retries", "0");
+    let cfg = Cfg::new()
+        .task("trusted", http_task(&url, &ca_file))
+        .task("untrusted", untrusted);
+    sc.rewrite(&cfg);
+    sc.start_workers(1).await;
+    publish(&sc, "t-1", "trusted").await;
+    publish(&sc, "u-1", "untrusted").await;
+    sc.wait_state("t-1", "done").await;
+    sc.wait_state("u-1", "dead").await;
     let keys: Vec<String> = hook.on("/tls").iter().map(|r| r.key().to_owned()).collect();
     assert_eq!(keys, ["t-1"]);
-    let rows = dead_letters(&env, cfg.to_str().unwrap());
+    let rows = dead_letters(&sc);
     let (key, reason, error) = &rows[0];
     assert_eq!(
         (key.as_str(), reason.as_str()),
