@@ -3,7 +3,8 @@
 //! workers that have not started; a failed publish does not spoil the next one.
 
 use drumline_e2e::cfg::{shell, Cfg};
-use drumline_e2e::{setup, wait_until, wait_until_async, AMQP_URL};
+use drumline_e2e::scenario::Scenario;
+use drumline_e2e::AMQP_URL;
 use drumline_shared::broker::BrokerError;
 use drumline_shared::client::{ClientError, Message, Producer};
 use drumline_shared::config::QueueType;
@@ -13,9 +14,15 @@ const WAIT: Duration = Duration::from_secs(30);
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_client_publishes_with_confirms_and_reports_what_cannot_be_routed() {
-    let env = setup("e2e_client");
+    let mut sc = Scenario::new("e2e_client", |env| {
+        let script = format!(
+            "echo \"$DRUMLINE_KEY $(cat)\" >> {}",
+            env.path("effects").display()
+        );
+        Cfg::new().task("append", shell(&script))
+    });
     // Nothing of the namespace exists yet: a bare producer's publish fails, typed.
-    let bare = Producer::connect(AMQP_URL, &env.ns).await.unwrap();
+    let bare = Producer::connect(AMQP_URL, &sc.ns).await.unwrap();
     let nowhere = bare.publish(&Message::new("append").key("early")).await;
     assert!(
         matches!(&nowhere, Err(e @ ClientError::Broker(_)) if !e.is_request()),
@@ -24,7 +31,7 @@ async fn the_client_publishes_with_confirms_and_reports_what_cannot_be_routed() 
 
     // With `declare` (as the workers will: classic queues, the default `dead_ttl` of 7 days),
     // the message waits in its queue for a worker that starts later.
-    let declaring = Producer::builder(env.ns.as_str())
+    let declaring = Producer::builder(sc.ns.as_str())
         .url(AMQP_URL)
         .declare(QueueType::Classic, Duration::from_secs(7 * 24 * 3600))
         .connect()
@@ -36,15 +43,11 @@ async fn the_client_publishes_with_confirms_and_reports_what_cannot_be_routed() 
     let published = declaring.publish(&waiting).await.unwrap();
     assert_eq!(published.key, "k1");
     declaring.close().await;
-    let effects = env.path("effects");
-    let script = format!("echo \"$DRUMLINE_KEY $(cat)\" >> {}", effects.display());
-    let config = env.write_config("drumline.toml", &Cfg::new().task("append", shell(&script)));
-    let worker = env.worker("worker", &["--config", config.to_str().unwrap()]);
-    assert!(
-        wait_until(WAIT, || env.lines("effects") == ["k1 {\"n\":1}"]),
-        "{}",
-        worker.log_tail(20)
-    );
+    let worker = sc.env.worker("worker", &["--config", sc.cfg()]);
+    sc.workers.push(worker);
+    sc.wait(WAIT, "k1 did not run", || {
+        sc.lines("effects") == ["k1 {\"n\":1}"]
+    });
 
     // The bare producer recovers from its failed publish; a queue nobody is bound for is
     // `Unroutable`, and the producer goes on publishing after it.
@@ -56,11 +59,7 @@ async fn the_client_publishes_with_confirms_and_reports_what_cannot_be_routed() 
     bare.publish(&Message::new("append").key("k2"))
         .await
         .unwrap();
-    let done = wait_until_async(WAIT, || async {
-        env.run_state("k2").await.as_deref() == Some("done")
-    })
-    .await;
-    assert!(done, "{}", worker.log_tail(20));
-    assert_eq!(env.lines("effects").len(), 2);
+    sc.wait_state("k2", "done").await;
+    assert_eq!(sc.lines("effects").len(), 2);
     bare.close().await;
 }
