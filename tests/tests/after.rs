@@ -103,6 +103,18 @@ async fn pause_a_while(sc: &Scenario, followers: &[&str]) -> Vec<chrono::DateTim
     paused
 }
 
+/// The chain a → b → c: `a` runs `a_task` on `a_job`; each follower (a stamping task) runs
+/// after its upstream with `after_timeout` `timeout`.
+fn abc(env: &TestEnv, a_task: Keys, a_job: Keys, timeout: &str) -> Cfg {
+    base()
+        .task("a", a_task)
+        .task("b", stamped(env, 0.0, ""))
+        .task("c", stamped(env, 0.0, ""))
+        .job("a", a_job)
+        .job("b", after("a", timeout))
+        .job("c", after("b", timeout))
+}
+
 fn base() -> Cfg {
     Cfg::new()
         .set("worker", "concurrency", "6")
@@ -253,13 +265,8 @@ async fn a_leader_killed_mid_chain_loses_no_follower() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dead_upstream_skips_the_chain_below_it() {
     let mut sc = start("e2e_after_dead", |env| {
-        base()
-            .task("a", stamped(env, 0.0, "exit 1").with("max_retries", "0"))
-            .task("b", stamped(env, 0.0, ""))
-            .task("c", stamped(env, 0.0, ""))
-            .job("a", every("1s"))
-            .job("b", after("a", "30s"))
-            .job("c", after("b", "30s"))
+        let dying = stamped(env, 0.0, "exit 1").with("max_retries", "0");
+        abc(env, dying, every("1s"), "30s")
     })
     .await;
     // Two instants of `a` dead, and `c` skipped for both (well before the 30 s timeout).
@@ -428,13 +435,8 @@ async fn a_jittered_upstreams_followers_run_after_its_late_success() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_paused_or_misfired_upstream_skips_its_followers_at_once() {
     let mut sc = start("e2e_after_paused", |env| {
-        base()
-            .task("a", stamped(env, 0.0, ""))
-            .task("b", stamped(env, 0.0, ""))
-            .task("c", stamped(env, 0.0, ""))
-            .job("a", every("1s").with("misfire", "\"skip\""))
-            .job("b", after("a", "60s"))
-            .job("c", after("b", "60s"))
+        let a = every("1s").with("misfire", "\"skip\"");
+        abc(env, stamped(env, 0.0, ""), a, "60s")
     })
     .await;
     sc.wait(WAIT, "a first c", || !keys_of(&spans(&sc), "c").is_empty());
