@@ -5,7 +5,7 @@
 //! `MISSED` / `DOUBLED` by `audit` and as violations (key, rule, evidence, exit 1) by `verify`.
 
 use drumline_e2e::cfg::{every, shell, Cfg, Keys};
-use drumline_e2e::scenario::{appends, journal, Scenario};
+use drumline_e2e::scenario::{appends, class_of, journal, Scenario};
 use drumline_e2e::{instant_of, wait_until, TestEnv};
 use redis::AsyncCommands;
 use serde_json::Value;
@@ -97,6 +97,22 @@ async fn forge_success(env: &TestEnv, key: &str) -> String {
         .unwrap()
 }
 
+/// Each of `keys` has a `published` journal entry, and its `claim` names the same epoch.
+async fn claims_name_their_epoch(env: &TestEnv, keys: &[&str]) {
+    let entries = journal(env).await;
+    let field = |ev: &str, key: &str| {
+        let entry = entries
+            .iter()
+            .find(|(_, f)| f["ev"] == ev && f["key"] == key);
+        entry.and_then(|(_, f)| f.get("ep").cloned())
+    };
+    for key in keys {
+        let published = field("published", key);
+        assert!(published.is_some(), "{key}: {entries:#?}");
+        assert_eq!(field("claim", key), published, "{key}: {entries:#?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
     let mut sc = Scenario::new("e2e_audit", config);
@@ -108,19 +124,14 @@ async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
     let ran = with_class(&tick, "ran");
     let ran_keys: Vec<&str> = ran.iter().map(|r| r["key"].as_str().unwrap()).collect();
     let effects = sc.lines("ran");
-    let tick_effects: Vec<&str> = effects
-        .iter()
-        .map(String::as_str)
-        .filter(|k| k.starts_with("tick@"))
-        .collect();
+    let of_tick = |k: &&str| k.starts_with("tick@");
+    let tick_effects: Vec<&str> = effects.iter().map(String::as_str).filter(of_tick).collect();
     assert_eq!(ran_keys, tick_effects, "{tick:#?}");
     assert!(ran.len() >= 4);
     for row in &ran {
         assert_eq!(row["attempts"], 1, "{row}");
-        assert!(
-            row["lateness_ms"].is_i64() && row["duration_ms"].is_i64(),
-            "{row}"
-        );
+        let timed = row["lateness_ms"].is_i64() && row["duration_ms"].is_i64();
+        assert!(timed, "{row}");
     }
     let ran_or_pending = |r: &Value| r["class"] == "ran" || r["class"] == "pending";
     assert!(tick.iter().all(ran_or_pending), "{tick:#?}");
@@ -133,11 +144,8 @@ async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
     let held = audit(&sc, "held", &from);
     let skipped = with_class(&held, "skipped");
     assert!(skipped.iter().all(|r| r["reason"] == "paused"), "{held:#?}");
-    assert_eq!(
-        skipped.len(),
-        held.len(),
-        "a paused job never runs: {held:#?}"
-    );
+    let what = format!("a paused job never runs: {held:#?}");
+    assert_eq!(skipped.len(), held.len(), "{what}");
 
     let (code, doc) = verify(&sc, "drumline-beat", &[]);
     assert_eq!((code, &doc["holds"]), (0, &Value::Bool(true)), "{doc:#}");
@@ -146,31 +154,23 @@ async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
     assert_eq!(doc["violations"], serde_json::json!([]));
 
     // A worker's claim names the epoch of the leader that published the copy it ran.
-    let entries = journal(&sc).await;
-    let field = |ev: &str, key: &str| {
-        let entry = entries
-            .iter()
-            .find(|(_, f)| f["ev"] == ev && f["key"] == key);
-        entry.and_then(|(_, f)| f.get("ep").cloned())
-    };
-    for key in &ran_keys {
-        let published = field("published", key);
-        assert!(published.is_some(), "{key}: {entries:#?}");
-        assert_eq!(field("claim", key), published, "{key}: {entries:#?}");
-    }
+    claims_name_their_epoch(&sc, &ran_keys).await;
 
     // Broken on purpose: every trace of one instant gone, a second success forged for another.
     let (gone, twice) = (ran_keys[1].to_owned(), ran_keys[2].to_owned());
     erase(&sc, "tick", &gone).await;
     let forged = forge_success(&sc, &twice).await;
     let tick = audit(&sc, "tick", &from);
-    let class_of = |key: &str| {
-        tick.iter()
-            .find(|r| r["key"] == key)
-            .map(|r| r["class"].clone())
-    };
-    assert_eq!(class_of(&gone), Some(Value::from("missed")), "{tick:#?}");
-    assert_eq!(class_of(&twice), Some(Value::from("doubled")), "{tick:#?}");
+    assert_eq!(
+        class_of(&tick, &gone).as_deref(),
+        Some("missed"),
+        "{tick:#?}"
+    );
+    assert_eq!(
+        class_of(&tick, &twice).as_deref(),
+        Some("doubled"),
+        "{tick:#?}"
+    );
 
     let (code, doc) = verify(&sc, "drumline-beat", &[]);
     assert_eq!((code, &doc["holds"]), (1, &Value::Bool(false)), "{doc:#}");
@@ -182,17 +182,13 @@ async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
     assert_eq!(rule_of(&gone)["rule"], "missed");
     assert_eq!(rule_of(&twice)["rule"], "doubled");
     let evidence = rule_of(&twice)["evidence"].as_str().unwrap();
-    assert!(
-        evidence.contains(&forged) && evidence.contains("forger"),
-        "{evidence}"
-    );
+    let signed = evidence.contains(&forged) && evidence.contains("forger");
+    assert!(signed, "{evidence}");
     assert_eq!(violations.len(), 2, "{doc:#}");
 
     // The table says the same, with the same exit code, on both binaries.
-    let (status, out, _) = sc.run(
-        "drumline",
-        &["--config", sc.cfg(), "verify", "--since", "10m"],
-    );
+    let table = ["--config", sc.cfg(), "verify", "--since", "10m"];
+    let (status, out, _) = sc.run("drumline", &table);
     assert_eq!(status.code(), Some(1));
     assert!(out.contains("2 violations") && out.contains(&gone), "{out}");
 }
