@@ -105,11 +105,8 @@ async fn the_retry_hand_over_rides_out_a_redis_blip() {
     // A long lease: a hand-over left undone would hold the instance for 30 s.
     let mut sc = Scenario::new("e2e_handover_blip", |env| config(env, "30s"));
     let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
-    let via_proxy = [("DRUMLINE_REDIS_URL", proxy.redis_url())];
-    let vars: Vec<(&str, &str)> = via_proxy.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let worker = sc.worker_with_env("worker", &["--config", sc.cfg()], &vars);
-    sc.wait_for_topology(&worker).await;
-    sc.workers.push(worker);
+    sc.start_worker_env(&[("DRUMLINE_REDIS_URL", &proxy.redis_url())])
+        .await;
     sc.publish(&adhoc("k-blip", "t")).await;
     let first = || attempts(&sc, "k-blip").contains_key("attempt=0");
     sc.wait(WAIT, "attempt 0 never started", first);
