@@ -27,6 +27,8 @@ const WAIT: Duration = Duration::from_secs(60);
 const SECOND: Duration = Duration::from_secs(1);
 const IS_LEADER: &str = "drumline_beat_is_leader";
 const LEADER_EPOCH: &str = "drumline_beat_leader_epoch";
+/// `[beat]` for the clock-skew tests: a 3 s lease, a 2 s misfire threshold.
+const SKEWED: [(&str, &str); 2] = [("leader_lease", "\"3s\""), ("misfire_threshold", "\"2s\"")];
 const PUBLISHED: &str = r#"drumline_beat_published_total{job="tick"}"#;
 
 /// A 1 s `catch_up` job `tick` whose task appends its key to `effects`, with `[beat]` keys
@@ -675,8 +677,7 @@ async fn sigterm_hands_leadership_over_within_a_third_of_the_lease() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_beat_an_hour_ahead_neither_publishes_early_nor_loses_instances() {
     let threshold = chrono::Duration::seconds(2);
-    let lease = [("leader_lease", "\"3s\""), ("misfire_threshold", "\"2s\"")];
-    let (mut sc, snoop) = scenario("lead_faketime", &lease, 2).await;
+    let (mut sc, snoop) = scenario("lead_faketime", &SKEWED, 2).await;
     let progress = progress_sampler(&sc);
     let ahead = faketime_ahead("+1h");
     let ahead = vars(&ahead);
@@ -755,8 +756,7 @@ async fn a_beat_an_hour_ahead_neither_publishes_early_nor_loses_instances() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_leader_an_hour_behind_publishes_at_most_the_threshold_late() {
     let threshold = chrono::Duration::seconds(2);
-    let lease = [("leader_lease", "\"3s\""), ("misfire_threshold", "\"2s\"")];
-    let (mut sc, snoop) = scenario("lead_behind", &lease, 1).await;
+    let (mut sc, snoop) = scenario("lead_behind", &SKEWED, 1).await;
     let behind = faketime_ahead("-1h");
     let mut beat = Beat::start(&sc, "beat-slow", &vars(&behind));
     let lease = wait_leader(&sc, 0, WAIT, &[&beat]);
