@@ -67,6 +67,17 @@ async fn death_of(group: i32) -> Option<u128> {
     tokio::task::spawn_blocking(watch).await.expect("the watch")
 }
 
+/// Waits until the task started: the fields of the first line of `events`.
+fn first_event(sc: &Scenario) -> Vec<String> {
+    sc.wait(WAIT, "the task never started", || {
+        !sc.lines("events").is_empty()
+    });
+    sc.lines("events")[0]
+        .split(' ')
+        .map(str::to_owned)
+        .collect()
+}
+
 /// A task `name` run by `/bin/sh -c script`, one at a time, under `lease`.
 fn one_task(name: &str, lease: &str, script: &str) -> Cfg {
     Cfg::new()
@@ -159,19 +170,10 @@ async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
         ))
     });
     let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
-    let via_proxy = [("DRUMLINE_REDIS_URL", proxy.redis_url())];
-    let via_proxy: Vec<(&str, &str)> = via_proxy.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let a = sc.worker_with_env("worker-a", &["--config", sc.cfg()], &via_proxy);
-    sc.wait_for_topology(&a).await;
-    sc.workers.push(a);
+    sc.start_worker_env(&[("DRUMLINE_REDIS_URL", &proxy.redis_url())])
+        .await;
     sc.publish(&adhoc("k-part", "long")).await;
-    sc.wait(WAIT, "A never started the task", || {
-        !sc.lines("events").is_empty()
-    });
-    let first: Vec<String> = sc.lines("events")[0]
-        .split(' ')
-        .map(str::to_owned)
-        .collect();
+    let first = first_event(&sc);
     let a_pid: i32 = first[2].parse().unwrap();
     let a_group = pgid_of(a_pid).expect("A's task is running");
 
@@ -298,11 +300,8 @@ async fn a_success_whose_lease_lapsed_before_done_landed_is_recorded_not_rerun()
         ))
     });
     let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
-    let via_proxy = proxy.redis_url();
-    let args = ["--config", sc.cfg()];
-    let worker = sc.worker_with_env("worker", &args, &[("DRUMLINE_REDIS_URL", &via_proxy)]);
-    sc.wait_for_topology(&worker).await;
-    sc.workers.push(worker);
+    sc.start_worker_env(&[("DRUMLINE_REDIS_URL", &proxy.redis_url())])
+        .await;
     sc.publish(&adhoc("k-race", "slow")).await;
     sc.wait(WAIT, "k-race started", || {
         sc.lines("events") == vec!["start k-race"]
@@ -390,13 +389,7 @@ async fn a_frozen_workers_task_is_killed_by_its_supervisor_before_the_lease_ends
     })
     .await;
     sc.publish(&adhoc("k-frozen-kill", "long")).await;
-    sc.wait(WAIT, "the task never started", || {
-        !sc.lines("events").is_empty()
-    });
-    let first: Vec<String> = sc.lines("events")[0]
-        .split(' ')
-        .map(str::to_owned)
-        .collect();
+    let first = first_event(&sc);
     let (pid, started_ms): (i32, u128) = (first[1].parse().unwrap(), first[2].parse().unwrap());
     let group = pgid_of(pid).expect("the task is running");
     let (sampler, lease_ends_ms) = watch_lease_end(&sc, "k-frozen-kill").await;
