@@ -3,6 +3,7 @@
 //! dashboard, whose every metric must be one the binaries export.
 
 use drumline_e2e::cfg::{every, shell, Cfg};
+use drumline_e2e::scenario::tails;
 use drumline_e2e::{binary, http_get, setup, wait_until, with_metrics};
 use serde_yaml::Value;
 use std::collections::BTreeSet;
@@ -264,7 +265,7 @@ fn under_systemd_a_worker_says_ready_and_pings_the_watchdog() {
     let mut buf = [0u8; 256];
     while !(seen.iter().any(|m| m == "READY=1") && seen.iter().any(|m| m == "WATCHDOG=1")) {
         let n = socket.recv(&mut buf).unwrap_or_else(|e| {
-            panic!("{e}: only {seen:?}\n{}", worker.log_tail(20));
+            panic!("{e}: only {seen:?}\n{}", tails(&[&worker]));
         });
         seen.push(String::from_utf8_lossy(&buf[..n]).trim().to_owned());
     }
