@@ -132,10 +132,11 @@ impl Scenario {
         self.workers.last_mut().expect("just started")
     }
 
-    /// Waits until instance `key`'s run state is `state`, or panics with every log tail.
+    /// Waits (up to a minute: the longest any file waited for a run state) until instance
+    /// `key`'s run state is `state`, or panics with every log tail.
     pub async fn wait_state(&self, key: &str, state: &str) {
         let reached = || async { self.env.run_state(key).await.as_deref() == Some(state) };
-        let held = wait_until_async(WAIT, reached).await;
+        let held = wait_until_async(Duration::from_secs(60), reached).await;
         let now = self.env.run_state(key).await;
         self.check(held, format!("{key} is {now:?}, not {state}"));
     }
