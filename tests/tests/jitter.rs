@@ -45,22 +45,23 @@ fn expected_offset(env: &TestEnv) -> TimeDelta {
     TimeDelta::from_std(offset).unwrap()
 }
 
+/// `next spread`: four instants from 2026-05-01 midnight.
+const NEXT: [&str; 6] = [
+    "next",
+    "spread",
+    "--count",
+    "4",
+    "--from",
+    "2026-05-01T00:00:00Z",
+];
+
 #[test]
 fn next_shows_the_instant_and_the_same_jittered_time_from_any_config() {
     let env = setup("jitter_next");
     let plain = env.write_config("a.toml", &config(&env, false));
     let other = env.write_config("b.toml", &config(&env, true));
-    let args = [
-        "next",
-        "spread",
-        "--json",
-        "--count",
-        "4",
-        "--from",
-        "2026-05-01T00:00:00Z",
-    ];
     let json = |cfg: &Path| -> Vec<Value> {
-        let (code, out, err) = beat_cmd(&env, cfg, &args);
+        let (code, out, err) = beat_cmd(&env, cfg, &[&NEXT[..], &["--json"]].concat());
         assert_eq!(code, 0, "{err}");
         serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
     };
@@ -80,21 +81,11 @@ fn next_shows_the_instant_and_the_same_jittered_time_from_any_config() {
     }
 
     // The table shows both columns.
-    let table = [
-        "next",
-        "spread",
-        "--count",
-        "4",
-        "--from",
-        "2026-05-01T00:00:00Z",
-    ];
-    let (code, out, err) = beat_cmd(&env, &plain, &table);
+    let (code, out, err) = beat_cmd(&env, &plain, &NEXT);
     assert_eq!(code, 0, "{err}");
     let header = out.lines().next().unwrap_or_default();
-    assert!(
-        header.contains("UTC") && header.contains("RUNS AT"),
-        "{out}"
-    );
+    let both = header.contains("UTC") && header.contains("RUNS AT");
+    assert!(both, "{out}");
     let row = out.lines().nth(1).unwrap_or_default();
     assert!(row.contains("2026-05-01T00:00:02Z"), "{out}");
     let runs_at = format_instant(instant("2026-05-01T00:00:02Z") + offset);
@@ -155,28 +146,20 @@ async fn two_beats_and_a_restart_publish_each_instant_its_offset_late() {
     for m in &published {
         let e = &m.envelope;
         let at = e.scheduled_for;
+        let (key, due) = (&e.key, at + offset);
         assert_eq!(
-            e.key,
+            *key,
             format!("spread@{}", format_instant(at)),
             "key is the instant"
         );
+        let on_grid = at.timestamp() % 2 == 0 && at.timestamp_subsec_nanos() == 0;
+        assert!(on_grid, "scheduled_for is on the un-jittered grid: {key}");
         assert!(
-            at.timestamp() % 2 == 0 && at.timestamp_subsec_nanos() == 0,
-            "scheduled_for is on the un-jittered grid: {}",
-            e.key
-        );
-        assert!(
-            e.published_at >= at + offset,
-            "{} published at {}",
-            e.key,
+            e.published_at >= due,
+            "{key} published at {}",
             e.published_at
         );
-        assert!(
-            m.arrived >= at + offset,
-            "{} arrived at {}",
-            e.key,
-            m.arrived
-        );
+        assert!(m.arrived >= due, "{key} arrived at {}", m.arrived);
     }
 
     // Dedupe is unchanged: every instant ran exactly once.
