@@ -4,7 +4,8 @@
 //! value of the variable `[api] token_env` names; answers are JSON, errors
 //! `{"error", "field"}`. [`ApiDoc`] is the OpenAPI document, kept in `docs/api.openapi.json`.
 
-use crate::schedules::{has_labels, shown, shown_config_job};
+use crate::schedules::{check, has_labels, shown, shown_config_job, shown_of};
+use axum::body::Bytes;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
@@ -48,6 +49,10 @@ pub fn routes(api: Arc<Api>) -> Router {
         .route(
             "/api/v1/schedules/{name}",
             get(get_schedule).put(put_schedule).delete(delete_schedule),
+        )
+        .route(
+            "/api/v1/calendars/{name}",
+            get(get_calendar).put(put_calendar).delete(delete_calendar),
         )
         .layer(middleware::from_fn_with_state(api.clone(), authorize))
         .with_state(api)
@@ -105,26 +110,34 @@ fn store_error(e: impl std::fmt::Display) -> Response {
 async fn put_schedule(
     State(api): State<Arc<Api>>,
     Path(name): Path<String>,
-    body: axum::body::Bytes,
+    body: Bytes,
 ) -> Response {
-    let object: Value = match serde_json::from_slice(&body) {
+    put_object(&api, (ObjectKind::Schedule, &name), &body).await
+}
+
+/// Creates or replaces object `name` of `kind` from `body`; answers with it as stored.
+async fn put_object(api: &Api, (kind, name): (ObjectKind, &str), body: &[u8]) -> Response {
+    let object: Value = match serde_json::from_slice(body) {
         Ok(object) => object,
         Err(e) => return error(StatusCode::BAD_REQUEST, &format!("not JSON: {e}"), None),
     };
-    let spec = match api.config.check_schedule(Some(&name), object) {
-        Ok((spec, _)) => spec,
+    let mut object = object;
+    if let Some(keys) = object.as_object_mut() {
+        keys.entry("name").or_insert_with(|| name.into());
+    }
+    let checked = match check(&api.config, kind, object) {
+        Ok((given, _)) if given != name => {
+            let message = format!("{given:?} differs from the name addressed, {name:?}");
+            return error(StatusCode::BAD_REQUEST, &message, Some("name"));
+        }
+        Ok(checked) => checked,
         Err(r) if r.kind == RefusalKind::ConfigName => {
             return error(StatusCode::CONFLICT, &r.message, r.field.as_deref())
         }
         Err(r) => return error(StatusCode::BAD_REQUEST, &r.message, r.field.as_deref()),
     };
     let now = Utc::now().timestamp_millis();
-    let objects = [(spec.name.clone(), spec.to_json())];
-    let applied = match api
-        .store
-        .put_objects(ObjectKind::Schedule, &objects, now)
-        .await
-    {
+    let applied = match api.store.put_objects(kind, &[checked], now).await {
         Ok(applied) => applied,
         Err(e) => return store_error(e),
     };
@@ -132,18 +145,18 @@ async fn put_schedule(
         Some(Applied::Created) => StatusCode::CREATED,
         _ => StatusCode::OK,
     };
-    match read_shown(&api, &name).await {
+    match read_shown(api, kind, name).await {
         Ok(Some(shown)) => reply(status, &shown),
         Ok(None) => error(StatusCode::CONFLICT, "deleted meanwhile", None),
         Err(response) => response,
     }
 }
 
-/// The stored schedule `name` as shown, `None` when there is none.
-async fn read_shown(api: &Api, name: &str) -> Result<Option<Value>, Response> {
-    let stored = api.store.object(ObjectKind::Schedule, name).await;
+/// The stored object `name` of `kind` as shown, `None` when there is none.
+async fn read_shown(api: &Api, kind: ObjectKind, name: &str) -> Result<Option<Value>, Response> {
+    let stored = api.store.object(kind, name).await;
     let stored = stored.map_err(store_error)?;
-    Ok(stored.and_then(|s| shown(&api.config, &s, Utc::now())))
+    Ok(stored.and_then(|s| shown_of(&api.config, kind, &s, Utc::now())))
 }
 
 /// One schedule.
@@ -155,15 +168,21 @@ async fn read_shown(api: &Api, name: &str) -> Result<Option<Value>, Response> {
         (status = 404, description = "No such schedule", body = ApiError)),
     security(("bearer" = [])))]
 async fn get_schedule(State(api): State<Arc<Api>>, Path(name): Path<String>) -> Response {
-    match read_shown(&api, &name).await {
+    get_object(&api, ObjectKind::Schedule, &name).await
+}
+
+/// Answers with object `name` of `kind`, 404 when there is none.
+async fn get_object(api: &Api, kind: ObjectKind, name: &str) -> Response {
+    match read_shown(api, kind, name).await {
         Ok(Some(shown)) => reply(StatusCode::OK, &shown),
-        Ok(None) => error(
-            StatusCode::NOT_FOUND,
-            &format!("no schedule {name:?}"),
-            None,
-        ),
+        Ok(None) => not_found(kind, name),
         Err(response) => response,
     }
+}
+
+fn not_found(kind: ObjectKind, name: &str) -> Response {
+    let what = &kind.as_str()[..kind.as_str().len() - 1];
+    error(StatusCode::NOT_FOUND, &format!("no {what} {name:?}"), None)
 }
 
 /// Delete a schedule: it publishes nothing more (runs in flight finish).
@@ -175,19 +194,59 @@ async fn get_schedule(State(api): State<Arc<Api>>, Path(name): Path<String>) -> 
         (status = 404, description = "No such schedule", body = ApiError)),
     security(("bearer" = [])))]
 async fn delete_schedule(State(api): State<Arc<Api>>, Path(name): Path<String>) -> Response {
-    match api
-        .store
-        .delete_objects(ObjectKind::Schedule, &[&name])
-        .await
-    {
+    delete_object(&api, ObjectKind::Schedule, &name).await
+}
+
+/// Deletes object `name` of `kind`: 204, or 404 when there was none.
+async fn delete_object(api: &Api, kind: ObjectKind, name: &str) -> Response {
+    match api.store.delete_objects(kind, &[name]).await {
         Ok(gone) if gone.first() == Some(&true) => StatusCode::NO_CONTENT.into_response(),
-        Ok(_) => error(
-            StatusCode::NOT_FOUND,
-            &format!("no schedule {name:?}"),
-            None,
-        ),
+        Ok(_) => not_found(kind, name),
         Err(e) => store_error(e),
     }
+}
+
+/// Create or replace a calendar (`{"dates": [...]}`); the config file's cannot be.
+#[utoipa::path(put, path = "/api/v1/calendars/{name}", tag = "calendars",
+    params(("name" = String, Path, description = "The calendar's name")),
+    request_body(content = CalendarInput, description = "The calendar; `name` may be omitted"),
+    responses(
+        (status = 201, description = "Created", body = CalendarShown),
+        (status = 200, description = "Replaced or unchanged", body = CalendarShown),
+        (status = 400, description = "Not a valid calendar", body = ApiError),
+        (status = 401, description = "No or a wrong bearer token", body = ApiError),
+        (status = 409, description = "A calendar of the config file has the name", body = ApiError)),
+    security(("bearer" = [])))]
+async fn put_calendar(
+    State(api): State<Arc<Api>>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Response {
+    put_object(&api, (ObjectKind::Calendar, &name), &body).await
+}
+
+/// One calendar.
+#[utoipa::path(get, path = "/api/v1/calendars/{name}", tag = "calendars",
+    params(("name" = String, Path, description = "The calendar's name")),
+    responses(
+        (status = 200, description = "The calendar", body = CalendarShown),
+        (status = 401, description = "No or a wrong bearer token", body = ApiError),
+        (status = 404, description = "No such calendar", body = ApiError)),
+    security(("bearer" = [])))]
+async fn get_calendar(State(api): State<Arc<Api>>, Path(name): Path<String>) -> Response {
+    get_object(&api, ObjectKind::Calendar, &name).await
+}
+
+/// Delete a calendar: the jobs that exclude it skip its dates no more.
+#[utoipa::path(delete, path = "/api/v1/calendars/{name}", tag = "calendars",
+    params(("name" = String, Path, description = "The calendar's name")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 401, description = "No or a wrong bearer token", body = ApiError),
+        (status = 404, description = "No such calendar", body = ApiError)),
+    security(("bearer" = [])))]
+async fn delete_calendar(State(api): State<Arc<Api>>, Path(name): Path<String>) -> Response {
+    delete_object(&api, ObjectKind::Calendar, &name).await
 }
 
 /// A page of schedules: the config's jobs first (`source` `config`, on the first page when no
@@ -331,6 +390,30 @@ pub struct Schedule {
     pub next: Option<Vec<String>>,
 }
 
+/// A calendar as applied.
+#[derive(ToSchema)]
+pub struct CalendarInput {
+    /// The name; optional in a PUT (the path names it), equal to the path's when given.
+    pub name: Option<String>,
+    /// `YYYY-MM-DD` (that day) or `*-MM-DD` (that day every year).
+    pub dates: Vec<String>,
+}
+
+/// A stored calendar as shown.
+#[derive(ToSchema)]
+pub struct CalendarShown {
+    /// The name.
+    pub name: String,
+    /// Its dates, `YYYY-MM-DD` first, then `*-MM-DD`.
+    pub dates: Vec<String>,
+    /// `api`.
+    pub source: String,
+    /// When created (RFC 3339).
+    pub created_at: String,
+    /// When last changed (RFC 3339).
+    pub updated_at: String,
+}
+
 /// A page of `GET /api/v1/schedules`.
 #[derive(ToSchema)]
 pub struct SchedulePage {
@@ -343,9 +426,11 @@ pub struct SchedulePage {
 /// The OpenAPI document of the API (`docs/api.openapi.json`).
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "drumline API", description = "Schedules at run time (docs/api.md)."),
-    paths(put_schedule, get_schedule, delete_schedule, list_schedules),
-    components(schemas(ApiError, ScheduleInput, Schedule, SchedulePage)),
+    info(title = "drumline API", description = "Schedules and calendars at run time (docs/api.md)."),
+    paths(put_schedule, get_schedule, delete_schedule, list_schedules, put_calendar, get_calendar,
+        delete_calendar),
+    components(schemas(ApiError, ScheduleInput, Schedule, SchedulePage, CalendarInput,
+        CalendarShown)),
     modifiers(&Bearer))]
 pub struct ApiDoc;
 

@@ -6,6 +6,7 @@ use crate::{adhoc, commands, prove, schedules};
 use clap::Subcommand;
 use drumline_shared::config::Config;
 use drumline_shared::exit::Failure;
+use drumline_shared::store::ObjectKind;
 use std::path::Path;
 
 /// The beat's operator commands.
@@ -144,6 +145,13 @@ pub enum Command {
         #[command(subcommand)]
         action: SchedulesCommand,
     },
+    /// Calendars (dates jobs skip) created, changed and removed at run time: apply
+    /// `{"name", "dates"}` objects, get, list, delete. The file's cannot be replaced.
+    Calendars {
+        /// What to do.
+        #[command(subcommand)]
+        action: SchedulesCommand,
+    },
 }
 
 /// `drumline schedules …`.
@@ -181,19 +189,19 @@ pub enum SchedulesCommand {
 }
 
 impl SchedulesCommand {
-    async fn run(self, config: &Config) -> Result<(), Failure> {
+    async fn run(self, config: &Config, kind: ObjectKind) -> Result<(), Failure> {
         let store = &commands::store(config).await?;
         match self {
             SchedulesCommand::Apply { file } => {
-                schedules::apply(config, store, file.as_deref()).await
+                schedules::apply(config, store, kind, file.as_deref()).await
             }
             SchedulesCommand::Get { name, json } => {
-                schedules::get(config, store, &name, json).await
+                schedules::get(config, store, (kind, &name), json).await
             }
             SchedulesCommand::List { labels, json } => {
-                schedules::list(config, store, &labels, json).await
+                schedules::list(config, store, (kind, &labels), json).await
             }
-            SchedulesCommand::Delete { names } => schedules::delete(store, &names).await,
+            SchedulesCommand::Delete { names } => schedules::delete(store, kind, &names).await,
         }
     }
 }
@@ -284,7 +292,8 @@ impl Command {
                 overdue,
                 json,
             } => prove::verify(&config, (since, overdue), json).await,
-            Command::Schedules { action } => action.run(&config).await,
+            Command::Schedules { action } => action.run(&config, ObjectKind::Schedule).await,
+            Command::Calendars { action } => action.run(&config, ObjectKind::Calendar).await,
         }
     }
 }

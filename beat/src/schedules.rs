@@ -1,10 +1,10 @@
-//! `drumline schedules apply|get|list|delete` (docs/design.md#schedules-as-data): jobs created,
-//! changed and removed at run time, stored in Redis ([`Store::put_objects`]) where the leader
-//! follows them. What to store and what to show is decided here without I/O ([`checked`],
+//! `drumline schedules|calendars apply|get|list|delete` (docs/design.md#schedules-as-data):
+//! jobs and calendars created, changed and removed at run time, stored in Redis
+//! ([`Store::put_objects`]) where the leader follows them. What to store and what to show is decided here without I/O ([`checked`],
 //! [`shown`]); the commands read and write through the [`Store`].
 
 use chrono::{DateTime, SecondsFormat, TimeZone, Utc};
-use drumline_shared::config::{Config, Job, Refusal, ScheduleSpec};
+use drumline_shared::config::{Config, Job, Refusal};
 use drumline_shared::exit::Failure;
 use drumline_shared::store::{Applied, ObjectKind, Store, Stored};
 use serde_json::{json, Value};
@@ -27,29 +27,49 @@ pub fn objects_of(text: &str) -> Result<Vec<Value>, Failure> {
     }
 }
 
-/// Every object checked against `config`, all or nothing: the first bad one is refused by its
-/// place in the input and its name, naming the key.
-pub fn checked(config: &Config, objects: Vec<Value>) -> Result<Vec<ScheduleSpec>, Failure> {
+/// Every object of `kind` checked against `config`, all or nothing: the first bad one is
+/// refused by its place in the input and its name, naming the key. Each as its name and
+/// stored form.
+pub fn checked(
+    config: &Config,
+    kind: ObjectKind,
+    objects: Vec<Value>,
+) -> Result<Vec<(String, String)>, Failure> {
     let mut names = HashSet::new();
-    let mut specs = Vec::with_capacity(objects.len());
+    let mut out = Vec::with_capacity(objects.len());
     for (i, object) in objects.into_iter().enumerate() {
-        let named = object
-            .get("name")
-            .and_then(Value::as_str)
-            .map(str::to_owned);
-        let place = match &named {
-            Some(name) => format!("schedule {} ({name:?})", i + 1),
-            None => format!("schedule {}", i + 1),
+        let named = object.get("name").and_then(Value::as_str);
+        let what = &kind.as_str()[..kind.as_str().len() - 1];
+        let place = match named {
+            Some(name) => format!("{what} {} ({name:?})", i + 1),
+            None => format!("{what} {}", i + 1),
         };
-        let (spec, _) = config
-            .check_schedule(None, object)
-            .map_err(|r| Failure::usage(refused(&place, &r)))?;
-        if !names.insert(spec.name.clone()) {
+        let (name, json) =
+            check(config, kind, object).map_err(|r| Failure::usage(refused(&place, &r)))?;
+        if !names.insert(name.clone()) {
             return Err(Failure::usage(format!("{place}: key `name`: given twice")));
         }
-        specs.push(spec);
+        out.push((name, json));
     }
-    Ok(specs)
+    Ok(out)
+}
+
+/// One object of `kind` checked: its name and stored form.
+pub fn check(
+    config: &Config,
+    kind: ObjectKind,
+    object: Value,
+) -> Result<(String, String), Refusal> {
+    match kind {
+        ObjectKind::Schedule => {
+            let (spec, _) = config.check_schedule(None, object)?;
+            Ok((spec.name.clone(), spec.to_json()))
+        }
+        ObjectKind::Calendar => {
+            let (name, _, json) = config.check_calendar(None, object)?;
+            Ok((name, json))
+        }
+    }
 }
 
 /// A refusal as `PLACE: key `K`: MESSAGE`.
@@ -66,14 +86,45 @@ pub fn refused(place: &str, refusal: &Refusal) -> String {
 pub fn shown(config: &Config, stored: &Stored, now: DateTime<Utc>) -> Option<Value> {
     let object: Value = serde_json::from_str(&stored.json).ok()?;
     let (_, job) = config.check_schedule(None, object.clone()).ok()?;
+    let mut object = shown_stored(object, stored)?;
+    object["next"] = next_instants(&job, now).into();
+    Some(object)
+}
+
+/// A stored object with `source` (`api`), `created_at` and `updated_at`.
+fn shown_stored(object: Value, stored: &Stored) -> Option<Value> {
     let Value::Object(mut object) = object else {
         return None;
     };
     object.insert("source".into(), "api".into());
     object.insert("created_at".into(), ms_text(stored.created_ms).into());
     object.insert("updated_at".into(), ms_text(stored.updated_ms).into());
-    object.insert("next".into(), next_instants(&job, now).into());
     Some(Value::Object(object))
+}
+
+/// A stored object of `kind` as shown (a schedule with its next instants).
+pub fn shown_of(
+    config: &Config,
+    kind: ObjectKind,
+    stored: &Stored,
+    now: DateTime<Utc>,
+) -> Option<Value> {
+    match kind {
+        ObjectKind::Schedule => shown(config, stored, now),
+        ObjectKind::Calendar => shown_stored(serde_json::from_str(&stored.json).ok()?, stored),
+    }
+}
+
+/// The config file's objects of `kind`, as `list` shows them before the stored ones.
+pub fn config_rows(config: &Config, kind: ObjectKind) -> Vec<Value> {
+    match kind {
+        ObjectKind::Schedule => config.jobs.iter().map(shown_config_job).collect(),
+        ObjectKind::Calendar => config
+            .calendars
+            .iter()
+            .map(|(name, c)| json!({"name": name, "dates": c.dates(), "source": "config"}))
+            .collect(),
+    }
 }
 
 /// A config file's job as `list` shows it beside the stored ones.
@@ -116,17 +167,18 @@ pub fn parse_label(text: &str) -> Result<(String, String), String> {
     }
 }
 
-/// `schedules apply [FILE|-]`: prints `created|replaced|unchanged NAME` per object.
-pub async fn apply(config: &Config, store: &Store, file: Option<&Path>) -> Result<(), Failure> {
+/// `schedules|calendars apply [FILE|-]`: prints `created|replaced|unchanged NAME` per object.
+pub async fn apply(
+    config: &Config,
+    store: &Store,
+    kind: ObjectKind,
+    file: Option<&Path>,
+) -> Result<(), Failure> {
     let text = read_input(file)?;
-    let specs = checked(config, objects_of(&text)?)?;
-    let objects: Vec<(String, String)> = specs
-        .iter()
-        .map(|s| (s.name.clone(), s.to_json()))
-        .collect();
+    let objects = checked(config, kind, objects_of(&text)?)?;
     let now = Utc::now().timestamp_millis();
     let applied = store
-        .put_objects(ObjectKind::Schedule, &objects, now)
+        .put_objects(kind, &objects, now)
         .await
         .map_err(redis_failure)?;
     let mut out = String::with_capacity(objects.len() * 24);
@@ -158,14 +210,20 @@ fn read_input(file: Option<&Path>) -> Result<String, Failure> {
     Ok(text)
 }
 
-/// `schedules get NAME [--json]`: exit 1 when there is none.
-pub async fn get(config: &Config, store: &Store, name: &str, json: bool) -> Result<(), Failure> {
-    let stored = store.object(ObjectKind::Schedule, name).await;
+/// `schedules|calendars get NAME [--json]`: exit 1 when there is none.
+pub async fn get(
+    config: &Config,
+    store: &Store,
+    (kind, name): (ObjectKind, &str),
+    json: bool,
+) -> Result<(), Failure> {
+    let what = &kind.as_str()[..kind.as_str().len() - 1];
+    let stored = store.object(kind, name).await;
     let Some(stored) = stored.map_err(redis_failure)? else {
-        return Err(Failure::other(format!("no schedule {name:?}")));
+        return Err(Failure::other(format!("no {what} {name:?}")));
     };
-    let shown = shown(config, &stored, Utc::now())
-        .ok_or_else(|| Failure::other(format!("schedule {name:?} no longer checks")))?;
+    let shown = shown_of(config, kind, &stored, Utc::now())
+        .ok_or_else(|| Failure::other(format!("{what} {name:?} no longer checks")))?;
     if json {
         println!("{shown}");
     } else {
@@ -177,33 +235,33 @@ pub async fn get(config: &Config, store: &Store, name: &str, json: bool) -> Resu
     Ok(())
 }
 
-/// `schedules list [--label K=V]… [--json]`: the config's jobs, then every stored schedule.
+/// `schedules|calendars list [--label K=V]… [--json]`: the config's, then every stored one.
 pub async fn list(
     config: &Config,
     store: &Store,
-    labels: &[(String, String)],
+    (kind, labels): (ObjectKind, &[(String, String)]),
     json: bool,
 ) -> Result<(), Failure> {
     let mut rows: Vec<Value> = match labels.is_empty() {
-        true => config.jobs.iter().map(shown_config_job).collect(),
+        true => config_rows(config, kind),
         false => Vec::new(),
     };
-    rows.extend(stored_rows(config, store, labels).await?);
+    rows.extend(stored_rows(config, store, (kind, labels)).await?);
     if json {
-        println!("{}", json!({"schedules": rows, "next_cursor": null}));
+        println!("{}", json!({kind.as_str(): rows, "next_cursor": null}));
         return Ok(());
     }
-    println!("{:<32} {:<7} {:<24} TASK", "NAME", "SOURCE", "SCHEDULE");
+    println!("{:<32} {:<7} WHAT", "NAME", "SOURCE");
     for row in rows {
-        let schedule = ["schedule", "every", "cron"]
-            .iter()
-            .find_map(|k| row[*k].as_str().map(|v| format!("{k} {v}")))
-            .unwrap_or_default();
-        let schedule = schedule.trim_start_matches("schedule ");
+        let what = match kind {
+            ObjectKind::Schedule => schedule_text(&row),
+            ObjectKind::Calendar => {
+                row["dates"].as_array().map_or(0, Vec::len).to_string() + " dates"
+            }
+        };
         let (name, source) = (row["name"].as_str(), row["source"].as_str());
-        let task = row["task"].as_str().unwrap_or("");
         println!(
-            "{:<32} {:<7} {schedule:<24} {task}",
+            "{:<32} {:<7} {what}",
             name.unwrap_or(""),
             source.unwrap_or("")
         );
@@ -211,18 +269,28 @@ pub async fn list(
     Ok(())
 }
 
+/// A listed schedule's rule and task: `every 1h report`.
+fn schedule_text(row: &Value) -> String {
+    let rule = ["schedule", "every", "cron"]
+        .iter()
+        .find_map(|k| row[*k].as_str().map(|v| format!("{k} {v}")))
+        .unwrap_or_default();
+    let rule = rule.trim_start_matches("schedule ");
+    format!("{rule} {}", row["task"].as_str().unwrap_or(""))
+}
+
 async fn stored_rows(
     config: &Config,
     store: &Store,
-    labels: &[(String, String)],
+    (kind, labels): (ObjectKind, &[(String, String)]),
 ) -> Result<Vec<Value>, Failure> {
     let (mut rows, mut cursor, now) = (Vec::new(), 0, Utc::now());
     loop {
         let (next, page) = store
-            .objects_page(ObjectKind::Schedule, cursor, LIST_PAGE)
+            .objects_page(kind, cursor, LIST_PAGE)
             .await
             .map_err(redis_failure)?;
-        let shown = page.iter().filter_map(|s| shown(config, s, now));
+        let shown = page.iter().filter_map(|s| shown_of(config, kind, s, now));
         rows.extend(shown.filter(|o| has_labels(o, labels)));
         if next == 0 {
             return Ok(rows);
@@ -231,11 +299,12 @@ async fn stored_rows(
     }
 }
 
-/// `schedules delete NAME…`: `deleted NAME` each; exit 1 when one of them was not stored.
-pub async fn delete(store: &Store, names: &[String]) -> Result<(), Failure> {
+/// `schedules|calendars delete NAME…`: `deleted NAME` each; exit 1 when one of them was not
+/// stored.
+pub async fn delete(store: &Store, kind: ObjectKind, names: &[String]) -> Result<(), Failure> {
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
     let gone = store
-        .delete_objects(ObjectKind::Schedule, &names)
+        .delete_objects(kind, &names)
         .await
         .map_err(redis_failure)?;
     let missing: Vec<&str> = names
@@ -281,18 +350,23 @@ mod tests {
     fn an_apply_is_all_or_nothing_and_names_the_object_and_key() {
         let text = r#"[{"name": "a", "task": "report", "every": "1m"},
                        {"name": "b", "task": "report", "every": "often"}]"#;
-        let refusal = usage(checked(&config(), objects_of(text).unwrap()).unwrap_err());
+        let refusal =
+            usage(checked(&config(), ObjectKind::Schedule, objects_of(text).unwrap()).unwrap_err());
         assert!(
             refusal.starts_with("schedule 2 (\"b\"): key `every`:"),
             "{refusal}"
         );
         let twice = r#"[{"name": "a", "task": "report", "every": "1m"},
                         {"name": "a", "task": "report", "every": "2m"}]"#;
-        let refusal = usage(checked(&config(), objects_of(twice).unwrap()).unwrap_err());
+        let refusal = usage(
+            checked(&config(), ObjectKind::Schedule, objects_of(twice).unwrap()).unwrap_err(),
+        );
         assert_eq!(refusal, "schedule 2 (\"a\"): key `name`: given twice");
         let one = r#"{"name": "a", "task": "report", "every": "1m"}"#;
         assert_eq!(
-            checked(&config(), objects_of(one).unwrap()).unwrap().len(),
+            checked(&config(), ObjectKind::Schedule, objects_of(one).unwrap())
+                .unwrap()
+                .len(),
             1
         );
     }
@@ -300,12 +374,12 @@ mod tests {
     #[test]
     fn a_shown_schedule_has_its_times_source_and_next_instants() {
         let text = r#"{"name": "a", "task": "report", "every": "1h", "labels": {"t": "x"}}"#;
-        let spec = checked(&config(), objects_of(text).unwrap())
+        let (_, json) = checked(&config(), ObjectKind::Schedule, objects_of(text).unwrap())
             .unwrap()
             .remove(0);
         let stored = Stored {
             name: "a".into(),
-            json: spec.to_json(),
+            json,
             created_ms: 0,
             updated_ms: 1_000,
         };

@@ -196,6 +196,56 @@ fn the_api_needs_the_token_and_answers_as_documented() {
 }
 
 #[test]
+fn calendars_are_put_read_and_deleted_through_the_api() {
+    let env = setup("api_calendars");
+    let (_beat, port) = beat_with_api(&env);
+    let body = r#"{"dates": ["*-12-25", "2026-01-01"]}"#;
+    let created = call(
+        port,
+        "PUT",
+        "/api/v1/calendars/holidays",
+        body,
+        201,
+        Some("CalendarShown"),
+    );
+    assert_eq!(created["dates"], json!(["2026-01-01", "*-12-25"]));
+    call(
+        port,
+        "PUT",
+        "/api/v1/calendars/holidays",
+        body,
+        200,
+        Some("CalendarShown"),
+    );
+    let bad = call(
+        port,
+        "PUT",
+        "/api/v1/calendars/x",
+        r#"{"dates": ["soon"]}"#,
+        400,
+        Some("ApiError"),
+    );
+    assert_eq!(bad["field"], "dates");
+    call(
+        port,
+        "GET",
+        "/api/v1/calendars/holidays",
+        "",
+        200,
+        Some("CalendarShown"),
+    );
+    call(port, "DELETE", "/api/v1/calendars/holidays", "", 204, None);
+    call(
+        port,
+        "GET",
+        "/api/v1/calendars/holidays",
+        "",
+        404,
+        Some("ApiError"),
+    );
+}
+
+#[test]
 fn a_beat_with_an_api_address_and_no_token_refuses_to_start() {
     let env = setup("api_no_token");
     let path = env.write_config("drumline.toml", &Cfg::new().task("report", shell("true")));

@@ -259,3 +259,40 @@ fn a_calendar_date_skips_the_jobs_instants_visibly() {
     let (code, out, err) = drumline(&env, &["verify", "--since", "5m"]);
     assert_eq!(code, 0, "{out}{err}");
 }
+
+#[test]
+fn a_calendar_applied_at_run_time_skips_a_schedules_instants_within_a_second() {
+    let env = setup("sched_live_calendar");
+    let path = marking(&env);
+    let path = path.to_str().expect("utf-8");
+    let _worker = env.worker("worker", &["--config", path]);
+    let beat = env.beat("beat", &["--config", path]);
+    let s = r#"{"name": "s", "task": "mark", "every": "1s", "exclude": ["off"]}"#;
+    assert_eq!(apply(&env, "s.json", s).0, 0);
+    let ran = wait_until(Duration::from_secs(30), || runs_of(&env, "s").len() >= 2);
+    assert!(ran, "the schedule did not run\n{}", beat.log_tail(20));
+    let today = chrono::Utc::now().date_naive();
+    let off = format!(
+        r#"{{"name": "off", "dates": ["{today}", "{}"]}}"#,
+        today.succ_opt().expect("tomorrow")
+    );
+    let path = env.path("off.json");
+    std::fs::write(&path, off).expect("write");
+    let (code, out, err) = drumline(&env, &["calendars", "apply", path.to_str().expect("utf-8")]);
+    assert_eq!((code, out.as_str()), (0, "created off\n"), "{err}");
+    let applied = chrono::Utc::now();
+    let skipping = wait_until(Duration::from_secs(10), || {
+        let (_, out, _) = drumline(&env, &["audit", "s", "--json"]);
+        let audit: Value = serde_json::from_str(&out).unwrap_or(Value::Null);
+        let rows = audit["instants"].as_array().cloned().unwrap_or_default();
+        rows.iter().filter(|r| r["reason"] == "calendar").count() >= 2
+    });
+    assert!(skipping, "nothing skipped\n{}", beat.log_tail(20));
+    let late = runs_of(&env, "s")
+        .into_iter()
+        .filter(|t| *t > applied + chrono::TimeDelta::seconds(1))
+        .count();
+    assert_eq!(late, 0, "ran on an excluded date: {:?}", runs_of(&env, "s"));
+    let (code, _, err) = drumline(&env, &["calendars", "get", "off", "--json"]);
+    assert_eq!(code, 0, "{err}");
+}

@@ -102,6 +102,45 @@ impl Config {
         Ok((spec, job))
     }
 
+    /// Checks one calendar object, `{"name", "dates"}`, as `[calendars.NAME]` is checked;
+    /// `name` as in [`Config::check_schedule`]. The calendar and its stored form (canonical
+    /// JSON). A name the file uses is refused ([`RefusalKind::ConfigName`]).
+    pub fn check_calendar(
+        &self,
+        name: Option<&str>,
+        object: Value,
+    ) -> Result<(String, Calendar, String), Refusal> {
+        let Value::Object(mut keys) = object else {
+            return Err(Refusal::invalid(None, "a calendar is a JSON object"));
+        };
+        let name = take_name(&mut keys, name)?;
+        for shown in SHOWN_ONLY {
+            keys.remove(shown);
+        }
+        if self.calendars.contains_key(&name) {
+            return Err(Refusal {
+                field: Some("name".into()),
+                message: format!("{name:?} is a calendar of the config file; change it there"),
+                kind: RefusalKind::ConfigName,
+            });
+        }
+        if let Some(key) = keys.keys().find(|k| *k != "dates") {
+            return Err(Refusal::invalid(
+                Some(key),
+                "unknown key (a calendar has `dates`)",
+            ));
+        }
+        let dates: Vec<String> = match keys.remove("dates") {
+            Some(dates) => serde_json::from_value(dates)
+                .map_err(|_| Refusal::invalid(Some("dates"), "must be an array of strings"))?,
+            None => return Err(Refusal::invalid(Some("dates"), "missing")),
+        };
+        let calendar =
+            Calendar::parse(&dates).map_err(|e| Refusal::invalid(Some("dates"), e.to_string()))?;
+        let json = serde_json::json!({"name": name, "dates": calendar.dates()}).to_string();
+        Ok((name, calendar, json))
+    }
+
     /// This config with `schedules` (checked jobs, [`Config::check_schedule`]) after the
     /// file's jobs and `calendars` beside the file's: what the leader runs. A schedule or a
     /// calendar named as one of the file's is left out (the file wins).
@@ -310,6 +349,31 @@ cron = "0 3 * * *"
             "cron \"0 3 * * *\""
         );
         assert!(all.calendars.contains_key("holidays") && all.tasks == config.tasks);
+    }
+
+    #[test]
+    fn calendars_are_checked_and_the_files_names_refused() {
+        let mut config = config();
+        config.calendars.insert("file".into(), Calendar::default());
+        let (name, calendar, json) = config
+            .check_calendar(Some("h"), json!({"dates": ["*-12-25", "2026-01-02"]}))
+            .expect("valid");
+        assert_eq!((name.as_str(), calendar.dates().len()), ("h", 2));
+        assert_eq!(json, r#"{"dates":["2026-01-02","*-12-25"],"name":"h"}"#);
+        let refused = |object: Value| config.check_calendar(Some("h"), object).unwrap_err();
+        assert_eq!(
+            refused(json!({"dates": ["soon"]})).field.as_deref(),
+            Some("dates")
+        );
+        assert_eq!(
+            refused(json!({"dates": "x"})).field.as_deref(),
+            Some("dates")
+        );
+        assert_eq!(refused(json!({"days": []})).field.as_deref(), Some("days"));
+        let file = config
+            .check_calendar(Some("file"), json!({"dates": []}))
+            .unwrap_err();
+        assert_eq!(file.kind, RefusalKind::ConfigName);
     }
 
     #[test]
