@@ -195,7 +195,7 @@ impl Changes {
 }
 
 /// A stored schedule as the job it runs, checked against `file`.
-pub(crate) fn schedule_job(file: &Config, json: &str) -> Result<Job, String> {
+pub fn schedule_job(file: &Config, json: &str) -> Result<Job, String> {
     let object: Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
     let (_, job) = file
         .check_schedule(None, object)
@@ -204,7 +204,7 @@ pub(crate) fn schedule_job(file: &Config, json: &str) -> Result<Job, String> {
 }
 
 /// A stored calendar (`{"name", "dates"}`).
-pub(crate) fn calendar_of(json: &str) -> Option<Calendar> {
+pub fn calendar_of(json: &str) -> Option<Calendar> {
     let object: Value = serde_json::from_str(json).ok()?;
     let dates: Vec<String> = serde_json::from_value(object.get("dates")?.clone()).ok()?;
     Calendar::parse(&dates).ok()

@@ -1,11 +1,11 @@
 //! `drumline`: one command for every operator action. It flattens the beat's and the worker's
-//! command enums (`drumline_beat::cli::Command`, `drumline_worker::cli::Command`), so a command
+//! command enums (`drumline_ops::cli::Command`, `drumline_worker::cli::Command`), so a command
 //! added to either appears here with no code of its own
 //! (docs/design.md#one-command-for-operators); `completions SHELL` prints a completion script.
 //!
 //! # Map
 //!
-//! - `main.rs`: the one command for operators: flattens `drumline_beat::cli::Command` and
+//! - `main.rs`: the one command for operators: flattens `drumline_ops::cli::Command` and
 //!   `drumline_worker::cli::Command` (every command of either is a `drumline` command),
 //!   `completions SHELL` (clap_complete); loads the config and runs the command like the other
 //!   binaries. Touches: process.
@@ -29,7 +29,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     #[command(flatten)]
-    Beat(drumline_beat::cli::Command),
+    Beat(drumline_ops::cli::Command),
     #[command(flatten)]
     Worker(drumline_worker::cli::Command),
     /// Print a shell completion script for `drumline` on stdout.
@@ -81,7 +81,7 @@ mod tests {
     fn every_beat_and_worker_command_is_a_drumline_command() {
         let drumline = Cli::command();
         let ours: Vec<&str> = drumline.get_subcommands().map(|c| c.get_name()).collect();
-        let beat = drumline_beat::cli::Command::augment_subcommands(clap::Command::new("b"));
+        let beat = drumline_ops::cli::Command::augment_subcommands(clap::Command::new("b"));
         let worker = drumline_worker::cli::Command::augment_subcommands(clap::Command::new("w"));
         for command in beat.get_subcommands().chain(worker.get_subcommands()) {
             assert!(ours.contains(&command.get_name()), "{}", command.get_name());

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use syn::visit::Visit;
 
 /// The product's crates.
-const CRATES: [&str; 8] = [
-    "core", "store", "broker", "client", "shared", "beat", "worker", "cli",
+const CRATES: [&str; 9] = [
+    "core", "store", "broker", "client", "shared", "beat", "ops", "worker", "cli",
 ];
 /// The longest a function may be, from `fn` to its closing brace.
 const LONGEST_FN: usize = 60;

@@ -3,7 +3,7 @@
 //! `backfill` (every instant of a past range, with the job's normal keys). What to publish is
 //! decided by pure functions ([`trigger`], [`backfill`]); the commands in
 //! [`commands`](crate::commands) carry it out through the [`Store`](drumline_shared::store::Store)
-//! and the [`Publisher`](crate::publisher::Publisher).
+//! and the [`Publisher`](drumline_beat::publisher::Publisher).
 
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use drumline_shared::config::Job;
@@ -114,7 +114,7 @@ fn fmt(t: DateTime<Utc>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::misfire::tests::{at, job};
+    use crate::fixtures::{at, job};
 
     const NOW: &str = "2026-03-02T12:10:30Z";
 

@@ -382,7 +382,7 @@ pub fn summary(rows: &[Row]) -> String {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::misfire::tests::{at, job};
+    use crate::fixtures::{at, job};
 
     pub(crate) fn entry(
         at_ms: i64,

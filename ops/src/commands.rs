@@ -1,8 +1,9 @@
 //! The bodies of `drumline-beat`'s commands: each takes a loaded config, prints its output and
 //! returns `Ok` or a [`Failure`] that carries the exit code. `main.rs` only parses and dispatches.
 
-use crate::{adhoc, next, operate, page, scheduler, status};
+use crate::{adhoc, next, operate, page, status};
 use chrono::{DateTime, Utc};
+use drumline_beat::scheduler;
 use drumline_shared::broker::BrokerError;
 use drumline_shared::client::ClientError;
 use drumline_shared::config::{Config, Job, Overlap};
@@ -286,7 +287,7 @@ pub(crate) async fn backfill(
         println!("{} instants (dry run: nothing published)", envelopes.len());
         return Ok(());
     }
-    let mut publisher = crate::publisher::Publisher::new(config);
+    let mut publisher = drumline_beat::publisher::Publisher::new(config);
     let outcomes = publisher.publish_batch(&envelopes, 0, || true).await;
     publisher.close().await;
     let outcomes = outcomes.map_err(|e| match e {
@@ -376,10 +377,10 @@ pub(crate) async fn with_schedules(config: Config) -> Result<Config, Failure> {
             for stored in page {
                 match kind {
                     ObjectKind::Schedule => {
-                        jobs.extend(crate::dynamic::schedule_job(&config, &stored.json))
+                        jobs.extend(drumline_beat::dynamic::schedule_job(&config, &stored.json))
                     }
                     ObjectKind::Calendar => {
-                        let calendar = crate::dynamic::calendar_of(&stored.json);
+                        let calendar = drumline_beat::dynamic::calendar_of(&stored.json);
                         calendars.extend(calendar.map(|c| (stored.name, c)));
                     }
                 }
@@ -497,7 +498,7 @@ mod tests {
 
     #[test]
     fn trigger_warns_only_when_a_skip_job_is_running() {
-        let job = crate::misfire::tests::job;
+        let job = crate::fixtures::job;
         let skip = job("every = \"1h\"\noverlap = \"skip\"");
         assert_eq!(
             skip_warning(&skip, Some("j@2026-03-02T12:00:00Z")).as_deref(),

@@ -2,8 +2,8 @@
 //! on one tokio runtime ([`commands`] holds the bodies); its [`Failure`] is the exit code.
 
 use clap::Parser;
-use drumline_beat::cli::Command;
-use drumline_beat::commands;
+use drumline_ops::cli::Command;
+use drumline_ops::commands;
 use drumline_shared::cli::{run_to_exit, Common};
 use drumline_shared::exit::Failure;
 use std::process::ExitCode;

@@ -863,7 +863,7 @@ mod tests {
     /// passed but its offset has not; `next_runs_at` and the table add the offset.
     #[test]
     fn a_jittered_jobs_next_instant_counts_its_offset() {
-        let job = crate::misfire::tests::job("every = \"1m\"\njitter = \"50s\"");
+        let job = crate::fixtures::job("every = \"1m\"\njitter = \"50s\"");
         let offset = job.jitter_offset();
         assert!(offset > chrono::TimeDelta::seconds(2), "{offset}");
         let twelve = Utc.with_ymd_and_hms(2026, 3, 8, 12, 0, 0).unwrap();
