@@ -105,6 +105,33 @@ impl Cfg {
     }
 }
 
+/// Shorthands for the sections the end-to-end tests set most.
+impl Cfg {
+    /// `[worker] concurrency = N` and `lease = "LEASE"`.
+    pub fn worker_slots(self, concurrency: u32, lease: &str) -> Self {
+        self.set("worker", "concurrency", &concurrency.to_string())
+            .set("worker", "lease", &toml_string(lease))
+    }
+
+    /// `[redis] url = "URL"`.
+    pub fn redis_url(self, url: &str) -> Self {
+        self.set("redis", "url", &toml_string(url))
+    }
+
+    /// `[broker] url = "URL"`.
+    pub fn broker_url(self, url: &str) -> Self {
+        self.set("broker", "url", &toml_string(url))
+    }
+
+    /// One `[[jobs]]` entry per (name, keys), each running task `task`.
+    pub fn jobs_of(self, task: &str, jobs: Vec<(&str, Keys)>) -> Self {
+        let task = toml_string(task);
+        jobs.into_iter().fold(self, |cfg, (name, keys)| {
+            cfg.job(name, keys.with("task", &task))
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

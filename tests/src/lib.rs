@@ -71,6 +71,7 @@
 pub mod cfg;
 pub mod checker;
 pub mod hook;
+pub mod probe;
 pub mod proxy;
 pub mod scenario;
 pub mod sentinel;

@@ -10,7 +10,9 @@
 //! `DRUMLINE_PAGE_SCREENSHOT=/abs/path.png` also saves the browser's screenshot of the page
 //! there (how docs/status-page.png is made).
 
-use drumline_e2e::{http_get, setup, toml_string, unused_port, wait_until, TestEnv};
+use drumline_e2e::cfg::{cron, every, shell, Cfg};
+use drumline_e2e::probe::{argv, expect, stop, tails};
+use drumline_e2e::{http_get, setup, wait_until, Proc, TestEnv};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -127,114 +129,61 @@ fn api_status(port: u16) -> Option<Value> {
     }
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn chromium_renders_every_job_the_leader_paused_and_stale() {
-    let env = setup("e2e_page");
-    let append = env.append_key_command("effects", 0.0);
-    let body = format!(
-        r#"
-[worker]
-concurrency = 4
-lease = "5s"
-
-[[jobs]]
-name = "heartbeat"
-task = "append"
-every = "2s"
-
-[[jobs]]
-name = "nightly-report"
-task = "append"
-every = "1s"
-
-[[jobs]]
-name = "sync-invoices"
-task = "broken"
-every = "1s"
-
-[[jobs]]
-name = "rollup"
-task = "slow"
-every = "3s"
-overlap = "allow"
-
-[[jobs]]
-name = "cleanup"
-task = "append"
-cron = "0 3 * * *"
-timezone = "Europe/Berlin"
-
-[tasks.append]
-command = {append}
-
-[tasks.broken]
-command = ["/bin/false"]
-max_retries = 0
-
-[tasks.slow]
-command = ["/bin/sleep", "10"]
-"#
-    );
-    let cfg_path = env.config("drumline.toml", &body);
-    let cfg = cfg_path.to_str().unwrap();
-    // Paused before the beat starts: none of its instants is ever published.
-    let (status, stdout, stderr) = env.run(
-        "drumline-beat",
-        &["--config", cfg, "pause", "nightly-report"],
-    );
-    assert!(status.success(), "{stderr}");
-    assert!(stdout.contains("paused 1 job"), "{stdout}");
-
-    let mut worker = env.worker("worker", &["--config", cfg]);
-    let port = unused_port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut beat = env.beat("beat", &["--config", cfg, "--metrics-addr", &addr]);
-
-    // `heartbeat` succeeds, `rollup` runs (10 s per instance), `sync-invoices` never succeeds
-    // and turns stale two periods after its first run.
-    let ready = wait_until(WAIT, || {
-        api_status(port).is_some_and(|s| {
-            let jobs = &s["jobs"];
-            s["leader"]["pid"] == beat.pid()
-                && jobs[0]["last_success"].is_string()
-                && jobs[3]["running"].as_u64() >= Some(1)
-                && jobs[2]["stale"] == true
-                && jobs[2]["last_failure"].is_string()
-                // Read from the broker at most every 5 s: it may lag the dead letter.
-                && s["dead_letters"].as_u64() >= Some(1)
-                // The worker announced itself; the broker counts it on the queue.
-                && s["workers"][0]["pid"] == worker.pid()
-                && s["queues"][0]["consumers"] == 1
-        })
-    });
+/// Waits until `/api/status` on `port` satisfies `condition`; else panics with the last
+/// document and the log tails of `procs`.
+fn expect_status(port: u16, procs: &[&Proc], mut condition: impl FnMut(&Value) -> bool) {
+    let held = wait_until(WAIT, || api_status(port).is_some_and(|s| condition(&s)));
     assert!(
-        ready,
-        "{:?}\n{}\n{}",
+        held,
+        "{:?}\n{}",
         http_get(port, "/api/status"),
-        beat.log_tail(20),
-        worker.log_tail(20)
+        tails(procs)
     );
+}
 
-    // /api/status is the status document: the same jobs, fields and flags as `status --json`.
-    let api = api_status(port).unwrap();
-    let (status, stdout, stderr) = env.run("drumline-beat", &["--config", cfg, "status", "--json"]);
-    assert!(status.success(), "{stderr}");
-    let cli: Value = serde_json::from_str(&stdout).unwrap();
+/// The names of the jobs a status document lists.
+fn names(doc: &Value) -> Vec<String> {
+    let jobs = doc["jobs"].as_array().unwrap();
+    jobs.iter()
+        .map(|j| j["job"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Five jobs on three tasks: a succeeding `heartbeat`, a paused-to-be `nightly-report`, a
+/// failing (so stale) `sync-invoices`, a long-running `rollup` and an idle cron job `last`.
+fn five_jobs(env: &TestEnv, last: &str) -> Cfg {
+    let (often, fast) = (every("2s"), every("1s"));
+    let berlin = cron("0 3 * * *").text("timezone", "Europe/Berlin");
+    Cfg::new()
+        .worker_slots(4, "5s")
+        .jobs_of(
+            "append",
+            vec![("heartbeat", often), ("nightly-report", fast)],
+        )
+        .job("sync-invoices", every("1s").task("broken"))
+        .job("rollup", every("3s").task("slow").text("overlap", "allow"))
+        .job(last, berlin.task("append"))
+        .task("append", env.appender("effects", 0.0))
+        .task("broken", argv(&["/bin/false"]).with("max_retries", "0"))
+        .task("slow", argv(&["/bin/sleep", "10"]))
+}
+
+/// `/api/status` is the status document: the same jobs, fields and flags as `status --json`;
+/// the flags are (paused, stale) per job. Returns it.
+fn assert_api_is_status_json(env: &TestEnv, config: &str, port: u16) -> Value {
+    let (api, cli) = (api_status(port).unwrap(), env.status_json(config));
     let shape = |doc: &Value| -> Vec<(String, Vec<String>, bool)> {
-        doc["jobs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|j| {
-                let mut keys: Vec<String> = j.as_object().unwrap().keys().cloned().collect();
-                keys.sort();
-                (
-                    j["job"].as_str().unwrap().to_owned(),
-                    keys,
-                    j["paused"] == true,
-                )
-            })
-            .collect()
+        let jobs = doc["jobs"].as_array().unwrap().iter();
+        jobs.map(|j| {
+            let mut keys: Vec<String> = j.as_object().unwrap().keys().cloned().collect();
+            keys.sort();
+            (
+                j["job"].as_str().unwrap().to_owned(),
+                keys,
+                j["paused"] == true,
+            )
+        })
+        .collect()
     };
     assert_eq!(shape(&api), shape(&cli), "{api}\n{cli}");
     assert_eq!(api["leader"], cli["leader"]);
@@ -243,10 +192,8 @@ command = ["/bin/sleep", "10"]
         (&Value::from(5), &Value::from(5))
     );
     assert!(api["dead_letters"].as_u64() >= Some(1), "{api}");
-    let flags: Vec<(bool, bool)> = api["jobs"]
-        .as_array()
-        .unwrap()
-        .iter()
+    let jobs = api["jobs"].as_array().unwrap().iter();
+    let flags: Vec<(bool, bool)> = jobs
         .map(|j| {
             (
                 j["paused"].as_bool().unwrap(),
@@ -254,30 +201,37 @@ command = ["/bin/sleep", "10"]
             )
         })
         .collect();
-    assert_eq!(
-        flags,
-        [
-            (false, false),
-            (true, false),
-            (false, true),
-            (false, false),
-            (false, false)
-        ],
-        "{api}"
-    );
-    let (code, head, _) = http(port, "HEAD", "/api/status").unwrap();
-    assert_eq!(code, 200);
-    assert_eq!(header(&head, "content-type"), "application/json", "{head}");
-    let (code, head, _) = http(port, "HEAD", "/").unwrap();
-    assert_eq!(code, 200);
-    assert_eq!(
-        header(&head, "content-type"),
-        "text/html; charset=utf-8",
-        "{head}"
-    );
+    let want = [
+        (false, false),
+        (true, false),
+        (false, true),
+        (false, false),
+        (false, false),
+    ];
+    assert_eq!(flags, want, "{api}");
+    for (path, kind) in [
+        ("/api/status", "application/json"),
+        ("/", "text/html; charset=utf-8"),
+    ] {
+        let (code, head, _) = http(port, "HEAD", path).unwrap();
+        assert_eq!(
+            (code, header(&head, "content-type")),
+            (200, kind.to_owned()),
+            "{head}"
+        );
+    }
+    api
+}
 
-    // The page as a browser renders it.
-    let dom = chromium(&env, &format!("http://{addr}/"), &["--dump-dom"]);
+/// The text after the first `marker` in `dom` (panics naming `what` when it is not there).
+fn after<'d>(dom: &'d str, marker: &str, what: &str) -> &'d str {
+    let found = dom.split(marker).nth(1);
+    found.unwrap_or_else(|| panic!("no {what} in {dom}"))
+}
+
+/// The page of [`five_jobs`] as the browser rendered it: a row per job with its flags and
+/// times, the leader (`beat`, on `host`), the dead letters, the worker and the queue.
+fn assert_page_shows_five_jobs(dom: &str, beat: i32, worker: i32, host: &str) {
     assert!(
         dom.contains("<meta http-equiv=\"refresh\" content=\"5\">"),
         "{dom}"
@@ -291,67 +245,99 @@ command = ["/bin/sleep", "10"]
         "rollup",
         "cleanup",
     ] {
-        assert_eq!(cell(row(&dom, name), "name"), name);
+        assert_eq!(cell(row(dom, name), "name"), name);
     }
-    let leader = dom
-        .split("<p id=\"leader\">")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no leader in {dom}"));
+    let leader = after(dom, "<p id=\"leader\">", "leader");
     assert!(
-        leader.contains(&format!("pid <span class=\"pid\">{}</span>", beat.pid())),
+        leader.contains(&format!("pid <span class=\"pid\">{beat}</span>")),
         "{leader}"
     );
     assert!(
-        leader.contains(&format!(
-            "<span class=\"host\">{}</span>",
-            api["leader"]["host"].as_str().unwrap()
-        )),
+        leader.contains(&format!("<span class=\"host\">{host}</span>")),
         "{leader}"
     );
-    let nightly = row(&dom, "nightly-report");
-    assert_eq!(cell(nightly, "paused"), "PAUSED", "{nightly}");
-    assert_eq!(cell(nightly, "stale"), "", "{nightly}");
+    let nightly = row(dom, "nightly-report");
+    let flags = |r: &str| [cell(r, "paused"), cell(r, "stale")];
+    assert_eq!(flags(nightly), ["PAUSED", ""], "{nightly}");
     assert_eq!(cell(nightly, "last-success"), "–", "{nightly}");
-    let sync = row(&dom, "sync-invoices");
-    assert_eq!(cell(sync, "stale"), "STALE", "{sync}");
-    assert_eq!(cell(sync, "paused"), "", "{sync}");
+    let sync = row(dom, "sync-invoices");
+    assert_eq!(flags(sync), ["", "STALE"], "{sync}");
     assert!(datetime(sync, "last-failure").is_some(), "{sync}");
-    let heartbeat = row(&dom, "heartbeat");
-    assert_eq!(
-        (cell(heartbeat, "paused"), cell(heartbeat, "stale")),
-        (String::new(), String::new())
-    );
+    let heartbeat = row(dom, "heartbeat");
+    assert_eq!(flags(heartbeat), ["", ""], "{heartbeat}");
     assert_eq!(cell(heartbeat, "schedule"), "every 2s");
-    assert!(datetime(heartbeat, "last-success").is_some(), "{heartbeat}");
-    assert!(datetime(heartbeat, "next-due").is_some(), "{heartbeat}");
-    let rollup = row(&dom, "rollup");
+    for time in ["last-success", "next-due"] {
+        assert!(datetime(heartbeat, time).is_some(), "{time}: {heartbeat}");
+    }
+    let rollup = row(dom, "rollup");
     assert!(
         cell(rollup, "running").parse::<u64>().unwrap() >= 1,
         "{rollup}"
     );
-    assert_eq!(cell(row(&dom, "cleanup"), "zone"), "Europe/Berlin");
-    let dead = dom
-        .split("<p id=\"dead-letters\"")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no dead letters in {dom}"));
+    assert_eq!(cell(row(dom, "cleanup"), "zone"), "Europe/Berlin");
+    let dead = after(dom, "<p id=\"dead-letters\"", "dead letters");
     assert!(dead.contains("Dead letters: "), "{dead}");
     assert!(dom.contains("<span id=\"worker-count\">1</span>"), "{dom}");
-    let worker_row = dom
-        .split("<tr data-worker=\"")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no worker row in {dom}"));
+    let worker_row = after(dom, "<tr data-worker=\"", "worker row");
     assert!(
-        worker_row.contains(&format!("<td>{}</td>", worker.pid())),
+        worker_row.contains(&format!("<td>{worker}</td>")),
         "{worker_row}"
     );
-    let queue_row = dom
-        .split("<tr data-queue=\"default\"")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no queue row in {dom}"));
+    let queue_row = after(dom, "<tr data-queue=\"default\"", "queue row");
     assert!(
         queue_row.contains("<td class=\"consumers\">1</td>"),
         "{queue_row}"
     );
+}
+
+/// A screenshot of the page at `url` taken the same way is a PNG (copied to
+/// `DRUMLINE_PAGE_SCREENSHOT` when set).
+fn assert_screenshot(env: &TestEnv, url: &str) {
+    let shot = env.path("status-page.png");
+    let arg = format!("--screenshot={}", shot.display());
+    chromium(env, url, &[&arg, "--window-size=1200,600"]);
+    let png = std::fs::read(&shot).expect("screenshot written");
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    if let Ok(target) = std::env::var("DRUMLINE_PAGE_SCREENSHOT") {
+        std::fs::copy(&shot, Path::new(&target)).expect("copy the screenshot");
+    }
+    let _ = std::fs::remove_file(&shot);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chromium_renders_every_job_the_leader_paused_and_stale() {
+    let env = setup("e2e_page");
+    let config = env.config_file(&five_jobs(&env, "cleanup"));
+    // Paused before the beat starts: none of its instants is ever published.
+    let (code, out, err) = env.beat_cmd(&config, &["pause", "nightly-report"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("paused 1 job"), "{out}");
+    let mut worker = env.worker_on("worker", &config);
+    let (mut beat, port) = env.beat_serving("beat", &config);
+    let url = format!("http://127.0.0.1:{port}/");
+
+    // `heartbeat` succeeds, `rollup` runs (10 s per instance), `sync-invoices` never succeeds
+    // and turns stale two periods after its first run.
+    let (beat_pid, worker_pid) = (beat.pid(), worker.pid());
+    expect_status(port, &[&beat, &worker], |s| {
+        let jobs = &s["jobs"];
+        s["leader"]["pid"] == beat_pid
+            && jobs[0]["last_success"].is_string()
+            && jobs[3]["running"].as_u64() >= Some(1)
+            && jobs[2]["stale"] == true
+            && jobs[2]["last_failure"].is_string()
+            // Read from the broker at most every 5 s: it may lag the dead letter.
+            && s["dead_letters"].as_u64() >= Some(1)
+            // The worker announced itself; the broker counts it on the queue.
+            && s["workers"][0]["pid"] == worker_pid
+            && s["queues"][0]["consumers"] == 1
+    });
+    let api = assert_api_is_status_json(&env, &config, port);
+
+    // The page as a browser renders it.
+    let dom = chromium(&env, &url, &["--dump-dom"]);
+    let host = api["leader"]["host"].as_str().unwrap();
+    assert_page_shows_five_jobs(&dom, beat_pid, worker_pid, host);
 
     // Read-only: no method but GET (and HEAD) is served, and nothing changed.
     for path in ["/", "/api/status"] {
@@ -363,54 +349,22 @@ command = ["/bin/sleep", "10"]
     let after = api_status(port).unwrap();
     assert_eq!(after["jobs"][1]["paused"], true, "{after}");
     // The paused job never ran.
-    assert!(
-        !env.lines("effects")
-            .iter()
-            .any(|k| k.starts_with("nightly-report@")),
-        "{:?}",
-        env.lines("effects")
-    );
-
-    // A screenshot taken the same way is a PNG.
-    let shot = env.path("status-page.png");
-    chromium(
-        &env,
-        &format!("http://{addr}/"),
-        &[
-            &format!("--screenshot={}", shot.display()),
-            "--window-size=1200,600",
-        ],
-    );
-    let png = std::fs::read(&shot).expect("screenshot written");
-    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
-    if let Ok(target) = std::env::var("DRUMLINE_PAGE_SCREENSHOT") {
-        std::fs::copy(&shot, Path::new(&target)).expect("copy the screenshot");
-    }
-    let _ = std::fs::remove_file(&shot);
+    let nightly = env.runs_of("effects", "nightly-report");
+    assert!(nightly.is_empty(), "{:?}", env.lines("effects"));
+    assert_screenshot(&env, &url);
 
     // SIGHUP: the page follows the reloaded jobs, as the beat does (`cleanup` removed,
     // `added-later` added).
-    let reloaded = body.replace("name = \"cleanup\"", "name = \"added-later\"");
-    env.config("drumline.toml", &reloaded);
+    env.config_file(&five_jobs(&env, "added-later"));
     beat.signal(libc::SIGHUP);
-    let followed = wait_until(WAIT, || {
-        api_status(port).is_some_and(|s| {
-            let names: Vec<&str> = s["jobs"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter_map(|j| j["job"].as_str())
-                .collect();
-            names.contains(&"added-later") && !names.contains(&"cleanup")
-        })
+    expect_status(port, &[&beat], |s| {
+        let names = names(s);
+        names.contains(&"added-later".into()) && !names.contains(&"cleanup".into())
     });
-    assert!(followed, "{:?}", http_get(port, "/api/status"));
-    let dom = chromium(&env, &format!("http://{addr}/"), &["--dump-dom"]);
+    let dom = chromium(&env, &url, &["--dump-dom"]);
     assert_eq!(cell(row(&dom, "added-later"), "zone"), "Europe/Berlin");
     assert!(!dom.contains("data-job=\"cleanup\""), "{dom}");
-
-    assert!(beat.terminate(Duration::from_secs(10)).success());
-    assert!(worker.terminate(Duration::from_secs(30)).success());
+    stop(&mut [&mut beat, &mut worker]);
 }
 
 /// Redis accepts the connection and never answers (a listener nobody reads): the page and
@@ -420,27 +374,10 @@ command = ["/bin/sleep", "10"]
 async fn a_stuck_redis_makes_a_503_with_the_reason_not_a_hung_page() {
     let env = setup("e2e_page_stuck");
     let stuck = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let redis_port = stuck.local_addr().unwrap().port();
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[redis]\nurl = {}\n[[jobs]]\nname = \"heartbeat\"\ntask = \"append\"\nevery = \"1s\"\n\
-             [tasks.append]\ncommand = {}\n",
-            toml_string(&format!("redis://127.0.0.1:{redis_port}/0")),
-            env.append_key_command("effects", 0.0)
-        ),
-    );
-    let port = unused_port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut beat = env.beat(
-        "beat",
-        &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
-    );
-    assert!(
-        wait_until(WAIT, || http_get(port, "/healthz").is_some()),
-        "{}",
-        beat.log_tail(20)
-    );
+    let (mut beat, port) = beat_with_page(&env, heartbeat_on_stuck_redis(&stuck));
+    expect(WAIT, &[&beat], "/healthz", || {
+        http_get(port, "/healthz").is_some()
+    });
     for path in ["/", "/api/status"] {
         let started = Instant::now();
         let (code, head, body) = http(port, "GET", path).expect("an answer");
@@ -457,7 +394,21 @@ async fn a_stuck_redis_makes_a_503_with_the_reason_not_a_hung_page() {
         }
     }
     drop(stuck);
-    assert!(beat.terminate(Duration::from_secs(10)).success());
+    stop(&mut [&mut beat]);
+}
+
+/// A `heartbeat` job every second, with Redis at `stuck`: a listener nobody reads.
+fn heartbeat_on_stuck_redis(stuck: &std::net::TcpListener) -> Cfg {
+    let port = stuck.local_addr().unwrap().port();
+    let heartbeat = every("1s").task("append");
+    Cfg::new()
+        .redis_url(&format!("redis://127.0.0.1:{port}/0"))
+        .job("heartbeat", heartbeat)
+}
+
+/// A job that is never due while a test runs: daily at 03:00.
+fn daily() -> Cfg {
+    Cfg::new().job("daily", cron("0 3 * * *").task("append"))
 }
 
 /// The established TCP connections of process `pid` to the broker's port 5672.
@@ -521,24 +472,11 @@ fn connection_evidence(pid: i32, port: u16) -> String {
     )
 }
 
-/// A beat with one idle job (daily at 03:00) serving its page on a free port, `extra` put at
-/// the head of its config: the beat and the port.
-fn beat_with_page(env: &TestEnv, extra: &str) -> (drumline_e2e::Proc, u16) {
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "{extra}[[jobs]]\nname = \"daily\"\ntask = \"append\"\ncron = \"0 3 * * *\"\n\
-             [tasks.append]\ncommand = {}\n",
-            env.append_key_command("effects", 0.0)
-        ),
-    );
-    let port = unused_port();
-    let addr = format!("127.0.0.1:{port}");
-    let beat = env.beat(
-        "beat",
-        &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
-    );
-    (beat, port)
+/// A beat serving its page on a free port, with `cfg` and an append task: the beat and the
+/// port.
+fn beat_with_page(env: &TestEnv, cfg: Cfg) -> (Proc, u16) {
+    let config = env.config_file(&cfg.task("append", env.appender("effects", 0.0)));
+    env.beat_serving("beat", &config)
 }
 
 /// Sends `paths` all at once, one thread each: (path, code, head, body, when it was answered).
@@ -566,57 +504,43 @@ fn burst(port: u16, paths: &[&str]) -> Vec<(String, u16, String, String, Instant
 #[tokio::test(flavor = "multi_thread")]
 async fn concurrent_requests_share_one_broker_connection() {
     let env = setup("e2e_page_conns");
-    let (mut beat, port) = beat_with_page(&env, "");
+    let (mut beat, port) = beat_with_page(&env, daily());
     let pid = beat.pid();
     // The beat's own (publishing) connection, before the page made any.
-    assert!(
-        wait_until(WAIT, || broker_connections(pid) >= 1
-            && http_get(port, "/healthz").is_some()),
-        "{}",
-        beat.log_tail(20)
-    );
+    expect(WAIT, &[&beat], "a broker connection and /healthz", || {
+        broker_connections(pid) >= 1 && http_get(port, "/healthz").is_some()
+    });
     let own = broker_connections(pid);
-
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let sampler = {
         let done = done.clone();
         std::thread::spawn(move || {
-            let (mut most, mut evidence) = (0, String::new());
+            let mut most = Most::default();
             while !done.load(std::sync::atomic::Ordering::SeqCst) {
-                let now = broker_connections(pid);
-                if now > most {
-                    (most, evidence) = (now, connection_evidence(pid, 5672));
-                }
+                most.sample(pid, 5672);
                 std::thread::sleep(Duration::from_millis(2));
             }
-            (most, evidence)
+            most
         })
     };
-    let paths: Vec<&str> = (0..300)
-        .map(|i| if i % 2 == 0 { "/" } else { "/api/status" })
-        .collect();
+    let paths: Vec<&str> = (0..300).map(|i| ["/", "/api/status"][i % 2]).collect();
     let answers = burst(port, &paths);
     // And a few one after another, each after the cached count may have expired.
-    let mut later = Vec::new();
-    for _ in 0..3 {
-        later.push(http(port, "GET", "/api/status").expect("an answer"));
-    }
+    let later: Vec<_> = (0..3)
+        .map(|_| http(port, "GET", "/api/status").expect("an answer"))
+        .collect();
     done.store(true, std::sync::atomic::Ordering::SeqCst);
-    let (most, evidence) = sampler.join().unwrap();
-    assert!(
-        most <= own + 1,
-        "{most} broker connections at once ({evidence}); the beat's own: {own}\n{}",
-        beat.log_tail(20)
-    );
+    sampler
+        .join()
+        .unwrap()
+        .assert_at_most_one_more_than(own, &beat);
 
     let ok = answers.iter().filter(|a| a.1 == 200).count();
     let busy = answers
         .iter()
-        .filter(|a| a.1 == 503 && header(&a.2, "retry-after") == "1")
-        .count();
-    eprintln!(
-        "{most} broker connections at most (the beat's own: {own}); {ok} rendered, {busy} busy"
-    );
+        .filter(|a| a.1 == 503 && header(&a.2, "retry-after") == "1");
+    let busy = busy.count();
+    eprintln!("{ok} rendered, {busy} busy");
     assert_eq!(ok + busy, 300, "every request answered 200 or busy");
     assert!(ok >= 1, "none rendered");
     for (code, _, body) in later {
@@ -624,7 +548,38 @@ async fn concurrent_requests_share_one_broker_connection() {
         let status: Value = serde_json::from_str(&body).unwrap();
         assert_eq!(status["dead_letters"], 0, "{body}");
     }
-    assert!(beat.terminate(Duration::from_secs(10)).success());
+    stop(&mut [&mut beat]);
+}
+
+/// The most broker connections a process was seen with at once, and the evidence.
+#[derive(Default)]
+struct Most {
+    connections: usize,
+    evidence: String,
+}
+
+impl Most {
+    /// Counts `pid`'s connections to `port` now; keeps the count and evidence if the most.
+    fn sample(&mut self, pid: i32, port: u16) {
+        let now = connections_to(pid, port);
+        if now > self.connections {
+            (self.connections, self.evidence) = (now, connection_evidence(pid, port));
+        }
+    }
+
+    /// The page opened at most one connection beside the beat's `own`.
+    fn assert_at_most_one_more_than(&self, own: usize, beat: &Proc) {
+        let Most {
+            connections: most,
+            evidence,
+        } = self;
+        eprintln!("{most} broker connections at most (the beat's own: {own})");
+        assert!(
+            *most <= own + 1,
+            "{most} broker connections at once ({evidence}); the beat's own: {own}\n{}",
+            tails(&[beat])
+        );
+    }
 }
 
 /// A slow link to the broker (every chunk held 350 ms, so a connect and a read together take
@@ -637,48 +592,38 @@ async fn a_slow_broker_link_still_gives_the_counts_through_one_connection() {
     let env = setup("e2e_page_slow_broker");
     let proxy = drumline_e2e::proxy::Proxy::start("127.0.0.1:5672".parse().unwrap());
     let broker = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port);
-    let broker = format!("[broker]\nurl = {}\n", toml_string(&broker));
-    let (mut beat, port) = beat_with_page(&env, &broker);
+    let (mut beat, port) = beat_with_page(&env, daily().broker_url(&broker));
     let pid = beat.pid();
+    let counted = || api_status(port).is_some_and(|s| s["dead_letters"] == 0);
     // The counts are known once the page has connected and read them.
-    assert!(
-        wait_until(WAIT, || connections_to(pid, proxy.port) >= 1
-            && api_status(port).is_some_and(|s| s["dead_letters"] == 0)),
-        "the counts never became known\n{}",
-        beat.log_tail(20)
-    );
+    expect(WAIT, &[&beat], "the counts never became known", || {
+        connections_to(pid, proxy.port) >= 1 && counted()
+    });
     proxy.set(drumline_e2e::proxy::Fault::Delay(Duration::from_millis(
         350,
     )));
     let own = connections_to(pid, proxy.port);
     // The cached counts expire; reads over the slow link, each slower than a request waits.
     let start = Instant::now();
-    let (mut most, mut evidence) = (own, String::new());
-    let mut sample = || {
-        let now = connections_to(pid, proxy.port);
-        if now > most {
-            (most, evidence) = (now, connection_evidence(pid, proxy.port));
-        }
+    let mut most = Most {
+        connections: own,
+        evidence: String::new(),
     };
-    let fresh = wait_until(Duration::from_secs(40), || {
-        sample();
-        let status = api_status(port);
-        sample();
-        // Past the 5 s the count read before the delay was kept for: a read over the slow link.
-        start.elapsed() > Duration::from_secs(6) && status.is_some_and(|s| s["dead_letters"] == 0)
-    });
-    assert!(
-        fresh,
-        "no count read over the slow link\n{}",
-        beat.log_tail(20)
+    expect(
+        Duration::from_secs(40),
+        &[&beat],
+        "no count read over the slow link",
+        || {
+            most.sample(pid, proxy.port);
+            let known = counted();
+            most.sample(pid, proxy.port);
+            // Past the 5 s the count read before the delay was kept for: a read over the slow link.
+            start.elapsed() > Duration::from_secs(6) && known
+        },
     );
-    assert!(
-        most <= own + 1,
-        "{most} broker connections at once ({evidence}); the beat's own: {own}\n{}",
-        beat.log_tail(20)
-    );
+    most.assert_at_most_one_more_than(own, &beat);
     proxy.set(drumline_e2e::proxy::Fault::Pass);
-    assert!(beat.terminate(Duration::from_secs(10)).success());
+    stop(&mut [&mut beat]);
 }
 
 /// At most four requests are rendered at once (docs/design.md): with Redis stuck, four requests
@@ -689,30 +634,11 @@ async fn a_slow_broker_link_still_gives_the_counts_through_one_connection() {
 async fn a_fifth_concurrent_request_is_answered_503_with_retry_after_at_once() {
     let env = setup("e2e_page_busy");
     let stuck = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let redis_port = stuck.local_addr().unwrap().port();
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[redis]\nurl = {}\n[[jobs]]\nname = \"heartbeat\"\ntask = \"append\"\nevery = \"1s\"\n\
-             [tasks.append]\ncommand = {}\n",
-            toml_string(&format!("redis://127.0.0.1:{redis_port}/0")),
-            env.append_key_command("effects", 0.0)
-        ),
-    );
-    let port = unused_port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut beat = env.beat(
-        "beat",
-        &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
-    );
-    assert!(
-        wait_until(WAIT, || http_get(port, "/healthz").is_some()),
-        "{}",
-        beat.log_tail(20)
-    );
-    let paths: Vec<&str> = (0..12)
-        .map(|i| if i % 2 == 0 { "/" } else { "/api/status" })
-        .collect();
+    let (mut beat, port) = beat_with_page(&env, heartbeat_on_stuck_redis(&stuck));
+    expect(WAIT, &[&beat], "/healthz", || {
+        http_get(port, "/healthz").is_some()
+    });
+    let paths: Vec<&str> = (0..12).map(|i| ["/", "/api/status"][i % 2]).collect();
     let answers = burst(port, &paths);
     let (busy, slow): (Vec<_>, Vec<_>) = answers
         .iter()
@@ -744,7 +670,7 @@ async fn a_fifth_concurrent_request_is_answered_503_with_retry_after_at_once() {
         }
     }
     drop(stuck);
-    assert!(beat.terminate(Duration::from_secs(10)).success());
+    stop(&mut [&mut beat]);
 }
 
 /// The page lists at most `limit` jobs (default 500), from `offset`, and shows the total
@@ -753,58 +679,36 @@ async fn a_fifth_concurrent_request_is_answered_503_with_retry_after_at_once() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_page_lists_at_most_limit_jobs_and_shows_the_total() {
     let env = setup("e2e_page_rows");
-    let jobs: String = (0..503)
-        .map(|i| format!("[[jobs]]\nname = \"j{i:03}\"\ntask = \"t\"\ncron = \"0 3 * * *\"\n"))
-        .collect();
-    let cfg = env.config(
-        "drumline.toml",
-        &format!("{jobs}[tasks.t]\ncommand = [\"/bin/true\"]\n"),
-    );
-    let port = unused_port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut beat = env.beat(
-        "beat",
-        &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
-    );
-    assert!(
-        wait_until(WAIT, || api_status(port).is_some()),
-        "{}",
-        beat.log_tail(20)
-    );
-    let names = |doc: &Value| -> Vec<String> {
-        doc["jobs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|j| j["job"].as_str().unwrap().to_owned())
-            .collect()
-    };
+    let jobs = (0..503).map(|i| (format!("j{i:03}"), cron("0 3 * * *").task("t")));
+    let cfg = jobs.fold(Cfg::new(), |cfg, (name, keys)| cfg.job(&name, keys));
+    let config = env.config_file(&cfg.task("t", argv(&["/bin/true"])));
+    let (mut beat, port) = env.beat_serving("beat", &config);
+    expect(WAIT, &[&beat], "/api/status", || api_status(port).is_some());
     let first = api_status(port).unwrap();
     assert_eq!(first["total"], 503);
     let listed = names(&first);
     assert_eq!(listed.len(), 500);
     assert_eq!((listed[0].as_str(), listed[499].as_str()), ("j000", "j499"));
 
-    let (code, body) = http_get(port, "/api/status?limit=2&offset=501").unwrap();
+    let get = |path: &str| http_get(port, path).unwrap();
+    let (code, body) = get("/api/status?limit=2&offset=501");
     assert_eq!(code, 200, "{body}");
     let tail: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(names(&tail), ["j501", "j502"]);
     assert_eq!(tail["total"], 503);
-    let (_, body) = http_get(port, "/api/status?offset=600").unwrap();
-    let past: Value = serde_json::from_str(&body).unwrap();
+    let past: Value = serde_json::from_str(&get("/api/status?offset=600").1).unwrap();
     assert_eq!((names(&past).len(), &past["total"]), (0, &Value::from(503)));
-    let (code, _) = http_get(port, "/api/status?limit=many").unwrap();
-    assert_eq!(code, 400);
+    assert_eq!(get("/api/status?limit=many").0, 400);
 
-    let (code, page) = http_get(port, "/").unwrap();
+    let (code, page) = get("/");
     assert_eq!(code, 200);
     assert_eq!(page.matches("<tr class=\"job").count(), 500);
     assert!(page.contains("Jobs 1–500 of 503"), "{page}");
-    let (_, page) = http_get(port, "/?offset=500").unwrap();
+    let (_, page) = get("/?offset=500");
     assert_eq!(page.matches("<tr class=\"job").count(), 3);
     assert!(page.contains("Jobs 501–503 of 503"), "{page}");
     assert!(page.contains("data-job=\"j502\""));
-    assert!(beat.terminate(Duration::from_secs(10)).success());
+    stop(&mut [&mut beat]);
 }
 
 /// The recent runs of `job` in a status document (`status --json`, `/api/status`).
@@ -828,107 +732,11 @@ fn shows_the_failure(run: &Value, outcome: &str, attempt: u64) -> bool {
             .is_some_and(|e| e.contains("disk full on /var/spool"))
 }
 
-/// A job that fails shows its recent runs — outcome, attempt, start, duration, error — in
-/// `status --json` (`recent`, newest first, at most 5), in `status JOB`'s table, in
-/// `/api/status` and on the page, in a detail row under the job (docs/design.md#recent-runs).
-// See: issues/20
-#[tokio::test(flavor = "multi_thread")]
-async fn a_failing_job_shows_its_recent_runs_with_duration_and_error() {
-    let env = setup("e2e_page_runs");
-    let cfg_path = env.config(
-        "drumline.toml",
-        r#"
-[[jobs]]
-name = "spool-sweep"
-task = "sweep"
-every = "1s"
-# Each instance's retry overlaps the next instance: let both run, so every run shows the failure.
-overlap = "allow"
-
-[[jobs]]
-name = "quiet"
-task = "sweep"
-cron = "0 3 * * *"
-
-[tasks.sweep]
-command = ["/bin/sh", "-c", "sleep 0.3; echo 'disk full on /var/spool' >&2; exit 3"]
-max_retries = 1
-retry_base = "1s"
-"#,
-    );
-    let cfg = cfg_path.to_str().unwrap();
-    let mut worker = env.worker("worker", &["--config", cfg]);
-    let port = unused_port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut beat = env.beat("beat", &["--config", cfg, "--metrics-addr", &addr]);
-
-    // A first attempt that failed (retried) and a second that went to the dead letters.
-    let status_json = || {
-        let (status, stdout, stderr) = env.run("drumline", &["--config", cfg, "status", "--json"]);
-        assert!(status.success(), "{stderr}");
-        serde_json::from_str::<Value>(&stdout).unwrap()
-    };
-    let shown = wait_until(WAIT, || {
-        let doc = status_json();
-        let runs = recent(&doc, "spool-sweep");
-        runs.len() == 5
-            && runs.iter().any(|r| shows_the_failure(r, "failed", 0))
-            && runs.iter().any(|r| shows_the_failure(r, "dead", 1))
-    });
-    assert!(
-        shown,
-        "{}\n{}\n{}",
-        status_json(),
-        beat.log_tail(20),
-        worker.log_tail(20)
-    );
-    let doc = status_json();
-    let runs = recent(&doc, "spool-sweep");
-    let finished: Vec<&str> = runs
-        .iter()
-        .map(|r| r["finished_at"].as_str().unwrap())
-        .collect();
-    let mut newest_first = finished.clone();
-    newest_first.sort_by(|a, b| b.cmp(a));
-    assert_eq!(finished, newest_first, "newest first: {doc}");
-    assert!(runs
-        .iter()
-        .all(|r| r["key"].as_str().unwrap().starts_with("spool-sweep@")));
-    assert_eq!(recent(&doc, "quiet"), &[] as &[Value]);
-
-    // The table: none by default, the recent runs for one job.
-    let (_, table, _) = env.run("drumline", &["--config", cfg, "status"]);
-    assert!(!table.contains("recent runs of"), "{table}");
-    let (status, table, stderr) = env.run("drumline", &["--config", cfg, "status", "spool-sweep"]);
-    assert!(status.success(), "{stderr}");
-    let listed = table
-        .split("recent runs of spool-sweep:\n")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no recent runs in\n{table}"));
-    let lines: Vec<&str> = listed.lines().take_while(|l| !l.is_empty()).collect();
-    assert!(lines[0].starts_with("KEY") && lines[0].contains("DURATION"));
-    assert_eq!(lines.len(), 6, "{table}");
-    assert!(
-        lines[1..]
-            .iter()
-            .all(|l| l.starts_with("spool-sweep@") && l.contains("disk full on /var/spool")),
-        "{table}"
-    );
-
-    // /api/status carries the same runs; the page shows them under the job.
-    assert!(
-        wait_until(WAIT, || api_status(port).is_some_and(|api| {
-            recent(&api, "spool-sweep")
-                .iter()
-                .any(|r| shows_the_failure(r, "dead", 1))
-        })),
-        "{:?}",
-        http_get(port, "/api/status")
-    );
-    let dom = chromium(&env, &format!("http://{addr}/"), &["--dump-dom"]);
-    let start = dom
-        .find("data-runs-of=\"spool-sweep\"")
-        .unwrap_or_else(|| panic!("no recent runs row in\n{dom}"));
+/// The page shows the recent runs of `spool-sweep` in an open detail row under its job: five
+/// runs with error, duration and start, one of them dead; none for `quiet`.
+fn assert_runs_row(dom: &str) {
+    let start = dom.find("data-runs-of=\"spool-sweep\"");
+    let start = start.unwrap_or_else(|| panic!("no recent runs row in\n{dom}"));
     assert!(dom.find("data-job=\"spool-sweep\"").unwrap() < start);
     let runs_row = &dom[start..start + dom[start..].find("</details>").unwrap()];
     assert!(runs_row.contains("<details open"), "{runs_row}");
@@ -948,7 +756,78 @@ retry_base = "1s"
     }
     assert!(rows.iter().any(|r| cell(r, "outcome") == "dead"));
     assert!(!dom.contains("data-runs-of=\"quiet\""), "{dom}");
+}
 
-    assert!(beat.terminate(Duration::from_secs(10)).success());
-    assert!(worker.terminate(Duration::from_secs(30)).success());
+/// A job that fails shows its recent runs — outcome, attempt, start, duration, error — in
+/// `status --json` (`recent`, newest first, at most 5), in `status JOB`'s table, in
+/// `/api/status` and on the page, in a detail row under the job (docs/design.md#recent-runs).
+// See: issues/20
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failing_job_shows_its_recent_runs_with_duration_and_error() {
+    let env = setup("e2e_page_runs");
+    let sweep = "sleep 0.3; echo 'disk full on /var/spool' >&2; exit 3";
+    let cfg = Cfg::new()
+        // Each instance's retry overlaps the next instance: let both run, so every run shows
+        // the failure.
+        .job(
+            "spool-sweep",
+            every("1s").task("sweep").text("overlap", "allow"),
+        )
+        .job("quiet", cron("0 3 * * *").task("sweep"))
+        .task(
+            "sweep",
+            shell(sweep)
+                .with("max_retries", "1")
+                .text("retry_base", "1s"),
+        );
+    let config = env.config_file(&cfg);
+    let mut worker = env.worker_on("worker", &config);
+    let (mut beat, port) = env.beat_serving("beat", &config);
+
+    // A first attempt that failed (retried) and a second that went to the dead letters.
+    let shown = |doc: &Value| {
+        let runs = recent(doc, "spool-sweep");
+        runs.len() == 5
+            && runs.iter().any(|r| shows_the_failure(r, "failed", 0))
+            && runs.iter().any(|r| shows_the_failure(r, "dead", 1))
+    };
+    expect(
+        WAIT,
+        &[&beat, &worker],
+        "failed and dead runs in status --json",
+        || shown(&env.status_json(&config)),
+    );
+    let doc = env.status_json(&config);
+    let runs = recent(&doc, "spool-sweep");
+    let text = |r: &Value, field: &str| r[field].as_str().unwrap().to_owned();
+    let finished: Vec<String> = runs.iter().map(|r| text(r, "finished_at")).collect();
+    let mut newest_first = finished.clone();
+    newest_first.sort_by(|a, b| b.cmp(a));
+    assert_eq!(finished, newest_first, "newest first: {doc}");
+    assert!(runs
+        .iter()
+        .all(|r| text(r, "key").starts_with("spool-sweep@")));
+    assert_eq!(recent(&doc, "quiet"), &[] as &[Value]);
+
+    // The table: none by default, the recent runs for one job.
+    let (_, table, _) = env.run("drumline", &["--config", &config, "status"]);
+    assert!(!table.contains("recent runs of"), "{table}");
+    let (status, table, err) = env.run("drumline", &["--config", &config, "status", "spool-sweep"]);
+    assert!(status.success(), "{err}");
+    let listed = after(&table, "recent runs of spool-sweep:\n", "recent runs");
+    let lines: Vec<&str> = listed.lines().take_while(|l| !l.is_empty()).collect();
+    assert!(lines[0].starts_with("KEY") && lines[0].contains("DURATION"));
+    assert_eq!(lines.len(), 6, "{table}");
+    let failed = |l: &&str| l.starts_with("spool-sweep@") && l.contains("disk full on /var/spool");
+    assert!(lines[1..].iter().all(failed), "{table}");
+
+    // /api/status carries the same runs; the page shows them under the job.
+    expect_status(port, &[&beat], |api| {
+        recent(api, "spool-sweep")
+            .iter()
+            .any(|r| shows_the_failure(r, "dead", 1))
+    });
+    let dom = chromium(&env, &format!("http://127.0.0.1:{port}/"), &["--dump-dom"]);
+    assert_runs_row(&dom);
+    stop(&mut [&mut beat, &mut worker]);
 }

@@ -1,0 +1,301 @@
+//! Probes: what an end-to-end test starts, waits for, reads and stops, in one call each, so a
+//! test says its scenario and its checks and nothing else.
+//!
+//! - start: [`TestEnv::start`] (config + beats + workers, topology awaited), [`TestEnv::beat_on`],
+//!   [`TestEnv::worker_on`], and `…_serving` variants that serve `/metrics` on a fresh port;
+//! - wait: [`expect`] / [`expect_async`] poll and, on a timeout, panic with the log tails;
+//! - stop: [`stop`] (and [`Scene::stop`]) SIGTERMs processes and asserts they exit 0, with
+//!   every log tail when one does not;
+//! - read: [`TestEnv::runs_of`] (effect instants, each asserted once), [`series`] / [`total`]
+//!   (Prometheus series), [`TestEnv::ns_keys`] / [`TestEnv::smembers`] (Redis),
+//!   [`TestEnv::beat_cmd`] / [`TestEnv::status_json`] (the CLI).
+
+use crate::cfg::{Cfg, Keys};
+use crate::{counts, http_get, instant_of, toml_string, unused_port, wait_until, Proc, TestEnv};
+use chrono::{DateTime, Utc};
+use std::collections::BTreeMap;
+use std::fmt::Display;
+use std::time::Duration;
+
+/// How long a stopped process gets to exit after SIGTERM (a worker drains its runs first).
+pub const STOP_GRACE: Duration = Duration::from_secs(30);
+
+/// The last 40 log lines of each of `procs`, for a failure message.
+pub fn tails(procs: &[&Proc]) -> String {
+    procs
+        .iter()
+        .map(|p| p.log_tail(40))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Polls `condition` until it holds or `within` passes; then panics with `what` and the log
+/// tails of `procs`.
+pub fn expect(
+    within: Duration,
+    procs: &[&Proc],
+    what: impl Display,
+    condition: impl FnMut() -> bool,
+) {
+    if !wait_until(within, condition) {
+        panic!("{what}: not within {within:?}\n{}", tails(procs));
+    }
+}
+
+/// Async variant of [`expect`].
+pub async fn expect_async<F, Fut>(
+    within: Duration,
+    procs: &[&Proc],
+    what: impl Display,
+    condition: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    if !crate::wait_until_async(within, condition).await {
+        panic!("{what}: not within {within:?}\n{}", tails(procs));
+    }
+}
+
+/// Stops `procs` in order (SIGTERM, [`STOP_GRACE`] each) and asserts each exited 0; a failure
+/// names the process and shows every log tail.
+pub fn stop(procs: &mut [&mut Proc]) {
+    let mut failed = Vec::new();
+    for p in procs.iter_mut() {
+        let status = p.terminate(STOP_GRACE);
+        if !status.success() {
+            failed.push(format!("{} exited with {status}", p.label));
+        }
+    }
+    if !failed.is_empty() {
+        let all: Vec<&Proc> = procs.iter().map(|p| &**p).collect();
+        panic!("{}\n{}", failed.join("; "), tails(&all));
+    }
+}
+
+/// A started scenario: its config file and its processes.
+pub struct Scene {
+    /// The config file every process was started with (`--config`).
+    pub config: String,
+    /// `beat-1`, `beat-2`, … (`beat` when there is one).
+    pub beats: Vec<Proc>,
+    /// `worker-1`, … (`worker` when there is one).
+    pub workers: Vec<Proc>,
+}
+
+impl Scene {
+    /// Every process, beats first.
+    pub fn procs(&self) -> Vec<&Proc> {
+        self.beats.iter().chain(&self.workers).collect()
+    }
+
+    /// [`expect`] with every process's log.
+    pub fn expect(&self, within: Duration, what: impl Display, condition: impl FnMut() -> bool) {
+        expect(within, &self.procs(), what, condition);
+    }
+
+    /// [`expect_async`] with every process's log.
+    pub async fn expect_async<F, Fut>(&self, within: Duration, what: impl Display, condition: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        expect_async(within, &self.procs(), what, condition).await;
+    }
+
+    /// [`stop`]s the beats, then the workers.
+    pub fn stop(&mut self) {
+        let mut all: Vec<&mut Proc> = self.beats.iter_mut().chain(&mut self.workers).collect();
+        stop(&mut all);
+    }
+}
+
+/// The label of process `i` of `n` named `role`.
+fn label(role: &str, i: usize, n: usize) -> String {
+    if n == 1 {
+        role.to_owned()
+    } else {
+        format!("{role}-{}", i + 1)
+    }
+}
+
+impl TestEnv {
+    /// Writes `cfg` as `drumline.toml`; its path, for `--config`.
+    pub fn config_file(&self, cfg: &Cfg) -> String {
+        self.config_named("drumline.toml", cfg)
+    }
+
+    /// Writes `cfg` as `name`; its path, for `--config`.
+    pub fn config_named(&self, name: &str, cfg: &Cfg) -> String {
+        let path = self.write_config(name, cfg);
+        path.to_str().expect("utf-8 path").to_owned()
+    }
+
+    /// `drumline-beat --config CONFIG`.
+    pub fn beat_on(&self, label: &str, config: &str) -> Proc {
+        self.beat(label, &["--config", config])
+    }
+
+    /// `drumline-worker --config CONFIG`.
+    pub fn worker_on(&self, label: &str, config: &str) -> Proc {
+        self.worker(label, &["--config", config])
+    }
+
+    /// `drumline-beat --config CONFIG` serving `/metrics`, the page and `/api/status` on a
+    /// fresh port: (beat, port).
+    pub fn beat_serving(&self, label: &str, config: &str) -> (Proc, u16) {
+        let port = unused_port();
+        let addr = format!("127.0.0.1:{port}");
+        (
+            self.beat(label, &["--config", config, "--metrics-addr", &addr]),
+            port,
+        )
+    }
+
+    /// `drumline-worker --config CONFIG` serving `/metrics` and `/healthz` on a fresh port:
+    /// (worker, port).
+    pub fn worker_serving(&self, label: &str, config: &str) -> (Proc, u16) {
+        let port = unused_port();
+        let addr = format!("127.0.0.1:{port}");
+        let args = ["--config", config, "--metrics-addr", &addr];
+        (self.worker(label, &args), port)
+    }
+
+    /// Writes `cfg`, starts `workers` workers, waits until they consume (their topology is
+    /// declared), then starts `beats` beats.
+    pub async fn start(&self, cfg: &Cfg, beats: usize, workers: usize) -> Scene {
+        let config = self.config_file(cfg);
+        let workers: Vec<Proc> = (0..workers)
+            .map(|i| self.worker_on(&label("worker", i, workers), &config))
+            .collect();
+        if let Some(first) = workers.first() {
+            self.wait_for_topology(first).await;
+        }
+        let beats = (0..beats)
+            .map(|i| self.beat_on(&label("beat", i, beats), &config))
+            .collect();
+        Scene {
+            config,
+            beats,
+            workers,
+        }
+    }
+
+    /// A task that appends `$DRUMLINE_KEY` to effect file `file` after `sleep` seconds.
+    pub fn appender(&self, file: &str, sleep: f64) -> Keys {
+        Keys::default().with("command", &self.append_key_command(file, sleep))
+    }
+
+    /// A task that runs `script` with `/bin/sh -c`, `{effects}` in it replaced by the path
+    /// of effect file `effects` (so the script can write there).
+    pub fn script(&self, script: &str) -> Keys {
+        let path = self.path("effects").display().to_string();
+        crate::cfg::shell(&script.replace("{effects}", &path))
+    }
+
+    /// `drumline-beat --config CONFIG ARGS…`: (exit code, stdout, stderr).
+    pub fn beat_cmd(&self, config: &str, args: &[&str]) -> (i32, String, String) {
+        let all: Vec<&str> = ["--config", config].iter().chain(args).copied().collect();
+        let (status, out, err) = self.run("drumline-beat", &all);
+        (status.code().unwrap_or(-1), out, err)
+    }
+
+    /// `drumline --config CONFIG status --json`, asserted to succeed, parsed.
+    pub fn status_json(&self, config: &str) -> serde_json::Value {
+        let (status, out, err) = self.run("drumline", &["--config", config, "status", "--json"]);
+        assert!(status.success(), "status --json: {err}");
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("status --json: {e}: {out}"))
+    }
+
+    /// The instants run for `job` by effect file `file` (lines `job@instant`), in order, each
+    /// asserted run once.
+    pub fn runs_of(&self, file: &str, job: &str) -> Vec<DateTime<Utc>> {
+        let prefix = format!("{job}@");
+        let lines: Vec<String> = self
+            .lines(file)
+            .into_iter()
+            .filter(|l| l.starts_with(&prefix))
+            .collect();
+        let counts = counts(&lines);
+        let doubled: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+        assert!(doubled.is_empty(), "run more than once: {doubled:?}");
+        counts.keys().map(|k| instant_of(k)).collect()
+    }
+
+    /// Every Redis key of this namespace.
+    pub async fn ns_keys(&self) -> Vec<String> {
+        let mut redis = self.redis().await;
+        redis::cmd("KEYS")
+            .arg(format!("{}:*", self.ns))
+            .query_async(&mut redis)
+            .await
+            .expect("redis KEYS")
+    }
+
+    /// The members of Redis set `key`.
+    pub async fn smembers(&self, key: &str) -> Vec<String> {
+        let mut redis = self.redis().await;
+        redis::cmd("SMEMBERS")
+            .arg(key)
+            .query_async(&mut redis)
+            .await
+            .expect("redis SMEMBERS")
+    }
+}
+
+/// Asserts consecutive `instants` are `seconds` apart (`what` names them in the failure).
+pub fn assert_spaced(instants: &[DateTime<Utc>], seconds: i64, what: &str) {
+    for pair in instants.windows(2) {
+        assert_eq!(
+            (pair[1] - pair[0]).num_seconds(),
+            seconds,
+            "{what}: {} then {}",
+            pair[0],
+            pair[1]
+        );
+    }
+}
+
+/// Every labelled series of metric `name` served on `port`: label set (`{a="x",b="y"}`) →
+/// value (empty when unreachable).
+pub fn series(port: u16, name: &str) -> BTreeMap<String, f64> {
+    let Some((_, body)) = http_get(port, "/metrics") else {
+        return BTreeMap::new();
+    };
+    body.lines()
+        .filter_map(|l| l.strip_prefix(name)?.strip_prefix('{'))
+        .filter_map(|l| {
+            let (labels, value) = l.split_once("} ")?;
+            Some((format!("{{{labels}}}"), value.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// `{k="v",…}` → value, the expected side of [`series`].
+pub fn rows(rows: &[(&str, f64)]) -> BTreeMap<String, f64> {
+    rows.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+/// The sum of unlabelled metric `name` over the `/metrics` of `ports`.
+pub fn total(ports: &[u16], name: &str) -> f64 {
+    ports.iter().filter_map(|p| crate::metric(*p, name)).sum()
+}
+
+/// A task running `argv` as is (`["/bin/false"]`).
+pub fn argv(argv: &[&str]) -> Keys {
+    let items: Vec<String> = argv.iter().map(|a| toml_string(a)).collect();
+    Keys::default().with("command", &format!("[{}]", items.join(", ")))
+}
+
+/// String-valued keys in one call, beside [`Keys::with`] (which takes TOML as written).
+impl Keys {
+    /// `task = "TASK"`: the job runs task `task`.
+    pub fn task(self, task: &str) -> Self {
+        self.with("task", &toml_string(task))
+    }
+
+    /// `key = "VALUE"`, `value` written as a TOML string.
+    pub fn text(self, key: &str, value: &str) -> Self {
+        self.with(key, &toml_string(value))
+    }
+}
