@@ -298,4 +298,9 @@ impl Keys {
     pub fn text(self, key: &str, value: &str) -> Self {
         self.with(key, &toml_string(value))
     }
+
+    /// [`Keys::text`] for each (key, value).
+    pub fn texts(self, pairs: &[(&str, &str)]) -> Self {
+        pairs.iter().fold(self, |keys, (k, v)| keys.text(k, v))
+    }
 }
