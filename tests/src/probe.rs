@@ -161,6 +161,18 @@ impl TestEnv {
         (self.worker(label, &args), port)
     }
 
+    /// Starts a worker per label in `workers`, then a beat per label in `beats`, all on
+    /// `config`, without waiting for anything.
+    pub fn scene(&self, config: &str, beats: &[&str], workers: &[&str]) -> Scene {
+        let workers = workers.iter().map(|l| self.worker_on(l, config)).collect();
+        let beats = beats.iter().map(|l| self.beat_on(l, config)).collect();
+        Scene {
+            config: config.to_owned(),
+            beats,
+            workers,
+        }
+    }
+
     /// Writes `cfg`, starts `workers` workers, waits until they consume (their topology is
     /// declared), then starts `beats` beats.
     pub async fn start(&self, cfg: &Cfg, beats: usize, workers: usize) -> Scene {
@@ -220,6 +232,16 @@ impl TestEnv {
         let doubled: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
         assert!(doubled.is_empty(), "run more than once: {doubled:?}");
         counts.keys().map(|k| instant_of(k)).collect()
+    }
+
+    /// Waits until instance `key`'s Redis `state` is `state`; else panics with the log tails
+    /// of `procs`.
+    pub async fn expect_state(&self, key: &str, state: &str, procs: &[&Proc]) {
+        let what = format!("{key} {state}");
+        expect_async(Duration::from_secs(60), procs, what, || async {
+            self.run_state(key).await.as_deref() == Some(state)
+        })
+        .await;
     }
 
     /// Every Redis key of this namespace.

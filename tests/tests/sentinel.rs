@@ -3,13 +3,15 @@
 //! nothing and runs nothing twice when the primary is killed mid-stream. Uses the private
 //! [`SentinelSet`] (primary + 2 replicas + 3 Sentinels), never the shared Redis.
 
-use chrono::Utc;
+use chrono::{DateTime, Utc};
+use drumline_e2e::cfg::{every, shell, Cfg, Keys};
+use drumline_e2e::probe::{expect, stop, tails};
 use drumline_e2e::proxy::Fault;
 use drumline_e2e::sentinel::{SentinelSet, FAR_SIDE};
 use drumline_e2e::snoop::Snoop;
 use drumline_e2e::{
     adhoc, assert_contiguous_exactly_once, counts, instant_of, metric, setup, toml_string,
-    wait_until, with_metrics, Proc, AMQP_URL,
+    wait_until, Proc, TestEnv, AMQP_URL,
 };
 use drumline_shared::names::Names;
 use drumline_shared::store::{
@@ -18,7 +20,7 @@ use drumline_shared::store::{
 };
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{Connection, ConnectionProperties};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -64,89 +66,40 @@ fn hget(port: u16, key: &str) -> Option<String> {
 async fn wait_replicas_counts_acknowledgements_and_fails_closed() {
     let set = SentinelSet::shared().await;
     let names = namespace("wait");
-    let store = Store::connect(&set.url(0), None, names.clone())
-        .await
-        .expect("connect through the sentinels");
+    let store = Store::connect(&set.url(0), None, names.clone()).await;
+    let store = store.expect("connect through the sentinels");
     let primary = set.primary().unwrap();
-    assert_eq!(
-        store.connection().primary(),
-        Some(("127.0.0.1".to_owned(), primary))
-    );
+    let on_primary = Some(("127.0.0.1".to_owned(), primary));
+    assert_eq!(store.connection().primary(), on_primary);
 
     // Both replicas acknowledge: the final state is on each of them when `finish` returns.
-    let both = store.clone().with_wait(WaitReplicas {
-        replicas: 2,
-        timeout: Duration::from_secs(5),
-    });
-    assert!(matches!(
-        both.claim(&request("k1")).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
-    let done = Ending::Final(Final::Done);
-    let retention = Duration::from_secs(600);
-    assert!(
-        both.finish("k1", None, "token", done, retention)
-            .await
-            .unwrap()
-            .ours
-    );
+    let both = store.clone().with_wait(wait(2, Duration::from_secs(5)));
+    assert!(claimed(&both, "k1").await);
+    let (done, retention) = (Ending::Final(Final::Done), Duration::from_secs(600));
+    let finished = both.finish("k1", None, "token", done, retention).await;
+    assert!(finished.unwrap().ours);
     for replica in set.nodes.iter().filter(|p| **p != primary) {
-        assert_eq!(
-            hget(*replica, &names.run_key("k1")).as_deref(),
-            Some("done"),
-            "replica {replica}"
-        );
+        let state = hget(*replica, &names.run_key("k1"));
+        assert_eq!(state.as_deref(), Some("done"), "replica {replica}");
     }
     // What the start-up advice on wait_replicas reads (docs/scaling.md).
     assert_eq!(store.connected_replicas().await.unwrap(), 2);
 
     // Three asked, two exist: never a success, for a claim, its renewal, a final state, a
     // retry hand-over, the leader lease or the beat's progress.
-    let three = store.clone().with_wait(WaitReplicas {
-        replicas: 3,
-        timeout: Duration::from_millis(300),
-    });
-    let short = |e: StoreError| {
-        assert!(
-            matches!(
-                e,
-                StoreError::TooFewReplicas {
-                    acked: 2,
-                    wanted: 3,
-                    ..
-                }
-            ),
-            "{e}"
-        )
+    let three = store.clone().with_wait(wait(3, Duration::from_millis(300)));
+    two_of_three(three.claim(&request("k1b")).await.expect_err("a claim"));
+    let retry = Ending::Retry {
+        next_attempt: 1,
+        hold: Duration::from_secs(5),
     };
-    short(three.claim(&request("k1b")).await.expect_err("a claim"));
-    for (key, ending) in [
-        ("k2", Ending::Final(Final::Dead)),
-        (
-            "k3",
-            Ending::Retry {
-                next_attempt: 1,
-                hold: Duration::from_secs(5),
-            },
-        ),
-    ] {
-        assert!(matches!(
-            store.claim(&request(key)).await.unwrap(),
-            Claim::Claimed { .. }
-        ));
+    for (key, ending) in [("k2", Ending::Final(Final::Dead)), ("k3", retry)] {
+        assert!(claimed(&store, key).await);
         let lease = Duration::from_secs(30);
-        short(
-            three
-                .renew(key, None, "token", lease)
-                .await
-                .expect_err("a renewal"),
-        );
-        short(
-            three
-                .finish(key, None, "token", ending, retention)
-                .await
-                .expect_err("an end"),
-        );
+        let renewed = three.renew(key, None, "token", lease).await;
+        two_of_three(renewed.expect_err("a renewal"));
+        let ended = three.finish(key, None, "token", ending, retention).await;
+        two_of_three(ended.expect_err("an end"));
     }
     let who = Candidate {
         token: "beat".to_owned(),
@@ -154,34 +107,53 @@ async fn wait_replicas_counts_acknowledgements_and_fails_closed() {
         pid: 1,
     };
     let lease = Duration::from_secs(10);
-    short(
-        three
-            .lead(&who, lease, LeaseMode::Acquire)
-            .await
-            .expect_err("a lease"),
-    );
+    let led = three.lead(&who, lease, LeaseMode::Acquire).await;
+    two_of_three(led.expect_err("a lease"));
     // `WAIT` rolls nothing back: the primary has the lease, it only did not count.
     let lead = store.lead(&who, lease, LeaseMode::Renew).await.unwrap();
     assert!(
         matches!(lead.outcome, LeaseOutcome::Renewed { .. }),
         "{lead:?}"
     );
-    let progress = three
-        .advance_progress("beat", &[("job", Utc::now())], Duration::from_secs(5), 10)
-        .await;
-    assert!(
-        matches!(
-            progress,
-            Err(ProgressError::Redis(StoreError::TooFewReplicas { .. }))
-        ),
-        "{progress:?}"
+    let advance = |s: Store| async move {
+        s.advance_progress("beat", &[("job", Utc::now())], Duration::from_secs(5), 10)
+            .await
+    };
+    let progress = advance(three).await;
+    let short = matches!(
+        progress,
+        Err(ProgressError::Redis(StoreError::TooFewReplicas { .. }))
     );
+    assert!(short, "{progress:?}");
     // Without the wait the same write is a success.
-    let out = store
-        .advance_progress("beat", &[("job", Utc::now())], Duration::from_secs(5), 10)
-        .await
-        .unwrap();
+    let out = advance(store).await.unwrap();
     assert!(out.iter().all(Result::is_ok), "{out:?}");
+}
+
+/// Wait for `replicas` acknowledgements, `timeout` at most.
+fn wait(replicas: u32, timeout: Duration) -> WaitReplicas {
+    WaitReplicas { replicas, timeout }
+}
+
+/// Whether `store` claims `key` (see [`request`]).
+async fn claimed(store: &Store, key: &str) -> bool {
+    matches!(
+        store.claim(&request(key)).await.unwrap(),
+        Claim::Claimed { .. }
+    )
+}
+
+/// `e` says two replicas acknowledged where three were asked.
+fn two_of_three(e: StoreError) {
+    let short = matches!(
+        e,
+        StoreError::TooFewReplicas {
+            acked: 2,
+            wanted: 3,
+            ..
+        }
+    );
+    assert!(short, "{e}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -241,43 +213,16 @@ const ADHOC: usize = 400;
 /// tasks; the primary is killed with -9 mid-stream.
 async fn failover_under_load(set: &mut SentinelSet, test: &str, wait_replicas: u32) -> Outcome {
     let mut env = setup(test);
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            r#"
-[redis]
-url = {url}
-wait_replicas = {wait_replicas}
-wait_timeout = "1s"
-
-[[jobs]]
-name = "tick"
-task = "append"
-every = "1s"
-misfire = "catch_up"
-overlap = "queue"
-
-[tasks.append]
-command = {cmd}
-"#,
-            url = toml_string(&set.url(0)),
-            cmd = env.append_key_command("effects", 0.1)
-        ),
-    );
-    let cfg = cfg.to_str().unwrap();
-    let mut workers = [
-        env.worker("w1", &["--config", cfg]),
-        env.worker("w2", &["--config", cfg]),
-    ];
+    let cfg = sentinel_cfg(&env, set, wait_replicas, "1s", 0.1).job("tick", tick("queue"));
+    let config = env.config_file(&cfg);
+    let mut workers = [env.worker_on("w1", &config), env.worker_on("w2", &config)];
     env.wait_for_topology(&workers[0]).await;
     // What the beat publishes, recorded on the broker (not read from its log).
     let snoop = Snoop::start(&mut env, "default");
-    let mut beat = env.beat("beat", &["--config", cfg]);
-    assert!(
-        wait_until(WAIT, || env.lines("effects").len() >= 3),
-        "{}",
-        beat.log_tail(20)
-    );
+    let mut beat = env.beat_on("beat", &config);
+    expect(WAIT, &[&beat], "three ticks", || {
+        env.lines("effects").len() >= 3
+    });
 
     // The stream: ADHOC tasks at about 40 a second, published as a producer would.
     let exchange = env.names().tasks_exchange();
@@ -310,49 +255,39 @@ command = {cmd}
             let _ = conn.close(200, "bye".into()).await;
         }
     });
-    let adhoc_ran = |env: &drumline_e2e::TestEnv| {
-        env.lines("effects")
-            .iter()
-            .filter(|l| l.starts_with("adhoc-"))
-            .count()
+    let adhoc_ran = |env: &TestEnv| {
+        let lines = env.lines("effects");
+        lines.iter().filter(|l| l.starts_with("adhoc-")).count()
     };
-    assert!(
-        wait_until(WAIT, || adhoc_ran(&env) >= ADHOC / 3),
-        "{}",
-        workers[0].log_tail(20)
-    );
+    let procs = [&workers[0], &workers[1], &beat];
+    expect(WAIT, &procs, "a third of the stream ran", || {
+        adhoc_ran(&env) >= ADHOC / 3
+    });
 
     let before = env.lines("effects").len();
     let killed_at = Instant::now();
     let old = set.kill_primary();
     let (_, failover) = set.wait_failover(old, killed_at, WAIT);
     // Resumed: more effects than the runs in flight at the kill could write (2 workers × 4).
-    assert!(
-        wait_until(WAIT, || env.lines("effects").len() >= before + 10),
-        "no progress after the failover\n{}\n{}",
-        workers[0].log_tail(30),
-        beat.log_tail(30)
-    );
+    expect(WAIT, &procs, "no progress after the failover", || {
+        env.lines("effects").len() >= before + 10
+    });
     let resumed = killed_at.elapsed();
     stream.await.expect("publisher");
     let ticks_at_resume = env.lines("effects").len() - adhoc_ran(&env);
-    assert!(
-        wait_until(Duration::from_secs(90), || {
+    expect(
+        Duration::from_secs(90),
+        &procs,
+        "not every task ran",
+        || {
             let lines = env.lines("effects");
             let ticks = lines.iter().filter(|l| l.starts_with("tick@")).count();
             let keys: BTreeSet<&String> = lines.iter().collect();
             ticks >= ticks_at_resume + 3
                 && keys.iter().filter(|l| l.starts_with("adhoc-")).count() == ADHOC
-        }),
-        "not every task ran\n{}\n{}",
-        workers[0].log_tail(30),
-        workers[1].log_tail(30)
+        },
     );
-    assert!(
-        beat.terminate(Duration::from_secs(15)).success(),
-        "{}",
-        beat.log_tail(20)
-    );
+    stop(&mut [&mut beat]);
     let published: BTreeSet<String> = snoop
         .published_keys()
         .into_iter()
@@ -365,13 +300,7 @@ command = {cmd}
         }),
         "published instances did not all run"
     );
-    for w in &mut workers {
-        assert!(
-            w.terminate(Duration::from_secs(30)).success(),
-            "{}",
-            w.log_tail(20)
-        );
-    }
+    stop(&mut workers.iter_mut().collect::<Vec<_>>());
 
     let lines = env.lines("effects");
     let counted = counts(&lines);
@@ -456,29 +385,19 @@ async fn a_primary_failover_without_wait_replicas_is_reported() {
 async fn a_repeated_outcome_write_finds_its_own_result() {
     let set = SentinelSet::shared().await;
     let env = setup("e2e_wait_repeat");
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[redis]\nurl = {url}\nwait_replicas = 2\nwait_timeout = \"300ms\"\n\n\
-             [tasks.slow]\ncommand = [\"/bin/sh\", \"-c\", {cmd}]\n",
-            url = toml_string(&set.url(0)),
-            cmd = toml_string(&format!(
-                "echo $DRUMLINE_KEY >> {started}; sleep 2; echo $DRUMLINE_KEY >> {ran}",
-                started = env.path("started").display(),
-                ran = env.path("ran").display()
-            )),
-        ),
+    let (started, ran) = (env.path("started"), env.path("ran"));
+    let slow = format!(
+        "echo $DRUMLINE_KEY >> {}; sleep 2; echo $DRUMLINE_KEY >> {}",
+        started.display(),
+        ran.display()
     );
-    let (args, port) = drumline_e2e::with_metrics(&["--config", cfg.to_str().unwrap()]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let worker = env.worker("worker", &args);
+    let cfg = sentinel_cfg(&env, &set, 2, "300ms", 0.0).task("slow", shell(&slow));
+    let (worker, port) = env.worker_serving("worker", &env.config_file(&cfg));
     env.wait_for_topology(&worker).await;
     env.publish(&adhoc("k-stall", "slow")).await;
-    assert!(
-        wait_until(WAIT, || !env.lines("started").is_empty()),
-        "{}",
-        worker.log_tail(20)
-    );
+    expect(WAIT, &[&worker], "k-stall started", || {
+        !env.lines("started").is_empty()
+    });
     let primary = set.primary().expect("a primary");
     let replica = *set.nodes.iter().find(|p| **p != primary).unwrap();
     set.freeze(replica);
@@ -488,20 +407,11 @@ async fn a_repeated_outcome_write_finds_its_own_result() {
     set.thaw(replica);
 
     let success = r#"drumline_worker_runs_total{task="slow",outcome="success"}"#;
-    let counted = wait_until(WAIT, || drumline_e2e::metric(port, success) == Some(1.0));
     let lost = r#"drumline_worker_runs_total{task="slow",outcome="lease_lost"}"#;
-    assert!(
-        counted,
-        "success not counted; lease_lost = {:?}\n{}",
-        drumline_e2e::metric(port, lost),
-        worker.log_tail(30)
-    );
-    assert_eq!(
-        drumline_e2e::metric(port, lost),
-        None,
-        "{}",
-        worker.log_tail(30)
-    );
+    expect(WAIT, &[&worker], "success not counted", || {
+        metric(port, success) == Some(1.0)
+    });
+    assert_eq!(metric(port, lost), None, "{}", tails(&[&worker]));
     assert_eq!(env.lines("ran"), ["k-stall"]);
     assert_eq!(env.lines("started"), ["k-stall"]);
 }
@@ -559,159 +469,121 @@ fn lease_on(port: u16, names: &Names) -> Option<(u64, u64)> {
 /// copies), a leader on the new primary resumes the ticks, and every instant runs once.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_primary_cut_off_from_its_replicas_keeps_no_leader_and_takes_no_claim() {
-    let set = tokio::task::spawn_blocking(SentinelSet::behind_proxy)
-        .await
-        .expect("sentinel set");
+    let set = tokio::task::spawn_blocking(SentinelSet::behind_proxy).await;
+    let set = set.expect("sentinel set");
     let front = set.front.as_ref().expect("a proxy in front of the primary");
     let mut env = setup("e2e_sentinel_cut");
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            r#"
-[redis]
-url = {url}
-wait_replicas = 1
-wait_timeout = "500ms"
-
-[beat]
-leader_lease = "3s"
-
-[worker]
-lease = "6s"
-
-[[jobs]]
-name = "tick"
-task = "append"
-every = "1s"
-misfire = "catch_up"
-overlap = "allow"
-
-[tasks.append]
-command = {cmd}
-"#,
-            url = toml_string(&set.url(0)),
-            cmd = env.append_key_command("effects", 0.0)
-        ),
-    );
-    let cfg = cfg.to_str().unwrap();
+    let cfg = sentinel_cfg(&env, &set, 1, "500ms", 0.0)
+        .set("beat", "leader_lease", "\"3s\"")
+        .set("worker", "lease", "\"6s\"");
+    let config = env.config_file(&cfg.job("tick", tick("allow")));
     let names = env.names();
-    let mut workers = vec![env.worker("w-before", &["--config", cfg])];
+    let mut workers = vec![env.worker_on("w-before", &config)];
     env.wait_for_topology(&workers[0]).await;
     let snoop = Snoop::start(&mut env, "default");
-    let beat = |label: &str| {
-        let (args, port) = with_metrics(&["--config", cfg]);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        (env.beat(label, &args), port)
-    };
-    let (a, a_port) = beat("beat-a");
-    let (b, b_port) = beat("beat-b");
+    let (a, a_port) = env.beat_serving("beat-a", &config);
+    let (b, b_port) = env.beat_serving("beat-b", &config);
     let mut beats = vec![a, b];
     let ports: Beats = Arc::new(Mutex::new(vec![
         ("beat-a".into(), a_port),
         ("beat-b".into(), b_port),
     ]));
-    assert!(
-        wait_until(WAIT, || env.lines("effects").len() >= 3),
-        "{}",
-        beats[0].log_tail(20)
-    );
-    let stop = Arc::new(AtomicBool::new(false));
-    let sampler = sample_leaders(ports.clone(), stop.clone());
+    expect(WAIT, &[&beats[0]], "three ticks", || {
+        env.lines("effects").len() >= 3
+    });
+    let stop_sampling = Arc::new(AtomicBool::new(false));
+    let sampler = sample_leaders(ports.clone(), stop_sampling.clone());
 
     let cut_at = Instant::now();
     front.set_from(FAR_SIDE, Fault::Blackhole);
     let (new, failover) = set.wait_failover(front.port, cut_at, Duration::from_secs(30));
     let failed_over = Utc::now();
     // A beat and a worker that start now ask the Sentinels and find the new primary.
-    let (c, c_port) = beat("beat-c");
+    let (c, c_port) = env.beat_serving("beat-c", &config);
     beats.push(c);
     ports.lock().unwrap().push(("beat-c".into(), c_port));
-    workers.push(env.worker("w-after", &["--config", cfg]));
+    workers.push(env.worker_on("w-after", &config));
 
-    let ticks_after = |env: &drumline_e2e::TestEnv| {
-        env.lines("effects")
-            .iter()
-            .filter(|k| instant_of(k) > failed_over)
-            .count()
+    let ticks_after = |env: &TestEnv| {
+        let lines = env.lines("effects");
+        lines.iter().filter(|k| instant_of(k) > failed_over).count()
     };
     let pids: Vec<u64> = beats.iter().map(|b| b.pid() as u64).collect();
     let led = wait_until(Duration::from_secs(30), || {
         lease_on(new, &names).is_some_and(|(pid, _)| pids.contains(&pid)) && ticks_after(&env) >= 3
     });
     let resumed = cut_at.elapsed();
-    stop.store(true, Ordering::Relaxed);
+    stop_sampling.store(true, Ordering::Relaxed);
     let overlaps = sampler.join().expect("sampler");
-    let logs = |beats: &[Proc], workers: &[Proc]| {
-        beats
-            .iter()
-            .chain(workers)
-            .map(|p| p.log_tail(12))
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
+    let all: Vec<&Proc> = beats.iter().chain(&workers).collect();
     assert!(
         overlaps.is_empty(),
         "two beats led at once after the primary was cut off from its replicas:\n{}\n{}",
         overlaps[..overlaps.len().min(5)].join("\n"),
-        logs(&beats, &workers)
+        tails(&all)
     );
     assert!(
         led,
         "no leader on the new primary {new} resumed the ticks within 30 s of the failover \
          (lease there: {:?})\n{}",
         lease_on(new, &names),
-        logs(&beats, &workers)
+        tails(&all)
     );
     println!(
         "primary cut off from its replicas: sentinels promoted {new} {failover:?} after the cut; \
          ticks resumed under a leader on it {resumed:?} after the cut"
     );
-
-    for b in &mut beats {
-        assert!(
-            b.terminate(Duration::from_secs(15)).success(),
-            "{}",
-            b.log_tail(20)
-        );
-    }
+    stop(&mut beats.iter_mut().collect::<Vec<_>>());
     let published = snoop.settle();
-    // The terms follow one another: each epoch's last decision comes before the next one's
-    // first (the old leader may have published instants its progress could not record; the
-    // next one publishes them again, and the workers dedupe them).
-    let mut terms: std::collections::BTreeMap<i64, (chrono::DateTime<Utc>, chrono::DateTime<Utc>)> =
-        Default::default();
+    assert_terms_follow_one_another(&published);
+    let keys: BTreeSet<String> = published.into_iter().map(|m| m.envelope.key).collect();
+    let all: Vec<&Proc> = beats.iter().chain(&workers).collect();
+    expect(WAIT, &all, "published instances did not all run", || {
+        keys.is_subset(&env.lines("effects").into_iter().collect())
+    });
+    stop(&mut workers.iter_mut().collect::<Vec<_>>());
+    assert_contiguous_exactly_once(&env.lines("effects"), 8);
+}
+
+/// The terms follow one another: each epoch's last decision comes before the next one's first
+/// (the old leader may have published instants its progress could not record; the next one
+/// publishes them again, and the workers dedupe them).
+fn assert_terms_follow_one_another(published: &[drumline_e2e::snoop::Snooped]) {
+    let mut terms: BTreeMap<i64, (DateTime<Utc>, DateTime<Utc>)> = BTreeMap::new();
     for m in published.iter().filter(|m| !m.via_delay) {
         let at = m.envelope.published_at;
         let term = terms.entry(m.epoch.unwrap_or(-1)).or_insert((at, at));
-        term.0 = term.0.min(at);
-        term.1 = term.1.max(at);
+        (term.0, term.1) = (term.0.min(at), term.1.max(at));
     }
     let terms: Vec<_> = terms.into_iter().collect();
     for pair in terms.windows(2) {
+        let ((epoch, (_, until)), (next, (from, _))) = (pair[0], pair[1]);
         assert!(
-            pair[0].1 .1 < pair[1].1 .0,
-            "terms overlap: epoch {} published until {}, epoch {} from {}",
-            pair[0].0,
-            pair[0].1 .1,
-            pair[1].0,
-            pair[1].1 .0
+            until < from,
+            "terms overlap: epoch {epoch} published until {until}, epoch {next} from {from}"
         );
     }
-    let keys: BTreeSet<String> = published.into_iter().map(|m| m.envelope.key).collect();
-    assert!(
-        wait_until(WAIT, || {
-            let ran: BTreeSet<String> = env.lines("effects").into_iter().collect();
-            keys.is_subset(&ran)
-        }),
-        "published instances did not all run\n{}",
-        logs(&beats, &workers)
-    );
-    for w in &mut workers {
-        assert!(
-            w.terminate(Duration::from_secs(30)).success(),
-            "{}",
-            w.log_tail(20)
-        );
-    }
-    assert_contiguous_exactly_once(&env.lines("effects"), 8);
+}
+
+/// A config on `set`'s Sentinel URL with `wait_replicas` and `wait_timeout`, and an append
+/// task that sleeps `sleep` s first.
+fn sentinel_cfg(
+    env: &TestEnv,
+    set: &SentinelSet,
+    wait_replicas: u32,
+    timeout: &str,
+    sleep: f64,
+) -> Cfg {
+    Cfg::new()
+        .redis_url(&set.url(0))
+        .set("redis", "wait_replicas", &wait_replicas.to_string())
+        .set("redis", "wait_timeout", &toml_string(timeout))
+        .task("append", env.appender("effects", sleep))
+}
+
+/// A 1 s `catch_up` job on the append task with `overlap`.
+fn tick(overlap: &str) -> Keys {
+    every("1s")
+        .texts(&[("misfire", "catch_up"), ("overlap", overlap)])
+        .task("append")
 }
