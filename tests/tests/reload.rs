@@ -5,144 +5,86 @@
 //! comes to lead.
 
 use chrono::{DateTime, TimeDelta, Utc};
-use drumline_e2e::cfg::{cron, every, Cfg, Keys};
+use drumline_e2e::cfg::{cron, every, shell, Cfg, Keys};
+use drumline_e2e::probe::{assert_spaced, expect, expect_async, stop, tails};
 use drumline_e2e::{
-    counts, http_get, instant_of, setup, toml_string, wait_until, with_metrics, TestEnv, REDIS_URL,
+    adhoc, counts, http_get, instant_of, setup, wait_until, Proc, TestEnv, REDIS_URL,
 };
 use drumline_shared::envelope::format_instant;
 use drumline_shared::jitter::offset;
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
 
 /// The config with `jobs` (name, rule) all running the append task.
-fn write_config(env: &TestEnv, jobs: &[(&str, &str)]) -> std::path::PathBuf {
-    let mut body = String::from("[worker]\nconcurrency = 4\nlease = \"3s\"\n");
-    for (name, rule) in jobs {
-        body.push_str(&format!(
-            "\n[[jobs]]\nname = \"{name}\"\ntask = \"append\"\n{rule}\noverlap = \"allow\"\n"
-        ));
-    }
-    body.push_str(&format!(
-        "\n[tasks.append]\ncommand = {}\n",
-        env.append_key_command("effects", 0.0)
-    ));
-    env.config("drumline.toml", &body)
+fn write_config(env: &TestEnv, jobs: Vec<(&str, Keys)>) -> String {
+    let jobs = jobs
+        .into_iter()
+        .map(|(name, rule)| (name, rule.text("overlap", "allow")));
+    let cfg = Cfg::new()
+        .worker_slots(4, "3s")
+        .jobs_of("append", jobs.collect());
+    env.config_file(&cfg.task("append", env.appender("effects", 0.0)))
 }
 
 /// The instants run for `job`, each asserted run once.
 fn runs_of(env: &TestEnv, job: &str) -> Vec<DateTime<Utc>> {
-    let lines: Vec<String> = env
-        .lines("effects")
-        .into_iter()
-        .filter(|l| l.starts_with(&format!("{job}@")))
-        .collect();
-    let counts = counts(&lines);
-    let doubled: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
-    assert!(doubled.is_empty(), "run more than once: {doubled:?}");
-    counts
-        .keys()
-        .map(|k| {
-            DateTime::parse_from_rfc3339(k.split_once('@').unwrap().1)
-                .unwrap()
-                .with_timezone(&Utc)
-        })
-        .collect()
+    env.runs_of("effects", job)
 }
 
-fn assert_spaced(instants: &[DateTime<Utc>], seconds: i64, what: &str) {
-    for pair in instants.windows(2) {
-        assert_eq!(
-            (pair[1] - pair[0]).num_seconds(),
-            seconds,
-            "{what}: {} then {}",
-            pair[0],
-            pair[1]
-        );
-    }
-}
-
-fn hup(proc: &drumline_e2e::Proc) {
+fn hup(proc: &Proc) {
     proc.signal(libc::SIGHUP);
-}
-
-fn config_str(path: &Path) -> &str {
-    path.to_str().expect("utf-8 path")
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sighup_adds_reschedules_and_removes_jobs_and_refuses_a_broken_file() {
     let env = setup("reload_beat");
-    let every_second = "every = \"1s\"";
-    let cfg = write_config(
-        &env,
-        &[
-            ("keep", every_second),
-            ("change", every_second),
-            ("gone", every_second),
-        ],
-    );
-    let mut worker = env.worker("worker", &["--config", config_str(&cfg)]);
-    let mut beat = env.beat("beat", &["--config", config_str(&cfg)]);
-    assert!(
-        wait_until(WAIT, || ["keep", "change", "gone"].iter().all(|j| runs_of(
-            &env, j
-        )
-        .len()
-            >= 3)),
-        "{}",
-        beat.log_tail(20)
-    );
+    let jobs = ["keep", "change", "gone"].map(|j| (j, every("1s")));
+    let config = write_config(&env, jobs.to_vec());
+    let mut scene = env.scene(&config, &["beat"], &["worker"]);
+    scene.expect(WAIT, "three runs of each job", || {
+        ["keep", "change", "gone"]
+            .iter()
+            .all(|j| runs_of(&env, j).len() >= 3)
+    });
 
     // A valid change: `change` every 2 s, `gone` removed, `added` new. The worker gets the
     // same file (it learns the new job too).
-    let cfg = write_config(
-        &env,
-        &[
-            ("added", every_second),
-            ("change", "every = \"2s\""),
-            ("keep", every_second),
-        ],
-    );
-    hup(&beat);
-    hup(&worker);
+    let jobs = vec![
+        ("added", every("1s")),
+        ("change", every("2s")),
+        ("keep", every("1s")),
+    ];
+    write_config(&env, jobs);
+    scene.procs().into_iter().for_each(hup);
     let reloaded_at = Utc::now();
     let settled = reloaded_at + TimeDelta::seconds(2);
-    assert!(
-        wait_until(WAIT, || runs_of(&env, "added").len() >= 4
-            && runs_of(&env, "change")
-                .iter()
-                .filter(|t| **t > settled)
-                .count()
-                >= 3),
-        "{}",
-        beat.log_tail(20)
-    );
+    scene.expect(WAIT, "added and the rescheduled change ran", || {
+        let change = runs_of(&env, "change");
+        runs_of(&env, "added").len() >= 4 && change.iter().filter(|t| **t > settled).count() >= 3
+    });
 
     // A broken file: refused, and the schedule just loaded keeps running.
-    std::fs::write(&cfg, "[[jobs]]\nname = \"broken\"\nevery = \"sometimes\"\n").unwrap();
-    hup(&beat);
-    let broken_at = Utc::now();
-    let later = broken_at + TimeDelta::seconds(3);
+    std::fs::write(
+        &config,
+        "[[jobs]]\nname = \"broken\"\nevery = \"sometimes\"\n",
+    )
+    .unwrap();
+    hup(&scene.beats[0]);
+    let later = Utc::now() + TimeDelta::seconds(3);
+    scene.expect(WAIT, "added ran past the broken file", || {
+        runs_of(&env, "added").last().is_some_and(|t| *t >= later)
+    });
     assert!(
-        wait_until(WAIT, || runs_of(&env, "added")
-            .last()
-            .is_some_and(|t| *t >= later)),
-        "{}",
-        beat.log_tail(20)
+        scene.beats[0].is_running(),
+        "a broken file must not stop the beat"
     );
-    assert!(beat.is_running(), "a broken file must not stop the beat");
-    assert!(beat.terminate(Duration::from_secs(10)).success());
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+    scene.stop();
     // The refusal is the beat's output to its operator: one error naming the file and the job.
-    assert!(
-        beat.log()
-            .lines()
-            .any(|l| l.contains("reload refused") && l.contains("drumline.toml: job \"broken\"")),
-        "{}",
-        beat.log_tail(10)
-    );
+    let refused =
+        |l: &str| l.contains("reload refused") && l.contains("drumline.toml: job \"broken\"");
+    let log = scene.beats[0].log();
+    assert!(log.lines().any(refused), "{}", scene.beats[0].log_tail(10));
 
     // `keep` ran every second straight through both reloads.
     let keep = runs_of(&env, "keep");
@@ -150,66 +92,61 @@ async fn sighup_adds_reschedules_and_removes_jobs_and_refuses_a_broken_file() {
     assert!(*keep.last().unwrap() >= later);
     // `gone` stopped within a second of the reload.
     let gone = runs_of(&env, "gone");
+    let last = *gone.last().unwrap();
     assert!(
-        *gone.last().unwrap() <= reloaded_at + TimeDelta::seconds(1),
-        "gone ran at {:?} after the reload at {reloaded_at}",
-        gone.last()
+        last <= reloaded_at + TimeDelta::seconds(1),
+        "gone ran at {last} after the reload at {reloaded_at}"
     );
     // `added` started at the reload: nothing before it was caught up, then every second.
     let added = runs_of(&env, "added");
+    let first = added[0];
     assert!(
-        added[0] >= reloaded_at - TimeDelta::seconds(1),
-        "added caught up {} before the reload at {reloaded_at}",
-        added[0]
+        first >= reloaded_at - TimeDelta::seconds(1),
+        "added caught up {first} before the reload at {reloaded_at}"
     );
     assert_spaced(&added, 1, "added");
     // `change` follows its new rule after the reload, without catching anything up.
-    let change_after: Vec<_> = runs_of(&env, "change")
-        .into_iter()
+    let change = runs_of(&env, "change").into_iter();
+    let change_after: Vec<_> = change
         .filter(|t| *t > reloaded_at + TimeDelta::seconds(1))
         .collect();
     assert_spaced(&change_after, 2, "change after the reload");
 }
 
 /// A worker config whose task `t` appends `VERSION KEY` after `sleep` seconds.
-fn versioned_worker_config(env: &TestEnv, version: &str, sleep: f64) -> std::path::PathBuf {
+fn versioned_worker_config(env: &TestEnv, version: &str, sleep: f64) -> String {
+    let effects = env.path("effects");
     let script = format!(
         "sleep {sleep}; echo \"{version} $DRUMLINE_KEY\" >> {}",
-        env.path("effects").display()
+        effects.display()
     );
-    env.config(
-        "worker.toml",
-        &format!(
-            "[worker]\nconcurrency = 4\nlease = \"5s\"\n\n[tasks.t]\ncommand = [\"/bin/sh\", \"-c\", {}]\n",
-            drumline_e2e::toml_string(&script)
-        ),
-    )
+    let cfg = Cfg::new().worker_slots(4, "5s").task("t", shell(&script));
+    env.config_named("worker.toml", &cfg)
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sighup_gives_the_worker_new_tasks_for_the_deliveries_that_follow() {
     let env = setup("reload_worker");
-    let cfg = versioned_worker_config(&env, "v1", 2.0);
-    let mut worker = env.worker("worker", &["--config", config_str(&cfg)]);
+    let config = versioned_worker_config(&env, "v1", 2.0);
+    let mut worker = env.worker_on("worker", &config);
     env.wait_for_topology(&worker).await;
     // In flight across the reload: started under v1, it finishes under v1.
-    env.publish(&drumline_e2e::adhoc("before", "t")).await;
-    let running = drumline_e2e::wait_until_async(WAIT, || async {
+    env.publish(&adhoc("before", "t")).await;
+    expect_async(WAIT, &[&worker], "before running", || async {
         env.run_state("before").await.as_deref() == Some("running")
     })
     .await;
-    assert!(running, "{}", worker.log_tail(20));
     versioned_worker_config(&env, "v2", 0.0);
     hup(&worker);
     // A delivery after the reload runs the new command (the reload lands within moments: poll
     // with fresh keys until one runs v2).
     let mut n = 0;
-    let reloaded = drumline_e2e::wait_until_async(WAIT, || {
+    let ran = |line: String| wait_until(WAIT, || env.lines("effects").contains(&line));
+    expect_async(WAIT, &[&worker], "a delivery ran v2", || {
         n += 1;
-        let key = format!("after-{n}");
-        let env = &env;
+        let (key, env) = (format!("after-{n}"), &env);
         async move {
-            env.publish(&drumline_e2e::adhoc(&key, "t")).await;
+            env.publish(&adhoc(&key, "t")).await;
             wait_until(Duration::from_secs(5), || {
                 env.lines("effects")
                     .iter()
@@ -219,48 +156,30 @@ async fn sighup_gives_the_worker_new_tasks_for_the_deliveries_that_follow() {
         }
     })
     .await;
-    assert!(reloaded, "{}", worker.log_tail(20));
-    assert!(wait_until(WAIT, || env
-        .lines("effects")
-        .contains(&"v1 before".to_owned())));
+    assert!(ran("v1 before".to_owned()));
 
     // A broken file is refused: the worker keeps serving v2.
-    std::fs::write(&cfg, "[tasks.t]\ncommand = 7\n").unwrap();
+    std::fs::write(&config, "[tasks.t]\ncommand = 7\n").unwrap();
     hup(&worker);
-    env.publish(&drumline_e2e::adhoc("after-broken", "t")).await;
-    assert!(
-        wait_until(WAIT, || env
-            .lines("effects")
-            .contains(&"v2 after-broken".to_owned())),
-        "{}",
-        worker.log_tail(20)
-    );
-    assert!(worker.terminate(Duration::from_secs(20)).success());
-    assert!(
-        worker.log().lines().any(|l| l.contains("reload refused")),
-        "{}",
-        worker.log_tail(10)
-    );
+    env.publish(&adhoc("after-broken", "t")).await;
+    assert!(ran("v2 after-broken".to_owned()), "{}", tails(&[&worker]));
+    stop(&mut [&mut worker]);
+    let refused = worker.log().lines().any(|l| l.contains("reload refused"));
+    assert!(refused, "{}", worker.log_tail(10));
     let runs = counts(&env.lines("effects"));
     assert!(runs.values().all(|n| *n == 1), "{runs:?}");
 }
 
 /// A config file `file` for two beats: a 3 s leader lease, `jobs` (name, rule) all `catch_up`
 /// and running the append task.
-fn standby_config(env: &TestEnv, file: &str, jobs: &[(&str, &str)]) -> std::path::PathBuf {
-    let mut body = String::from(
-        "[beat]\nleader_lease = \"3s\"\n\n[worker]\nconcurrency = 4\nlease = \"3s\"\n",
-    );
-    for (name, rule) in jobs {
-        body.push_str(&format!(
-            "\n[[jobs]]\nname = \"{name}\"\ntask = \"append\"\n{rule}\nmisfire = \"catch_up\"\noverlap = \"allow\"\n"
-        ));
-    }
-    body.push_str(&format!(
-        "\n[tasks.append]\ncommand = {}\n",
-        env.append_key_command("effects", 0.0)
-    ));
-    env.config(file, &body)
+fn standby_config(env: &TestEnv, file: &str, jobs: [(&str, &str); 2]) -> String {
+    let rules = [("misfire", "catch_up"), ("overlap", "allow")];
+    let jobs = jobs.map(|(name, rule)| (name, every(rule).texts(&rules)));
+    let cfg = Cfg::new()
+        .set("beat", "leader_lease", "\"3s\"")
+        .worker_slots(4, "3s");
+    let cfg = cfg.jobs_of("append", jobs.to_vec());
+    env.config_named(file, &cfg.task("append", env.appender("effects", 0.0)))
 }
 
 /// The leader lease `{ns}:beat:leader`: (pid, epoch, since).
@@ -303,54 +222,44 @@ fn schedule_on(port: u16, job: &str) -> Option<String> {
 async fn a_standby_that_reloaded_applies_the_reload_rules_when_it_leads() {
     let env = setup("reload_standby");
     // v1 on both: `both` every 2 s, `only_b` every hour (never due while the test runs).
-    let v1 = [("both", "every = \"2s\""), ("only_b", "every = \"1h\"")];
-    let a_cfg = standby_config(&env, "a.toml", &v1);
-    let b_cfg = standby_config(&env, "b.toml", &v1);
-    let mut worker = env.worker("worker", &["--config", config_str(&b_cfg)]);
-    let mut a = env.beat("beat-a", &["--config", config_str(&a_cfg)]);
-    assert!(
-        wait_until(WAIT, || leader(&env).is_some_and(|l| l.0 == a.pid() as u32)),
-        "{}",
-        a.log_tail(20)
-    );
-    let (b_args, b_port) = with_metrics(&["--config", config_str(&b_cfg)]);
-    let b_args: Vec<&str> = b_args.iter().map(String::as_str).collect();
-    let mut b = env.beat("beat-b", &b_args);
-    assert!(
-        wait_until(WAIT, || runs_of(&env, "both").len() >= 2),
-        "{}",
-        a.log_tail(20)
-    );
+    let v1 = [("both", "2s"), ("only_b", "1h")];
+    let a_cfg = standby_config(&env, "a.toml", v1);
+    let b_cfg = standby_config(&env, "b.toml", v1);
+    let mut worker = env.worker_on("worker", &b_cfg);
+    let mut a = env.beat_on("beat-a", &a_cfg);
+    let a_pid = a.pid() as u32;
+    expect(WAIT, &[&a], "beat-a leads", || {
+        leader(&env).is_some_and(|l| l.0 == a_pid)
+    });
+    let (mut b, b_port) = env.beat_serving("beat-b", &b_cfg);
+    expect(WAIT, &[&a], "both ran twice", || {
+        runs_of(&env, "both").len() >= 2
+    });
 
     // v2 on both, both reloaded: `both` every second. The leader restarts it from the reload.
-    let v2 = [("both", "every = \"1s\""), ("only_b", "every = \"1h\"")];
-    standby_config(&env, "a.toml", &v2);
-    standby_config(&env, "b.toml", &v2);
+    let v2 = [("both", "1s"), ("only_b", "1h")];
+    standby_config(&env, "a.toml", v2);
+    standby_config(&env, "b.toml", v2);
     hup(&a);
     hup(&b);
     let reloaded_at = Utc::now();
     let after_reload = |env: &TestEnv| -> Vec<DateTime<Utc>> {
-        runs_of(env, "both")
-            .into_iter()
-            .filter(|t| *t > reloaded_at + TimeDelta::seconds(1))
+        let both = runs_of(env, "both").into_iter();
+        both.filter(|t| *t > reloaded_at + TimeDelta::seconds(1))
             .collect()
     };
-    assert!(
-        wait_until(WAIT, || after_reload(&env).len() >= 3),
-        "{}",
-        a.log_tail(20)
-    );
+    expect(WAIT, &[&a], "both rescheduled", || {
+        after_reload(&env).len() >= 3
+    });
 
     // v3 on the standby only: `only_b` every second. The leader never hears of it.
-    standby_config(
-        &env,
-        "b.toml",
-        &[("both", "every = \"1s\""), ("only_b", "every = \"1s\"")],
-    );
+    standby_config(&env, "b.toml", [("both", "1s"), ("only_b", "1s")]);
     hup(&b);
+    let reloaded = wait_until(WAIT, || {
+        schedule_on(b_port, "only_b").as_deref() == Some("every 1s")
+    });
     assert!(
-        wait_until(WAIT, || schedule_on(b_port, "only_b").as_deref()
-            == Some("every 1s")),
+        reloaded,
         "the standby did not reload: {:?} {:?}\n{}",
         schedule_on(b_port, "only_b"),
         http_get(b_port, "/api/status"),
@@ -358,27 +267,19 @@ async fn a_standby_that_reloaded_applies_the_reload_rules_when_it_leads() {
     );
     a.kill9();
     let mut lease = None;
-    assert!(
-        wait_until(WAIT, || {
-            lease = leader(&env).filter(|l| l.0 == b.pid() as u32);
-            lease.is_some()
-        }),
-        "the standby did not take over\n{}",
-        b.log_tail(20)
-    );
+    let b_pid = b.pid() as u32;
+    expect(WAIT, &[&b], "the standby did not take over", || {
+        lease = leader(&env).filter(|l| l.0 == b_pid);
+        lease.is_some()
+    });
     let (_, _, since) = lease.expect("just checked");
-    assert!(
-        wait_until(WAIT, || runs_of(&env, "only_b").len() >= 3
-            && after_reload(&env)
-                .last()
-                .is_some_and(|t| *t > since + TimeDelta::seconds(2))),
-        "only_b {:?}, both {:?}\n{}",
-        runs_of(&env, "only_b"),
-        after_reload(&env).last(),
-        b.log_tail(20)
-    );
-    assert!(b.terminate(Duration::from_secs(10)).success());
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+    expect(WAIT, &[&b], "only_b ran and both resumed", || {
+        let resumed = after_reload(&env)
+            .last()
+            .is_some_and(|t| *t > since + TimeDelta::seconds(2));
+        runs_of(&env, "only_b").len() >= 3 && resumed
+    });
+    stop(&mut [&mut b, &mut worker]);
 
     // Rescheduled on the standby alone: it starts from the standby's term, as a reload starts
     // a rescheduled job; nothing before is caught up from the progress the old leader recorded
@@ -411,24 +312,18 @@ fn name_with_offset(env: &TestEnv, prefix: &str, jitter: u64, least: u64) -> (St
 
 /// `slow` (every 20 s from `anchor`, `misfire = "skip"`) and `tick` (a per-second cron, the
 /// default `run_once`) with jitters `jitters`, under a 1 s misfire threshold, writing their keys.
-fn jittered_config(env: &TestEnv, names: [&str; 2], jitters: [&str; 2], anchor: &str) -> PathBuf {
-    let task = Keys::default().with("command", &env.append_key_command("effects", 0.0));
-    let slow = every("20s")
-        .with("anchor", &toml_string(anchor))
-        .with("misfire", "\"skip\"");
-    let tick = cron("* * * * * *").with("overlap", "\"allow\"");
+fn jittered_config(env: &TestEnv, names: [&str; 2], jitters: [&str; 2], anchor: &str) -> String {
+    let slow = every("20s").texts(&[("anchor", anchor), ("misfire", "skip")]);
+    let tick = cron("* * * * * *").text("overlap", "allow");
+    let jittered = [slow, tick]
+        .into_iter()
+        .zip(jitters)
+        .map(|(k, j)| k.text("jitter", j));
     let cfg = Cfg::new()
         .set("beat", "misfire_threshold", "\"1s\"")
         .set("worker", "lease", "\"3s\"")
-        .task("append", task);
-    let cfg = [slow, tick]
-        .into_iter()
-        .zip(names.iter().zip(jitters))
-        .fold(cfg, |cfg, (keys, (name, jitter))| {
-            let keys = keys.with("jitter", &toml_string(jitter));
-            cfg.job(name, keys.with("task", "\"append\""))
-        });
-    env.write_config("drumline.toml", &cfg)
+        .task("append", env.appender("effects", 0.0));
+    env.config_file(&cfg.jobs_of("append", names.into_iter().zip(jittered).collect()))
 }
 
 /// `t` without its fraction of a second.
@@ -437,29 +332,20 @@ fn whole_second(t: DateTime<Utc>) -> DateTime<Utc> {
 }
 
 /// When `beat` started leading (the lease's `since`).
-fn leading_since(env: &TestEnv, beat: &drumline_e2e::Proc) -> DateTime<Utc> {
+fn leading_since(env: &TestEnv, beat: &Proc) -> DateTime<Utc> {
     let mut since = None;
-    let leads = wait_until(WAIT, || {
+    expect(WAIT, &[beat], "a leader", || {
         since = leader(env).map(|l| l.2);
         since.is_some()
     });
-    assert!(leads, "{}", beat.log_tail(20));
     since.expect("just checked")
 }
 
 /// `drumline audit JOB --from FROM --json`: (key, class) of each instant up to `to`, once
 /// every one of them is decided (none `pending`) and the last is `to`.
-fn decided(env: &TestEnv, cfg: &Path, job: &str, (from, to): Window) -> Option<Vec<Row>> {
+fn decided(env: &TestEnv, cfg: &str, job: &str, (from, to): Window) -> Option<Vec<Row>> {
     let from = format_instant(from);
-    let args = [
-        "--config",
-        config_str(cfg),
-        "audit",
-        job,
-        "--from",
-        &from,
-        "--json",
-    ];
+    let args = ["--config", cfg, "audit", job, "--from", &from, "--json"];
     let (status, out, err) = env.run("drumline", &args);
     assert!(status.success(), "audit {job}: {err}");
     let doc: serde_json::Value = serde_json::from_str(&out).expect("audit --json");
@@ -495,9 +381,8 @@ fn lowering_jitter_by_a_reload_publishes_the_pending_instants_and_drops_none() {
     let anchor_at = whole_second(Utc::now()) + TimeDelta::seconds(4);
     let anchor = format_instant(anchor_at);
     let cfg = jittered_config(&env, names, ["19s", "29s"], &anchor);
-    let mut worker = env.worker("worker", &["--config", config_str(&cfg)]);
-    let mut beat = env.beat("beat", &["--config", config_str(&cfg)]);
-    let since = leading_since(&env, &beat);
+    let mut scene = env.scene(&cfg, &["beat"], &["worker"]);
+    let since = leading_since(&env, &scene.beats[0]);
     // `slow`'s first instant a second or more into the term, and `tick`'s.
     let mut t = anchor_at - TimeDelta::seconds(20);
     while t <= since + TimeDelta::seconds(1) {
@@ -515,19 +400,17 @@ fn lowering_jitter_by_a_reload_publishes_the_pending_instants_and_drops_none() {
     );
     assert_eq!(env.lines("effects"), Vec::<String>::new());
     jittered_config(&env, names, ["1s", "1s"], &anchor);
-    hup(&beat);
+    hup(&scene.beats[0]);
     let settled = whole_second(Utc::now()) + TimeDelta::seconds(3);
 
     // Decided: `slow`'s T, and every instant of `tick` up to 3 s after the reload.
     let mut rows = (Vec::new(), Vec::new());
-    let all_decided = wait_until(WAIT, || {
+    scene.expect(WAIT, "every instant decided", || {
         let slow_rows = decided(&env, &cfg, &slow, (since, t));
         let tick_rows = decided(&env, &cfg, &tick, (since, settled));
         slow_rows.zip(tick_rows).map(|both| rows = both).is_some()
     });
-    assert!(all_decided, "{}", beat.log_tail(20));
-    assert!(beat.terminate(Duration::from_secs(10)).success());
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+    scene.stop();
 
     // Audit: T ran, and so did every instant of `tick` (none skipped as missed).
     let key = format!("{slow}@{}", format_instant(t));
@@ -553,29 +436,21 @@ fn lowering_jitter_by_a_reload_publishes_the_pending_instants_and_drops_none() {
 #[tokio::test(flavor = "multi_thread")]
 async fn verify_holds_across_a_reload_that_reschedules_a_job() {
     let env = setup("e2e_reload_verify");
-    let cfg = write_config(&env, &[("tick", "every = \"3s\"")]);
-    let cfg = config_str(&cfg);
-    let mut worker = env.worker("worker", &["--config", cfg]);
+    let config = write_config(&env, vec![("tick", every("3s"))]);
+    let mut worker = env.worker_on("worker", &config);
     env.wait_for_topology(&worker).await;
-    let mut beat = env.beat("beat", &["--config", cfg]);
-    assert!(
-        wait_until(WAIT, || runs_of(&env, "tick").len() >= 3),
-        "{}",
-        beat.log_tail(20)
-    );
-    write_config(&env, &[("tick", "every = \"2s\"")]);
+    let mut beat = env.beat_on("beat", &config);
+    expect(WAIT, &[&beat], "three ticks", || {
+        runs_of(&env, "tick").len() >= 3
+    });
+    write_config(&env, vec![("tick", every("2s"))]);
     hup(&beat);
     let before = runs_of(&env, "tick").len();
-    assert!(
-        wait_until(WAIT, || runs_of(&env, "tick").len() >= before + 3),
-        "{}",
-        beat.log_tail(20)
-    );
-    let (status, out, err) = env.run(
-        "drumline",
-        &["--config", cfg, "verify", "--since", "10m", "--json"],
-    );
+    expect(WAIT, &[&beat], "three more ticks", || {
+        runs_of(&env, "tick").len() >= before + 3
+    });
+    let verify = ["--config", &config, "verify", "--since", "10m", "--json"];
+    let (status, out, err) = env.run("drumline", &verify);
     assert!(status.success(), "{out}{err}");
-    assert!(beat.terminate(Duration::from_secs(10)).success());
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+    stop(&mut [&mut beat, &mut worker]);
 }
