@@ -3,128 +3,54 @@
 //! each refuses (exit 2, nothing published or changed). Effects are lines the tasks append.
 
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
-use drumline_e2e::{
-    binary, counts, setup, toml_string, wait_until, wait_until_async, with_metrics, TestEnv,
-};
+use drumline_e2e::cfg::{cron, every, shell, Cfg, Keys};
+use drumline_e2e::probe::{argv, assert_spaced, expect, expect_async, stop};
+use drumline_e2e::{binary, instant_of, setup, wait_until, TestEnv};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// `drumline-beat --config CFG ARGS…`: (exit code, stdout, stderr).
-fn beat_cmd(env: &TestEnv, cfg: &str, args: &[&str]) -> (i32, String, String) {
-    let mut all = vec!["--config", cfg];
-    all.extend_from_slice(args);
-    let (status, out, err) = env.run("drumline-beat", &all);
-    (status.code().unwrap_or(-1), out, err)
-}
-
-fn instant_of(key: &str) -> DateTime<Utc> {
-    let text = key.split_once('@').expect("job@instant").1;
-    DateTime::parse_from_rfc3339(text)
-        .expect("rfc3339")
-        .with_timezone(&Utc)
-}
-
-/// The instants run for `job` (from effect lines `job@instant`), each asserted run once.
-fn runs_of(env: &TestEnv, file: &str, job: &str) -> Vec<DateTime<Utc>> {
-    let lines: Vec<String> = env
-        .lines(file)
-        .into_iter()
-        .filter(|l| l.starts_with(&format!("{job}@")))
-        .collect();
-    let counts = counts(&lines);
-    let doubled: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
-    assert!(doubled.is_empty(), "run more than once: {doubled:?}");
-    counts.keys().map(|k| instant_of(k)).collect()
-}
-
-fn assert_every_second(instants: &[DateTime<Utc>], what: &str) {
-    for pair in instants.windows(2) {
-        assert_eq!(
-            (pair[1] - pair[0]).num_seconds(),
-            1,
-            "{what}: a gap between {} and {}",
-            pair[0],
-            pair[1]
-        );
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_paused_job_runs_nothing_meanwhile_and_resume_publishes_none_of_it() {
     let env = setup("ops_pause");
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            r#"
-[worker]
-concurrency = 4
-lease = "3s"
+    let jobs = vec![("a", every("1s")), ("b", every("1s"))];
+    let cfg = Cfg::new().worker_slots(4, "3s").jobs_of("append", jobs);
+    let config = env.config_file(&cfg.task("append", env.appender("effects", 0.0)));
+    let mut worker = env.worker_on("worker", &config);
+    let (mut beat, metrics) = env.beat_serving("beat", &config);
+    let runs = |job: &str| env.runs_of("effects", job);
+    expect(WAIT, &[&beat], "a ran twice", || runs("a").len() >= 2);
 
-[[jobs]]
-name = "a"
-task = "append"
-every = "1s"
-
-[[jobs]]
-name = "b"
-task = "append"
-every = "1s"
-
-[tasks.append]
-command = {}
-"#,
-            env.append_key_command("effects", 0.0)
-        ),
-    );
-    let cfg = cfg.to_str().unwrap();
-    let mut worker = env.worker("worker", &["--config", cfg]);
-    let (args, metrics) = with_metrics(&["--config", cfg]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut beat = env.beat("beat", &args);
-    assert!(
-        wait_until(WAIT, || runs_of(&env, "effects", "a").len() >= 2),
-        "{}",
-        beat.log_tail(20)
-    );
-
-    let (code, out, err) = beat_cmd(&env, cfg, &["pause", "a"]);
+    let (code, out, err) = env.beat_cmd(&config, &["pause", "a"]);
     assert_eq!(code, 0, "{out}{err}");
     let paused_at = Utc::now();
     // Five seconds of `b` running (its own effects, not a sleep) while `a` is paused.
-    let b_before = runs_of(&env, "effects", "b").len();
-    assert!(wait_until(WAIT, || runs_of(&env, "effects", "b").len() >= b_before + 5));
-    let (code, out, err) = beat_cmd(&env, cfg, &["resume", "a"]);
+    let b_before = runs("b").len();
+    expect(WAIT, &[&beat], "b ran on", || {
+        runs("b").len() >= b_before + 5
+    });
+    let (code, out, err) = env.beat_cmd(&config, &["resume", "a"]);
     assert_eq!(code, 0, "{out}{err}");
     let resumed_at = Utc::now();
     // Resumed: `a`'s next instants run again.
     let after_resume = resumed_at + TimeDelta::seconds(3);
-    assert!(
-        wait_until(WAIT, || runs_of(&env, "effects", "a")
-            .last()
-            .is_some_and(|t| *t >= after_resume)),
-        "{}",
-        beat.log_tail(20)
-    );
+    expect(WAIT, &[&beat], "a resumed", || {
+        runs("a").last().is_some_and(|t| *t >= after_resume)
+    });
     let paused_series = r#"drumline_beat_dropped_total{job="a",reason="paused"}"#;
     let dropped = env.metric(metrics, paused_series).unwrap_or(0.0);
-    assert!(beat.terminate(Duration::from_secs(10)).success());
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+    stop(&mut [&mut beat, &mut worker]);
 
     // Honoured within a second of the command, both ways.
-    let a = runs_of(&env, "effects", "a");
-    let during: Vec<_> = a
-        .iter()
-        .filter(|t| **t > paused_at + TimeDelta::seconds(1) && **t < resumed_at)
-        .collect();
+    let a = runs("a");
+    let paused = |t: &&DateTime<Utc>| **t > paused_at + TimeDelta::seconds(1) && **t < resumed_at;
+    let during: Vec<_> = a.iter().filter(paused).collect();
     assert!(during.is_empty(), "ran while paused: {during:?}");
     let (before, after): (Vec<_>, Vec<_>) = a.iter().partition(|t| **t <= paused_at);
-    let after: Vec<_> = after
-        .into_iter()
-        .filter(|t| *t >= resumed_at + TimeDelta::seconds(1))
-        .collect();
-    assert_every_second(&before, "a before the pause");
-    assert_every_second(&after, "a after the resume");
+    let resumed = |t: &DateTime<Utc>| *t >= resumed_at + TimeDelta::seconds(1);
+    let after: Vec<_> = after.into_iter().filter(|t| resumed(t)).collect();
+    assert_spaced(&before, 1, "a before the pause");
+    assert_spaced(&after, 1, "a after the resume");
     let gap = (after[0] - *before.last().expect("a ran before the pause")).num_seconds();
     assert!(
         gap >= 5,
@@ -135,58 +61,30 @@ command = {}
         "paused instants are counted as dropped: {dropped}"
     );
     // The other job never noticed.
-    assert_every_second(&runs_of(&env, "effects", "b"), "b");
-    let mut redis = env.redis().await;
-    let paused: Vec<String> = redis::cmd("SMEMBERS")
-        .arg(env.names().paused())
-        .query_async(&mut redis)
-        .await
-        .unwrap();
+    assert_spaced(&runs("b"), 1, "b");
+    let paused = env.smembers(&env.names().paused()).await;
     assert!(paused.is_empty(), "{paused:?}");
 }
 
 /// Two jobs never due during the test (hourly, anchored away from now): one `skip`s overlaps and
 /// takes 3 s, one allows them and records its args.
-fn trigger_config(env: &TestEnv) -> std::path::PathBuf {
+fn trigger_config(env: &TestEnv) -> String {
     let anchor = (Utc::now() + TimeDelta::minutes(30))
         .duration_trunc(TimeDelta::seconds(1))
         .unwrap()
         .to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
-    let effects = env.path("effects");
-    let with_args = format!("echo \"$DRUMLINE_KEY $(cat)\" >> {}", effects.display());
-    env.config(
-        "drumline.toml",
-        &format!(
-            r#"
-[worker]
-concurrency = 4
-lease = "5s"
-
-[[jobs]]
-name = "slow"
-task = "slow"
-every = "1h"
-anchor = "{anchor}"
-overlap = "skip"
-
-[[jobs]]
-name = "free"
-task = "args"
-every = "1h"
-anchor = "{anchor}"
-overlap = "allow"
-args = {{ n = 7 }}
-
-[tasks.slow]
-command = {}
-
-[tasks.args]
-command = ["/bin/sh", "-c", {}]
-"#,
-            env.append_key_command("effects", 3.0),
-            toml_string(&with_args)
-        ),
-    )
+    let hourly = |overlap: &str| every("1h").texts(&[("anchor", &anchor), ("overlap", overlap)]);
+    let with_args = "echo \"$DRUMLINE_KEY $(cat)\" >> {effects}";
+    let cfg = Cfg::new()
+        .worker_slots(4, "5s")
+        .job("slow", hourly("skip").task("slow"))
+        .job(
+            "free",
+            hourly("allow").task("args").with("args", "{ n = 7 }"),
+        )
+        .task("slow", env.appender("effects", 3.0))
+        .task("args", env.script(with_args));
+    env.config_file(&cfg)
 }
 
 /// `triggered JOB key=KEY …` → KEY.
@@ -200,110 +98,83 @@ fn triggered_key(out: &str) -> String {
 #[tokio::test(flavor = "multi_thread")]
 async fn trigger_runs_one_instance_now_as_the_job() {
     let env = setup("ops_trigger");
-    let cfg = trigger_config(&env);
-    let cfg = cfg.to_str().unwrap();
-    let mut worker = env.worker("worker", &["--config", cfg]);
+    let config = trigger_config(&env);
+    let mut worker = env.worker_on("worker", &config);
     env.wait_for_topology(&worker).await;
+    let trigger = |args: &[&str]| triggered(&env, &config, args);
 
     // overlap = skip: a trigger while the previous instance still runs is recorded `skipped`.
-    let (code, out, err) = beat_cmd(&env, cfg, &["trigger", "slow"]);
-    assert_eq!(code, 0, "{err}");
-    let first = triggered_key(&out);
+    let first = trigger(&["trigger", "slow"]);
     assert!(first.starts_with("slow@"), "{first}");
-    let running = wait_until_async(WAIT, || async {
-        env.run_state(&first).await.as_deref() == Some("running")
-    })
-    .await;
-    assert!(running, "{}", worker.log_tail(20));
-    let (code, out, err) = beat_cmd(&env, cfg, &["trigger", "slow"]);
-    assert_eq!(code, 0, "{err}");
-    let second = triggered_key(&out);
-    let skipped = wait_until_async(WAIT, || async {
-        env.run_state(&second).await.as_deref() == Some("skipped")
-    })
-    .await;
-    assert!(skipped, "{}", worker.log_tail(20));
+    env.expect_state(&first, "running", &[&worker]).await;
+    let second = trigger(&["trigger", "slow"]);
+    env.expect_state(&second, "skipped", &[&worker]).await;
 
     // overlap = allow: runs with the job's args, or with --args instead; status sees it.
-    let (code, out, err) = beat_cmd(&env, cfg, &["trigger", "free"]);
-    assert_eq!(code, 0, "{err}");
-    let own = triggered_key(&out);
-    let (code, out, err) = beat_cmd(&env, cfg, &["trigger", "free", "--args", r#"{"n": 8}"#]);
-    assert_eq!(code, 0, "{err}");
-    let replaced = triggered_key(&out);
-    assert!(wait_until(WAIT, || env.lines("effects").len() >= 3));
+    let own = trigger(&["trigger", "free"]);
+    let replaced = trigger(&["trigger", "free", "--args", r#"{"n": 8}"#]);
+    expect(WAIT, &[&worker], "three runs", || {
+        env.lines("effects").len() >= 3
+    });
     let status = || {
-        let (code, out, err) = beat_cmd(&env, cfg, &["status", "free", "--json"]);
+        let (code, out, err) = env.beat_cmd(&config, &["status", "free", "--json"]);
         assert_eq!(code, 0, "{err}");
         serde_json::from_str::<serde_json::Value>(&out).unwrap()
     };
     let succeeded = wait_until(WAIT, || status()["jobs"][0]["last_success"].is_string());
     assert!(succeeded, "{}", status());
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+    stop(&mut [&mut worker]);
 
     let mut lines = env.lines("effects");
     lines.sort();
     let mut want = vec![
         format!("{own} {{\"n\":7}}"),
         format!("{replaced} {{\"n\":8}}"),
-        first.clone(),
+        first,
     ];
     want.sort();
     assert_eq!(lines, want, "each trigger ran once (the skipped one never)");
 }
 
+/// `drumline-beat --config CONFIG ARGS…` asserted to exit 0: the key it `triggered`.
+fn triggered(env: &TestEnv, config: &str, args: &[&str]) -> String {
+    let (code, out, err) = env.beat_cmd(config, args);
+    assert_eq!(code, 0, "{out}{err}");
+    triggered_key(&out)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn backfill_twice_runs_each_instant_once_oldest_first() {
     let env = setup("ops_backfill");
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            r#"
-[worker]
-concurrency = 1
-lease = "5s"
-
-[[jobs]]
-name = "daily"
-task = "append"
-cron = "0 3 * * *"
-expires = "1h"
-
-[tasks.append]
-command = {}
-"#,
-            env.append_key_command("effects", 0.0)
-        ),
-    );
-    let cfg = cfg.to_str().unwrap();
-    let (from, to) = ("2026-01-01T00:00:00Z", "2026-01-11T00:00:00Z");
-    let range = ["backfill", "daily", "--from", from, "--to", to];
+    let daily = cron("0 3 * * *").text("expires", "1h").task("append");
+    let cfg = Cfg::new().worker_slots(1, "5s").job("daily", daily);
+    let config = env.config_file(&cfg.task("append", env.appender("effects", 0.0)));
+    let range = backfill("daily", "2026-01-01T00:00:00Z", "2026-01-11T00:00:00Z");
 
     // A dry run lists the ten instants and publishes nothing.
-    let mut dry = range.to_vec();
-    dry.push("--dry-run");
-    let (code, out, err) = beat_cmd(&env, cfg, &dry);
+    let dry = [&range[..], &["--dry-run"]].concat();
+    let (code, out, err) = env.beat_cmd(&config, &dry);
     assert_eq!(code, 0, "{err}");
     let listed: Vec<&str> = out.lines().filter(|l| l.starts_with("daily@")).collect();
     assert_eq!(listed.len(), 10, "{out}");
     assert_eq!(listed[0], "daily@2026-01-01T03:00:00Z");
 
-    let mut worker = env.worker("worker", &["--config", cfg]);
+    let mut worker = env.worker_on("worker", &config);
     env.wait_for_topology(&worker).await;
     for _ in 0..2 {
-        let (code, out, err) = beat_cmd(&env, cfg, &range);
+        let (code, out, err) = env.beat_cmd(&config, &range);
         assert_eq!(code, 0, "{out}{err}");
     }
-    assert!(
-        wait_until(WAIT, || env.lines("effects").len() >= 10),
-        "{}",
-        worker.log_tail(20)
-    );
+    expect(WAIT, &[&worker], "ten runs", || {
+        env.lines("effects").len() >= 10
+    });
     // The second backfill's ten copies are duplicates: wait until they are all settled.
     let queue = env.names().work_queue("default");
-    let drained = wait_until_async(WAIT, || async { env.queue_len(&queue).await == Some(0) }).await;
-    assert!(drained);
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+    expect_async(WAIT, &[&worker], "drained", || async {
+        env.queue_len(&queue).await == Some(0)
+    })
+    .await;
+    stop(&mut [&mut worker]);
     let want: Vec<String> = (1..=10)
         .map(|d| format!("daily@2026-01-{d:02}T03:00:00Z"))
         .collect();
@@ -314,43 +185,36 @@ command = {}
     );
 }
 
+/// `backfill JOB --from FROM --to TO`.
+fn backfill<'a>(job: &'a str, from: &'a str, to: &'a str) -> [&'a str; 6] {
+    ["backfill", job, "--from", from, "--to", to]
+}
+
+/// A worker with `concurrency` slots and a `slow` job every minute on `task`.
+fn backfill_cfg(concurrency: u32, lease: &str, overlap: &str, task: Keys) -> Cfg {
+    let slow = every("1m").text("overlap", overlap).task("slow");
+    Cfg::new()
+        .worker_slots(concurrency, lease)
+        .job("slow", slow)
+        .task("slow", task)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_backfilled_skip_job_queues_its_instants_instead_of_skipping_them() {
     let env = setup("ops_backfill_skip");
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            r#"
-[worker]
-concurrency = 2
-lease = "2s"
-
-[[jobs]]
-name = "slow"
-task = "slow"
-every = "1m"
-overlap = "skip"
-
-[tasks.slow]
-command = {}
-"#,
-            env.append_key_command("effects", 1.0)
-        ),
-    );
-    let cfg = cfg.to_str().unwrap();
-    let mut worker = env.worker("worker", &["--config", cfg]);
+    let cfg = backfill_cfg(2, "2s", "skip", env.appender("effects", 1.0));
+    let config = env.config_file(&cfg);
+    let mut worker = env.worker_on("worker", &config);
     env.wait_for_topology(&worker).await;
-    let (from, to) = ("2026-01-01T00:00:00Z", "2026-01-01T00:02:00Z");
-    let (code, out, err) = beat_cmd(&env, cfg, &["backfill", "slow", "--from", from, "--to", to]);
+    let range = backfill("slow", "2026-01-01T00:00:00Z", "2026-01-01T00:02:00Z");
+    let (code, out, err) = env.beat_cmd(&config, &range);
     assert_eq!(code, 0, "{out}{err}");
     // Both delivered at once to two slots: the second waits for the first instead of being
     // recorded `skipped`.
-    assert!(
-        wait_until(WAIT, || env.lines("effects").len() >= 2),
-        "{}",
-        worker.log_tail(20)
-    );
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+    expect(WAIT, &[&worker], "two runs", || {
+        env.lines("effects").len() >= 2
+    });
+    stop(&mut [&mut worker]);
     let mut lines = env.lines("effects");
     lines.sort();
     assert_eq!(
@@ -362,20 +226,12 @@ command = {}
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_operations_exit_2_and_change_nothing() {
     let env = setup("ops_bad");
-    let cfg = env.config(
-        "drumline.toml",
-        r#"
-[[jobs]]
-name = "tick"
-task = "t"
-every = "1m"
-
-[tasks.t]
-command = ["/bin/true"]
-"#,
-    );
-    let cfg = cfg.to_str().unwrap();
+    let cfg = Cfg::new()
+        .job("tick", every("1m").task("t"))
+        .task("t", argv(&["/bin/true"]));
+    let config = env.config_file(&cfg);
     let future = (Utc::now() + TimeDelta::hours(1)).to_rfc3339();
+    let (jan1, jan2) = ("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z");
     let cases: [(&[&str], &str); 8] = [
         (&["pause", "nope"], "no job named \"nope\""),
         (&["resume", "tick", "nope"], "no job named \"nope\""),
@@ -384,53 +240,16 @@ command = ["/bin/true"]
             &["trigger", "tick", "--args", "{oops"],
             "--args is not JSON",
         ),
+        (&backfill("tick", jan2, jan1), "must be before --to"),
+        (&backfill("tick", jan1, jan2), "more than 1000 instants"),
+        (&backfill("tick", jan1, &future), "in the future"),
         (
-            &[
-                "backfill",
-                "tick",
-                "--from",
-                "2026-01-02T00:00:00Z",
-                "--to",
-                "2026-01-01T00:00:00Z",
-            ],
-            "must be before --to",
-        ),
-        (
-            &[
-                "backfill",
-                "tick",
-                "--from",
-                "2026-01-01T00:00:00Z",
-                "--to",
-                "2026-01-02T00:00:00Z",
-            ],
-            "more than 1000 instants",
-        ),
-        (
-            &[
-                "backfill",
-                "tick",
-                "--from",
-                "2026-01-01T00:00:00Z",
-                "--to",
-                &future,
-            ],
-            "in the future",
-        ),
-        (
-            &[
-                "backfill",
-                "tick",
-                "--from",
-                "yesterday",
-                "--to",
-                "2026-01-01T00:00:00Z",
-            ],
+            &backfill("tick", "yesterday", jan1),
             "not an RFC 3339 instant",
         ),
     ];
     for (args, message) in cases {
-        let (code, out, err) = beat_cmd(&env, cfg, args);
+        let (code, out, err) = env.beat_cmd(&config, args);
         assert_eq!(code, 2, "{args:?}: {out}{err}");
         assert!(err.contains(message), "{args:?}: {err}");
         assert_eq!(
@@ -441,16 +260,9 @@ command = ["/bin/true"]
         assert!(out.is_empty(), "{args:?}: {out}");
     }
     // Nothing was declared, published or paused.
-    assert_eq!(
-        env.queue_len(&env.names().work_queue("default")).await,
-        None
-    );
-    let mut redis = env.redis().await;
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{}:*", env.names().namespace()))
-        .query_async(&mut redis)
-        .await
-        .unwrap();
+    let queue = env.queue_len(&env.names().work_queue("default")).await;
+    assert_eq!(queue, None);
+    let keys = env.ns_keys().await;
     assert!(keys.is_empty(), "{keys:?}");
 }
 
@@ -467,24 +279,15 @@ async fn backfill_wait_follows_every_instant_and_waiting_copies_are_woken() {
          echo \"end $DRUMLINE_KEY $(date +%s%3N)\" >> {s}",
         s = stamps.display()
     );
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[worker]\nconcurrency = 2\n\n[[jobs]]\nname = \"short\"\ntask = \"short\"\n\
-             every = \"1m\"\n\n[tasks.short]\ncommand = [\"/bin/sh\", \"-c\", {}]\n",
-            toml_string(&script)
-        ),
-    );
-    let cfg = cfg.to_str().unwrap();
-    let workers = [
-        env.worker("w1", &["--config", cfg]),
-        env.worker("w2", &["--config", cfg]),
-    ];
+    let short = every("1m").task("short");
+    let cfg = Cfg::new()
+        .set("worker", "concurrency", "2")
+        .job("short", short);
+    let config = env.config_file(&cfg.task("short", shell(&script)));
+    let workers = [env.worker_on("w1", &config), env.worker_on("w2", &config)];
     env.wait_for_topology(&workers[0]).await;
-    let (from, to) = ("2026-01-01T00:00:00Z", "2026-01-01T00:20:00Z");
-    let args = [
-        "--config", cfg, "backfill", "short", "--from", from, "--to", to, "--wait",
-    ];
+    let range = backfill("short", "2026-01-01T00:00:00Z", "2026-01-01T00:20:00Z");
+    let args = [&["--config", &config], &range[..], &["--wait"]].concat();
     let mut backfill = env.beat("backfill", &args);
     // Without waking, the waiting copies come back a lease (30 s) later each.
     let status = backfill.wait(Duration::from_secs(60));
@@ -575,27 +378,23 @@ async fn trigger_returns_for_the_fastest_job_and_refuses_a_faster_one() {
     let env = setup("ops_trigger_fast");
     // Not a limit on speed: a trigger still running after this long is hung.
     let hung = Duration::from_secs(15);
-    let job = |every: &str| {
-        format!(
-            "[[jobs]]\nname = \"fast\"\ntask = \"append\"\nevery = \"{every}\"\n\
-             [tasks.append]\ncommand = {}\n",
-            env.append_key_command("effects", 0.0)
-        )
+    let job = |rule: &str| {
+        let cfg = Cfg::new().job("fast", every(rule).task("append"));
+        cfg.task("append", env.appender("effects", 0.0))
     };
-    let too_fast = env.config("1ms.toml", &job("1ms"));
-    let answer = beat_cmd_within(too_fast.to_str().unwrap(), &["trigger", "fast"], hung);
+    let too_fast = env.config_named("1ms.toml", &job("1ms"));
+    let answer = beat_cmd_within(&too_fast, &["trigger", "fast"], hung);
     let (code, out, err) =
         answer.unwrap_or_else(|| panic!("trigger of a 1ms job hung for {hung:?}"));
     assert_eq!(code, 2, "{out}{err}");
     assert!(err.contains("key `every`"), "{err}");
 
-    let cfg = env.config("drumline.toml", &job("100ms"));
-    let cfg = cfg.to_str().unwrap();
-    let mut worker = env.worker("worker", &["--config", cfg]);
+    let config = env.config_file(&job("100ms"));
+    let mut worker = env.worker_on("worker", &config);
     env.wait_for_topology(&worker).await;
     let mut keys = Vec::new();
     for _ in 0..5 {
-        let answer = beat_cmd_within(cfg, &["trigger", "fast"], hung);
+        let answer = beat_cmd_within(&config, &["trigger", "fast"], hung);
         let (code, out, err) =
             answer.unwrap_or_else(|| panic!("trigger of a 100ms job hung for {hung:?}"));
         assert_eq!(code, 0, "{out}{err}");
@@ -605,12 +404,10 @@ async fn trigger_returns_for_the_fastest_job_and_refuses_a_faster_one() {
         assert_ne!(ms % 100, 0, "{key} is a scheduled instant's key");
         keys.push(key);
     }
-    assert!(
-        wait_until(WAIT, || env.lines("effects").len() >= keys.len()),
-        "{}",
-        worker.log_tail(20)
-    );
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+    expect(WAIT, &[&worker], "every trigger ran", || {
+        env.lines("effects").len() >= keys.len()
+    });
+    stop(&mut [&mut worker]);
     let mut ran = env.lines("effects");
     ran.sort();
     keys.sort();
