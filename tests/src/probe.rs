@@ -58,10 +58,10 @@ pub async fn expect_async<F, Fut>(
 }
 
 /// Stops `procs` in order (SIGTERM, [`STOP_GRACE`] each) and asserts each exited 0; a failure
-/// names the process and shows every log tail.
+/// names the process and shows every log tail. One stopped before is passed over.
 pub fn stop(procs: &mut [&mut Proc]) {
     let mut failed = Vec::new();
-    for p in procs.iter_mut() {
+    for p in procs.iter_mut().filter(|p| p.child.is_some()) {
         let status = p.terminate(STOP_GRACE);
         if !status.success() {
             failed.push(format!("{} exited with {status}", p.label));
@@ -242,6 +242,32 @@ impl TestEnv {
             self.run_state(key).await.as_deref() == Some(state)
         })
         .await;
+    }
+
+    /// Field `field` of instance `key`'s Redis record (`state`, `token`, `attempt`, …).
+    pub async fn run_field(&self, key: &str, field: &str) -> Option<String> {
+        let mut redis = self.redis().await;
+        redis::cmd("HGET")
+            .arg(self.names().run_key(key))
+            .arg(field)
+            .query_async(&mut redis)
+            .await
+            .expect("redis HGET")
+    }
+
+    /// The string at Redis key `key`.
+    pub async fn get(&self, key: &str) -> Option<String> {
+        let mut redis = self.redis().await;
+        redis::cmd("GET")
+            .arg(key)
+            .query_async(&mut redis)
+            .await
+            .expect("redis GET")
+    }
+
+    /// Messages ready in the work queue of logical queue `default`.
+    pub async fn default_queue_len(&self) -> Option<u32> {
+        self.queue_len(&self.names().work_queue("default")).await
     }
 
     /// Every Redis key of this namespace.
