@@ -4,9 +4,10 @@
 //! queue deleted under it is declared and consumed again while `/healthz` says so.
 //! Destructive faults use a private RabbitMQ node, never the shared one.
 
+use drumline_e2e::cfg::{shell, Cfg, Keys};
+use drumline_e2e::probe::{expect, stop, tails};
 use drumline_e2e::{
-    adhoc, http_get, setup, toml_string, unused_port, wait_until, wait_until_async, with_metrics,
-    PrivateRabbit, Proc, TestEnv,
+    adhoc, http_get, setup, wait_until, wait_until_async, PrivateRabbit, Proc, TestEnv,
 };
 use lapin::options::{
     BasicPublishOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
@@ -68,12 +69,20 @@ async fn wait_for_queue(url: &str, queue: &str) -> bool {
 
 /// A shell command (TOML array) that logs `start KEY T` and `end KEY T` (T in seconds since the
 /// epoch, with nanoseconds) to `file` around `sleep` seconds.
-fn timed_command(file: &std::path::Path, sleep: u32) -> String {
+fn timed_command(file: &std::path::Path, sleep: u32) -> Keys {
     let f = file.display();
-    let script = format!(
+    shell(&format!(
         "echo \"start $DRUMLINE_KEY $(date +%s.%N)\" >> {f}; sleep {sleep}; echo \"end $DRUMLINE_KEY $(date +%s.%N)\" >> {f}"
-    );
-    format!("[\"/bin/sh\", \"-c\", {}]", toml_string(&script))
+    ))
+}
+
+/// A worker on the private broker `rabbit` (`cfg` with its `[broker] url`), once it declared
+/// its work queue there.
+async fn worker_on_rabbit(env: &TestEnv, rabbit: &PrivateRabbit, cfg: Cfg) -> Proc {
+    let worker = env.worker_on("worker", &env.config_file(&cfg.broker_url(&rabbit.url())));
+    let declared = wait_for_queue(&rabbit.url(), &env.names().work_queue("default")).await;
+    assert!(declared, "{}", tails(&[&worker]));
+    worker
 }
 
 /// `start`/`end` events per key from a [`timed_command`] file.
@@ -129,31 +138,17 @@ async fn a_reconnect_does_not_add_runs_beyond_concurrency() {
     let env = setup("e2e_reconnect_concurrency");
     let rabbit = PrivateRabbit::start("concurrency");
     let events = env.path("events");
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[broker]\nurl = {}\n[worker]\nconcurrency = 2\n[tasks.slow]\ncommand = {}\n",
-            toml_string(&rabbit.url()),
-            timed_command(&events, 10)
-        ),
-    );
-    let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
-    let queue = env.names().work_queue("default");
-    assert!(
-        wait_for_queue(&rabbit.url(), &queue).await,
-        "{}",
-        worker.log_tail(20)
-    );
+    let cfg = Cfg::new().set("worker", "concurrency", "2");
+    let mut worker =
+        worker_on_rabbit(&env, &rabbit, cfg.task("slow", timed_command(&events, 10))).await;
     let keys: Vec<String> = (0..4).map(|i| format!("k{i}")).collect();
     for key in &keys {
         publish_to(&rabbit.url(), &env.ns, &adhoc(key, "slow")).await;
     }
     // Two runs in flight, none finished: now the broker drops the connection.
-    assert!(
-        wait_until(WAIT, || env.lines("events").len() >= 2),
-        "{}",
-        worker.log_tail(20)
-    );
+    expect(WAIT, &[&worker], "env.lines(\"events\").len() >= 2", || {
+        env.lines("events").len() >= 2
+    });
     rabbit.close_connections();
     assert_eq!(
         env.lines("events").len(),
@@ -187,11 +182,7 @@ async fn a_reconnect_does_not_add_runs_beyond_concurrency() {
             "{key} ran more than once"
         );
     }
-    assert!(
-        worker.terminate(Duration::from_secs(20)).success(),
-        "{}",
-        worker.log_tail(20)
-    );
+    stop(&mut [&mut worker]);
 }
 
 /// Deletes `{ns}.dead` (the exchange): the worker's next dead-letter publish makes the broker
@@ -239,25 +230,9 @@ async fn repair_dead_exchange(env: &drumline_e2e::TestEnv) {
 /// A worker (with `/metrics` on the returned port, `[tasks.append]` and `worker_toml`) whose
 /// only way out for a delivery fails: `{ns}.dead` is broken and an undecodable message is
 /// queued, so its dead-letter publish closes the publisher channel.
-async fn worker_with_a_failing_dead_letter(env: &TestEnv, worker_toml: &str) -> (Proc, u16) {
-    let metrics = unused_port();
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "{worker_toml}[tasks.append]\ncommand = {}\n",
-            env.append_key_command("effects", 0.0)
-        ),
-    );
-    let metrics_addr = format!("127.0.0.1:{metrics}");
-    let worker = env.worker(
-        "worker",
-        &[
-            "--config",
-            cfg.to_str().unwrap(),
-            "--metrics-addr",
-            &metrics_addr,
-        ],
-    );
+async fn worker_with_a_failing_dead_letter(env: &TestEnv, cfg: Cfg) -> (Proc, u16) {
+    let config = env.config_file(&cfg.task("append", env.appender("effects", 0.0)));
+    let (worker, metrics) = env.worker_serving("worker", &config);
     env.wait_for_topology(&worker).await;
     break_dead_exchange(env).await;
     env.publish_raw("default", b"not json", BasicProperties::default())
@@ -268,7 +243,7 @@ async fn worker_with_a_failing_dead_letter(env: &TestEnv, worker_toml: &str) -> 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_closed_publisher_channel_is_reopened_and_requeues_are_paced() {
     let env = setup("e2e_publisher_reopen");
-    let (mut worker, metrics) = worker_with_a_failing_dead_letter(&env, "").await;
+    let (mut worker, metrics) = worker_with_a_failing_dead_letter(&env, Cfg::new()).await;
 
     let requeued = |at_least: u64| {
         wait_until(WAIT, || {
@@ -300,16 +275,13 @@ async fn a_closed_publisher_channel_is_reopened_and_requeues_are_paced() {
         worker.log_tail(30)
     );
     env.publish(&adhoc("k-after", "append")).await;
-    assert!(
-        wait_until(WAIT, || env.lines("effects") == vec!["k-after"]),
-        "{}",
-        worker.log_tail(30)
+    expect(
+        WAIT,
+        &[&worker],
+        "env.lines(\"effects\") == vec![\"k-after\"]",
+        || env.lines("effects") == vec!["k-after"],
     );
-    assert!(
-        worker.terminate(Duration::from_secs(20)).success(),
-        "{}",
-        worker.log_tail(20)
-    );
+    stop(&mut [&mut worker]);
     assert_eq!(env.queue_len(&dead).await, Some(1));
 }
 
@@ -317,14 +289,16 @@ async fn a_closed_publisher_channel_is_reopened_and_requeues_are_paced() {
 async fn sigterm_ends_a_worker_whose_publisher_channel_keeps_failing() {
     let env = setup("e2e_sigterm_failing_channel");
     let grace = Duration::from_secs(3);
-    let (mut worker, metrics) =
-        worker_with_a_failing_dead_letter(&env, "[worker]\nshutdown_grace = \"3s\"\n").await;
-    assert!(
-        wait_until(WAIT, || {
-            metric(metrics, "drumline_worker_requeued_total").is_some_and(|n| n >= 2)
-        }),
-        "{}",
-        worker.log_tail(30)
+    let (mut worker, metrics) = worker_with_a_failing_dead_letter(
+        &env,
+        Cfg::new().set("worker", "shutdown_grace", "\"3s\""),
+    )
+    .await;
+    expect(
+        WAIT,
+        &[&worker],
+        "{ metric(metrics, \"drumline_worker_requeued_total\").is_...",
+        || metric(metrics, "drumline_worker_requeued_total").is_some_and(|n| n >= 2),
     );
     let asked = Instant::now();
     let status = worker.terminate(grace + Duration::from_secs(5));
@@ -340,36 +314,32 @@ async fn sigterm_ends_a_worker_whose_broker_died_mid_run() {
     let grace = Duration::from_secs(3);
     // `short` ends after the broker is gone (its ack has nowhere to go); `long` outlives the
     // grace and must be cancelled.
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[broker]\nurl = {}\n[worker]\nconcurrency = 2\nshutdown_grace = \"3s\"\n\
-             [tasks.short]\ncommand = {}\n[tasks.long]\ncommand = {}\n",
-            toml_string(&rabbit.url()),
-            timed_command(&events, 2),
-            timed_command(&events, 60)
-        ),
-    );
-    let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
-    assert!(
-        wait_for_queue(&rabbit.url(), &env.names().work_queue("default")).await,
-        "{}",
-        worker.log_tail(20)
-    );
+    let cfg =
+        Cfg::new()
+            .set("worker", "concurrency", "2")
+            .set("worker", "shutdown_grace", "\"3s\"");
+    let cfg = cfg
+        .task("short", timed_command(&events, 2))
+        .task("long", timed_command(&events, 60));
+    let mut worker = worker_on_rabbit(&env, &rabbit, cfg).await;
     publish_to(&rabbit.url(), &env.ns, &adhoc("long", "long")).await;
     publish_to(&rabbit.url(), &env.ns, &adhoc("short", "short")).await;
-    assert!(
-        wait_until(WAIT, || runs(&env.lines("events")).len() == 2),
-        "{}",
-        worker.log_tail(20)
+    expect(
+        WAIT,
+        &[&worker],
+        "runs(&env.lines(\"events\")).len() == 2",
+        || runs(&env.lines("events")).len() == 2,
     );
     rabbit.kill9();
-    assert!(
-        wait_until(WAIT, || runs(&env.lines("events"))
-            .get("short")
-            .is_some_and(|(_, ends)| ends.len() == 1)),
-        "{}",
-        worker.log_tail(20)
+    expect(
+        WAIT,
+        &[&worker],
+        "runs(&env.lines(\"events\")) .get(\"short\") .is_some_and...",
+        || {
+            runs(&env.lines("events"))
+                .get("short")
+                .is_some_and(|(_, ends)| ends.len() == 1)
+        },
     );
     let asked = Instant::now();
     let status = worker.terminate(grace + Duration::from_secs(5));
@@ -386,26 +356,12 @@ async fn a_topology_mismatch_on_reconnect_lets_in_flight_runs_finish() {
     let env = setup("e2e_mismatch_reconnect");
     let rabbit = PrivateRabbit::start("mismatch");
     let events = env.path("events");
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[broker]\nurl = {}\n[tasks.slow]\ncommand = {}\n",
-            toml_string(&rabbit.url()),
-            timed_command(&events, 10)
-        ),
-    );
-    let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
-    assert!(
-        wait_for_queue(&rabbit.url(), &env.names().work_queue("default")).await,
-        "{}",
-        worker.log_tail(20)
-    );
+    let cfg = Cfg::new().task("slow", timed_command(&events, 10));
+    let mut worker = worker_on_rabbit(&env, &rabbit, cfg).await;
     publish_to(&rabbit.url(), &env.ns, &adhoc("k", "slow")).await;
-    assert!(
-        wait_until(WAIT, || env.lines("events").len() == 1),
-        "{}",
-        worker.log_tail(20)
-    );
+    expect(WAIT, &[&worker], "env.lines(\"events\").len() == 1", || {
+        env.lines("events").len() == 1
+    });
     // Someone redeclares the dead-letter queue with other arguments; the worker finds out when
     // it redeclares its topology after the connection drops.
     let dead = env.names().dead();
@@ -460,33 +416,19 @@ async fn sigterm_ends_a_worker_whose_broker_froze() {
         "echo \"start $DRUMLINE_KEY 0\" >> {f}; sleep 2; echo \"end $DRUMLINE_KEY 0\" >> {f}; exit 1",
         f = events.display()
     );
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[broker]\nurl = {}\n[worker]\nshutdown_grace = \"3s\"\n\
-             [tasks.fails]\ncommand = [\"/bin/sh\", \"-c\", {}]\nmax_retries = 3\n",
-            toml_string(&rabbit.url()),
-            toml_string(&script)
-        ),
-    );
-    let mut worker = env.worker("worker", &["--config", cfg.to_str().unwrap()]);
-    assert!(
-        wait_for_queue(&rabbit.url(), &env.names().work_queue("default")).await,
-        "{}",
-        worker.log_tail(20)
-    );
+    let fails = shell(&script).with("max_retries", "3");
+    let cfg = Cfg::new()
+        .set("worker", "shutdown_grace", "\"3s\"")
+        .task("fails", fails);
+    let mut worker = worker_on_rabbit(&env, &rabbit, cfg).await;
     publish_to(&rabbit.url(), &env.ns, &adhoc("k", "fails")).await;
-    assert!(
-        wait_until(WAIT, || env.lines("events").len() == 1),
-        "{}",
-        worker.log_tail(20)
-    );
+    expect(WAIT, &[&worker], "env.lines(\"events\").len() == 1", || {
+        env.lines("events").len() == 1
+    });
     rabbit.freeze();
-    assert!(
-        wait_until(WAIT, || env.lines("events").len() == 2),
-        "{}",
-        worker.log_tail(20)
-    );
+    expect(WAIT, &[&worker], "env.lines(\"events\").len() == 2", || {
+        env.lines("events").len() == 2
+    });
     let asked = Instant::now();
     worker.signal(libc::SIGTERM);
     let exited = wait_until(grace + Duration::from_secs(5), || !worker.is_running());
@@ -553,20 +495,13 @@ async fn replace_queue(
 
 /// A worker consuming `qa` and `qb` (task `append` writes its key to `effects`), with
 /// `/metrics` on the returned port, once both queues have its consumer.
-async fn worker_on_two_queues(env: &mut TestEnv) -> (Proc, u16, std::path::PathBuf) {
+async fn worker_on_two_queues(env: &mut TestEnv) -> (Proc, u16, String) {
     let names = env.names();
     env.forget_queue_later(names.work_queue("qa"));
     env.forget_queue_later(names.work_queue("qb"));
-    let cfg = env.config(
-        "drumline.toml",
-        &format!(
-            "[worker]\nqueues = [\"qa\", \"qb\"]\n[tasks.append]\ncommand = {}\n",
-            env.append_key_command("effects", 0.0)
-        ),
-    );
-    let (args, port) = with_metrics(&["--config", cfg.to_str().unwrap()]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let worker = env.worker("worker", &args);
+    let cfg = Cfg::new().set("worker", "queues", "[\"qa\", \"qb\"]");
+    let config = env.config_file(&cfg.task("append", env.appender("effects", 0.0)));
+    let (worker, port) = env.worker_serving("worker", &config);
     let up = wait_until_async(WAIT, || async {
         consumers_of(env, &names.work_queue("qa")).await == Some(1)
             && consumers_of(env, &names.work_queue("qb")).await == Some(1)
@@ -575,9 +510,9 @@ async fn worker_on_two_queues(env: &mut TestEnv) -> (Proc, u16, std::path::PathB
     assert!(
         up,
         "the worker never consumed both queues\n{}",
-        worker.log_tail(20)
+        tails(&[&worker])
     );
-    (worker, port, cfg)
+    (worker, port, config)
 }
 
 /// An ad-hoc task `append` with key `key` for logical queue `queue`.
@@ -611,7 +546,7 @@ async fn a_queue_deleted_under_the_worker_is_declared_again_and_consumed() {
         deleted.elapsed()
     );
     // Declared again as at start: the worker's own declare of it is accepted as equivalent.
-    let config = drumline_shared::config::Config::load(&cfg).expect("config");
+    let config = drumline_shared::config::Config::load(std::path::Path::new(&cfg)).expect("config");
     let conn = env.amqp().await;
     let ch = conn.create_channel().await.expect("channel");
     let same = drumline_shared::broker::declare(
@@ -636,11 +571,7 @@ async fn a_queue_deleted_under_the_worker_is_declared_again_and_consumed() {
         lines == ["k-a", "k-b"]
     });
     assert!(both, "{:?}\n{}", env.lines("effects"), worker.log_tail(20));
-    assert!(
-        worker.terminate(Duration::from_secs(20)).success(),
-        "{}",
-        worker.log_tail(20)
-    );
+    stop(&mut [&mut worker]);
 }
 
 // See: issues/16
@@ -679,11 +610,12 @@ async fn healthz_is_503_while_a_configured_queue_has_no_consumer() {
     assert_eq!((consumers("qa"), consumers("qb")), (Some(0.0), Some(1.0)));
     // The other queue is served meanwhile.
     env.publish(&append_on("k-b", "qb")).await;
+    let ran = |keys: &[&str]| wait_until(WAIT, || env.lines("effects") == keys);
     assert!(
-        wait_until(WAIT, || env.lines("effects") == ["k-b"]),
+        ran(&["k-b"]),
         "{:?}\n{}",
         env.lines("effects"),
-        worker.log_tail(20)
+        tails(&[&worker])
     );
 
     // Released (the exclusive queue goes with its connection): consumed again within 5 s.
@@ -704,17 +636,9 @@ async fn healthz_is_503_while_a_configured_queue_has_no_consumer() {
     );
     assert_eq!(consumers("qa"), Some(1.0));
     env.publish(&append_on("k-a", "qa")).await;
-    assert!(
-        wait_until(WAIT, || env.lines("effects") == ["k-b", "k-a"]),
-        "{:?}\n{}",
-        env.lines("effects"),
-        worker.log_tail(20)
-    );
-    assert!(
-        worker.terminate(Duration::from_secs(20)).success(),
-        "{}",
-        worker.log_tail(20)
-    );
+    let both = ran(&["k-b", "k-a"]);
+    assert!(both, "{:?}\n{}", env.lines("effects"), tails(&[&worker]));
+    stop(&mut [&mut worker]);
 }
 
 // See: issues/16
