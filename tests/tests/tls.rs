@@ -3,33 +3,27 @@
 //! RabbitMQ. The server certificates are trusted through `ca_file`; without it (system roots)
 //! the connection is refused and nothing runs.
 
+use drumline_e2e::cfg::{every, Cfg};
+use drumline_e2e::probe::{expect, stop};
 use drumline_e2e::snoop::Snoop;
 use drumline_e2e::tls::{Certs, CountingForwarder, Stunnel, TlsRedis};
-use drumline_e2e::{
-    adhoc, http_get, setup, toml_string, unused_port, wait_until, wait_until_async, TestEnv,
-};
-use std::path::Path;
+use drumline_e2e::{adhoc, http_get, setup, toml_string, wait_until, wait_until_async, TestEnv};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-fn path_str(path: &Path) -> String {
-    toml_string(path.to_str().expect("utf-8 path"))
+/// A worker's config `name`: `cfg` (its `[broker]` and `[redis]`), a 5 s lease and the
+/// append task.
+fn config(env: &TestEnv, name: &str, cfg: Cfg) -> String {
+    let cfg = cfg.set("worker", "lease", "\"5s\"");
+    env.config_named(name, &cfg.task("append", env.appender("effects", 0.0)))
 }
 
-/// A worker's config: `redis` / `broker` are extra `[redis]` / `[broker]` lines.
-fn config(env: &TestEnv, name: &str, broker: &str, redis: &str) -> String {
-    env.config(
-        name,
-        &format!(
-            "[broker]\n{broker}\n[redis]\n{redis}\n[worker]\nlease = \"5s\"\n\
-             [tasks.append]\ncommand = {}\n",
-            env.append_key_command("effects", 0.0)
-        ),
-    )
-    .to_str()
-    .expect("utf-8 path")
-    .to_owned()
+/// `cfg` with `[section] url = URL` and `ca_file` the CA of `certs`.
+fn trusting(cfg: Cfg, section: &str, url: &str, certs: &Certs) -> Cfg {
+    let ca = toml_string(certs.ca.to_str().expect("utf-8 path"));
+    cfg.set(section, "url", &toml_string(url))
+        .set(section, "ca_file", &ca)
 }
 
 /// The worker's `drumline_worker_redis_up` gauge, from /metrics.
@@ -45,25 +39,14 @@ async fn rediss_with_ca_file_runs_a_task_once_with_its_state_in_that_redis() {
     let env = setup("tls_rediss");
     let certs = Certs::generate(&env.path("certs"));
     let redis = TlsRedis::start(&env.dir, &certs);
-    let cfg = config(
-        &env,
-        "drumline.toml",
-        "",
-        &format!(
-            "url = {}\nca_file = {}",
-            toml_string(&redis.url()),
-            path_str(&certs.ca)
-        ),
-    );
-    let worker = env.worker("worker", &["--config", &cfg]);
+    let cfg = trusting(Cfg::new(), "redis", &redis.url(), &certs);
+    let worker = env.worker_on("worker", &config(&env, "drumline.toml", cfg));
     env.wait_for_topology(&worker).await;
 
     env.publish(&adhoc("k-rediss", "append")).await;
-    assert!(
-        wait_until(WAIT, || !env.lines("effects").is_empty()),
-        "the task never ran\n{}",
-        worker.log_tail(30)
-    );
+    expect(WAIT, &[&worker], "the task never ran", || {
+        !env.lines("effects").is_empty()
+    });
     let run_key = env.names().run_key("k-rediss");
     // `done` is written after the task's effect: wait for it, in the private TLS Redis.
     assert!(
@@ -92,18 +75,8 @@ async fn rediss_without_ca_file_is_refused_and_nothing_runs() {
     let forwarder = CountingForwarder::start(redis.tls_port).await;
     // No ca_file: the system roots do not know the throw-away CA.
     let url = format!("rediss://127.0.0.1:{}/0", forwarder.port);
-    let cfg = config(
-        &env,
-        "drumline.toml",
-        "",
-        &format!("url = {}", toml_string(&url)),
-    );
-    let metrics = unused_port();
-    let metrics_addr = format!("127.0.0.1:{metrics}");
-    let mut worker = env.worker(
-        "worker",
-        &["--config", &cfg, "--metrics-addr", &metrics_addr],
-    );
+    let cfg = config(&env, "drumline.toml", Cfg::new().redis_url(&url));
+    let (mut worker, metrics) = env.worker_serving("worker", &cfg);
     // The queue and the message exist whether or not the worker ever consumes.
     let (status, _, stderr) = env.run(
         "drumline-beat",
@@ -144,20 +117,11 @@ async fn amqps_with_ca_file_publishes_and_runs_a_task_once() {
     let env = setup("tls_amqps");
     let certs = Certs::generate(&env.path("certs"));
     let stunnel = Stunnel::start(&env.dir, &certs, 5672);
-    let broker = format!(
-        "url = {}\nca_file = {}",
-        toml_string(&stunnel.url()),
-        path_str(&certs.ca)
-    );
-    let cfg = config(&env, "drumline.toml", &broker, "");
-    let untrusted = config(
-        &env,
-        "untrusted.toml",
-        &format!("url = {}", toml_string(&stunnel.url())),
-        "",
-    );
-
-    let worker = env.worker("worker", &["--config", &cfg]);
+    let trusted = trusting(Cfg::new(), "broker", &stunnel.url(), &certs);
+    let cfg = config(&env, "drumline.toml", trusted);
+    let untrusted = Cfg::new().broker_url(&stunnel.url());
+    let untrusted = config(&env, "untrusted.toml", untrusted);
+    let worker = env.worker_on("worker", &cfg);
     env.wait_for_topology(&worker).await;
     let queue = env.names().work_queue("default");
 
@@ -186,11 +150,9 @@ async fn amqps_with_ca_file_publishes_and_runs_a_task_once() {
         &["publish", "--config", &cfg, "append", "--key", "k-amqps"],
     );
     assert!(status.success(), "publish over amqps: {stdout}\n{stderr}");
-    assert!(
-        wait_until(WAIT, || !env.lines("effects").is_empty()),
-        "the task never ran\n{}",
-        worker.log_tail(30)
-    );
+    expect(WAIT, &[&worker], "the task never ran", || {
+        !env.lines("effects").is_empty()
+    });
     let done = wait_until_async(WAIT, || async {
         env.run_state("k-amqps").await.as_deref() == Some("done")
     })
@@ -210,36 +172,22 @@ async fn beat_and_worker_over_amqps_and_rediss_run_each_instance_once() {
     let certs = Certs::generate(&env.path("certs"));
     let stunnel = Stunnel::start(&env.dir, &certs, 5672);
     let redis = TlsRedis::start(&env.dir, &certs);
-    let ca = path_str(&certs.ca);
-    let cfg = env.config(
+    let cfg = trusting(Cfg::new(), "broker", &stunnel.url(), &certs);
+    let cfg = trusting(cfg, "redis", &redis.url(), &certs);
+    let cfg = config(
+        &env,
         "drumline.toml",
-        &format!(
-            "[broker]\nurl = {}\nca_file = {ca}\n[redis]\nurl = {}\nca_file = {ca}\n\
-             [worker]\nlease = \"5s\"\n\
-             [tasks.append]\ncommand = {}\n\
-             [[jobs]]\nname = \"tick\"\ntask = \"append\"\nevery = \"1s\"\n",
-            toml_string(&stunnel.url()),
-            toml_string(&redis.url()),
-            env.append_key_command("effects", 0.0)
-        ),
+        cfg.job("tick", every("1s").task("append")),
     );
-    let cfg = cfg.to_str().expect("utf-8 path");
-    let worker = env.worker("worker", &["--config", cfg]);
+    let worker = env.worker_on("worker", &cfg);
     // The stunnel forwards to the shared broker: the snoop records there what the beat
     // published through it.
     let snoop = Snoop::start(&mut env, "default");
-    let mut beat = env.beat("beat", &["--config", cfg]);
-    assert!(
-        wait_until(WAIT, || env.lines("effects").len() >= 3),
-        "too few runs\n{}\n{}",
-        beat.log_tail(20),
-        worker.log_tail(20)
-    );
-    assert!(
-        beat.terminate(Duration::from_secs(15)).success(),
-        "{}",
-        beat.log_tail(20)
-    );
+    let mut beat = env.beat_on("beat", &cfg);
+    expect(WAIT, &[&beat, &worker], "too few runs", || {
+        env.lines("effects").len() >= 3
+    });
+    stop(&mut [&mut beat]);
     let published = snoop.published_keys();
     assert!(published.len() >= 3, "{published:?}");
     assert!(
