@@ -4,7 +4,9 @@
 //! warning.
 
 use chrono::{DurationRound, TimeDelta, Utc};
-use drumline_e2e::{counts, setup, wait_until, wait_until_async, TestEnv};
+use drumline_e2e::cfg::{every, Cfg};
+use drumline_e2e::probe::{expect, stop};
+use drumline_e2e::{counts, setup, TestEnv};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -12,32 +14,16 @@ const WARNING: &str = "is running: this trigger will be skipped";
 
 /// `slow`: hourly (never due during the test), `skip`, its task takes 4 s and then writes its
 /// key to `effects`.
-fn config(env: &TestEnv) -> std::path::PathBuf {
+fn config(env: &TestEnv) -> String {
     let anchor = (Utc::now() + TimeDelta::minutes(30))
         .duration_trunc(TimeDelta::seconds(1))
         .unwrap()
         .to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
-    env.config(
-        "drumline.toml",
-        &format!(
-            r#"
-[worker]
-concurrency = 4
-lease = "5s"
-
-[[jobs]]
-name = "slow"
-task = "slow"
-every = "1h"
-anchor = "{anchor}"
-overlap = "skip"
-
-[tasks.slow]
-command = {}
-"#,
-            env.append_key_command("effects", 4.0),
-        ),
-    )
+    let slow = every("1h").texts(&[("anchor", &anchor), ("overlap", "skip")]);
+    let cfg = Cfg::new()
+        .worker_slots(4, "5s")
+        .job("slow", slow.task("slow"));
+    env.config_file(&cfg.task("slow", env.appender("effects", 4.0)))
 }
 
 /// `drumline-beat --config CFG trigger slow`: (exit code, the key, stderr).
@@ -55,34 +41,21 @@ fn trigger(env: &TestEnv, cfg: &str) -> (i32, String, String) {
 async fn trigger_on_a_running_skip_job_warns_and_runs_nothing_more() {
     let env = setup("trigger_skip_warns");
     let cfg = config(&env);
-    let cfg = cfg.to_str().unwrap();
-    let mut worker = env.worker("worker", &["--config", cfg]);
+    let mut worker = env.worker_on("worker", &cfg);
     env.wait_for_topology(&worker).await;
 
-    let (code, first, err) = trigger(&env, cfg);
+    let (code, first, err) = trigger(&env, &cfg);
     assert_eq!(code, 0, "{err}");
     assert!(!err.contains(WARNING), "nothing runs yet: {err}");
-    let running = wait_until_async(WAIT, || async {
-        env.run_state(&first).await.as_deref() == Some("running")
-    })
-    .await;
-    assert!(running, "{}", worker.log_tail(20));
+    env.expect_state(&first, "running", &[&worker]).await;
 
     // While `first` runs: warned, exit 0, and the copy is skipped.
-    let (code, second, err) = trigger(&env, cfg);
+    let (code, second, err) = trigger(&env, &cfg);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains(WARNING), "stderr: {err}");
     assert!(err.contains(&first), "names the running instance: {err}");
-    let skipped = wait_until_async(WAIT, || async {
-        env.run_state(&second).await.as_deref() == Some("skipped")
-    })
-    .await;
-    assert!(skipped, "{}", worker.log_tail(20));
-    let done = wait_until_async(WAIT, || async {
-        env.run_state(&first).await.as_deref() == Some("done")
-    })
-    .await;
-    assert!(done, "{}", worker.log_tail(20));
+    env.expect_state(&second, "skipped", &[&worker]).await;
+    env.expect_state(&first, "done", &[&worker]).await;
     assert_eq!(
         env.lines("effects"),
         vec![first.clone()],
@@ -90,11 +63,13 @@ async fn trigger_on_a_running_skip_job_warns_and_runs_nothing_more() {
     );
 
     // Nothing runs now: no warning, and the trigger runs.
-    let (code, third, err) = trigger(&env, cfg);
+    let (code, third, err) = trigger(&env, &cfg);
     assert_eq!(code, 0, "{err}");
     assert!(!err.contains(WARNING), "nothing runs any more: {err}");
-    assert!(wait_until(WAIT, || env.lines("effects").len() >= 2));
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+    expect(WAIT, &[&worker], "the third trigger ran", || {
+        env.lines("effects").len() >= 2
+    });
+    stop(&mut [&mut worker]);
     let effects = counts(&env.lines("effects"));
     let want = [(first, 1), (third, 1)].into_iter().collect();
     assert_eq!(effects, want, "each run once, the skipped copy never");
