@@ -2,44 +2,32 @@
 //! annotations, as JSON for machines and as an aligned table for people. The New York dates are
 //! 2026's transitions: 2026-03-08 02:00 → 03:00 (gap), 2026-11-01 02:00 → 01:00 (fold).
 
+use drumline_e2e::cfg::{cron, Cfg};
+use drumline_e2e::probe::argv;
 use drumline_e2e::{setup, TestEnv};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
-const CONFIG: &str = r#"
-[[jobs]]
-name = "shift"
-task = "t"
-cron = "30 2 * * *"
-timezone = "America/New_York"
-
-[[jobs]]
-name = "skip"
-task = "t"
-cron = "30 2 * * *"
-timezone = "America/New_York"
-dst_gap = "skip"
-
-[[jobs]]
-name = "fold-both"
-task = "t"
-cron = "30 1 * * *"
-timezone = "America/New_York"
-dst_fold = "both"
-
-[[jobs]]
-name = "london"
-task = "t"
-cron = "0 9 * * *"
-timezone = "Europe/London"
-
-[tasks.t]
-command = ["/bin/true"]
-"#;
+/// Four daily jobs: New York at 02:30 (shifted in the gap, or skipped) and at 01:30 (both
+/// runs in the fold), London at 09:00.
+fn config() -> Cfg {
+    let new_york = |at: &str| cron(at).text("timezone", "America/New_York").task("t");
+    Cfg::new()
+        .job("shift", new_york("30 2 * * *"))
+        .job("skip", new_york("30 2 * * *").text("dst_gap", "skip"))
+        .job("fold-both", new_york("30 1 * * *").text("dst_fold", "both"))
+        .job(
+            "london",
+            cron("0 9 * * *")
+                .text("timezone", "Europe/London")
+                .task("t"),
+        )
+        .task("t", argv(&["/bin/true"]))
+}
 
 fn with_config(test: &str) -> (TestEnv, PathBuf) {
     let env = setup(test);
-    let config = env.config("drumline.toml", CONFIG);
+    let config = env.write_config("drumline.toml", &config());
     (env, config)
 }
 
