@@ -10,6 +10,7 @@
 
 use chrono::{DateTime, DurationRound, TimeDelta, Timelike, Utc};
 use drumline_e2e::cfg::{cron, every, Cfg, Keys};
+use drumline_e2e::probe::expect;
 use drumline_e2e::{setup, toml_string, wait_until, PrivateRabbit, Proc, TestEnv, AMQP_URL};
 use drumline_shared::envelope::instance_key;
 use drumline_shared::store::last_instant_text;
@@ -404,19 +405,20 @@ fn a_restarted_beat_publishes_no_instant_twice_and_leaves_no_gap() {
     let config = env.write_config("drumline.toml", &jobs(vec![("j", catch_up)]));
     let started = Utc::now();
     let mut first = start_beat(&env, "beat-1", &config);
-    assert!(
-        wait_until(Duration::from_secs(30), || queue_len(&env) >= 3),
-        "{}",
-        first.log_tail(40)
+    expect(
+        Duration::from_secs(30),
+        &[&first],
+        "three instants published",
+        || queue_len(&env) >= 3,
     );
     stop(&mut first);
     let after_first = queue_len(&env);
     let mut second = start_beat(&env, "beat-2", &config);
-    assert!(
-        wait_until(Duration::from_secs(30), || queue_len(&env)
-            >= after_first + 3),
-        "{}",
-        second.log_tail(40)
+    expect(
+        Duration::from_secs(30),
+        &[&second],
+        "three more instants published",
+        || queue_len(&env) >= after_first + 3,
     );
     stop(&mut second);
 
@@ -453,10 +455,11 @@ fn progress_ahead_of_the_clock_is_never_republished() {
         + TimeDelta::seconds(4);
     set_last(&env, "j", ahead);
     let mut beat = start_beat(&env, "beat", &config);
-    assert!(
-        wait_until(Duration::from_secs(30), || queue_len(&env) >= 2),
-        "{}",
-        beat.log_tail(40)
+    expect(
+        Duration::from_secs(30),
+        &[&beat],
+        "two instants published",
+        || queue_len(&env) >= 2,
     );
     stop(&mut beat);
     let instants: Vec<_> = drain(&env).iter().map(|m| m.scheduled_for).collect();
@@ -480,10 +483,11 @@ fn a_broker_outage_is_a_misfire() {
     let cfg = jobs(vec![("j", every("1s"))]).set("broker", "url", &toml_string(&url));
     let config = env.write_config("drumline.toml", &cfg);
     let mut beat = start_beat(&env, "beat", &config);
-    assert!(
-        wait_until(Duration::from_secs(30), || queue_len_at(&url, &env) >= 3),
-        "{}",
-        beat.log_tail(40)
+    expect(
+        Duration::from_secs(30),
+        &[&beat],
+        "three instants published",
+        || queue_len_at(&url, &env) >= 3,
     );
     rabbit.stop();
     let down = Utc::now();
@@ -492,11 +496,11 @@ fn a_broker_outage_is_a_misfire() {
         > down + TimeDelta::seconds(8)));
     rabbit.restart();
     let before = queue_len_at(&url, &env);
-    assert!(
-        wait_until(Duration::from_secs(60), || queue_len_at(&url, &env)
-            >= before + 3),
-        "{}",
-        beat.log_tail(40)
+    expect(
+        Duration::from_secs(60),
+        &[&beat],
+        "three more instants after the outage",
+        || queue_len_at(&url, &env) >= before + 3,
     );
     stop(&mut beat);
     let log = beat.log();
