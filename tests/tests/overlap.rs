@@ -3,8 +3,9 @@
 //! `queue` runs every instance, one after another.
 
 use drumline_e2e::cfg::{every, shell, Cfg};
+use drumline_e2e::probe::{expect, stop};
 use drumline_e2e::snoop::Snoop;
-use drumline_e2e::{counts, setup, toml_string, wait_until, wait_until_async, TestEnv};
+use drumline_e2e::{counts, setup, toml_string, wait_until_async, TestEnv};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -72,12 +73,10 @@ async fn run_until(env: &mut TestEnv, overlap: &str, runs: usize) -> Vec<String>
     env.wait_for_topology(&workers[0]).await;
     let snoop = Snoop::start(env, "default");
     let mut beat = env.beat("beat", &["--config", cfg]);
-    assert!(
-        wait_until(WAIT, || spans(env).len() >= runs),
-        "{}",
-        workers[0].log_tail(20)
-    );
-    assert!(beat.terminate(Duration::from_secs(10)).success());
+    expect(WAIT, &[&workers[0]], "enough runs started", || {
+        spans(env).len() >= runs
+    });
+    stop(&mut [&mut beat]);
     let keys = snoop.published_keys();
     // Let every published instance reach a final state.
     for key in &keys {
@@ -91,7 +90,7 @@ async fn run_until(env: &mut TestEnv, overlap: &str, runs: usize) -> Vec<String>
         assert!(settled, "{key} never settled\n{}", workers[1].log_tail(20));
     }
     for w in &mut workers {
-        assert!(w.terminate(Duration::from_secs(20)).success());
+        stop(&mut [w]);
     }
     keys
 }
@@ -165,12 +164,10 @@ async fn a_failed_attempts_retry_runs_under_overlap_skip() {
             .filter(|l| l.ends_with(" 0"))
             .count()
     };
-    assert!(
-        wait_until(WAIT, || first_attempts(&env) >= 3),
-        "{}",
-        worker.log_tail(20)
-    );
-    assert!(beat.terminate(Duration::from_secs(10)).success());
+    expect(WAIT, &[&worker], "three first attempts", || {
+        first_attempts(&env) >= 3
+    });
+    stop(&mut [&mut beat]);
     // Every instance that ran its attempt 0 runs its attempt 1 and ends `done`.
     let started: Vec<String> = env
         .lines("runs")
@@ -194,5 +191,5 @@ async fn a_failed_attempts_retry_runs_under_overlap_skip() {
     for key in &started {
         assert_eq!(runs.get(&format!("{key} 1")), Some(&1), "{key}: {runs:?}");
     }
-    assert!(worker.terminate(Duration::from_secs(20)).success());
+    stop(&mut [&mut worker]);
 }
