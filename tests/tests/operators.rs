@@ -2,8 +2,9 @@
 //! warnings, `dlq purge --yes`, and the one `drumline` command.
 
 use drumline_e2e::cfg::{every, shell, Cfg};
+use drumline_e2e::probe::{expect, stop};
 use drumline_e2e::proxy::{Fault, Proxy};
-use drumline_e2e::{http_get, metric, setup, unused_port, wait_until, with_metrics};
+use drumline_e2e::{http_get, metric, setup, unused_port, wait_until, with_metrics, Proc};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -49,11 +50,7 @@ fn healthz_names_redis_when_redis_is_down_and_metrics_addr_takes_a_host_name() {
         &["--config", cfg.to_str().unwrap(), "--metrics-addr", &addr],
     );
     let health = || http_get(port, "/healthz");
-    assert!(
-        wait_until(WAIT, || health().is_some()),
-        "{}",
-        worker.log_tail(20)
-    );
+    expect(WAIT, &[&worker], "/healthz answers", || health().is_some());
     let (code, body) = health().unwrap();
     assert_eq!(code, 503, "{body}");
     assert!(
@@ -81,45 +78,28 @@ fn beat_healthz_is_503_naming_redis_whenever_redis_fails_it_and_200_only_when_it
             port,
         )
     };
-    let answers = |port: u16, code: u16, body: &str| {
-        wait_until(WAIT, || {
-            http_get(port, "/healthz").is_some_and(|(c, b)| c == code && b.starts_with(body))
+    // `/healthz` of `beat` (on `port`) comes to answer `code` with a body that starts `body`.
+    let answers = |(beat, port): &(Proc, u16), code: u16, body: &str| {
+        expect(WAIT, &[beat], format!("/healthz {code} {body}"), || {
+            http_get(*port, "/healthz").is_some_and(|(c, b)| c == code && b.starts_with(body))
         })
     };
-    let (mut leader, leader_port) = beat("leader", "redis://127.0.0.1:6379/0");
-    assert!(answers(leader_port, 200, "ok"), "{}", leader.log_tail(20));
+    let leader = beat("leader", "redis://127.0.0.1:6379/0");
+    answers(&leader, 200, "ok");
     // A user Redis refuses (the shared Redis takes any password for `default`): AUTH fails.
-    let (mut refused, refused_port) = beat("refused", "redis://nosuchuser:pw@127.0.0.1:6379/0");
-    assert!(
-        answers(refused_port, 503, "redis unreachable"),
-        "/healthz {:?}\n{}",
-        http_get(refused_port, "/healthz"),
-        refused.log_tail(20)
-    );
+    let refused = beat("refused", "redis://nosuchuser:pw@127.0.0.1:6379/0");
+    answers(&refused, 503, "redis unreachable");
     // A standby that reached Redis, then loses it, and gets it back.
     let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
-    let via_proxy = format!("redis://127.0.0.1:{}/0", proxy.port);
-    let (mut standby, standby_port) = beat("standby", &via_proxy);
-    assert!(
-        answers(standby_port, 200, "standby"),
-        "{}",
-        standby.log_tail(20)
-    );
+    let standby = beat("standby", &format!("redis://127.0.0.1:{}/0", proxy.port));
+    answers(&standby, 200, "standby");
     proxy.set(Fault::Reset);
-    assert!(
-        answers(standby_port, 503, "redis unreachable"),
-        "/healthz {:?}\n{}",
-        http_get(standby_port, "/healthz"),
-        standby.log_tail(20)
-    );
+    answers(&standby, 503, "redis unreachable");
     proxy.set(Fault::Pass);
-    assert!(
-        answers(standby_port, 200, "standby"),
-        "{}",
-        standby.log_tail(20)
-    );
+    answers(&standby, 200, "standby");
+    let (refused_port, mut procs) = (refused.1, [standby.0, refused.0, leader.0]);
     assert_eq!(http_get(refused_port, "/healthz").map(|r| r.0), Some(503));
-    for proc in [&mut standby, &mut refused, &mut leader] {
+    for proc in &mut procs {
         proc.terminate(Duration::from_secs(10));
     }
 }
@@ -340,7 +320,7 @@ async fn workers_announce_themselves_and_status_shows_them_with_the_queues() {
     assert!(code.success());
     assert!(text.contains("workers: 1"), "{text}");
     // A clean stop takes the announcement away.
-    assert!(worker.terminate(Duration::from_secs(10)).success());
+    stop(&mut [&mut worker]);
     let s = status();
     assert_eq!(s["workers"], serde_json::json!([]), "{s}");
 }
