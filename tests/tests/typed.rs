@@ -8,6 +8,7 @@
 //! with the producer client, `drumline_shared::client`.
 
 use drumline_e2e::cfg::{Cfg, Keys};
+use drumline_e2e::probe::expect;
 use drumline_e2e::proxy::{Fault, Proxy};
 use drumline_e2e::{setup, wait_until, wait_until_async, TestEnv, AMQP_URL, REDIS_URL};
 use drumline_shared::broker::header_str;
@@ -380,11 +381,9 @@ async fn fencing_tokens_strictly_increase_across_a_takeover() {
         .key("hi")
         .args(serde_json::json!({"name": "Ada"}));
     producer.publish(&greeting).await.unwrap();
-    assert!(
-        wait_until(WAIT, || starts(&out, "dep-1").len() == 1),
-        "{}",
-        first.log_tail(20)
-    );
+    expect(WAIT, &[&first], "dep-1 started once", || {
+        starts(&out, "dep-1").len() == 1
+    });
     first.kill9();
 
     let second = env.program("typed-worker", "second", &[config, out_arg]);
