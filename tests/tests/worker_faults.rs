@@ -146,7 +146,7 @@ async fn a_reconnect_does_not_add_runs_beyond_concurrency() {
         publish_to(&rabbit.url(), &env.ns, &adhoc(key, "slow")).await;
     }
     // Two runs in flight, none finished: now the broker drops the connection.
-    expect(WAIT, &[&worker], "env.lines(\"events\").len() >= 2", || {
+    expect(WAIT, &[&worker], "two runs started", || {
         env.lines("events").len() >= 2
     });
     rabbit.close_connections();
@@ -275,12 +275,9 @@ async fn a_closed_publisher_channel_is_reopened_and_requeues_are_paced() {
         worker.log_tail(30)
     );
     env.publish(&adhoc("k-after", "append")).await;
-    expect(
-        WAIT,
-        &[&worker],
-        "env.lines(\"effects\") == vec![\"k-after\"]",
-        || env.lines("effects") == vec!["k-after"],
-    );
+    expect(WAIT, &[&worker], "k-after ran", || {
+        env.lines("effects") == vec!["k-after"]
+    });
     stop(&mut [&mut worker]);
     assert_eq!(env.queue_len(&dead).await, Some(1));
 }
@@ -294,12 +291,9 @@ async fn sigterm_ends_a_worker_whose_publisher_channel_keeps_failing() {
         Cfg::new().set("worker", "shutdown_grace", "\"3s\""),
     )
     .await;
-    expect(
-        WAIT,
-        &[&worker],
-        "{ metric(metrics, \"drumline_worker_requeued_total\").is_...",
-        || metric(metrics, "drumline_worker_requeued_total").is_some_and(|n| n >= 2),
-    );
+    expect(WAIT, &[&worker], "two requeues", || {
+        metric(metrics, "drumline_worker_requeued_total").is_some_and(|n| n >= 2)
+    });
     let asked = Instant::now();
     let status = worker.terminate(grace + Duration::from_secs(5));
     assert!(status.success(), "{status:?}\n{}", worker.log_tail(20));
@@ -324,23 +318,15 @@ async fn sigterm_ends_a_worker_whose_broker_died_mid_run() {
     let mut worker = worker_on_rabbit(&env, &rabbit, cfg).await;
     publish_to(&rabbit.url(), &env.ns, &adhoc("long", "long")).await;
     publish_to(&rabbit.url(), &env.ns, &adhoc("short", "short")).await;
-    expect(
-        WAIT,
-        &[&worker],
-        "runs(&env.lines(\"events\")).len() == 2",
-        || runs(&env.lines("events")).len() == 2,
-    );
+    expect(WAIT, &[&worker], "both runs started", || {
+        runs(&env.lines("events")).len() == 2
+    });
     rabbit.kill9();
-    expect(
-        WAIT,
-        &[&worker],
-        "runs(&env.lines(\"events\")) .get(\"short\") .is_some_and...",
-        || {
-            runs(&env.lines("events"))
-                .get("short")
-                .is_some_and(|(_, ends)| ends.len() == 1)
-        },
-    );
+    expect(WAIT, &[&worker], "the short run ended", || {
+        runs(&env.lines("events"))
+            .get("short")
+            .is_some_and(|(_, ends)| ends.len() == 1)
+    });
     let asked = Instant::now();
     let status = worker.terminate(grace + Duration::from_secs(5));
     assert!(status.success(), "{status:?}\n{}", worker.log_tail(30));
@@ -359,7 +345,7 @@ async fn a_topology_mismatch_on_reconnect_lets_in_flight_runs_finish() {
     let cfg = Cfg::new().task("slow", timed_command(&events, 10));
     let mut worker = worker_on_rabbit(&env, &rabbit, cfg).await;
     publish_to(&rabbit.url(), &env.ns, &adhoc("k", "slow")).await;
-    expect(WAIT, &[&worker], "env.lines(\"events\").len() == 1", || {
+    expect(WAIT, &[&worker], "one event", || {
         env.lines("events").len() == 1
     });
     // Someone redeclares the dead-letter queue with other arguments; the worker finds out when
@@ -422,11 +408,11 @@ async fn sigterm_ends_a_worker_whose_broker_froze() {
         .task("fails", fails);
     let mut worker = worker_on_rabbit(&env, &rabbit, cfg).await;
     publish_to(&rabbit.url(), &env.ns, &adhoc("k", "fails")).await;
-    expect(WAIT, &[&worker], "env.lines(\"events\").len() == 1", || {
+    expect(WAIT, &[&worker], "one event", || {
         env.lines("events").len() == 1
     });
     rabbit.freeze();
-    expect(WAIT, &[&worker], "env.lines(\"events\").len() == 2", || {
+    expect(WAIT, &[&worker], "two events", || {
         env.lines("events").len() == 2
     });
     let asked = Instant::now();
