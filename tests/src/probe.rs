@@ -270,6 +270,18 @@ impl TestEnv {
         self.queue_len(&self.names().work_queue("default")).await
     }
 
+    /// Sets the beat's progress for `job` (`{ns}:beat:last:{job}`) to `at`, as the beat
+    /// writes it.
+    pub async fn set_beat_last(&self, job: &str, at: DateTime<Utc>) {
+        let mut redis = self.redis().await;
+        let () = redis::cmd("SET")
+            .arg(self.names().beat_last(job))
+            .arg(drumline_shared::store::last_instant_text(at))
+            .query_async(&mut redis)
+            .await
+            .expect("redis SET");
+    }
+
     /// Every Redis key of this namespace.
     pub async fn ns_keys(&self) -> Vec<String> {
         let mut redis = self.redis().await;

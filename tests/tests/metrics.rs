@@ -12,7 +12,6 @@ use drumline_e2e::cfg::{every, shell, Cfg};
 use drumline_e2e::probe::{expect, expect_async, rows, series, stop, total as total_over};
 use drumline_e2e::{adhoc, setup, Proc, TestEnv};
 use drumline_shared::envelope::instance_key;
-use drumline_shared::store::last_instant_text;
 use lapin::options::BasicGetOptions;
 use lapin::types::ShortString;
 use lapin::BasicProperties;
@@ -21,17 +20,6 @@ use std::process::Command;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
-
-/// Sets `{ns}:beat:last:{job}` as the beat writes it.
-async fn set_last(env: &TestEnv, job: &str, at: DateTime<Utc>) {
-    let mut conn = env.redis().await;
-    let () = redis::cmd("SET")
-        .arg(env.names().beat_last(job))
-        .arg(last_instant_text(at))
-        .query_async(&mut conn)
-        .await
-        .expect("SET");
-}
 
 /// Empties `{ns}.dead` (the workload dead-letters three messages; they are not under test here).
 async fn drain_dead_letters(env: &TestEnv) -> usize {
@@ -110,8 +98,10 @@ async fn metrics_after_a_known_workload_equal_it_per_label() {
     let now = Utc::now();
     let anchor = now.duration_trunc(TimeDelta::seconds(1)).unwrap() + TimeDelta::seconds(30);
     let config = env.config_file(&workload(&env, anchor));
-    set_last(&env, "catchup", anchor - TimeDelta::minutes(10)).await;
-    set_last(&env, "skipper", anchor - TimeDelta::minutes(3)).await;
+    env.set_beat_last("catchup", anchor - TimeDelta::minutes(10))
+        .await;
+    env.set_beat_last("skipper", anchor - TimeDelta::minutes(3))
+        .await;
     let (mut worker, worker_port) = env.worker_serving("worker", &config);
     env.wait_for_topology(&worker).await;
     let (mut beat, beat_port) = env.beat_serving("beat", &config);

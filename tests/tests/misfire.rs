@@ -52,15 +52,7 @@ fn rfc3339(t: DateTime<Utc>) -> String {
 
 /// Sets `{ns}:beat:last:{job}` as the beat writes it.
 fn set_last(env: &TestEnv, job: &str, at: DateTime<Utc>) {
-    runtime().block_on(async {
-        let mut conn = env.redis().await;
-        let () = redis::cmd("SET")
-            .arg(env.names().beat_last(job))
-            .arg(last_instant_text(at))
-            .query_async(&mut conn)
-            .await
-            .expect("SET");
-    });
+    runtime().block_on(env.set_beat_last(job, at));
 }
 
 fn get_last(env: &TestEnv, job: &str) -> Option<String> {
