@@ -11,15 +11,13 @@ use drumline_e2e::sentinel::{SentinelSet, FAR_SIDE};
 use drumline_e2e::snoop::Snoop;
 use drumline_e2e::{
     adhoc, assert_contiguous_exactly_once, counts, instant_of, metric, setup, toml_string,
-    wait_until, Proc, TestEnv, AMQP_URL,
+    wait_until, Proc, StreamPublisher, TestEnv, AMQP_URL,
 };
 use drumline_shared::names::Names;
 use drumline_shared::store::{
     Candidate, Claim, ClaimRequest, Ending, Final, LeaseMode, LeaseOutcome, OverlapMode,
     ProgressError, Store, StoreError, WaitReplicas,
 };
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{Connection, ConnectionProperties};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -225,34 +223,15 @@ async fn failover_under_load(set: &mut SentinelSet, test: &str, wait_replicas: u
     });
 
     // The stream: ADHOC tasks at about 40 a second, published as a producer would.
-    let exchange = env.names().tasks_exchange();
     let keys: Vec<String> = (0..ADHOC).map(|i| format!("adhoc-{i:04}")).collect();
     let stream = tokio::spawn({
-        let keys = keys.clone();
+        let (keys, names) = (keys.clone(), env.names());
         async move {
-            let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
-                .await
-                .expect("amqp");
-            let ch = conn.create_channel().await.expect("channel");
-            ch.confirm_select(ConfirmSelectOptions::default())
-                .await
-                .expect("confirm");
+            let mut publisher = StreamPublisher::new(AMQP_URL);
             for key in &keys {
-                let e = adhoc(key, "append");
-                ch.basic_publish(
-                    exchange.as_str().into(),
-                    e.queue.as_str().into(),
-                    BasicPublishOptions::default(),
-                    &e.encode(),
-                    drumline_shared::broker::properties(&e, Utc::now(), 0),
-                )
-                .await
-                .expect("publish")
-                .await
-                .expect("confirm");
+                publisher.publish(&names, &adhoc(key, "append"), WAIT).await;
                 tokio::time::sleep(Duration::from_millis(25)).await;
             }
-            let _ = conn.close(200, "bye".into()).await;
         }
     });
     let adhoc_ran = |env: &TestEnv| {

@@ -7,11 +7,12 @@
 use drumline_e2e::cfg::{shell, Cfg, Keys};
 use drumline_e2e::probe::{expect, stop, tails};
 use drumline_e2e::{
-    adhoc, http_get, setup, wait_until, wait_until_async, PrivateRabbit, Proc, TestEnv,
+    adhoc, http_get, setup, wait_until, wait_until_async, PrivateRabbit, Proc, StreamPublisher,
+    TestEnv,
 };
 use lapin::options::{
-    BasicPublishOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
@@ -22,25 +23,10 @@ const WAIT: Duration = Duration::from_secs(60);
 
 /// Publishes `envelope` to `{ns}.tasks` on the broker at `url`, waiting for the confirm.
 async fn publish_to(url: &str, ns: &str, envelope: &drumline_shared::envelope::Envelope) {
-    let conn = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .expect("amqp connection");
-    let ch = conn.create_channel().await.expect("channel");
-    ch.confirm_select(Default::default())
-        .await
-        .expect("confirm");
-    ch.basic_publish(
-        format!("{ns}.tasks").as_str().into(),
-        envelope.queue.as_str().into(),
-        BasicPublishOptions::default(),
-        &envelope.encode(),
-        drumline_shared::broker::properties(envelope, chrono::Utc::now(), 0),
-    )
-    .await
-    .expect("publish")
-    .await
-    .expect("confirm");
-    let _ = conn.close(200, "bye".into()).await;
+    let names = drumline_shared::names::Names::new(ns);
+    StreamPublisher::new(url)
+        .publish(&names, envelope, WAIT)
+        .await;
 }
 
 /// Waits until the worker declared `{ns}.q.default` on the broker at `url`.
