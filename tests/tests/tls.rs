@@ -4,10 +4,10 @@
 //! the connection is refused and nothing runs.
 
 use drumline_e2e::cfg::{every, Cfg};
-use drumline_e2e::probe::{expect, stop};
+use drumline_e2e::probe::{expect, expect_async, stop};
 use drumline_e2e::snoop::Snoop;
 use drumline_e2e::tls::{Certs, CountingForwarder, Stunnel, TlsRedis};
-use drumline_e2e::{adhoc, http_get, setup, toml_string, wait_until, wait_until_async, TestEnv};
+use drumline_e2e::{adhoc, http_get, setup, toml_string, wait_until_async, TestEnv};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -44,24 +44,16 @@ async fn rediss_with_ca_file_runs_a_task_once_with_its_state_in_that_redis() {
     env.wait_for_topology(&worker).await;
 
     env.publish(&adhoc("k-rediss", "append")).await;
-    expect(WAIT, &[&worker], "the task never ran", || {
-        !env.lines("effects").is_empty()
-    });
-    let run_key = env.names().run_key("k-rediss");
+    let ran = || !env.lines("effects").is_empty();
+    expect(WAIT, &[&worker], "the task never ran", ran);
     // `done` is written after the task's effect: wait for it, in the private TLS Redis.
-    assert!(
-        wait_until(WAIT, || redis
-            .query(&["HGET", &run_key, "state"])
-            .as_deref()
-            == Some("done")),
-        "state in the TLS redis: {:?}\n{}",
-        redis.query(&["HGETALL", &run_key]),
-        worker.log_tail(30)
-    );
+    let state = ["HGET", &env.names().run_key("k-rediss"), "state"];
+    let done = || redis.query(&state).as_deref() == Some("done");
+    expect(WAIT, &[&worker], "done in the TLS redis", done);
     assert_eq!(env.lines("effects"), vec!["k-rediss"], "ran exactly once");
+    let shared = env.run_state("k-rediss").await;
     assert_eq!(
-        env.run_state("k-rediss").await,
-        None,
+        shared, None,
         "the run state belongs in the TLS redis, not the shared one"
     );
 }
@@ -78,25 +70,19 @@ async fn rediss_without_ca_file_is_refused_and_nothing_runs() {
     let cfg = config(&env, "drumline.toml", Cfg::new().redis_url(&url));
     let (mut worker, metrics) = env.worker_serving("worker", &cfg);
     // The queue and the message exist whether or not the worker ever consumes.
-    let (status, _, stderr) = env.run(
-        "drumline-beat",
-        &[
-            "publish",
-            "--config",
-            &cfg,
-            "append",
-            "--key",
-            "k-untrusted",
-        ],
-    );
-    assert!(status.success(), "publish: {stderr}");
+    let publish = ["publish", "append", "--key", "k-untrusted"];
+    let (code, _, stderr) = env.beat_cmd(&cfg, &publish);
+    assert_eq!(code, 0, "publish: {stderr}");
     // The worker keeps trying (with backoff): its TLS handshakes reach the server and fail.
     // (Polled without blocking: the forwarder runs on this test's runtime.)
-    assert!(
-        wait_until_async(WAIT, || async { forwarder.accepted() >= 3 }).await,
-        "the worker never tried the TLS redis\n{}",
-        worker.log_tail(30)
-    );
+    let tried = || async { forwarder.accepted() >= 3 };
+    expect_async(
+        WAIT,
+        &[&worker],
+        "the worker never tried the TLS redis",
+        tried,
+    )
+    .await;
     assert!(worker.is_running(), "fails closed, does not die");
     assert_eq!(redis_up(metrics).as_deref(), Some("0"));
     assert_eq!(http_get(metrics, "/healthz").map(|r| r.0), Some(503));
@@ -104,8 +90,9 @@ async fn rediss_without_ca_file_is_refused_and_nothing_runs() {
         env.lines("effects").is_empty(),
         "ran without a trusted redis"
     );
+    let waiting = env.default_queue_len().await;
     assert_eq!(
-        env.queue_len(&env.names().work_queue("default")).await,
+        waiting,
         Some(1),
         "the message waits for a worker that can claim it"
     );
@@ -174,26 +161,24 @@ async fn beat_and_worker_over_amqps_and_rediss_run_each_instance_once() {
     let redis = TlsRedis::start(&env.dir, &certs);
     let cfg = trusting(Cfg::new(), "broker", &stunnel.url(), &certs);
     let cfg = trusting(cfg, "redis", &redis.url(), &certs);
-    let cfg = config(
-        &env,
-        "drumline.toml",
-        cfg.job("tick", every("1s").task("append")),
-    );
+    let cfg = cfg.job("tick", every("1s").task("append"));
+    let cfg = config(&env, "drumline.toml", cfg);
     let worker = env.worker_on("worker", &cfg);
     // The stunnel forwards to the shared broker: the snoop records there what the beat
     // published through it.
     let snoop = Snoop::start(&mut env, "default");
     let mut beat = env.beat_on("beat", &cfg);
-    expect(WAIT, &[&beat, &worker], "too few runs", || {
-        env.lines("effects").len() >= 3
-    });
+    let runs = || env.lines("effects").len();
+    expect(WAIT, &[&beat, &worker], "too few runs", || runs() >= 3);
     stop(&mut [&mut beat]);
     let published = snoop.published_keys();
     assert!(published.len() >= 3, "{published:?}");
-    assert!(
-        wait_until(WAIT, || env.lines("effects").len() >= published.len()),
-        "published {published:?}, ran {:?}",
-        env.lines("effects")
+    let all = || runs() >= published.len();
+    expect(
+        WAIT,
+        &[&worker],
+        format!("published {published:?}, all run"),
+        all,
     );
     let ran = drumline_e2e::counts(&env.lines("effects"));
     assert!(ran.values().all(|&n| n == 1), "ran more than once: {ran:?}");
