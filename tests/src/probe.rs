@@ -73,6 +73,19 @@ pub fn stop(procs: &mut [&mut Proc]) {
     }
 }
 
+/// SIGTERMs `proc` and asserts it exits 0 in less than `within` (shutdown on time is what
+/// the caller tests), with its log tail when not.
+pub fn stop_within(proc: &mut Proc, within: Duration) {
+    let asked = std::time::Instant::now();
+    let status = proc.terminate(within);
+    assert!(status.success(), "{status:?}\n{}", tails(&[proc]));
+    assert!(
+        asked.elapsed() < within,
+        "exited {:?} after SIGTERM",
+        asked.elapsed()
+    );
+}
+
 /// A started scenario: its config file and its processes.
 pub struct Scene {
     /// The config file every process was started with (`--config`).

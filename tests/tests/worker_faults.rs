@@ -5,7 +5,7 @@
 //! Destructive faults use a private RabbitMQ node, never the shared one.
 
 use drumline_e2e::cfg::{shell, Cfg, Keys};
-use drumline_e2e::probe::{expect, stop, tails};
+use drumline_e2e::probe::{expect, stop, stop_within, tails};
 use drumline_e2e::{
     adhoc, http_get, setup, wait_until, wait_until_async, PrivateRabbit, Proc, StreamPublisher,
     TestEnv,
@@ -280,10 +280,7 @@ async fn sigterm_ends_a_worker_whose_publisher_channel_keeps_failing() {
     expect(WAIT, &[&worker], "two requeues", || {
         metric(metrics, "drumline_worker_requeued_total").is_some_and(|n| n >= 2)
     });
-    let asked = Instant::now();
-    let status = worker.terminate(grace + Duration::from_secs(5));
-    assert!(status.success(), "{status:?}\n{}", worker.log_tail(20));
-    assert!(asked.elapsed() < grace + Duration::from_secs(5));
+    stop_within(&mut worker, grace + Duration::from_secs(5));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -294,13 +291,10 @@ async fn sigterm_ends_a_worker_whose_broker_died_mid_run() {
     let grace = Duration::from_secs(3);
     // `short` ends after the broker is gone (its ack has nowhere to go); `long` outlives the
     // grace and must be cancelled.
-    let cfg =
-        Cfg::new()
-            .set("worker", "concurrency", "2")
-            .set("worker", "shutdown_grace", "\"3s\"");
-    let cfg = cfg
-        .task("short", timed_command(&events, 2))
-        .task("long", timed_command(&events, 60));
+    let cfg = Cfg::new().set("worker", "concurrency", "2");
+    let cfg = cfg.set("worker", "shutdown_grace", "\"3s\"");
+    let (short, long) = (timed_command(&events, 2), timed_command(&events, 60));
+    let cfg = cfg.task("short", short).task("long", long);
     let mut worker = worker_on_rabbit(&env, &rabbit, cfg).await;
     publish_to(&rabbit.url(), &env.ns, &adhoc("long", "long")).await;
     publish_to(&rabbit.url(), &env.ns, &adhoc("short", "short")).await;
@@ -313,14 +307,9 @@ async fn sigterm_ends_a_worker_whose_broker_died_mid_run() {
             .get("short")
             .is_some_and(|(_, ends)| ends.len() == 1)
     });
-    let asked = Instant::now();
-    let status = worker.terminate(grace + Duration::from_secs(5));
-    assert!(status.success(), "{status:?}\n{}", worker.log_tail(30));
-    assert!(asked.elapsed() < grace + Duration::from_secs(5));
-    assert!(
-        runs(&env.lines("events"))["long"].1.is_empty(),
-        "the long run was not cancelled"
-    );
+    stop_within(&mut worker, grace + Duration::from_secs(5));
+    let long = &runs(&env.lines("events"))["long"];
+    assert!(long.1.is_empty(), "the long run was not cancelled");
 }
 
 #[tokio::test(flavor = "multi_thread")]
