@@ -52,43 +52,34 @@ fn line(job: &str, utc: &str, local: &str, offset: &str, note: Option<&str>) -> 
     json!({"job": job, "utc": utc, "runs_at": utc, "local": local, "offset": offset, "note": note})
 }
 
+/// Lines of `job`, each (utc, local, note), the offset the one `local` ends with.
+fn rows(job: &str, rows: &[(&str, &str, Option<&str>)]) -> Vec<Value> {
+    let row = |(utc, local, note): &(&str, &str, Option<&str>)| {
+        line(job, utc, local, &local[local.len() - 6..], *note)
+    };
+    rows.iter().map(row).collect()
+}
+
+/// `next --json JOB --from FROM --count COUNT` on [`config`], in a namespace of its own.
+fn upcoming(test: &str, job: &str, from: &str, count: &str) -> Vec<Value> {
+    let (env, config) = with_config(test);
+    next_json(&env, &config, &[job, "--from", from, "--count", count])
+}
+
 #[test]
 fn gap_under_shift_runs_at_the_transition() {
-    let (env, config) = with_config("next_shift");
-    let lines = next_json(
-        &env,
-        &config,
-        &["shift", "--from", "2026-03-07T12:00:00Z", "--count", "2"],
-    );
-    assert_eq!(
-        lines,
-        vec![
-            line(
-                "shift",
-                "2026-03-08T07:00:00Z",
-                "2026-03-08T03:00:00-04:00",
-                "-04:00",
-                Some("gap: shifted from 02:30")
-            ),
-            line(
-                "shift",
-                "2026-03-09T06:30:00Z",
-                "2026-03-09T02:30:00-04:00",
-                "-04:00",
-                None
-            ),
-        ]
-    );
+    let lines = upcoming("next_shift", "shift", "2026-03-07T12:00:00Z", "2");
+    let shifted = Some("gap: shifted from 02:30");
+    let want = [
+        ("2026-03-08T07:00:00Z", "2026-03-08T03:00:00-04:00", shifted),
+        ("2026-03-09T06:30:00Z", "2026-03-09T02:30:00-04:00", None),
+    ];
+    assert_eq!(lines, rows("shift", &want));
 }
 
 #[test]
 fn gap_under_skip_is_shown_but_not_run() {
-    let (env, config) = with_config("next_skip");
-    let lines = next_json(
-        &env,
-        &config,
-        &["skip", "--from", "2026-03-07T12:00:00Z", "--count", "2"],
-    );
+    let lines = upcoming("next_skip", "skip", "2026-03-07T12:00:00Z", "2");
     assert_eq!(lines.len(), 2, "{lines:?}");
     let note = lines[0]["note"]
         .as_str()
@@ -96,78 +87,34 @@ fn gap_under_skip_is_shown_but_not_run() {
     assert!(note.starts_with("gap: skipped"), "{note}");
     assert_eq!(lines[0]["job"], "skip");
     // The next real run is the following day, back at 02:30 local.
-    assert_eq!(
-        lines[1],
-        line(
-            "skip",
-            "2026-03-09T06:30:00Z",
-            "2026-03-09T02:30:00-04:00",
-            "-04:00",
-            None
-        )
-    );
+    let next_day = ("2026-03-09T06:30:00Z", "2026-03-09T02:30:00-04:00", None);
+    assert_eq!(lines[1..], rows("skip", &[next_day]));
 }
 
 #[test]
 fn fold_under_both_runs_twice() {
-    let (env, config) = with_config("next_fold");
-    let lines = next_json(
-        &env,
-        &config,
-        &[
-            "fold-both",
-            "--from",
-            "2026-10-31T12:00:00Z",
-            "--count",
-            "3",
-        ],
-    );
-    assert_eq!(
-        lines,
-        vec![
-            line(
-                "fold-both",
-                "2026-11-01T05:30:00Z",
-                "2026-11-01T01:30:00-04:00",
-                "-04:00",
-                Some("fold: first of two")
-            ),
-            line(
-                "fold-both",
-                "2026-11-01T06:30:00Z",
-                "2026-11-01T01:30:00-05:00",
-                "-05:00",
-                Some("fold: second of two")
-            ),
-            line(
-                "fold-both",
-                "2026-11-02T06:30:00Z",
-                "2026-11-02T01:30:00-05:00",
-                "-05:00",
-                None
-            ),
-        ]
-    );
+    let lines = upcoming("next_fold", "fold-both", "2026-10-31T12:00:00Z", "3");
+    let want = [
+        (
+            "2026-11-01T05:30:00Z",
+            "2026-11-01T01:30:00-04:00",
+            Some("fold: first of two"),
+        ),
+        (
+            "2026-11-01T06:30:00Z",
+            "2026-11-01T01:30:00-05:00",
+            Some("fold: second of two"),
+        ),
+        ("2026-11-02T06:30:00Z", "2026-11-02T01:30:00-05:00", None),
+    ];
+    assert_eq!(lines, rows("fold-both", &want));
 }
 
 #[test]
 fn a_zone_at_utc_plus_zero_still_shows_its_offset() {
-    let (env, config) = with_config("next_london");
-    let lines = next_json(
-        &env,
-        &config,
-        &["london", "--from", "2026-01-01T00:00:00Z", "--count", "1"],
-    );
-    assert_eq!(
-        lines,
-        vec![line(
-            "london",
-            "2026-01-01T09:00:00Z",
-            "2026-01-01T09:00:00+00:00",
-            "+00:00",
-            None
-        )]
-    );
+    let lines = upcoming("next_london", "london", "2026-01-01T00:00:00Z", "1");
+    let nine = ("2026-01-01T09:00:00Z", "2026-01-01T09:00:00+00:00", None);
+    assert_eq!(lines, rows("london", &[nine]));
 }
 
 #[test]
