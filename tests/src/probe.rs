@@ -295,6 +295,14 @@ impl TestEnv {
             .expect("redis SET");
     }
 
+    /// The time to live of Redis key `key`, in ms (`PTTL`: -2 when it does not exist, -1
+    /// when it never expires).
+    pub async fn pttl(&self, key: &str) -> i64 {
+        let mut redis = self.redis().await;
+        let pttl = redis::cmd("PTTL").arg(key).query_async(&mut redis).await;
+        pttl.expect("redis PTTL")
+    }
+
     /// Every Redis key of this namespace.
     pub async fn ns_keys(&self) -> Vec<String> {
         let mut redis = self.redis().await;

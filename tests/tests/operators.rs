@@ -134,44 +134,27 @@ fn config_errors_point_at_the_line_and_args_must_be_a_table() {
 #[test]
 fn publish_warns_of_no_consumer_and_of_a_recorded_key() {
     let env = setup("e2e_op_warn");
-    let cfg = Cfg::new().set("worker", "lease", "\"3s\"").task(
-        "t",
-        shell(&format!(
-            "echo \"$DRUMLINE_KEY\" >> {}",
-            env.path("effects").display()
-        )),
-    );
-    let cfg = env.write_config("drumline.toml", &cfg);
-    let cfg = cfg.to_str().unwrap();
-    let publish = || {
-        env.run(
-            "drumline-beat",
-            &["--config", cfg, "publish", "t", "--key", "k1"],
-        )
-    };
-    let mut worker = env.worker("worker", &["--config", cfg]);
-    let (status, _, stderr) = publish();
-    assert!(status.success(), "{stderr}");
+    let cfg = Cfg::new().set("worker", "lease", "\"3s\"");
+    let cfg = env.config_file(&cfg.task("t", env.appender("effects", 0.0)));
+    let publish = || env.beat_cmd(&cfg, &["publish", "t", "--key", "k1"]);
+    let mut worker = env.worker_on("worker", &cfg);
+    let (code, _, stderr) = publish();
+    assert_eq!(code, 0, "{stderr}");
     assert!(!stderr.contains("already recorded"), "{stderr}");
-    assert!(
-        wait_until(WAIT, || env.lines("effects") == ["k1"]),
-        "{:?}\n{}",
-        env.lines("effects"),
-        worker.log_tail(20)
-    );
+    expect(WAIT, &[&worker], "k1 ran", || {
+        env.lines("effects") == ["k1"]
+    });
     worker.terminate(Duration::from_secs(10));
-    let (status, stdout, stderr) = publish();
-    assert!(status.success(), "{stderr}");
+    let (code, stdout, stderr) = publish();
+    assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains("key=k1"), "{stdout}");
-    assert!(
-        stderr.contains("warning: no worker consumes queue default"),
-        "{stderr}"
-    );
-    assert!(
-        stderr.contains("key k1 already recorded (done at "),
-        "{stderr}"
-    );
-    assert!(stderr.contains("this copy will not run"), "{stderr}");
+    for warning in [
+        "warning: no worker consumes queue default",
+        "key k1 already recorded (done at ",
+        "this copy will not run",
+    ] {
+        assert!(stderr.contains(warning), "{stderr}");
+    }
 }
 
 #[test]
@@ -279,26 +262,16 @@ fn metrics_carry_build_info_process_and_queue_gauges() {
 #[tokio::test(flavor = "multi_thread")]
 async fn workers_announce_themselves_and_status_shows_them_with_the_queues() {
     let env = setup("e2e_op_workers");
-    let cfg = Cfg::new()
-        .set("worker", "concurrency", "3")
-        .task("t", shell("true"));
-    let cfg = env.write_config("drumline.toml", &cfg);
-    let cfg = cfg.to_str().unwrap();
-    let mut worker = env.worker("worker", &["--config", cfg]);
-    let status = || {
-        let (code, stdout, stderr) = env.run("drumline", &["--config", cfg, "status", "--json"]);
-        assert!(code.success(), "{stderr}");
-        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
-    };
+    let cfg = Cfg::new().set("worker", "concurrency", "3");
+    let cfg = env.config_file(&cfg.task("t", shell("true")));
+    let mut worker = env.worker_on("worker", &cfg);
+    let status = || env.status_json(&cfg);
     let announced = |s: &serde_json::Value| {
         s["workers"].as_array().is_some_and(|w| w.len() == 1) && s["queues"][0]["consumers"] == 1
     };
-    assert!(
-        wait_until(WAIT, || announced(&status())),
-        "{}\n{}",
-        status(),
-        worker.log_tail(20)
-    );
+    expect(WAIT, &[&worker], "the worker announced", || {
+        announced(&status())
+    });
     let s = status();
     let w = &s["workers"][0];
     assert_eq!(w["pid"], worker.pid(), "{s}");
@@ -309,14 +282,9 @@ async fn workers_announce_themselves_and_status_shows_them_with_the_queues() {
     assert_eq!(s["queues"][0]["depth"], 0, "{s}");
     // The announcement is a hash with a TTL.
     let key = format!("{}:worker:{}", env.ns, w["id"].as_str().unwrap());
-    let mut redis = env.redis().await;
-    let ttl: i64 = redis::cmd("PTTL")
-        .arg(&key)
-        .query_async(&mut redis)
-        .await
-        .unwrap();
+    let ttl = env.pttl(&key).await;
     assert!(ttl > 0, "{key}: {ttl}");
-    let (code, text, _) = env.run("drumline", &["--config", cfg, "status"]);
+    let (code, text, _) = env.run("drumline", &["--config", &cfg, "status"]);
     assert!(code.success());
     assert!(text.contains("workers: 1"), "{text}");
     // A clean stop takes the announcement away.
