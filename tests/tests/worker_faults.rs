@@ -143,19 +143,15 @@ async fn a_reconnect_does_not_add_runs_beyond_concurrency() {
         env.lines("events")
     );
 
-    let all_ended = wait_until(WAIT, || {
+    let ended = || {
         runs(&env.lines("events"))
             .values()
-            .filter(|(_, ends)| !ends.is_empty())
+            .filter(|(_, e)| !e.is_empty())
             .count()
-            == keys.len()
+    };
+    expect(WAIT, &[&worker], "every run ended", || {
+        ended() == keys.len()
     });
-    assert!(
-        all_ended,
-        "{:?}\n{}",
-        env.lines("events"),
-        worker.log_tail(30)
-    );
     let lines = env.lines("events");
     assert!(
         max_overlap(&lines) <= 2,
@@ -335,16 +331,12 @@ async fn a_topology_mismatch_on_reconnect_lets_in_flight_runs_finish() {
         .expect("queue.delete");
     let mut args = FieldTable::default();
     args.insert("x-message-ttl".into(), AMQPValue::LongLongInt(1234));
-    ch.queue_declare(
-        dead.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await
-    .expect("queue.declare");
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let declared = ch.queue_declare(dead.as_str().into(), durable, args).await;
+    declared.expect("queue.declare");
     let _ = conn.close(200, "bye".into()).await;
     rabbit.close_connections();
     assert_eq!(
@@ -357,12 +349,13 @@ async fn a_topology_mismatch_on_reconnect_lets_in_flight_runs_finish() {
     // Read at once: a run that was dropped, not finished, may still write its end line later
     // from an orphaned process.
     let run = runs(&env.lines("events"));
-    assert_eq!(status.code(), Some(2), "{}", worker.log_tail(20));
+    assert_eq!(status.code(), Some(2), "{}", tails(&[&worker]));
+    let finished = run["k"].1.len();
     assert_eq!(
-        run["k"].1.len(),
+        finished,
         1,
         "the worker exited before its run in flight finished\n{}",
-        worker.log_tail(20)
+        tails(&[&worker])
     );
 }
 
@@ -553,52 +546,37 @@ async fn healthz_is_503_while_a_configured_queue_has_no_consumer() {
     let held = replace_queue(&holder, &qa, exclusive, FieldTable::default()).await;
     assert!(held, "could never take {qa} away from the worker");
 
-    let unhealthy = wait_until(WAIT, || {
-        http_get(port, "/healthz").is_some_and(|(code, body)| code == 503 && body.contains("qa"))
-    });
-    assert!(
-        unhealthy,
-        "/healthz says {:?} while {qa} has no consumer of the worker\n{}",
-        http_get(port, "/healthz"),
-        worker.log_tail(20)
-    );
+    let healthz = |code: u16, body: &str| {
+        http_get(port, "/healthz").is_some_and(|(c, b)| c == code && b.contains(body))
+    };
+    let what = format!("/healthz 503 naming qa while {qa} has no consumer of the worker");
+    expect(WAIT, &[&worker], what, || healthz(503, "qa"));
     let consumers = |queue: &str| {
-        drumline_e2e::metric(
-            port,
-            &format!("drumline_worker_consumers{{queue=\"{queue}\"}}"),
-        )
+        let series = format!("drumline_worker_consumers{{queue=\"{queue}\"}}");
+        drumline_e2e::metric(port, &series)
     };
     assert_eq!((consumers("qa"), consumers("qb")), (Some(0.0), Some(1.0)));
     // The other queue is served meanwhile.
     env.publish(&append_on("k-b", "qb")).await;
-    let ran = |keys: &[&str]| wait_until(WAIT, || env.lines("effects") == keys);
-    assert!(
-        ran(&["k-b"]),
-        "{:?}\n{}",
-        env.lines("effects"),
-        tails(&[&worker])
-    );
+    let ran = |keys: &[&str]| env.lines("effects") == keys;
+    expect(WAIT, &[&worker], "k-b ran", || ran(&["k-b"]));
 
     // Released (the exclusive queue goes with its connection): consumed again within 5 s.
     let _ = holder.close(200, "bye".into()).await;
     let released = Instant::now();
-    let healthy = wait_until(Duration::from_secs(5), || {
-        http_get(port, "/healthz").is_some_and(|(code, _)| code == 200)
+    let what = format!("/healthz 200 5 s after {qa} could be declared again");
+    expect(Duration::from_secs(5), &[&worker], what, || {
+        healthz(200, "")
     });
-    assert!(
-        healthy,
-        "/healthz says {:?} 5 s after {qa} could be declared again\n{}",
-        http_get(port, "/healthz"),
-        worker.log_tail(20)
-    );
     eprintln!(
         "/healthz ok {:?} after {qa} was released",
         released.elapsed()
     );
     assert_eq!(consumers("qa"), Some(1.0));
     env.publish(&append_on("k-a", "qa")).await;
-    let both = ran(&["k-b", "k-a"]);
-    assert!(both, "{:?}\n{}", env.lines("effects"), tails(&[&worker]));
+    expect(WAIT, &[&worker], "k-b, then k-a ran", || {
+        ran(&["k-b", "k-a"])
+    });
     stop(&mut [&mut worker]);
 }
 
