@@ -34,29 +34,25 @@ async fn a_quorum_namespace_runs_jobs_ad_hoc_tasks_and_retries_on_one_node() {
     let mut beat = env.beat_on("beat", &cfg);
     let names = env.names();
     for queue in [names.work_queue("default"), names.dead()] {
-        assert_eq!(
-            queue_type_on(None, &queue).as_deref(),
-            Some("quorum"),
-            "{queue}"
-        );
+        let kind = queue_type_on(None, &queue);
+        assert_eq!(kind.as_deref(), Some("quorum"), "{queue}");
     }
 
     env.publish(&adhoc("once-only", "flaky")).await;
+    let ran = || env.lines("ticks").len() >= 3 && !env.lines("flaky").is_empty();
     expect(
         WAIT,
         &[&beat, &worker],
         "three ticks and the flaky retry",
-        || env.lines("ticks").len() >= 3 && !env.lines("flaky").is_empty(),
+        ran,
     );
     stop(&mut [&mut beat, &mut worker]);
     // The retry went through a classic delay queue back into the quorum queue, once.
     assert_eq!(env.lines("flaky"), ["once-only"]);
     let delay_queues = queues_on(None, &format!("{}.delay.", env.ns), "type");
     assert!(!delay_queues.is_empty(), "no delay queue was used");
-    assert!(
-        delay_queues.iter().all(|(_, t)| t == "classic"),
-        "{delay_queues:?}"
-    );
+    let classic = delay_queues.iter().all(|(_, t)| t == "classic");
+    assert!(classic, "{delay_queues:?}");
     // An explicit delivery limit on the work queue only (RabbitMQ 4 would default it to 20).
     let limit = "{\"x-delivery-limit\",1000000}";
     let work_args = queue_info_on(None, &names.work_queue("default"), "arguments").unwrap();
