@@ -3,26 +3,24 @@
 //! `queue` runs every instance, one after another.
 
 use drumline_e2e::cfg::{every, shell, Cfg};
-use drumline_e2e::probe::{expect, stop};
+use drumline_e2e::probe::stop;
 use drumline_e2e::snoop::Snoop;
-use drumline_e2e::{counts, setup, toml_string, wait_until_async, TestEnv};
+use drumline_e2e::{counts, setup, TestEnv};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-fn config(env: &TestEnv, overlap: &str) -> std::path::PathBuf {
+fn config(env: &TestEnv, overlap: &str) -> Cfg {
     let log = env.path("spans");
     let script = format!(
         "echo \"start $DRUMLINE_KEY $(date +%s%N)\" >> {log}; sleep 1.6; echo \"end $DRUMLINE_KEY $(date +%s%N)\" >> {log}",
         log = log.display()
     );
-    let cfg = Cfg::new()
-        .set("worker", "concurrency", "4")
-        .set("worker", "lease", "\"3s\"")
+    Cfg::new()
+        .worker_slots(4, "3s")
         .task("slow", shell(&script))
-        .job("slow", every("1s").with("overlap", &toml_string(overlap)));
-    env.write_config("drumline.toml", &cfg)
+        .job("slow", every("1s").text("overlap", overlap))
 }
 
 /// (start, end) in ns per key, from the spans file.
@@ -64,34 +62,23 @@ fn assert_never_two_at_once(spans: &BTreeMap<String, (u128, Option<u128>)>) {
 /// Runs one beat and two workers until `runs` instances have started; returns the published
 /// keys (as the snoop queue received them from the beat).
 async fn run_until(env: &mut TestEnv, overlap: &str, runs: usize) -> Vec<String> {
-    let cfg = config(env, overlap);
-    let cfg = cfg.to_str().unwrap();
-    let mut workers = [
-        env.worker("w1", &["--config", cfg]),
-        env.worker("w2", &["--config", cfg]),
-    ];
-    env.wait_for_topology(&workers[0]).await;
+    let mut scene = env.start(&config(env, overlap), 0, 2).await;
     let snoop = Snoop::start(env, "default");
-    let mut beat = env.beat("beat", &["--config", cfg]);
-    expect(WAIT, &[&workers[0]], "enough runs started", || {
-        spans(env).len() >= runs
-    });
-    stop(&mut [&mut beat]);
+    scene.beats.push(env.beat_on("beat", &scene.config));
+    scene.expect(WAIT, "enough runs started", || spans(env).len() >= runs);
+    stop(&mut [&mut scene.beats[0]]);
     let keys = snoop.published_keys();
     // Let every published instance reach a final state.
     for key in &keys {
-        let settled = wait_until_async(WAIT, || async {
-            matches!(
-                env.run_state(key).await.as_deref(),
-                Some("done") | Some("skipped")
-            )
-        })
-        .await;
-        assert!(settled, "{key} never settled\n{}", workers[1].log_tail(20));
+        let settled = || async {
+            let state = env.run_state(key).await;
+            matches!(state.as_deref(), Some("done") | Some("skipped"))
+        };
+        scene
+            .expect_async(WAIT, format!("{key} settled"), settled)
+            .await;
     }
-    for w in &mut workers {
-        stop(&mut [w]);
-    }
+    scene.stop();
     keys
 }
 
@@ -137,59 +124,33 @@ async fn overlap_queue_runs_every_instance_one_after_another() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_failed_attempts_retry_runs_under_overlap_skip() {
     let env = setup("e2e_overlap_retry_skip");
-    let log = env.path("runs");
+    let log = env.path("runs").display().to_string();
     let script = format!(
-        "echo \"$DRUMLINE_KEY $DRUMLINE_ATTEMPT\" >> {}; sleep 1.5; [ \"$DRUMLINE_ATTEMPT\" != 0 ]",
-        log.display()
+        "echo \"$DRUMLINE_KEY $DRUMLINE_ATTEMPT\" >> {log}; sleep 1.5; [ \"$DRUMLINE_ATTEMPT\" != 0 ]"
     );
+    let retries = [("retry_base", "1s"), ("retry_max", "1s")];
+    let slowfail = shell(&script).with("max_retries", "3").texts(&retries);
     let cfg = Cfg::new()
         .set("worker", "concurrency", "4")
-        .task(
-            "slowfail",
-            shell(&script)
-                .with("max_retries", "3")
-                .with("retry_base", "\"1s\"")
-                .with("retry_max", "\"1s\""),
-        )
-        .job("slowfail", every("2s"));
-    let cfg = env.write_config("drumline.toml", &cfg);
-    let cfg = cfg.to_str().unwrap();
-    let mut worker = env.worker("w1", &["--config", cfg]);
-    env.wait_for_topology(&worker).await;
-    let mut beat = env.beat("beat", &["--config", cfg]);
+        .task("slowfail", slowfail);
+    let mut scene = env.start(&cfg.job("slowfail", every("2s")), 1, 1).await;
     // Three instances have run their attempt 0.
-    let first_attempts = |env: &TestEnv| {
-        env.lines("runs")
-            .iter()
-            .filter(|l| l.ends_with(" 0"))
-            .count()
+    let first_attempts = || -> Vec<String> {
+        let lines = env.lines("runs").into_iter();
+        lines
+            .filter_map(|l| l.strip_suffix(" 0").map(str::to_owned))
+            .collect()
     };
-    expect(WAIT, &[&worker], "three first attempts", || {
-        first_attempts(&env) >= 3
-    });
-    stop(&mut [&mut beat]);
+    scene.expect(WAIT, "three first attempts", || first_attempts().len() >= 3);
+    stop(&mut [&mut scene.beats[0]]);
     // Every instance that ran its attempt 0 runs its attempt 1 and ends `done`.
-    let started: Vec<String> = env
-        .lines("runs")
-        .iter()
-        .filter_map(|l| l.strip_suffix(" 0").map(str::to_owned))
-        .collect();
+    let started = first_attempts();
     for key in &started {
-        let done = wait_until_async(WAIT, || async {
-            env.run_state(key).await.as_deref() == Some("done")
-        })
-        .await;
-        assert!(
-            done,
-            "{key}: {:?}, runs {:?}\n{}",
-            env.run_state(key).await,
-            env.lines("runs"),
-            worker.log_tail(30)
-        );
+        env.expect_state(key, "done", &[&scene.workers[0]]).await;
     }
     let runs = counts(&env.lines("runs"));
     for key in &started {
         assert_eq!(runs.get(&format!("{key} 1")), Some(&1), "{key}: {runs:?}");
     }
-    stop(&mut [&mut worker]);
+    scene.stop();
 }
