@@ -226,10 +226,8 @@ async fn a_backfilled_skip_job_queues_its_instants_instead_of_skipping_them() {
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_operations_exit_2_and_change_nothing() {
     let env = setup("ops_bad");
-    let cfg = Cfg::new()
-        .job("tick", every("1m").task("t"))
-        .task("t", argv(&["/bin/true"]));
-    let config = env.config_file(&cfg);
+    let cfg = Cfg::new().job("tick", every("1m").task("t"));
+    let config = env.config_file(&cfg.task("t", argv(&["/bin/true"])));
     let future = (Utc::now() + TimeDelta::hours(1)).to_rfc3339();
     let (jan1, jan2) = ("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z");
     let cases: [(&[&str], &str); 8] = [
@@ -252,11 +250,8 @@ async fn bad_operations_exit_2_and_change_nothing() {
         let (code, out, err) = env.beat_cmd(&config, args);
         assert_eq!(code, 2, "{args:?}: {out}{err}");
         assert!(err.contains(message), "{args:?}: {err}");
-        assert_eq!(
-            err.trim().lines().count(),
-            1,
-            "{args:?}: one clear line: {err}"
-        );
+        let lines = err.trim().lines().count();
+        assert_eq!(lines, 1, "{args:?}: one clear line: {err}");
         assert!(out.is_empty(), "{args:?}: {out}");
     }
     // Nothing was declared, published or paused.
@@ -382,10 +377,11 @@ async fn trigger_returns_for_the_fastest_job_and_refuses_a_faster_one() {
         let cfg = Cfg::new().job("fast", every(rule).task("append"));
         cfg.task("append", env.appender("effects", 0.0))
     };
-    let too_fast = env.config_named("1ms.toml", &job("1ms"));
-    let answer = beat_cmd_within(&too_fast, &["trigger", "fast"], hung);
-    let (code, out, err) =
-        answer.unwrap_or_else(|| panic!("trigger of a 1ms job hung for {hung:?}"));
+    let trigger = |config: &str| {
+        let answer = beat_cmd_within(config, &["trigger", "fast"], hung);
+        answer.unwrap_or_else(|| panic!("trigger on {config} hung for {hung:?}"))
+    };
+    let (code, out, err) = trigger(&env.config_named("1ms.toml", &job("1ms")));
     assert_eq!(code, 2, "{out}{err}");
     assert!(err.contains("key `every`"), "{err}");
 
@@ -394,9 +390,7 @@ async fn trigger_returns_for_the_fastest_job_and_refuses_a_faster_one() {
     env.wait_for_topology(&worker).await;
     let mut keys = Vec::new();
     for _ in 0..5 {
-        let answer = beat_cmd_within(&config, &["trigger", "fast"], hung);
-        let (code, out, err) =
-            answer.unwrap_or_else(|| panic!("trigger of a 100ms job hung for {hung:?}"));
+        let (code, out, err) = trigger(&config);
         assert_eq!(code, 0, "{out}{err}");
         let key = triggered_key(&out);
         // Never one of the job's instants (multiples of 100 ms): those keys are the beat's.
@@ -404,9 +398,8 @@ async fn trigger_returns_for_the_fastest_job_and_refuses_a_faster_one() {
         assert_ne!(ms % 100, 0, "{key} is a scheduled instant's key");
         keys.push(key);
     }
-    expect(WAIT, &[&worker], "every trigger ran", || {
-        env.lines("effects").len() >= keys.len()
-    });
+    let all = || env.lines("effects").len() >= keys.len();
+    expect(WAIT, &[&worker], "every trigger ran", all);
     stop(&mut [&mut worker]);
     let mut ran = env.lines("effects");
     ran.sort();
