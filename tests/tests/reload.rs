@@ -132,10 +132,7 @@ async fn sighup_gives_the_worker_new_tasks_for_the_deliveries_that_follow() {
     env.wait_for_topology(&worker).await;
     // In flight across the reload: started under v1, it finishes under v1.
     env.publish(&adhoc("before", "t")).await;
-    expect_async(WAIT, &[&worker], "before running", || async {
-        env.run_state("before").await.as_deref() == Some("running")
-    })
-    .await;
+    env.expect_state("before", "running", &[&worker]).await;
     versioned_worker_config(&env, "v2", 0.0);
     hup(&worker);
     // A delivery after the reload runs the new command (the reload lands within moments: poll
@@ -147,11 +144,12 @@ async fn sighup_gives_the_worker_new_tasks_for_the_deliveries_that_follow() {
         let (key, env) = (format!("after-{n}"), &env);
         async move {
             env.publish(&adhoc(&key, "t")).await;
-            wait_until(Duration::from_secs(5), || {
+            let any = || {
                 env.lines("effects")
                     .iter()
                     .any(|l| l.ends_with(&format!(" {key}")))
-            });
+            };
+            wait_until(Duration::from_secs(5), any);
             env.lines("effects").contains(&format!("v2 {key}"))
         }
     })
