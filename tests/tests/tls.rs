@@ -7,7 +7,7 @@ use drumline_e2e::cfg::{every, Cfg};
 use drumline_e2e::probe::{expect, expect_async, stop};
 use drumline_e2e::snoop::Snoop;
 use drumline_e2e::tls::{Certs, CountingForwarder, Stunnel, TlsRedis};
-use drumline_e2e::{adhoc, http_get, setup, toml_string, wait_until_async, TestEnv};
+use drumline_e2e::{adhoc, http_get, setup, toml_string, TestEnv};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -110,44 +110,23 @@ async fn amqps_with_ca_file_publishes_and_runs_a_task_once() {
     let untrusted = config(&env, "untrusted.toml", untrusted);
     let worker = env.worker_on("worker", &cfg);
     env.wait_for_topology(&worker).await;
-    let queue = env.names().work_queue("default");
+    let publish =
+        |config: &str, key: &str| env.beat_cmd(config, &["publish", "append", "--key", key]);
 
     // Without ca_file the broker's certificate is not trusted: publish fails, nothing is sent.
-    let (status, stdout, stderr) = env.run(
-        "drumline-beat",
-        &[
-            "publish",
-            "--config",
-            &untrusted,
-            "append",
-            "--key",
-            "k-refused",
-        ],
-    );
+    let (code, stdout, stderr) = publish(&untrusted, "k-refused");
     // Exit 1 (the broker cannot be used), not 2 (the config was fine).
-    assert_eq!(
-        status.code(),
-        Some(1),
-        "untrusted publish: {stdout}\n{stderr}"
-    );
+    assert_eq!(code, 1, "untrusted publish: {stdout}\n{stderr}");
     assert!(!stdout.contains("published"), "{stdout}\n{stderr}");
 
-    let (status, stdout, stderr) = env.run(
-        "drumline-beat",
-        &["publish", "--config", &cfg, "append", "--key", "k-amqps"],
-    );
-    assert!(status.success(), "publish over amqps: {stdout}\n{stderr}");
-    expect(WAIT, &[&worker], "the task never ran", || {
-        !env.lines("effects").is_empty()
-    });
-    let done = wait_until_async(WAIT, || async {
-        env.run_state("k-amqps").await.as_deref() == Some("done")
-    })
-    .await;
-    assert!(done, "{}", worker.log_tail(30));
+    let (code, stdout, stderr) = publish(&cfg, "k-amqps");
+    assert_eq!(code, 0, "publish over amqps: {stdout}\n{stderr}");
+    let ran = || !env.lines("effects").is_empty();
+    expect(WAIT, &[&worker], "the task never ran", ran);
+    env.expect_state("k-amqps", "done", &[&worker]).await;
     assert_eq!(env.lines("effects"), vec!["k-amqps"], "ran exactly once");
     assert_eq!(env.run_state("k-refused").await, None);
-    assert_eq!(env.queue_len(&queue).await, Some(0));
+    assert_eq!(env.default_queue_len().await, Some(0));
 }
 
 /// The long-running pair over TLS only: the beat publishes through `amqps://` and keeps its
