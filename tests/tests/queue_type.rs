@@ -75,21 +75,18 @@ async fn a_changed_queue_type_is_refused_at_start_with_the_fix() {
     // A message waits in the classic queue: the refusal must leave it there.
     env.publish(&adhoc("waiting", "append")).await;
     // Polled: under load the broker's count can trail the confirm.
-    expect_async(
-        WAIT,
-        &[],
-        "the message waits in the classic queue",
-        || async { env.queue_len(&queue).await == Some(1) },
-    )
-    .await;
+    let waits = || async { env.queue_len(&queue).await == Some(1) };
+    expect_async(WAIT, &[], "the message waits in the classic queue", waits).await;
 
     let quorum = config(&env, "quorum.toml", "quorum");
+    // One after the other: each refuses on its own.
     for bin in ["drumline-worker", "drumline-beat"] {
-        let mut proc = if bin == "drumline-worker" {
-            env.worker_on("quorum-worker", &quorum)
+        let start = if bin == "drumline-worker" {
+            TestEnv::worker_on
         } else {
-            env.beat_on("quorum-beat", &quorum)
+            TestEnv::beat_on
         };
+        let mut proc = start(&env, bin, &quorum);
         let status = proc.wait(WAIT);
         let log = proc.log();
         assert_eq!(status.code(), Some(2), "{bin} should exit 2:\n{log}");
@@ -104,11 +101,13 @@ async fn a_changed_queue_type_is_refused_at_start_with_the_fix() {
         }
     }
     // Nothing declared over it, nothing consumed, nothing ran.
-    assert_eq!(queue_type_on(None, &queue).as_deref(), Some("classic"));
-    assert_eq!(
-        queue_type_on(None, &names.dead()).as_deref(),
-        Some("classic")
-    );
+    for queue in [&queue, &names.dead()] {
+        assert_eq!(
+            queue_type_on(None, queue).as_deref(),
+            Some("classic"),
+            "{queue}"
+        );
+    }
     assert_eq!(env.queue_len(&queue).await, Some(1));
     assert!(env.lines("ticks").is_empty());
 }
