@@ -206,6 +206,15 @@ impl TestEnv {
         }
     }
 
+    /// Waits up to 60 s until effect file `file` has `n` lines or more; else panics with the
+    /// log tails of `procs`.
+    pub fn expect_lines(&self, file: &str, n: usize, procs: &[&Proc]) {
+        let what = format!("{n} lines in {file}");
+        expect(Duration::from_secs(60), procs, what, || {
+            self.lines(file).len() >= n
+        });
+    }
+
     /// A task that appends `$DRUMLINE_KEY` to effect file `file` after `sleep` seconds.
     pub fn appender(&self, file: &str, sleep: f64) -> Keys {
         Keys::default().with("command", &self.append_key_command(file, sleep))

@@ -113,9 +113,7 @@ async fn trigger_runs_one_instance_now_as_the_job() {
     // overlap = allow: runs with the job's args, or with --args instead; status sees it.
     let own = trigger(&["trigger", "free"]);
     let replaced = trigger(&["trigger", "free", "--args", r#"{"n": 8}"#]);
-    expect(WAIT, &[&worker], "three runs", || {
-        env.lines("effects").len() >= 3
-    });
+    env.expect_lines("effects", 3, &[&worker]);
     let status = || {
         let (code, out, err) = env.beat_cmd(&config, &["status", "free", "--json"]);
         assert_eq!(code, 0, "{err}");
@@ -165,9 +163,7 @@ async fn backfill_twice_runs_each_instant_once_oldest_first() {
         let (code, out, err) = env.beat_cmd(&config, &range);
         assert_eq!(code, 0, "{out}{err}");
     }
-    expect(WAIT, &[&worker], "ten runs", || {
-        env.lines("effects").len() >= 10
-    });
+    env.expect_lines("effects", 10, &[&worker]);
     // The second backfill's ten copies are duplicates: wait until they are all settled.
     let queue = env.names().work_queue("default");
     expect_async(WAIT, &[&worker], "drained", || async {
@@ -211,9 +207,7 @@ async fn a_backfilled_skip_job_queues_its_instants_instead_of_skipping_them() {
     assert_eq!(code, 0, "{out}{err}");
     // Both delivered at once to two slots: the second waits for the first instead of being
     // recorded `skipped`.
-    expect(WAIT, &[&worker], "two runs", || {
-        env.lines("effects").len() >= 2
-    });
+    env.expect_lines("effects", 2, &[&worker]);
     stop(&mut [&mut worker]);
     let mut lines = env.lines("effects");
     lines.sort();

@@ -139,9 +139,7 @@ async fn the_first_node_that_answers_serves_and_the_env_url_beats_the_list() {
         &["--config", &beat_cfg],
         &[("DRUMLINE_AMQP_URL", drumline_e2e::AMQP_URL)],
     );
-    expect(WAIT, &[&beat, &worker], "three ticks", || {
-        env.lines("ticks").len() >= 3
-    });
+    env.expect_lines("ticks", 3, &[&beat, &worker]);
     stop(&mut [&mut beat, &mut worker]);
     drumline_e2e::assert_contiguous_exactly_once(&env.lines("ticks"), 3);
 }

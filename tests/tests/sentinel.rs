@@ -210,9 +210,7 @@ async fn failover_under_load(set: &mut SentinelSet, test: &str, wait_replicas: u
     // What the beat publishes, recorded on the broker (not read from its log).
     let snoop = Snoop::start(&mut env, "default");
     let mut beat = env.beat_on("beat", &config);
-    expect(WAIT, &[&beat], "three ticks", || {
-        env.lines("effects").len() >= 3
-    });
+    env.expect_lines("effects", 3, &[&beat]);
 
     // The stream: ADHOC tasks at about 40 a second, published as a producer would.
     let keys: Vec<String> = (0..ADHOC).map(|i| format!("adhoc-{i:04}")).collect();

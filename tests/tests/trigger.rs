@@ -5,11 +5,9 @@
 
 use chrono::{DurationRound, TimeDelta, Utc};
 use drumline_e2e::cfg::{every, Cfg};
-use drumline_e2e::probe::{expect, stop};
+use drumline_e2e::probe::stop;
 use drumline_e2e::{counts, setup, TestEnv};
-use std::time::Duration;
 
-const WAIT: Duration = Duration::from_secs(60);
 const WARNING: &str = "is running: this trigger will be skipped";
 
 /// `slow`: hourly (never due during the test), `skip`, its task takes 4 s and then writes its
@@ -66,9 +64,7 @@ async fn trigger_on_a_running_skip_job_warns_and_runs_nothing_more() {
     let (code, third, err) = trigger(&env, &cfg);
     assert_eq!(code, 0, "{err}");
     assert!(!err.contains(WARNING), "nothing runs any more: {err}");
-    expect(WAIT, &[&worker], "the third trigger ran", || {
-        env.lines("effects").len() >= 2
-    });
+    env.expect_lines("effects", 2, &[&worker]);
     stop(&mut [&mut worker]);
     let effects = counts(&env.lines("effects"));
     let want = [(first, 1), (third, 1)].into_iter().collect();

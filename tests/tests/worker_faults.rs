@@ -132,9 +132,7 @@ async fn a_reconnect_does_not_add_runs_beyond_concurrency() {
         publish_to(&rabbit.url(), &env.ns, &adhoc(key, "slow")).await;
     }
     // Two runs in flight, none finished: now the broker drops the connection.
-    expect(WAIT, &[&worker], "two runs started", || {
-        env.lines("events").len() >= 2
-    });
+    env.expect_lines("events", 2, &[&worker]);
     rabbit.close_connections();
     assert_eq!(
         env.lines("events").len(),
