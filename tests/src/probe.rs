@@ -154,6 +154,13 @@ impl TestEnv {
         self.worker(label, &["--config", config])
     }
 
+    /// `drumline-worker --config CONFIG`, once it consumes (its topology declared and bound).
+    pub async fn worker_ready(&self, label: &str, config: &str) -> Proc {
+        let worker = self.worker_on(label, config);
+        self.wait_for_topology(&worker).await;
+        worker
+    }
+
     /// `drumline-beat --config CONFIG` serving `/metrics`, the page and `/api/status` on a
     /// fresh port: (beat, port).
     pub fn beat_serving(&self, label: &str, config: &str) -> (Proc, u16) {

@@ -99,8 +99,7 @@ fn triggered_key(out: &str) -> String {
 async fn trigger_runs_one_instance_now_as_the_job() {
     let env = setup("ops_trigger");
     let config = trigger_config(&env);
-    let mut worker = env.worker_on("worker", &config);
-    env.wait_for_topology(&worker).await;
+    let mut worker = env.worker_ready("worker", &config).await;
     let trigger = |args: &[&str]| triggered(&env, &config, args);
 
     // overlap = skip: a trigger while the previous instance still runs is recorded `skipped`.
@@ -157,8 +156,7 @@ async fn backfill_twice_runs_each_instant_once_oldest_first() {
     assert_eq!(listed.len(), 10, "{out}");
     assert_eq!(listed[0], "daily@2026-01-01T03:00:00Z");
 
-    let mut worker = env.worker_on("worker", &config);
-    env.wait_for_topology(&worker).await;
+    let mut worker = env.worker_ready("worker", &config).await;
     for _ in 0..2 {
         let (code, out, err) = env.beat_cmd(&config, &range);
         assert_eq!(code, 0, "{out}{err}");
@@ -200,8 +198,7 @@ async fn a_backfilled_skip_job_queues_its_instants_instead_of_skipping_them() {
     let env = setup("ops_backfill_skip");
     let cfg = backfill_cfg(2, "2s", "skip", env.appender("effects", 1.0));
     let config = env.config_file(&cfg);
-    let mut worker = env.worker_on("worker", &config);
-    env.wait_for_topology(&worker).await;
+    let mut worker = env.worker_ready("worker", &config).await;
     let range = backfill("slow", "2026-01-01T00:00:00Z", "2026-01-01T00:02:00Z");
     let (code, out, err) = env.beat_cmd(&config, &range);
     assert_eq!(code, 0, "{out}{err}");
@@ -380,8 +377,7 @@ async fn trigger_returns_for_the_fastest_job_and_refuses_a_faster_one() {
     assert!(err.contains("key `every`"), "{err}");
 
     let config = env.config_file(&job("100ms"));
-    let mut worker = env.worker_on("worker", &config);
-    env.wait_for_topology(&worker).await;
+    let mut worker = env.worker_ready("worker", &config).await;
     let mut keys = Vec::new();
     for _ in 0..5 {
         let (code, out, err) = trigger(&config);

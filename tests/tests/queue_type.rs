@@ -29,8 +29,7 @@ fn config(env: &TestEnv, name: &str, queue_type: &str) -> String {
 async fn a_quorum_namespace_runs_jobs_ad_hoc_tasks_and_retries_on_one_node() {
     let env = setup("e2e_quorum_one_node");
     let cfg = config(&env, "drumline.toml", "quorum");
-    let mut worker = env.worker_on("worker", &cfg);
-    env.wait_for_topology(&worker).await;
+    let mut worker = env.worker_ready("worker", &cfg).await;
     let mut beat = env.beat_on("beat", &cfg);
     let names = env.names();
     for queue in [names.work_queue("default"), names.dead()] {
@@ -67,8 +66,7 @@ async fn a_quorum_namespace_runs_jobs_ad_hoc_tasks_and_retries_on_one_node() {
 async fn a_changed_queue_type_is_refused_at_start_with_the_fix() {
     let env = setup("e2e_queue_type_change");
     let classic = config(&env, "classic.toml", "classic");
-    let mut worker = env.worker_on("classic-worker", &classic);
-    env.wait_for_topology(&worker).await;
+    let mut worker = env.worker_ready("classic-worker", &classic).await;
     stop(&mut [&mut worker]);
     let names = env.names();
     let queue = names.work_queue("default");
@@ -132,8 +130,7 @@ async fn the_first_node_that_answers_serves_and_the_env_url_beats_the_list() {
     );
     // The beat's list holds no live node at all: only the environment's URL can serve it.
     let beat_cfg = cfg("beat.toml", &dead(unused_port()));
-    let mut worker = env.worker_on("worker", &worker_cfg);
-    env.wait_for_topology(&worker).await;
+    let mut worker = env.worker_ready("worker", &worker_cfg).await;
     let mut beat = env.beat_with_env(
         "beat",
         &["--config", &beat_cfg],

@@ -128,8 +128,7 @@ fn versioned_worker_config(env: &TestEnv, version: &str, sleep: f64) -> String {
 async fn sighup_gives_the_worker_new_tasks_for_the_deliveries_that_follow() {
     let env = setup("reload_worker");
     let config = versioned_worker_config(&env, "v1", 2.0);
-    let mut worker = env.worker_on("worker", &config);
-    env.wait_for_topology(&worker).await;
+    let mut worker = env.worker_ready("worker", &config).await;
     // In flight across the reload: started under v1, it finishes under v1.
     env.publish(&adhoc("before", "t")).await;
     env.expect_state("before", "running", &[&worker]).await;
@@ -435,8 +434,7 @@ fn lowering_jitter_by_a_reload_publishes_the_pending_instants_and_drops_none() {
 async fn verify_holds_across_a_reload_that_reschedules_a_job() {
     let env = setup("e2e_reload_verify");
     let config = write_config(&env, vec![("tick", every("3s"))]);
-    let mut worker = env.worker_on("worker", &config);
-    env.wait_for_topology(&worker).await;
+    let mut worker = env.worker_ready("worker", &config).await;
     let mut beat = env.beat_on("beat", &config);
     expect(WAIT, &[&beat], "three ticks", || {
         runs_of(&env, "tick").len() >= 3

@@ -108,8 +108,7 @@ async fn amqps_with_ca_file_publishes_and_runs_a_task_once() {
     let cfg = config(&env, "drumline.toml", trusted);
     let untrusted = Cfg::new().broker_url(&stunnel.url());
     let untrusted = config(&env, "untrusted.toml", untrusted);
-    let worker = env.worker_on("worker", &cfg);
-    env.wait_for_topology(&worker).await;
+    let worker = env.worker_ready("worker", &cfg).await;
     let publish =
         |config: &str, key: &str| env.beat_cmd(config, &["publish", "append", "--key", key]);
 

@@ -39,8 +39,7 @@ fn trigger(env: &TestEnv, cfg: &str) -> (i32, String, String) {
 async fn trigger_on_a_running_skip_job_warns_and_runs_nothing_more() {
     let env = setup("trigger_skip_warns");
     let cfg = config(&env);
-    let mut worker = env.worker_on("worker", &cfg);
-    env.wait_for_topology(&worker).await;
+    let mut worker = env.worker_ready("worker", &cfg).await;
 
     let (code, first, err) = trigger(&env, &cfg);
     assert_eq!(code, 0, "{err}");
