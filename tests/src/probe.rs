@@ -1,14 +1,19 @@
 //! Probes: what an end-to-end test starts, waits for, reads and stops, in one call each, so a
 //! test says its scenario and its checks and nothing else.
 //!
-//! - start: [`TestEnv::start`] (config + beats + workers, topology awaited), [`TestEnv::beat_on`],
-//!   [`TestEnv::worker_on`], and `…_serving` variants that serve `/metrics` on a fresh port;
-//! - wait: [`expect`] / [`expect_async`] poll and, on a timeout, panic with the log tails;
+//! - config: [`TestEnv::config_file`] writes a [`Cfg`]; [`TestEnv::appender`],
+//!   [`TestEnv::script`] and [`argv`] make tasks; `Keys::task`/`text`/`texts` set string keys;
+//! - start: [`TestEnv::start`] (config + beats + workers, topology awaited), [`TestEnv::scene`],
+//!   [`TestEnv::beat_on`], [`TestEnv::worker_on`], [`TestEnv::worker_ready`], and `…_serving`
+//!   variants that serve `/metrics` on a fresh port;
+//! - wait: [`expect`] / [`expect_async`] (and [`TestEnv::expect_lines`],
+//!   [`TestEnv::expect_state`]) poll and, on a timeout, panic with the log tails;
 //! - stop: [`stop`] (and [`Scene::stop`]) SIGTERMs processes and asserts they exit 0, with
-//!   every log tail when one does not;
+//!   every log tail when one does not; [`stop_within`] also bounds the time to exit;
 //! - read: [`TestEnv::runs_of`] (effect instants, each asserted once), [`series`] / [`total`]
-//!   (Prometheus series), [`TestEnv::ns_keys`] / [`TestEnv::smembers`] (Redis),
-//!   [`TestEnv::beat_cmd`] / [`TestEnv::status_json`] (the CLI).
+//!   (Prometheus series), [`TestEnv::run_field`], [`TestEnv::get`], [`TestEnv::pttl`],
+//!   [`TestEnv::ns_keys`], [`TestEnv::smembers`] (Redis), [`TestEnv::beat_cmd`] /
+//!   [`TestEnv::status_json`] (the CLI).
 
 use crate::cfg::{Cfg, Keys};
 use crate::{counts, http_get, instant_of, toml_string, unused_port, wait_until, Proc, TestEnv};
