@@ -608,16 +608,7 @@ fn envelope(job: &Job, p: &Pending) -> Envelope {
         .expires
         .and_then(|e| TimeDelta::from_std(e).ok())
         .map(|e| p.due() + e);
-    let (name, task, queue) = (&job.name, &job.spec.task, &job.spec.queue);
-    Envelope::scheduled(
-        name,
-        task,
-        queue,
-        job.spec.args.clone(),
-        p.instant,
-        expires_at,
-        Utc::now(),
-    )
+    Envelope::of_job(job, p.instant, expires_at, Utc::now())
 }
 
 /// Records one instance `skipped` (while this beat leads); decided once written, or when a

@@ -1052,15 +1052,7 @@ fn envelopes(jobs: &[Job], batch: &Batch, published_at: DateTime<Utc>) -> Sent {
                 .expires
                 .and_then(|e| chrono::Duration::from_std(e).ok())
                 .map(|e| due_at + e);
-            envelopes.push(Envelope::scheduled(
-                &job.name,
-                &job.spec.task,
-                &job.spec.queue,
-                job.spec.args.clone(),
-                *t,
-                expires_at,
-                published_at,
-            ));
+            envelopes.push(Envelope::of_job(job, *t, expires_at, published_at));
         }
         spans.push((p, first..envelopes.len()));
     }

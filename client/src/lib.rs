@@ -201,6 +201,7 @@ impl Message {
             attempt: 0,
             queue: self.queue.clone(),
             backfill: false,
+            overlap: None,
         })
     }
 

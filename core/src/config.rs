@@ -251,7 +251,7 @@ impl Default for JournalConfig {
 pub const DEFAULT_JOURNAL_MAX_LEN: u64 = 10_000_000;
 
 /// What to do when a job's previous instance still runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Overlap {
     /// Record the instance `skipped` (default).

@@ -95,6 +95,11 @@ pub struct Envelope {
     /// the first v1 shape.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub backfill: bool,
+    /// The job's `overlap` as the beat published it: how a worker treats the instance when
+    /// its own config does not list the job (a schedule applied at run time). Written on
+    /// scheduled instances only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlap: Option<crate::config::Overlap>,
 }
 
 /// What a delivery says about a message besides its body: the defaults of the fields a
@@ -132,6 +137,8 @@ struct Wire {
     queue: Option<String>,
     #[serde(default)]
     backfill: bool,
+    #[serde(default)]
+    overlap: Option<crate::config::Overlap>,
 }
 
 impl Wire {
@@ -158,6 +165,7 @@ impl Wire {
             attempt: self.attempt,
             queue,
             backfill: self.backfill,
+            overlap: self.overlap,
         })
     }
 }
@@ -254,7 +262,30 @@ impl Envelope {
             attempt: 0,
             queue: queue.to_owned(),
             backfill: false,
+            overlap: None,
         }
+    }
+
+    /// Instance `scheduled_for` of `job`, as the job: its task, queue, args and overlap.
+    pub fn of_job(
+        job: &crate::config::Job,
+        scheduled_for: DateTime<Utc>,
+        expires_at: Option<DateTime<Utc>>,
+        now: DateTime<Utc>,
+    ) -> Self {
+        let spec = &job.spec;
+        let args = spec.args.clone();
+        let mut env = Self::scheduled(
+            &job.name,
+            &spec.task,
+            &spec.queue,
+            args,
+            scheduled_for,
+            expires_at,
+            now,
+        );
+        env.overlap = Some(spec.overlap);
+        env
     }
 
     /// Decodes a message body as drumline wrote it (a retry copy, a dead letter, a waiting

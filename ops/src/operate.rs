@@ -38,16 +38,11 @@ pub fn trigger(job: &Job, args: Option<serde_json::Value>, now: DateTime<Utc>) -
         .expires
         .and_then(|e| TimeDelta::from_std(e).ok())
         .map(|e| at + e);
-    let args = args.unwrap_or_else(|| job.spec.args.clone());
-    Envelope::scheduled(
-        &job.name,
-        &job.spec.task,
-        &job.spec.queue,
-        args,
-        at,
-        expires_at,
-        now,
-    )
+    let mut env = Envelope::of_job(job, at, expires_at, now);
+    if let Some(args) = args {
+        env.args = args;
+    }
+    env
 }
 
 /// `backfill`: every instant of `job`'s schedule in `[from, to)`, oldest first, as envelopes
@@ -92,15 +87,7 @@ pub fn backfill(
     Ok(instants
         .into_iter()
         .map(|t| {
-            let mut env = Envelope::scheduled(
-                &job.name,
-                &job.spec.task,
-                &job.spec.queue,
-                job.spec.args.clone(),
-                t,
-                None,
-                now,
-            );
+            let mut env = Envelope::of_job(job, t, None, now);
             env.backfill = true;
             env
         })

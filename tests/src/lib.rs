@@ -884,6 +884,7 @@ pub fn adhoc(key: &str, task: &str) -> drumline_shared::envelope::Envelope {
         attempt: 0,
         queue: "default".to_owned(),
         backfill: false,
+        overlap: None,
     }
 }
 

@@ -94,3 +94,32 @@ fn a_leader_killed_during_an_edit_hands_over_without_a_double_or_a_gap() {
     );
     assert_contiguous_exactly_once(&lines_of(&env), before + 4);
 }
+
+/// A schedule's `overlap` reaches workers whose config does not list it (its messages carry
+/// it): with `allow`, instances of a task longer than the period all run, none is skipped.
+#[test]
+fn a_schedules_overlap_is_honoured_by_workers_that_never_saw_it() {
+    let env = setup("edits_overlap");
+    let slow = Keys::default().with("command", &env.append_key_command("effects", 2.5));
+    let path = env.write_config("drumline.toml", &Cfg::new().task("slow", slow));
+    let path = path.to_str().expect("utf-8");
+    let _worker = env.worker("worker", &["--config", path, "--concurrency", "8"]);
+    let beat = env.beat("beat", &["--config", path]);
+    let file = env.path("s.json");
+    let object = r#"{"name": "s", "task": "slow", "every": "1s", "overlap": "allow"}"#;
+    std::fs::write(&file, object).expect("write");
+    let (status, _, err) = env.run(
+        "drumline",
+        &[
+            "--config",
+            path,
+            "schedules",
+            "apply",
+            file.to_str().expect("utf-8"),
+        ],
+    );
+    assert!(status.success(), "{err}");
+    let ran = wait_until(Duration::from_secs(30), || lines_of(&env).len() >= 5);
+    assert!(ran, "too few runs\n{}", beat.log_tail(20));
+    assert_contiguous_exactly_once(&lines_of(&env), 5);
+}

@@ -102,6 +102,7 @@ async fn publish_steady(
             attempt: 0,
             queue: "default".into(),
             backfill: false,
+            overlap: None,
         };
         env.args = serde_json::json!({"t": now_ns(), "count": i >= warmup});
         let confirm = ch

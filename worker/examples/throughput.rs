@@ -60,6 +60,7 @@ fn envelope(i: usize) -> Envelope {
         attempt: 0,
         queue: "default".into(),
         backfill: false,
+        overlap: None,
     }
 }
 

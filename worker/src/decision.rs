@@ -398,6 +398,7 @@ mod tests {
             expires_at: None,
             queue: "default".into(),
             backfill: false,
+            overlap: None,
         };
         env.encode()
     }

@@ -52,7 +52,7 @@ pub struct Processor {
     /// Fires when the shutdown grace ran out: in-flight handlers are cancelled.
     pub abandon: CancellationToken,
     /// Job name → overlap policy, from this worker's config. A job the worker's config does not
-    /// list gets the default, `skip`.
+    /// list gets the policy its message carries, else the default, `skip`.
     pub overlap: HashMap<String, Overlap>,
 }
 
@@ -104,7 +104,10 @@ impl Processor {
         if planted(Defect::IgnoreOverlap) {
             return OverlapMode::Allow;
         }
-        match self.overlap.get(job).copied().unwrap_or_default() {
+        // The worker's config first; a job it does not list (a schedule applied at run time)
+        // by the policy its message carries.
+        let overlap = self.overlap.get(job).copied().or(env.overlap);
+        match overlap.unwrap_or_default() {
             Overlap::Skip if env.backfill => OverlapMode::Queue(job),
             Overlap::Skip => OverlapMode::Skip(job),
             Overlap::Queue => OverlapMode::Queue(job),
