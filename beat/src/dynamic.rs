@@ -108,6 +108,7 @@ impl Changes {
                 if !self.apply(update) {
                     return None;
                 }
+                info!(schedules = self.jobs.len(), calendars = self.calendars.len(), "schedules changed");
             }
         }
         Some(self.config())

@@ -35,6 +35,9 @@
 //! enables it; the worker enables it through its default feature `cli`, which also gates its
 //! binary.
 //!
+//! - `lib.rs`: `Message`, `Producer`: ad-hoc tasks through the broker door. Touches: broker.
+//! - `schedules.rs`: `Schedules`: schedules applied at run time through a beat's HTTP API
+//!   (apply, get, list, delete). Touches: HTTP.
 
 // The core's modules and the broker door, under the paths this crate's code names them by.
 use drumline_broker as broker;
@@ -51,6 +54,9 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 use std::time::Duration;
 use tokio::sync::Mutex;
+
+mod schedules;
+pub use schedules::{Applied, ScheduleError, Schedules};
 
 /// Why a message was not published. [`ClientError::is_request`] tells a message that can
 /// never be published (fix the call) from a broker failure (try again).
