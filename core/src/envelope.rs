@@ -230,6 +230,21 @@ pub enum Malformed {
     /// An ad-hoc message whose key has the form of an instance of a known job.
     #[error("an ad-hoc key must not name an instance of job {0:?}")]
     Impersonates(String),
+    /// `args` is not a JSON object (`{}` when there are none).
+    #[error("args must be a JSON object, not {0}")]
+    Args(&'static str),
+}
+
+/// The JSON type of `value`, for an error.
+fn json_type(value: &serde_json::Value) -> &'static str {
+    match value {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
 }
 
 /// The idempotency key of a scheduled instance.
@@ -328,6 +343,9 @@ impl Envelope {
     /// `is_job` is true.
     pub fn check(&self, is_job: impl Fn(&str) -> bool) -> Result<(), Malformed> {
         check_key(&self.key).map_err(Malformed::Key)?;
+        if !self.args.is_object() {
+            return Err(Malformed::Args(json_type(&self.args)));
+        }
         let name = |field, value: &str| {
             check_name(value).map_err(|error| Malformed::Name { field, error })
         };
@@ -509,6 +527,25 @@ mod tests {
         assert_eq!(env.check(|_: &str| false), Ok(()));
         env.key = "j@not-an-instant".into();
         assert_eq!(env.check(known), Ok(()));
+    }
+
+    #[test]
+    fn args_are_an_object_everywhere() {
+        let mut env = scheduled("j");
+        for (args, kind) in [
+            (serde_json::json!([1, 2]), "an array"),
+            (serde_json::json!("x"), "a string"),
+        ] {
+            env.args = args;
+            assert_eq!(env.check(|_: &str| false), Err(Malformed::Args(kind)));
+            assert!(env
+                .check(|_: &str| false)
+                .unwrap_err()
+                .to_string()
+                .contains("args"));
+        }
+        env.args = serde_json::json!({"a": [1, 2]});
+        assert_eq!(env.check(|_: &str| false), Ok(()));
     }
 
     #[test]

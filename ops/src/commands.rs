@@ -92,9 +92,13 @@ pub(crate) fn show_next(
     Ok(())
 }
 
-/// `publish --args TEXT`: the task's arguments, which must be JSON.
+/// `publish --args TEXT`, `trigger --args TEXT`: the task's arguments, a JSON object.
 pub(crate) fn json_args(text: &str) -> Result<serde_json::Value, Failure> {
-    serde_json::from_str(text).map_err(|e| Failure::usage(format!("--args is not JSON: {e}")))
+    match serde_json::from_str(text) {
+        Ok(args @ serde_json::Value::Object(_)) => Ok(args),
+        Ok(_) => Err(Failure::usage("--args must be a JSON object ({\"k\": …})")),
+        Err(e) => Err(Failure::usage(format!("--args is not JSON: {e}"))),
+    }
 }
 
 /// `publish`: one ad-hoc task.
