@@ -185,7 +185,7 @@ impl Message {
         }
         let args = match &self.args {
             Ok(args @ serde_json::Value::Object(_)) => args.clone(),
-            Ok(other) => return Err(ClientError::ArgsNotAnObject(json_kind(other))),
+            Ok(other) => return Err(ClientError::ArgsNotAnObject(envelope::json_type(other))),
             Err(e) => return Err(ClientError::Args(clone_json_error(e))),
         };
         let due = now + chrono_duration(self.delay, "delay")?;
@@ -409,18 +409,6 @@ impl Producer {
 /// `d` as a chrono duration; `what` names it when it is too large.
 fn chrono_duration(d: Duration, what: &'static str) -> Result<chrono::Duration, ClientError> {
     chrono::Duration::from_std(d).map_err(|_| ClientError::TooLarge(what))
-}
-
-/// The JSON type of `value`, for an error.
-fn json_kind(value: &serde_json::Value) -> &'static str {
-    match value {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "an array",
-        serde_json::Value::Object(_) => "an object",
-    }
 }
 
 /// serde_json's errors are not `Clone`; a message keeps one behind an `Arc`.

@@ -235,8 +235,8 @@ pub enum Malformed {
     Args(&'static str),
 }
 
-/// The JSON type of `value`, for an error.
-fn json_type(value: &serde_json::Value) -> &'static str {
+/// The JSON type of `value`, for an error (`an array`).
+pub fn json_type(value: &serde_json::Value) -> &'static str {
     match value {
         serde_json::Value::Null => "null",
         serde_json::Value::Bool(_) => "a boolean",

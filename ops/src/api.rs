@@ -50,6 +50,7 @@ pub fn routes(api: Arc<Api>) -> Router {
             "/api/v1/schedules/{name}",
             get(get_schedule).put(put_schedule).delete(delete_schedule),
         )
+        .route("/api/v1/keys/{key}", get(get_key))
         .route(
             "/api/v1/calendars/{name}",
             get(get_calendar).put(put_calendar).delete(delete_calendar),
@@ -202,6 +203,27 @@ async fn delete_object(api: &Api, kind: ObjectKind, name: &str) -> Response {
     match api.store.delete_objects(kind, &[name]).await {
         Ok(gone) if gone.first() == Some(&true) => StatusCode::NO_CONTENT.into_response(),
         Ok(_) => not_found(kind, name),
+        Err(e) => store_error(e),
+    }
+}
+
+/// What became of one key, scheduled or ad hoc (what `drumline inspect KEY --json` prints).
+#[utoipa::path(get, path = "/api/v1/keys/{key}", tag = "keys",
+    params(("key" = String, Path, description = "The idempotency key")),
+    responses(
+        (status = 200, description = "What drumline knows of it", body = KeyReport),
+        (status = 401, description = "No or a wrong bearer token", body = ApiError),
+        (status = 404, description = "No trace of it", body = KeyReport)),
+    security(("bearer" = [])))]
+async fn get_key(State(api): State<Arc<Api>>, Path(key): Path<String>) -> Response {
+    match crate::inspect::read(&api.store, &key).await {
+        Ok(known) => {
+            let report = crate::inspect::report(&key, &known);
+            match report["state"] == "unknown" {
+                true => reply(StatusCode::NOT_FOUND, &report),
+                false => reply(StatusCode::OK, &report),
+            }
+        }
         Err(e) => store_error(e),
     }
 }
@@ -390,6 +412,30 @@ pub struct Schedule {
     pub next: Option<Vec<String>>,
 }
 
+/// What became of one key.
+#[derive(ToSchema)]
+pub struct KeyReport {
+    /// The key.
+    pub key: String,
+    /// `queued`, `running`, `retrying`, `done`, `dead`, `expired`, `skipped`, or `unknown`
+    /// (then nothing else is given).
+    pub state: String,
+    /// The attempt (0 first).
+    pub attempt: Option<u64>,
+    /// The fencing token of its last claim.
+    pub fencing_token: Option<u64>,
+    /// The worker of its last claim.
+    pub worker: Option<String>,
+    /// When its run record last changed (RFC 3339).
+    pub updated_at: Option<String>,
+    /// Its last run's error, when it failed.
+    pub error: Option<String>,
+    /// `{"reason"}` when dead-lettered.
+    pub dead_letter: Option<BTreeMap<String, Option<String>>>,
+    /// Its journal entries, oldest first: `{at, event, attempt, worker, reason}`.
+    pub journal: Option<Vec<BTreeMap<String, serde_json::Value>>>,
+}
+
 /// A calendar as applied.
 #[derive(ToSchema)]
 pub struct CalendarInput {
@@ -428,9 +474,9 @@ pub struct SchedulePage {
 #[openapi(
     info(title = "drumline API", description = "Schedules and calendars at run time (docs/api.md)."),
     paths(put_schedule, get_schedule, delete_schedule, list_schedules, put_calendar, get_calendar,
-        delete_calendar),
+        delete_calendar, get_key),
     components(schemas(ApiError, ScheduleInput, Schedule, SchedulePage, CalendarInput,
-        CalendarShown)),
+        CalendarShown, KeyReport)),
     modifiers(&Bearer))]
 pub struct ApiDoc;
 

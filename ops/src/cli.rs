@@ -145,6 +145,16 @@ pub enum Command {
         #[command(subcommand)]
         action: SchedulesCommand,
     },
+    /// What became of one key, scheduled or ad hoc: state, attempt, fencing token, worker,
+    /// error, dead letter and its journal entries (exit 1 when drumline has no trace of it).
+    Inspect {
+        /// The idempotency key.
+        key: String,
+        /// Machine-readable output: {key, state, attempt, fencing_token, worker, updated_at,
+        /// error, dead_letter, journal}.
+        #[arg(long)]
+        json: bool,
+    },
     /// Calendars (dates jobs skip) created, changed and removed at run time: apply
     /// `{"name", "dates"}` objects, get, list, delete. The file's cannot be replaced.
     Calendars {
@@ -227,6 +237,43 @@ impl Command {
         )
     }
 
+    /// `publish`.
+    async fn publish(self, config: &Config) -> Result<(), Failure> {
+        let Command::Publish {
+            task,
+            args,
+            key,
+            delay,
+            expires,
+            queue,
+        } = self
+        else {
+            return Ok(());
+        };
+        let args = commands::json_args(&args)?;
+        let request = adhoc::Request {
+            task,
+            args,
+            key,
+            delay,
+            expires,
+            queue,
+        };
+        commands::publish(config, &request).await
+    }
+
+    /// The commands on what Redis holds by name: schedules, calendars, one key.
+    async fn run_stored(self, config: &Config) -> Result<(), Failure> {
+        match self {
+            Command::Schedules { action } => action.run(config, ObjectKind::Schedule).await,
+            Command::Calendars { action } => action.run(config, ObjectKind::Calendar).await,
+            Command::Inspect { key, json } => {
+                crate::inspect::inspect(&commands::store(config).await?, &key, json).await
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// `config`, and the schedules applied at run time when [`Command::reads_redis`].
     async fn with_schedules(&self, config: Config) -> Result<Config, Failure> {
         match self.reads_redis() {
@@ -246,24 +293,7 @@ impl Command {
                 from,
                 json,
             } => commands::show_next(&config, job.as_deref(), count, from.as_deref(), json),
-            Command::Publish {
-                task,
-                args,
-                key,
-                delay,
-                expires,
-                queue,
-            } => {
-                let request = adhoc::Request {
-                    task,
-                    args: commands::json_args(&args)?,
-                    key,
-                    delay,
-                    expires,
-                    queue,
-                };
-                commands::publish(&config, &request).await
-            }
+            publish @ Command::Publish { .. } => publish.publish(&config).await,
             Command::Pause { jobs, all } => commands::pause(&config, &jobs, all, true).await,
             Command::Resume { jobs, all } => commands::pause(&config, &jobs, all, false).await,
             Command::Trigger { job, args } => {
@@ -292,8 +322,9 @@ impl Command {
                 overdue,
                 json,
             } => prove::verify(&config, (since, overdue), json).await,
-            Command::Schedules { action } => action.run(&config, ObjectKind::Schedule).await,
-            Command::Calendars { action } => action.run(&config, ObjectKind::Calendar).await,
+            stored @ (Command::Schedules { .. }
+            | Command::Calendars { .. }
+            | Command::Inspect { .. }) => stored.run_stored(&config).await,
         }
     }
 }

@@ -26,6 +26,9 @@
 //! - `schedules.rs`: `schedules apply|get|list|delete`: the objects of an apply checked all
 //!   or nothing, a stored schedule as shown (source, times, next instants); stored through the
 //!   store. Touches: Redis (through the store).
+//! - `inspect.rs`: `inspect KEY` and `GET /api/v1/keys/{key}`: what became of one key (run
+//!   record, journal entries, the job's run record), decided in `report` (pure). Touches: Redis
+//!   (through the store).
 //! - `next.rs`: `next`: upcoming instants with DST notes. Pure.
 //! - `status.rs`: `status`: per-job health, paused, the stale warning, the recent runs, dead
 //!   letters, the total, the workers announced, each queue's depth and consumers, written row
@@ -60,6 +63,7 @@ pub(crate) mod audit;
 pub mod cli;
 pub mod commands;
 pub(crate) mod dead_letters;
+pub(crate) mod inspect;
 pub(crate) mod next;
 pub(crate) mod operate;
 pub(crate) mod page;

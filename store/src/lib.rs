@@ -1211,6 +1211,16 @@ impl Store {
         Ok(state.map(|s| (s, at)))
     }
 
+    /// Every field of an instance's run record (`state`, `attempt`, `fence`, `worker`, `at`,
+    /// `reason`, …); empty when it has none.
+    pub async fn run_fields(
+        &self,
+        key: &str,
+    ) -> Result<std::collections::HashMap<String, String>, StoreError> {
+        let mut conn = self.conn.clone();
+        Ok(conn.hgetall(self.names.run_key(key)).await?)
+    }
+
     /// The `state` field of an instance, if any.
     pub async fn run_state(&self, key: &str) -> Result<Option<String>, StoreError> {
         let mut conn = self.conn.clone();
