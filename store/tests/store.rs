@@ -24,6 +24,57 @@ impl std::ops::Deref for TestStore {
     }
 }
 
+/// The endings the tests give most: done, dead, and a retry held for 5 s.
+const DONE: Ending = Ending::Final(Final::Done);
+const DEAD: Ending = Ending::Final(Final::Dead);
+const RETRY: Ending = Ending::Retry {
+    next_attempt: 1,
+    hold: Duration::from_secs(5),
+};
+
+/// The calls most tests repeat, each reduced to what they assert.
+impl TestStore {
+    /// True when `request` is claimed.
+    async fn claimed(&self, request: &ClaimRequest<'_>) -> bool {
+        matches!(self.claim(request).await.unwrap(), Claim::Claimed { .. })
+    }
+
+    /// `renew` for `secs` seconds: true when `token` held the lease.
+    async fn renews(&self, key: &str, job: Option<&str>, token: &str, secs: u64) -> bool {
+        let lease = Duration::from_secs(secs);
+        self.renew(key, job, token, lease).await.unwrap()
+    }
+
+    /// `finish` with a 60 s retention: true when `token` held the lease.
+    async fn ends(&self, key: &str, job: Option<&str>, token: &str, ending: Ending) -> bool {
+        let retention = Duration::from_secs(60);
+        self.finish(key, job, token, ending, retention)
+            .await
+            .unwrap()
+            .ours
+    }
+
+    /// The length of Redis list `key`.
+    async fn llen(&self, key: &str) -> i64 {
+        let mut conn = self.connection();
+        redis::cmd("LLEN")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .unwrap()
+    }
+
+    /// The time to live of Redis key `key`, in ms.
+    async fn pttl(&self, key: &str) -> i64 {
+        let mut conn = self.connection();
+        redis::cmd("PTTL")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .unwrap()
+    }
+}
+
 async fn store(test: &str) -> TestStore {
     let namespace = Namespace::new(&format!("store_{test}"));
     let store = Store::connect(REDIS_URL, None, Names::new(namespace.name()))
@@ -71,41 +122,14 @@ async fn claim_is_exclusive_and_fences_increase() {
         other => panic!("{other:?}"),
     }
     // Only the holder may renew, finish or release.
-    assert!(!s
-        .renew("k1", None, "b", Duration::from_secs(5))
-        .await
-        .unwrap());
-    assert!(
-        !s.finish(
-            "k1",
-            None,
-            "b",
-            Ending::Final(Final::Done),
-            Duration::from_secs(60)
-        )
-        .await
-        .unwrap()
-        .ours
-    );
+    assert!(!s.renews("k1", None, "b", 5).await);
+    assert!(!s.ends("k1", None, "b", DONE).await);
     assert!(!s.release("k1", None, "b").await.unwrap().ours);
-    assert!(s
-        .renew("k1", None, "a", Duration::from_secs(5))
-        .await
-        .unwrap());
-    assert!(
-        s.finish(
-            "k1",
-            None,
-            "a",
-            Ending::Final(Final::Done),
-            Duration::from_secs(60)
-        )
-        .await
-        .unwrap()
-        .ours
-    );
+    assert!(s.renews("k1", None, "a", 5).await);
+    assert!(s.ends("k1", None, "a", DONE).await);
+    let copy = s.claim(&req("k1", "c", OverlapMode::Allow)).await.unwrap();
     assert_eq!(
-        s.claim(&req("k1", "c", OverlapMode::Allow)).await.unwrap(),
+        copy,
         Claim::Duplicate {
             state: RunState::Done
         }
@@ -453,78 +477,38 @@ async fn a_lapsed_lease_is_free_and_renewing_it_is_refused() {
 #[tokio::test]
 async fn a_retry_keeps_its_place_and_older_copies_are_duplicates() {
     let s = store("retrying").await;
-    let Claim::Claimed { .. } = s
-        .claim(&req("k", "a", OverlapMode::Skip("j")))
-        .await
-        .unwrap()
-    else {
-        panic!("first claim must win")
-    };
+    assert!(
+        s.claimed(&req("k", "a", OverlapMode::Skip("j"))).await,
+        "first claim must win"
+    );
     // Only the holder hands the instance to its retry; the job lock goes with it.
-    assert!(
-        !s.finish(
-            "k",
-            Some("j"),
-            "b",
-            Ending::Retry {
-                next_attempt: 1,
-                hold: Duration::from_secs(5)
-            },
-            Duration::from_secs(60)
-        )
-        .await
-        .unwrap()
-        .ours
-    );
-    assert!(
-        s.finish(
-            "k",
-            Some("j"),
-            "a",
-            Ending::Retry {
-                next_attempt: 1,
-                hold: Duration::from_secs(5)
-            },
-            Duration::from_secs(60)
-        )
-        .await
-        .unwrap()
-        .ours
-    );
+    assert!(!s.ends("k", Some("j"), "b", RETRY).await);
+    assert!(s.ends("k", Some("j"), "a", RETRY).await);
     assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("retrying"));
     // The retrying instance keeps its job: a newer one is skipped (docs/guarantees.md#overlap).
+    let newer = s.claim(&req("j@other", "x", OverlapMode::Skip("j"))).await;
     assert_eq!(
-        s.claim(&req("j@other", "x", OverlapMode::Skip("j")))
-            .await
-            .unwrap(),
+        newer.unwrap(),
         Claim::Skipped {
             running: "k".into()
         }
     );
     // A copy of attempt 0 (the other beat's, a redelivery) is a duplicate, expired or not.
-    assert_eq!(
-        s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap(),
-        Claim::Duplicate {
-            state: RunState::Retrying
-        }
-    );
+    let retrying = Claim::Duplicate {
+        state: RunState::Retrying,
+    };
+    let copy = s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap();
+    assert_eq!(copy, retrying);
     let mut late = req("k", "b", OverlapMode::Allow);
     late.expired = true;
-    assert_eq!(
-        s.claim(&late).await.unwrap(),
-        Claim::Duplicate {
-            state: RunState::Retrying
-        }
-    );
+    assert_eq!(s.claim(&late).await.unwrap(), retrying);
     // The retry's copy claims it; while it runs, older copies are still duplicates.
     let mut retry = req("k", "c", OverlapMode::Allow);
     retry.attempt = 1;
-    assert!(matches!(
-        s.claim(&retry).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&retry).await);
+    let older = s.claim(&req("k", "d", OverlapMode::Allow)).await.unwrap();
     assert_eq!(
-        s.claim(&req("k", "d", OverlapMode::Allow)).await.unwrap(),
+        older,
         Claim::Duplicate {
             state: RunState::Running
         }
@@ -672,76 +656,26 @@ async fn a_lapsed_lease_keeps_its_attempt() {
 async fn outcome_writes_repeat_by_their_own_token() {
     let s = store("idempotent").await;
     let retention = Duration::from_secs(60);
-    let done = Ending::Final(Final::Done);
-    assert!(matches!(
-        s.claim(&of_job("j@1", "a", "j")).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&of_job("j@1", "a", "j")).await);
     let record = run("j@1", "done", "2026-03-08T07:00:01Z");
     for _ in 0..2 {
-        assert!(
-            s.finish_recorded("j@1", Some("j"), "a", Final::Done, retention, Some(&record))
-                .await
-                .unwrap()
-                .ours
-        );
+        let ours = s.finish_recorded("j@1", Some("j"), "a", Final::Done, retention, Some(&record));
+        assert!(ours.await.unwrap().ours);
     }
-    let entries: i64 = redis::cmd("LLEN")
-        .arg(s.names().history("j"))
-        .query_async(&mut s.connection())
-        .await
-        .unwrap();
-    assert_eq!(entries, 1, "one history entry, not two");
-    assert!(
-        !s.finish("j@1", None, "b", done, retention)
-            .await
-            .unwrap()
-            .ours
+    assert_eq!(
+        s.llen(&s.names().history("j")).await,
+        1,
+        "one history entry, not two"
     );
-
-    let retry = Ending::Retry {
-        next_attempt: 1,
-        hold: Duration::from_secs(5),
-    };
-    assert!(matches!(
-        s.claim(&req("k", "a", OverlapMode::Allow)).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
-    assert!(
-        s.finish("k", None, "a", retry, retention)
-            .await
-            .unwrap()
-            .ours
-    );
-    assert!(
-        s.finish("k", None, "a", retry, retention)
-            .await
-            .unwrap()
-            .ours
-    );
-    assert!(
-        !s.finish("k", None, "b", retry, retention)
-            .await
-            .unwrap()
-            .ours
-    );
+    assert!(!s.ends("j@1", None, "b", DONE).await);
+    assert!(s.claimed(&req("k", "a", OverlapMode::Allow)).await);
+    assert!(s.ends("k", None, "a", RETRY).await);
+    assert!(s.ends("k", None, "a", RETRY).await);
+    assert!(!s.ends("k", None, "b", RETRY).await);
     // The retry copy claims as usual, and the hand-over's token no longer finishes anything.
-    assert!(matches!(
-        s.claim(&at_attempt("k", "c", 1, 5000)).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
-    assert!(
-        !s.finish("k", None, "a", retry, retention)
-            .await
-            .unwrap()
-            .ours
-    );
-    assert!(
-        !s.finish("k", None, "a", done, retention)
-            .await
-            .unwrap()
-            .ours
-    );
+    assert!(s.claimed(&at_attempt("k", "c", 1, 5000)).await);
+    assert!(!s.ends("k", None, "a", RETRY).await);
+    assert!(!s.ends("k", None, "a", DONE).await);
 }
 
 /// A claim of `key` as an instance of `job` with overlap `allow`.
@@ -804,110 +738,49 @@ where
 #[tokio::test]
 async fn running_set_follows_claim_renew_and_every_ending() {
     let s = store("running").await;
-    let retention = Duration::from_secs(60);
     // A claim adds its key, scored by its lease expiry on the Redis clock.
     let before = redis_ms(&s).await;
-    assert!(matches!(
-        s.claim(&req("j@1", "a", OverlapMode::Skip("j")))
-            .await
-            .unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&req("j@1", "a", OverlapMode::Skip("j"))).await);
     let after = redis_ms(&s).await;
     let first = score(&s, "j", "j@1").await.expect("claimed: in the set");
-    assert!(
-        first >= before + 5000.0 && first <= after + 5000.0,
-        "{before} {first} {after}"
-    );
+    let on_time = first >= before + 5000.0 && first <= after + 5000.0;
+    assert!(on_time, "{before} {first} {after}");
     assert_eq!(running(&s, "j").await, 1);
-    let ttl: i64 = redis::cmd("PTTL")
-        .arg(s.names().running("j"))
-        .query_async(&mut s.connection())
-        .await
-        .unwrap();
-    assert!(
-        ttl > 0 && ttl <= 5000,
-        "the set expires with its newest lease: {ttl}"
-    );
+    let ttl = s.pttl(&s.names().running("j")).await;
+    let expires = ttl > 0 && ttl <= 5000;
+    assert!(expires, "the set expires with its newest lease: {ttl}");
 
     // A skipped claim never enters the set; nor does an ad-hoc one, anywhere.
-    assert!(matches!(
-        s.claim(&req("j@2", "b", OverlapMode::Skip("j")))
-            .await
-            .unwrap(),
-        Claim::Skipped { .. }
-    ));
-    assert!(matches!(
-        s.claim(&req("adhoc", "c", OverlapMode::Allow))
-            .await
-            .unwrap(),
-        Claim::Claimed { .. }
-    ));
+    let skipped = s.claim(&req("j@2", "b", OverlapMode::Skip("j"))).await;
+    assert!(matches!(skipped.unwrap(), Claim::Skipped { .. }));
+    assert!(s.claimed(&req("adhoc", "c", OverlapMode::Allow)).await);
     assert_eq!(running_set(&s, "j").await.len(), 1);
     assert!(running_set(&s, "").await.is_empty());
 
     // Renewing moves the score with the lease; someone else's renewal moves nothing.
-    assert!(!s
-        .renew("j@1", Some("j"), "x", Duration::from_secs(60))
-        .await
-        .unwrap());
+    assert!(!s.renews("j@1", Some("j"), "x", 60).await);
     assert_eq!(score(&s, "j", "j@1").await, Some(first));
-    assert!(s
-        .renew("j@1", Some("j"), "a", Duration::from_secs(60))
-        .await
-        .unwrap());
+    assert!(s.renews("j@1", Some("j"), "a", 60).await);
     let renewed = score(&s, "j", "j@1").await.unwrap();
     assert!(renewed >= first + 55_000.0, "{first} -> {renewed}");
 
     // Finish, retry and release each take the key out; an instance with `overlap = allow` is
     // counted as well.
-    assert!(
-        s.finish("j@1", Some("j"), "a", Ending::Final(Final::Done), retention)
-            .await
-            .unwrap()
-            .ours
-    );
+    assert!(s.ends("j@1", Some("j"), "a", DONE).await);
     assert!(score(&s, "j", "j@1").await.is_none());
-    assert!(matches!(
-        s.claim(&of_job("j@3", "d", "j")).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
-    assert!(matches!(
-        s.claim(&of_job("j@4", "e", "j")).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
-    assert!(matches!(
-        s.claim(&of_job("j@5", "f", "j")).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    for (key, token) in [("j@3", "d"), ("j@4", "e"), ("j@5", "f")] {
+        assert!(s.claimed(&of_job(key, token, "j")).await, "{key}");
+    }
     assert_eq!(running(&s, "j").await, 3);
-    let retry = Ending::Retry {
-        next_attempt: 1,
-        hold: Duration::from_secs(5),
-    };
-    assert!(
-        s.finish("j@3", Some("j"), "d", retry, retention)
-            .await
-            .unwrap()
-            .ours
-    );
+    assert!(s.ends("j@3", Some("j"), "d", RETRY).await);
     assert!(s.release("j@4", Some("j"), "e").await.unwrap().ours);
-    let dead = Ending::Final(Final::Dead);
-    assert!(
-        s.finish("j@5", Some("j"), "f", dead, retention)
-            .await
-            .unwrap()
-            .ours
-    );
+    assert!(s.ends("j@5", Some("j"), "f", DEAD).await);
     assert_eq!(running_set(&s, "j").await, vec![]);
     assert_eq!(running(&s, "j").await, 0);
     // The retry's claim counts again.
     let mut next = of_job("j@3", "g", "j");
     next.attempt = 1;
-    assert!(matches!(
-        s.claim(&next).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&next).await);
     assert_eq!(running(&s, "j").await, 1);
 }
 
