@@ -8,6 +8,7 @@
 use drumline_shared::config::Task;
 use drumline_worker::executor::{supervised_tasks, use_supervisor, ShellExecutor};
 use drumline_worker::supervisor::link::{self, Spec};
+use drumline_worker::supervisor::wire::Deadline;
 use drumline_worker::{Handler, HandlerError, TaskContext};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -98,6 +99,81 @@ async fn census_is(n: usize) {
         "the supervisor holds {} tasks, not {n}",
         supervised_tasks().await.unwrap()
     );
+}
+
+/// `/bin/sh -c script` as a supervisor's argv.
+fn sh(script: &str) -> Vec<std::ffi::CString> {
+    ["/bin/sh", "-c", script]
+        .map(|a| std::ffi::CString::new(a).unwrap())
+        .to_vec()
+}
+
+/// (a task's stdin, its stderr): the ends of two fresh pipes; the other ends are closed.
+fn task_pipes() -> (rustix::fd::OwnedFd, rustix::fd::OwnedFd) {
+    let pipe = || rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+    let ((stdin, _), (_, stderr)) = (pipe(), pipe());
+    (stdin, stderr)
+}
+
+/// A start of `argv` with `PATH` set, fresh pipes and `deadline`, for [`link::start`].
+fn spec(argv: Vec<std::ffi::CString>, deadline: Option<Deadline>) -> Spec {
+    let (stdin, stderr) = task_pipes();
+    let env = vec![c"PATH=/usr/bin:/bin".to_owned()];
+    Spec {
+        argv,
+        env,
+        stdin,
+        stderr,
+        stdout: None,
+        deadline,
+    }
+}
+
+/// Polls `condition` every 10 ms, blocking; panics with `what` after `within`.
+fn poll_until(what: &str, within: Duration, mut condition: impl FnMut() -> bool) {
+    let started = std::time::Instant::now();
+    while !condition() {
+        assert!(started.elapsed() < within, "{what}: not within {within:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A supervisor started by hand, as the worker starts it: (the worker's end of its socket,
+/// the supervisor).
+fn supervisor_by_hand() -> (rustix::fd::OwnedFd, std::process::Child) {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    let (unix, seqpacket) = (AddressFamily::UNIX, SocketType::SEQPACKET);
+    let (ours, theirs) =
+        rustix::net::socketpair(unix, seqpacket, SocketFlags::CLOEXEC, None).unwrap();
+    let supervisor = std::process::Command::new(SUPERVISOR)
+        .arg(std::process::id().to_string())
+        .stdin(std::process::Stdio::from(theirs))
+        .spawn()
+        .unwrap();
+    (ours, supervisor)
+}
+
+/// Sends a start of task `id` running `argv` down `socket` by hand, its pipes as `SCM_RIGHTS`.
+fn send_start(socket: &rustix::fd::OwnedFd, id: u64, argv: Vec<std::ffi::CString>) {
+    use drumline_worker::supervisor::wire::{Request, Start};
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    use std::os::fd::AsFd;
+    let (stdin, stderr) = task_pipes();
+    let env = vec![c"PATH=/usr/bin:/bin".to_owned()];
+    let request = Request::Start(Start {
+        id,
+        stdout: false,
+        deadline: None,
+        argv,
+        env,
+    });
+    let fds = [stdin.as_fd(), stderr.as_fd()];
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+    let bytes = request.encode();
+    let data = [std::io::IoSlice::new(&bytes)];
+    rustix::net::sendmsg(socket, &data, &mut control, SendFlags::empty()).unwrap();
 }
 
 fn failure(result: Result<(), HandlerError>) -> String {
@@ -269,60 +345,34 @@ fn supervisor_pids() -> Vec<i32> {
 #[test]
 fn the_supervisor_stops_a_task_at_its_deadline_on_its_own() {
     use drumline_worker::supervisor::deadline;
-    use drumline_worker::supervisor::wire::{Deadline, Status};
+    use drumline_worker::supervisor::wire::Status;
     serial(async {
         let program = Path::new(SUPERVISOR);
         let ms_from_now = |ms: u64| deadline::now() + ms * 1_000_000;
-        let start = |script: &str, deadline: Deadline| {
-            let pipe = || rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
-            let ((stdin, _), (_, stderr)) = (pipe(), pipe());
-            let argv = ["/bin/sh", "-c", script].map(|a| std::ffi::CString::new(a).unwrap());
-            let spec = Spec {
-                argv: argv.to_vec(),
-                env: vec![c"PATH=/usr/bin:/bin".to_owned()],
-                stdin,
-                stderr,
-                stdout: None,
-                deadline: Some(deadline),
-            };
-            link::start(program, spec)
+        let at = |term, kill| Deadline {
+            term: ms_from_now(term),
+            kill: ms_from_now(kill),
         };
+        let start =
+            |script: &str, term, kill| link::start(program, spec(sh(script), Some(at(term, kill))));
 
         let began = std::time::Instant::now();
-        let deadline = Deadline {
-            term: ms_from_now(300),
-            kill: ms_from_now(600),
-        };
-        let mut stubborn = start("trap '' TERM; sleep 60", deadline).await.unwrap();
+        let mut stubborn = start("trap '' TERM; sleep 60", 300, 600).await.unwrap();
         let status = tokio::time::timeout(Duration::from_secs(5), stubborn.wait()).await;
         assert_eq!(status.unwrap().unwrap(), Status::Signal(9));
-        assert!(
-            began.elapsed() >= Duration::from_millis(550),
-            "{:?}",
-            began.elapsed()
-        );
+        let took = began.elapsed();
+        assert!(took >= Duration::from_millis(550), "{took:?}");
 
         let began = std::time::Instant::now();
-        let deadline = Deadline {
-            term: ms_from_now(300),
-            kill: ms_from_now(5_000),
-        };
-        let mut renewed = start("sleep 60", deadline).await.unwrap();
+        let mut renewed = start("sleep 60", 300, 5_000).await.unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
-        renewed
-            .hold_until(Deadline {
-                term: ms_from_now(700),
-                kill: ms_from_now(5_000),
-            })
-            .await;
+        renewed.hold_until(at(700, 5_000)).await;
         let status = tokio::time::timeout(Duration::from_secs(5), renewed.wait()).await;
         assert_eq!(status.unwrap().unwrap(), Status::Signal(15));
         let took = began.elapsed();
         assert!(took >= Duration::from_millis(750), "not moved: {took:?}");
-        assert!(
-            took < Duration::from_secs(4),
-            "killed, not terminated: {took:?}"
-        );
+        let terminated = took < Duration::from_secs(4);
+        assert!(terminated, "killed, not terminated: {took:?}");
     });
 }
 
@@ -343,16 +393,7 @@ fn an_idle_supervisor_uses_no_cpu() {
         let program = std::path::Path::new(SUPERVISOR);
         let mut ended = Vec::new();
         for _ in 0..20 {
-            let pipe = || rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
-            let ((stdin, _), (_, stderr)) = (pipe(), pipe());
-            let spec = Spec {
-                argv: vec![c"/bin/true".to_owned()],
-                env: vec![],
-                stdin,
-                stderr,
-                stdout: None,
-                deadline: None,
-            };
+            let spec = spec(vec![c"/bin/true".to_owned()], None);
             let mut task = link::start(program, spec).await.unwrap();
             task.wait().await.unwrap();
             // Held, as a run holds its task until its outcome is recorded.
@@ -395,97 +436,35 @@ fn an_idle_supervisor_uses_no_cpu() {
 /// exit first.
 #[test]
 fn a_supervisor_whose_report_cannot_be_sent_still_kills_its_tasks() {
-    use drumline_worker::supervisor::wire::{Request, Start};
-    use rustix::net::{AddressFamily, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
-    use rustix::net::{SocketFlags, SocketType};
-    use std::os::fd::AsFd;
-    let (ours, theirs) = rustix::net::socketpair(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .unwrap();
-    let mut supervisor = std::process::Command::new(SUPERVISOR)
-        .arg(std::process::id().to_string())
-        .stdin(std::process::Stdio::from(theirs))
-        .spawn()
-        .unwrap();
+    use rustix::process::{kill_process, Pid, Signal};
+    let (ours, mut supervisor) = supervisor_by_hand();
     let dir = scratch();
-    let pid_file = dir.join("sleeper");
-    let start = |id: u64, argv: Vec<std::ffi::CString>| {
-        let pipe = || rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
-        let ((stdin, _keep_in), (_keep_err, stderr)) = (pipe(), pipe());
-        let request = Request::Start(Start {
-            id,
-            stdout: false,
-            deadline: None,
-            argv,
-            env: vec![c"PATH=/usr/bin:/bin".to_owned()],
-        });
-        let fds = [stdin.as_fd(), stderr.as_fd()];
-        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
-        let mut control = SendAncillaryBuffer::new(&mut space);
-        assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
-        let bytes = request.encode();
-        rustix::net::sendmsg(
-            &ours,
-            &[std::io::IoSlice::new(&bytes)],
-            &mut control,
-            SendFlags::empty(),
-        )
-        .unwrap();
-    };
-    let script = format!(
-        "echo $$ > {0}.tmp && mv {0}.tmp {0}; exec sleep 60",
-        pid_file.display()
+    let (pid_file, marker) = (dir.join("sleeper"), dir.join("quick"));
+    let write_pid = format!("echo $$ > {0}.tmp && mv {0}.tmp {0}", pid_file.display());
+    send_start(&ours, 1, sh(&format!("{write_pid}; exec sleep 60")));
+    let ten = Duration::from_secs(10);
+    poll_until("the sleeper started", ten, || pid_file.exists());
+    let sleeper = std::fs::read_to_string(&pid_file).unwrap();
+    let sleeper: i32 = sleeper.trim().parse().unwrap();
+    send_start(
+        &ours,
+        2,
+        sh(&format!("sleep 0.3; touch {}", marker.display())),
     );
-    let sh = |s: &str| {
-        vec![
-            c"/bin/sh".to_owned(),
-            c"-c".to_owned(),
-            std::ffi::CString::new(s).unwrap(),
-        ]
-    };
-    start(1, sh(&script));
-    let started = std::time::Instant::now();
-    while !pid_file.exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the sleeper never started"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let sleeper: i32 = std::fs::read_to_string(&pid_file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    let marker = dir.join("quick");
-    let quick = format!("sleep 0.3; touch {}", marker.display());
-    start(2, sh(&quick));
-    let pid = rustix::process::Pid::from_raw(supervisor.id() as i32).unwrap();
+    let pid = Pid::from_raw(supervisor.id() as i32).unwrap();
     // Stopped once the quick task runs; it exits while the supervisor cannot look.
     std::thread::sleep(Duration::from_millis(100));
-    rustix::process::kill_process(pid, rustix::process::Signal::STOP).unwrap();
-    while !marker.exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the quick task never ended"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    kill_process(pid, Signal::STOP).unwrap();
+    poll_until("the quick task ended", ten, || marker.exists());
     std::thread::sleep(Duration::from_millis(100));
     drop(ours);
-    rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
+    kill_process(pid, Signal::CONT).unwrap();
     let _ = supervisor.wait();
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while alive(sleeper) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the sleeper outlived its supervisor"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let gone = || !alive(sleeper);
+    poll_until(
+        "the sleeper died with its supervisor",
+        Duration::from_secs(5),
+        gone,
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
