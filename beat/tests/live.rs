@@ -54,6 +54,75 @@ impl Ns {
     }
 }
 
+/// The namespace's work queue `default`, as the beat's messages land there.
+impl Ns {
+    /// A channel on the shared broker and the name of the work queue `default`.
+    async fn default_queue(&self) -> (Connection, lapin::Channel, String) {
+        let amqp = Connection::connect(AMQP_URL, ConnectionProperties::default());
+        let amqp = amqp.await.unwrap();
+        let ch = amqp.create_channel().await.unwrap();
+        (amqp, ch, Names::new(self.name()).work_queue("default"))
+    }
+
+    /// Messages ready in the work queue `default`.
+    async fn queued(&self) -> usize {
+        let (amqp, ch, queue) = self.default_queue().await;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let declared = ch.queue_declare(queue.as_str().into(), passive, FieldTable::default());
+        let count = declared.await.unwrap().message_count() as usize;
+        let _ = amqp.close(200, "bye".into()).await;
+        count
+    }
+
+    /// Every message of the work queue `default`, taken off it in order.
+    async fn drain(&self) -> Vec<Envelope> {
+        let (amqp, ch, queue) = self.default_queue().await;
+        let mut out = Vec::new();
+        let no_ack = BasicGetOptions { no_ack: true };
+        while let Some(msg) = ch.basic_get(queue.as_str().into(), no_ack).await.unwrap() {
+            out.push(Envelope::decode(&msg.delivery.data).unwrap());
+        }
+        let _ = amqp.close(200, "bye".into()).await;
+        out
+    }
+}
+
+/// `n` job names `{prefix}00000`, `{prefix}00001`, ….
+fn numbered(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}{i:05}")).collect()
+}
+
+/// A `[[jobs]]` entry per name in `names`: task `t` every hour from `due`.
+fn hourly(names: &[String], due: DateTime<Utc>) -> String {
+    let entry = |name: &String| {
+        let anchor = rfc3339(due);
+        format!(
+            "[[jobs]]\nname = \"{name}\"\ntask = \"t\"\nevery = \"1h\"\nanchor = \"{anchor}\"\n"
+        )
+    };
+    names.iter().map(entry).collect()
+}
+
+/// Job `catch`: task `t` every minute from `anchor`, catching up at most `max` missed
+/// instants, queued behind each other.
+fn catching_up(anchor: DateTime<Utc>, max: usize) -> String {
+    format!(
+        "[[jobs]]\nname = \"catch\"\ntask = \"t\"\nevery = \"1m\"\nanchor = \"{}\"\n\
+         misfire = \"catch_up\"\noverlap = \"queue\"\nmax_catch_up = {max}\n\
+         misfire_grace = \"30d\"\n",
+        rfc3339(anchor)
+    )
+}
+
+/// How many of `jobs` have progress `want`.
+async fn at_progress(store: &Store, jobs: &[&str], want: &str) -> usize {
+    let lasts = lasts(store, jobs).await;
+    lasts.iter().filter(|l| l.as_deref() == Some(want)).count()
+}
+
 /// `{ns}:beat:last:{job}` for each job.
 async fn lasts(store: &Store, jobs: &[&str]) -> Vec<Option<String>> {
     let keys: Vec<String> = jobs.iter().map(|j| store.names().beat_last(j)).collect();
@@ -258,85 +327,41 @@ async fn jobs_due_together_are_published_in_batches_each_instant_once() {
     let now = Utc::now().duration_trunc(TimeDelta::seconds(1)).unwrap();
     // More jobs than one batch takes, all due at `due`; and one job catching up more
     // messages than one batch holds.
-    let jobs = BATCH_JOBS + 200;
-    let catch_up = BATCH_MESSAGES + 200;
-    let due = now + TimeDelta::seconds(3);
-    let anchor = now + TimeDelta::seconds(30);
-    let mut body = format!(
-        "[[jobs]]\nname = \"catch\"\ntask = \"t\"\nevery = \"1m\"\nanchor = \"{}\"\n\
-         misfire = \"catch_up\"\noverlap = \"queue\"\nmax_catch_up = {catch_up}\n\
-         misfire_grace = \"30d\"\n",
-        rfc3339(anchor)
-    );
-    let names: Vec<String> = (0..jobs).map(|i| format!("j{i:05}")).collect();
-    for name in &names {
-        body.push_str(&format!(
-            "[[jobs]]\nname = \"{name}\"\ntask = \"t\"\nevery = \"1h\"\nanchor = \"{}\"\n",
-            rfc3339(due)
-        ));
-    }
-    let config = ns.config(&body);
+    let (jobs, catch_up) = (BATCH_JOBS + 200, BATCH_MESSAGES + 200);
+    let (due, anchor) = (now + TimeDelta::seconds(3), now + TimeDelta::seconds(30));
+    let names = numbered("j", jobs);
+    let config = ns.config(&(catching_up(anchor, catch_up) + &hourly(&names, due)));
     let missed_from = anchor - TimeDelta::minutes(catch_up as i64);
-    let newest_missed = anchor - TimeDelta::minutes(1);
-    let out = save_progress(&store, &[("catch", missed_from - TimeDelta::minutes(1))])
-        .await
-        .unwrap();
-    assert!(out[0].is_ok());
+    let seed = [("catch", missed_from - TimeDelta::minutes(1))];
+    assert!(save_progress(&store, &seed).await.unwrap()[0].is_ok());
 
-    let (want_catch, want_due) = (last_instant_text(newest_missed), last_instant_text(due));
-    let all: Vec<&str> = names.iter().map(String::as_str).collect();
+    let want_catch = last_instant_text(anchor - TimeDelta::minutes(1));
+    let (want_due, all) = (last_instant_text(due), names.iter().map(String::as_str));
+    let all: Vec<&str> = all.collect();
     let stats = run_until(config, || async {
-        lasts(&store, &["catch"]).await[0].as_ref() == Some(&want_catch)
-            && lasts(&store, &all)
-                .await
-                .iter()
-                .all(|l| l.as_ref() == Some(&want_due))
+        at_progress(&store, &["catch"], &want_catch).await == 1
+            && at_progress(&store, &all, &want_due).await == jobs
     })
     .await;
-    assert_eq!(
-        stats.published_total() as usize,
-        jobs + catch_up,
-        "{stats:?}"
-    );
-    assert_eq!(
-        (stats.dropped_total(), stats.publish_failures.get()),
-        (0, 0)
-    );
+    let total = jobs + catch_up;
+    assert_eq!(stats.published_total() as usize, total, "{stats:?}");
+    let failed = (stats.dropped_total(), stats.publish_failures.get());
+    assert_eq!(failed, (0, 0));
 
     // What the queue holds: each instant once, the catch-up oldest first.
-    let amqp = Connection::connect(AMQP_URL, ConnectionProperties::default())
+    assert_eq!(ns.queued().await, total);
+    let (catch, mut others): (Vec<Envelope>, Vec<Envelope>) = ns
+        .drain()
         .await
-        .unwrap();
-    let ch = amqp.create_channel().await.unwrap();
-    let queue = Names::new(ns.name()).work_queue("default");
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    let declared = ch
-        .queue_declare(queue.as_str().into(), passive, FieldTable::default())
-        .await
-        .unwrap();
-    assert_eq!(declared.message_count() as usize, jobs + catch_up);
-    let mut catch = Vec::new();
-    let mut others = Vec::new();
-    while let Some(msg) = ch
-        .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
-        .await
-        .unwrap()
-    {
-        let env = Envelope::decode(&msg.delivery.data).unwrap();
-        match env.job.as_deref() {
-            Some("catch") => catch.push(env.scheduled_for),
-            _ => others.push(env.key),
-        }
-    }
-    let _ = amqp.close(200, "bye".into()).await;
+        .into_iter()
+        .partition(|e| e.job.as_deref() == Some("catch"));
+    let catch: Vec<_> = catch.into_iter().map(|e| e.scheduled_for).collect();
     let want: Vec<_> = (0..catch_up as i64)
         .map(|k| missed_from + TimeDelta::minutes(k))
         .collect();
     assert!(catch == want, "catch-up out of order, doubled or missing");
-    others.sort();
+    others.sort_by(|a, b| a.key.cmp(&b.key));
+    let others: Vec<_> = others.into_iter().map(|e| e.key).collect();
     let want: Vec<_> = names.iter().map(|n| instance_key(n, due)).collect();
     assert!(others == want, "on-time instances doubled or missing");
 }
@@ -453,46 +478,17 @@ async fn a_stop_while_batches_are_in_flight_finishes_them_first() {
     let store = ns.store().await;
     let now = Utc::now().duration_trunc(TimeDelta::seconds(1)).unwrap();
     let due = now + TimeDelta::seconds(3);
-    let jobs = 12 * BATCH_JOBS;
-    let names: Vec<String> = (0..jobs).map(|i| format!("s{i:05}")).collect();
-    let mut body = String::new();
-    for name in &names {
-        body.push_str(&format!(
-            "[[jobs]]\nname = \"{name}\"\ntask = \"t\"\nevery = \"1h\"\nanchor = \"{}\"\n",
-            rfc3339(due)
-        ));
-    }
-    let config = ns.config(&body);
+    let names = numbered("s", 12 * BATCH_JOBS);
+    let config = ns.config(&hourly(&names, due));
     let all: Vec<&str> = names.iter().map(String::as_str).collect();
     let want = last_instant_text(due);
     // Stop as soon as the first batch's progress is written: later batches are in flight.
     let stats = run_until(config, || async {
-        lasts(&store, &all[..BATCH_JOBS])
-            .await
-            .iter()
-            .any(|l| l.as_ref() == Some(&want))
+        at_progress(&store, &all[..BATCH_JOBS], &want).await > 0
     })
     .await;
-    let recorded = lasts(&store, &all)
-        .await
-        .iter()
-        .filter(|l| l.as_ref() == Some(&want))
-        .count();
-    let amqp = Connection::connect(AMQP_URL, ConnectionProperties::default())
-        .await
-        .unwrap();
-    let ch = amqp.create_channel().await.unwrap();
-    let queue = Names::new(ns.name()).work_queue("default");
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    let queued = ch
-        .queue_declare(queue.as_str().into(), passive, FieldTable::default())
-        .await
-        .unwrap()
-        .message_count() as usize;
-    let _ = amqp.close(200, "bye".into()).await;
+    let recorded = at_progress(&store, &all, &want).await;
+    let queued = ns.queued().await;
     assert_eq!(
         recorded, queued,
         "progress and messages disagree: {stats:?}"
