@@ -7,13 +7,15 @@
 //!   [`TestEnv::beat_on`], [`TestEnv::worker_on`], [`TestEnv::worker_ready`], and `…_serving`
 //!   variants that serve `/metrics` on a fresh port;
 //! - wait: [`expect`] / [`expect_async`] (and [`TestEnv::expect_lines`],
-//!   [`TestEnv::expect_state`]) poll and, on a timeout, panic with the log tails;
+//!   [`TestEnv::expect_state`], [`TestEnv::expect_drained`]) poll and, on a timeout, panic with the log tails;
 //! - stop: [`stop`] (and [`Scene::stop`]) SIGTERMs processes and asserts they exit 0, with
 //!   every log tail when one does not; [`stop_within`] also bounds the time to exit;
 //! - read: [`TestEnv::runs_of`] (effect instants, each asserted once), [`series`] / [`total`]
 //!   (Prometheus series), [`TestEnv::run_field`], [`TestEnv::get`], [`TestEnv::pttl`],
 //!   [`TestEnv::ns_keys`], [`TestEnv::smembers`] (Redis), [`TestEnv::beat_cmd`] /
-//!   [`TestEnv::status_json`] (the CLI).
+//!   [`TestEnv::status_json`], [`TestEnv::beat_ok`], [`TestEnv::drumline_cmd`], [`TestEnv::drumline_json`],
+//!   [`TestEnv::apply`], [`TestEnv::audit_count`] (the CLI), [`TestEnv::expect_leader`];
+//! - API: [`TestEnv::beat_with_api`] and [`api_request`] (docs/api.md).
 
 use crate::cfg::{Cfg, Keys};
 use crate::{counts, http_get, instant_of, toml_string, unused_port, wait_until, Proc, TestEnv};
@@ -241,9 +243,78 @@ impl TestEnv {
 
     /// `drumline-beat --config CONFIG ARGS…`: (exit code, stdout, stderr).
     pub fn beat_cmd(&self, config: &str, args: &[&str]) -> (i32, String, String) {
+        self.cli("drumline-beat", config, args)
+    }
+
+    /// `BIN --config CONFIG ARGS…`: (exit code, stdout, stderr).
+    fn cli(&self, bin: &str, config: &str, args: &[&str]) -> (i32, String, String) {
         let all: Vec<&str> = ["--config", config].iter().chain(args).copied().collect();
-        let (status, out, err) = self.run("drumline-beat", &all);
+        let (status, out, err) = self.run(bin, &all);
         (status.code().unwrap_or(-1), out, err)
+    }
+
+    /// `drumline-beat --config CONFIG ARGS…`, asserted to exit 0: its stdout.
+    pub fn beat_ok(&self, config: &str, args: &[&str]) -> String {
+        let (code, out, err) = self.beat_cmd(config, args);
+        assert_eq!(code, 0, "{args:?}: {out}{err}");
+        out
+    }
+
+    /// Waits until the work queue `default` is empty (every copy settled); else panics with
+    /// the log tails of `procs`.
+    pub async fn expect_drained(&self, procs: &[&Proc]) {
+        expect_async(
+            Duration::from_secs(60),
+            procs,
+            "default drained",
+            || async { self.default_queue_len().await == Some(0) },
+        )
+        .await;
+    }
+
+    /// `drumline --config CONFIG ARGS…`: (exit code, stdout, stderr).
+    pub fn drumline_cmd(&self, config: &str, args: &[&str]) -> (i32, String, String) {
+        self.cli("drumline", config, args)
+    }
+
+    /// Writes `json` to `file` in the scratch directory and runs `drumline --config CONFIG
+    /// KIND apply FILE` (`kind`: `schedules` or `calendars`): (exit code, stdout, stderr).
+    pub fn apply(&self, config: &str, kind: &str, file: &str, json: &str) -> (i32, String, String) {
+        let path = self.path(file);
+        std::fs::write(&path, json).expect("write the file to apply");
+        let path = path.to_str().expect("utf-8 path");
+        self.drumline_cmd(config, &[kind, "apply", path])
+    }
+
+    /// `drumline --config CONFIG ARGS… --json`, asserted to succeed, parsed.
+    pub fn drumline_json(&self, config: &str, args: &[&str]) -> serde_json::Value {
+        let all: Vec<&str> = args.iter().copied().chain(["--json"]).collect();
+        let (code, out, err) = self.drumline_cmd(config, &all);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: {e}: {out}"))
+    }
+
+    /// How many rows of `drumline audit JOB --json` satisfy `which` (0 while it fails), for
+    /// polling.
+    pub fn audit_count(
+        &self,
+        config: &str,
+        job: &str,
+        which: impl Fn(&serde_json::Value) -> bool,
+    ) -> usize {
+        let (_, out, _) = self.drumline_cmd(config, &["audit", job, "--json"]);
+        let audit: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+        let rows = audit["instants"].as_array().cloned().unwrap_or_default();
+        rows.iter().filter(|r| which(r)).count()
+    }
+
+    /// Waits up to 30 s until `drumline status` names a leader; else panics with the log
+    /// tails of `procs`.
+    pub fn expect_leader(&self, config: &str, procs: &[&Proc]) {
+        expect(Duration::from_secs(30), procs, "a leader", || {
+            let (_, out, _) = self.drumline_cmd(config, &["status", "--json"]);
+            serde_json::from_str::<serde_json::Value>(&out).is_ok_and(|s| s["leader"].is_object())
+        });
     }
 
     /// `drumline --config CONFIG status --json`, asserted to succeed, parsed.
@@ -280,23 +351,19 @@ impl TestEnv {
 
     /// Field `field` of instance `key`'s Redis record (`state`, `token`, `attempt`, …).
     pub async fn run_field(&self, key: &str, field: &str) -> Option<String> {
-        let mut redis = self.redis().await;
-        redis::cmd("HGET")
-            .arg(self.names().run_key(key))
-            .arg(field)
-            .query_async(&mut redis)
-            .await
-            .expect("redis HGET")
+        crate::scenario::run_field(self, key, field).await
     }
 
     /// The string at Redis key `key`.
     pub async fn get(&self, key: &str) -> Option<String> {
+        self.query(redis::cmd("GET").arg(key)).await
+    }
+
+    /// Runs Redis command `cmd` on a connection of its own; panics when it fails.
+    async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
         let mut redis = self.redis().await;
-        redis::cmd("GET")
-            .arg(key)
-            .query_async(&mut redis)
-            .await
-            .expect("redis GET")
+        let reply = cmd.query_async(&mut redis).await;
+        reply.unwrap_or_else(|e| panic!("redis: {e}"))
     }
 
     /// Messages ready in the work queue of logical queue `default`.
@@ -307,41 +374,27 @@ impl TestEnv {
     /// Sets the beat's progress for `job` (`{ns}:beat:last:{job}`) to `at`, as the beat
     /// writes it.
     pub async fn set_beat_last(&self, job: &str, at: DateTime<Utc>) {
-        let mut redis = self.redis().await;
-        let () = redis::cmd("SET")
-            .arg(self.names().beat_last(job))
-            .arg(drumline_shared::store::last_instant_text(at))
-            .query_async(&mut redis)
-            .await
-            .expect("redis SET");
+        let text = drumline_shared::store::last_instant_text(at);
+        let () = self
+            .query(redis::cmd("SET").arg(self.names().beat_last(job)).arg(text))
+            .await;
     }
 
     /// The time to live of Redis key `key`, in ms (`PTTL`: -2 when it does not exist, -1
     /// when it never expires).
     pub async fn pttl(&self, key: &str) -> i64 {
-        let mut redis = self.redis().await;
-        let pttl = redis::cmd("PTTL").arg(key).query_async(&mut redis).await;
-        pttl.expect("redis PTTL")
+        self.query(redis::cmd("PTTL").arg(key)).await
     }
 
     /// Every Redis key of this namespace.
     pub async fn ns_keys(&self) -> Vec<String> {
-        let mut redis = self.redis().await;
-        redis::cmd("KEYS")
-            .arg(format!("{}:*", self.ns))
-            .query_async(&mut redis)
+        self.query(redis::cmd("KEYS").arg(format!("{}:*", self.ns)))
             .await
-            .expect("redis KEYS")
     }
 
     /// The members of Redis set `key`.
     pub async fn smembers(&self, key: &str) -> Vec<String> {
-        let mut redis = self.redis().await;
-        redis::cmd("SMEMBERS")
-            .arg(key)
-            .query_async(&mut redis)
-            .await
-            .expect("redis SMEMBERS")
+        self.query(redis::cmd("SMEMBERS").arg(key)).await
     }
 }
 
@@ -405,4 +458,50 @@ impl Keys {
     pub fn texts(self, pairs: &[(&str, &str)]) -> Self {
         pairs.iter().fold(self, |keys, (k, v)| keys.text(k, v))
     }
+}
+
+/// The beat's HTTP API (docs/api.md).
+impl TestEnv {
+    /// `drumline-beat --config CONFIG --api-addr ADDR` with `DRUMLINE_API_TOKEN=token`, once
+    /// its API answers: (beat, port).
+    pub fn beat_with_api(&self, config: &str, token: &str) -> (Proc, u16) {
+        let port = unused_port();
+        let addr = format!("127.0.0.1:{port}");
+        let args = ["--config", config, "--api-addr", &addr];
+        let beat = self.beat_with_env("beat", &args, &[("DRUMLINE_API_TOKEN", token)]);
+        expect(Duration::from_secs(30), &[&beat], "the API answers", || {
+            api_request(port, "GET /api/v1/schedules", None, "").is_some()
+        });
+        (beat, port)
+    }
+}
+
+/// One HTTP/1.1 request `"METHOD PATH"` on 127.0.0.1:`port` with bearer `token` (none: no
+/// header) and `body`: (status, content type, body as JSON, `Null` when it is not).
+pub fn api_request(
+    port: u16,
+    request: &str,
+    token: Option<&str>,
+    body: &str,
+) -> Option<(u16, String, serde_json::Value)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    let head = format!(
+        "{request} HTTP/1.1\r\nHost: localhost\r\n{auth}Content-Length: {}\r\n\
+         Connection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(format!("{head}{body}").as_bytes()).ok()?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).ok()?;
+    let status = answer.split(' ').nth(1)?.parse().ok()?;
+    let (head, body) = answer.split_once("\r\n\r\n")?;
+    let content_type = head.lines().find_map(|l| {
+        let l = l.to_ascii_lowercase();
+        l.strip_prefix("content-type: ").map(str::to_owned)
+    });
+    let json = serde_json::from_str(body).unwrap_or(serde_json::Value::Null);
+    Some((status, content_type.unwrap_or_default(), json))
 }
