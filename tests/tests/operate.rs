@@ -5,7 +5,7 @@
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use drumline_e2e::cfg::{cron, every, shell, Cfg, Keys};
 use drumline_e2e::probe::{argv, assert_spaced, expect, expect_async, stop};
-use drumline_e2e::{binary, instant_of, setup, wait_until, TestEnv};
+use drumline_e2e::{binary, counts, instant_of, setup, wait_until, TestEnv};
 use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -21,16 +21,13 @@ async fn a_paused_job_runs_nothing_meanwhile_and_resume_publishes_none_of_it() {
     let runs = |job: &str| env.runs_of("effects", job);
     expect(WAIT, &[&beat], "a ran twice", || runs("a").len() >= 2);
 
-    let (code, out, err) = env.beat_cmd(&config, &["pause", "a"]);
-    assert_eq!(code, 0, "{out}{err}");
+    env.beat_ok(&config, &["pause", "a"]);
     let paused_at = Utc::now();
     // Five seconds of `b` running (its own effects, not a sleep) while `a` is paused.
     let b_before = runs("b").len();
-    expect(WAIT, &[&beat], "b ran on", || {
-        runs("b").len() >= b_before + 5
-    });
-    let (code, out, err) = env.beat_cmd(&config, &["resume", "a"]);
-    assert_eq!(code, 0, "{out}{err}");
+    let b_ran_on = || runs("b").len() >= b_before + 5;
+    expect(WAIT, &[&beat], "b ran on", b_ran_on);
+    env.beat_ok(&config, &["resume", "a"]);
     let resumed_at = Utc::now();
     // Resumed: `a`'s next instants run again.
     let after_resume = resumed_at + TimeDelta::seconds(3);
@@ -52,13 +49,10 @@ async fn a_paused_job_runs_nothing_meanwhile_and_resume_publishes_none_of_it() {
     assert_spaced(&before, 1, "a before the pause");
     assert_spaced(&after, 1, "a after the resume");
     let gap = (after[0] - *before.last().expect("a ran before the pause")).num_seconds();
-    assert!(
-        gap >= 5,
-        "the paused window was never caught up: gap {gap} s"
-    );
+    assert!(gap >= 5, "the paused window was caught up: gap {gap} s");
     assert!(
         dropped >= 4.0,
-        "paused instants are counted as dropped: {dropped}"
+        "paused instants counted as dropped: {dropped}"
     );
     // The other job never noticed.
     assert_spaced(&runs("b"), 1, "b");
@@ -113,31 +107,23 @@ async fn trigger_runs_one_instance_now_as_the_job() {
     let own = trigger(&["trigger", "free"]);
     let replaced = trigger(&["trigger", "free", "--args", r#"{"n": 8}"#]);
     env.expect_lines("effects", 3, &[&worker]);
-    let status = || {
-        let (code, out, err) = env.beat_cmd(&config, &["status", "free", "--json"]);
-        assert_eq!(code, 0, "{err}");
-        serde_json::from_str::<serde_json::Value>(&out).unwrap()
-    };
+    let out = || env.beat_ok(&config, &["status", "free", "--json"]);
+    let status = || serde_json::from_str::<serde_json::Value>(&out()).unwrap();
     let succeeded = wait_until(WAIT, || status()["jobs"][0]["last_success"].is_string());
     assert!(succeeded, "{}", status());
     stop(&mut [&mut worker]);
 
-    let mut lines = env.lines("effects");
-    lines.sort();
-    let mut want = vec![
+    let (n7, n8) = (
         format!("{own} {{\"n\":7}}"),
         format!("{replaced} {{\"n\":8}}"),
-        first,
-    ];
-    want.sort();
-    assert_eq!(lines, want, "each trigger ran once (the skipped one never)");
+    );
+    let (ran, want) = (counts(&env.lines("effects")), counts(&[n7, n8, first]));
+    assert_eq!(ran, want, "each trigger ran once (the skipped one never)");
 }
 
 /// `drumline-beat --config CONFIG ARGS…` asserted to exit 0: the key it `triggered`.
 fn triggered(env: &TestEnv, config: &str, args: &[&str]) -> String {
-    let (code, out, err) = env.beat_cmd(config, args);
-    assert_eq!(code, 0, "{out}{err}");
-    triggered_key(&out)
+    triggered_key(&env.beat_ok(config, args))
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -149,25 +135,17 @@ async fn backfill_twice_runs_each_instant_once_oldest_first() {
     let range = backfill("daily", "2026-01-01T00:00:00Z", "2026-01-11T00:00:00Z");
 
     // A dry run lists the ten instants and publishes nothing.
-    let dry = [&range[..], &["--dry-run"]].concat();
-    let (code, out, err) = env.beat_cmd(&config, &dry);
-    assert_eq!(code, 0, "{err}");
+    let out = env.beat_ok(&config, &[&range[..], &["--dry-run"]].concat());
     let listed: Vec<&str> = out.lines().filter(|l| l.starts_with("daily@")).collect();
     assert_eq!(listed.len(), 10, "{out}");
     assert_eq!(listed[0], "daily@2026-01-01T03:00:00Z");
 
     let mut worker = env.worker_ready("worker", &config).await;
-    for _ in 0..2 {
-        let (code, out, err) = env.beat_cmd(&config, &range);
-        assert_eq!(code, 0, "{out}{err}");
-    }
+    env.beat_ok(&config, &range);
+    env.beat_ok(&config, &range);
     env.expect_lines("effects", 10, &[&worker]);
     // The second backfill's ten copies are duplicates: wait until they are all settled.
-    let queue = env.names().work_queue("default");
-    expect_async(WAIT, &[&worker], "drained", || async {
-        env.queue_len(&queue).await == Some(0)
-    })
-    .await;
+    env.expect_drained(&[&worker]).await;
     stop(&mut [&mut worker]);
     let want: Vec<String> = (1..=10)
         .map(|d| format!("daily@2026-01-{d:02}T03:00:00Z"))
@@ -200,8 +178,7 @@ async fn a_backfilled_skip_job_queues_its_instants_instead_of_skipping_them() {
     let config = env.config_file(&cfg);
     let mut worker = env.worker_ready("worker", &config).await;
     let range = backfill("slow", "2026-01-01T00:00:00Z", "2026-01-01T00:02:00Z");
-    let (code, out, err) = env.beat_cmd(&config, &range);
-    assert_eq!(code, 0, "{out}{err}");
+    env.beat_ok(&config, &range);
     // Both delivered at once to two slots: the second waits for the first instead of being
     // recorded `skipped`.
     env.expect_lines("effects", 2, &[&worker]);
@@ -221,21 +198,18 @@ async fn bad_operations_exit_2_and_change_nothing() {
     let config = env.config_file(&cfg.task("t", argv(&["/bin/true"])));
     let future = (Utc::now() + TimeDelta::hours(1)).to_rfc3339();
     let (jan1, jan2) = ("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z");
+    let nope = "no job named \"nope\"";
+    let oops = ["trigger", "tick", "--args", "{oops"];
+    let yesterday = backfill("tick", "yesterday", jan1);
     let cases: [(&[&str], &str); 8] = [
-        (&["pause", "nope"], "no job named \"nope\""),
-        (&["resume", "tick", "nope"], "no job named \"nope\""),
-        (&["trigger", "nope"], "no job named \"nope\""),
-        (
-            &["trigger", "tick", "--args", "{oops"],
-            "--args is not JSON",
-        ),
+        (&["pause", "nope"], nope),
+        (&["resume", "tick", "nope"], nope),
+        (&["trigger", "nope"], nope),
+        (&oops, "--args is not JSON"),
         (&backfill("tick", jan2, jan1), "must be before --to"),
         (&backfill("tick", jan1, jan2), "more than 1000 instants"),
         (&backfill("tick", jan1, &future), "in the future"),
-        (
-            &backfill("tick", "yesterday", jan1),
-            "not an RFC 3339 instant",
-        ),
+        (&yesterday, "not an RFC 3339 instant"),
     ];
     for (args, message) in cases {
         let (code, out, err) = env.beat_cmd(&config, args);
@@ -246,8 +220,7 @@ async fn bad_operations_exit_2_and_change_nothing() {
         assert!(out.is_empty(), "{args:?}: {out}");
     }
     // Nothing was declared, published or paused.
-    let queue = env.queue_len(&env.names().work_queue("default")).await;
-    assert_eq!(queue, None);
+    assert_eq!(env.default_queue_len().await, None);
     let keys = env.ns_keys().await;
     assert!(keys.is_empty(), "{keys:?}");
 }
@@ -391,8 +364,9 @@ async fn trigger_returns_for_the_fastest_job_and_refuses_a_faster_one() {
     let all = || env.lines("effects").len() >= keys.len();
     expect(WAIT, &[&worker], "every trigger ran", all);
     stop(&mut [&mut worker]);
-    let mut ran = env.lines("effects");
-    ran.sort();
-    keys.sort();
-    assert_eq!(ran, keys, "each trigger ran once");
+    assert_eq!(
+        counts(&env.lines("effects")),
+        counts(&keys),
+        "each trigger ran once"
+    );
 }
