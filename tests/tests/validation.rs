@@ -69,6 +69,17 @@ fn refused(env: &TestEnv, what: &str, body: &str, needles: &[&str]) {
     }
 }
 
+/// Asserts `drumline-beat check` accepts the config at `path`.
+fn accepted(path: &std::path::Path) {
+    let args = [
+        "--config".into(),
+        path.to_str().unwrap().into(),
+        "check".into(),
+    ];
+    let (code, stdout, stderr) = run_with_env("drumline-beat", &args, &[]);
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+}
+
 fn job(name: &str, extra: &str) -> String {
     format!("[[jobs]]\nname = \"{name}\"\ntask = \"t\"\nevery = \"1m\"\n{extra}\n{TASK}")
 }
@@ -130,47 +141,27 @@ fn names_over_the_limit_or_outside_the_alphabet_are_refused_naming_the_key() {
     let max = format!("{}z.-_", "A9".repeat(48));
     assert_eq!(max.len(), 100);
     let path = env.config("max.toml", &job(&max, &format!("queue = \"{max}\"")));
-    let (code, stdout, stderr) = run_with_env(
-        "drumline-beat",
-        &[
-            "--config".into(),
-            path.to_str().unwrap().into(),
-            "check".into(),
-        ],
-        &[],
-    );
-    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    accepted(&path);
 }
 
 #[test]
 fn wrong_typed_and_unknown_values_name_their_key() {
     let env = setup("e2e_values");
-    for (what, body, needles) in [
-        (
-            "overlap",
-            job("j", "overlap = \"sometimes\""),
-            ["job \"j\"", "key `overlap`", "sometimes"],
-        ),
-        (
-            "misfire",
-            job("j", "misfire = \"never\""),
-            ["job \"j\"", "key `misfire`", "never"],
-        ),
-        (
-            "max_catch_up",
-            job("j", "max_catch_up = \"lots\""),
-            ["job \"j\"", "key `max_catch_up`", "lots"],
-        ),
-        (
-            "dst_gap",
-            cron_job("j", "dst_gap = \"maybe\""),
-            ["job \"j\"", "key `dst_gap`", "maybe"],
-        ),
-        (
-            "dst_fold",
-            cron_job("j", "dst_fold = \"twice\""),
-            ["job \"j\"", "key `dst_fold`", "twice"],
-        ),
+    // A job's key with a value of the wrong kind: named with its job, the value quoted.
+    let every_job = [
+        ("overlap", "sometimes"),
+        ("misfire", "never"),
+        ("max_catch_up", "lots"),
+    ];
+    let cron_job_keys = [("dst_gap", "maybe"), ("dst_fold", "twice")];
+    let jobs = every_job.map(|kv| (job as fn(&str, &str) -> String, kv));
+    let cron_jobs = cron_job_keys.map(|kv| (cron_job as fn(&str, &str) -> String, kv));
+    for (make, (key, value)) in jobs.into_iter().chain(cron_jobs) {
+        let body = make("j", &format!("{key} = \"{value}\""));
+        let named = format!("key `{key}`");
+        refused(&env, key, &body, &["job \"j\"", &named, value]);
+    }
+    let others = [
         (
             "job args",
             job("j", "args = 3\nexpires = 5"),
@@ -178,7 +169,7 @@ fn wrong_typed_and_unknown_values_name_their_key() {
         ),
         (
             "task retries",
-            "[tasks.t]\ncommand = [\"/bin/true\"]\nmax_retries = \"many\"\n".to_owned(),
+            format!("{TASK}max_retries = \"many\"\n"),
             ["task \"t\"", "key `max_retries`", "many"],
         ),
         (
@@ -191,7 +182,8 @@ fn wrong_typed_and_unknown_values_name_their_key() {
             format!("[beat]\nleader_lease = 10\n{TASK}"),
             ["[beat]", "key `leader_lease`", "integer"],
         ),
-    ] {
+    ];
+    for (what, body, needles) in others {
         refused(&env, what, &body, &needles);
     }
 }
@@ -354,14 +346,5 @@ fn an_every_under_100ms_is_refused_naming_the_key() {
         "100ms.toml",
         &format!("[[jobs]]\nname = \"fast\"\ntask = \"t\"\nevery = \"100ms\"\n{TASK}"),
     );
-    let (code, stdout, stderr) = run_with_env(
-        "drumline-beat",
-        &[
-            "--config".into(),
-            path.to_str().unwrap().into(),
-            "check".into(),
-        ],
-        &[],
-    );
-    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    accepted(&path);
 }
