@@ -4,7 +4,7 @@
 
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use drumline_e2e::cfg::{cron, every, shell, Cfg, Keys};
-use drumline_e2e::probe::{argv, assert_spaced, expect, expect_async, stop};
+use drumline_e2e::probe::{argv, assert_spaced, expect, stop};
 use drumline_e2e::{binary, counts, instant_of, setup, wait_until, TestEnv};
 use std::time::Duration;
 
@@ -364,9 +364,6 @@ async fn trigger_returns_for_the_fastest_job_and_refuses_a_faster_one() {
     let all = || env.lines("effects").len() >= keys.len();
     expect(WAIT, &[&worker], "every trigger ran", all);
     stop(&mut [&mut worker]);
-    assert_eq!(
-        counts(&env.lines("effects")),
-        counts(&keys),
-        "each trigger ran once"
-    );
+    let ran = counts(&env.lines("effects"));
+    assert_eq!(ran, counts(&keys), "each trigger ran once");
 }
