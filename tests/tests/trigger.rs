@@ -24,15 +24,13 @@ fn config(env: &TestEnv) -> String {
     env.config_file(&cfg.task("slow", env.appender("effects", 4.0)))
 }
 
-/// `drumline-beat --config CFG trigger slow`: (exit code, the key, stderr).
-fn trigger(env: &TestEnv, cfg: &str) -> (i32, String, String) {
-    let (status, out, err) = env.run("drumline-beat", &["--config", cfg, "trigger", "slow"]);
-    let key = out
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("key="))
-        .unwrap_or_else(|| panic!("no key in {out:?} (stderr: {err})"))
-        .to_owned();
-    (status.code().unwrap_or(-1), key, err)
+/// `drumline-beat --config CFG trigger slow`, asserted to exit 0: (the key, stderr).
+fn trigger(env: &TestEnv, cfg: &str) -> (String, String) {
+    let (code, out, err) = env.beat_cmd(cfg, &["trigger", "slow"]);
+    assert_eq!(code, 0, "{err}");
+    let key = out.split_whitespace().find_map(|w| w.strip_prefix("key="));
+    let key = key.unwrap_or_else(|| panic!("no key in {out:?} (stderr: {err})"));
+    (key.to_owned(), err)
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -41,27 +39,25 @@ async fn trigger_on_a_running_skip_job_warns_and_runs_nothing_more() {
     let cfg = config(&env);
     let mut worker = env.worker_ready("worker", &cfg).await;
 
-    let (code, first, err) = trigger(&env, &cfg);
-    assert_eq!(code, 0, "{err}");
+    let (first, err) = trigger(&env, &cfg);
     assert!(!err.contains(WARNING), "nothing runs yet: {err}");
     env.expect_state(&first, "running", &[&worker]).await;
 
     // While `first` runs: warned, exit 0, and the copy is skipped.
-    let (code, second, err) = trigger(&env, &cfg);
-    assert_eq!(code, 0, "{err}");
+    let (second, err) = trigger(&env, &cfg);
     assert!(err.contains(WARNING), "stderr: {err}");
     assert!(err.contains(&first), "names the running instance: {err}");
     env.expect_state(&second, "skipped", &[&worker]).await;
     env.expect_state(&first, "done", &[&worker]).await;
+    let ran = env.lines("effects");
     assert_eq!(
-        env.lines("effects"),
-        vec![first.clone()],
+        ran,
+        std::slice::from_ref(&first),
         "the skipped copy never ran"
     );
 
     // Nothing runs now: no warning, and the trigger runs.
-    let (code, third, err) = trigger(&env, &cfg);
-    assert_eq!(code, 0, "{err}");
+    let (third, err) = trigger(&env, &cfg);
     assert!(!err.contains(WARNING), "nothing runs any more: {err}");
     env.expect_lines("effects", 2, &[&worker]);
     stop(&mut [&mut worker]);
