@@ -50,11 +50,7 @@ async fn trigger_on_a_running_skip_job_warns_and_runs_nothing_more() {
     env.expect_state(&second, "skipped", &[&worker]).await;
     env.expect_state(&first, "done", &[&worker]).await;
     let ran = env.lines("effects");
-    assert_eq!(
-        ran,
-        std::slice::from_ref(&first),
-        "the skipped copy never ran"
-    );
+    assert_eq!(ran, [first.as_str()], "the skipped copy never ran");
 
     // Nothing runs now: no warning, and the trigger runs.
     let (third, err) = trigger(&env, &cfg);
