@@ -152,40 +152,18 @@ async fn an_expired_lease_can_be_taken_over() {
     let s = store("expiry").await;
     let mut short = req("k", "a", OverlapMode::Allow);
     short.lease = Duration::from_millis(150);
-    assert!(matches!(
-        s.claim(&short).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&short).await);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(matches!(
-        s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&req("k", "b", OverlapMode::Allow)).await);
     // The old holder's late result is refused while another claim holds the key.
-    assert!(
-        !s.finish(
-            "k",
-            None,
-            "a",
-            Ending::Final(Final::Done),
-            Duration::from_secs(60)
-        )
-        .await
-        .unwrap()
-        .ours
-    );
+    assert!(!s.ends("k", None, "a", DONE).await);
     assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("running"));
 }
 
 #[tokio::test]
 async fn overlap_lock_skips_or_queues_other_instances_of_the_job() {
     let s = store("overlap").await;
-    assert!(matches!(
-        s.claim(&req("j@1", "a", OverlapMode::Skip("j")))
-            .await
-            .unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&req("j@1", "a", OverlapMode::Skip("j"))).await);
     assert_eq!(
         s.claim(&req("j@2", "b", OverlapMode::Skip("j")))
             .await
@@ -205,24 +183,8 @@ async fn overlap_lock_skips_or_queues_other_instances_of_the_job() {
         Claim::Waiting { .. }
     ));
     // Finishing frees the job for the next instance.
-    assert!(
-        s.finish(
-            "j@1",
-            Some("j"),
-            "a",
-            Ending::Final(Final::Done),
-            Duration::from_secs(60)
-        )
-        .await
-        .unwrap()
-        .ours
-    );
-    assert!(matches!(
-        s.claim(&req("j@3", "c", OverlapMode::Queue("j")))
-            .await
-            .unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.ends("j@1", Some("j"), "a", DONE).await);
+    assert!(s.claimed(&req("j@3", "c", OverlapMode::Queue("j"))).await);
 }
 
 /// docs/guarantees.md#overlap: an instance holds its job through its retry delay, a newer
@@ -230,7 +192,6 @@ async fn overlap_lock_skips_or_queues_other_instances_of_the_job() {
 #[tokio::test]
 async fn a_retrying_instance_keeps_its_job_and_is_never_skipped() {
     let s = store("overlap_retry").await;
-    let retention = Duration::from_secs(60);
     s.claim(&req("j@1", "a", OverlapMode::Skip("j")))
         .await
         .unwrap();
@@ -238,12 +199,7 @@ async fn a_retrying_instance_keeps_its_job_and_is_never_skipped() {
         next_attempt: 1,
         hold: Duration::from_secs(5),
     };
-    assert!(
-        s.finish("j@1", Some("j"), "a", retry, retention)
-            .await
-            .unwrap()
-            .ours
-    );
+    assert!(s.ends("j@1", Some("j"), "a", retry).await);
     // The newer instance is skipped while the older one waits for its retry.
     assert_eq!(
         s.claim(&req("j@2", "b", OverlapMode::Skip("j")))
@@ -256,19 +212,11 @@ async fn a_retrying_instance_keeps_its_job_and_is_never_skipped() {
     // The retry claims its job again.
     let mut again = req("j@1", "c", OverlapMode::Skip("j"));
     again.attempt = 1;
-    assert!(matches!(
-        s.claim(&again).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&again).await);
     // Released by shutdown, its lock taken by a newer instance meanwhile: the requeued copy of
     // the started instance waits for the lock; it is not skipped.
     assert!(s.release("j@1", Some("j"), "c").await.unwrap().ours);
-    assert!(matches!(
-        s.claim(&req("j@3", "d", OverlapMode::Skip("j")))
-            .await
-            .unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&req("j@3", "d", OverlapMode::Skip("j"))).await);
     let mut requeued = req("j@1", "e", OverlapMode::Skip("j"));
     requeued.attempt = 1;
     assert!(matches!(
@@ -292,13 +240,7 @@ async fn a_retrys_hold_on_its_job_ends_at_its_deadline() {
         next_attempt: 1,
         hold: Duration::from_millis(300),
     };
-    let retention = Duration::from_secs(60);
-    assert!(
-        s.finish("j@1", Some("j"), "a", retry, retention)
-            .await
-            .unwrap()
-            .ours
-    );
+    assert!(s.ends("j@1", Some("j"), "a", retry).await);
     let freed = eventually(Duration::from_secs(5), || async {
         matches!(
             s.claim(&req("j@2", "b", OverlapMode::Queue("j")))
@@ -544,22 +486,11 @@ async fn an_expired_retry_frees_the_job_it_held() {
         next_attempt: 1,
         hold: Duration::from_secs(60),
     };
-    let retention = Duration::from_secs(60);
-    assert!(
-        s.finish("j@1", Some("j"), "a", retry, retention)
-            .await
-            .unwrap()
-            .ours
-    );
+    assert!(s.ends("j@1", Some("j"), "a", retry).await);
     let mut late = req("j@1", "b", OverlapMode::Queue("j"));
     (late.attempt, late.expired) = (1, true);
     assert_eq!(s.claim(&late).await.unwrap(), Claim::Expired);
-    assert!(matches!(
-        s.claim(&req("j@2", "c", OverlapMode::Queue("j")))
-            .await
-            .unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&req("j@2", "c", OverlapMode::Queue("j"))).await);
 }
 
 #[tokio::test]
@@ -567,25 +498,11 @@ async fn a_finished_run_is_recorded_even_when_its_lease_lapsed_unclaimed() {
     let s = store("lapsed").await;
     let mut short = req("k", "a", OverlapMode::Allow);
     short.lease = Duration::from_millis(100);
-    assert!(matches!(
-        s.claim(&short).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&short).await);
     tokio::time::sleep(Duration::from_millis(250)).await;
     // The record outlives its lease (docs/design.md#attempts-outlive-the-lease).
     assert_eq!(s.run_state("k").await.unwrap().as_deref(), Some("running"));
-    assert!(
-        s.finish(
-            "k",
-            None,
-            "a",
-            Ending::Final(Final::Done),
-            Duration::from_secs(60)
-        )
-        .await
-        .unwrap()
-        .ours
-    );
+    assert!(s.ends("k", None, "a", DONE).await);
     assert_eq!(
         s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap(),
         Claim::Duplicate {
@@ -613,10 +530,7 @@ async fn a_lapsed_lease_keeps_its_attempt() {
         panic!("claimed")
     };
     tokio::time::sleep(Duration::from_millis(250)).await;
-    assert!(!s
-        .renew("k", None, "a", Duration::from_secs(5))
-        .await
-        .unwrap());
+    assert!(!s.renews("k", None, "a", 5).await);
     assert_eq!(
         s.claim(&at_attempt("k", "b", 0, 5000)).await.unwrap(),
         Claim::Duplicate {
@@ -643,10 +557,7 @@ async fn a_lapsed_lease_keeps_its_attempt() {
             state: RunState::Running
         }
     );
-    assert!(matches!(
-        s.claim(&at_attempt("k", "e", 1, 5000)).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&at_attempt("k", "e", 1, 5000)).await);
 }
 
 /// See: issues/16 "Outcome writes are not idempotent". Repeating `done`, `dead` or the retry
@@ -789,14 +700,8 @@ async fn an_expired_lease_is_not_counted_and_the_next_writer_drops_it() {
     let s = store("running_expiry").await;
     let mut killed = of_job("j@1", "a", "j");
     killed.lease = Duration::from_millis(200);
-    assert!(matches!(
-        s.claim(&killed).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
-    assert!(matches!(
-        s.claim(&of_job("j@2", "b", "j")).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&killed).await);
+    assert!(s.claimed(&of_job("j@2", "b", "j")).await);
     assert_eq!(running(&s, "j").await, 2);
     // Its worker "died": nobody renews it. Once its lease expires it is no longer counted,
     // though readers leave it in place...
@@ -808,10 +713,7 @@ async fn an_expired_lease_is_not_counted_and_the_next_writer_drops_it() {
     );
     assert_eq!(running_set(&s, "j").await.len(), 2);
     // ...until the next claim trims it.
-    assert!(matches!(
-        s.claim(&of_job("j@3", "c", "j")).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&of_job("j@3", "c", "j")).await);
     let keys: Vec<String> = running_set(&s, "j")
         .await
         .into_iter()
@@ -822,18 +724,9 @@ async fn an_expired_lease_is_not_counted_and_the_next_writer_drops_it() {
 
     // A worker that takes the lapsed instance over enters it again, and the old holder's late
     // ending leaves the new claim's entry alone.
-    assert!(matches!(
-        s.claim(&of_job("j@1", "d", "j")).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&of_job("j@1", "d", "j")).await);
     let done = Ending::Final(Final::Done);
-    let retention = Duration::from_secs(60);
-    assert!(
-        !s.finish("j@1", Some("j"), "a", done, retention)
-            .await
-            .unwrap()
-            .ours
-    );
+    assert!(!s.ends("j@1", Some("j"), "a", done).await);
     assert!(!s.release("j@1", Some("j"), "a").await.unwrap().ours);
     assert!(score(&s, "j", "j@1").await.is_some());
     assert_eq!(running(&s, "j").await, 3);
@@ -882,10 +775,7 @@ async fn status_reads_success_failure_running_and_oldest_per_job() {
     )
     .await
     .unwrap();
-    assert!(matches!(
-        s.claim(&of_job("j@3", "a", "j")).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&of_job("j@3", "a", "j")).await);
     let ttl: i64 = redis::cmd("PTTL")
         .arg(s.names().last_failure("j"))
         .query_async(&mut s.connection())
@@ -954,10 +844,7 @@ async fn a_final_state_and_its_run_record_land_in_one_call_and_only_for_the_hold
                 .unwrap()
         }
     };
-    assert!(matches!(
-        s.claim(&of_job("j@1", "a", "j")).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&of_job("j@1", "a", "j")).await);
     let done = run("j@1", "done", "2026-03-08T07:00:03Z");
     assert!(
         s.finish_recorded("j@1", Some("j"), "a", Final::Done, retention, Some(&done))
@@ -973,10 +860,7 @@ async fn a_final_state_and_its_run_record_land_in_one_call_and_only_for_the_hold
     assert_eq!(history_len(&s).await, 1);
 
     // Not the holder: neither the state nor the record is written.
-    assert!(matches!(
-        s.claim(&of_job("j@2", "b", "j")).await.unwrap(),
-        Claim::Claimed { .. }
-    ));
+    assert!(s.claimed(&of_job("j@2", "b", "j")).await);
     let stolen = run("j@2", "dead", "2026-03-08T07:00:04Z");
     assert!(
         !s.finish_recorded("j@2", Some("j"), "x", Final::Dead, retention, Some(&stolen))
