@@ -171,20 +171,39 @@ async fn save_progress(
     store: &Store,
     progress: &[(&str, DateTime<Utc>)],
 ) -> Result<Vec<Result<(), ProgressError>>, ProgressError> {
-    let seeder = Candidate {
-        token: "seeder".to_owned(),
-        host: "test".to_owned(),
-        pid: std::process::id(),
+    lead_as(store, "seeder").await?;
+    let out = store.advance_progress("seeder", progress, FAR, 2).await;
+    store.resign_lead("seeder").await?;
+    out
+}
+
+/// Far enough ahead of Redis `TIME` that no instant of a test is refused as ahead.
+const FAR: Duration = Duration::from_secs(86400 * 365 * 100);
+
+/// Takes the leader lease (10 s) as candidate `token`.
+async fn lead_as(store: &Store, token: &str) -> Result<(), ProgressError> {
+    let (host, pid) = ("test".to_owned(), std::process::id());
+    let who = Candidate {
+        token: token.to_owned(),
+        host,
+        pid,
     };
     store
-        .lead(&seeder, Duration::from_secs(10), LeaseMode::Acquire)
+        .lead(&who, Duration::from_secs(10), LeaseMode::Acquire)
         .await?;
-    let far = Duration::from_secs(86400 * 365 * 100);
-    let out = store
-        .advance_progress(&seeder.token, progress, far, 2)
-        .await;
-    store.resign_lead(&seeder.token).await?;
-    out
+    Ok(())
+}
+
+/// `start_progress` as the lease holder `holder`, one job per call.
+async fn start_as_holder(
+    store: &Store,
+    starts: &[(&str, DateTime<Utc>, &str)],
+    max_ahead: Duration,
+) -> Vec<Result<(), ProgressError>> {
+    store
+        .start_progress("holder", starts, max_ahead, 1)
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
@@ -222,57 +241,37 @@ async fn a_start_records_its_rule_with_its_progress_and_only_for_the_lease_holde
     let ns = Ns::new("rules");
     let store = ns.store().await;
     let (t1, t2) = (at("2026-03-02T12:00:00Z"), at("2026-03-02T12:01:00Z"));
-    let far = Duration::from_secs(86400 * 365 * 100);
     let rules = |jobs: &'static [&'static str]| {
         let store = &store;
         async move {
-            store
-                .progress_rules(jobs, |_, rule| rule, 1, 1)
-                .await
-                .expect("rules")
+            let rules = store.progress_rules(jobs, |_, rule| rule, 1, 1).await;
+            rules.expect("rules")
         }
     };
     // Without the lease nothing is written.
-    let refused = store
-        .start_progress("nobody", &[("a", t1, "r1")], far, 10)
-        .await;
+    let a = [("a", t1, "r1")];
+    let refused = store.start_progress("nobody", &a, FAR, 10).await;
     assert!(
         matches!(refused, Err(ProgressError::Deposed)),
         "{refused:?}"
     );
     assert_eq!(rules(&["a"]).await, vec![None]);
-    let holder = Candidate {
-        token: "holder".to_owned(),
-        host: "test".to_owned(),
-        pid: std::process::id(),
-    };
-    store
-        .lead(&holder, Duration::from_secs(10), LeaseMode::Acquire)
-        .await
-        .unwrap();
+    lead_as(&store, "holder").await.unwrap();
     // With it: the progress (never moved back) and the rule, job by job, in calls of 1.
-    let out = store
-        .start_progress("holder", &[("a", t2, "r1"), ("b", t1, "r1")], far, 1)
-        .await
-        .unwrap();
+    let out = start_as_holder(&store, &[("a", t2, "r1"), ("b", t1, "r1")], FAR).await;
     assert!(out.iter().all(Result::is_ok), "{out:?}");
-    let out = store
-        .start_progress("holder", &[("a", t1, "r2")], far, 1)
-        .await
-        .unwrap();
+    let out = start_as_holder(&store, &[("a", t1, "r2")], FAR).await;
     assert!(out.iter().all(Result::is_ok), "{out:?}");
     let text = |t| Some(last_instant_text(t));
     assert_eq!(lasts(&store, &["a", "b"]).await, vec![text(t2), text(t1)]);
+    let rule = |r: &str| Some(r.to_owned());
     assert_eq!(
         rules(&["a", "b", "c"]).await,
-        vec![Some("r2".to_owned()), Some("r1".to_owned()), None]
+        vec![rule("r2"), rule("r1"), None]
     );
     // An instant too far ahead of Redis TIME writes neither.
     let ahead = Utc::now() + TimeDelta::hours(1);
-    let out = store
-        .start_progress("holder", &[("c", ahead, "r1")], Duration::from_secs(1), 1)
-        .await
-        .unwrap();
+    let out = start_as_holder(&store, &[("c", ahead, "r1")], Duration::from_secs(1)).await;
     assert!(
         matches!(out[0], Err(ProgressError::Ahead { .. })),
         "{out:?}"
