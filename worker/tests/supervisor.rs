@@ -176,6 +176,24 @@ fn send_start(socket: &rustix::fd::OwnedFd, id: u64, argv: Vec<std::ffi::CString
     rustix::net::sendmsg(socket, &data, &mut control, SendFlags::empty()).unwrap();
 }
 
+/// The pids written to `file`, one or more a line (none while it does not exist).
+fn pids_in(file: &Path) -> Vec<i32> {
+    let text = std::fs::read_to_string(file).unwrap_or_default();
+    text.split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect()
+}
+
+/// Waits until every one of `pids` is gone; panics naming the first that outlived its run.
+async fn all_gone(pids: Vec<i32>) {
+    for pid in pids {
+        wait_for(&format!("process {pid} outlived its dropped run"), || {
+            !alive(pid)
+        })
+        .await;
+    }
+}
+
 fn failure(result: Result<(), HandlerError>) -> String {
     result.expect_err("the run should fail").report()
 }
@@ -260,21 +278,12 @@ fn dropping_a_run_kills_its_whole_group() {
         );
         let run = tokio::spawn(executor(&["/bin/sh", "-c", &script]).call(context()));
         wait_for("the task never started", || Path::new(&pids).exists()).await;
-        let text = std::fs::read_to_string(&pids).unwrap();
-        let pids: Vec<i32> = text
-            .split_whitespace()
-            .map(|p| p.parse().unwrap())
-            .collect();
-        assert_eq!(pids.len(), 2, "{text}");
+        let pids = pids_in(&pids);
+        assert_eq!(pids.len(), 2, "{pids:?}");
         assert!(pids.iter().all(|&p| alive(p)));
         run.abort();
         assert!(run.await.unwrap_err().is_cancelled());
-        for pid in pids {
-            wait_for(&format!("process {pid} outlived its dropped run"), || {
-                !alive(pid)
-            })
-            .await;
-        }
+        all_gone(pids).await;
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
@@ -294,32 +303,19 @@ fn a_thousand_running_tasks_are_held_and_new_ones_still_run() {
             .map(|_| tokio::spawn(executor(&["/bin/sh", "-c", &script]).call(context())))
             .collect();
         census_is(1000).await;
-        let count = || {
-            std::fs::read_to_string(&started)
-                .map(|t| t.lines().count())
-                .unwrap_or(0)
-        };
-        wait_for("not every sleeper started", || count() == 1000).await;
+        wait_for("not every sleeper started", || {
+            pids_in(&started).len() == 1000
+        })
+        .await;
         for _ in 0..20 {
             assert!(executor(&["/bin/true"]).call(context()).await.is_ok());
         }
         assert_eq!(supervised_tasks().await.unwrap(), 1000);
-        let pids: Vec<i32> = std::fs::read_to_string(&started)
-            .unwrap()
-            .lines()
-            .map(|p| p.trim().parse().unwrap())
-            .collect();
+        let pids = pids_in(&started);
         assert!(pids.iter().all(|&p| alive(p)));
-        for run in &sleepers {
-            run.abort();
-        }
+        sleepers.iter().for_each(|run| run.abort());
         census_is(0).await;
-        for pid in pids {
-            wait_for(&format!("sleeper {pid} outlived its dropped run"), || {
-                !alive(pid)
-            })
-            .await;
-        }
+        all_gone(pids).await;
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
@@ -400,10 +396,8 @@ fn an_idle_supervisor_uses_no_cpu() {
             ended.push(task);
         }
         let pids = supervisor_pids();
-        assert!(
-            !pids.is_empty(),
-            "no supervisor among this process's children"
-        );
+        let children = !pids.is_empty();
+        assert!(children, "no supervisor among this process's children");
         // Counted per process, over those there at both ends: a test beside this one starts
         // supervisors of its own that exit at once (CI once saw one go between the listing
         // and the reading), and a process that ended was not spinning.
@@ -422,9 +416,10 @@ fn an_idle_supervisor_uses_no_cpu() {
         // still there, so the window measured at least one.
         assert!(!after.is_empty(), "every supervisor exited in the window");
         let used: u64 = after.iter().sum();
+        let idle = used <= 10;
         assert!(
-            used <= 10,
-            "the idle supervisor supervisors used {used} ticks of CPU in a second"
+            idle,
+            "the idle supervisors used {used} ticks of CPU in a second"
         );
     });
 }
