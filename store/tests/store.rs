@@ -32,6 +32,11 @@ const RETRY: Ending = Ending::Retry {
     hold: Duration::from_secs(5),
 };
 
+/// What a claim of a copy of an instance in `state` answers.
+fn duplicate(state: RunState) -> Claim {
+    Claim::Duplicate { state }
+}
+
 /// The calls most tests repeat, each reduced to what they assert.
 impl TestStore {
     /// True when `request` is claimed.
@@ -128,12 +133,7 @@ async fn claim_is_exclusive_and_fences_increase() {
     assert!(s.renews("k1", None, "a", 5).await);
     assert!(s.ends("k1", None, "a", DONE).await);
     let copy = s.claim(&req("k1", "c", OverlapMode::Allow)).await.unwrap();
-    assert_eq!(
-        copy,
-        Claim::Duplicate {
-            state: RunState::Done
-        }
-    );
+    assert_eq!(copy, duplicate(RunState::Done));
     // A released claim can be taken again, with a larger fence.
     let Claim::Claimed { fence: f2 } = s.claim(&req("k2", "a", OverlapMode::Allow)).await.unwrap()
     else {
@@ -436,9 +436,7 @@ async fn a_retry_keeps_its_place_and_older_copies_are_duplicates() {
         }
     );
     // A copy of attempt 0 (the other beat's, a redelivery) is a duplicate, expired or not.
-    let retrying = Claim::Duplicate {
-        state: RunState::Retrying,
-    };
+    let retrying = duplicate(RunState::Retrying);
     let copy = s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap();
     assert_eq!(copy, retrying);
     let mut late = req("k", "b", OverlapMode::Allow);
@@ -449,12 +447,7 @@ async fn a_retry_keeps_its_place_and_older_copies_are_duplicates() {
     retry.attempt = 1;
     assert!(s.claimed(&retry).await);
     let older = s.claim(&req("k", "d", OverlapMode::Allow)).await.unwrap();
-    assert_eq!(
-        older,
-        Claim::Duplicate {
-            state: RunState::Running
-        }
-    );
+    assert_eq!(older, duplicate(RunState::Running));
 }
 
 #[tokio::test]
@@ -505,9 +498,7 @@ async fn a_finished_run_is_recorded_even_when_its_lease_lapsed_unclaimed() {
     assert!(s.ends("k", None, "a", DONE).await);
     assert_eq!(
         s.claim(&req("k", "b", OverlapMode::Allow)).await.unwrap(),
-        Claim::Duplicate {
-            state: RunState::Done
-        }
+        duplicate(RunState::Done)
     );
 }
 
@@ -533,9 +524,7 @@ async fn a_lapsed_lease_keeps_its_attempt() {
     assert!(!s.renews("k", None, "a", 5).await);
     assert_eq!(
         s.claim(&at_attempt("k", "b", 0, 5000)).await.unwrap(),
-        Claim::Duplicate {
-            state: RunState::Running
-        }
+        duplicate(RunState::Running)
     );
     let Claim::Claimed { fence: f2 } = s.claim(&at_attempt("k", "c", 1, 5000)).await.unwrap()
     else {
@@ -553,9 +542,7 @@ async fn a_lapsed_lease_keeps_its_attempt() {
     assert!(s.release("k", None, "c").await.unwrap().ours);
     assert_eq!(
         s.claim(&at_attempt("k", "d", 0, 5000)).await.unwrap(),
-        Claim::Duplicate {
-            state: RunState::Running
-        }
+        duplicate(RunState::Running)
     );
     assert!(s.claimed(&at_attempt("k", "e", 1, 5000)).await);
 }
@@ -1159,9 +1146,7 @@ async fn a_follower_skip_is_fenced_and_never_overwrites_a_record() {
         s.claim(&req("f@1", "w1", OverlapMode::Skip("f")))
             .await
             .unwrap(),
-        Claim::Duplicate {
-            state: RunState::Skipped
-        }
+        duplicate(RunState::Skipped)
     );
     // An instance a copy already ran (published by a leader that died before its progress
     // write) keeps its outcome.
