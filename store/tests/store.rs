@@ -59,6 +59,19 @@ impl TestStore {
             .ours
     }
 
+    /// `finish_recorded` of instance `key` of job `j` with `record` and a 60 s retention:
+    /// true when `token` held the lease.
+    async fn records(&self, key: &str, token: &str, end: Final, record: &RunRecord) -> bool {
+        let (job, retention) = (Some("j"), Duration::from_secs(60));
+        let ours = self.finish_recorded(key, job, token, end, retention, Some(record));
+        ours.await.unwrap().ours
+    }
+
+    /// The run state of instance `key`.
+    async fn state(&self, key: &str) -> Option<String> {
+        self.run_state(key).await.unwrap()
+    }
+
     /// The length of Redis list `key`.
     async fn llen(&self, key: &str) -> i64 {
         let mut conn = self.connection();
@@ -553,12 +566,10 @@ async fn a_lapsed_lease_keeps_its_attempt() {
 #[tokio::test]
 async fn outcome_writes_repeat_by_their_own_token() {
     let s = store("idempotent").await;
-    let retention = Duration::from_secs(60);
     assert!(s.claimed(&of_job("j@1", "a", "j")).await);
     let record = run("j@1", "done", "2026-03-08T07:00:01Z");
     for _ in 0..2 {
-        let ours = s.finish_recorded("j@1", Some("j"), "a", Final::Done, retention, Some(&record));
-        assert!(ours.await.unwrap().ours);
+        assert!(s.records("j@1", "a", Final::Done, &record).await);
     }
     assert_eq!(
         s.llen(&s.names().history("j")).await,
@@ -818,71 +829,37 @@ async fn status_reads_the_newest_runs_newest_first_at_most_recent_runs() {
 #[tokio::test]
 async fn a_final_state_and_its_run_record_land_in_one_call_and_only_for_the_holder() {
     let s = store("finish_recorded").await;
-    let retention = Duration::from_secs(60);
     let at = |text: &str| drumline_core::envelope::parse_instant(text);
-    let history_len = |s: &TestStore| {
-        let key = s.names().history("j");
-        let mut conn = s.connection();
-        async move {
-            redis::cmd("LLEN")
-                .arg(key)
-                .query_async::<i64>(&mut conn)
-                .await
-                .unwrap()
-        }
-    };
+    let history = s.names().history("j");
+    let history_len = || s.llen(&history);
     assert!(s.claimed(&of_job("j@1", "a", "j")).await);
     let done = run("j@1", "done", "2026-03-08T07:00:03Z");
-    assert!(
-        s.finish_recorded("j@1", Some("j"), "a", Final::Done, retention, Some(&done))
-            .await
-            .unwrap()
-            .ours
-    );
-    assert_eq!(s.run_state("j@1").await.unwrap().as_deref(), Some("done"));
+    assert!(s.records("j@1", "a", Final::Done, &done).await);
+    assert_eq!(s.state("j@1").await.as_deref(), Some("done"));
     let h = s.job_histories(&["j"]).await.unwrap();
     assert_eq!(h[0].last_success, at("2026-03-08T07:00:03Z"));
     assert_eq!(h[0].running, 0);
     assert_eq!(h[0].oldest.as_ref().map(|r| r.key.as_str()), Some("j@1"));
-    assert_eq!(history_len(&s).await, 1);
+    assert_eq!(history_len().await, 1);
 
     // Not the holder: neither the state nor the record is written.
     assert!(s.claimed(&of_job("j@2", "b", "j")).await);
     let stolen = run("j@2", "dead", "2026-03-08T07:00:04Z");
-    assert!(
-        !s.finish_recorded("j@2", Some("j"), "x", Final::Dead, retention, Some(&stolen))
-            .await
-            .unwrap()
-            .ours
-    );
-    assert_eq!(
-        s.run_state("j@2").await.unwrap().as_deref(),
-        Some("running")
-    );
-    assert_eq!(history_len(&s).await, 1);
+    assert!(!s.records("j@2", "x", Final::Dead, &stolen).await);
+    assert_eq!(s.state("j@2").await.as_deref(), Some("running"));
+    assert_eq!(history_len().await, 1);
     assert_eq!(s.job_histories(&["j"]).await.unwrap()[0].last_failure, None);
 
     // The holder's dead run: the last failure, kept for the retention.
     let dead = run("j@2", "dead", "2026-03-08T07:00:05Z");
-    assert!(
-        s.finish_recorded("j@2", Some("j"), "b", Final::Dead, retention, Some(&dead))
-            .await
-            .unwrap()
-            .ours
-    );
+    assert!(s.records("j@2", "b", Final::Dead, &dead).await);
     let h = s.job_histories(&["j"]).await.unwrap();
     assert_eq!(h[0].last_failure, at("2026-03-08T07:00:05Z"));
     assert_eq!(h[0].last_success, at("2026-03-08T07:00:03Z"));
-    assert_eq!(history_len(&s).await, 2);
-    let ttl: i64 = redis::cmd("PTTL")
-        .arg(s.names().last_failure("j"))
-        .query_async(&mut s.connection())
-        .await
-        .unwrap();
-    assert!(
-        ttl > 0 && ttl <= 60_000,
-        "last_failure lives as long as done_ttl: {ttl}"
-    );
+    assert_eq!(history_len().await, 2);
+    let ttl = s.pttl(&s.names().last_failure("j")).await;
+    let kept = ttl > 0 && ttl <= 60_000;
+    assert!(kept, "last_failure lives as long as done_ttl: {ttl}");
 }
 
 /// The lease's `since` is formatted by the script from Redis `TIME`; its date arithmetic,
