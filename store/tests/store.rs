@@ -1089,61 +1089,35 @@ async fn a_follower_skip_is_fenced_and_never_overwrites_a_record() {
     let ttl = Duration::from_secs(60);
     let mut skip = run("f@1", "skipped", "2026-03-08T07:00:01Z");
     skip.reason = Some("upstream".into());
+    let st = &s;
+    let skips =
+        |leader, skip| async move { st.skip_follower(leader, "f", skip, ttl).await.unwrap() };
     // Nobody leads: nothing is written.
-    assert_eq!(
-        s.skip_follower("a", "f", &skip, ttl).await.unwrap(),
-        Skipped::NotLeading
-    );
-    assert_eq!(s.run_state("f@1").await.unwrap(), None);
+    assert_eq!(skips("a", &skip).await, Skipped::NotLeading);
+    assert_eq!(s.state("f@1").await, None);
     s.lead(&candidate("a"), LEASE, LeaseMode::Acquire)
         .await
         .unwrap();
-    assert_eq!(
-        s.skip_follower("b", "f", &skip, ttl).await.unwrap(),
-        Skipped::NotLeading
-    );
-    assert_eq!(
-        s.skip_follower("a", "f", &skip, ttl).await.unwrap(),
-        Skipped::Recorded
-    );
-    assert_eq!(
-        s.run_state("f@1").await.unwrap().as_deref(),
-        Some("skipped")
-    );
-    assert_eq!(
-        s.skip_follower("a", "f", &skip, ttl).await.unwrap(),
-        Skipped::Known
-    );
+    assert_eq!(skips("b", &skip).await, Skipped::NotLeading);
+    assert_eq!(skips("a", &skip).await, Skipped::Recorded);
+    assert_eq!(s.state("f@1").await.as_deref(), Some("skipped"));
+    assert_eq!(skips("a", &skip).await, Skipped::Known);
     let history = s.job_histories(&["f"]).await.unwrap();
-    assert_eq!(
-        history[0].newest.as_ref().unwrap().reason.as_deref(),
-        Some("upstream")
-    );
-    assert_eq!(
-        s.claim(&req("f@1", "w1", OverlapMode::Skip("f")))
-            .await
-            .unwrap(),
-        duplicate(RunState::Skipped)
-    );
+    let reason = history[0].newest.as_ref().unwrap().reason.as_deref();
+    assert_eq!(reason, Some("upstream"));
+    let copy = s.claim(&req("f@1", "w1", OverlapMode::Skip("f"))).await;
+    assert_eq!(copy.unwrap(), duplicate(RunState::Skipped));
     // An instance a copy already ran (published by a leader that died before its progress
     // write) keeps its outcome.
-    let Claim::Claimed { .. } = s
-        .claim(&req("f@2", "w1", OverlapMode::Allow))
-        .await
-        .unwrap()
-    else {
-        panic!("not claimed");
-    };
-    s.finish("f@2", None, "w1", Ending::Final(Final::Done), ttl)
-        .await
-        .unwrap();
+    assert!(
+        s.claimed(&req("f@2", "w1", OverlapMode::Allow)).await,
+        "not claimed"
+    );
+    s.finish("f@2", None, "w1", DONE, ttl).await.unwrap();
     let mut skip2 = skip.clone();
     skip2.key = "f@2".into();
-    assert_eq!(
-        s.skip_follower("a", "f", &skip2, ttl).await.unwrap(),
-        Skipped::Known
-    );
-    assert_eq!(s.run_state("f@2").await.unwrap().as_deref(), Some("done"));
+    assert_eq!(skips("a", &skip2).await, Skipped::Known);
+    assert_eq!(s.state("f@2").await.as_deref(), Some("done"));
 }
 
 /// `status` and the status page list the workers in a few round trips, however many keys the
