@@ -9,9 +9,12 @@ use drumline_e2e::hook::{Hook, Received, Reply};
 use drumline_e2e::scenario::Scenario;
 use drumline_e2e::{adhoc, setup, toml_string, wait_until_async, TestEnv};
 use drumline_shared::envelope::{format_instant, Envelope};
+use drumline_worker::handler::{Handler, HandlerError, TaskContext};
+use drumline_worker::http::HttpExecutor;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
 /// The receivers' secret key bytes; the worker gets them as `whsec_` + base64.
@@ -68,30 +71,39 @@ async fn every_key_is_sent_once_signed_with_its_context() {
     }
     let received = hook.on("/ok");
     assert_eq!(received.len(), 5, "{received:#?}");
-    let now = chrono::Utc::now().timestamp();
     for envelope in &sent {
         let mine: Vec<&Received> = received
             .iter()
             .filter(|r| r.key() == envelope.key)
             .collect();
         assert_eq!(mine.len(), 1, "{}: {mine:#?}", envelope.key);
-        let r = mine[0];
-        assert_eq!(r.method, "POST");
-        // The envelope exactly as delivered.
-        assert_eq!(r.body, envelope.encode());
-        assert_eq!(r.header("content-type"), "application/json");
-        assert_eq!(r.header("webhook-id"), envelope.key);
-        assert_eq!(r.header("x-drumline-attempt"), "0");
-        assert!(r.header("x-drumline-fencing-token").parse::<u64>().unwrap() >= 1);
-        assert_eq!(
-            r.header("x-drumline-scheduled-for"),
-            format_instant(envelope.scheduled_for)
-        );
-        assert_eq!(r.header("x-tenant"), "acme");
-        let timestamp: i64 = r.header("webhook-timestamp").parse().unwrap();
-        assert!((now - timestamp).abs() < 120, "{timestamp} vs {now}");
-        assert_eq!(r.header("webhook-signature"), expected_signature(r));
+        assert_sent_with_context(mine[0], envelope);
     }
+}
+
+/// `r` is a signed POST of `envelope` exactly as delivered, with its context headers and the
+/// task's own (`X-Tenant: acme`), stamped within two minutes of now.
+fn assert_sent_with_context(r: &Received, envelope: &Envelope) {
+    let now = chrono::Utc::now().timestamp();
+    assert_eq!(r.method, "POST");
+    assert_eq!(r.body, envelope.encode());
+    assert_eq!(r.header("content-type"), "application/json");
+    assert_eq!(r.header("webhook-id"), envelope.key);
+    assert_eq!(r.header("x-drumline-attempt"), "0");
+    assert!(r.header("x-drumline-fencing-token").parse::<u64>().unwrap() >= 1);
+    let scheduled_for = format_instant(envelope.scheduled_for);
+    assert_eq!(r.header("x-drumline-scheduled-for"), scheduled_for);
+    assert_eq!(r.header("x-tenant"), "acme");
+    let timestamp: i64 = r.header("webhook-timestamp").parse().unwrap();
+    assert!((now - timestamp).abs() < 120, "{timestamp} vs {now}");
+    assert_eq!(r.header("webhook-signature"), expected_signature(r));
+}
+
+/// The `X-Drumline-Attempt` of each request `hook` received on `path`, in order.
+fn attempts(hook: &Hook, path: &str) -> Vec<String> {
+    let received = hook.on(path);
+    let attempt = |r: &Received| r.header("x-drumline-attempt").to_owned();
+    received.iter().map(attempt).collect()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -114,13 +126,8 @@ async fn retryable_answers_and_timeouts_are_retried() {
     }
     for task in ["flaky", "busy", "slow"] {
         sc.wait_state(&format!("{task}-1"), "done").await;
-        let received = hook.on(&format!("/{task}"));
-        let attempts: Vec<&str> = received
-            .iter()
-            .map(|r| r.header("x-drumline-attempt"))
-            .collect();
         // One failure, one retry, and nothing after the success.
-        assert_eq!(attempts, ["0", "1"], "{task}");
+        assert_eq!(attempts(&hook, &format!("/{task}")), ["0", "1"], "{task}");
     }
     // The retry after `429 Retry-After: 2` came no earlier than 2 s after the 429, by the
     // receiver's own clock.
@@ -142,16 +149,21 @@ fn dead_letters(sc: &Scenario) -> Vec<(String, String, String)> {
     rows
 }
 
+/// A `302 Found` to `location`, with no body: a path on the same receiver, so a request that
+/// followed the redirect would be seen.
+fn redirect(location: &str) -> Reply {
+    Reply::With(
+        302,
+        vec![("Location".into(), location.into())],
+        String::new(),
+    )
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn other_answers_are_permanent_and_redirects_are_not_followed() {
-    // The redirect's target is on the receiver itself, so a request to it would be seen.
     let hook = Hook::start(|path, _| match path {
         "/missing" => Reply::With(404, vec![], "no such invoice".into()),
-        "/moved" => Reply::With(
-            302,
-            vec![("Location".into(), "/target".into())],
-            String::new(),
-        ),
+        "/moved" => redirect("/target"),
         _ => Reply::status(200),
     })
     .await;
@@ -159,14 +171,13 @@ async fn other_answers_are_permanent_and_redirects_are_not_followed() {
         .task("missing", http_task(&hook.url("/missing"), ""))
         .task("moved", http_task(&hook.url("/moved"), ""));
     let sc = Scenario::start("e2e_http_permanent", 0, 1, |_| cfg).await;
-    publish(&sc, "m-1", "missing").await;
-    publish(&sc, "r-1", "moved").await;
-    for key in ["m-1", "r-1"] {
+    for (key, task) in [("m-1", "missing"), ("r-1", "moved")] {
+        publish(&sc, key, task).await;
         sc.wait_state(key, "dead").await;
     }
-    assert_eq!(hook.on("/missing").len(), 1);
-    assert_eq!(hook.on("/moved").len(), 1);
-    assert_eq!(hook.on("/target").len(), 0, "the redirect was followed");
+    // One request each, and none to the redirect's target.
+    let requests = ["/missing", "/moved", "/target"].map(|path| hook.on(path).len());
+    assert_eq!(requests, [1, 1, 0]);
     let rows = dead_letters(&sc);
     assert_eq!(rows.len(), 2, "{rows:?}");
     let (key, reason, error) = &rows[0];
@@ -199,28 +210,21 @@ async fn a_missing_secret_is_a_config_error_at_start() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_cancelled_run_drops_its_request() {
-    use drumline_worker::handler::{Handler, HandlerError, TaskContext};
-    use drumline_worker::http::HttpExecutor;
-    let hook = Hook::start(|_, _| Reply::Hang(Duration::from_secs(60), 200)).await;
-    let http = format!(
-        "{{ url = {}, timeout = \"60s\" }}",
-        toml_string(&hook.url("/hang"))
-    );
+/// The HTTP executor of task `hook`, which calls `url` with a 60 s timeout, run in the
+/// test's own process.
+fn executor_calling(url: &str) -> HttpExecutor {
+    let http = format!("{{ url = {}, timeout = \"60s\" }}", toml_string(url));
     let cfg = Cfg::new().task("hook", Keys::default().with("http", &http));
     let text = format!("namespace = \"t\"\n{}", cfg.toml());
-    let config = drumline_shared::config::Config::parse(
-        &text,
-        std::path::Path::new("drumline.toml"),
-        |_| None,
-    )
-    .unwrap();
-    let executor = HttpExecutor::for_task(&config.tasks["hook"], |_| None)
-        .unwrap()
-        .unwrap();
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let ctx = TaskContext {
+    let path = std::path::Path::new("drumline.toml");
+    let config = drumline_shared::config::Config::parse(&text, path, |_| None).unwrap();
+    let executor = HttpExecutor::for_task(&config.tasks["hook"], |_| None).unwrap();
+    executor.expect("an HTTP task")
+}
+
+/// A first attempt of task `hook` (key `c-1`) that `cancel` cancels.
+fn attempt_of_hook(cancel: &CancellationToken) -> TaskContext {
+    TaskContext {
         task: "hook".into(),
         key: "c-1".into(),
         job: None,
@@ -230,8 +234,14 @@ async fn a_cancelled_run_drops_its_request() {
         args: serde_json::json!({}),
         cancel: cancel.clone(),
         kill_grace: Duration::from_millis(100),
-    };
-    let run = tokio::spawn(executor.call(ctx));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cancelled_run_drops_its_request() {
+    let hook = Hook::start(|_, _| Reply::Hang(Duration::from_secs(60), 200)).await;
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(executor_calling(&hook.url("/hang")).call(attempt_of_hook(&cancel)));
     assert!(
         wait_until_async(WAIT, || async { hook.on("/hang").len() == 1 }).await,
         "the request never arrived"
@@ -275,10 +285,8 @@ async fn https_trusts_the_ca_file_and_not_an_unknown_ca() {
     assert_eq!(keys, ["t-1"]);
     let rows = dead_letters(&sc);
     let (key, reason, error) = &rows[0];
-    assert_eq!(
-        (key.as_str(), reason.as_str()),
-        ("u-1", "retries_exhausted")
-    );
+    assert_eq!(key, "u-1");
+    assert_eq!(reason, "retries_exhausted");
     assert!(error.starts_with("request failed: "), "{error}");
     assert!(!error.contains("/tls"), "the URL is not recorded: {error}");
 }
