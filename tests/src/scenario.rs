@@ -368,6 +368,26 @@ pub async fn journal(env: &TestEnv) -> Vec<JournalEntry> {
         .expect("XRANGE the journal")
 }
 
+/// Every dead letter of the namespace, taken off `{ns}.dead` (acknowledged, so each is
+/// returned once), oldest first.
+pub async fn take_dead_letters(env: &TestEnv) -> Vec<lapin::message::BasicGetMessage> {
+    use lapin::options::{BasicAckOptions, BasicGetOptions};
+    let conn = env.amqp().await;
+    let ch = conn.create_channel().await.expect("a channel");
+    let dead = env.names().dead();
+    let mut out = Vec::new();
+    let get = || ch.basic_get(dead.as_str().into(), BasicGetOptions::default());
+    while let Some(msg) = get().await.expect("basic.get on the dead-letter queue") {
+        msg.delivery
+            .ack(BasicAckOptions::default())
+            .await
+            .expect("ack");
+        out.push(msg);
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    out
+}
+
 /// The class (`ran`, `dead`, `skipped`, `pending`…) `audit` gives `key` among `rows`.
 pub fn class_of(rows: &[serde_json::Value], key: &str) -> Option<String> {
     let row = rows.iter().find(|r| r["key"] == key)?;
