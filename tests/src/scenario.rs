@@ -217,6 +217,30 @@ impl Scenario {
         doc["instants"].as_array().expect("instants").clone()
     }
 
+    /// `drumline-worker --config CFG dlq list --json`: its rows, sorted by key.
+    pub fn dlq_rows(&self) -> Vec<serde_json::Value> {
+        let out = self.run_ok("drumline-worker", &["dlq", "list", "--json"]);
+        let mut rows: Vec<serde_json::Value> = serde_json::from_str(&out).expect("dlq --json");
+        rows.sort_by_key(|r| r["key"].as_str().unwrap_or_default().to_owned());
+        rows
+    }
+
+    /// Waits until work queue `queue` (`default`…) is empty: each message taken and settled.
+    pub async fn wait_drained(&self, queue: &str) {
+        let name = self.env.names().work_queue(queue);
+        let drained = || async { self.env.queue_len(&name).await == Some(0) };
+        self.wait_async(WAIT, format!("{name} drained"), drained)
+            .await;
+    }
+
+    /// Waits until `{ns}.dead` holds at least `n` dead letters.
+    pub async fn wait_dead_letters(&self, n: u32) {
+        let dead = self.env.names().dead();
+        let held = || async { self.env.queue_len(&dead).await.is_some_and(|len| len >= n) };
+        self.wait_async(WAIT, format!("{n} dead letters"), held)
+            .await;
+    }
+
     /// `bin --config CFG args…`, which must succeed: its stdout.
     pub fn run_ok(&self, bin: &str, args: &[&str]) -> String {
         let mut all = vec!["--config", self.cfg()];
@@ -304,6 +328,18 @@ pub async fn run_field(env: &TestEnv, key: &str, field: &str) -> Option<String> 
         .query_async(&mut redis)
         .await
         .expect("redis")
+}
+
+/// Sets field `field` of instance `key`'s run record to `value` (a record drumline did not
+/// write, for a test to start from).
+pub async fn set_run_field(env: &TestEnv, key: &str, field: &str, value: &str) {
+    let mut redis = env.redis().await;
+    let set = redis::cmd("HSET")
+        .arg(env.names().run_key(key))
+        .arg(field)
+        .arg(value)
+        .query_async::<()>(&mut redis);
+    set.await.expect("redis HSET");
 }
 
 /// A blocking Redis connection (for samplers on threads of their own).

@@ -136,17 +136,11 @@ async fn retryable_answers_and_timeouts_are_retried() {
     assert!(gap >= Duration::from_secs(2), "retried after {gap:?}");
 }
 
-/// `dlq list --json` rows: (key, reason, error).
+/// `dlq list --json` rows, by key: (key, reason, error).
 fn dead_letters(sc: &Scenario) -> Vec<(String, String, String)> {
-    let stdout = sc.run_ok("drumline-worker", &["dlq", "list", "--json"]);
-    let rows: Vec<serde_json::Value> = serde_json::from_str(&stdout).unwrap();
     let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
-    let mut rows: Vec<_> = rows
-        .iter()
-        .map(|r| (text(&r["key"]), text(&r["reason"]), text(&r["error"])))
-        .collect();
-    rows.sort();
-    rows
+    let row = |r: &serde_json::Value| (text(&r["key"]), text(&r["reason"]), text(&r["error"]));
+    sc.dlq_rows().iter().map(row).collect()
 }
 
 /// A `302 Found` to `location`, with no body: a path on the same receiver, so a request that
