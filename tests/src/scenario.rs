@@ -233,6 +233,13 @@ impl Scenario {
             .await;
     }
 
+    /// Waits until work queue `queue` (`default`…) holds at least `n` messages.
+    pub async fn wait_queued(&self, queue: &str, n: u32) {
+        let name = self.env.names().work_queue(queue);
+        let held = || async { self.env.queue_len(&name).await.is_some_and(|len| len >= n) };
+        self.wait_async(WAIT, format!("{n} in {name}"), held).await;
+    }
+
     /// Waits until `{ns}.dead` holds at least `n` dead letters.
     pub async fn wait_dead_letters(&self, n: u32) {
         let dead = self.env.names().dead();
@@ -334,12 +341,9 @@ pub async fn run_field(env: &TestEnv, key: &str, field: &str) -> Option<String> 
 /// write, for a test to start from).
 pub async fn set_run_field(env: &TestEnv, key: &str, field: &str, value: &str) {
     let mut redis = env.redis().await;
-    let set = redis::cmd("HSET")
-        .arg(env.names().run_key(key))
-        .arg(field)
-        .arg(value)
-        .query_async::<()>(&mut redis);
-    set.await.expect("redis HSET");
+    let mut set = redis::cmd("HSET");
+    set.arg(env.names().run_key(key)).arg(field).arg(value);
+    let () = set.query_async(&mut redis).await.expect("redis HSET");
 }
 
 /// A blocking Redis connection (for samplers on threads of their own).

@@ -4,6 +4,7 @@
 //! `after_timeout` passes; `check` refuses cycles and unknown upstreams.
 // See: issues/21
 
+use chrono::{DateTime, Utc};
 use drumline_e2e::cfg::{every, shell, Cfg, Keys};
 use drumline_e2e::scenario::{run_field, stop, Scenario, WAIT};
 use drumline_e2e::{instant_of, setup, toml_string, wait_until, wait_until_async, TestEnv};
@@ -57,6 +58,24 @@ fn keys_of(spans: &BTreeMap<String, (u128, Option<u128>)>, job: &str) -> Vec<Str
         .filter(|k| k.starts_with(&prefix))
         .cloned()
         .collect()
+}
+
+/// Keys of `job` in the effect file whose instant `keep` keeps.
+fn keys_where(spans: &Spans, job: &str, keep: impl Fn(DateTime<Utc>) -> bool) -> Vec<String> {
+    let kept = keys_of(spans, job).into_iter();
+    kept.filter(|k| keep(instant_of(k))).collect()
+}
+
+/// Keys of `job` in the effect file whose run ended (wrote its `end` stamp).
+fn ended(spans: &Spans, job: &str) -> Vec<String> {
+    let keys = keys_of(spans, job).into_iter();
+    keys.filter(|k| spans[k].1.is_some()).collect()
+}
+
+/// When `key`'s run ended; panics if it did not run or end.
+fn end_of(spans: &Spans, key: &str) -> u128 {
+    let end = spans.get(key).and_then(|(_, e)| *e);
+    end.unwrap_or_else(|| panic!("{key} did not run: {spans:?}"))
 }
 
 fn key(job: &str, upstream_key: &str) -> String {
@@ -193,32 +212,19 @@ async fn a_chain_runs_in_order_for_each_instant() {
             .job("c", after("b", "20s"))
     })
     .await;
-    sc.wait(WAIT, "three chains", || {
-        let s = spans(&sc);
-        keys_of(&s, "c")
-            .iter()
-            .filter(|k| s[*k].1.is_some())
-            .count()
-            >= 3
-    });
+    sc.wait(WAIT, "three chains", || ended(&spans(&sc), "c").len() >= 3);
     sc.stop();
     let s = spans(&sc);
     let last_c = last_instant(&s, "c");
     // Every instant of `a` up to the last `c` ran the whole chain, each step after the one
     // before it had ended.
-    let mut chains = 0;
-    for a in keys_of(&s, "a").iter().filter(|k| instant_of(k) <= last_c) {
+    let chains = keys_where(&s, "a", |t| t <= last_c);
+    for a in &chains {
         let (b, c) = (key("b", a), key("c", a));
-        let end = |k: &str| {
-            s.get(k)
-                .and_then(|(_, e)| *e)
-                .unwrap_or_else(|| panic!("{k} did not run: {s:?}"))
-        };
-        assert!(end(a) <= s[&b].0, "{b} started before {a} ended");
-        assert!(end(&b) <= s[&c].0, "{c} started before {b} ended");
-        chains += 1;
+        assert!(end_of(&s, a) <= s[&b].0, "{b} started before {a} ended");
+        assert!(end_of(&s, &b) <= s[&c].0, "{c} started before {b} ended");
     }
-    assert!(chains >= 3, "{s:?}");
+    assert!(chains.len() >= 3, "{s:?}");
     for k in keys_of(&s, "c") {
         assert_eq!(sc.run_state(&k).await.as_deref(), Some("done"), "{k}");
     }
@@ -243,18 +249,13 @@ async fn a_leader_killed_mid_chain_loses_no_follower() {
     sc.last_beat().kill9();
     let killed_at = chrono::Utc::now();
     sc.start_beat();
-    let after_kill = |s: &Spans| {
-        let b = keys_of(s, "b");
-        b.iter().filter(|k| instant_of(k) > killed_at).count()
-    };
-    sc.wait(WAIT, "two b after the kill", || {
-        after_kill(&spans(&sc)) >= 2
-    });
+    let after_kill = || keys_where(&spans(&sc), "b", |t| t > killed_at).len();
+    sc.wait(WAIT, "two b after the kill", || after_kill() >= 2);
     sc.stop();
     let s = spans(&sc);
     let last_b = last_instant(&s, "b");
     // Every success of `a` up to the last `b` has its `b` (each started once: `spans` checks).
-    for a in keys_of(&s, "a").iter().filter(|k| instant_of(k) <= last_b) {
+    for a in &keys_where(&s, "a", |t| t <= last_b) {
         if sc.run_state(a).await.as_deref() == Some("done") {
             let what = format!("{a} succeeded, its b was lost: {s:?}");
             assert!(s.contains_key(&key("b", a)), "{what}");
@@ -335,14 +336,7 @@ async fn after_timeout_skips_an_instance_whose_upstream_is_late() {
     })
     .await;
     // Two instants of `a` that succeeded, `b` skipped for each: `a` took longer than 500 ms.
-    let done_a = || {
-        let s = spans(&sc);
-        keys_of(&s, "a")
-            .into_iter()
-            .filter(|k| s[k].1.is_some())
-            .collect::<Vec<_>>()
-    };
-    let late_b = || async { skipped_after(&sc, "b", done_a()).await };
+    let late_b = || async { skipped_after(&sc, "b", ended(&spans(&sc), "a")).await };
     let what = "two b skipped";
     sc.wait_async(WAIT, what, || async { late_b().await.len() >= 2 })
         .await;
@@ -389,6 +383,19 @@ fn check_refuses_cycles_unknown_upstreams_and_a_schedule_beside_after() {
     }
 }
 
+/// `KEY: STATE` of each of the followers `b` and `c` of `up`'s instances that has a state.
+async fn follower_states(env: &TestEnv, up: &str) -> Vec<String> {
+    let mut states = Vec::new();
+    for a in keys_of(&spans(env), up) {
+        for k in [key("b", &a), key("c", &a)] {
+            if let Some(state) = run_field(env, &k, "state").await {
+                states.push(format!("{k}: {state}"));
+            }
+        }
+    }
+    states
+}
+
 /// A jittered upstream is published its offset after the instant; its expiry and its
 /// followers' `after_timeout` count from then, so neither its `expires` (shorter than the
 /// offset) nor the default `after_timeout` skips a follower of a success.
@@ -416,15 +423,8 @@ async fn a_jittered_upstreams_followers_run_after_its_late_success() {
         keys_of(s, &up).iter().filter(both).count()
     };
     let two = wait_until(Duration::from_secs(60), || followed(&spans(&sc)) >= 2);
-    let mut skips = Vec::new();
-    for a in keys_of(&spans(&sc), &up) {
-        for k in [key("b", &a), key("c", &a)] {
-            if let Some(state) = run_field(&sc, &k, "state").await {
-                skips.push(format!("{k}: {state}"));
-            }
-        }
-    }
-    sc.check(two, format!("followers of {up}'s successes: {skips:?}"));
+    let states = follower_states(&sc, &up).await;
+    sc.check(two, format!("followers of {up}'s successes: {states:?}"));
     sc.stop();
 }
 
@@ -535,28 +535,31 @@ async fn a_triggered_or_backfilled_upstream_runs_alone_and_audit_says_so() {
 /// Issue 33: a → b → c with `a` retrying its instant T when a reload reschedules `a`: b and c
 /// still decide T (b's and c's schedule is a's, so the reload restarted them from its moment
 /// and T was never published, never skipped).
+/// a → b → c, `a` every `every_a`, each task appending `KEY ATTEMPT` to `runs`; `a`'s
+/// attempt 0 fails and its one retry comes 4 s later.
+fn retried_chain(env: &TestEnv, every_a: &str) -> Cfg {
+    let log = env.path("runs").display().to_string();
+    let append = |tail: &str| {
+        shell(&format!(
+            "echo \"$DRUMLINE_KEY $DRUMLINE_ATTEMPT\" >> {log}; {tail}"
+        ))
+    };
+    let retried = append("[ \"$DRUMLINE_ATTEMPT\" != 0 ]")
+        .with("max_retries", "1")
+        .with("retry_base", "\"4s\"")
+        .with("retry_max", "\"4s\"");
+    Cfg::new()
+        .task("a", retried)
+        .task("b", append("true"))
+        .task("c", append("true"))
+        .job("a", every(every_a).with("overlap", "\"allow\""))
+        .job("b", after("a", "60s"))
+        .job("c", after("b", "60s"))
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reload_that_reschedules_the_root_keeps_the_chains_in_flight() {
-    let config = |env: &TestEnv, every_a: &str| {
-        let log = env.path("runs").display().to_string();
-        let append = |tail: &str| {
-            shell(&format!(
-                "echo \"$DRUMLINE_KEY $DRUMLINE_ATTEMPT\" >> {log}; {tail}"
-            ))
-        };
-        let retried = append("[ \"$DRUMLINE_ATTEMPT\" != 0 ]")
-            .with("max_retries", "1")
-            .with("retry_base", "\"4s\"")
-            .with("retry_max", "\"4s\"");
-        Cfg::new()
-            .task("a", retried)
-            .task("b", append("true"))
-            .task("c", append("true"))
-            .job("a", every(every_a).with("overlap", "\"allow\""))
-            .job("b", after("a", "60s"))
-            .job("c", after("b", "60s"))
-    };
-    let mut sc = start("e2e_after_reload", |env| config(env, "5s")).await;
+    let mut sc = start("e2e_after_reload", |env| retried_chain(env, "5s")).await;
     // The first instance of `a` failed its attempt 0: its retry comes 4 s later.
     let failed = |sc: &Scenario| {
         let runs = sc.lines("runs");
@@ -567,7 +570,7 @@ async fn a_reload_that_reschedules_the_root_keeps_the_chains_in_flight() {
     };
     sc.wait(WAIT, "a failed once", || failed(&sc).is_some());
     let t = failed(&sc).expect("waited");
-    sc.rewrite(&config(&sc, "7s"));
+    sc.rewrite(&retried_chain(&sc, "7s"));
     sc.last_beat().signal(libc::SIGHUP);
     for job in ["b", "c"] {
         let want = format!("{} 0", key(job, &t));
@@ -593,9 +596,7 @@ async fn a_takeover_that_reschedules_the_root_keeps_the_chains_in_flight() {
     // No worker yet: the leader publishes `a`'s instants and no follower can be decided.
     let mut sc = Scenario::new("e2e_after_gain", |env| chain(env, "1s"));
     sc.start_beat();
-    let queue = sc.names().work_queue("default");
-    let waiting = || async { sc.queue_len(&queue).await.unwrap_or(0) >= 3 };
-    sc.wait_async(WAIT, "three published", waiting).await;
+    sc.wait_queued("default", 3).await;
     sc.last_beat().kill9();
     let killed_at = chrono::Utc::now();
     // The old instants run and succeed with no leader to see them.
@@ -604,18 +605,10 @@ async fn a_takeover_that_reschedules_the_root_keeps_the_chains_in_flight() {
     // The next leader's file reschedules the root.
     sc.rewrite(&chain(&sc, "7s"));
     sc.start_beat();
-    let old: Vec<String> = keys_of(&spans(&sc), "a")
-        .into_iter()
-        .filter(|k| instant_of(k) < killed_at)
-        .collect();
+    let old = keys_where(&spans(&sc), "a", |t| t < killed_at);
     let followed = |s: &Spans| old.iter().all(|a| s.contains_key(&key("b", a)));
-    let what = || {
-        format!(
-            "old instants {old:?}, ran {:?}",
-            spans(&sc).keys().collect::<Vec<_>>()
-        )
-    };
     let held = wait_until(WAIT, || followed(&spans(&sc)));
-    sc.check(held, what());
+    let ran: Vec<String> = spans(&sc).into_keys().collect();
+    sc.check(held, format!("old instants {old:?}, ran {ran:?}"));
     sc.stop();
 }

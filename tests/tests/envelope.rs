@@ -180,10 +180,7 @@ async fn a_python_producer_with_a_minimal_envelope_and_an_unknown_field_runs_eac
     for key in ["py-minimal", "py-extra"] {
         sc.wait_state(key, "done").await;
     }
-    let queue = sc.names().work_queue("default");
-    let drained = || async { sc.queue_len(&queue).await == Some(0) };
-    sc.wait_async(WAIT, "the queue did not drain", drained)
-        .await;
+    sc.wait_drained("default").await;
     let mut runs = sc.lines("runs");
     runs.sort();
     assert_eq!(
