@@ -226,7 +226,7 @@ async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
 }
 
 /// Records when a stubborn handler's future is dropped.
-struct DropClock(Arc<Mutex<Option<u128>>>);
+struct DropClock(Stamp);
 
 impl Drop for DropClock {
     fn drop(&mut self) {
@@ -234,29 +234,35 @@ impl Drop for DropClock {
     }
 }
 
+/// When something happened, in ms since the epoch, once it has.
+type Stamp = Arc<Mutex<Option<u128>>>;
+
+/// A handler that never looks at its cancellation token (it sleeps 60 s); it stamps `started`
+/// when called and `dropped` when its future is dropped.
+fn stubborn(started: &Stamp, dropped: &Stamp) -> impl drumline_worker::Handler {
+    let (started, dropped) = (started.clone(), dropped.clone());
+    move |_ctx: TaskContext| {
+        let clock = DropClock(dropped.clone());
+        *started.lock().unwrap() = Some(now_ms());
+        async move {
+            let _clock = clock;
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            Ok::<(), HandlerError>(())
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rust_handler_that_ignores_cancellation_is_dropped_before_its_lease_ends() {
     let env = drumline_e2e::setup("e2e_partition_rust");
     let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
-    let started = Arc::new(Mutex::new(None::<u128>));
-    let dropped = Arc::new(Mutex::new(None::<u128>));
-    let (started_in, dropped_in) = (started.clone(), dropped.clone());
-    let stubborn = move |_ctx: TaskContext| {
-        let clock = DropClock(dropped_in.clone());
-        *started_in.lock().unwrap() = Some(now_ms());
-        async move {
-            let _clock = clock;
-            // Never looks at the cancellation token.
-            tokio::time::sleep(Duration::from_secs(60)).await;
-            Ok::<(), HandlerError>(())
-        }
-    };
-    let (stop, running) = in_process(&env, "3s", &proxy.redis_url(), "stubborn", stubborn).await;
+    let (started, dropped) = (Stamp::default(), Stamp::default());
+    let handler = stubborn(&started, &dropped);
+    let (stop, running) = in_process(&env, "3s", &proxy.redis_url(), "stubborn", handler).await;
     env.publish(&adhoc("k-rust", "stubborn")).await;
     let began = wait_until_async(WAIT, || async { started.lock().unwrap().is_some() }).await;
     assert!(began, "the handler never ran");
     let (sampler, lease_ends_ms) = watch_lease_end(&env, "k-rust").await;
-
     proxy.set(Fault::Blackhole);
     let is_dropped = || async { dropped.lock().unwrap().is_some() };
     let gone = wait_until_async(Duration::from_secs(10), is_dropped).await;
@@ -265,11 +271,10 @@ async fn a_rust_handler_that_ignores_cancellation_is_dropped_before_its_lease_en
     let dropped_at = dropped.lock().unwrap().unwrap();
     let lease_ends = *lease_ends_ms.lock().unwrap();
     assert!(lease_ends > 0, "the lease was never seen");
-    let past = || dropped_at - lease_ends;
+    let past = dropped_at.saturating_sub(lease_ends);
     assert!(
         dropped_at < lease_ends,
-        "the handler ran {} ms past its lease",
-        past()
+        "the handler ran {past} ms past its lease"
     );
     let margin = lease_ends - dropped_at;
     eprintln!("the Rust handler was dropped {margin} ms before its lease could be taken");
@@ -303,10 +308,8 @@ async fn a_success_whose_lease_lapsed_before_done_landed_is_recorded_not_rerun()
     sc.start_worker_env(&[("DRUMLINE_REDIS_URL", &proxy.redis_url())])
         .await;
     sc.publish(&adhoc("k-race", "slow")).await;
-    sc.wait(WAIT, "k-race started", || {
-        sc.lines("events") == vec!["start k-race"]
-    });
-
+    let started = || sc.lines("events") == vec!["start k-race"];
+    sc.wait(WAIT, "k-race started", started);
     // The task succeeds while the worker cannot reach Redis: its `done` write is held in the
     // proxy until the lease has run out (nobody took the instance over), then it lands.
     proxy.set(Fault::Blackhole);
@@ -315,15 +318,25 @@ async fn a_success_whose_lease_lapsed_before_done_landed_is_recorded_not_rerun()
     let lapsed = wait_until_async(WAIT, || sc.lease_lapsed("k-race")).await;
     assert!(lapsed, "the lease never lapsed");
     proxy.set(Fault::Pass);
-
-    let done = || async { sc.run_state("k-race").await.as_deref() == Some("done") };
-    sc.wait_async(WAIT, "k-race not done", done).await;
-    let queue = sc.names().work_queue("default");
-    let drained = || async { sc.queue_len(&queue).await == Some(0) };
-    sc.wait_async(WAIT, "the queue not drained", drained).await;
+    sc.wait_state("k-race", "done").await;
+    sc.wait_drained("default").await;
     sc.stop();
     let ran = sc.lines("events");
     assert_eq!(ran, vec!["start k-race", "end k-race"], "ran once");
+}
+
+/// Task `slow` (lease 6 s) writes `start KEY` to `starts`, sleeps 3 s, writes its key to
+/// `effects`.
+fn three_seconds_to_an_effect(env: &TestEnv) -> Cfg {
+    one_task(
+        "slow",
+        "6s",
+        &format!(
+        "echo \"start $DRUMLINE_KEY\" >> {starts}; sleep 3; echo \"$DRUMLINE_KEY\" >> {effects}",
+        starts = env.path("starts").display(),
+        effects = env.path("effects").display()
+    ),
+    )
 }
 
 /// A worker frozen (SIGSTOP) mid-run while its task, under the supervisor, runs on and exits 0:
@@ -334,19 +347,10 @@ async fn a_success_whose_lease_lapsed_before_done_landed_is_recorded_not_rerun()
 /// `a_frozen_workers_task_is_killed_by_its_supervisor_before_the_lease_ends`).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_success_that_ended_while_its_worker_was_frozen_is_recorded_not_rerun() {
-    let sc = Scenario::start("e2e_frozen_done", 0, 1, |env| {
-        one_task("slow", "6s", &format!(
-            "echo \"start $DRUMLINE_KEY\" >> {starts}; sleep 3; echo \"$DRUMLINE_KEY\" >> {effects}",
-            starts = env.path("starts").display(),
-            effects = env.path("effects").display()
-        ))
-    })
-    .await;
+    let sc = Scenario::start("e2e_frozen_done", 0, 1, three_seconds_to_an_effect).await;
     sc.publish(&adhoc("k-frozen", "slow")).await;
-    sc.wait(WAIT, "the task never started", || {
-        sc.lines("starts").len() == 1
-    });
-
+    let started = || sc.lines("starts").len() == 1;
+    sc.wait(WAIT, "the task never started", started);
     // Frozen 1 s into the run, before the first renewal (2 s); the task runs on under its
     // supervisor and exits 0 meanwhile, a second before its stop point.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -359,15 +363,11 @@ async fn a_success_that_ended_while_its_worker_was_frozen_is_recorded_not_rerun(
     sc.workers[0].signal(libc::SIGCONT);
     assert!(ended, "the task did not finish while the worker was frozen");
     assert!(lapsed, "the lease never lapsed while the worker was frozen");
-
-    let done = || async { sc.run_state("k-frozen").await.as_deref() == Some("done") };
-    sc.wait_async(WAIT, "never recorded done", done).await;
+    sc.wait_state("k-frozen", "done").await;
     // A dropped success is redelivered and run again at once: give it a lease and more.
     let rerun = wait_until(Duration::from_secs(5), || sc.lines("starts").len() > 1);
-    let what = format!(
-        "the finished run was dropped and run again: {:?}",
-        sc.lines("starts")
-    );
+    let starts = sc.lines("starts");
+    let what = format!("the finished run was dropped and run again: {starts:?}");
     sc.check(!rerun, what);
     assert_eq!(sc.lines("effects"), vec!["k-frozen"], "ran once");
 }
