@@ -33,32 +33,39 @@ async fn run_once(sc: &Scenario, key: &str, task: &str, file: &std::path::Path) 
     std::fs::read_to_string(file).expect("the task's file")
 }
 
+/// `dump` with an `env` of its own (one variable new, one overriding the worker's), and the
+/// worker removing `DRUMLINE_TEST_SECRET` from what tasks inherit.
+fn dump_with_own_env(env: &drumline_e2e::TestEnv) -> Cfg {
+    let own = "{ DRUMLINE_TEST_GREETING = \"hello there\", DRUMLINE_TEST_KEPT = \"overridden\" }";
+    Cfg::new()
+        .set("worker", "env_remove", "[\"DRUMLINE_TEST_SECRET\"]")
+        .task("dump", dump_env(env).with("env", own))
+}
+
+/// The worker's own environment: both URLs (as the compose file sets them), a secret the
+/// config removes, and ordinary variables tasks inherit.
+const WORKER_ENV: [(&str, &str); 5] = [
+    ("DRUMLINE_AMQP_URL", AMQP_URL),
+    ("DRUMLINE_REDIS_URL", REDIS_URL),
+    ("DRUMLINE_TEST_SECRET", "s3cret"),
+    ("DRUMLINE_TEST_INHERITED", "from the worker"),
+    ("DRUMLINE_TEST_KEPT", "from the worker"),
+];
+
+/// What of [`WORKER_ENV`] a task must not see.
+const NOT_INHERITED: [&str; 3] = [
+    "DRUMLINE_AMQP_URL",
+    "DRUMLINE_REDIS_URL",
+    "DRUMLINE_TEST_SECRET",
+];
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_task_sees_neither_url_nor_removed_variables_but_its_own_env() {
-    let mut sc = Scenario::new("e2e_taskenv", |env| {
-        let own =
-            "{ DRUMLINE_TEST_GREETING = \"hello there\", DRUMLINE_TEST_KEPT = \"overridden\" }";
-        Cfg::new()
-            .set("worker", "env_remove", "[\"DRUMLINE_TEST_SECRET\"]")
-            .task("dump", dump_env(env).with("env", own))
-    });
-    // The worker's own environment holds both URLs (as the compose file sets them), a secret
-    // the config removes, and an ordinary variable tasks inherit.
-    sc.start_worker_env(&[
-        ("DRUMLINE_AMQP_URL", AMQP_URL),
-        ("DRUMLINE_REDIS_URL", REDIS_URL),
-        ("DRUMLINE_TEST_SECRET", "s3cret"),
-        ("DRUMLINE_TEST_INHERITED", "from the worker"),
-        ("DRUMLINE_TEST_KEPT", "from the worker"),
-    ])
-    .await;
+    let mut sc = Scenario::new("e2e_taskenv", dump_with_own_env);
+    sc.start_worker_env(&WORKER_ENV).await;
     let text = run_once(&sc, "k-env", "dump", &sc.path("env")).await;
     let vars: BTreeMap<&str, &str> = text.lines().filter_map(|l| l.split_once('=')).collect();
-    for gone in [
-        "DRUMLINE_AMQP_URL",
-        "DRUMLINE_REDIS_URL",
-        "DRUMLINE_TEST_SECRET",
-    ] {
+    for gone in NOT_INHERITED {
         assert_eq!(vars.get(gone), None, "{text}");
     }
     assert!(!text.contains("s3cret"), "{text}");
@@ -75,22 +82,25 @@ async fn a_task_sees_neither_url_nor_removed_variables_but_its_own_env() {
     }
 }
 
+/// Task `deaf` writes `KEY PID` to `starts`, sleeps 30 s (its timeout is 1 s, no retries),
+/// then writes its key to `effects`; messages up to 4 MiB.
+fn deaf(env: &drumline_e2e::TestEnv) -> Cfg {
+    let script = format!(
+        "echo \"$DRUMLINE_KEY $$\" >> {starts}; sleep 30; echo \"$DRUMLINE_KEY\" >> {effects}",
+        starts = env.path("starts").display(),
+        effects = env.path("effects").display()
+    );
+    let deaf = shell(&script)
+        .with("timeout", "\"1s\"")
+        .with("max_retries", "0");
+    Cfg::new()
+        .set("worker", "max_message_bytes", "4194304")
+        .task("deaf", deaf)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_task_that_never_reads_a_mebibyte_of_args_still_times_out() {
-    let sc = Scenario::start("e2e_stdin", 0, 1, |env| {
-        let script = format!(
-            "echo \"$DRUMLINE_KEY $$\" >> {starts}; sleep 30; echo \"$DRUMLINE_KEY\" >> {effects}",
-            starts = env.path("starts").display(),
-            effects = env.path("effects").display()
-        );
-        let deaf = shell(&script)
-            .with("timeout", "\"1s\"")
-            .with("max_retries", "0");
-        Cfg::new()
-            .set("worker", "max_message_bytes", "4194304")
-            .task("deaf", deaf)
-    })
-    .await;
+    let sc = Scenario::start("e2e_stdin", 0, 1, deaf).await;
     let mut envelope = adhoc("k-deaf", "deaf");
     // Sixteen pipe buffers' worth: a blocking write of it could never finish.
     envelope.args = serde_json::json!({ "blob": "x".repeat(1 << 20) });
