@@ -7,7 +7,7 @@ use drumline_e2e::cfg::{every, Cfg};
 use drumline_e2e::scenario::{appends, Scenario};
 use drumline_e2e::{adhoc, metric, wait_until, TestEnv};
 use drumline_shared::broker::header_str;
-use lapin::options::{BasicAckOptions, BasicGetOptions};
+use drumline_shared::envelope::Envelope;
 use lapin::types::ShortString;
 use lapin::BasicProperties;
 use std::time::Duration;
@@ -30,29 +30,20 @@ async fn start_worker(test: &str) -> (Scenario, u16) {
 }
 
 /// (message id, reason) of every letter in `{ns}.dead`, taken off the queue.
-async fn take_dead_letters(env: &TestEnv) -> Vec<(Option<String>, String)> {
-    let conn = env.amqp().await;
-    let ch = conn.create_channel().await.unwrap();
-    let mut out = Vec::new();
-    while let Some(msg) = ch
-        .basic_get(
-            env.names().dead().as_str().into(),
-            BasicGetOptions::default(),
-        )
-        .await
-        .unwrap()
-    {
-        let props = &msg.delivery.properties;
-        out.push((
-            props.message_id().as_ref().map(|m| m.to_string()),
+async fn dead_letter_reasons(env: &TestEnv) -> Vec<(Option<String>, String)> {
+    let letters = drumline_e2e::scenario::take_dead_letters(env).await;
+    let reason = |props: &BasicProperties| {
+        let id = props.message_id().as_ref().map(|m| m.to_string());
+        (
+            id,
             header_str(props.headers().as_ref(), "x-drumline-reason").unwrap_or_default(),
-        ));
-        msg.delivery.ack(BasicAckOptions::default()).await.unwrap();
-    }
-    let _ = conn.close(200, "bye".into()).await;
-    out
+        )
+    };
+    letters
+        .iter()
+        .map(|l| reason(&l.delivery.properties))
+        .collect()
 }
-
 fn raw_props() -> BasicProperties {
     BasicProperties::default()
         .with_delivery_mode(2)
@@ -71,7 +62,7 @@ async fn a_300_byte_key_is_dead_lettered_once_and_the_worker_keeps_serving() {
     let malformed = || metric(port, "drumline_worker_malformed_total");
     let once = wait_until(WAIT, || malformed() == Some(1.0));
     assert!(once, "{:?}", drumline_e2e::http_get(port, "/metrics"));
-    let letters = take_dead_letters(&sc).await;
+    let letters = dead_letter_reasons(&sc).await;
     assert_eq!(letters.len(), 1, "{letters:?}");
     assert_eq!(letters[0].1, "malformed");
     assert!(letters[0].0.as_ref().is_none_or(|id| id.len() <= 255));
@@ -82,11 +73,10 @@ async fn a_300_byte_key_is_dead_lettered_once_and_the_worker_keeps_serving() {
     assert_eq!(sc.queue_len(&queue).await, Some(0));
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn messages_that_impersonate_a_scheduled_instance_record_nothing() {
-    let (mut sc, port) = start_worker("e2e_impersonate").await;
+/// Three messages that impersonate `real_key` (an instance of job `tick` at 07:30 on
+/// 2026-03-08) or another job's instance, and a fourth, ad hoc, that is fine.
+fn impersonations(real_key: &str) -> [Envelope; 4] {
     let instant = Utc.with_ymd_and_hms(2026, 3, 8, 7, 30, 0).unwrap();
-    let real_key = "tick@2026-03-08T07:30:00Z";
     // `job` set, but the key names another instant than `scheduled_for`.
     let mut shifted = adhoc(real_key, "append");
     shifted.job = Some("tick".into());
@@ -100,10 +90,16 @@ async fn messages_that_impersonate_a_scheduled_instance_record_nothing() {
     impostor.scheduled_for = instant;
     // Ad hoc with an `@` that names no job of ours is fine.
     let fine = adhoc("someone@2026-03-08T07:30:00Z", "append");
-    for envelope in [shifted, other, impostor, fine] {
+    [shifted, other, impostor, fine]
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn messages_that_impersonate_a_scheduled_instance_record_nothing() {
+    let (mut sc, port) = start_worker("e2e_impersonate").await;
+    let real_key = "tick@2026-03-08T07:30:00Z";
+    for envelope in impersonations(real_key) {
         sc.publish(&envelope).await;
     }
-
     let malformed = || metric(port, "drumline_worker_malformed_total");
     let settled = wait_until(WAIT, || {
         malformed() == Some(3.0) && sc.lines("effects").len() == 1
@@ -116,7 +112,7 @@ async fn messages_that_impersonate_a_scheduled_instance_record_nothing() {
     assert_eq!(sc.lines("effects"), vec!["someone@2026-03-08T07:30:00Z"]);
     assert_eq!(sc.run_state(real_key).await, None, "nothing recorded");
     assert_eq!(sc.run_state("other@2026-03-08T07:30:00Z").await, None);
-    let letters = take_dead_letters(&sc).await;
+    let letters = dead_letter_reasons(&sc).await;
     let reasons: Vec<String> = letters.into_iter().map(|l| l.1).collect();
     assert_eq!(reasons, vec!["malformed"; 3]);
 }

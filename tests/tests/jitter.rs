@@ -55,20 +55,22 @@ const NEXT: [&str; 6] = [
     "2026-05-01T00:00:00Z",
 ];
 
+/// `drumline-beat --config CFG next … --json`, which must succeed: its rows.
+fn next_json(env: &TestEnv, cfg: &Path) -> Vec<Value> {
+    let (code, out, err) = beat_cmd(env, cfg, &[&NEXT[..], &["--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
+}
+
 #[test]
 fn next_shows_the_instant_and_the_same_jittered_time_from_any_config() {
     let env = setup("jitter_next");
     let plain = env.write_config("a.toml", &config(&env, false));
     let other = env.write_config("b.toml", &config(&env, true));
-    let json = |cfg: &Path| -> Vec<Value> {
-        let (code, out, err) = beat_cmd(&env, cfg, &[&NEXT[..], &["--json"]].concat());
-        assert_eq!(code, 0, "{err}");
-        serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
-    };
+    let json = |cfg: &Path| next_json(&env, cfg);
     let first = json(&plain);
     assert_eq!(json(&plain), first, "a second invocation");
     assert_eq!(json(&other), first, "a config with another job before it");
-
     let offset = expected_offset(&env);
     assert!(offset >= TimeDelta::zero() && offset < TimeDelta::from_std(JITTER).unwrap());
     let mut want_utc = instant("2026-05-01T00:00:02Z");
@@ -79,7 +81,6 @@ fn next_shows_the_instant_and_the_same_jittered_time_from_any_config() {
         assert_eq!(runs_at - utc, offset, "{line}");
         want_utc += TimeDelta::seconds(2);
     }
-
     // The table shows both columns.
     let (code, out, err) = beat_cmd(&env, &plain, &NEXT);
     assert_eq!(code, 0, "{err}");
