@@ -166,10 +166,10 @@ async fn scheduled_instances_of_a_task_no_worker_has_are_audited_dead() {
     sc.workers.push(worker);
     let from = chrono::Utc::now().to_rfc3339();
     sc.start_beat();
-    let dead_rows = || with_class(sc.audit_rows("gone", &["--from", &from]), "dead");
-    sc.wait(WAIT, "two dead rows", || dead_rows().len() >= 2);
+    let dead_rows = |sc: &Scenario| with_class(sc.audit_rows("gone", &["--from", &from]), "dead");
+    sc.wait(WAIT, "two dead rows", || dead_rows(&sc).len() >= 2);
     stop(&mut [sc.last_beat()]);
-    for row in dead_rows() {
+    for row in dead_rows(&sc) {
         let reason = row["reason"].as_str().unwrap_or_default();
         assert!(reason.starts_with("unknown_task"), "{row}");
     }
