@@ -235,6 +235,15 @@ async fn verify_holds_after_a_backfill_of_instants_before_the_first_start() {
     sc.stop();
 }
 
+/// `verify`'s document `doc` names at least `lost` instances `lost` and a `tick` instant
+/// `not_published`.
+fn reports_lost_and_unpublished(doc: &Value, lost: usize) -> bool {
+    let rules = rules_of(doc);
+    let reported_lost = rules.iter().filter(|(r, _)| r == "lost").count();
+    let unpublished = |(r, k): &(String, String)| r == "not_published" && k.starts_with("tick@");
+    reported_lost >= lost && rules.iter().any(unpublished)
+}
+
 /// Issue 33: the only beat killed, and the published copies it left lost by the broker (the
 /// work queue purged): `verify` names the job's first unpublished instant (`not_published`)
 /// and each published instance that never ended (`lost`); it said "holds".
@@ -247,10 +256,9 @@ async fn verify_reports_a_dead_beat_and_published_instances_that_never_ended() {
             .job("tick", every("1s").with("task", "\"ok\""))
     })
     .await;
-    let queue = sc.names().work_queue("default");
-    let two = || async { sc.queue_len(&queue).await.unwrap_or(0) >= 2 };
-    sc.wait_async(WAIT, "two published", two).await;
+    sc.wait_queued("default", 2).await;
     sc.last_beat().kill9();
+    let queue = sc.names().work_queue("default");
     let amqp = sc.amqp().await;
     let channel = amqp.create_channel().await.unwrap();
     let purged = channel
@@ -258,14 +266,7 @@ async fn verify_reports_a_dead_beat_and_published_instances_that_never_ended() {
         .await
         .unwrap();
     assert!(purged >= 2, "{purged}");
-    let reported = |doc: &Value| {
-        let rules = rules_of(doc);
-        let lost = rules.iter().filter(|(r, _)| r == "lost").count();
-        let unpublished = rules
-            .iter()
-            .any(|(r, k)| r == "not_published" && k.starts_with("tick@"));
-        lost >= purged as usize && unpublished
-    };
+    let reported = |doc: &Value| reports_lost_and_unpublished(doc, purged as usize);
     let mut last = Value::Null;
     let seen = wait_until(WAIT, || {
         let (code, doc) = verify_overdue(&sc, "1s");
