@@ -54,11 +54,8 @@ async fn bad_configs_exit_2_with_one_clear_message_and_declare_nothing() {
             let (status, _stdout, stderr) = env.run(bin, &args);
             assert_eq!(status.code(), Some(2), "{what}: {bin} {args:?}: {stderr}");
             let message = stderr.trim();
-            assert_eq!(
-                message.lines().count(),
-                1,
-                "{what}: one message, got:\n{message}"
-            );
+            let lines = message.lines().count();
+            assert_eq!(lines, 1, "{what}: one message, got:\n{message}");
             assert!(message.contains(file), "{what}: names the file: {message}");
             for needle in needles {
                 assert!(
@@ -68,14 +65,10 @@ async fn bad_configs_exit_2_with_one_clear_message_and_declare_nothing() {
             }
         }
     }
-    assert!(
-        !env.exchange_exists(&env.names().tasks_exchange()).await,
-        "nothing may be declared for a bad config"
-    );
-    assert_eq!(
-        env.queue_len(&env.names().work_queue("default")).await,
-        None
-    );
+    let declared = env.exchange_exists(&env.names().tasks_exchange()).await;
+    assert!(!declared, "nothing may be declared for a bad config");
+    let queue = env.queue_len(&env.names().work_queue("default")).await;
+    assert_eq!(queue, None, "nothing may be declared for a bad config");
 }
 
 #[test]

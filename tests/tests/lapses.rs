@@ -46,6 +46,29 @@ fn attempts(env: &TestEnv, key: &str) -> std::collections::BTreeMap<String, usiz
     counts(&lines)
 }
 
+/// Starts `worker-late`, which consumes only queue `late` and serves `/metrics`, and waits
+/// until it consumes (the queue declared and bound: a copy published now is routed): its
+/// metrics port.
+async fn start_late_worker(sc: &mut Scenario) -> u16 {
+    let late_queue = sc.names().work_queue("late");
+    sc.forget_queue_later(late_queue.clone());
+    let (args, port) = drumline_e2e::with_metrics(&["--config", sc.cfg(), "--queues", "late"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let late = sc.env.worker("worker-late", &args);
+    sc.workers.push(late);
+    let consumed = || async { sc.queue_consumers(&late_queue).await.is_some_and(|n| n > 0) };
+    sc.wait_async(WAIT, "nobody consumes the late queue", consumed)
+        .await;
+    port
+}
+
+/// A copy of ad-hoc instance `key` of `task` routed to queue `late`.
+fn late_copy(key: &str, task: &str) -> drumline_shared::envelope::Envelope {
+    let mut copy = adhoc(key, task);
+    copy.queue = "late".into();
+    copy
+}
+
 /// See: issues/16 "A lapsed lease forgets the attempt". Attempt 0 fails, attempt 1 is killed
 /// with its worker and its lease lapses; then a copy of attempt 0 arrives (a second beat's, a
 /// re-published key: here on queue `late`, so it is decided before attempt 1's redelivery).
@@ -54,8 +77,6 @@ fn attempts(env: &TestEnv, key: &str) -> std::collections::BTreeMap<String, usiz
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lapsed_lease_does_not_let_an_earlier_attempt_run_again() {
     let mut sc = Scenario::new("e2e_lapsed_attempt", |env| config(env, "3s"));
-    let late_queue = sc.names().work_queue("late");
-    sc.forget_queue_later(late_queue.clone());
     std::fs::write(sc.path("go"), "").unwrap();
     std::fs::write(sc.path("hang"), "").unwrap();
     sc.start_workers(1).await;
@@ -66,25 +87,14 @@ async fn a_lapsed_lease_does_not_let_an_earlier_attempt_run_again() {
     std::fs::remove_file(sc.path("hang")).unwrap();
     let lapsed = wait_until_async(WAIT, || sc.lease_lapsed("k-lapse")).await;
     assert!(lapsed, "the lease never lapsed");
-
-    // The late copy of attempt 0, alone on its queue, once consumed (so declared and bound:
-    // a copy published now is routed).
-    let (args, port) = drumline_e2e::with_metrics(&["--config", sc.cfg(), "--queues", "late"]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let late = sc.env.worker("worker-late", &args);
-    sc.workers.push(late);
-    let consumed = || async { sc.queue_consumers(&late_queue).await.is_some_and(|n| n > 0) };
-    sc.wait_async(WAIT, "nobody consumes the late queue", consumed)
-        .await;
-    let mut copy = adhoc("k-lapse", "t");
-    copy.queue = "late".into();
-    sc.publish(&copy).await;
+    // The late copy of attempt 0, alone on its queue.
+    let port = start_late_worker(&mut sc).await;
+    sc.publish(&late_copy("k-lapse", "t")).await;
     let duplicate = r#"drumline_worker_runs_total{task="t",outcome="duplicate"}"#;
     sc.wait(WAIT, "the late copy was not decided", || {
         metric(port, duplicate) == Some(1.0)
             || attempts(&sc, "k-lapse").get("attempt=0") == Some(&2)
     });
-
     // Attempt 1's redelivery takes over and finishes the instance.
     sc.start_workers(1).await;
     sc.wait_state("k-lapse", "done").await;
