@@ -81,9 +81,7 @@ pub mod suspend;
 pub mod tls;
 
 use drumline_shared::names::Names;
-use lapin::options::{
-    BasicPublishOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
+use lapin::options::{BasicPublishOptions, ExchangeDeleteOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use std::fs::{self, File};
@@ -380,19 +378,7 @@ impl TestEnv {
     /// (ready messages, consumers) of queue `name` (passive declare), or `None` if it does not
     /// exist.
     async fn queue_counts(&self, name: &str) -> Option<(u32, u32)> {
-        let conn = self.amqp().await;
-        let ch = conn.create_channel().await.expect("channel");
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        let result = ch
-            .queue_declare(name.into(), passive, FieldTable::default())
-            .await
-            .ok()
-            .map(|q| (q.message_count(), q.consumer_count()));
-        let _ = conn.close(200, "bye".into()).await;
-        result
+        scenario::queue_counts_at(AMQP_URL, name).await
     }
 
     /// True when exchange `name` exists.

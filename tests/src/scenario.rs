@@ -326,15 +326,10 @@ pub fn appends_after(env: &TestEnv, file: &str, script: &str) -> Keys {
     ))
 }
 
-/// Field `field` of instance `key`'s run record (`state`, `reason`, `token`, `lease_until`…).
+/// Field `field` of instance `key`'s run record (`state`, `reason`, `token`, `lease_until`…):
+/// [`TestEnv::run_field`] as a function.
 pub async fn run_field(env: &TestEnv, key: &str, field: &str) -> Option<String> {
-    let mut redis = env.redis().await;
-    redis::cmd("HGET")
-        .arg(env.names().run_key(key))
-        .arg(field)
-        .query_async(&mut redis)
-        .await
-        .expect("redis")
+    env.run_field(key, field).await
 }
 
 /// Sets field `field` of instance `key`'s run record to `value` (a record drumline did not
@@ -426,6 +421,24 @@ pub async fn take_dead_letters(env: &TestEnv) -> Vec<lapin::message::BasicGetMes
     }
     let _ = conn.close(200, "bye".into()).await;
     out
+}
+
+/// (ready messages, consumers) of queue `name` on the broker at `url` (passive declare, on a
+/// connection of its own: a missing queue closes the channel), or `None` if it does not exist.
+pub async fn queue_counts_at(url: &str, name: &str) -> Option<(u32, u32)> {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::{Connection, ConnectionProperties};
+    let conn = Connection::connect(url, ConnectionProperties::default());
+    let conn = conn.await.expect("amqp connection");
+    let ch = conn.create_channel().await.expect("channel");
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let declared = ch.queue_declare(name.into(), passive, Default::default());
+    let counts = declared.await.ok();
+    let _ = conn.close(200, "bye".into()).await;
+    counts.map(|q| (q.message_count(), q.consumer_count()))
 }
 
 /// The class (`ran`, `dead`, `skipped`, `pending`…) `audit` gives `key` among `rows`.

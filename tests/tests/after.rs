@@ -93,6 +93,20 @@ async fn skipped_after(env: &TestEnv, follower: &str, upstream_keys: Vec<String>
     out
 }
 
+/// Waits until the `follower` instances of at least two of the keys `upstream` gives are
+/// recorded `skipped`: those keys.
+async fn two_skipped(
+    sc: &Scenario,
+    follower: &str,
+    upstream: impl Fn() -> Vec<String>,
+) -> Vec<String> {
+    let skipped = || async { skipped_after(sc, follower, upstream()).await };
+    let what = format!("two {follower} skipped");
+    sc.wait_async(WAIT, what, || async { skipped().await.len() >= 2 })
+        .await;
+    skipped().await
+}
+
 /// A worker and a beat on the config `cfg` builds.
 async fn start(test: &str, cfg: impl FnOnce(&TestEnv) -> Cfg) -> Scenario {
     Scenario::start(test, 1, 1, cfg).await
@@ -271,11 +285,7 @@ async fn a_dead_upstream_skips_the_chain_below_it() {
     })
     .await;
     // Two instants of `a` dead, and `c` skipped for both (well before the 30 s timeout).
-    let skipped_c = || async { skipped_after(&sc, "c", keys_of(&spans(&sc), "a")).await };
-    let what = "two c skipped";
-    sc.wait_async(WAIT, what, || async { skipped_c().await.len() >= 2 })
-        .await;
-    let skipped = skipped_c().await;
+    let skipped = two_skipped(&sc, "c", || keys_of(&spans(&sc), "a")).await;
     for a in &skipped {
         assert_eq!(sc.run_state(a).await.as_deref(), Some("dead"), "{a}");
         for k in [key("b", a), key("c", a)] {
@@ -336,11 +346,7 @@ async fn after_timeout_skips_an_instance_whose_upstream_is_late() {
     })
     .await;
     // Two instants of `a` that succeeded, `b` skipped for each: `a` took longer than 500 ms.
-    let late_b = || async { skipped_after(&sc, "b", ended(&spans(&sc), "a")).await };
-    let what = "two b skipped";
-    sc.wait_async(WAIT, what, || async { late_b().await.len() >= 2 })
-        .await;
-    let late = late_b().await;
+    let late = two_skipped(&sc, "b", || ended(&spans(&sc), "a")).await;
     sc.stop();
     for a in &late {
         let reason = run_field(&sc, &key("b", a), "reason").await;

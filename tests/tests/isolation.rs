@@ -4,27 +4,15 @@
 use drumline_e2e::cfg::{every, Cfg, Keys};
 use drumline_e2e::scenario::Scenario;
 use drumline_e2e::{metric, toml_string, wait_until, PrivateRabbit};
-use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeclareOptions};
+use lapin::options::{BasicAckOptions, BasicGetOptions};
 use lapin::{Connection, ConnectionProperties};
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-/// Messages ready in `queue` on the broker at `url` (passive declare on a channel of its own:
-/// a missing queue closes it), 0 when it is missing.
+/// Messages ready in `queue` on the broker at `url`, 0 when it is missing.
 async fn ready(url: &str, queue: &str) -> u32 {
-    let conn = Connection::connect(url, ConnectionProperties::default())
-        .await
-        .expect("broker");
-    let ch = conn.create_channel().await.expect("channel");
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    let declared = ch
-        .queue_declare(queue.into(), passive, Default::default())
-        .await;
-    let _ = conn.close(200, "bye".into()).await;
-    declared.map_or(0, |q| q.message_count())
+    let counts = drumline_e2e::scenario::queue_counts_at(url, queue).await;
+    counts.map_or(0, |(ready, _)| ready)
 }
 
 /// Takes every message off `queue` on the broker at `url`: their keys (message ids).
