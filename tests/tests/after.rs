@@ -148,6 +148,16 @@ fn abc(env: &TestEnv, a_task: Keys, a_job: Keys, timeout: &str) -> Cfg {
         .job("c", after("b", timeout))
 }
 
+/// `a` (a stamping task sleeping `a_sleep` s) on `a_job`, and `b` (stamping) after it with
+/// `after_timeout` `timeout`.
+fn ab(env: &TestEnv, a_sleep: f64, a_job: Keys, timeout: &str) -> Cfg {
+    base()
+        .task("a", stamped(env, a_sleep, ""))
+        .task("b", stamped(env, 0.0, ""))
+        .job("a", a_job)
+        .job("b", after("a", timeout))
+}
+
 fn base() -> Cfg {
     Cfg::new()
         .set("worker", "concurrency", "6")
@@ -250,12 +260,8 @@ async fn a_chain_runs_in_order_for_each_instant() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_leader_killed_mid_chain_loses_no_follower() {
     let mut sc = start("e2e_after_kill", |env| {
-        base()
-            .set("beat", "leader_lease", "\"1s\"")
-            .task("a", stamped(env, 0.3, ""))
-            .task("b", stamped(env, 0.0, ""))
-            .job("a", every("1s").with("overlap", "\"allow\""))
-            .job("b", after("a", "20s"))
+        let a = every("1s").with("overlap", "\"allow\"");
+        ab(env, 0.3, a, "20s").set("beat", "leader_lease", "\"1s\"")
     })
     .await;
     sc.wait(WAIT, "two b", || keys_of(&spans(&sc), "b").len() >= 2);
@@ -338,11 +344,7 @@ async fn a_dead_upstream_skips_the_chain_below_it() {
 #[tokio::test(flavor = "multi_thread")]
 async fn after_timeout_skips_an_instance_whose_upstream_is_late() {
     let mut sc = start("e2e_after_timeout", |env| {
-        base()
-            .task("a", stamped(env, 1.5, ""))
-            .task("b", stamped(env, 0.0, ""))
-            .job("a", every("2s"))
-            .job("b", after("a", "500ms"))
+        ab(env, 1.5, every("2s"), "500ms")
     })
     .await;
     // Two instants of `a` that succeeded, `b` skipped for each: `a` took longer than 500 ms.
@@ -472,11 +474,7 @@ async fn a_paused_or_misfired_upstream_skips_its_followers_at_once() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_triggered_or_backfilled_upstream_runs_alone_and_audit_says_so() {
     let mut sc = start("e2e_after_operate", |env| {
-        base()
-            .task("a", stamped(env, 0.0, ""))
-            .task("b", stamped(env, 0.0, ""))
-            .job("a", every("1s").with("overlap", "\"allow\""))
-            .job("b", after("a", "60s"))
+        ab(env, 0.0, every("1s").with("overlap", "\"allow\""), "60s")
     })
     .await;
     let fmt = drumline_shared::envelope::format_instant;
@@ -592,12 +590,8 @@ async fn a_reload_that_reschedules_the_root_keeps_the_chains_in_flight() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_takeover_that_reschedules_the_root_keeps_the_chains_in_flight() {
     let chain = |env: &TestEnv, every_s: &str| {
-        base()
-            .set("beat", "leader_lease", "\"1s\"")
-            .task("a", stamped(env, 0.0, ""))
-            .task("b", stamped(env, 0.0, ""))
-            .job("a", every(every_s).with("overlap", "\"allow\""))
-            .job("b", after("a", "1h"))
+        let a = every(every_s).with("overlap", "\"allow\"");
+        ab(env, 0.0, a, "1h").set("beat", "leader_lease", "\"1s\"")
     };
     // No worker yet: the leader publishes `a`'s instants and no follower can be decided.
     let mut sc = Scenario::new("e2e_after_gain", |env| chain(env, "1s"));

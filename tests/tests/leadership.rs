@@ -88,6 +88,16 @@ fn wait_beats(within: Duration, beats: &[&Beat], what: impl Display, cond: impl 
     wait_for(within, &procs(beats), what, cond);
 }
 
+/// Waits until `beats[0]` (epoch `epoch`) has published at least `n` messages while
+/// `beats[1]` stands by.
+fn leads_beside_a_standby(snoop: &Snoop, beats: &[Beat], epoch: u64, n: usize) {
+    let (leader, standby) = (&beats[0], &beats[1]);
+    let what = "the leader publishes, the other stands by";
+    wait_beats(WAIT, &[leader], what, || {
+        of_epoch(snoop, epoch).len() >= n && standby.stands_by()
+    });
+}
+
 /// Stops `beats` (SIGTERM), each of which must exit cleanly.
 fn stop_beats<'a>(beats: impl IntoIterator<Item = &'a mut Beat>) {
     stop(&mut beats.into_iter().map(|b| &mut b.proc).collect::<Vec<_>>());
@@ -525,12 +535,7 @@ async fn a_leader_resumed_from_a_host_suspend_publishes_nothing_on_its_lapsed_le
     let mut env = suspender.env();
     env.push(("DRUMLINE_REDIS_URL", proxy.redis_url()));
     let (mut beats, first) = leader_then_standby(&sc, "beat-suspended", &vars(&env));
-    wait_beats(
-        WAIT,
-        &[&beats[0]],
-        "the leader publishes, the other stands by",
-        || of_epoch(&snoop, first.epoch).len() >= 3 && beats[1].stands_by(),
-    );
+    leads_beside_a_standby(&snoop, &beats, first.epoch, 3);
 
     // Suspended just after a renewal landed, with its whole window (2 s) ahead by its clocks.
     let mut redis = redis_sync();
@@ -863,12 +868,7 @@ async fn a_leader_cut_off_from_redis_stops_publishing_before_a_standby_takes_ove
     let proxy = Proxy::start("127.0.0.1:6379".parse().expect("addr"));
     let via_proxy = [("DRUMLINE_REDIS_URL", proxy.redis_url())];
     let (mut beats, first) = leader_then_standby(&sc, "beat-cut", &vars(&via_proxy));
-    wait_beats(
-        WAIT,
-        &[&beats[0]],
-        "the leader publishes, the other stands by",
-        || of_epoch(&snoop, first.epoch).len() >= 4 && beats[1].stands_by(),
-    );
+    leads_beside_a_standby(&snoop, &beats, first.epoch, 4);
 
     proxy.set(Fault::Blackhole);
     let (cut, cut_at) = (Utc::now(), Instant::now());
