@@ -266,14 +266,7 @@ fn numbered(base: &str, started: usize) -> String {
     }
 }
 
-/// The last 20 lines of each of `procs`' logs, one after the other.
-pub fn tails(procs: &[&Proc]) -> String {
-    procs
-        .iter()
-        .map(|p| p.log_tail(20))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
+pub use crate::probe::tails;
 
 /// Panics with `what` and `procs`' log tails unless `held`.
 pub fn check(held: bool, procs: &[&Proc], what: impl Display) {

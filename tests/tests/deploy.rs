@@ -4,7 +4,7 @@
 
 use drumline_e2e::cfg::{every, shell, Cfg};
 use drumline_e2e::scenario::tails;
-use drumline_e2e::{binary, http_get, setup, wait_until, with_metrics};
+use drumline_e2e::{binary, http_get, setup, wait_until};
 use serde_yaml::Value;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -42,20 +42,22 @@ fn systemd_units_notify_with_a_watchdog_and_verify() {
         let watchdog: u64 = get("WatchdogSec").expect("WatchdogSec").parse().unwrap();
         assert!(watchdog > 0, "{bin}");
         let exec = get("ExecStart").expect("ExecStart");
-        assert!(
-            exec.starts_with(&format!("/usr/local/bin/{bin} ")),
-            "{exec}"
-        );
+        let installed = format!("/usr/local/bin/{bin} ");
+        assert!(exec.starts_with(&installed), "{exec}");
         assert!(exec.contains("--metrics-addr"), "{exec}");
         assert_eq!(get("RestartPreventExitStatus"), Some("2"), "{bin}");
         assert!(get("User").is_some_and(|u| u != "root"), "{bin}");
         // The real binaries where the unit expects them, for the verifier.
-        let local = text.replace(
-            "/usr/local/bin/",
-            &format!("{}/", binary(bin).parent().unwrap().display()),
-        );
+        let built = format!("{}/", binary(bin).parent().unwrap().display());
+        let local = text.replace("/usr/local/bin/", &built);
         std::fs::write(dir.join(format!("{bin}.service")), local).unwrap();
     }
+    systemd_analyze_verify(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `systemd-analyze verify` of both units in `dir`, which must pass where the tool exists.
+fn systemd_analyze_verify(dir: &std::path::Path) {
     let verify = Command::new("systemd-analyze")
         .arg("verify")
         .arg(dir.join("drumline-beat.service"))
@@ -69,7 +71,6 @@ fn systemd_units_notify_with_a_watchdog_and_verify() {
         ),
         Err(e) => eprintln!("systemd-analyze not run ({e}); the units were only parsed"),
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Every document of every manifest in deploy/kubernetes/.
@@ -202,6 +203,12 @@ fn declared(names: &BTreeSet<String>, metric: &str) -> bool {
     names.contains(metric) || names.contains(base)
 }
 
+/// The (metric, panel) pairs of `queried` whose metric is not among `names`.
+fn not_declared(queried: &[(String, String)], names: &BTreeSet<String>) -> Vec<(String, String)> {
+    let missing = queried.iter().filter(|(m, _)| !declared(names, m));
+    missing.cloned().collect()
+}
+
 #[test]
 fn the_dashboard_queries_only_metrics_drumline_exports() {
     let env = setup("e2e_deploy_dashboard");
@@ -211,36 +218,17 @@ fn the_dashboard_queries_only_metrics_drumline_exports() {
         .task("t", shell("true"))
         .job("tick", every("1s").with("task", "\"t\""))
         .job("held", every("1s").with("task", "\"t\""));
-    let cfg = env.write_config("drumline.toml", &cfg);
-    let cfg = cfg.to_str().unwrap();
-    let (status, _, stderr) = env.run("drumline", &["--config", cfg, "pause", "held"]);
+    let cfg = env.config_file(&cfg);
+    let (status, _, stderr) = env.run("drumline", &["--config", &cfg, "pause", "held"]);
     assert!(status.success(), "{stderr}");
-    let (beat_args, beat_port) = with_metrics(&["--config", cfg]);
-    let beat_args: Vec<&str> = beat_args.iter().map(String::as_str).collect();
-    let mut beat = env.beat("beat", &beat_args);
-    let (worker_args, worker_port) = with_metrics(&["--config", cfg]);
-    let worker_args: Vec<&str> = worker_args.iter().map(String::as_str).collect();
-    let mut worker = env.worker("worker", &worker_args);
+    let (mut beat, beat_port) = env.beat_serving("beat", &cfg);
+    let (mut worker, worker_port) = env.worker_serving("worker", &cfg);
     let queried = dashboard_metrics();
-    let names = || {
-        let mut names = exported(beat_port);
-        names.extend(exported(worker_port));
-        names
-    };
-    let missing = || -> Vec<(String, String)> {
-        let names = names();
-        queried
-            .iter()
-            .filter(|(m, _)| !declared(&names, m))
-            .cloned()
-            .collect()
-    };
-    assert!(
-        wait_until(Duration::from_secs(30), || missing().is_empty()),
-        "not exported: {:?}\nexported: {:?}",
-        missing(),
-        names()
-    );
+    let names = || &exported(beat_port) | &exported(worker_port);
+    let missing = || not_declared(&queried, &names());
+    let all = wait_until(Duration::from_secs(30), || missing().is_empty());
+    let (missing, names) = (missing(), names());
+    assert!(all, "not exported: {missing:?}\nexported: {names:?}");
     worker.terminate(Duration::from_secs(10));
     beat.terminate(Duration::from_secs(10));
 }
