@@ -157,18 +157,33 @@ async fn retries_exhaustion_permanent_failures_expiry_and_size() {
 /// A failing shell task's stderr is readable where people look: its dead letter's
 /// `x-drumline-error` (bounded, the end of stderr kept) and `status`; and with `--log-format
 /// json` its output lines are JSON events carrying key, task and stream.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_failing_tasks_stderr_reaches_its_dead_letter_and_status() {
-    // 8 KiB of noise on stderr, then the line that explains the failure.
+/// Task `noisy` (no retries, a job that never comes due) says `hello out`, writes 8 KiB of
+/// noise on stderr, then the line that explains its failure, and exits 1.
+fn noisy() -> Cfg {
     let script = "echo 'hello out'; i=0; while [ $i -lt 100 ]; do \
                   echo \"noise $i $(printf '%070d' 0)\" >&2; i=$((i+1)); done; \
                   echo 'ledger refused: account 42 is closed' >&2; exit 1";
-    let mut sc = Scenario::new("e2e_failures_stderr", |_| {
-        let noisy = shell(script).with("max_retries", "0");
-        Cfg::new()
-            .task("noisy", noisy)
-            .job("noisy", cron("0 0 1 1 *"))
-    });
+    let noisy = shell(script).with("max_retries", "0");
+    Cfg::new()
+        .task("noisy", noisy)
+        .job("noisy", cron("0 0 1 1 *"))
+}
+
+/// Whether the worker's JSON log `log` has an event of task `noisy`'s instance `key` that
+/// says `line` on `stream`.
+fn said(log: &str, key: &str, stream: &str, line: &str) -> bool {
+    let mut events = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok());
+    events.any(|e| {
+        let f = &e["fields"];
+        f["stream"] == stream && f["line"] == line && f["key"] == key && f["task"] == "noisy"
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failing_tasks_stderr_reaches_its_dead_letter_and_status() {
+    let mut sc = Scenario::new("e2e_failures_stderr", |_| noisy());
     sc.start_worker_with(&["--log-format", "json"]).await;
     sc.run_ok("drumline-beat", &["trigger", "noisy"]);
     wait_dead(&sc, 1).await;
@@ -176,32 +191,16 @@ async fn a_failing_tasks_stderr_reaches_its_dead_letter_and_status() {
     let (key, reason, _, error) = &letters[0];
     assert_eq!(reason, "retries_exhausted");
     assert!(error.starts_with("exit code 1: stderr: "), "{error}");
-    let explained = error
-        .trim_end()
-        .ends_with("ledger refused: account 42 is closed");
-    assert!(explained, "{error}");
+    let explained = "ledger refused: account 42 is closed";
+    assert!(error.trim_end().ends_with(explained), "{error}");
     assert!(error.len() <= 4096, "{} bytes", error.len());
     let what = "the start of stderr is dropped, not its end";
     assert!(!error.contains("noise 0 "), "{what}");
-
     let report = sc.status_json();
     let last_error = report["jobs"][0]["last_error"].as_str().unwrap_or_default();
     assert_eq!(last_error, error, "{report:#}");
-
     // The task's output lines are JSON events of the worker's log, with their fields.
-    let said = |stream: &str, line: &str| {
-        let log = sc.workers[0].log();
-        let events = log
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok());
-        events.into_iter().any(|e| {
-            let f = &e["fields"];
-            f["stream"] == stream
-                && f["line"] == line
-                && f["key"] == key.as_str()
-                && f["task"] == "noisy"
-        })
-    };
+    let said = |stream: &str, line: &str| said(&sc.workers[0].log(), key, stream, line);
     sc.wait(WAIT, "no stdout event", || said("stdout", "hello out"));
-    assert!(said("stderr", "ledger refused: account 42 is closed"));
+    assert!(said("stderr", explained));
 }
