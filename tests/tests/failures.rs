@@ -4,10 +4,9 @@
 
 use chrono::Utc;
 use drumline_e2e::cfg::{cron, shell, Cfg};
-use drumline_e2e::scenario::Scenario;
+use drumline_e2e::scenario::{take_dead_letters, Scenario};
 use drumline_e2e::{adhoc, wait_until_async, TestEnv};
 use drumline_shared::broker::{header_int, header_str};
-use lapin::options::{BasicAckOptions, BasicGetOptions};
 use serde_json::Value;
 use std::time::Duration;
 
@@ -47,28 +46,21 @@ fn config(env: &TestEnv) -> Cfg {
 
 /// (key, reason, attempts, error) of every dead letter, taken off `{ns}.dead`, sorted.
 async fn dead_letters(env: &TestEnv) -> Vec<(String, String, i64, String)> {
-    let conn = env.amqp().await;
-    let ch = conn.create_channel().await.unwrap();
-    let mut out = Vec::new();
-    let dead = env.names().dead();
-    let get = || ch.basic_get(dead.as_str().into(), BasicGetOptions::default());
-    while let Some(msg) = get().await.unwrap() {
-        let props = &msg.delivery.properties;
+    let letter = |props: &lapin::BasicProperties| {
         let h = props.headers().clone();
-        let key = props
-            .message_id()
-            .as_ref()
-            .map(|m| m.to_string())
-            .unwrap_or_default();
-        out.push((
-            key,
+        let key = props.message_id().as_ref().map(|m| m.to_string());
+        (
+            key.unwrap_or_default(),
             header_str(h.as_ref(), "x-drumline-reason").unwrap(),
             header_int(h.as_ref(), "x-drumline-attempts").unwrap(),
             header_str(h.as_ref(), "x-drumline-error").unwrap(),
-        ));
-        msg.delivery.ack(BasicAckOptions::default()).await.unwrap();
-    }
-    let _ = conn.close(200, "bye".into()).await;
+        )
+    };
+    let letters = take_dead_letters(env).await;
+    let mut out: Vec<_> = letters
+        .iter()
+        .map(|l| letter(&l.delivery.properties))
+        .collect();
     out.sort();
     out
 }
@@ -154,9 +146,6 @@ async fn retries_exhaustion_permanent_failures_expiry_and_size() {
     assert_eq!(sc.queue_len(&queue).await, Some(0));
 }
 
-/// A failing shell task's stderr is readable where people look: its dead letter's
-/// `x-drumline-error` (bounded, the end of stderr kept) and `status`; and with `--log-format
-/// json` its output lines are JSON events carrying key, task and stream.
 /// Task `noisy` (no retries, a job that never comes due) says `hello out`, writes 8 KiB of
 /// noise on stderr, then the line that explains its failure, and exits 1.
 fn noisy() -> Cfg {
@@ -181,6 +170,9 @@ fn said(log: &str, key: &str, stream: &str, line: &str) -> bool {
     })
 }
 
+/// A failing shell task's stderr is readable where people look: its dead letter's
+/// `x-drumline-error` (bounded, the end of stderr kept) and `status`; and with `--log-format
+/// json` its output lines are JSON events carrying key, task and stream.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_failing_tasks_stderr_reaches_its_dead_letter_and_status() {
     let mut sc = Scenario::new("e2e_failures_stderr", |_| noisy());
