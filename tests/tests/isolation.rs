@@ -3,7 +3,7 @@
 
 use drumline_e2e::cfg::{every, Cfg, Keys};
 use drumline_e2e::scenario::Scenario;
-use drumline_e2e::{metric, toml_string, wait_until, PrivateRabbit};
+use drumline_e2e::{metric, toml_string, wait_until, wait_until_async, PrivateRabbit};
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use lapin::{Connection, ConnectionProperties};
 use std::collections::BTreeSet;
@@ -40,6 +40,19 @@ async fn drain(url: &str, queue: &str) -> Vec<String> {
     keys
 }
 
+/// Jobs `big`, `small` and `other`, every second, on the broker at `url`; `big`'s args (4 KiB)
+/// are over the broker's `max_message_size`.
+fn big_small_and_other(url: &str) -> Cfg {
+    let on_t = || every("1s").with("task", "\"t\"");
+    let big = format!("{{ blob = \"{}\" }}", "x".repeat(4096));
+    Cfg::new()
+        .set("broker", "url", &toml_string(url))
+        .job("big", on_t().with("args", &big))
+        .job("small", on_t())
+        .job("other", on_t())
+        .task("t", Keys::default().with("command", "[\"/bin/true\"]"))
+}
+
 /// The broker refuses one job's messages in a way that closes the channel (a body over the
 /// broker's `max_message_size`). That job is first in every batch (its instants are the
 /// oldest), so before jobs were isolated every other job's message in the batch failed with
@@ -47,48 +60,24 @@ async fn drain(url: &str, queue: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_job_the_broker_refuses_does_not_hold_up_the_others() {
     let rabbit = PrivateRabbit::start_with("isolation", "max_message_size = 2048");
-    let (url, big) = (rabbit.url(), "x".repeat(4096));
-    let mut sc = Scenario::new("e2e_isolation", |_| {
-        let on_t = || every("1s").with("task", "\"t\"");
-        Cfg::new()
-            .set("broker", "url", &toml_string(&url))
-            .job(
-                "big",
-                on_t().with("args", &format!("{{ blob = \"{big}\" }}")),
-            )
-            .job("small", on_t())
-            .job("other", on_t())
-            .task("t", Keys::default().with("command", "[\"/bin/true\"]"))
-    });
+    let url = rabbit.url();
+    let mut sc = Scenario::new("e2e_isolation", |_| big_small_and_other(&url));
     let metrics = sc.start_metered_beat();
     // On the private broker: count what waits in the work queue there.
     let queue = sc.names().work_queue("default");
-    let mut published = 0;
-    for _ in 0..300 {
-        published = ready(&url, &queue).await;
-        if published >= 10 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    sc.check(
-        published >= 10,
-        format!("only {published} messages in 30 s"),
-    );
+    let ten = || async { ready(&url, &queue).await >= 10 };
+    let published = wait_until_async(Duration::from_secs(30), ten).await;
+    let only = ready(&url, &queue).await;
+    sc.check(published, format!("only {only} messages in 30 s"));
     // The one job that cannot be published is the one the beat reports stalled.
     let stalled = || metric(metrics, "drumline_beat_stalled_jobs");
     let one = wait_until(Duration::from_secs(20), || stalled() == Some(1.0));
     sc.check(one, format!("drumline_beat_stalled_jobs {:?}", stalled()));
     sc.stop();
-
     // Every message is the small or the other job's, each instant once, both jobs moving.
     let keys = drain(&url, &queue).await;
-    let distinct: BTreeSet<&String> = keys.iter().collect();
-    assert_eq!(
-        distinct.len(),
-        keys.len(),
-        "an instant published twice: {keys:?}"
-    );
+    let distinct = keys.iter().collect::<BTreeSet<_>>().len();
+    assert_eq!(distinct, keys.len(), "an instant published twice: {keys:?}");
     let ours = |k: &String| k.starts_with("small@") || k.starts_with("other@");
     assert!(keys.iter().all(ours), "{keys:?}");
     for job in ["small@", "other@"] {
