@@ -6,7 +6,7 @@ use drumline_e2e::cfg::{every, Cfg};
 use drumline_e2e::scenario::{appends, stop, Scenario};
 use drumline_e2e::snoop::Snoop;
 use drumline_e2e::{
-    adhoc, assert_contiguous_exactly_once, http_get, metric, toml_string, wait_until,
+    adhoc, assert_contiguous_exactly_once, http_get, metric, toml_string, wait_until, TestEnv,
 };
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -125,37 +125,37 @@ async fn redis_outage_fails_closed_and_resumes() {
     assert_eq!(sc.queue_len(&queue).await, Some(0));
 }
 
+/// Job `tick` (every second, `catch_up`, `queue`) appends its key to `effects`, on the broker
+/// at `url`.
+fn catching_up_on(env: &TestEnv, url: &str) -> Cfg {
+    let tick = every("1s")
+        .with("task", "\"append\"")
+        .with("misfire", "\"catch_up\"")
+        .with("overlap", "\"queue\"");
+    let cfg = Cfg::new()
+        .set("broker", "url", &toml_string(url))
+        .set("worker", "lease", "\"3s\"");
+    cfg.job("tick", tick)
+        .task("append", appends(env, "effects"))
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_broker_restart_loses_nothing_and_doubles_nothing() {
     let mut rabbit = drumline_e2e::PrivateRabbit::start("restart");
-    let url = toml_string(&rabbit.url());
-    let mut sc = Scenario::new("e2e_broker_restart", |env| {
-        let tick = every("1s")
-            .with("task", "\"append\"")
-            .with("misfire", "\"catch_up\"")
-            .with("overlap", "\"queue\"");
-        let cfg = Cfg::new()
-            .set("broker", "url", &url)
-            .set("worker", "lease", "\"3s\"");
-        cfg.job("tick", tick)
-            .task("append", appends(env, "effects"))
-    });
+    let url = rabbit.url();
+    let mut sc = Scenario::new("e2e_broker_restart", |env| catching_up_on(env, &url));
     // On the private broker: the kit's topology wait asks the shared one, so start by hand.
-    for label in ["w1", "w2"] {
-        let worker = sc.env.worker(label, &["--config", sc.cfg()]);
-        sc.workers.push(worker);
-    }
+    let workers = ["w1", "w2"].map(|label| sc.worker_on(label, sc.cfg()));
+    sc.workers.extend(workers);
     // Records what the beat publishes on the private broker, across its restart.
     let snoop = Snoop::start_at(&mut sc, &rabbit.url(), "default");
     sc.start_beat();
     sc.wait(WAIT, "four runs", || sc.lines("effects").len() >= 4);
-
     rabbit.restart();
     let before = sc.lines("effects").len();
     let what = "no progress after the broker restart";
-    sc.wait(Duration::from_secs(90), what, || {
-        sc.lines("effects").len() >= before + 4
-    });
+    let four_more = || sc.lines("effects").len() >= before + 4;
+    sc.wait(Duration::from_secs(90), what, four_more);
     stop(&mut [sc.last_beat()]);
     let mut unique = snoop.published_keys();
     unique.sort();
@@ -164,7 +164,6 @@ async fn a_broker_restart_loses_nothing_and_doubles_nothing() {
     let ran = sc.lines("effects").len();
     assert!(all_ran, "published {} instances, ran {ran}", unique.len());
     sc.stop();
-
     // Exactly once, and with catch_up nothing in the outage window is lost.
     let mut lines = sc.lines("effects");
     assert_contiguous_exactly_once(&lines, before + 4);
