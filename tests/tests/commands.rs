@@ -130,51 +130,48 @@ fn slow_and_broken() -> Cfg {
         )
 }
 
+/// `cfg` with a broker URL on a port nothing listens on.
+fn without_a_broker(cfg: Cfg) -> Cfg {
+    let url = format!("\"amqp://guest:guest@127.0.0.1:{}/%2f\"", unused_port());
+    cfg.set("broker", "url", &url)
+}
+
+/// `status --json` document `s` shows two or more `slow` instances running, a last failure of
+/// `broken` and a dead letter.
+fn piled_up_and_failed(s: &Value) -> bool {
+    s["jobs"][0]["running"].as_u64() >= Some(2)
+        && s["jobs"][1]["last_failure"].is_string()
+        && s["dead_letters"].as_u64() >= Some(1)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn status_counts_running_instances_failures_and_dead_letters() {
     let mut sc = Scenario::start("e2e_status_running", 1, 1, |_| slow_and_broken()).await;
     // Instances of `slow` pile up (overlap = allow, 4 slots); `broken` fails, is dead-lettered
     // and becomes the job's last failure.
-    let seen = wait_until(WAIT, || {
-        let s = sc.status_json();
-        s["jobs"][0]["running"].as_u64() >= Some(2)
-            && s["jobs"][1]["last_failure"].is_string()
-            && s["dead_letters"].as_u64() >= Some(1)
-    });
+    let seen = wait_until(WAIT, || piled_up_and_failed(&sc.status_json()));
     sc.check(seen, sc.status_json());
     let s = sc.status_json();
     assert_eq!(s["jobs"][1]["running"], 0, "{s}");
     assert_eq!(s["jobs"][0]["last_failure"], Value::Null, "{s}");
     stop(&mut [sc.last_beat()]);
-
     // A killed worker's instances age out with their leases.
     sc.workers[0].kill9();
     let aged = wait_until(WAIT, || sc.status_json()["jobs"][0]["running"] == 0);
     assert!(aged, "{}", sc.status_json());
-
     // Without a broker, status still answers from Redis; only the dead letters are unknown.
-    let url = format!("\"amqp://guest:guest@127.0.0.1:{}/%2f\"", unused_port());
-    let offline = sc.write_config(
-        "offline.toml",
-        &slow_and_broken().set("broker", "url", &url),
-    );
-    let offline = offline.to_str().unwrap();
+    let offline = sc.config_named("offline.toml", &without_a_broker(slow_and_broken()));
     let status = |extra: &[&str]| {
-        let (code, out, err) = sc.run(
-            "drumline-beat",
-            &[&["--config", offline, "status"], extra].concat(),
-        );
-        assert!(code.success(), "{err}");
+        let (code, out, err) = sc.beat_cmd(&offline, &[&["status"], extra].concat());
+        assert_eq!(code, 0, "{err}");
         out
     };
     let s: Value = serde_json::from_str(&status(&["--json"])).expect("status --json");
     assert_eq!(s["dead_letters"], Value::Null, "{s}");
     assert!(s["jobs"][1]["last_failure"].is_string(), "{s}");
     let table = status(&[]);
-    assert!(
-        table.lines().any(|l| l.starts_with("dead letters: -")),
-        "{table}"
-    );
+    let unknown = table.lines().any(|l| l.starts_with("dead letters: -"));
+    assert!(unknown, "{table}");
 }
 
 /// `status` writes rows as it reads them (docs/operations.md#status-of-many-jobs): for 2,000
