@@ -24,8 +24,7 @@ fn config(env: &TestEnv) -> Cfg {
     };
     let pids = env.path("pids").display().to_string();
     Cfg::new()
-        .set("worker", "concurrency", "4")
-        .set("worker", "lease", "\"3s\"")
+        .worker_slots(4, "3s")
         .set("worker", "max_message_bytes", "4096")
         .task(
             "flaky",

@@ -205,6 +205,11 @@ fn of_epoch(snoop: &Snoop, epoch: u64) -> Vec<Snooped> {
         .collect()
 }
 
+/// When each of `copies` was decided (`published_at`, the beat's wall clock).
+fn decided(copies: &[Snooped]) -> impl Iterator<Item = DateTime<Utc>> + '_ {
+    copies.iter().map(|m| m.envelope.published_at)
+}
+
 /// Epoch `epoch`'s copies decided (`published_at`, the beat's wall clock) after `t`:
 /// (key, decided, arrived).
 fn decided_after(
@@ -899,17 +904,8 @@ async fn a_leader_cut_off_from_redis_stops_publishing_before_a_standby_takes_ove
     // The two terms do not overlap: the old leader decided its last message before the new one
     // decided its first, and within lease − lease/3 of the cut (its last renewal was before).
     let old = of_epoch(&snoop, first.epoch);
-    let old_last = old
-        .iter()
-        .map(|m| m.envelope.published_at)
-        .max()
-        .expect("old");
-    let new = of_epoch(&snoop, second.epoch);
-    let new_first = new
-        .iter()
-        .map(|m| m.envelope.published_at)
-        .min()
-        .expect("new");
+    let old_last = decided(&old).max().expect("old");
+    let new_first = decided(&of_epoch(&snoop, second.epoch)).min().expect("new");
     println!(
         "Redis cut: standby led {took_over:?} after the cut; old term's last decision {} ms after \
          the cut, new term's first {} ms after it",
