@@ -824,20 +824,14 @@ impl PrivateRabbit {
     /// Closes every client connection on the node (`rabbitmqctl close_all_connections`): the
     /// clients see a broker-side close and must reconnect.
     pub fn close_connections(&self) {
-        let out = Command::new("rabbitmqctl")
-            .args([
-                "-n",
-                &self.name,
-                "close_all_connections",
-                "closed by a test",
-            ])
-            .output()
-            .expect("rabbitmqctl must be installed");
-        assert!(
-            out.status.success(),
-            "rabbitmqctl close_all_connections failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let mut close = Command::new("rabbitmqctl");
+        close.args([
+            "-n",
+            &self.name,
+            "close_all_connections",
+            "closed by a test",
+        ]);
+        scenario::run_checked(&mut close, "rabbitmqctl close_all_connections");
     }
 }
 

@@ -258,6 +258,15 @@ impl Scenario {
     }
 }
 
+/// Runs `command` to its end and asserts it succeeded, with `what` and its stderr when it did
+/// not (or could not start): its output.
+pub fn run_checked(command: &mut std::process::Command, what: &str) -> std::process::Output {
+    let out = command.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{what} failed: {stderr}");
+    out
+}
+
 /// `base` for the first, `base-N` for the N-th.
 fn numbered(base: &str, started: usize) -> String {
     match started {

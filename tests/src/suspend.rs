@@ -28,18 +28,11 @@ fn shim() -> &'static Path {
         let source = dir.join(format!("suspend-shim-{}.c", std::process::id()));
         let library = dir.join(format!("suspend-shim-{}.so", std::process::id()));
         fs::write(&source, include_str!("suspend_shim.c")).expect("write the shim");
-        let out = Command::new("cc")
-            .args(["-shared", "-fPIC", "-O2", "-o"])
-            .arg(&library)
-            .arg(&source)
-            .arg("-ldl")
-            .output()
-            .expect("cc (the C compiler Rust links with) must be installed");
-        assert!(
-            out.status.success(),
-            "cannot compile the suspend shim: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let mut cc = Command::new("cc");
+        cc.args(["-shared", "-fPIC", "-O2", "-o"]);
+        cc.arg(&library).arg(&source).arg("-ldl");
+        // cc is the C compiler Rust links with.
+        crate::scenario::run_checked(&mut cc, "compiling the suspend shim with cc");
         let _ = fs::remove_file(&source);
         library
     })

@@ -107,17 +107,9 @@ impl Certs {
 
 /// Runs `openssl` with `args` split on whitespace, in `dir`.
 fn openssl(dir: &Path, args: &str) {
-    let out = Command::new("openssl")
-        .args(args.split_whitespace())
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .output()
-        .expect("openssl");
-    assert!(
-        out.status.success(),
-        "openssl {args} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let mut openssl = Command::new("openssl");
+    openssl.args(args.split_whitespace()).current_dir(dir);
+    crate::scenario::run_checked(openssl.stdin(Stdio::null()), &format!("openssl {args}"));
 }
 
 /// A private `redis-server` serving TLS on `tls_port` (the one drumline is given), plus a
