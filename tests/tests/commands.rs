@@ -2,7 +2,7 @@
 
 use drumline_e2e::cfg::{cron, every, Cfg, Keys};
 use drumline_e2e::scenario::{appends, stop, Scenario};
-use drumline_e2e::{counts, http_get, metric, unused_port, wait_until};
+use drumline_e2e::{counts, http_get, metric, unused_port, wait_until, TestEnv};
 use serde_json::Value;
 use std::time::Duration;
 
@@ -49,57 +49,60 @@ async fn adhoc_publish_runs_once_per_key_and_delayed_tasks_run_too() {
     usage_error(&sc, &["publish", "append", "--args", "{oops"]);
 }
 
+/// Task `append` appends its key to `effects`; job `tick` runs it every second, `never` on
+/// New Year's midnight.
+fn tick_and_never(env: &TestEnv) -> Cfg {
+    let on_append = |keys: Keys| keys.with("task", "\"append\"");
+    Cfg::new()
+        .job("tick", on_append(every("1s")))
+        .job("never", on_append(cron("0 0 1 1 *")))
+        .task("append", appends(env, "effects"))
+}
+
+/// `status --json` document `s` shows a success of `tick`, which is not stale.
+fn tick_succeeded(s: &Value) -> bool {
+    let tick = &s["jobs"][0];
+    tick["job"] == "tick" && tick["last_success"].is_string() && tick["stale"] == false
+}
+
+/// `status --json` document `s` names the beat `pid` as the leader, with the lease's first
+/// epoch, its host and since when, and not its token (which stays in Redis).
+fn assert_first_leader(s: &Value, pid: i32) {
+    let leader = &s["leader"];
+    assert_eq!(leader["pid"], pid, "{s}");
+    assert_eq!(leader["epoch"], 1, "{s}");
+    let described = leader["host"].is_string() && leader["since"].is_string();
+    assert!(described, "{s}");
+    assert!(
+        leader.get("token").is_none(),
+        "the token stays in Redis: {s}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn status_reports_progress_success_and_staleness() {
-    let mut sc = Scenario::start("e2e_status", 0, 1, |env| {
-        let on_append = |keys: Keys| keys.with("task", "\"append\"");
-        Cfg::new()
-            .job("tick", on_append(every("1s")))
-            .job("never", on_append(cron("0 0 1 1 *")))
-            .task("append", appends(env, "effects"))
-    })
-    .await;
+    let mut sc = Scenario::start("e2e_status", 0, 1, tick_and_never).await;
     let metrics = sc.start_metered_beat();
     sc.wait(WAIT, "two runs", || sc.lines("effects").len() >= 2);
-    assert_eq!(
-        http_get(metrics, "/healthz"),
-        Some((200, "ok\n".to_owned()))
-    );
+    let health = http_get(metrics, "/healthz");
+    assert_eq!(health, Some((200, "ok\n".to_owned())));
     // The worker can finish a run before the beat has handled the broker's confirm of it:
     // poll the counter rather than read it once.
     let series = r#"drumline_beat_published_total{job="tick"}"#;
     let two = wait_until(WAIT, || metric(metrics, series).is_some_and(|n| n >= 2.0));
     assert!(two, "{:?}", http_get(metrics, "/metrics"));
-
-    let healthy = wait_until(WAIT, || {
-        let tick = &sc.status_json()["jobs"][0];
-        tick["job"] == "tick" && tick["last_success"].is_string() && tick["stale"] == false
-    });
+    let healthy = wait_until(WAIT, || tick_succeeded(&sc.status_json()));
     assert!(healthy, "{}", sc.status_json());
     let s = sc.status_json();
-    // The one beat leads: status names it, with the lease's first epoch.
-    let leader = &s["leader"];
-    assert_eq!(leader["pid"], sc.beats[0].pid(), "{s}");
-    assert_eq!(leader["epoch"], 1, "{s}");
-    assert!(
-        leader["host"].is_string() && leader["since"].is_string(),
-        "{s}"
-    );
-    assert!(
-        leader.get("token").is_none(),
-        "the token stays in Redis: {s}"
-    );
+    assert_first_leader(&s, sc.beats[0].pid());
     assert_eq!(s["dead_letters"], 0, "{s}");
     let tick = &s["jobs"][0];
     assert_eq!(tick["schedule"], "every 1s");
     assert!(tick["next_due"].is_string() && tick["last_published"].is_string());
     let never = &s["jobs"][1];
     assert_eq!(never["last_success"], Value::Null);
-    assert_eq!(
-        never["stale"], false,
-        "a job that never came due is not stale"
-    );
-
+    let what = "a job that never came due is not stale";
+    assert_eq!(never["stale"], false, "{what}");
     // Stop the workers: the job keeps being published but nothing succeeds; after two periods
     // it is flagged stale.
     stop(&mut [&mut sc.workers[0]]);
