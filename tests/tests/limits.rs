@@ -111,6 +111,11 @@ async fn a_group_of_two_never_runs_three_at_once_across_three_workers() {
     eprintln!("24 runs of 0.3 s, at most {most} at once across three workers");
 }
 
+/// `spans` holds `n` keys, each of whose runs ended.
+fn all_ended(spans: &BTreeMap<String, (Vec<u128>, Vec<u128>)>, n: usize) -> bool {
+    spans.len() == n && spans.values().all(|(_, ends)| !ends.is_empty())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_workers_slot_frees_within_its_lease() {
     // The first run of `stuck` holds the group's only slot for a long time; every other run,
@@ -129,37 +134,27 @@ async fn a_killed_workers_slot_frees_within_its_lease() {
         .publish(&Message::new("t").key("stuck"))
         .await
         .unwrap();
-    sc.wait(WAIT, "stuck never started", || {
-        spans(&sc).contains_key("stuck")
-    });
+    let started = || spans(&sc).contains_key("stuck");
+    sc.wait(WAIT, "stuck never started", started);
     sc.start_workers(3).await;
     publish(&sc, "after", 3).await;
     // Taken off the queue by the workers and held, waiting for the slot the holder has.
-    let queue = sc.names().work_queue("default");
-    let taken = || async { sc.queue_len(&queue).await == Some(0) };
-    sc.wait_async(WAIT, "not taken off the queue", taken).await;
+    sc.wait_drained("default").await;
     sc.workers[0].kill9();
     let killed_at = now_ns();
-    let all_done = wait_until(WAIT, || {
-        let spans = spans(&sc);
-        spans.len() == 4 && spans.values().all(|(_, ends)| !ends.is_empty())
-    });
+    let all_done = wait_until(WAIT, || all_ended(&spans(&sc), 4));
     sc.check(all_done, format!("{:?}", spans(&sc)));
     let spans = spans(&sc);
-    let first_after = (0..3)
-        .map(|i| spans[&format!("after-{i}")].0[0])
-        .min()
-        .unwrap();
+    let first_after = (0..3).map(|i| spans[&format!("after-{i}")].0[0]).min();
+    let first_after = first_after.expect("three runs after");
     assert!(
         first_after > killed_at,
         "a run started while the slot was held"
     );
     let waited = Duration::from_nanos((first_after - killed_at) as u64);
     // The contract: a waiting run starts within lease + 5 s of the dead holder's slot lapsing.
-    assert!(
-        waited < Duration::from_secs(2 + 5),
-        "the first waiting run started {waited:?} after the kill"
-    );
+    let what = format!("the first waiting run started {waited:?} after the kill");
+    assert!(waited < Duration::from_secs(2 + 5), "{what}");
     for i in 0..3 {
         let (starts, ends) = &spans[&format!("after-{i}")];
         assert_eq!((starts.len(), ends.len()), (1, 1), "{spans:?}");
