@@ -6,7 +6,7 @@
 use chrono::TimeDelta;
 use drumline_e2e::cfg::{every, Cfg};
 use drumline_e2e::scenario::{appends, parse_instant as instant, stop, Scenario};
-use drumline_e2e::snoop::Snoop;
+use drumline_e2e::snoop::{Snoop, Snooped};
 use drumline_e2e::{counts, setup, TestEnv};
 use drumline_shared::envelope::format_instant;
 use serde_json::Value;
@@ -111,6 +111,33 @@ fn check_refuses_a_jitter_not_below_the_period() {
     );
 }
 
+/// Waits until the effect file has `n` more runs than now.
+fn grows_by(sc: &Scenario, n: usize) {
+    let ran = || sc.lines("effects").len();
+    let from = ran();
+    sc.wait(WAIT, format!("fewer than {n} more runs"), || {
+        ran() >= from + n
+    });
+}
+
+/// Copy `m` of `spread` carries its un-jittered instant in its key and `scheduled_for`, and
+/// was neither published nor arrived before that instant + `offset`.
+fn assert_published_late(m: &Snooped, offset: TimeDelta) {
+    let e = &m.envelope;
+    let at = e.scheduled_for;
+    let (key, due) = (&e.key, at + offset);
+    let instant = format!("spread@{}", format_instant(at));
+    assert_eq!(*key, instant, "key is the instant");
+    let on_grid = at.timestamp() % 2 == 0 && at.timestamp_subsec_nanos() == 0;
+    assert!(on_grid, "scheduled_for is on the un-jittered grid: {key}");
+    assert!(
+        e.published_at >= due,
+        "{key} published at {}",
+        e.published_at
+    );
+    assert!(m.arrived >= due, "{key} arrived at {}", m.arrived);
+}
+
 /// A beat, a second beat standing by that takes over when the first stops, then the first
 /// started again: every published copy carries the instant in its key and `scheduled_for`,
 /// and none left before instant + offset; each instant ran once.
@@ -118,14 +145,7 @@ fn check_refuses_a_jitter_not_below_the_period() {
 async fn two_beats_and_a_restart_publish_each_instant_its_offset_late() {
     let mut sc = Scenario::start("jitter_beats", 0, 1, |env| config(env, false)).await;
     let snoop = Snoop::start(&mut sc, "default");
-    let ran = |sc: &Scenario| sc.lines("effects").len();
-    // Each beat in turn (the second standing by until the first stops) adds `n` runs.
-    let grows_by = |sc: &Scenario, n: usize| {
-        let from = ran(sc);
-        sc.wait(WAIT, format!("fewer than {n} more runs"), || {
-            ran(sc) >= from + n
-        });
-    };
+    // Each beat in turn (the second standing by until the first stops) adds runs.
     sc.start_beat();
     grows_by(&sc, 2);
     sc.start_beat();
@@ -135,34 +155,14 @@ async fn two_beats_and_a_restart_publish_each_instant_its_offset_late() {
     sc.start_beat();
     grows_by(&sc, 3);
     stop(&mut [sc.last_beat()]);
-
     let offset = expected_offset(&sc);
-    let published: Vec<_> = snoop
-        .settle()
-        .into_iter()
-        .filter(|m| !m.via_delay)
-        .collect();
+    let settled = snoop.settle().into_iter();
+    let published: Vec<_> = settled.filter(|m| !m.via_delay).collect();
     let epochs: std::collections::BTreeSet<_> = published.iter().map(|m| m.epoch).collect();
     assert!(epochs.len() >= 3, "three terms published: {epochs:?}");
     for m in &published {
-        let e = &m.envelope;
-        let at = e.scheduled_for;
-        let (key, due) = (&e.key, at + offset);
-        assert_eq!(
-            *key,
-            format!("spread@{}", format_instant(at)),
-            "key is the instant"
-        );
-        let on_grid = at.timestamp() % 2 == 0 && at.timestamp_subsec_nanos() == 0;
-        assert!(on_grid, "scheduled_for is on the un-jittered grid: {key}");
-        assert!(
-            e.published_at >= due,
-            "{key} published at {}",
-            e.published_at
-        );
-        assert!(m.arrived >= due, "{key} arrived at {}", m.arrived);
+        assert_published_late(m, offset);
     }
-
     // Dedupe is unchanged: every instant ran exactly once.
     sc.stop();
     let effects = sc.lines("effects");
