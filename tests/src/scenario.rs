@@ -443,6 +443,19 @@ pub async fn queue_counts_at(url: &str, name: &str) -> Option<(u32, u32)> {
     counts.map(|q| (q.message_count(), q.consumer_count()))
 }
 
+/// Job `job`'s row of a `status --json` document; panics if it has none.
+pub fn job_of<'a>(status: &'a serde_json::Value, job: &str) -> &'a serde_json::Value {
+    let jobs = status["jobs"].as_array().expect("jobs");
+    let row = jobs.iter().find(|j| j["job"] == job);
+    row.unwrap_or_else(|| panic!("no job {job} in {status}"))
+}
+
+/// The row of `key` among `audit`'s `rows`; panics if it has none.
+pub fn row_of<'a>(rows: &'a [serde_json::Value], key: &str) -> &'a serde_json::Value {
+    let row = rows.iter().find(|r| r["key"] == key);
+    row.unwrap_or_else(|| panic!("{key} not in {rows:?}"))
+}
+
 /// The class (`ran`, `dead`, `skipped`, `pending`…) `audit` gives `key` among `rows`.
 pub fn class_of(rows: &[serde_json::Value], key: &str) -> Option<String> {
     let row = rows.iter().find(|r| r["key"] == key)?;

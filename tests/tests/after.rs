@@ -6,7 +6,7 @@
 
 use chrono::{DateTime, Utc};
 use drumline_e2e::cfg::{every, shell, Cfg, Keys};
-use drumline_e2e::scenario::{run_field, stop, Scenario, WAIT};
+use drumline_e2e::scenario::{job_of, row_of, run_field, stop, Scenario, WAIT};
 use drumline_e2e::{instant_of, setup, toml_string, wait_until, wait_until_async, TestEnv};
 use drumline_shared::envelope::instance_key as instance;
 use std::collections::BTreeMap;
@@ -299,13 +299,7 @@ async fn a_dead_upstream_skips_the_chain_below_it() {
         }
     }
     let status = sc.status_json();
-    let job = |name: &str| {
-        let jobs = status["jobs"].as_array().expect("jobs");
-        jobs.iter()
-            .find(|j| j["job"] == name)
-            .expect("the job")
-            .clone()
-    };
+    let job = |name: &str| job_of(&status, name);
     assert_eq!(job("b")["after"], "a");
     assert_eq!(job("c")["after"], "b");
     assert!(job("a")["after"].is_null());
@@ -313,32 +307,25 @@ async fn a_dead_upstream_skips_the_chain_below_it() {
     let detail = |j: &str| {
         job(j)["last_skipped"]["detail"]
             .as_str()
-            .expect("a detail")
-            .to_owned()
+            .unwrap_or_default()
     };
     assert!(detail("b").ends_with("is dead"), "{status}");
     assert!(detail("c").ends_with("was skipped"), "{status}");
     let table = sc.run_ok("drumline-beat", &["status"]);
-    assert!(
-        table.contains("after a") && table.contains("b last skipped: b@"),
-        "{table}"
-    );
+    let shown = table.contains("after a") && table.contains("b last skipped: b@");
+    assert!(shown, "{table}");
     // `audit` shows the skips with their reason: the skip is journaled like every fate decision.
     let rows = sc.audit_rows("c", &[]);
     for a in &skipped {
-        let k = key("c", a);
-        let row = rows.iter().find(|r| r["key"] == k.as_str());
-        let row = row.unwrap_or_else(|| panic!("{k} not in {rows:?}"));
+        let row = row_of(&rows, &key("c", a));
         let fate = (row["class"].as_str(), row["reason"].as_str());
         assert_eq!(fate, (Some("skipped"), Some("upstream")), "{row}");
     }
     sc.stop();
     // Neither follower ever ran.
     let s = spans(&sc);
-    assert!(
-        keys_of(&s, "b").is_empty() && keys_of(&s, "c").is_empty(),
-        "{s:?}"
-    );
+    let followers = [keys_of(&s, "b"), keys_of(&s, "c")].concat();
+    assert!(followers.is_empty(), "{s:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -514,8 +501,7 @@ async fn a_triggered_or_backfilled_upstream_runs_alone_and_audit_says_so() {
     let rows = sc.audit_rows("b", &["--from", &from]);
     assert!(settled, "{rows:#?}");
     for t in &paused {
-        let k = instance("b", *t);
-        let row = rows.iter().find(|r| r["key"] == k.as_str()).expect("a row");
+        let row = row_of(&rows, &instance("b", *t));
         let fate = (row["class"].as_str(), row["reason"].as_str());
         assert_eq!(fate, (Some("skipped"), Some("upstream")), "{row}");
     }
