@@ -4,7 +4,7 @@
 
 use drumline_e2e::cfg::{shell, Cfg, Keys};
 use drumline_e2e::scenario::Scenario;
-use drumline_e2e::{adhoc, toml_string, wait_until, AMQP_URL, REDIS_URL};
+use drumline_e2e::{adhoc, toml_string, wait_until, TestEnv, AMQP_URL, REDIS_URL};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -123,22 +123,17 @@ async fn a_task_that_never_reads_a_mebibyte_of_args_still_times_out() {
     assert!(sc.lines("effects").is_empty());
 }
 
-/// A task running as the worker's own (non-root) user cannot read the worker's environment,
-/// where its broker and Redis URLs and their passwords are, nor its supervisor's: both make
-/// themselves non-dumpable before they start anything (docs/design.md "Tasks cannot read the
-/// worker"). Root may read any process's environment, so the worker runs as `nobody` here, as
-/// docs/guarantees.md says to run workers; the task asks its supervisor's status for the worker's pid.
-// See: issues/16
-#[tokio::test(flavor = "multi_thread")]
-async fn a_task_as_the_workers_user_cannot_read_the_workers_environment() {
+/// Task `peek` (the worker removes `DRUMLINE_TEST_SECRET` from tasks' environments) writes
+/// to `out/report` its uid, the worker's pid (its supervisor's parent), and whether it could
+/// read the worker's and its supervisor's environments; `out` is writable by anyone.
+fn peek_config(env: &TestEnv) -> Cfg {
     use std::os::unix::fs::PermissionsExt;
-    let mut sc = Scenario::new("e2e_nondumpable", |env| {
-        // Where the task (as `nobody`) may write.
-        let out = env.path("out");
-        std::fs::create_dir_all(&out).unwrap();
-        std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o777)).unwrap();
-        let script = format!(
-            r#"sup=$PPID
+    // Where the task (as `nobody`) may write.
+    let out = env.path("out");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let script = format!(
+        r#"sup=$PPID
 worker=$(awk '/^PPid:/ {{print $2}}' /proc/$sup/status)
 {{
   echo "uid $(id -u) worker $worker"
@@ -151,16 +146,26 @@ worker=$(awk '/^PPid:/ {{print $2}}' /proc/$sup/status)
   done
 }} > {0}.tmp 2>&1
 mv {0}.tmp {0}"#,
-            out.join("report").display()
-        );
-        let command = format!(
-            "[\"/bin/sh\", \"-c\", {}]",
-            toml_string(&script).replace('\n', "\\n")
-        );
-        Cfg::new()
-            .set("worker", "env_remove", "[\"DRUMLINE_TEST_SECRET\"]")
-            .task("peek", Keys::default().with("command", &command))
-    });
+        out.join("report").display()
+    );
+    let command = format!(
+        "[\"/bin/sh\", \"-c\", {}]",
+        toml_string(&script).replace('\n', "\\n")
+    );
+    Cfg::new()
+        .set("worker", "env_remove", "[\"DRUMLINE_TEST_SECRET\"]")
+        .task("peek", Keys::default().with("command", &command))
+}
+
+/// A task running as the worker's own (non-root) user cannot read the worker's environment,
+/// where its broker and Redis URLs and their passwords are, nor its supervisor's: both make
+/// themselves non-dumpable before they start anything (docs/design.md "Tasks cannot read the
+/// worker"). Root may read any process's environment, so the worker runs as `nobody` here, as
+/// docs/guarantees.md says to run workers; the task asks its supervisor's status for the worker's pid.
+// See: issues/16
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_as_the_workers_user_cannot_read_the_workers_environment() {
+    let mut sc = Scenario::new("e2e_nondumpable", peek_config);
     let password = format!("pw-{}", uuid::Uuid::new_v4().simple());
     let secret = format!("secret-{}", uuid::Uuid::new_v4().simple());
     // Redis accepts any password for its password-less `default` user.
@@ -175,10 +180,8 @@ mv {0}.tmp {0}"#,
     let pid = worker.pid();
     sc.workers.push(worker);
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    assert!(
-        status.contains("\nUid:\t65534\t"),
-        "the worker is not nobody:\n{status}"
-    );
+    let nobody = status.contains("\nUid:\t65534\t");
+    assert!(nobody, "the worker is not nobody:\n{status}");
     let text = run_once(&sc, "k-peek", "peek", &sc.path("out").join("report")).await;
     let uid = format!("uid 65534 worker {pid}\n");
     assert!(text.starts_with(&uid), "{text}");
