@@ -178,6 +178,16 @@ impl Scenario {
         self.check(wait_until(within, condition), what);
     }
 
+    /// Asserts `condition` holds throughout `within` (polled every 100 ms), or panics with
+    /// `what` and every log tail the first time it does not.
+    pub fn hold(&self, within: Duration, what: impl Display, mut condition: impl FnMut() -> bool) {
+        let until = std::time::Instant::now() + within;
+        while std::time::Instant::now() < until {
+            self.check(condition(), &what);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Async variant of [`Scenario::wait`].
     pub async fn wait_async<F, Fut>(&self, within: Duration, what: impl Display, condition: F)
     where

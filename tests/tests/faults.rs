@@ -9,7 +9,7 @@ use drumline_e2e::{
     adhoc, assert_contiguous_exactly_once, http_get, metric, toml_string, wait_until, TestEnv,
 };
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -67,17 +67,20 @@ fn healthz(port: u16) -> Option<(u16, String)> {
     http_get(port, "/healthz")
 }
 
+/// Task `append` appends its key to `effects`, with Redis at `url` (lease 3 s).
+fn appending_on_redis(env: &TestEnv, url: &str) -> Cfg {
+    let cfg = Cfg::new()
+        .set("redis", "url", &toml_string(url))
+        .set("worker", "lease", "\"3s\"");
+    cfg.task("append", appends(env, "effects"))
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_outage_fails_closed_and_resumes() {
     let port = free_port();
     let mut redis = PrivateRedis::start(port);
-    let url = toml_string(&format!("redis://127.0.0.1:{}/0", redis.port));
-    let mut sc = Scenario::new("e2e_redis_down", |env| {
-        let cfg = Cfg::new()
-            .set("redis", "url", &url)
-            .set("worker", "lease", "\"3s\"");
-        cfg.task("append", appends(env, "effects"))
-    });
+    let url = format!("redis://127.0.0.1:{}/0", redis.port);
+    let mut sc = Scenario::new("e2e_redis_down", |env| appending_on_redis(env, &url));
     let metrics = sc.start_metered_worker().await;
     sc.publish(&adhoc("k-before", "append")).await;
     sc.wait(WAIT, "k-before ran", || sc.lines("effects").len() == 1);
@@ -86,7 +89,6 @@ async fn redis_outage_fails_closed_and_resumes() {
     // outage below would erase an unrecorded success (this Redis keeps nothing on disk).
     let succeeded = || metric(metrics, "drumline_worker_succeeded_total");
     sc.wait(WAIT, "k-before recorded", || succeeded() == Some(1.0));
-
     redis.stop();
     // The health check reports the outage even before any delivery hits it.
     let outage = |(code, body): (u16, String)| code == 503 && body.contains("redis unreachable");
@@ -94,31 +96,20 @@ async fn redis_outage_fails_closed_and_resumes() {
     assert!(reported, "{:?}", healthz(metrics));
     sc.publish(&adhoc("k-during", "append")).await;
     // While Redis is gone nothing may run: watch for a while (no claim, no run).
-    let watch_until = Instant::now() + Duration::from_secs(4);
-    while Instant::now() < watch_until {
-        assert_eq!(
-            sc.lines("effects"),
-            vec!["k-before"],
-            "ran without its claim"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let only_before = || sc.lines("effects") == ["k-before"];
+    sc.hold(Duration::from_secs(4), "ran without its claim", only_before);
     let what = "the worker waits for Redis, it does not die";
     assert!(sc.workers[0].is_running(), "{what}");
-
     let _redis = PrivateRedis::start(port);
     sc.wait(WAIT, "did not resume", || sc.lines("effects").len() == 2);
-    sc.wait(WAIT, "not healthy", || {
-        healthz(metrics).map(|r| r.0) == Some(200)
-    });
+    let healthy = || healthz(metrics).map(|r| r.0) == Some(200);
+    sc.wait(WAIT, "not healthy", healthy);
     // The effect is written by the task before the worker records `done` and counts it.
     let counted = wait_until(WAIT, || succeeded() == Some(2.0));
     let (_, exposition) = http_get(metrics, "/metrics").unwrap();
     assert!(counted, "{exposition}");
-    assert!(
-        exposition.contains("drumline_worker_redis_up 1"),
-        "{exposition}"
-    );
+    let up = exposition.contains("drumline_worker_redis_up 1");
+    assert!(up, "{exposition}");
     sc.stop();
     assert_eq!(sc.lines("effects"), vec!["k-before", "k-during"]);
     let queue = sc.names().work_queue("default");
