@@ -372,6 +372,15 @@ async fn a_success_that_ended_while_its_worker_was_frozen_is_recorded_not_rerun(
     assert_eq!(sc.lines("effects"), vec!["k-frozen"], "ran once");
 }
 
+/// Task `long` (lease 3 s) ignores SIGTERM, writes `start PID MS ATTEMPT` to `events`,
+/// sleeps 10 s, then writes `end`.
+fn deaf_to_sigterm(env: &TestEnv) -> Cfg {
+    one_task("long", "3s", &format!(
+        "trap '' TERM; echo \"start $$ $(date +%s%3N) $DRUMLINE_ATTEMPT\" >> {events}; sleep 10; echo end >> {events}",
+        events = env.path("events").display()
+    ))
+}
+
 /// A worker frozen (SIGSTOP) mid-run cannot stop its task, so its supervisor does: the task's
 /// group (which ignores SIGTERM) is dead before the lease could be taken, though the worker
 /// never woke, and never writes its end. Resumed, the worker goes the lease-loss way (the run's
@@ -381,19 +390,12 @@ async fn a_success_that_ended_while_its_worker_was_frozen_is_recorded_not_rerun(
 /// else may start it").
 #[tokio::test(flavor = "multi_thread")]
 async fn a_frozen_workers_task_is_killed_by_its_supervisor_before_the_lease_ends() {
-    let sc = Scenario::start("e2e_frozen_kill", 0, 1, |env| {
-        one_task("long", "3s", &format!(
-            "trap '' TERM; echo \"start $$ $(date +%s%3N) $DRUMLINE_ATTEMPT\" >> {events}; sleep 10; echo end >> {events}",
-            events = env.path("events").display()
-        ))
-    })
-    .await;
+    let sc = Scenario::start("e2e_frozen_kill", 0, 1, deaf_to_sigterm).await;
     sc.publish(&adhoc("k-frozen-kill", "long")).await;
     let first = first_event(&sc);
     let (pid, started_ms): (i32, u128) = (first[1].parse().unwrap(), first[2].parse().unwrap());
     let group = pgid_of(pid).expect("the task is running");
     let (sampler, lease_ends_ms) = watch_lease_end(&sc, "k-frozen-kill").await;
-
     tokio::time::sleep(Duration::from_secs(1)).await;
     sc.workers[0].signal(libc::SIGSTOP);
     let died_at = death_of(group).await;
@@ -410,20 +412,16 @@ async fn a_frozen_workers_task_is_killed_by_its_supervisor_before_the_lease_ends
          at {started_ms}, lease ended at {lease_ends}, group gone at {died_at}): {lines:?}",
         died_at - lease_ends
     );
-    assert!(
-        !lines.iter().any(|l| l == "end"),
-        "the task ran on: {lines:?}"
-    );
+    let ran_on = lines.iter().any(|l| l == "end");
+    assert!(!ran_on, "the task ran on: {lines:?}");
     eprintln!(
         "the frozen worker's task group gone {} ms after its start, {} ms before its lease could \
          be taken",
         died_at - started_ms,
         lease_ends - died_at
     );
-
     sc.workers[0].signal(libc::SIGCONT);
-    let done = || async { sc.run_state("k-frozen-kill").await.as_deref() == Some("done") };
-    sc.wait_async(WAIT, "never recorded done", done).await;
+    sc.wait_state("k-frozen-kill", "done").await;
     let lines = sc.lines("events");
     let starts: Vec<&String> = lines.iter().filter(|l| l.starts_with("start ")).collect();
     assert_eq!(starts.len(), 2, "killed, then run again: {lines:?}");
