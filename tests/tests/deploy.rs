@@ -91,6 +91,54 @@ fn find<'v>(docs: &'v [Value], kind: &str, name: &str) -> &'v Value {
         .unwrap_or_else(|| panic!("no {kind} {name}"))
 }
 
+/// Deployment `name` among `docs`: `replicas` (when given), its selector matching its pods,
+/// its container running `name` with both probes on `/healthz`, the URLs from the Secret, the
+/// config from the ConfigMap at the path `--config` names, and an argument addressing the
+/// container's port.
+fn assert_deployment(docs: &[Value], name: &str, replicas: Option<u64>) {
+    let deployment = find(docs, "Deployment", name);
+    assert_eq!(deployment["apiVersion"], "apps/v1");
+    let spec = &deployment["spec"];
+    if let Some(n) = replicas {
+        assert_eq!(spec["replicas"].as_u64(), Some(n), "{name}");
+    }
+    assert_eq!(
+        spec["selector"]["matchLabels"], spec["template"]["metadata"]["labels"],
+        "{name}"
+    );
+    let pod = &spec["template"]["spec"];
+    let container = &pod["containers"][0];
+    assert_eq!(container["command"][0], name, "{name}");
+    for probe in ["livenessProbe", "readinessProbe"] {
+        assert_eq!(
+            container[probe]["httpGet"]["path"], "/healthz",
+            "{name} {probe}"
+        );
+    }
+    assert_eq!(
+        container["envFrom"][0]["secretRef"]["name"], "drumline-urls",
+        "{name}"
+    );
+    assert_eq!(pod["volumes"][0]["configMap"]["name"], "drumline-config");
+    let mount = container["volumeMounts"][0]["mountPath"].as_str().unwrap();
+    let args: Vec<&str> = container["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert!(
+        args.windows(2)
+            .any(|w| w == ["--config", &format!("{mount}/drumline.toml")]),
+        "{args:?}"
+    );
+    let port = container["ports"][0]["containerPort"].as_u64().unwrap();
+    assert!(
+        args.iter().any(|a| a.ends_with(&format!(":{port}"))),
+        "{args:?}"
+    );
+}
+
 #[test]
 fn kubernetes_manifests_run_two_beats_and_workers_with_probes_config_and_secret() {
     let docs = manifests();
@@ -103,47 +151,7 @@ fn kubernetes_manifests_run_two_beats_and_workers_with_probes_config_and_secret(
         assert!(secret["stringData"][key].is_string(), "{key}");
     }
     for (name, replicas) in [("drumline-beat", Some(2)), ("drumline-worker", None)] {
-        let deployment = find(&docs, "Deployment", name);
-        assert_eq!(deployment["apiVersion"], "apps/v1");
-        let spec = &deployment["spec"];
-        if let Some(n) = replicas {
-            assert_eq!(spec["replicas"].as_u64(), Some(n), "{name}");
-        }
-        assert_eq!(
-            spec["selector"]["matchLabels"], spec["template"]["metadata"]["labels"],
-            "{name}"
-        );
-        let pod = &spec["template"]["spec"];
-        let container = &pod["containers"][0];
-        assert_eq!(container["command"][0], name, "{name}");
-        for probe in ["livenessProbe", "readinessProbe"] {
-            assert_eq!(
-                container[probe]["httpGet"]["path"], "/healthz",
-                "{name} {probe}"
-            );
-        }
-        assert_eq!(
-            container["envFrom"][0]["secretRef"]["name"], "drumline-urls",
-            "{name}"
-        );
-        assert_eq!(pod["volumes"][0]["configMap"]["name"], "drumline-config");
-        let mount = container["volumeMounts"][0]["mountPath"].as_str().unwrap();
-        let args: Vec<&str> = container["args"]
-            .as_sequence()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap())
-            .collect();
-        assert!(
-            args.windows(2)
-                .any(|w| w == ["--config", &format!("{mount}/drumline.toml")]),
-            "{args:?}"
-        );
-        let port = container["ports"][0]["containerPort"].as_u64().unwrap();
-        assert!(
-            args.iter().any(|a| a.ends_with(&format!(":{port}"))),
-            "{args:?}"
-        );
+        assert_deployment(&docs, name, replicas);
     }
     // The ConfigMap's config is one drumline accepts.
     let env = setup("e2e_deploy_config");
