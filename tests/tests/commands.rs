@@ -177,47 +177,27 @@ async fn status_counts_running_instances_failures_and_dead_letters() {
     assert!(unknown, "{table}");
 }
 
-/// `status` writes rows as it reads them (docs/operations.md#status-of-many-jobs): for 2,000
-/// jobs (several steps) `--json` is one document in config order, the table's columns line up
-/// across steps (the longest name comes last), and `status | head` ends quietly once the reader
-/// has what it wanted (the whole report written at once panicked on the closed pipe).
-#[test]
-fn status_of_many_jobs_is_written_as_read_and_stops_quietly_for_head() {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
-    let name = |i: usize| match i {
+/// Job `i` of [`many_jobs`]: the last has the longest name.
+fn many_name(i: usize) -> String {
+    match i {
         1999 => "a-much-longer-name-than-any-other-job".to_owned(),
         _ => format!("job-{i:04}"),
-    };
+    }
+}
+
+/// 2,000 hourly jobs of one task.
+fn many_jobs() -> Cfg {
     let true_task = Keys::default().with("command", "[\"/bin/true\"]");
-    let jobs = (0..2000).fold(Cfg::new().task("t", true_task), |cfg, i| {
-        cfg.job(&name(i), every("1h").with("task", "\"t\""))
-    });
-    let sc = Scenario::new("e2e_status_many", |_| jobs);
+    (0..2000).fold(Cfg::new().task("t", true_task), |cfg, i| {
+        cfg.job(&many_name(i), every("1h").with("task", "\"t\""))
+    })
+}
 
-    let doc = sc.status_json();
-    assert_eq!(doc["total"], 2000);
-    let jobs = doc["jobs"].as_array().unwrap();
-    assert_eq!(jobs.len(), 2000);
-    for (i, job) in jobs.iter().enumerate() {
-        assert_eq!(job["job"], name(i));
-        assert_eq!(job["schedule"], "every 1h");
-    }
-    assert!(
-        doc["workers"].is_array() && doc["queues"].is_array(),
-        "{doc}"
-    );
-
-    let table = sc.run_ok("drumline-beat", &["status"]);
-    let mut lines = table.lines().skip_while(|l| !l.starts_with("JOB"));
-    let header = lines.next().expect("the jobs table");
-    let at = header.find("SCHEDULE").unwrap();
-    let rows: Vec<&str> = lines.take_while(|l| !l.is_empty()).collect();
-    assert_eq!(rows.len(), 2000);
-    for row in &rows {
-        assert_eq!(row.find("every 1h"), Some(at), "{row}");
-    }
-
+/// `drumline-beat --config CFG status | head -n LINES`: the lines read, and how the command
+/// ended once its reader had gone.
+fn status_head(sc: &Scenario, lines: usize) -> (String, std::process::Output) {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
     let mut child = Command::new(drumline_e2e::binary("drumline-beat"))
         .args(["--config", sc.cfg(), "status"])
         .env_remove("DRUMLINE_CONFIG")
@@ -228,11 +208,40 @@ fn status_of_many_jobs_is_written_as_read_and_stops_quietly_for_head() {
         .expect("spawn");
     let mut first = String::new();
     let mut out = BufReader::new(child.stdout.take().unwrap());
-    for _ in 0..3 {
+    for _ in 0..lines {
         out.read_line(&mut first).unwrap();
     }
     drop(out);
-    let ended = child.wait_with_output().unwrap();
+    (first, child.wait_with_output().unwrap())
+}
+
+/// `status` writes rows as it reads them (docs/operations.md#status-of-many-jobs): for 2,000
+/// jobs (several steps) `--json` is one document in config order, the table's columns line up
+/// across steps (the longest name comes last), and `status | head` ends quietly once the reader
+/// has what it wanted (the whole report written at once panicked on the closed pipe).
+#[test]
+fn status_of_many_jobs_is_written_as_read_and_stops_quietly_for_head() {
+    let sc = Scenario::new("e2e_status_many", |_| many_jobs());
+    let doc = sc.status_json();
+    assert_eq!(doc["total"], 2000);
+    let jobs = doc["jobs"].as_array().unwrap();
+    assert_eq!(jobs.len(), 2000);
+    for (i, job) in jobs.iter().enumerate() {
+        assert_eq!(job["job"], many_name(i));
+        assert_eq!(job["schedule"], "every 1h");
+    }
+    let lists = doc["workers"].is_array() && doc["queues"].is_array();
+    assert!(lists, "{doc}");
+    let table = sc.run_ok("drumline-beat", &["status"]);
+    let mut lines = table.lines().skip_while(|l| !l.starts_with("JOB"));
+    let header = lines.next().expect("the jobs table");
+    let at = header.find("SCHEDULE").unwrap();
+    let rows: Vec<&str> = lines.take_while(|l| !l.is_empty()).collect();
+    assert_eq!(rows.len(), 2000);
+    for row in &rows {
+        assert_eq!(row.find("every 1h"), Some(at), "{row}");
+    }
+    let (first, ended) = status_head(&sc, 3);
     let stderr = String::from_utf8_lossy(&ended.stderr);
     assert!(first.starts_with("leader: "), "{first}");
     assert!(ended.status.success(), "{:?} {stderr}", ended.status);
