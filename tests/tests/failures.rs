@@ -75,16 +75,31 @@ async fn wait_dead(sc: &Scenario, n: u32) {
     );
 }
 
+/// The dead letters [`config`]'s tasks leave, sorted: (key, reason, attempts).
+const EXPECTED_LETTERS: [(&str, &str, i64); 5] = [
+    ("k-big", "oversize", 0),
+    ("k-broken", "retries_exhausted", 2),
+    ("k-expired", "expired", 0),
+    ("k-hangs", "retries_exhausted", 1),
+    ("k-refuses", "permanent", 1),
+];
+
+/// The runs of [`config`]'s tasks, sorted: `KEY ATTEMPT`.
+const EXPECTED_RUNS: [&str; 7] = [
+    "k-broken 0",
+    "k-broken 1", // max_retries = 1: two runs
+    "k-flaky 0",
+    "k-flaky 1",
+    "k-flaky 2", // succeeded on the third
+    "k-hangs 0",
+    "k-refuses 0", // permanent: never retried
+];
+
 #[tokio::test(flavor = "multi_thread")]
 async fn retries_exhaustion_permanent_failures_expiry_and_size() {
     let mut sc = Scenario::start("e2e_failures", 0, 1, config).await;
-    for (key, task) in [
-        ("k-flaky", "flaky"),
-        ("k-broken", "broken"),
-        ("k-refuses", "refuses"),
-        ("k-hangs", "hangs"),
-    ] {
-        sc.publish(&adhoc(key, task)).await;
+    for task in ["flaky", "broken", "refuses", "hangs"] {
+        sc.publish(&adhoc(&format!("k-{task}"), task)).await;
     }
     let mut expired = adhoc("k-expired", "flaky");
     expired.expires_at = Some(Utc::now() - chrono::Duration::seconds(1));
@@ -96,45 +111,23 @@ async fn retries_exhaustion_permanent_failures_expiry_and_size() {
     sc.publish(&big).await;
     wait_dead(&sc, 5).await;
     sc.wait_state("k-flaky", "done").await;
-
     let letters = dead_letters(&sc).await;
     let summary: Vec<(&str, &str, i64)> = letters
         .iter()
         .map(|(k, r, a, _)| (k.as_str(), r.as_str(), *a))
         .collect();
-    let expected = [
-        ("k-big", "oversize", 0),
-        ("k-broken", "retries_exhausted", 2),
-        ("k-expired", "expired", 0),
-        ("k-hangs", "retries_exhausted", 1),
-        ("k-refuses", "permanent", 1),
-    ];
-    assert_eq!(summary, expected);
+    assert_eq!(summary, EXPECTED_LETTERS);
     let error_of = |key: &str| letters.iter().find(|l| l.0 == key).unwrap().3.clone();
-    assert!(
-        error_of("k-hangs").contains("timed out"),
-        "{}",
-        error_of("k-hangs")
-    );
+    let hung = error_of("k-hangs");
+    assert!(hung.contains("timed out"), "{hung}");
     assert_eq!(error_of("k-refuses"), "exit code 3");
-
     let mut runs = sc.lines("runs");
     runs.sort();
-    let expected = [
-        "k-broken 0",
-        "k-broken 1", // max_retries = 1: two runs
-        "k-flaky 0",
-        "k-flaky 1",
-        "k-flaky 2", // succeeded on the third
-        "k-hangs 0",
-        "k-refuses 0", // permanent: never retried
-    ];
-    assert_eq!(runs, expected);
+    assert_eq!(runs, EXPECTED_RUNS);
     // The dead letter is confirmed before the run state is marked: wait for the mark.
     sc.wait_state("k-broken", "dead").await;
     sc.wait_state("k-refuses", "dead").await;
     assert_eq!(sc.run_state("k-expired").await, None, "never claimed");
-
     // The timed-out task's whole process group was killed, background child included.
     let sleeper: i32 = sc.lines("pids")[0].parse().unwrap();
     let gone = || !std::path::Path::new(&format!("/proc/{sleeper}")).exists();
