@@ -113,12 +113,27 @@ async fn claims_name_their_epoch(env: &TestEnv, keys: &[&str]) {
     }
 }
 
+/// `verify`'s document `doc` reports exactly two violations: `gone` missed, and `twice`
+/// doubled with the forged journal entry `forged` (by `forger`) as its evidence.
+fn assert_missed_and_doubled(doc: &Value, gone: &str, twice: &str, forged: &str) {
+    let violations = doc["violations"].as_array().unwrap();
+    let rule_of = |key: &str| {
+        let found = violations.iter().find(|v| v["key"] == key);
+        found.unwrap_or_else(|| panic!("{key} not reported: {doc:#}"))
+    };
+    assert_eq!(rule_of(gone)["rule"], "missed");
+    assert_eq!(rule_of(twice)["rule"], "doubled");
+    let evidence = rule_of(twice)["evidence"].as_str().unwrap();
+    let signed = evidence.contains(forged) && evidence.contains("forger");
+    assert!(signed, "{evidence}");
+    assert_eq!(violations.len(), 2, "{doc:#}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
     let mut sc = Scenario::new("e2e_audit", config);
     let from = chrono::Utc::now().to_rfc3339();
     run_a_while(&mut sc, &from).await;
-
     // Every `ran` row is one effect, and every effect a `ran` row.
     let tick = audit(&sc, "tick", &from);
     let ran = with_class(&tick, "ran");
@@ -135,57 +150,33 @@ async fn audit_classifies_each_instant_and_verify_catches_broken_histories() {
     }
     let ran_or_pending = |r: &Value| r["class"] == "ran" || r["class"] == "pending";
     assert!(tick.iter().all(ran_or_pending), "{tick:#?}");
-
     let bad = audit(&sc, "bad", &from);
     let dead = with_class(&bad, "dead");
     assert_eq!(dead[0]["attempts"], 2, "max_retries + 1: {bad:#?}");
     assert!(with_class(&bad, "ran").is_empty(), "{bad:#?}");
-
     let held = audit(&sc, "held", &from);
     let skipped = with_class(&held, "skipped");
     assert!(skipped.iter().all(|r| r["reason"] == "paused"), "{held:#?}");
     let what = format!("a paused job never runs: {held:#?}");
     assert_eq!(skipped.len(), held.len(), "{what}");
-
     let (code, doc) = verify(&sc, "drumline-beat", &[]);
     assert_eq!((code, &doc["holds"]), (0, &Value::Bool(true)), "{doc:#}");
     let decided = (ran.len() + dead.len() + skipped.len()) as u64;
     assert!(doc["checked"].as_u64().unwrap() >= decided);
     assert_eq!(doc["violations"], serde_json::json!([]));
-
     // A worker's claim names the epoch of the leader that published the copy it ran.
     claims_name_their_epoch(&sc, &ran_keys).await;
-
     // Broken on purpose: every trace of one instant gone, a second success forged for another.
     let (gone, twice) = (ran_keys[1].to_owned(), ran_keys[2].to_owned());
     erase(&sc, "tick", &gone).await;
     let forged = forge_success(&sc, &twice).await;
     let tick = audit(&sc, "tick", &from);
-    assert_eq!(
-        class_of(&tick, &gone).as_deref(),
-        Some("missed"),
-        "{tick:#?}"
-    );
-    assert_eq!(
-        class_of(&tick, &twice).as_deref(),
-        Some("doubled"),
-        "{tick:#?}"
-    );
-
+    let class = |key: &str| class_of(&tick, key);
+    assert_eq!(class(&gone).as_deref(), Some("missed"), "{tick:#?}");
+    assert_eq!(class(&twice).as_deref(), Some("doubled"), "{tick:#?}");
     let (code, doc) = verify(&sc, "drumline-beat", &[]);
     assert_eq!((code, &doc["holds"]), (1, &Value::Bool(false)), "{doc:#}");
-    let violations = doc["violations"].as_array().unwrap();
-    let rule_of = |key: &str| {
-        let found = violations.iter().find(|v| v["key"] == key);
-        found.unwrap_or_else(|| panic!("{key} not reported: {doc:#}"))
-    };
-    assert_eq!(rule_of(&gone)["rule"], "missed");
-    assert_eq!(rule_of(&twice)["rule"], "doubled");
-    let evidence = rule_of(&twice)["evidence"].as_str().unwrap();
-    let signed = evidence.contains(&forged) && evidence.contains("forger");
-    assert!(signed, "{evidence}");
-    assert_eq!(violations.len(), 2, "{doc:#}");
-
+    assert_missed_and_doubled(&doc, &gone, &twice, &forged);
     // The table says the same, with the same exit code, on both binaries.
     let table = ["--config", sc.cfg(), "verify", "--since", "10m"];
     let (status, out, _) = sc.run("drumline", &table);
