@@ -159,16 +159,19 @@ async fn watch_lease_end(
     (sampler, lease_ends_ms)
 }
 
+/// Task `long` (lease 3 s) writes `start KEY PID MS` to `events`, sleeps 10 s, then writes
+/// `end KEY PID`. It ignores SIGTERM (and so does its `sleep`, which inherits the
+/// disposition): only SIGKILL stops it, so the kill budget is what is measured.
+fn killed_only_by_sigkill(env: &TestEnv) -> Cfg {
+    let events = env.path("events").display().to_string();
+    one_task("long", "3s", &format!(
+        "trap '' TERM; echo \"start $DRUMLINE_KEY $$ $(date +%s%3N)\" >> {events}; sleep 10; echo \"end $DRUMLINE_KEY $$\" >> {events}"
+    ))
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
-    // The task ignores SIGTERM (and so does its `sleep`, which inherits the disposition): only
-    // SIGKILL stops it, so the kill budget is what is measured.
-    let mut sc = Scenario::new("e2e_partition", |env| {
-        let events = env.path("events").display().to_string();
-        one_task("long", "3s", &format!(
-            "trap '' TERM; echo \"start $DRUMLINE_KEY $$ $(date +%s%3N)\" >> {events}; sleep 10; echo \"end $DRUMLINE_KEY $$\" >> {events}"
-        ))
-    });
+    let mut sc = Scenario::new("e2e_partition", killed_only_by_sigkill);
     let proxy = Proxy::start("127.0.0.1:6379".parse().unwrap());
     sc.start_worker_env(&[("DRUMLINE_REDIS_URL", &proxy.redis_url())])
         .await;
@@ -176,12 +179,10 @@ async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
     let first = first_event(&sc);
     let a_pid: i32 = first[2].parse().unwrap();
     let a_group = pgid_of(a_pid).expect("A's task is running");
-
     // B consumes the same queue, straight from Redis.
     sc.start_workers(1).await;
     let both = || async { consumers(&sc).await == 2 };
     sc.wait_async(WAIT, "B never consumed", both).await;
-
     let (sampler, lease_ends_ms) = watch_lease_end(&sc, "k-part").await;
     proxy.set(Fault::Blackhole);
     let partitioned_at = now_ms();
@@ -200,7 +201,6 @@ async fn a_partitioned_workers_task_is_dead_before_another_worker_starts_it() {
         died_at - partitioned_at,
         lease_ends - died_at
     );
-
     // A never heals; stop it so the requeued delivery cannot wait at its closed gate.
     sc.workers[0].kill9();
     let ended = || sc.lines("events").iter().any(|l| l.starts_with("end "));
