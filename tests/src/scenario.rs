@@ -341,7 +341,13 @@ pub fn appends_after(env: &TestEnv, file: &str, script: &str) -> Keys {
 /// Field `field` of instance `key`'s run record (`state`, `reason`, `token`, `lease_until`…):
 /// [`TestEnv::run_field`] as a function.
 pub async fn run_field(env: &TestEnv, key: &str, field: &str) -> Option<String> {
-    env.run_field(key, field).await
+    let mut redis = env.redis().await;
+    redis::cmd("HGET")
+        .arg(env.names().run_key(key))
+        .arg(field)
+        .query_async(&mut redis)
+        .await
+        .expect("redis")
 }
 
 /// Sets field `field` of instance `key`'s run record to `value` (a record drumline did not
