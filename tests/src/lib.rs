@@ -964,31 +964,6 @@ pub fn http(port: u16, method: &str, path: &str, wait: Duration) -> Option<(u16,
     Some((status, head.to_owned(), body.to_owned()))
 }
 
-/// One HTTP/1.1 request `method path` with `headers` (no body) on 127.0.0.1:`port`: (status
-/// code, body).
-pub fn http_with(
-    port: u16,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-) -> Option<(u16, String)> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    let extra: String = headers
-        .iter()
-        .map(|(k, v)| format!("{k}: {v}\r\n"))
-        .collect();
-    let head =
-        format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\n{extra}Connection: close\r\n\r\n");
-    stream.write_all(head.as_bytes()).ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).ok()?;
-    let status = response.split(' ').nth(1)?.parse().ok()?;
-    let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    Some((status, body.to_owned()))
-}
-
 /// A TCP port nobody listens on right now.
 pub fn unused_port() -> u16 {
     free_port()
