@@ -196,7 +196,7 @@ impl Changes {
 }
 
 /// A stored schedule as the job it runs, checked against `file`.
-pub fn schedule_job(file: &Config, json: &str) -> Result<Job, String> {
+fn schedule_job(file: &Config, json: &str) -> Result<Job, String> {
     let object: Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
     let (_, job) = file
         .check_schedule(None, object)
@@ -205,10 +205,27 @@ pub fn schedule_job(file: &Config, json: &str) -> Result<Job, String> {
 }
 
 /// A stored calendar (`{"name", "dates"}`).
-pub fn calendar_of(json: &str) -> Option<Calendar> {
+fn calendar_of(json: &str) -> Option<Calendar> {
     let object: Value = serde_json::from_str(json).ok()?;
     let dates: Vec<String> = serde_json::from_value(object.get("dates")?.clone()).ok()?;
     Calendar::parse(&dates).ok()
+}
+
+/// `file` with every schedule and calendar stored now, checked as the leader checks them (those
+/// that no longer check left out): the jobs the operator's commands see.
+pub async fn with_stored(file: &Config, store: &Store) -> Result<Config, StoreError> {
+    let objects = read_all(store).await?;
+    let jobs: Vec<Job> = objects
+        .schedules
+        .values()
+        .filter_map(|json| schedule_job(file, json).ok())
+        .collect();
+    let calendars: BTreeMap<String, Calendar> = objects
+        .calendars
+        .iter()
+        .filter_map(|(name, json)| Some((name.clone(), calendar_of(json)?)))
+        .collect();
+    Ok(file.with_schedules(&jobs, &calendars))
 }
 
 /// Every stored schedule and calendar.

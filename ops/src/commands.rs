@@ -9,7 +9,7 @@ use drumline_shared::client::ClientError;
 use drumline_shared::config::{Config, Job, Overlap};
 use drumline_shared::exit::Failure;
 use drumline_shared::names::Names;
-use drumline_shared::store::{ObjectKind, Store, StoreError};
+use drumline_shared::store::{Store, StoreError};
 use serde::Serialize;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -372,30 +372,8 @@ pub(crate) async fn store(config: &Config) -> Result<Store, Failure> {
 /// (docs/design.md#schedules-as-data); those that no longer check are left out.
 pub(crate) async fn with_schedules(config: Config) -> Result<Config, Failure> {
     let store = store(&config).await?;
-    let (mut jobs, mut calendars) = (Vec::new(), std::collections::BTreeMap::new());
-    for kind in [ObjectKind::Schedule, ObjectKind::Calendar] {
-        let mut cursor = 0;
-        loop {
-            let page = store.objects_page(kind, cursor, 1000).await;
-            let (next, page) = page.map_err(store_failure)?;
-            for stored in page {
-                match kind {
-                    ObjectKind::Schedule => {
-                        jobs.extend(drumline_beat::dynamic::schedule_job(&config, &stored.json))
-                    }
-                    ObjectKind::Calendar => {
-                        let calendar = drumline_beat::dynamic::calendar_of(&stored.json);
-                        calendars.extend(calendar.map(|c| (stored.name, c)));
-                    }
-                }
-            }
-            if next == 0 {
-                break;
-            }
-            cursor = next;
-        }
-    }
-    Ok(config.with_schedules(&jobs, &calendars))
+    let with = drumline_beat::dynamic::with_stored(&config, &store).await;
+    with.map_err(store_failure)
 }
 
 /// A store failure at the edge: a failed connection names Redis and its URL already.
