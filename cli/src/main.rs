@@ -15,8 +15,8 @@ use drumline_shared::cli::{run_to_exit, Common};
 use drumline_shared::exit::Failure;
 use std::process::ExitCode;
 
-/// drumline for the person on call: check, inspect and operate the beat, the workers and the
-/// dead letters.
+/// drumline: run the beat and the workers (`drumline beat`, `drumline worker`), and check,
+/// inspect and operate them.
 #[derive(Parser, Debug)]
 #[command(name = "drumline", version)]
 struct Cli {
@@ -28,10 +28,14 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Run the beat: publish every due instance of every job, once (also `drumline-beat`).
+    Beat(drumline_ops::commands::Options),
+    /// Run a worker: consume task messages, run each instance once (also `drumline-worker`).
+    Worker(drumline_worker::commands::Options),
     #[command(flatten)]
-    Beat(drumline_ops::cli::Command),
+    Operate(drumline_ops::cli::Command),
     #[command(flatten)]
-    Worker(drumline_worker::cli::Command),
+    Dead(drumline_worker::cli::Command),
     /// Print a shell completion script for `drumline` on stdout.
     Completions {
         /// The shell.
@@ -40,9 +44,20 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // The worker's shell-task supervisor is this binary too (docs/design.md#the-task-supervisor).
+    if let Some(code) = drumline_worker::supervisor::builtin() {
+        return ExitCode::from(u8::try_from(code).unwrap_or(u8::MAX));
+    }
     let cli = Cli::parse();
-    if let Command::Completions { shell } = cli.command {
-        return completions(shell);
+    match &cli.command {
+        Command::Completions { shell } => return completions(*shell),
+        Command::Worker(_) => {
+            drumline_worker::executor::use_builtin_supervisor();
+            // JSON logs carry task output as events, not raw text between them.
+            let json = cli.common.log_format == drumline_shared::logging::LogFormat::Json;
+            drumline_worker::output::output_as_events(json);
+        }
+        _ => {}
     }
     run_to_exit(cli.common.log_format, dispatch(cli))
 }
@@ -67,8 +82,10 @@ fn completions(shell: clap_complete::Shell) -> ExitCode {
 async fn dispatch(cli: Cli) -> Result<(), Failure> {
     let (config, path) = cli.common.load()?;
     match cli.command {
-        Command::Beat(command) => command.run(config, &path).await,
-        Command::Worker(command) => command.run(config).await,
+        Command::Beat(options) => drumline_ops::commands::run(config, options).await,
+        Command::Worker(options) => drumline_worker::commands::run(config, options).await,
+        Command::Operate(command) => command.run(config, &path).await,
+        Command::Dead(command) => command.run(config).await,
         Command::Completions { .. } => Ok(()),
     }
 }

@@ -14,18 +14,28 @@ use serde::Serialize;
 use std::net::SocketAddr;
 use std::path::Path;
 
+/// The command-line flags of a running beat: those of `drumline beat` and of `drumline-beat`.
+#[derive(clap::Args, Debug, Default)]
+pub struct Options {
+    /// Serve Prometheus metrics at /metrics, a health check at /healthz and the status page at
+    /// / (JSON: /api/status) on HOST:PORT.
+    #[arg(long, value_parser = drumline_shared::metrics::parse_addr)]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Serve the HTTP API (schedules at run time; docs/api.md) on HOST:PORT; every request
+    /// needs the bearer token in the variable `[api] token_env` names (default
+    /// DRUMLINE_API_TOKEN). Overrides `[api] addr`.
+    #[arg(long, value_parser = drumline_shared::metrics::parse_addr)]
+    pub api_addr: Option<SocketAddr>,
+}
+
 /// No command: run the beat until SIGTERM or SIGINT, serving metrics, health and the status
-/// page on `metrics_addr`.
-pub async fn run(
-    config: Config,
-    metrics_addr: Option<SocketAddr>,
-    api_addr: Option<SocketAddr>,
-) -> Result<(), Failure> {
+/// page on `--metrics-addr` and the API on `--api-addr`.
+pub async fn run(config: Config, options: Options) -> Result<(), Failure> {
     let stats = scheduler::BeatStats::default();
     // One config for the beat, the status page and the API (a clone would copy every job).
     let config = std::sync::Arc::new(config);
-    crate::api::serve(&config, api_addr, store(&config)).await?;
-    if let Some(addr) = metrics_addr {
+    crate::api::serve(&config, options.api_addr, store(&config)).await?;
+    if let Some(addr) = options.metrics_addr {
         let mut registry = prometheus_client::registry::Registry::default();
         stats.register(&mut registry);
         drumline_shared::process_metrics::register(&mut registry, "beat", &config.namespace);

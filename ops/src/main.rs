@@ -16,15 +16,8 @@ struct Cli {
     command: Option<Command>,
     #[command(flatten)]
     common: Common,
-    /// Serve Prometheus metrics at /metrics, a health check at /healthz and the status page at
-    /// / (JSON: /api/status) on HOST:PORT.
-    #[arg(long, value_parser = drumline_shared::metrics::parse_addr)]
-    metrics_addr: Option<std::net::SocketAddr>,
-    /// Serve the HTTP API (schedules at run time; docs/api.md) on HOST:PORT; every request
-    /// needs the bearer token in the variable `[api] token_env` names (default
-    /// DRUMLINE_API_TOKEN). Overrides `[api] addr`.
-    #[arg(long, value_parser = drumline_shared::metrics::parse_addr)]
-    api_addr: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    options: commands::Options,
 }
 
 fn main() -> ExitCode {
@@ -36,7 +29,7 @@ fn main() -> ExitCode {
 async fn dispatch(cli: Cli) -> Result<(), Failure> {
     let (config, path) = cli.common.load()?;
     match cli.command {
-        None => commands::run(config, cli.metrics_addr, cli.api_addr).await,
+        None => commands::run(config, cli.options).await,
         Some(command) => command.run(config, &path).await,
     }
 }

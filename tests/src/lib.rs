@@ -242,6 +242,18 @@ impl TestEnv {
         self.spawn_with_env("drumline-worker", label, args, vars)
     }
 
+    /// Starts the program at `path` (a copy or an installed binary, not the build's) with
+    /// `args` and `vars` (logs to `<label>.log`).
+    pub fn program_at(
+        &self,
+        path: &Path,
+        label: &str,
+        args: &[&str],
+        vars: &[(&str, &str)],
+    ) -> Proc {
+        self.launch(Command::new(path), label, label, args, vars)
+    }
+
     /// Starts the workspace binary `bin` (e.g. `typed-worker`, the typed-handler example) with
     /// `args` (logs to `<label>.log`).
     pub fn program(&self, bin: &str, label: &str, args: &[&str]) -> Proc {

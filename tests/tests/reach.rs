@@ -1,8 +1,8 @@
 //! A new user's first steps with the `drumline` command: what its output does when read by a
 //! pipe that closes early.
 
-use drumline_e2e::cfg::{cron, shell, Cfg};
-use drumline_e2e::{adhoc, binary, setup};
+use drumline_e2e::cfg::{cron, every, shell, Cfg, Keys};
+use drumline_e2e::{adhoc, assert_contiguous_exactly_once, binary, setup, wait_until};
 use serde_json::Value;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -84,4 +84,31 @@ fn an_embedded_worker_without_its_supervisor_refuses_to_start() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     let says = stderr.contains("drumline-supervisor") && stderr.contains("missing");
     assert!(says, "{stderr}");
+}
+
+/// `drumline beat` and `drumline worker`: the one binary, alone in a directory, with no
+/// `drumline-supervisor` beside it or on PATH, runs both roles, and a shell job's instants each
+/// run exactly once (the supervisor is built in).
+#[test]
+fn the_one_binary_runs_the_beat_and_a_worker_alone() {
+    let env = setup("reach_one_binary");
+    let mark = Keys::default().with("command", &env.append_key_command("effects", 0.0));
+    let cfg = Cfg::new()
+        .task("mark", mark)
+        .job("tick", every("1s").with("task", "\"mark\""));
+    let config = env.write_config("drumline.toml", &cfg);
+    let config = config.to_str().expect("utf-8");
+    let alone = env.path("drumline");
+    std::fs::copy(binary("drumline"), &alone).expect("a copy");
+    let path = [("PATH", "/usr/bin:/bin")];
+    let beat = env.program_at(&alone, "beat", &["--config", config, "beat"], &path);
+    let worker = env.program_at(&alone, "worker", &["--config", config, "worker"], &path);
+    let ran = wait_until(Duration::from_secs(30), || env.lines("effects").len() >= 3);
+    assert!(
+        ran,
+        "beat:\n{}\nworker:\n{}",
+        beat.log_tail(20),
+        worker.log_tail(20)
+    );
+    assert_contiguous_exactly_once(&env.lines("effects"), 3);
 }

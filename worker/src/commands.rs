@@ -7,14 +7,18 @@ use drumline_shared::config::{self, Config};
 use drumline_shared::exit::Failure;
 use std::net::SocketAddr;
 
-/// The command-line overrides of a running worker.
-#[derive(Debug, Default)]
+/// The command-line overrides of a running worker: the flags of `drumline worker` and of
+/// `drumline-worker`.
+#[derive(clap::Args, Debug, Default)]
 pub struct Options {
-    /// `--concurrency`: tasks run at once across all queues.
+    /// Tasks run at once across all queues (overrides [worker] concurrency).
+    #[arg(long)]
     pub concurrency: Option<usize>,
-    /// `--queues`: the logical queues to consume.
+    /// Comma-separated logical queues to consume (overrides [worker] queues).
+    #[arg(long, value_delimiter = ',')]
     pub queues: Option<Vec<String>>,
-    /// `--metrics-addr`: serve `/metrics` and `/healthz` here.
+    /// Serve Prometheus metrics at /metrics and a health check at /healthz on HOST:PORT.
+    #[arg(long, value_parser = drumline_shared::metrics::parse_addr)]
     pub metrics_addr: Option<SocketAddr>,
 }
 

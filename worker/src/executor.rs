@@ -19,7 +19,7 @@
 use crate::handler::{Handler, HandlerError, HandlerFuture, TaskContext};
 use crate::lease::{self, LeaseClock, KILL_GRACE};
 use crate::output::{self, Stream};
-use crate::supervisor::link::{self, Spec, StartError};
+use crate::supervisor::link::{self, Program, Spec, StartError};
 use crate::supervisor::wire::{Deadline, Status};
 use drumline_shared::config::{Task, ENV_AMQP_URL, ENV_REDIS_URL};
 use drumline_shared::envelope::format_instant;
@@ -31,7 +31,7 @@ use std::ffi::{CString, OsStr, OsString};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
@@ -378,11 +378,12 @@ async fn stop(task: &mut link::Task, grace: Duration) {
     }
 }
 
-/// Where the supervisor is: the path given to [`use_supervisor`], else `drumline-supervisor`
-/// beside the running executable (where the release and `cargo build` put it), else on `PATH`;
-/// looked for once. `Err` says where it was looked for.
-pub fn supervisor() -> Result<&'static Path, SupervisorMissing> {
-    SUPERVISOR_PATH
+/// How the worker starts its supervisors: as set by [`use_supervisor`] or
+/// [`use_builtin_supervisor`], else `drumline-supervisor` beside the running executable (where
+/// the release and `cargo build` put it), else on `PATH`; looked for once. `Err` says where it
+/// was looked for.
+pub fn supervisor() -> Result<&'static Program, SupervisorMissing> {
+    SUPERVISOR_PROGRAM
         .get_or_init(|| {
             let beside = std::env::current_exe()
                 .ok()
@@ -398,14 +399,17 @@ pub fn supervisor() -> Result<&'static Path, SupervisorMissing> {
                 .iter()
                 .chain(&on_path)
                 .find(|p| p.is_file())
-                .cloned()
+                .map(|path| Program {
+                    path: path.clone(),
+                    leading: Vec::new(),
+                })
                 .ok_or(SupervisorMissing { beside })
         })
-        .as_deref()
+        .as_ref()
         .map_err(Clone::clone)
 }
 
-static SUPERVISOR_PATH: OnceLock<Result<PathBuf, SupervisorMissing>> = OnceLock::new();
+static SUPERVISOR_PROGRAM: OnceLock<Result<Program, SupervisorMissing>> = OnceLock::new();
 
 /// `drumline-supervisor` is neither beside the running binary nor on `PATH`.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -423,7 +427,26 @@ pub struct SupervisorMissing {
 /// that embeds the worker and installs `drumline-supervisor` elsewhere). Call it before the
 /// first task runs; `false` when the supervisor was already chosen.
 pub fn use_supervisor(path: PathBuf) -> bool {
-    SUPERVISOR_PATH.set(Ok(path)).is_ok()
+    SUPERVISOR_PROGRAM
+        .set(Ok(Program {
+            path,
+            leading: Vec::new(),
+        }))
+        .is_ok()
+}
+
+/// Runs shell tasks under this very binary as the supervisor (`/proc/self/exe` with
+/// [`crate::supervisor::BUILTIN`] before the pid), for a binary whose `main` hands that
+/// argument to [`crate::supervisor::builtin`] first, as `drumline` does: one file to install.
+/// `/proc/self/exe` is the image the worker runs even after an upgrade replaced the file, so
+/// worker and supervisor always speak the same wire. `false` when one was already chosen.
+pub fn use_builtin_supervisor() -> bool {
+    SUPERVISOR_PROGRAM
+        .set(Ok(Program {
+            path: PathBuf::from("/proc/self/exe"),
+            leading: vec![OsString::from(crate::supervisor::BUILTIN)],
+        }))
+        .is_ok()
 }
 
 /// How many tasks the worker's supervisors hold right now (see [`link::census`]).

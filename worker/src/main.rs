@@ -15,20 +15,18 @@ use std::process::ExitCode;
 struct Cli {
     #[command(flatten)]
     common: Common,
-    /// Tasks run at once across all queues (overrides [worker] concurrency).
-    #[arg(long)]
-    concurrency: Option<usize>,
-    /// Comma-separated logical queues to consume (overrides [worker] queues).
-    #[arg(long, value_delimiter = ',')]
-    queues: Option<Vec<String>>,
-    /// Serve Prometheus metrics at /metrics and a health check at /healthz on HOST:PORT.
-    #[arg(long, value_parser = drumline_shared::metrics::parse_addr)]
-    metrics_addr: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    options: commands::Options,
     #[command(subcommand)]
     command: Option<Command>,
 }
 
 fn main() -> ExitCode {
+    // The shell-task supervisor is this binary too (docs/design.md#the-task-supervisor).
+    if let Some(code) = drumline_worker::supervisor::builtin() {
+        return ExitCode::from(u8::try_from(code).unwrap_or(u8::MAX));
+    }
+    drumline_worker::executor::use_builtin_supervisor();
     let cli = Cli::parse();
     // JSON logs carry task output as events, not raw text between them.
     drumline_worker::output::output_as_events(cli.common.log_format == logging::LogFormat::Json);
@@ -39,14 +37,7 @@ fn main() -> ExitCode {
 async fn dispatch(cli: Cli) -> Result<(), Failure> {
     let (config, _) = cli.common.load()?;
     match cli.command {
-        None => {
-            let options = commands::Options {
-                concurrency: cli.concurrency,
-                queues: cli.queues,
-                metrics_addr: cli.metrics_addr,
-            };
-            commands::run(config, options).await
-        }
+        None => commands::run(config, cli.options).await,
         Some(command) => command.run(config).await,
     }
 }

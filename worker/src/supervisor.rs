@@ -76,6 +76,22 @@ const SOCKET: u64 = u64::MAX;
 /// The epoll token of the deadline timer.
 const TIMER: u64 = u64::MAX - 1;
 
+/// The first argument that makes a binary the built-in supervisor ([`builtin`]).
+pub const BUILTIN: &str = "__supervisor";
+
+/// When this process was started as the built-in supervisor (its first argument
+/// [`BUILTIN`], by [`crate::executor::use_builtin_supervisor`]), runs it and returns its exit
+/// code; `None` otherwise. A binary's `main` calls it before anything else: nothing of the
+/// binary itself (logging, a runtime, the config) runs in the supervisor.
+pub fn builtin() -> Option<i32> {
+    let mut args = std::env::args_os();
+    let _program = args.next();
+    if args.next().as_deref() != Some(std::ffi::OsStr::new(BUILTIN)) {
+        return None;
+    }
+    Some(run(std::env::args_os().skip(1)))
+}
+
 /// Runs the supervisor on its command line (program name first) and returns its exit code.
 pub fn run(args: impl IntoIterator<Item = OsString>) -> i32 {
     let args: Vec<OsString> = args.into_iter().skip(1).collect();

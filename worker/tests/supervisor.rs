@@ -18,6 +18,14 @@ use tokio_util::sync::CancellationToken;
 
 const SUPERVISOR: &str = env!("CARGO_BIN_EXE_drumline-supervisor");
 
+/// The `drumline-supervisor` binary as the worker starts it.
+fn supervisor_program() -> link::Program {
+    link::Program {
+        path: SUPERVISOR.into(),
+        leading: Vec::new(),
+    }
+}
+
 /// One runtime for every test of this binary: the worker has one supervisor link, and its
 /// socket belongs to the runtime that started it. The tests take turns ([`serial`]): some
 /// count the supervisor's tasks.
@@ -343,7 +351,7 @@ fn the_supervisor_stops_a_task_at_its_deadline_on_its_own() {
     use drumline_worker::supervisor::deadline;
     use drumline_worker::supervisor::wire::Status;
     serial(async {
-        let program = Path::new(SUPERVISOR);
+        let program = &supervisor_program();
         let ms_from_now = |ms: u64| deadline::now() + ms * 1_000_000;
         let at = |term, kill| Deadline {
             term: ms_from_now(term),
@@ -386,7 +394,7 @@ fn cpu_ticks(pid: i32) -> Option<u64> {
 #[test]
 fn an_idle_supervisor_uses_no_cpu() {
     serial(async {
-        let program = std::path::Path::new(SUPERVISOR);
+        let program = &supervisor_program();
         let mut ended = Vec::new();
         for _ in 0..20 {
             let spec = spec(vec![c"/bin/true".to_owned()], None);

@@ -18,11 +18,11 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags, SocketFlags, SocketType,
 };
 use std::collections::HashMap;
-use std::ffi::CString;
+use std::ffi::{CString, OsString};
 use std::io;
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -110,8 +110,17 @@ fn links() -> &'static Links {
     })
 }
 
+/// How the worker starts a supervisor: a program and the arguments before the worker's pid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Program {
+    /// The executable: `drumline-supervisor`, or the running binary itself.
+    pub path: PathBuf,
+    /// The arguments before the worker's pid (the built-in supervisor's [`super::BUILTIN`]).
+    pub leading: Vec<OsString>,
+}
+
 /// The next link in turn, started (with its supervisor, `program`) when it is not live.
-fn link(program: &Path) -> io::Result<Arc<Link>> {
+fn link(program: &Program) -> io::Result<Arc<Link>> {
     let links = links();
     let turn = links.turn.fetch_add(1, Ordering::Relaxed) as usize % links.slots.len();
     let mut current = links.slots[turn].lock().expect("supervisor link lock");
@@ -126,7 +135,8 @@ fn link(program: &Path) -> io::Result<Arc<Link>> {
     )?;
     // The supervisor reads its end as stdin, blocking.
     rustix::io::ioctl_fionbio(&theirs, false)?;
-    let child = tokio::process::Command::new(program)
+    let child = tokio::process::Command::new(&program.path)
+        .args(&program.leading)
         .arg(std::process::id().to_string())
         .stdin(Stdio::from(theirs))
         // It needs neither URL; every task gets its own environment with each start.
@@ -322,7 +332,7 @@ pub struct Task {
 }
 
 /// Starts a task under the supervisor at `program` (started first when there is none).
-pub async fn start(program: &Path, spec: Spec) -> Result<Task, StartError> {
+pub async fn start(program: &Program, spec: Spec) -> Result<Task, StartError> {
     let link = link(program).map_err(StartError::Unavailable)?;
     let (mut registration, mut events) = link.register();
     let request = Request::Start(Start {
