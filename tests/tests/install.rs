@@ -1,9 +1,11 @@
 //! The README's set-up line, as a new user runs it: `cargo install --locked --path cli` from a
 //! clean clone installs one `drumline`, which runs every role and the demo config's `check`.
 //!
-//! The clone is of this repository's committed `HEAD`. It builds (debug, to stay fast) into
-//! `target/install-check`, kept between runs, with the clone always at the same path there, so a
-//! second run rebuilds only what changed.
+//! The clone is of this repository's committed `HEAD`, always at `target/install-check/src`. It
+//! builds (debug, to stay fast) in the suite's own target directory: only drumline's crates
+//! compile again, the dependencies are the suite's. The install puts its `drumline` into
+//! `target/debug` too, built from the same commit; no other test binary runs meanwhile (cargo
+//! runs them one after another).
 
 use drumline_e2e::{binary, setup};
 use std::path::Path;
@@ -16,6 +18,23 @@ fn run(cmd: &mut Command) -> Output {
     out
 }
 
+/// `clone` holds a clean checkout of `repo`'s `HEAD`: cloned, or brought there (fetch, hard
+/// reset, every untracked file removed), which leaves unchanged files as they were so cargo
+/// rebuilds only what changed.
+fn clean_clone(repo: &Path, clone: &Path) {
+    if !clone.join(".git").is_dir() {
+        run(Command::new("git")
+            .args(["clone", "-q"])
+            .arg(repo)
+            .arg(clone));
+        return;
+    }
+    let git = |args: &[&str]| run(Command::new("git").arg("-C").arg(clone).args(args));
+    git(&["fetch", "-q", repo.to_str().expect("utf-8"), "HEAD"]);
+    git(&["reset", "-q", "--hard", "FETCH_HEAD"]);
+    git(&["clean", "-q", "-f", "-d", "-x"]);
+}
+
 #[test]
 fn cargo_install_from_a_clean_clone_installs_one_drumline_that_runs() {
     let env = setup("install");
@@ -24,13 +43,8 @@ fn cargo_install_from_a_clean_clone_installs_one_drumline_that_runs() {
         .expect("the repo");
     let drumline = binary("drumline");
     let target = drumline.parent().and_then(Path::parent).expect("target");
-    let target = target.join("install-check");
-    let clone = target.join("src");
-    let _ = std::fs::remove_dir_all(&clone);
-    run(Command::new("git")
-        .args(["clone", "-q"])
-        .arg(repo)
-        .arg(&clone));
+    let clone = target.join("install-check/src");
+    clean_clone(repo, &clone);
     let root = env.path("root");
     let install = [
         "install",
@@ -46,7 +60,7 @@ fn cargo_install_from_a_clean_clone_installs_one_drumline_that_runs() {
         .arg("--root")
         .arg(&root)
         .arg("--target-dir")
-        .arg(&target));
+        .arg(target));
 
     let installed: Vec<String> = std::fs::read_dir(root.join("bin"))
         .expect("bin/")
