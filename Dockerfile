@@ -34,4 +34,4 @@ USER drumline
 ENV DRUMLINE_CONFIG=/app/examples/demo.toml
 # Both binaries exit 0 on SIGTERM; a worker first lets its running tasks finish (shutdown_grace).
 STOPSIGNAL SIGTERM
-CMD ["drumline-worker"]
+CMD ["drumline", "worker"]

@@ -42,13 +42,14 @@ fn systemd_units_notify_with_a_watchdog_and_verify() {
         let watchdog: u64 = get("WatchdogSec").expect("WatchdogSec").parse().unwrap();
         assert!(watchdog > 0, "{bin}");
         let exec = get("ExecStart").expect("ExecStart");
-        let installed = format!("/usr/local/bin/{bin} ");
+        let role = bin.trim_start_matches("drumline-");
+        let installed = format!("/usr/local/bin/drumline {role} ");
         assert!(exec.starts_with(&installed), "{exec}");
         assert!(exec.contains("--metrics-addr"), "{exec}");
         assert_eq!(get("RestartPreventExitStatus"), Some("2"), "{bin}");
         assert!(get("User").is_some_and(|u| u != "root"), "{bin}");
-        // The real binaries where the unit expects them, for the verifier.
-        let built = format!("{}/", binary(bin).parent().unwrap().display());
+        // The real binary where the unit expects it, for the verifier.
+        let built = format!("{}/", binary("drumline").parent().unwrap().display());
         let local = text.replace("/usr/local/bin/", &built);
         std::fs::write(dir.join(format!("{bin}.service")), local).unwrap();
     }
@@ -108,7 +109,9 @@ fn assert_deployment(docs: &[Value], name: &str, replicas: Option<u64>) {
     );
     let pod = &spec["template"]["spec"];
     let container = &pod["containers"][0];
-    assert_eq!(container["command"][0], name, "{name}");
+    let role = name.trim_start_matches("drumline-");
+    let command = serde_yaml::to_value(["drumline", role]).expect("yaml");
+    assert_eq!(container["command"], command, "{name}");
     for probe in ["livenessProbe", "readinessProbe"] {
         assert_eq!(
             container[probe]["httpGet"]["path"], "/healthz",

@@ -83,3 +83,47 @@ fn cargo_install_from_a_clean_clone_installs_one_drumline_that_runs() {
         );
     }
 }
+
+/// `scripts/release` packs the binaries, deploy/ and examples/ with `SHA256SUMS` of each file
+/// inside, and `SHA256SUMS` of the archive beside it; both check, and the packed `drumline`
+/// runs.
+#[test]
+fn the_release_archive_holds_every_binary_and_checks_against_its_sums() {
+    let env = setup("release");
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the repo");
+    let dist = env.path("dist");
+    let release = repo.join("scripts/release");
+    let out = run(Command::new(release).arg("--debug").env("DIST", &dist));
+    let archive = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    assert!(archive.ends_with(".tar.gz"), "{archive}");
+    run(Command::new("sha256sum")
+        .args(["-c", "SHA256SUMS"])
+        .current_dir(&dist));
+    let unpacked = env.path("unpacked");
+    std::fs::create_dir_all(&unpacked).expect("mkdir");
+    run(Command::new("tar")
+        .arg("-xzf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(&unpacked));
+    let name = Path::new(&archive)
+        .file_name()
+        .expect("a name")
+        .to_string_lossy();
+    let top = unpacked.join(name.trim_end_matches(".tar.gz"));
+    run(Command::new("sha256sum")
+        .args(["-c", "--quiet", "SHA256SUMS"])
+        .current_dir(&top));
+    for part in [
+        "bin/drumline-beat",
+        "bin/drumline-worker",
+        "deploy/systemd",
+        "examples/demo.toml",
+    ] {
+        assert!(top.join(part).exists(), "{part} is not in the archive");
+    }
+    let version = run(Command::new(top.join("bin/drumline")).arg("--version"));
+    assert!(String::from_utf8_lossy(&version.stdout).starts_with("drumline "));
+}
