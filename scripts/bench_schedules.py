@@ -1,17 +1,25 @@
 #!/usr/bin/env python3
 """Schedules applied at run time, at scale (scripts/bench step 8; docs/performance.md).
 
-  bench_schedules.py DRUMLINE DRUMLINE_BEAT [--schedules N] [--edits E]
+  bench_schedules.py DRUMLINE DRUMLINE_BEAT [--schedules N] [--edits E] [--puts P]
 
 1. `drumline schedules apply FILE` of N schedule objects (one JSON array): wall time and rate;
    applying the same file again (every object `unchanged`) too.
 2. a beat started with them stored: time until it logs "beat leading", its resident memory then.
-3. E edits, one at a time, each `schedules apply` of one changed object: the time from the
+3. P more schedules by the HTTP API of that beat, `PUT /api/v1/schedules/{name}` from 8
+   connections in parallel: the rate.
+4. E edits, one at a time, each `schedules apply` of one changed object: the time from the
    command's end to the leader's "schedules changed" log line (p50, p99, max).
+5. takeover: a standby started beside it (once it has read every schedule), the leader killed
+   with SIGKILL: the time from the kill to the standby's "beat leading", its own load time
+   (`load_ms`: reading every job's progress, after the lease lapsed) and its resident memory.
 Works in a namespace of its own and deletes its Redis keys at the end. Numbers to report,
 never asserted.
 """
-import argparse, datetime, json, os, statistics, subprocess, sys, tempfile, time
+import argparse, datetime, http.client, json, os, re, signal, socket, statistics, subprocess
+import sys, tempfile, threading, time
+
+TOKEN = "bench-token"
 
 def main():
     ap = argparse.ArgumentParser()
@@ -19,21 +27,28 @@ def main():
     ap.add_argument("beat")
     ap.add_argument("--schedules", type=int, default=100000)
     ap.add_argument("--edits", type=int, default=20)
+    ap.add_argument("--puts", type=int, default=20000)
     a = ap.parse_args()
     ns = f"bench_sched_{os.getpid()}"
     work = tempfile.mkdtemp(prefix="drumline-bench-sched-")
     cfg = os.path.join(work, "drumline.toml")
     with open(cfg, "w") as f:
-        f.write(f'namespace = "{ns}"\n[tasks.report]\ncommand = ["true"]\n')
+        f.write(f'namespace = "{ns}"\n[beat]\nleader_lease = "3s"\n'
+                f'[tasks.report]\ncommand = ["true"]\n')
+    os.environ["DRUMLINE_API_TOKEN"] = TOKEN
+    beats = []
     try:
         apply_many(a, cfg, work)
-        beat = start_beat(a, cfg, work)
-        try:
-            edits(a, cfg, work, beat)
-        finally:
+        port = free_port()
+        beats.append(start_beat(a, cfg, work, "leader", ["--api-addr", f"127.0.0.1:{port}"]))
+        wait_for(beats[0], "beat leading", "leading after")
+        puts(a, port)
+        edits(a, cfg, work, beats[0])
+        takeover(a, cfg, work, beats)
+    finally:
+        for beat in beats:
             beat.terminate()
             beat.wait(timeout=30)
-    finally:
         cleanup(ns)
 
 def objects(n, every="1h"):
@@ -52,21 +67,67 @@ def apply_many(a, cfg, work):
         n = out.count(what + " ")
         print(f"apply {a.schedules} by CLI ({what}): {took:.2f} s, {n / took:,.0f} schedules/s")
 
-def start_beat(a, cfg, work):
-    log = open(os.path.join(work, "beat.log"), "w")
-    start = time.monotonic()
-    beat = subprocess.Popen([a.beat, "--config", cfg], stdout=log, stderr=subprocess.STDOUT)
-    path = log.name
-    while "beat leading" not in open(path).read():
-        if time.monotonic() - start > 300 or beat.poll() is not None:
-            sys.exit(f"the beat did not lead: {open(path).read()[-2000:]}")
-        time.sleep(0.05)
-    took = time.monotonic() - start
-    rss = next(l for l in open(f"/proc/{beat.pid}/status") if l.startswith("VmRSS")).split()[1]
-    print(f"beat start with {a.schedules} schedules: leading after {took:.2f} s, "
-          f"resident {int(rss) / 1024:.0f} MiB")
-    beat.log_path = path
+def start_beat(a, cfg, work, label, extra=()):
+    log = open(os.path.join(work, f"{label}.log"), "w")
+    beat = subprocess.Popen([a.beat, "--config", cfg, *extra], stdout=log,
+                            stderr=subprocess.STDOUT)
+    beat.log_path, beat.started, beat.schedules = log.name, time.monotonic(), a.schedules
     return beat
+
+def wait_for(beat, line, what, since=None):
+    """Waits until `beat` logs `line`; prints the time since `since` (default: its start) and
+    its resident memory then. Returns the line."""
+    since = beat.started if since is None else since
+    while True:
+        found = [l for l in open(beat.log_path) if line in l]
+        if found:
+            break
+        if time.monotonic() - since > 300 or beat.poll() is not None:
+            sys.exit(f"no '{line}': {open(beat.log_path).read()[-2000:]}")
+        time.sleep(0.02)
+    took = time.monotonic() - since
+    rss = next(l for l in open(f"/proc/{beat.pid}/status") if l.startswith("VmRSS")).split()[1]
+    print(f"beat with {beat.schedules} schedules: {what} {took:.2f} s, "
+          f"resident {int(rss) / 1024:.0f} MiB")
+    return found[-1]
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def puts(a, port, connections=8):
+    def put_range(i0, step):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+        for i in range(i0, a.puts, step):
+            body = json.dumps({"task": "report", "every": "1h", "args": {"customer": i}})
+            conn.request("PUT", f"/api/v1/schedules/api{i}", body, headers)
+            answer = conn.getresponse()
+            answer.read()
+            if answer.status != 201:
+                sys.exit(f"PUT api{i}: {answer.status}")
+        conn.close()
+    start = time.monotonic()
+    threads = [threading.Thread(target=put_range, args=(i, connections))
+               for i in range(connections)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.monotonic() - start
+    print(f"apply {a.puts} by API ({connections} connections, {a.schedules} present): "
+          f"{took:.2f} s, {a.puts / took:,.0f} schedules/s")
+
+def takeover(a, cfg, work, beats):
+    standby = start_beat(a, cfg, work, "standby")
+    beats.append(standby)
+    wait_for(standby, "schedules applied at run time", "standby ready after")
+    killed = time.monotonic()
+    beats[0].send_signal(signal.SIGKILL)
+    line = wait_for(standby, "beat leading", "takeover (lease 3 s) after", since=killed)
+    load = re.search(r"load_ms=(\d+)", line)
+    print(f"takeover: the standby's own load {load.group(1) if load else '?'} ms")
 
 def edits(a, cfg, work, beat):
     lags = []
