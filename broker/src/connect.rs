@@ -4,7 +4,9 @@
 
 use super::declare::{declare_with, Bindings};
 use super::{bounded, io_error, BrokerError, Declaration, CONNECT_TIMEOUT};
+#[cfg(feature = "config")]
 use crate::config::Config;
+#[cfg(feature = "config")]
 use crate::names::Names;
 use crate::tls::read_ca_file;
 use crate::url::Redacted;
@@ -21,6 +23,7 @@ use tracing::{info, warn};
 /// Connects to `config`'s broker: the first of `[broker] urls` (or the one `url`) that answers,
 /// with `[broker] ca_file` for `amqps://` (the system roots when unset). Every broker connection
 /// drumline makes goes through here or through [`Nodes::connect`].
+#[cfg(feature = "config")]
 pub async fn connect(config: &Config) -> Result<Connection, lapin::Error> {
     Nodes::new(config).connect().await
 }
@@ -39,13 +42,9 @@ pub struct Nodes {
 
 impl Nodes {
     /// `config`'s nodes; none connected yet.
+    #[cfg(feature = "config")]
     pub fn new(config: &Config) -> Self {
-        Self {
-            urls: config.broker.urls.clone(),
-            ca_file: config.broker_ca_file.clone(),
-            last: Mutex::new(None),
-            declared: Mutex::new(None),
-        }
+        Self::from_urls(config.broker.urls.clone(), config.broker_ca_file.clone())
     }
 
     /// The nodes at `urls` (tried in this order first), with `ca_file`'s roots for `amqps://`
@@ -239,6 +238,7 @@ pub async fn connect_to(url: &str, ca_file: Option<&Path>) -> Result<Connection,
 /// Connects to `config`'s broker for a one-shot command (ad-hoc publish, dlq): one confirm-mode
 /// channel, the topology for `queues` declared (see [`Nodes::open_session`]). Close the
 /// connection when done.
+#[cfg(feature = "config")]
 pub async fn open_channel(
     config: &Config,
     names: &Names,
@@ -264,6 +264,7 @@ pub async fn open_channel(
 
 /// A connection to one of `nodes` for a one-shot command; a failure names the broker's nodes
 /// (redacted) and the reason ([`BrokerError::Unreachable`]).
+#[cfg(feature = "config")]
 pub async fn connect_or_name(config: &Config, nodes: &Nodes) -> Result<Connection, BrokerError> {
     nodes.connect().await.map_err(|e| BrokerError::Unreachable {
         nodes: config

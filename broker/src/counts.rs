@@ -1,7 +1,12 @@
 //! Reading the broker's counts for `status`, the status page and the queue gauges: passive
 //! declares, which create and change nothing (docs/design.md#queues-and-workers).
 
-use super::{close_later, connect, connect_or_name, reply_code, BrokerError, Nodes};
+use super::reply_code;
+#[cfg(feature = "config")]
+use super::BrokerError;
+#[cfg(feature = "config")]
+use super::{close_later, connect, connect_or_name, Nodes};
+#[cfg(feature = "config")]
 use crate::config::Config;
 use crate::names::Names;
 use lapin::options::QueueDeclareOptions;
@@ -12,6 +17,7 @@ use lapin::Connection;
 /// How many messages wait in the dead-letter queue `{ns}.dead` (for `status`). A namespace
 /// whose dead-letter queue was never declared holds none (0). Opens a connection of its own and
 /// closes it.
+#[cfg(feature = "config")]
 pub async fn dead_letter_count(config: &Config, names: &Names) -> Result<u64, lapin::Error> {
     let conn = connect(config).await?;
     let count = dead_letter_count_on(&conn, names).await;
@@ -38,6 +44,7 @@ pub struct QueueCounts {
 /// The counts of the work queue of each of `queues` (a passive declare each, on one
 /// connection of its own): `None` for a queue the broker does not have. A failed connection
 /// names the broker ([`BrokerError::Unreachable`]).
+#[cfg(feature = "config")]
 pub async fn queue_counts(
     config: &Config,
     names: &Names,

@@ -4,8 +4,8 @@
 //! (docs/design.md#reconnecting-past-a-hung-node).
 
 use super::{bounded, reply_code, BrokerError};
-use crate::config::QueueType;
 use crate::names::Names;
+use drumline_core::policy::QueueType;
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::protocol::AMQPSoftError;
 use lapin::types::{AMQPValue, FieldTable, LongString};

@@ -36,7 +36,9 @@
 //!   mid-batch). Touches: broker.
 
 // The core's modules, under the paths this crate's code names them by.
-use drumline_core::{config, names, tls, url};
+#[cfg(feature = "config")]
+use drumline_core::config;
+use drumline_core::{names, tls, url};
 
 mod amqp;
 mod connect;
@@ -48,15 +50,17 @@ mod publish;
 pub use amqp::{
     dead_letter_properties, header_int, header_str, long_string, properties, DeadHeaders,
 };
-pub use connect::{
-    close_later, connect, connect_or_name, connect_to, failover_order, open_channel, Nodes,
-};
+pub use connect::{close_later, connect_to, failover_order, Nodes};
+/// Opened from a config file's `[broker]` (feature `config`, on by default).
+#[cfg(feature = "config")]
+pub use connect::{connect, connect_or_name, open_channel};
 pub use consume::{
     cancel, consume, expired_by_broker, get, purge, qos, Acker, Consumer, Death, Delivery,
 };
-pub use counts::{
-    dead_letter_count, dead_letter_count_on, queue_counts, queue_counts_on, QueueCounts,
-};
+/// Read with a connection opened from a config file (feature `config`).
+#[cfg(feature = "config")]
+pub use counts::{dead_letter_count, queue_counts};
+pub use counts::{dead_letter_count_on, queue_counts_on, QueueCounts};
 pub use declare::{declare, declare_delay_queue, Declaration, QUORUM_DELIVERY_LIMIT};
 /// The broker's connection and channel handles, as the door hands them out.
 pub use lapin::{Channel, Connection};
@@ -65,7 +69,7 @@ pub use publish::{
     CONFIRM_DEADLINE,
 };
 
-use crate::config::QueueType;
+use drumline_core::policy::QueueType;
 use std::future::Future;
 use std::time::Duration;
 

@@ -41,14 +41,14 @@
 
 // The core's modules and the broker door, under the paths this crate's code names them by.
 use drumline_broker as broker;
-use drumline_core::{config, envelope, names};
+use drumline_core::{envelope, names};
 
 use crate::broker::{BrokerError, Declaration, Nodes};
 use crate::broker::{Channel, Connection};
-use crate::config::QueueType;
 use crate::envelope::Envelope;
 use crate::names::{check_key, check_name, InvalidName, Names};
 use chrono::{DateTime, Utc};
+use drumline_core::policy::QueueType;
 use serde::Serialize;
 use std::collections::HashSet;
 use std::path::PathBuf;

@@ -6,6 +6,7 @@ pub use crate::calendar::Calendar;
 use crate::duration;
 use crate::jitter::Jitter;
 pub use crate::limit::{Limit, Rate};
+pub use crate::policy::{Overlap, QueueType};
 pub use crate::run::WaitReplicas;
 use crate::schedule::{parse_timezone, CronExpr, DstFold, DstGap, Schedule};
 use crate::url;
@@ -249,19 +250,6 @@ impl Default for JournalConfig {
 
 /// `[journal] max_len`'s default.
 pub const DEFAULT_JOURNAL_MAX_LEN: u64 = 10_000_000;
-
-/// What to do when a job's previous instance still runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Overlap {
-    /// Record the instance `skipped` (default).
-    #[default]
-    Skip,
-    /// Wait for the previous instance.
-    Queue,
-    /// Run concurrently.
-    Allow,
-}
 
 /// What the beat does with instances it could not publish in time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -634,34 +622,6 @@ struct RawHttp {
 
 // ---------------------------------------------------------------------------------------------
 // [broker] (docs/design.md "Scale-out"): the nodes and the queue type
-
-/// What `[broker] queue_type` declares the work queues and `{ns}.dead` as. Delay queues are
-/// classic whatever this says (docs/design.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum QueueType {
-    /// Classic queues (one node holds each queue). The default.
-    #[default]
-    Classic,
-    /// Quorum queues (Raft-replicated over the cluster's nodes).
-    Quorum,
-}
-
-impl QueueType {
-    /// The `x-queue-type` argument's value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            QueueType::Classic => "classic",
-            QueueType::Quorum => "quorum",
-        }
-    }
-}
-
-impl fmt::Display for QueueType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// `[broker]` beyond `url` and `ca_file`.
 #[derive(Debug, Clone, PartialEq, Eq)]

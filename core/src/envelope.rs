@@ -99,7 +99,7 @@ pub struct Envelope {
     /// its own config does not list the job (a schedule applied at run time). Written on
     /// scheduled instances only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub overlap: Option<crate::config::Overlap>,
+    pub overlap: Option<crate::policy::Overlap>,
 }
 
 /// What a delivery says about a message besides its body: the defaults of the fields a
@@ -138,7 +138,7 @@ struct Wire {
     #[serde(default)]
     backfill: bool,
     #[serde(default)]
-    overlap: Option<crate::config::Overlap>,
+    overlap: Option<crate::policy::Overlap>,
 }
 
 impl Wire {
@@ -282,6 +282,7 @@ impl Envelope {
     }
 
     /// Instance `scheduled_for` of `job`, as the job: its task, queue, args and overlap.
+    #[cfg(feature = "config")]
     pub fn of_job(
         job: &crate::config::Job,
         scheduled_for: DateTime<Utc>,

@@ -3,6 +3,10 @@
 //! backoff, and what a run is. The doors to Redis and RabbitMQ are
 //! `drumline-store` and `drumline-broker`.
 //!
+//! Feature `config` (on by default): the config file and schedules (`config`, `schedule`,
+//! `calendar`, with `toml` and `chrono-tz`). The producer client turns it off: the message side
+//! (envelope, names, policies, URLs) needs neither.
+//!
 //! Which module does what, and what each may touch, is the map below.
 //!
 //! # Map
@@ -25,6 +29,7 @@
 //!   minimal message completed from its `Arrival` (routing key, publish time), unknown fields
 //!   ignored (docs/design.md#the-message). Pure.
 //! - `names.rs`: every exchange, queue and Redis key name; name and key limits. Pure.
+//! - `policy.rs`: the policies config and message share: `Overlap`, `QueueType`. Pure.
 //! - `planted.rs`: defects planted on purpose for the randomized checker, switched on by
 //!   `DRUMLINE_PLANTED_DEFECT` in debug builds only (docs/soak.md#planted-defects). Pure.
 //! - `limit.rs`: `[limits.NAME]` checked (`Limit`, `Rate`), `N/PERIOD` parsing, the rate's
@@ -43,7 +48,9 @@
 //! - `table.rs`: aligned text tables for human output. Pure.
 
 pub mod backoff;
+#[cfg(feature = "config")]
 pub mod calendar;
+#[cfg(feature = "config")]
 pub mod config;
 pub mod duration;
 pub mod envelope;
@@ -51,7 +58,9 @@ pub mod jitter;
 pub mod limit;
 pub mod names;
 pub mod planted;
+pub mod policy;
 pub mod run;
+#[cfg(feature = "config")]
 pub mod schedule;
 pub mod table;
 pub mod tls;

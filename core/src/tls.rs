@@ -91,6 +91,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "config")]
     fn config_refuses_a_bad_ca_file_at_load_naming_section_and_key() {
         let empty = scratch("config-empty.pem", "");
         for section in ["broker", "redis"] {
@@ -106,6 +107,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "config")]
     fn without_ca_file_the_system_roots_are_used() {
         let c = crate::config::Config::parse("", Path::new("d.toml"), |_| None).unwrap();
         assert_eq!((c.broker_ca_file, c.redis_ca_file), (None, None));
