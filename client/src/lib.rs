@@ -83,6 +83,9 @@ pub enum ClientError {
     /// An expiry of zero: the message would be expired when published.
     #[error("expires: must be greater than zero")]
     ZeroExpiry,
+    /// An `expires_at` not after the due instant: the message could never run.
+    #[error("expires_at: must be after the instant the task is due (not_before)")]
+    NeverDue,
     /// The producer was built without a broker URL.
     #[error("no broker URL given")]
     NoUrl,
@@ -96,6 +99,35 @@ impl ClientError {
     pub fn is_request(&self) -> bool {
         !matches!(self, ClientError::Broker(_) | ClientError::NoUrl)
     }
+
+    /// The message field a request error is about (`task`, `queue`, `key`, `args`, `delay`,
+    /// `expires`, `expires_at`); `None` for a broker failure.
+    pub fn field(&self) -> Option<&'static str> {
+        Some(match self {
+            ClientError::Task(_) => "task",
+            ClientError::Queue(_) => "queue",
+            ClientError::Key(_) => "key",
+            ClientError::Args(_) | ClientError::ArgsNotAnObject(_) => "args",
+            ClientError::TooLarge(what) => what,
+            ClientError::ZeroExpiry => "expires",
+            ClientError::NeverDue => "expires_at",
+            ClientError::NoUrl | ClientError::Broker(_) => return None,
+        })
+    }
+}
+
+/// When a message is due: this long after publishing, or at an instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Due {
+    In(Duration),
+    At(DateTime<Utc>),
+}
+
+/// When a message expires: this long after it is due, or at an instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Deadline {
+    After(Duration),
+    At(DateTime<Utc>),
 }
 
 /// One ad-hoc task to publish: the task, its arguments, and when and where it runs.
@@ -127,8 +159,8 @@ pub struct Message {
     args: Result<serde_json::Value, std::sync::Arc<serde_json::Error>>,
     key: Option<String>,
     queue: String,
-    delay: Duration,
-    expires: Option<Duration>,
+    due: Due,
+    expires: Option<Deadline>,
 }
 
 impl Message {
@@ -139,7 +171,7 @@ impl Message {
             args: Ok(serde_json::json!({})),
             key: None,
             queue: "default".to_owned(),
-            delay: Duration::ZERO,
+            due: Due::In(Duration::ZERO),
             expires: None,
         }
     }
@@ -163,20 +195,38 @@ impl Message {
         self
     }
 
-    /// Due this long after publishing (it waits in a delay queue meanwhile). Default 0.
+    /// Due this long after publishing: it waits in a delay queue meanwhile, and carries the
+    /// instant as `not_before`, so that no copy runs sooner. Default 0. Replaces
+    /// [`Message::not_before`].
     pub fn delay(mut self, delay: Duration) -> Self {
-        self.delay = delay;
+        self.due = Due::In(delay);
         self
     }
 
-    /// Must not run later than this long after it is due. Default: no deadline.
+    /// Not started before `at` (`not_before`; an instant past runs at once). Replaces
+    /// [`Message::delay`].
+    pub fn not_before(mut self, at: DateTime<Utc>) -> Self {
+        self.due = Due::At(at);
+        self
+    }
+
+    /// Must not run later than this long after it is due. Default: no deadline. Replaces
+    /// [`Message::expires_at`].
     pub fn expires(mut self, expires: Duration) -> Self {
-        self.expires = Some(expires);
+        self.expires = Some(Deadline::After(expires));
+        self
+    }
+
+    /// Must not run after `at`, which must be later than the due instant. Replaces
+    /// [`Message::expires`].
+    pub fn expires_at(mut self, at: DateTime<Utc>) -> Self {
+        self.expires = Some(Deadline::At(at));
         self
     }
 
     /// The envelope this message is published as at `now` (pure): checked names and key,
-    /// `scheduled_for` = now + delay, `expires_at` counted from `scheduled_for`.
+    /// `scheduled_for` = `not_before` = now + delay (or the instant given; no `not_before`
+    /// without either), `expires_at` counted from it.
     pub fn envelope(&self, now: DateTime<Utc>) -> Result<Envelope, ClientError> {
         check_name(&self.task).map_err(ClientError::Task)?;
         check_name(&self.queue).map_err(ClientError::Queue)?;
@@ -188,10 +238,19 @@ impl Message {
             Ok(other) => return Err(ClientError::ArgsNotAnObject(envelope::json_type(other))),
             Err(e) => return Err(ClientError::Args(clone_json_error(e))),
         };
-        let due = now + chrono_duration(self.delay, "delay")?;
+        let (due, not_before) = match self.due {
+            Due::In(delay) if delay.is_zero() => (now, None),
+            Due::In(delay) => {
+                let due = now + chrono_duration(delay, "delay")?;
+                (due, Some(due))
+            }
+            Due::At(at) => (at, Some(at)),
+        };
         let expires_at = match self.expires {
-            Some(e) if e.is_zero() => return Err(ClientError::ZeroExpiry),
-            Some(e) => Some(due + chrono_duration(e, "expires")?),
+            Some(Deadline::After(e)) if e.is_zero() => return Err(ClientError::ZeroExpiry),
+            Some(Deadline::After(e)) => Some(due + chrono_duration(e, "expires")?),
+            Some(Deadline::At(at)) if at <= due => return Err(ClientError::NeverDue),
+            Some(Deadline::At(at)) => Some(at),
             None => None,
         };
         Ok(Envelope {
@@ -204,16 +263,12 @@ impl Message {
             scheduled_for: due,
             published_at: now,
             expires_at,
+            not_before,
             attempt: 0,
             queue: self.queue.clone(),
             backfill: false,
             overlap: None,
         })
-    }
-
-    /// The delay before the message is due.
-    pub fn due_in(&self) -> Duration {
-        self.delay
     }
 }
 
@@ -310,10 +365,13 @@ impl Producer {
         }
     }
 
-    /// Publishes `message` and waits for the broker's confirm.
+    /// Publishes `message` and waits for the broker's confirm: through a delay queue for the
+    /// time left before its `not_before`, if any.
     pub async fn publish(&self, message: &Message) -> Result<Published, ClientError> {
-        let envelope = message.envelope(Utc::now())?;
-        self.publish_envelope(&envelope, message.due_in()).await?;
+        let now = Utc::now();
+        let envelope = message.envelope(now)?;
+        let delay = envelope.early_by(now).unwrap_or_default();
+        self.publish_envelope(&envelope, delay).await?;
         Ok(Published {
             key: envelope.key.clone(),
             envelope,
@@ -321,7 +379,9 @@ impl Producer {
     }
 
     /// Publishes a complete envelope (a trigger of a job, a replay) with confirms, through a
-    /// delay queue when `delay` > 0. Its epoch header is 0: no beat published it.
+    /// delay queue when `delay` > 0. Its epoch header is 0: no beat published it. The delay
+    /// queue is the fast path only: a copy meant to wait carries `not_before`, which workers
+    /// keep to whatever way it reaches them.
     pub async fn publish_envelope(
         &self,
         envelope: &Envelope,
@@ -455,7 +515,25 @@ mod tests {
         assert_eq!(env.queue, "images");
         assert_eq!(env.args, serde_json::json!({"width": 640}));
         assert_eq!(env.scheduled_for, now() + chrono::Duration::seconds(60));
+        assert_eq!(env.not_before, Some(env.scheduled_for));
         assert_eq!(env.expires_at, Some(now() + chrono::Duration::seconds(90)));
+    }
+
+    #[test]
+    fn not_before_and_expires_at_are_instants_and_must_leave_room_to_run() {
+        let at = now() + chrono::Duration::minutes(5);
+        let env = Message::new("t").not_before(at).envelope(now()).unwrap();
+        assert_eq!((env.not_before, env.scheduled_for), (Some(at), at));
+        assert_eq!(env.early_by(now()), Some(Duration::from_secs(300)));
+        let until = at + chrono::Duration::minutes(1);
+        let env = Message::new("t").not_before(at).expires_at(until);
+        assert_eq!(env.envelope(now()).unwrap().expires_at, Some(until));
+        let never = Message::new("t").not_before(at).expires_at(at);
+        let refused = never.envelope(now()).unwrap_err();
+        assert!(matches!(refused, ClientError::NeverDue));
+        assert_eq!(refused.field(), Some("expires_at"));
+        let now_only = Message::new("t").envelope(now()).unwrap();
+        assert_eq!(now_only.not_before, None, "no delay: no not_before");
     }
 
     #[test]

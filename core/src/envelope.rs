@@ -86,6 +86,11 @@ pub struct Envelope {
     /// Deadline after which the instance must not run.
     #[serde(with = "rfc3339_opt")]
     pub expires_at: Option<DateTime<Utc>>,
+    /// The run does not start before this instant: a worker given the message earlier sends
+    /// it to a delay queue for the time left (docs/envelope.md#not-before). Written only when
+    /// set, so other messages keep the first v1 shape.
+    #[serde(default, with = "rfc3339_opt", skip_serializing_if = "Option::is_none")]
+    pub not_before: Option<DateTime<Utc>>,
     /// 0 for the first run, +1 per retry.
     pub attempt: u32,
     /// Logical queue (routing key).
@@ -131,6 +136,8 @@ struct Wire {
     published_at: Option<DateTime<Utc>>,
     #[serde(default, with = "rfc3339_opt")]
     expires_at: Option<DateTime<Utc>>,
+    #[serde(default, with = "rfc3339_opt")]
+    not_before: Option<DateTime<Utc>>,
     #[serde(default)]
     attempt: u32,
     #[serde(default)]
@@ -159,9 +166,10 @@ impl Wire {
             task: self.task,
             job: self.job,
             args: self.args.unwrap_or_else(|| serde_json::json!({})),
-            scheduled_for: self.scheduled_for.unwrap_or(published_at),
+            scheduled_for: (self.scheduled_for.or(self.not_before)).unwrap_or(published_at),
             published_at,
             expires_at: self.expires_at,
+            not_before: self.not_before,
             attempt: self.attempt,
             queue,
             backfill: self.backfill,
@@ -182,6 +190,32 @@ pub enum DecodeError {
     /// No `queue`, and no routing key to take it from ([`Envelope::decode`] alone).
     #[error("malformed envelope: missing field `queue`")]
     NoQueue,
+    /// An instant field that is not an RFC 3339 instant (or null).
+    #[error("malformed envelope: {field} {value} is not an RFC 3339 instant")]
+    Instant {
+        /// `scheduled_for`, `published_at`, `expires_at` or `not_before`.
+        field: &'static str,
+        /// The value given, as JSON.
+        value: String,
+    },
+}
+
+/// The envelope's instant fields: each is checked by name before the rest is decoded, so that
+/// a bad one is refused naming it.
+const INSTANT_FIELDS: [&str; 4] = ["scheduled_for", "published_at", "expires_at", "not_before"];
+
+/// The first of [`INSTANT_FIELDS`] in `raw` that is neither null nor an RFC 3339 instant.
+fn bad_instant(raw: &serde_json::Value) -> Option<DecodeError> {
+    INSTANT_FIELDS.into_iter().find_map(|field| {
+        let value = raw.get(field).filter(|v| !v.is_null())?;
+        match value.as_str().and_then(parse_instant) {
+            Some(_) => None,
+            None => Some(DecodeError::Instant {
+                field,
+                value: value.to_string(),
+            }),
+        }
+    })
 }
 
 /// Formats an instant the way every drumline message and key writes it (docs/design.md, the one
@@ -233,6 +267,14 @@ pub enum Malformed {
     /// `args` is not a JSON object (`{}` when there are none).
     #[error("args must be a JSON object, not {0}")]
     Args(&'static str),
+    /// `expires_at` is not after `not_before`: the instance could never run.
+    #[error("not_before {not_before} is not before expires_at {expires_at}: it could never run")]
+    NeverDue {
+        /// `not_before`, as written.
+        not_before: String,
+        /// `expires_at`, as written.
+        expires_at: String,
+    },
 }
 
 /// The JSON type of `value`, for an error (`an array`).
@@ -276,6 +318,7 @@ impl Envelope {
             expires_at,
             attempt: 0,
             queue: queue.to_owned(),
+            not_before: None,
             backfill: false,
             overlap: None,
         }
@@ -313,8 +356,9 @@ impl Envelope {
 
     /// Decodes a delivered message body, whoever produced it (docs/envelope.md): `key` and
     /// `task` are required; `queue` defaults to the routing key, `published_at` to the publish
-    /// time, `scheduled_for` to `published_at`, `args` to `{}`, `attempt` to 0, `id` to a fresh
-    /// one, `expires_at` and `job` to none; fields it does not know are ignored.
+    /// time, `scheduled_for` to `not_before`, else `published_at`, `args` to `{}`, `attempt` to
+    /// 0, `id` to a fresh one, `expires_at`, `not_before` and `job` to none; fields it does not
+    /// know are ignored. An instant field that is not RFC 3339 is refused naming the field.
     pub fn decode_delivered(body: &[u8], arrival: &Arrival<'_>) -> Result<Self, DecodeError> {
         Self::decode_with(body, Some(arrival))
     }
@@ -328,6 +372,9 @@ impl Envelope {
                 Some(v) => return Err(DecodeError::Version(v.min(u32::MAX as u64) as u32)),
                 None => return Err(DecodeError::Version(0)),
             }
+        }
+        if let Some(bad) = bad_instant(&raw) {
+            return Err(bad);
         }
         let wire: Wire = serde_json::from_value(raw)?;
         wire.complete(arrival).ok_or(DecodeError::NoQueue)
@@ -346,6 +393,14 @@ impl Envelope {
         check_key(&self.key).map_err(Malformed::Key)?;
         if !self.args.is_object() {
             return Err(Malformed::Args(json_type(&self.args)));
+        }
+        if let (Some(not_before), Some(expires_at)) = (self.not_before, self.expires_at) {
+            if expires_at <= not_before {
+                return Err(Malformed::NeverDue {
+                    not_before: format_instant(not_before),
+                    expires_at: format_instant(expires_at),
+                });
+            }
         }
         let name = |field, value: &str| {
             check_name(value).map_err(|error| Malformed::Name { field, error })
@@ -372,6 +427,14 @@ impl Envelope {
             }
         }
         Ok(())
+    }
+
+    /// How long before `not_before` it is at `now`; `None` when due (no `not_before`, or it
+    /// has come). Sub-millisecond remainders count as a whole millisecond.
+    pub fn early_by(&self, now: DateTime<Utc>) -> Option<std::time::Duration> {
+        let left = (self.not_before? - now).to_std().ok()?;
+        (!left.is_zero())
+            .then(|| std::time::Duration::from_millis(left.as_nanos().div_ceil(1_000_000) as u64))
     }
 
     /// True when the deadline has passed at `now`.
@@ -634,6 +697,62 @@ mod tests {
         assert_eq!(env.published_at, at(7, 0));
         assert_eq!(env.expires_at, Some(at(8, 0)));
         assert_eq!(env.attempt, 2);
+    }
+
+    #[test]
+    fn not_before_is_read_written_when_set_and_makes_the_default_due_instant() {
+        let body = br#"{"key":"k1","task":"report","not_before":"2026-03-08T09:20:00Z"}"#;
+        let env = Envelope::decode_delivered(body, &arrival()).unwrap();
+        assert_eq!(env.not_before, Some(at(9, 20)));
+        assert_eq!(env.scheduled_for, at(9, 20), "scheduled_for: not_before");
+        let text = String::from_utf8(env.encode()).unwrap();
+        assert!(
+            text.contains("\"not_before\":\"2026-03-08T09:20:00Z\""),
+            "{text}"
+        );
+        assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);
+        assert!(!String::from_utf8(scheduled("j").encode())
+            .unwrap()
+            .contains("not_before"));
+    }
+
+    #[test]
+    fn early_by_is_the_time_left_before_not_before() {
+        let mut env = scheduled("j");
+        assert_eq!(env.early_by(at(7, 0)), None, "no not_before: due");
+        env.not_before = Some(at(7, 30));
+        let ms = std::time::Duration::from_millis;
+        assert_eq!(env.early_by(at(7, 29)), Some(ms(60_000)));
+        assert_eq!(env.early_by(at(7, 30)), None);
+        assert_eq!(env.early_by(at(7, 31)), None, "late: due at once");
+        let tiny = at(7, 30) - chrono::Duration::microseconds(5);
+        assert_eq!(env.early_by(tiny), Some(ms(1)));
+    }
+
+    #[test]
+    fn a_bad_instant_is_refused_naming_its_field() {
+        for field in INSTANT_FIELDS {
+            for value in ["\"soon\"", "12", "{}"] {
+                let body = format!(r#"{{"key":"k1","task":"t","{field}":{value}}}"#);
+                let err = Envelope::decode_delivered(body.as_bytes(), &arrival()).unwrap_err();
+                assert!(matches!(err, DecodeError::Instant { field: f, .. } if f == field));
+                assert!(err.to_string().contains(field), "{err}");
+            }
+        }
+        let null = br#"{"key":"k1","task":"t","not_before":null}"#;
+        assert!(Envelope::decode_delivered(null, &arrival()).is_ok());
+    }
+
+    #[test]
+    fn an_expiry_not_after_not_before_is_malformed() {
+        let mut env = scheduled("j");
+        env.not_before = Some(at(8, 0));
+        env.expires_at = Some(at(8, 0));
+        let refused = env.check(|_: &str| false).unwrap_err();
+        assert!(matches!(refused, Malformed::NeverDue { .. }));
+        assert!(refused.to_string().contains("not_before"), "{refused}");
+        env.expires_at = Some(at(8, 1));
+        assert_eq!(env.check(|_: &str| false), Ok(()));
     }
 
     #[test]

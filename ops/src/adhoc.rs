@@ -1,6 +1,8 @@
-//! `drumline-beat publish`: one ad-hoc task, same envelope and same guarantees as a scheduled
-//! instance (docs/design.md). Its key is `--key` or a fresh UUID; it is due at publish time +
-//! `--delay` (waiting in a delay queue meanwhile); `--expires` counts from the due instant.
+//! `drumline-beat publish` and `POST /api/v1/tasks`: one ad-hoc task, same envelope and same
+//! guarantees as a scheduled instance (docs/design.md). Its key is `--key` or a fresh UUID; it
+//! is due at publish time + `--delay`, or at `not_before` (waiting in a delay queue meanwhile);
+//! `--expires` counts from the due instant, `expires_at` is one. Both doors build the envelope
+//! here ([`envelope`]) and publish it here ([`publish`]).
 
 use chrono::{DateTime, Utc};
 use drumline_shared::client::{ClientError, Message, Producer};
@@ -8,8 +10,8 @@ use drumline_shared::config::Config;
 use drumline_shared::envelope::Envelope;
 use std::time::Duration;
 
-/// What the command line asked for.
-#[derive(Debug, Clone, PartialEq)]
+/// What the command line or the API asked for.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Request {
     /// Task name (must be a `[tasks.*]` entry).
     pub task: String,
@@ -19,8 +21,12 @@ pub struct Request {
     pub key: Option<String>,
     /// Due this long after publishing.
     pub delay: Duration,
+    /// Due at this instant (`not_before`) instead of after `delay`.
+    pub not_before: Option<DateTime<Utc>>,
     /// Deadline, counted from the due instant.
     pub expires: Option<Duration>,
+    /// Deadline, an instant, instead of `expires`.
+    pub expires_at: Option<DateTime<Utc>>,
     /// Logical queue; default `default`.
     pub queue: Option<String>,
 }
@@ -32,20 +38,49 @@ impl Request {
             .args(&self.args)
             .queue(self.queue.as_deref().unwrap_or("default"))
             .delay(self.delay);
+        if let Some(at) = self.not_before {
+            message = message.not_before(at);
+        }
         if let Some(key) = &self.key {
             message = message.key(key);
         }
         if let Some(expires) = self.expires {
             message = message.expires(expires);
         }
+        if let Some(at) = self.expires_at {
+            message = message.expires_at(at);
+        }
         message
     }
 }
 
-/// Why the request is refused (exit code 2).
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("{0}")]
-pub struct BadRequest(pub String);
+/// Why a request is refused (exit code 2, HTTP 400).
+#[derive(Debug, thiserror::Error)]
+pub enum BadRequest {
+    /// The task is not one of the config's `[tasks.*]`.
+    #[error("{path}: no task named {task:?} (tasks: {known})")]
+    UnknownTask {
+        /// The config file.
+        path: String,
+        /// The task asked for.
+        task: String,
+        /// The config's tasks, comma-separated (`none`).
+        known: String,
+    },
+    /// The producer client refused the message.
+    #[error(transparent)]
+    Message(#[from] ClientError),
+}
+
+impl BadRequest {
+    /// As the command line says it: a message error names its option (`--queue: …`).
+    pub fn for_cli(&self) -> String {
+        match self {
+            BadRequest::Message(e) => format!("--{e}"),
+            other => other.to_string(),
+        }
+    }
+}
 
 /// Builds the envelope for `req` at `now`, checked against `config` (the task must be one of
 /// its `[tasks.*]`) and by the producer client ([`Message::envelope`]).
@@ -56,25 +91,21 @@ pub fn envelope(
 ) -> Result<Envelope, BadRequest> {
     if !config.tasks.contains_key(&req.task) {
         let known: Vec<&str> = config.tasks.keys().map(String::as_str).collect();
-        return Err(BadRequest(format!(
-            "{}: no task named {:?} (tasks: {})",
-            config.path.display(),
-            req.task,
-            if known.is_empty() {
-                "none".to_owned()
-            } else {
-                known.join(", ")
-            }
-        )));
+        return Err(BadRequest::UnknownTask {
+            path: config.path.display().to_string(),
+            task: req.task.clone(),
+            known: match known.is_empty() {
+                true => "none".to_owned(),
+                false => known.join(", "),
+            },
+        });
     }
-    req.message()
-        .envelope(now)
-        .map_err(|e| BadRequest(format!("--{e}")))
+    Ok(req.message().envelope(now)?)
 }
 
-/// Publishes `env` (through a delay queue when `delay` > 0) with confirms, through the
-/// producer client; the queue's topology is declared first, as `config` says.
-pub async fn publish(config: &Config, env: &Envelope, delay: Duration) -> Result<(), ClientError> {
+/// A producer for `config`'s broker that declares the queue's topology before its first
+/// publish, as `config` says.
+pub async fn producer(config: &Config) -> Result<Producer, ClientError> {
     let mut builder = Producer::builder(config.namespace.clone())
         .declare(config.broker.queue_type, config.worker.dead_ttl);
     for url in &config.broker.urls {
@@ -83,8 +114,20 @@ pub async fn publish(config: &Config, env: &Envelope, delay: Duration) -> Result
     if let Some(ca_file) = &config.broker_ca_file {
         builder = builder.ca_file(ca_file);
     }
-    let producer = builder.connect().await?;
-    let published = producer.publish_envelope(env, delay).await;
+    builder.connect().await
+}
+
+/// Publishes `env` with confirms through `producer`: through a delay queue for the time left
+/// before its `not_before`, if any (the fast path: workers keep `not_before` anyway).
+pub async fn publish_with(producer: &Producer, env: &Envelope) -> Result<(), ClientError> {
+    let delay = env.early_by(Utc::now()).unwrap_or_default();
+    producer.publish_envelope(env, delay).await
+}
+
+/// Publishes `env` as [`publish_with`] does, through a producer of its own.
+pub async fn publish(config: &Config, env: &Envelope) -> Result<(), ClientError> {
+    let producer = producer(config).await?;
+    let published = publish_with(&producer, env).await;
     producer.close().await;
     published
 }
@@ -111,7 +154,7 @@ mod tests {
             key: Some("k1".into()),
             delay: Duration::from_secs(60),
             expires: Some(Duration::from_secs(30)),
-            queue: None,
+            ..Request::default()
         }
     }
 
@@ -122,10 +165,8 @@ mod tests {
         assert_eq!(env.key, "k1");
         assert_eq!(env.job, None);
         assert_eq!(env.queue, "default");
-        assert_eq!(
-            env.scheduled_for,
-            Utc.with_ymd_and_hms(2026, 3, 8, 7, 1, 0).unwrap()
-        );
+        let due = Utc.with_ymd_and_hms(2026, 3, 8, 7, 1, 0).unwrap();
+        assert_eq!((env.scheduled_for, env.not_before), (due, Some(due)));
         assert_eq!(
             env.expires_at,
             Some(Utc.with_ymd_and_hms(2026, 3, 8, 7, 1, 30).unwrap())
@@ -146,15 +187,13 @@ mod tests {
     fn unknown_task_and_bad_queue_are_refused() {
         let mut r = req();
         r.task = "nope".into();
-        assert!(envelope(&config(), &r, Utc::now())
-            .unwrap_err()
-            .0
+        let refused = envelope(&config(), &r, Utc::now()).unwrap_err();
+        assert!(refused
+            .to_string()
             .contains("no task named \"nope\" (tasks: report)"));
         let mut r = req();
         r.queue = Some("a b".into());
-        assert!(envelope(&config(), &r, Utc::now())
-            .unwrap_err()
-            .0
-            .starts_with("--queue"));
+        let refused = envelope(&config(), &r, Utc::now()).unwrap_err();
+        assert!(refused.for_cli().starts_with("--queue"), "{refused}");
     }
 }

@@ -258,6 +258,7 @@ impl Command {
             delay,
             expires,
             queue,
+            ..adhoc::Request::default()
         };
         commands::publish(config, &request).await
     }

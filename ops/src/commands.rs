@@ -113,12 +113,13 @@ pub(crate) fn json_args(text: &str) -> Result<serde_json::Value, Failure> {
 
 /// `publish`: one ad-hoc task.
 pub(crate) async fn publish(config: &Config, request: &adhoc::Request) -> Result<(), Failure> {
-    let env = adhoc::envelope(config, request, Utc::now()).map_err(Failure::usage)?;
+    let env =
+        adhoc::envelope(config, request, Utc::now()).map_err(|e| Failure::usage(e.for_cli()))?;
     warn_unconsumed(config, &env.queue).await?;
     if request.key.is_some() {
         warn_recorded(config, &env.key).await;
     }
-    adhoc::publish(config, &env, request.delay)
+    adhoc::publish(config, &env)
         .await
         .map_err(publish_failure)?;
     println!(
@@ -229,10 +230,8 @@ pub(crate) async fn trigger(
     let job = find_job(config, job)?;
     let env = operate::trigger(job, args, Utc::now());
     // Looked at while publishing, so the trigger stays as quick as the publish.
-    let (published, holder) = tokio::join!(
-        adhoc::publish(config, &env, std::time::Duration::ZERO),
-        overlap_holder(config, job)
-    );
+    let (published, holder) =
+        tokio::join!(adhoc::publish(config, &env), overlap_holder(config, job));
     published.map_err(publish_failure)?;
     println!(
         "triggered {} key={} task={} queue={}",

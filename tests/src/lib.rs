@@ -873,6 +873,7 @@ pub fn adhoc(key: &str, task: &str) -> drumline_shared::envelope::Envelope {
         scheduled_for: now,
         published_at: now,
         expires_at: None,
+        not_before: None,
         attempt: 0,
         queue: "default".to_owned(),
         backfill: false,

@@ -99,6 +99,7 @@ async fn publish_steady(
             scheduled_for: now,
             published_at: now,
             expires_at: None,
+            not_before: None,
             attempt: 0,
             queue: "default".into(),
             backfill: false,

@@ -57,6 +57,7 @@ fn envelope(i: usize) -> Envelope {
         scheduled_for: now,
         published_at: now,
         expires_at: None,
+        not_before: None,
         attempt: 0,
         queue: "default".into(),
         backfill: false,

@@ -1,11 +1,13 @@
 //! What the worker does with a delivery, as pure functions (docs/design.md): [`admit`] checks
-//! the raw message, [`on_claim`] turns the claim into the run or an [`Action`] that settles the
+//! the raw message, [`on_delivery`] holds back one that came before its `not_before`,
+//! [`on_claim`] turns the claim into the run or an [`Action`] that settles the
 //! copy without one, and [`after_run`] turns the run's result into its [`Action`]. No
 //! I/O here: the processor performs the action, so every branch is a plain `#[test]`.
 
 use crate::handler::HandlerError;
 use crate::lease::LeaseLost;
 use crate::retry::{self, Decision};
+use chrono::{DateTime, Utc};
 use drumline_shared::config::Task;
 use drumline_shared::envelope::{parse_instant, Arrival, DeadReason, Envelope};
 use drumline_shared::names::check_key;
@@ -96,6 +98,29 @@ pub fn admit(
         })
 }
 
+/// What an admitted delivery of a task this worker has does first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// It is due: claim it.
+    Claim,
+    /// Its `not_before` is this far ahead (at most: a bucket of the time left, rounded down):
+    /// a copy of it goes to a delay queue for that long, then the delivery is acked. Nothing
+    /// is claimed, no attempt used, nothing journaled.
+    Defer(Duration),
+}
+
+/// Decides whether `env`, delivered at `now`, is due (docs/envelope.md#not-before): a copy
+/// that came early, however it came (a producer's message, a redelivery, a delay queue's
+/// rounding), waits in a delay queue rather than in a sleep holding a concurrency slot. The
+/// wait is rounded *down* to a delay queue's bucket so it never overshoots; a copy back
+/// before its instant waits again for what is left. A late one (past `not_before`) is due.
+pub fn on_delivery(env: &Envelope, now: DateTime<Utc>) -> Start {
+    match env.early_by(now) {
+        Some(left) => Start::Defer(retry::bucket_down(left)),
+        None => Start::Claim,
+    }
+}
+
 /// A message naming a task this worker's config does not have.
 pub fn unknown_task(task: &str) -> Rejected {
     Rejected {
@@ -164,6 +189,8 @@ pub enum RunResult {
 pub enum Recheck {
     /// Another worker holds a live lease on the instance.
     Busy,
+    /// It came before its `not_before` ([`on_delivery`]): not claimed, not an attempt.
+    NotBefore,
     /// `overlap = "queue"`: the job's previous instance (key `running`) still runs.
     Waiting {
         /// Key of the instance that still runs.
@@ -396,6 +423,7 @@ mod tests {
             published_at: chrono::DateTime::UNIX_EPOCH,
             attempt: 0,
             expires_at: None,
+            not_before: None,
             queue: "default".into(),
             backfill: false,
             overlap: None,
@@ -480,6 +508,41 @@ mod tests {
             None,
             "another instant"
         );
+    }
+
+    #[test]
+    fn a_delivery_before_its_not_before_is_deferred_for_the_time_left() {
+        let now = chrono::DateTime::UNIX_EPOCH + chrono::Duration::seconds(100);
+        let mut env = Envelope::decode(&envelope_json("k")).unwrap();
+        assert_eq!(on_delivery(&env, now), Start::Claim, "no not_before");
+        env.not_before = Some(now + chrono::Duration::milliseconds(2950));
+        assert_eq!(
+            on_delivery(&env, now),
+            Start::Defer(Duration::from_millis(2900)),
+            "rounded down to a bucket: never past the instant"
+        );
+        let back = now + chrono::Duration::milliseconds(2900);
+        assert_eq!(
+            on_delivery(&env, back),
+            Start::Defer(Duration::from_millis(50))
+        );
+        let due = now + chrono::Duration::milliseconds(2950);
+        assert_eq!(on_delivery(&env, due), Start::Claim, "due");
+        let late = now + chrono::Duration::hours(1);
+        assert_eq!(on_delivery(&env, late), Start::Claim, "late: at once");
+    }
+
+    #[test]
+    fn a_malformed_not_before_is_refused_naming_it() {
+        let body = br#"{"key":"k","task":"t","not_before":"tomorrow"}"#;
+        let rejected = admit(body, &arrival(), 1 << 20, |_| false).unwrap_err();
+        assert_eq!(rejected.reason, DeadReason::Malformed);
+        assert!(rejected.error.contains("not_before"), "{}", rejected.error);
+        let never = br#"{"key":"k","task":"t","not_before":"2030-01-01T00:00:00Z",
+            "expires_at":"2029-01-01T00:00:00Z"}"#;
+        let rejected = admit(never, &arrival(), 1 << 20, |_| false).unwrap_err();
+        assert_eq!(rejected.reason, DeadReason::Malformed);
+        assert!(rejected.error.contains("not_before"), "{}", rejected.error);
     }
 
     #[test]

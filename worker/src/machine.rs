@@ -8,14 +8,15 @@
 //!
 //! ```text
 //!  new ─ Claim ─▶ claiming ─ Limited ─▶ holding ─ timer ─▶ claiming (the same token)
-//!                   │                      └─ shutdown ─▶ settling (a copy to look again)
-//!                   ├─ Claimed ─▶ running (the lease held) ─ run ended ─▶ settling
-//!                   └─ any other answer ─────────────────────────────────▶ settling
+//!   │               │                      └─ shutdown ─▶ settling (a copy to look again)
+//!   │               ├─ Claimed ─▶ running (the lease held) ─ run ended ─▶ settling
+//!   │               └─ any other answer ─────────────────────────────────▶ settling
+//!   └─ before its not_before ────────────────────────────────────────────▶ settling
 //!  settling: one step at a time, each answered before the next; an outcome write retried
 //!  (timer) for up to FINISH_RETRY_FOR ─▶ Settle: ack, requeue, or interrupted (requeue)
 //! ```
 
-use crate::decision::{self, Action, LimitWait, Next, Outcome, Recheck, RunResult};
+use crate::decision::{self, Action, LimitWait, Next, Outcome, Recheck, RunResult, Start};
 use crate::lease::LeaseLost;
 use crate::retry;
 use drumline_shared::backoff::Backoff;
@@ -53,6 +54,8 @@ pub(crate) struct Facts<'a> {
     pub parks: bool,
     /// The lease: a retry's hand-over keeps the job for the delay plus one lease.
     pub lease: Duration,
+    /// Claim it, or defer it to its `not_before` ([`decision::on_delivery`]).
+    pub start: Start,
 }
 
 /// What happened, as the driver tells it.
@@ -310,7 +313,8 @@ pub(crate) struct Machine<'a> {
 }
 
 impl<'a> Machine<'a> {
-    /// A machine for an admitted delivery of a task this worker has, at `now`: it claims.
+    /// A machine for an admitted delivery of a task this worker has, at `now`: it claims, or,
+    /// before its `not_before`, sends a copy to a delay queue and acks.
     pub(crate) fn new(facts: Facts<'a>, now: Instant) -> Self {
         let mut machine = Machine {
             facts,
@@ -323,7 +327,13 @@ impl<'a> Machine<'a> {
             since: now,
             looks: 0,
         };
-        machine.state = machine.claim(held, now);
+        machine.state = match facts.start {
+            Start::Claim => machine.claim(held, now),
+            Start::Defer(delay) => machine.settle(Action::Recheck {
+                why: Recheck::NotBefore,
+                delay,
+            }),
+        };
         machine
     }
 
@@ -657,6 +667,7 @@ mod tests {
             limited: false,
             parks: false,
             lease: LEASE,
+            start: Start::Claim,
         }
     }
 
@@ -753,6 +764,29 @@ mod tests {
         let (_, first) = Drive::start(facts(&task));
         let reserve_within = decision::LIMIT_HOLD - ms(100);
         assert_eq!(first, vec![Effect::Claim { reserve_within }]);
+    }
+
+    #[test]
+    fn a_delivery_before_its_not_before_waits_in_a_delay_queue_unclaimed() {
+        let task = task(2);
+        let early = Facts {
+            start: Start::Defer(ms(2900)),
+            ..facts(&task)
+        };
+        let (mut d, first) = Drive::start(early);
+        let why = Recheck::NotBefore;
+        let copy = Effect::PublishDelayed {
+            next_attempt: None,
+            delay: ms(2900),
+        };
+        // No claim, no record, no new attempt: the copy itself, confirmed before the ack.
+        assert_eq!(first, vec![report(Report::Recheck(why, ms(2900))), copy]);
+        assert_eq!(d.feed(Event::Done), ack());
+        // A broker failure before the confirm hands the delivery back instead.
+        let (mut d, _) = Drive::start(early);
+        let down = Failure::Broker("closed".into());
+        let settled = d.feed(Event::Failed(down.clone()));
+        assert_eq!(settled, vec![Effect::Settle(Settle::Interrupted(down))]);
     }
 
     #[test]

@@ -337,6 +337,7 @@ impl Processor {
                 OverlapMode::Queue(_) | OverlapMode::Skip(_)
             ),
             lease: self.config.worker.lease,
+            start: decision::on_delivery(&env, Utc::now()),
         };
         let token = uuid::Uuid::new_v4().to_string();
         let mut step = Step {
@@ -672,6 +673,11 @@ impl Processor {
                 by = by.as_str(),
                 delay_ms, "over the task's limit: looking again later (not an attempt)"
             ),
+            Recheck::NotBefore => {
+                debug!(delay_ms, "before its not_before: waiting in a delay queue");
+                self.stats.deferred.inc();
+                return;
+            }
         }
         self.stats.busy.inc();
     }

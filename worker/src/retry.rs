@@ -58,6 +58,18 @@ pub fn bucket(delay: Duration) -> Duration {
     Duration::from_millis(ms.div_ceil(step) * step)
 }
 
+/// Rounds a delay *down* to two significant digits of milliseconds (1173 ms → 1100 ms, 37 412
+/// ms → 37 000 ms), at least 1 ms: a wait that must not overshoot an instant (`not_before`)
+/// still shares its delay queue with others; what is left after it is waited for again.
+pub fn bucket_down(delay: Duration) -> Duration {
+    let ms = (delay.as_millis() as u64).max(1);
+    let mut step = 1u64;
+    while ms / step >= 100 {
+        step *= 10;
+    }
+    Duration::from_millis(ms / step * step)
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -112,6 +124,21 @@ pub(crate) mod tests {
         assert_eq!(b(37_412), 38_000);
         assert_eq!(b(600_000), 600_000);
         assert_eq!(bucket(Duration::from_micros(1500)).as_millis(), 2);
+    }
+
+    #[test]
+    fn buckets_down_keep_two_significant_digits_and_one_ms() {
+        let b = |ms| bucket_down(Duration::from_millis(ms)).as_millis();
+        assert_eq!(b(0), 1);
+        assert_eq!(b(7), 7);
+        assert_eq!(b(99), 99);
+        assert_eq!(b(101), 100);
+        assert_eq!(b(1173), 1100);
+        assert_eq!(b(37_412), 37_000);
+        assert_eq!(b(10_800_500), 10_000_000);
+        // Already a bucket: the delay queue's own rounding up keeps it.
+        let d = bucket_down(Duration::from_millis(2_951));
+        assert_eq!(bucket(d), d);
     }
 
     #[test]

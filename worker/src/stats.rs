@@ -112,6 +112,9 @@ pub struct Stats {
     /// Deliveries held under another worker's live lease, or waiting for the job's previous
     /// instance (`overlap = queue`), sent to re-check later.
     pub busy: Counter,
+    /// Deliveries that came before their `not_before`, sent to a delay queue until then
+    /// (not claimed, not an attempt).
+    pub deferred: Counter,
     /// Instances recorded `skipped` because the job's previous instance still ran.
     pub skipped: Counter,
     /// Failed runs sent to a delay queue.
@@ -162,6 +165,7 @@ impl Default for Stats {
             succeeded: Counter::default(),
             duplicates: Counter::default(),
             busy: Counter::default(),
+            deferred: Counter::default(),
             skipped: Counter::default(),
             retried: Counter::default(),
             dead_lettered: Counter::default(),
@@ -196,10 +200,11 @@ impl Stats {
 
     /// The totals: `drumline_worker_succeeded` … `drumline_worker_panics`.
     fn register_counters(&self, registry: &mut Registry) {
-        let counters: [(&str, &str, &Counter); 11] = [
+        let counters: [(&str, &str, &Counter); 12] = [
             ("succeeded", "Runs that ended done", &self.succeeded),
             ("duplicates", "Deliveries of already finished instances, acked without running", &self.duplicates),
             ("busy", "Deliveries held by another live lease or waiting for the job's previous instance, re-checked later", &self.busy),
+            ("deferred", "Deliveries that came before their not_before, sent to a delay queue until it", &self.deferred),
             ("skipped", "Instances recorded skipped because the job's previous instance still ran", &self.skipped),
             ("retried", "Failed runs sent to a delay queue for another attempt", &self.retried),
             ("dead_lettered", "Messages published to the dead-letter queue", &self.dead_lettered),
