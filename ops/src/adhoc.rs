@@ -7,7 +7,8 @@
 use chrono::{DateTime, Utc};
 use drumline_shared::client::{ClientError, Message, Producer};
 use drumline_shared::config::Config;
-use drumline_shared::envelope::Envelope;
+use drumline_shared::envelope::{parse_instant, Envelope};
+use serde_json::Value;
 use std::time::Duration;
 
 /// What the command line or the API asked for.
@@ -70,9 +71,26 @@ pub enum BadRequest {
     /// The producer client refused the message.
     #[error(transparent)]
     Message(#[from] ClientError),
+    /// An API request's key is missing, of the wrong type, unknown, or clashes with another.
+    #[error("{field}: {message}")]
+    Field {
+        /// The key.
+        field: String,
+        /// What is wrong with it.
+        message: String,
+    },
 }
 
 impl BadRequest {
+    /// The request key it is about, if one.
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            BadRequest::UnknownTask { .. } => Some("task"),
+            BadRequest::Message(e) => e.field(),
+            BadRequest::Field { field, .. } => Some(field),
+        }
+    }
+
     /// As the command line says it: a message error names its option (`--queue: …`).
     pub fn for_cli(&self) -> String {
         match self {
@@ -101,6 +119,65 @@ pub fn envelope(
         });
     }
     Ok(req.message().envelope(now)?)
+}
+
+/// The request a `POST /api/v1/tasks` body makes: `task` (required), `args` (an object),
+/// `key`, `queue`, `delay` or `not_before`, `expires` or `expires_at` (docs/api.md#tasks).
+pub fn from_json(body: &Value) -> Result<Request, BadRequest> {
+    let bad = |field: &str, message: &str| BadRequest::Field {
+        field: field.to_owned(),
+        message: message.to_owned(),
+    };
+    let fields = body
+        .as_object()
+        .ok_or_else(|| bad("body", "must be a JSON object"))?;
+    const KNOWN: [&str; 8] = [
+        "task",
+        "args",
+        "key",
+        "queue",
+        "delay",
+        "not_before",
+        "expires",
+        "expires_at",
+    ];
+    if let Some(unknown) = fields.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+        return Err(bad(unknown, "unknown key"));
+    }
+    for (one, other) in [("delay", "not_before"), ("expires", "expires_at")] {
+        if fields.contains_key(one) && fields.contains_key(other) {
+            return Err(bad(other, &format!("give {one} or {other}, not both")));
+        }
+    }
+    let text = |field: &str| match fields.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(bad(field, "must be a string")),
+    };
+    let duration = |field: &str| match text(field)? {
+        Some(s) => drumline_shared::duration::parse(&s)
+            .map(Some)
+            .map_err(|e| bad(field, &e)),
+        None => Ok(None),
+    };
+    let instant = |field: &str| match text(field)? {
+        Some(s) => (parse_instant(&s).map(Some))
+            .ok_or_else(|| bad(field, &format!("{s:?} is not an RFC 3339 instant"))),
+        None => Ok(None),
+    };
+    Ok(Request {
+        task: text("task")?.ok_or_else(|| bad("task", "is required"))?,
+        args: fields
+            .get("args")
+            .cloned()
+            .unwrap_or_else(|| serde_json::json!({})),
+        key: text("key")?,
+        queue: text("queue")?,
+        delay: duration("delay")?.unwrap_or_default(),
+        not_before: instant("not_before")?,
+        expires: duration("expires")?,
+        expires_at: instant("expires_at")?,
+    })
 }
 
 /// A producer for `config`'s broker that declares the queue's topology before its first
@@ -136,6 +213,7 @@ pub async fn publish(config: &Config, env: &Envelope) -> Result<(), ClientError>
 mod tests {
     use super::*;
     use chrono::TimeZone;
+    use serde_json::json;
     use std::path::Path;
 
     fn config() -> Config {
@@ -191,9 +269,53 @@ mod tests {
         assert!(refused
             .to_string()
             .contains("no task named \"nope\" (tasks: report)"));
+        assert_eq!(refused.field(), Some("task"));
         let mut r = req();
         r.queue = Some("a b".into());
         let refused = envelope(&config(), &r, Utc::now()).unwrap_err();
         assert!(refused.for_cli().starts_with("--queue"), "{refused}");
+        assert_eq!(refused.field(), Some("queue"));
+    }
+
+    #[test]
+    fn an_api_body_is_the_same_request() {
+        let body = json!({"task": "report", "args": {"a": 1}, "key": "k1",
+            "not_before": "2026-03-08T07:01:00Z", "expires_at": "2026-03-08T07:01:30Z"});
+        let request = from_json(&body).unwrap();
+        let now = Utc.with_ymd_and_hms(2026, 3, 8, 7, 0, 0).unwrap();
+        let env = envelope(&config(), &request, now).unwrap();
+        let mut cli = req();
+        cli.expires = None;
+        cli.expires_at = env.expires_at;
+        assert_eq!(
+            envelope(&config(), &cli, now).unwrap().not_before,
+            env.not_before
+        );
+        assert_eq!(request.not_before, Some(env.scheduled_for));
+    }
+
+    #[test]
+    fn a_bad_api_body_names_its_key() {
+        let field = |body: Value| {
+            let refused =
+                from_json(&body).and_then(|r| envelope(&config(), &r, Utc::now()).map(|_| r));
+            refused.unwrap_err().field().map(str::to_owned)
+        };
+        let named = |key: &str| Some(key.to_owned());
+        assert_eq!(field(json!({"args": {}})), named("task"));
+        assert_eq!(field(json!({"task": "nope"})), named("task"));
+        assert_eq!(field(json!({"task": "report", "args": [1]})), named("args"));
+        let soon = json!({"task": "report", "not_before": "soon"});
+        assert_eq!(field(soon), named("not_before"));
+        let both = json!({"task": "report", "delay": "1s", "not_before": "2026-03-08T07:01:00Z"});
+        assert_eq!(field(both), named("not_before"));
+        let never = json!({"task": "report", "not_before": "2030-01-01T00:00:00Z",
+            "expires_at": "2029-01-01T00:00:00Z"});
+        assert_eq!(field(never), named("expires_at"));
+        assert_eq!(
+            field(json!({"task": "report", "priority": 9})),
+            named("priority")
+        );
+        assert_eq!(field(json!([])), named("body"));
     }
 }

@@ -1,19 +1,23 @@
 //! The HTTP API every beat serves, leader or standby, at `--api-addr` or `[api] addr`
 //! (docs/api.md): schedules created, read, listed and deleted at run time
-//! (docs/design.md#schedules-as-data). Every request carries `Authorization: Bearer T`, T the
+//! (docs/design.md#schedules-as-data), ad-hoc tasks published as `drumline publish` does, and
+//! what became of one key. Every request carries `Authorization: Bearer T`, T the
 //! value of the variable `[api] token_env` names; answers are JSON, errors
 //! `{"error", "field"}`. [`ApiDoc`] is the OpenAPI document, kept in `docs/api.openapi.json`.
 
+use crate::adhoc;
 use crate::schedules::{check, has_labels, shown, shown_config_job, shown_of};
 use axum::body::Bytes;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::Router;
 use chrono::Utc;
+use drumline_shared::client::{ClientError, Producer};
 use drumline_shared::config::{Config, RefusalKind};
+use drumline_shared::envelope::Envelope;
 use drumline_shared::store::{Applied, ObjectKind, Store};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -29,6 +33,8 @@ pub struct Api {
     store: Store,
     /// `Bearer T`, as the header must read.
     expected: String,
+    /// The broker connection `POST /api/v1/tasks` publishes through, opened by the first.
+    producer: tokio::sync::OnceCell<Producer>,
 }
 
 impl Api {
@@ -38,7 +44,16 @@ impl Api {
             config,
             store,
             expected: format!("Bearer {token}"),
+            producer: tokio::sync::OnceCell::new(),
         }
+    }
+
+    /// Publishes `env` with confirms, as `drumline publish` does ([`adhoc::publish_with`]).
+    async fn publish(&self, env: &Envelope) -> Result<(), ClientError> {
+        let producer = (self.producer)
+            .get_or_try_init(|| adhoc::producer(&self.config))
+            .await?;
+        adhoc::publish_with(producer, env).await
     }
 }
 
@@ -51,6 +66,7 @@ pub fn routes(api: Arc<Api>) -> Router {
             get(get_schedule).put(put_schedule).delete(delete_schedule),
         )
         .route("/api/v1/keys/{key}", get(get_key))
+        .route("/api/v1/tasks", post(post_task))
         .route(
             "/api/v1/calendars/{name}",
             get(get_calendar).put(put_calendar).delete(delete_calendar),
@@ -225,6 +241,37 @@ async fn get_key(State(api): State<Arc<Api>>, Path(key): Path<String>) -> Respon
             }
         }
         Err(e) => store_error(e),
+    }
+}
+
+/// Publish an ad-hoc task, as `drumline publish` does: answered once the broker confirmed it.
+#[utoipa::path(post, path = "/api/v1/tasks", tag = "tasks",
+    request_body(content = TaskInput, description = "The task"),
+    responses(
+        (status = 202, description = "Published (the broker confirmed it)", body = TaskPublished),
+        (status = 400, description = "Not a valid task; `field` names the key", body = ApiError),
+        (status = 401, description = "No or a wrong bearer token", body = ApiError),
+        (status = 503, description = "The broker did not take it", body = ApiError)),
+    security(("bearer" = [])))]
+async fn post_task(State(api): State<Arc<Api>>, body: Bytes) -> Response {
+    let body: Value = match serde_json::from_slice(&body) {
+        Ok(body) => body,
+        Err(e) => return error(StatusCode::BAD_REQUEST, &format!("not JSON: {e}"), None),
+    };
+    let request = adhoc::from_json(&body);
+    let env = request.and_then(|r| adhoc::envelope(&api.config, &r, Utc::now()));
+    let env = match env {
+        Ok(env) => env,
+        Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string(), e.field()),
+    };
+    match api.publish(&env).await {
+        Ok(()) => reply(StatusCode::ACCEPTED, &json!({ "key": env.key })),
+        Err(e) if e.is_request() => error(StatusCode::BAD_REQUEST, &e.to_string(), e.field()),
+        Err(e) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &format!("broker: {e}"),
+            None,
+        ),
     }
 }
 
@@ -436,6 +483,35 @@ pub struct KeyReport {
     pub journal: Option<Vec<BTreeMap<String, serde_json::Value>>>,
 }
 
+/// An ad-hoc task to publish: what `drumline publish` takes. Give at most one of `delay` and
+/// `not_before`, and of `expires` and `expires_at`.
+#[derive(ToSchema)]
+pub struct TaskInput {
+    /// The `[tasks.NAME]` it runs.
+    pub task: String,
+    /// Handed to the task (default `{}`).
+    pub args: Option<BTreeMap<String, serde_json::Value>>,
+    /// The idempotency key (default: a fresh UUID): at most one run succeeds per key.
+    pub key: Option<String>,
+    /// Logical queue (default `default`).
+    pub queue: Option<String>,
+    /// Due this long after now (`"30s"`): sets `not_before`.
+    pub delay: Option<String>,
+    /// Not started before this instant (RFC 3339); one past runs at once.
+    pub not_before: Option<String>,
+    /// Not run later than this long after it is due (`"10m"`).
+    pub expires: Option<String>,
+    /// Not run after this instant (RFC 3339), which must be after `not_before`.
+    pub expires_at: Option<String>,
+}
+
+/// A published task.
+#[derive(ToSchema)]
+pub struct TaskPublished {
+    /// Its idempotency key: `GET /api/v1/keys/{key}` tells what became of it.
+    pub key: String,
+}
+
 /// A calendar as applied.
 #[derive(ToSchema)]
 pub struct CalendarInput {
@@ -472,11 +548,11 @@ pub struct SchedulePage {
 /// The OpenAPI document of the API (`docs/api.openapi.json`).
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "drumline API", description = "Schedules and calendars at run time (docs/api.md)."),
+    info(title = "drumline API", description = "Schedules and calendars at run time, ad-hoc tasks and what became of them (docs/api.md)."),
     paths(put_schedule, get_schedule, delete_schedule, list_schedules, put_calendar, get_calendar,
-        delete_calendar, get_key),
+        delete_calendar, get_key, post_task),
     components(schemas(ApiError, ScheduleInput, Schedule, SchedulePage, CalendarInput,
-        CalendarShown, KeyReport)),
+        CalendarShown, KeyReport, TaskInput, TaskPublished)),
     modifiers(&Bearer))]
 pub struct ApiDoc;
 
@@ -526,7 +602,7 @@ mod tests {
     use super::*;
 
     /// The document in docs/ is this code's: `DRUMLINE_WRITE_OPENAPI=1 cargo test -p
-    /// drumline-beat api` writes it anew.
+    /// drumline-ops --lib api` writes it anew.
     #[test]
     fn the_openapi_document_in_docs_is_the_codes() {
         let doc = ApiDoc::openapi().to_pretty_json().expect("json") + "\n";

@@ -1,12 +1,17 @@
 //! The beat's HTTP API (docs/api.md), end to end with the real `drumline-beat` and Redis: the
-//! bearer token, each answer's status and body checked against `docs/api.openapi.json`, and a
-//! beat given `--api-addr` without its token refusing to start.
+//! bearer token, each answer's status and body checked against `docs/api.openapi.json`, an
+//! ad-hoc task posted and followed to its end, and a beat given `--api-addr` without its token
+//! refusing to start.
 
+use chrono::Utc;
 use drumline_e2e::cfg::{cron, shell, Cfg};
 use drumline_e2e::probe::api_request;
-use drumline_e2e::{setup, unused_port, Proc, TestEnv};
+use drumline_e2e::scenario::appends;
+use drumline_e2e::{setup, unused_port, wait_until, Proc, TestEnv};
+use drumline_shared::envelope::{format_instant, parse_instant};
 use serde_json::{json, Value};
 use std::path::PathBuf;
+use std::time::Duration;
 
 const TOKEN: &str = "s3cret-token";
 
@@ -108,4 +113,54 @@ fn a_beat_with_an_api_address_and_no_token_refuses_to_start() {
     let (code, _, err) = env.beat_cmd(&config, &["--api-addr", &addr]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("DRUMLINE_API_TOKEN"), "{err}");
+}
+
+/// `POST /api/v1/tasks` with `not_before` (docs/api.md#tasks): published as `drumline publish`
+/// publishes, run by a worker once, not before it; `GET /api/v1/keys/{key}` then says `done`.
+/// A bad task, `args` or instant is a 400 naming it; no token, a 401.
+// See: issues/36
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_posted_with_not_before_runs_after_it_and_its_key_says_done() {
+    let env = setup("api_tasks");
+    let config = env.config_file(&Cfg::new().task("report", appends(&env, "effects")));
+    let _worker = env.worker_ready("worker", &config).await;
+    let (_beat, p) = env.beat_with_api(&config, TOKEN);
+    let not_before = Utc::now() + chrono::Duration::seconds(2);
+    let at = format_instant(not_before);
+    let body = json!({"task": "report", "key": "k-api", "args": {"n": 1}, "not_before": at});
+    let posted = call(
+        p,
+        "POST /api/v1/tasks",
+        &body.to_string(),
+        202,
+        "TaskPublished",
+    );
+    assert_eq!(posted["key"], "k-api");
+    let state = || {
+        let answer = api_request(p, "GET /api/v1/keys/k-api", Some(TOKEN), "");
+        answer.map(|(_, _, body)| body["state"].clone())
+    };
+    let done = wait_until(Duration::from_secs(60), || state() == Some(json!("done")));
+    assert!(done, "{:?}", state());
+    let report = call(p, "GET /api/v1/keys/k-api", "", 200, "KeyReport");
+    let claims = report["journal"].as_array().expect("journal").iter();
+    let mut claimed = claims.filter(|e| e["event"] == "claim");
+    let first = claimed
+        .next()
+        .and_then(|e| e["at"].as_str().and_then(parse_instant));
+    assert!(first.is_some_and(|t| t >= not_before), "{report}");
+    assert_eq!(env.lines("effects"), vec!["k-api"]);
+    let never = r#"{"task": "report", "not_before": "2030-01-01T00:00:00Z",
+        "expires_at": "2029-01-01T00:00:00Z"}"#;
+    for (body, field) in [
+        (r#"{"task": "nope"}"#, "task"),
+        (r#"{"task": "report", "args": [1, 2]}"#, "args"),
+        (r#"{"task": "report", "not_before": "soon"}"#, "not_before"),
+        (never, "expires_at"),
+    ] {
+        let bad = call(p, "POST /api/v1/tasks", body, 400, "ApiError");
+        assert_eq!(bad["field"], field, "{body}");
+    }
+    let unauthorized = api_request(p, "POST /api/v1/tasks", None, r#"{"task": "report"}"#);
+    assert_eq!(unauthorized.map(|(status, ..)| status), Some(401));
 }
