@@ -91,11 +91,16 @@ impl BadRequest {
         }
     }
 
-    /// As the command line says it: a message error names its option (`--queue: …`).
+    /// As the command line says it: a message error names its option (`--queue: …`,
+    /// `--expires-at: …`).
     pub fn for_cli(&self) -> String {
+        let text = self.to_string();
         match self {
-            BadRequest::Message(e) => format!("--{e}"),
-            other => other.to_string(),
+            BadRequest::Message(e) => match e.field() {
+                Some(field) => text.replacen(field, &format!("--{}", field.replace('_', "-")), 1),
+                None => text,
+            },
+            _ => text,
         }
     }
 }

@@ -38,12 +38,19 @@ pub enum Command {
         /// Idempotency key [default: a fresh UUID]; publishing the same key twice runs it once.
         #[arg(long)]
         key: Option<String>,
-        /// Due this long after now (e.g. "30s"); waits in a delay queue meanwhile.
+        /// Due this long after now (e.g. "30s"); waits in a delay queue meanwhile, and is not
+        /// started sooner (`not_before`).
         #[arg(long, value_parser = parse_duration, default_value = "0s")]
         delay: std::time::Duration,
+        /// Not started before this instant (RFC 3339), instead of --delay.
+        #[arg(long, value_parser = parse_rfc3339, conflicts_with = "delay")]
+        not_before: Option<chrono::DateTime<chrono::Utc>>,
         /// Not run after this long past the due instant (e.g. "10m").
         #[arg(long, value_parser = parse_duration)]
         expires: Option<std::time::Duration>,
+        /// Not run after this instant (RFC 3339, after the due instant), instead of --expires.
+        #[arg(long, value_parser = parse_rfc3339, conflicts_with = "expires")]
+        expires_at: Option<chrono::DateTime<chrono::Utc>>,
         /// Logical queue [default: default].
         #[arg(long)]
         queue: Option<String>,
@@ -221,6 +228,12 @@ pub(crate) fn parse_duration(text: &str) -> Result<std::time::Duration, String> 
     drumline_shared::duration::parse(text)
 }
 
+/// `--not-before`, `--expires-at`: an RFC 3339 instant.
+fn parse_rfc3339(text: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    drumline_shared::envelope::parse_instant(text)
+        .ok_or_else(|| format!("{text:?} is not an RFC 3339 instant"))
+}
+
 impl Command {
     /// Whether the command reads Redis anyway: it then sees the schedules applied at run time
     /// as jobs.
@@ -244,7 +257,9 @@ impl Command {
             args,
             key,
             delay,
+            not_before,
             expires,
+            expires_at,
             queue,
         } = self
         else {
@@ -256,9 +271,10 @@ impl Command {
             args,
             key,
             delay,
+            not_before,
             expires,
+            expires_at,
             queue,
-            ..adhoc::Request::default()
         };
         commands::publish(config, &request).await
     }

@@ -1,6 +1,7 @@
 //! `not_before` (docs/envelope.md#not-before): a raw message published before it waits in a
 //! delay queue, not in a worker's slot, then runs once, not sooner; one past it runs at once;
-//! a malformed one, or one that expires before it, is a `malformed` dead letter naming it.
+//! a malformed one, or one that expires before it, is a `malformed` dead letter naming it (and
+//! `drumline publish` refuses the latter).
 // See: issues/36
 
 use chrono::{DateTime, Utc};
@@ -108,4 +109,22 @@ async fn a_past_not_before_runs_at_once_and_a_bad_one_is_dead_lettered_naming_it
         assert!(error.is_some_and(|e| e.contains("not_before")), "{letter}");
     }
     assert_eq!(keys(&sc), vec!["k-past"]);
+    let (later, sooner) = (at(Utc::now() + hour), at(Utc::now() + hour / 2));
+    let publish = [
+        "publish",
+        "stamp",
+        "--not-before",
+        &later,
+        "--expires-at",
+        &sooner,
+    ];
+    let (status, _, err) = sc.run(
+        "drumline",
+        &[&["--config", sc.cfg()][..], &publish].concat(),
+    );
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--expires-at"),
+        "the command line refuses it too: {err}"
+    );
 }
