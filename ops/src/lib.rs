@@ -38,8 +38,8 @@
 //!   (one passive declare).
 //! - `recent.rs`: each job's recent runs as shown (`RecentRun` from a run record: duration, the
 //!   error on one bounded line) and their text table; see docs/design.md#recent-runs.
-//! - `page.rs`: the read-only status page on `--metrics-addr`: `/` (HTML from a pure
-//!   `render(Status, Window)`, refreshing itself, no JavaScript, everything escaped, `Jobs a–b
+//! - `page.rs`: the status page on `--metrics-addr`: `/` (HTML from a pure
+//!   `render(Status, Window)`, refreshing itself, JavaScript only for the actions, everything escaped, `Jobs a–b
 //!   of N` with links) and `/api/status` (the `status --json` document), built per request
 //!   through `status::read_window` within 4 s, else 503 with the reason; at most 4 at once
 //!   (else 503 `Retry-After: 1`), at most `limit` jobs (docs/design.md#bounded-work); follows
@@ -53,10 +53,14 @@
 //!   and an audit's rows. Pure.
 //! - `prove.rs`: the bodies of `audit` and `verify`: read through the `Store`, print, exit 1 on
 //!   a violation. Touches: Redis (read only, through the `Store`), stdout.
+//! - `actions.rs`: the status page's actions: `POST /actions/{pause|resume|trigger}/{job}`
+//!   behind the API token and the page's own origin, the token field and its script. Touches:
+//!   Redis (pause), broker (trigger).
 //! - `dead_letters.rs`: the broker counts the status page and the queue gauges show
 //!   (`BrokerCounts`: the dead letters and the queues `queues_of` names): one broker connection
 //!   kept between requests, one read at a time, cached 5 s. Touches: broker (passive declares).
 
+pub(crate) mod actions;
 pub(crate) mod adhoc;
 pub mod api;
 pub(crate) mod audit;

@@ -12,6 +12,7 @@
 //! most [`MAX_RENDERS`] reports built at once, a request beyond them answered 503 with
 //! `Retry-After: 1` at once; at most `limit` jobs listed ([`Window`]).
 
+use crate::actions::{self, Actions};
 use crate::dead_letters::DeadLetters;
 use crate::status::{self, JobStatus, Status};
 use axum::extract::{RawQuery, State};
@@ -22,7 +23,6 @@ use axum::Router;
 use chrono::{DateTime, Utc};
 use drumline_shared::config::Config;
 use drumline_shared::envelope::parse_instant;
-use drumline_shared::names::Names;
 use drumline_shared::signals::Hangups;
 use drumline_shared::store::Store;
 use std::fmt::Write;
@@ -53,6 +53,8 @@ pub const MAX_LIMIT: usize = 1000;
 /// dead-letter count with its broker connection, and the render slots.
 #[derive(Clone)]
 struct Page {
+    /// Whether the page offers the actions ([`actions`]).
+    acts: bool,
     config: Arc<RwLock<Arc<Config>>>,
     store: Arc<OnceCell<Store>>,
     dead_letters: Arc<DeadLetters>,
@@ -71,14 +73,20 @@ impl Page {
 /// runtime). `dead_letters` is the one broker connection the page reads counts through, shared
 /// with the queue gauges.
 pub fn routes(config: Arc<Config>, dead_letters: Arc<DeadLetters>) -> Router {
+    let acting = Actions::of(&config);
     let page = Page {
+        acts: acting.is_some(),
         dead_letters,
         config: Arc::new(RwLock::new(config)),
         store: Arc::new(OnceCell::new()),
         renders: Arc::new(Semaphore::new(MAX_RENDERS)),
     };
     tokio::spawn(follow_reloads(page.config.clone()));
-    Router::new()
+    let router = match acting {
+        Some(acting) => actions::routes(acting, page.config.clone(), page.store.clone()),
+        None => Router::new(),
+    };
+    router
         .route("/", get(html_page))
         .route("/api/status", get(api_status))
         .with_state(page)
@@ -189,13 +197,7 @@ fn bad_query(reason: String) -> Response {
 async fn report(page: &Page, window: Window, now: DateTime<Utc>) -> Result<Status, String> {
     let config = &page.config();
     let read = async {
-        let store = page
-            .store
-            .get_or_try_init(|| {
-                let names = Names::new(config.namespace.clone());
-                Store::connect(&config.redis_url, config.redis_ca_file.as_deref(), names)
-            })
-            .await?;
+        let store = actions::connected(&page.store, config).await?;
         let dead_letters = page.dead_letters.count();
         status::read_window(store, config, window.range(), dead_letters, now).await
     };
@@ -218,7 +220,7 @@ async fn html_page(State(page): State<Page>, RawQuery(query): RawQuery) -> Respo
     let (code, body) = match report(&page, window, now).await {
         Ok(status) => (
             StatusCode::OK,
-            render(&status, window, &page.config().namespace, now),
+            render(&status, window, &page.config().namespace, now, page.acts),
         ),
         Err(reason) => {
             tracing::warn!(reason = %reason, "status page: no report");
@@ -292,7 +294,7 @@ tr.paused td{background:#fff6e0}\
 tr.runs>td{border-bottom:1px solid #ddd;padding:0 .45em .3em 1.5em}\
 summary{color:#555;cursor:pointer}\
 table.runs{margin:.2em 0 .3em}\
-table.runs td{white-space:normal}\
+table.runs td{white-space:normal;overflow-wrap:anywhere}\
 .outcome.failed,.outcome.dead,.outcome.expired{color:#a00;font-weight:bold}\
 footer{margin-top:1em;color:#777;font-size:.85em}";
 
@@ -394,7 +396,7 @@ fn next_cell(job: &JobStatus, now: DateTime<Utc>) -> String {
 }
 
 /// One job's row.
-fn row(job: &JobStatus, now: DateTime<Utc>) -> String {
+fn row(job: &JobStatus, now: DateTime<Utc>, acts: bool) -> String {
     let mut classes = Vec::new();
     if job.paused {
         classes.push("paused");
@@ -417,7 +419,7 @@ fn row(job: &JobStatus, now: DateTime<Utc>) -> String {
          <td class=\"zone\">{zone}</td>\
          {next}{published}{success}{failure}\
          <td class=\"running num\">{running}</td>\
-         {paused}{stale}</tr>\n",
+         {paused}{stale}{buttons}</tr>\n",
         classes = classes.join(" "),
         schedule = escape(&job.schedule),
         zone = escape(&job.timezone),
@@ -428,6 +430,21 @@ fn row(job: &JobStatus, now: DateTime<Utc>) -> String {
         running = job.running,
         paused = marker(job.paused, "paused", "PAUSED"),
         stale = marker(job.stale, "stale", "STALE"),
+        buttons = if acts {
+            buttons(&job.job, job.paused)
+        } else {
+            String::new()
+        },
+    )
+}
+
+/// A job row's buttons: resume when paused, else pause; trigger.
+fn buttons(job: &str, paused: bool) -> String {
+    let flip = if paused { "resume" } else { "pause" };
+    let job = escape(job);
+    format!(
+        "<td class=\"actions\"><button data-action=\"{flip}\" data-job=\"{job}\">{flip}</button> \
+         <button data-action=\"trigger\" data-job=\"{job}\">trigger</button></td>"
     )
 }
 
@@ -507,9 +524,19 @@ fn shown(out: &mut String, status: &Status, window: Window) {
 
 /// The status page for `status` of `namespace`, listing `window` of its jobs, as of `now`:
 /// pure, so the tests can read it.
-pub fn render(status: &Status, window: Window, namespace: &str, now: DateTime<Utc>) -> String {
+/// With `acts`, each job has its buttons and the page the token field ([`actions`]).
+pub fn render(
+    status: &Status,
+    window: Window,
+    namespace: &str,
+    now: DateTime<Utc>,
+    acts: bool,
+) -> String {
     let mut out = String::with_capacity(2048 + 512 * status.jobs.len());
     open(&mut out, namespace, now);
+    if acts {
+        out.push_str(actions::CONTROLS);
+    }
     match &status.leader {
         Some(l) => {
             let _ = writeln!(
@@ -542,22 +569,30 @@ pub fn render(status: &Status, window: Window, namespace: &str, now: DateTime<Ut
         ),
     }
     shown(&mut out, status, window);
+    jobs_table(&mut out, status, now, acts);
+    workers_and_queues(&mut out, status);
+    close(&mut out);
+    out
+}
+
+/// The table of the listed jobs, each with its recent runs under it (and its buttons with
+/// `acts`).
+fn jobs_table(out: &mut String, status: &Status, now: DateTime<Utc>, acts: bool) {
     out.push_str(
         "<table id=\"jobs\">\n<thead><tr><th>Job</th><th>Schedule</th><th>Zone</th>\
          <th>Next due</th><th>Last published</th><th>Last success</th><th>Last failure</th>\
-         <th>Running</th><th>Paused</th><th>Stale</th></tr></thead>\n<tbody>\n",
+         <th>Running</th><th>Paused</th><th>Stale</th>",
     );
+    out.push_str(if acts { "<th>Actions</th>" } else { "" });
+    out.push_str("</tr></thead>\n<tbody>\n");
     if status.total == 0 {
         out.push_str("<tr><td colspan=\"10\" class=\"none\">No jobs in the config.</td></tr>\n");
     }
     for job in &status.jobs {
-        out.push_str(&row(job, now));
+        out.push_str(&row(job, now, acts));
         out.push_str(&runs_row(job, now));
     }
     out.push_str("</tbody>\n</table>\n");
-    workers_and_queues(&mut out, status);
-    close(&mut out);
-    out
 }
 
 /// The workers announced (`{ns}:worker:{id}`) and every queue's depth and consumers.
@@ -692,7 +727,7 @@ mod tests {
 
     #[test]
     fn the_page_shows_workers_and_queues() {
-        let page = render(&status(), Window::default(), "ns", now());
+        let page = render(&status(), Window::default(), "ns", now(), false);
         assert!(
             page.contains("<span id=\"worker-count\">1</span>"),
             "{page}"
@@ -713,7 +748,7 @@ mod tests {
 
     #[test]
     fn a_row_per_job_with_its_markers() {
-        let page = render(&status(), Window::default(), "prod", now());
+        let page = render(&status(), Window::default(), "prod", now(), false);
         assert!(page.starts_with("<!DOCTYPE html>"));
         assert!(page.contains("<meta http-equiv=\"refresh\" content=\"5\">"));
         assert!(!page.contains("<script"), "no JavaScript needed");
@@ -729,7 +764,7 @@ mod tests {
         assert!(!heartbeat.contains("runs-at"), "not jittered: {heartbeat}");
         let mut jittered = status();
         jittered.jobs[0].next_runs_at = Some("2026-11-30T12:01:37Z".into());
-        let page = render(&jittered, Window::default(), "prod", now());
+        let page = render(&jittered, Window::default(), "prod", now(), false);
         let heartbeat = row_of(&page, "heartbeat");
         assert!(
             heartbeat.contains(
@@ -766,7 +801,7 @@ mod tests {
             run("done", None),
         ];
         s.jobs[1].recent = vec![run("done", None)];
-        let page = render(&s, Window::default(), "ns", now());
+        let page = render(&s, Window::default(), "ns", now(), false);
         let start = page.find("data-runs-of=\"heartbeat\"").unwrap();
         let runs = &page[start..start + page[start..].find("</details>").unwrap()];
         assert!(runs.contains("<details open>"), "{runs}");
@@ -789,7 +824,7 @@ mod tests {
 
     #[test]
     fn leader_and_dead_letters() {
-        let page = render(&status(), Window::default(), "prod", now());
+        let page = render(&status(), Window::default(), "prod", now(), false);
         assert!(
             page.contains("<span class=\"host\">beat-1</span>"),
             "{page}"
@@ -802,7 +837,7 @@ mod tests {
         let mut none = status();
         none.leader = None;
         none.dead_letters = None;
-        let page = render(&none, Window::default(), "prod", now());
+        let page = render(&none, Window::default(), "prod", now(), false);
         assert!(page.contains("No leader"));
         assert!(page.contains("Dead letters: unknown"));
     }
@@ -814,7 +849,7 @@ mod tests {
         hostile.jobs[0].job = "a\"b<c>&'".into();
         hostile.jobs[0].schedule = "<b>".into();
         hostile.jobs[0].last_failure = Some("\"><img src=x>".into());
-        let page = render(&hostile, Window::default(), "ns<&>", now());
+        let page = render(&hostile, Window::default(), "ns<&>", now(), false);
         assert!(!page.contains("<script>") && !page.contains("<img") && !page.contains("<b>"));
         assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
         assert!(page.contains("data-job=\"a&quot;b&lt;c&gt;&amp;&#39;\""));
@@ -829,7 +864,7 @@ mod tests {
         let mut empty = status();
         empty.jobs.clear();
         empty.total = 0;
-        let page = render(&empty, Window::default(), "prod", now());
+        let page = render(&empty, Window::default(), "prod", now(), false);
         assert!(page.contains("No jobs in the config."));
     }
 
@@ -868,7 +903,7 @@ mod tests {
             offset: 3,
             limit: 3,
         };
-        let page = render(&many, window, "prod", now());
+        let page = render(&many, window, "prod", now(), false);
         assert!(page.contains("Jobs 4–6 of 10"), "{page}");
         assert!(
             page.contains("href=\"/?offset=0&amp;limit=3\">previous"),
@@ -886,6 +921,7 @@ mod tests {
             },
             "prod",
             now(),
+            false,
         );
         assert!(first.contains("Jobs 1–3 of 10") && !first.contains("previous"));
         let last = render(
@@ -896,6 +932,7 @@ mod tests {
             },
             "prod",
             now(),
+            false,
         );
         assert!(
             last.contains("Jobs 8–10 of 10") && !last.contains(">next<"),
@@ -910,6 +947,7 @@ mod tests {
             },
             "prod",
             now(),
+            false,
         );
         assert!(past.contains("No jobs listed from 21; 10 in all"), "{past}");
         assert!(!past.contains("No jobs in the config."));
@@ -930,5 +968,15 @@ mod tests {
             short(t + chrono::TimeDelta::hours(15), t),
             "2026-12-01 03:00:00"
         );
+    }
+
+    #[test]
+    fn a_paused_job_offers_resume_and_names_are_escaped() {
+        let paused = buttons("a<b", true);
+        assert!(
+            paused.contains("data-action=\"resume\" data-job=\"a&lt;b\""),
+            "{paused}"
+        );
+        assert!(buttons("j", false).contains("data-action=\"pause\""));
     }
 }
