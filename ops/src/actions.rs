@@ -13,6 +13,7 @@ use axum::routing::post;
 use axum::Router;
 use chrono::Utc;
 use drumline_shared::config::Config;
+use drumline_shared::dlq;
 use drumline_shared::names::Names;
 use drumline_shared::store::{Store, StoreError};
 use std::sync::{Arc, RwLock};
@@ -75,6 +76,25 @@ struct Acting {
     store: Arc<OnceCell<Store>>,
 }
 
+impl Acting {
+    /// The config now, for a request [`Actions::admit`] lets through.
+    fn admitted(&self, headers: &HeaderMap) -> Result<Arc<Config>, (StatusCode, &'static str)> {
+        self.actions.admit(headers)?;
+        Ok(self.config.read().expect("page config lock").clone())
+    }
+}
+
+/// What an action did, as its answer: 200 with what it says, 503 with why it could not.
+fn answer(done: Result<String, String>) -> Response {
+    match done {
+        Ok(said) => {
+            tracing::info!(said, "status page action");
+            (StatusCode::OK, said).into_response()
+        }
+        Err(e) => refuse(StatusCode::SERVICE_UNAVAILABLE, &e),
+    }
+}
+
 /// The routes `POST /actions/{pause|resume|trigger}/{job}` on the page's `config` and `store`.
 pub(crate) fn routes<S>(
     actions: Actions,
@@ -87,6 +107,7 @@ pub(crate) fn routes<S>(
         store,
     };
     Router::new()
+        .route("/actions/dead-letters/{what}", post(dead_letters))
         .route("/actions/{action}/{job}", post(act))
         .with_state(acting)
 }
@@ -109,10 +130,10 @@ async fn act(
     Path((action, job)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err((code, why)) = acting.actions.admit(&headers) {
-        return refuse(code, why);
-    }
-    let config = acting.config.read().expect("page config lock").clone();
+    let config = match acting.admitted(&headers) {
+        Ok(config) => config,
+        Err((code, why)) => return refuse(code, why),
+    };
     let Some(job) = config.job(&job) else {
         return refuse(StatusCode::NOT_FOUND, "no such job");
     };
@@ -138,14 +159,53 @@ async fn act(
         }
         _ => return refuse(StatusCode::NOT_FOUND, "no such action"),
     };
-    match done {
-        Ok(said) => {
-            tracing::info!(action, job = %name, "status page action");
-            (StatusCode::OK, said).into_response()
-        }
-        Err(e) => refuse(StatusCode::SERVICE_UNAVAILABLE, &e),
-    }
+    answer(done)
 }
+
+/// `POST /actions/dead-letters/{replay|purge}`: every dead letter replayed (a fresh copy each,
+/// as `dlq replay --all`) or purged (as `dlq purge --yes`).
+async fn dead_letters(
+    State(acting): State<Acting>,
+    Path(what): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let config = match acting.admitted(&headers) {
+        Ok(config) => config,
+        Err((code, why)) => return refuse(code, why),
+    };
+    let done = match what.as_str() {
+        "replay" => replay_all(&config, &acting.store).await,
+        "purge" => dlq::purge(&config)
+            .await
+            .map(|n| format!("purged {n} dead letters"))
+            .map_err(|e| e.to_string()),
+        _ => return refuse(StatusCode::NOT_FOUND, "no such action"),
+    };
+    answer(done)
+}
+
+/// Replays every dead letter; says how many.
+async fn replay_all(config: &Config, store: &OnceCell<Store>) -> Result<String, String> {
+    let store = connected(store, config)
+        .await
+        .map_err(|e| format!("redis: {e}"))?;
+    let queue = dlq::DeadQueue::open(config)
+        .await
+        .map_err(|e| e.to_string())?;
+    let replayed = queue.replay(store, &[]).await;
+    queue.close().await;
+    let (done, refused) = replayed.map_err(|e| e.to_string())?;
+    Ok(format!(
+        "replayed {} dead letters ({} not replayable)",
+        done.len(),
+        refused.len()
+    ))
+}
+
+/// The buttons beside the dead-letter count: replay all, purge (after a confirmation).
+pub(crate) const DEAD_LETTER_BUTTONS: &str = " <button data-action=\"dead-letters\" \
+data-job=\"replay\">replay all</button> <button data-action=\"dead-letters\" data-job=\"purge\" \
+data-confirm=\"Delete every dead letter for good?\">purge</button>";
 
 /// The page's part of the actions: a field for the token (kept for the tab in
 /// `sessionStorage`, never in the page or the URL), the outcome of the last action, and the
@@ -158,6 +218,7 @@ tokenField.value = sessionStorage.getItem('drumline-token') || '';\n\
 document.addEventListener('click', async (event) => {\n\
   const button = event.target.closest('button[data-action]');\n\
   if (!button) return;\n\
+  if (button.dataset.confirm && !confirm(button.dataset.confirm)) return;\n\
   sessionStorage.setItem('drumline-token', tokenField.value);\n\
   const answer = await fetch('/actions/' + button.dataset.action + '/' +\n\
     encodeURIComponent(button.dataset.job),\n\

@@ -555,24 +555,33 @@ pub fn render(
              nothing is being published.</p>\n",
         ),
     }
-    match status.dead_letters {
-        Some(0) => out.push_str("<p id=\"dead-letters\">Dead letters: 0</p>\n"),
-        Some(n) => {
-            let _ = writeln!(
-                out,
-                "<p id=\"dead-letters\" class=\"warn\">Dead letters: {n}</p>"
-            );
-        }
-        None => out.push_str(
-            "<p id=\"dead-letters\" class=\"warn\">Dead letters: unknown (the broker did \
-             not answer)</p>\n",
-        ),
-    }
+    dead_letters_line(&mut out, status.dead_letters, acts);
     shown(&mut out, status, window);
     jobs_table(&mut out, status, now, acts);
     workers_and_queues(&mut out, status);
     close(&mut out);
     out
+}
+
+/// The dead-letter count (with the buttons to replay or purge them with `acts`).
+fn dead_letters_line(out: &mut String, count: Option<u64>, acts: bool) {
+    let buttons = if acts {
+        actions::DEAD_LETTER_BUTTONS
+    } else {
+        ""
+    };
+    let _ = match count {
+        Some(0) => writeln!(out, "<p id=\"dead-letters\">Dead letters: 0{buttons}</p>"),
+        Some(n) => writeln!(
+            out,
+            "<p id=\"dead-letters\" class=\"warn\">Dead letters: {n}{buttons}</p>"
+        ),
+        None => writeln!(
+            out,
+            "<p id=\"dead-letters\" class=\"warn\">Dead letters: unknown (the broker did \
+             not answer)</p>"
+        ),
+    };
 }
 
 /// The table of the listed jobs, each with its recent runs under it (and its buttons with

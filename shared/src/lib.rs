@@ -18,6 +18,8 @@
 //! - `signals.rs`: first SIGTERM/SIGINT stops in order, a second exits 1. Touches: OS signals.
 //! - `logging.rs`: tracing subscriber, `--log-format` (feature `bin-support`). Touches: stderr,
 //!   global logger.
+//! - `dlq.rs`: `dlq list / replay / purge` (the worker's commands and the status page's
+//!   buttons). Touches: broker (`{ns}.dead`, via `broker`), Redis (clears `dead` on replay).
 //! - `cli.rs`: `Common`: `--config` and `--log-format`, flattened into every binary's parser,
 //!   and `Common::load` (the config they name); `run_to_exit`: logging, one tokio runtime, the
 //!   command's `Failure` as the exit code (feature `bin-support`).
@@ -32,6 +34,7 @@
 
 #[cfg(feature = "bin-support")]
 pub mod cli;
+pub mod dlq;
 #[cfg(feature = "bin-support")]
 pub mod exit;
 #[cfg(feature = "bin-support")]

@@ -1,7 +1,7 @@
 //! The status page acts (docs/design.md#status-page), in a real browser: headless Chromium,
 //! driven over the DevTools protocol, types the API token into the page and presses a job's
-//! buttons; the job is paused (the status document says so) and a trigger runs once (its
-//! effect line). Without the token, or from another origin, the same POST is refused; without
+//! buttons; the job is paused (the status document says so), a trigger runs once (its
+//! effect line), a dead letter is replayed and then purged. Without the token, or from another origin, the same POST is refused; without
 //! a token configured the page has no buttons. A failure's long, unbroken error does not push
 //! the page wider than the window.
 
@@ -165,6 +165,7 @@ fn press(env: &TestEnv, url: &str, token: &str, action: &str, job: &str) -> Stri
     let script = format!(
         "(async () => {{ \
          const said = document.getElementById('action-result'); said.textContent = ''; \
+         window.confirm = () => true; \
          document.getElementById('api-token').value = {token:?}; \
          document.querySelector('button[data-action=\"{action}\"][data-job=\"{job}\"]').click(); \
          for (let i = 0; i < 200 && !said.textContent; i++) \
@@ -223,7 +224,7 @@ fn job_status(port: u16, job: &str) -> Option<Value> {
 }
 
 #[test]
-fn chromium_pauses_and_triggers_with_the_token_and_nothing_without() {
+fn chromium_pauses_triggers_and_replays_with_the_token_and_nothing_without() {
     let env = setup("page_actions");
     let config = config(&env);
     let worker = env.worker_on("worker", &config);
@@ -277,4 +278,29 @@ fn chromium_pauses_and_triggers_with_the_token_and_nothing_without() {
         page <= window,
         "{page} px wide in a {window} px window: {sizes}"
     );
+    drop(browser);
+
+    // Its dead letter: replayed (it fails again and is dead again), then purged.
+    let dead = || dead_letters(&env, &config);
+    assert!(wait_until(WAIT, || dead() == 1), "{}", tails(&procs));
+    let said = press(&env, &url, TOKEN, "dead-letters", "replay");
+    assert_eq!(said, "replayed 1 dead letters (0 not replayable)");
+    let runs =
+        || job_status(port, "broken").map_or(0, |j| j["recent"].as_array().map_or(0, Vec::len));
+    assert!(wait_until(WAIT, || runs() >= 2), "{}", tails(&procs));
+    assert!(wait_until(WAIT, || dead() == 1), "{}", tails(&procs));
+    let said = press(&env, &url, TOKEN, "dead-letters", "purge");
+    assert_eq!(said, "purged 1 dead letters");
+    assert_eq!(dead(), 0);
+}
+
+/// How many dead letters `drumline dlq list --json` lists (`usize::MAX` when it fails).
+fn dead_letters(env: &TestEnv, config: &str) -> usize {
+    let (status, out, _) = env.run("drumline", &["--config", config, "dlq", "list", "--json"]);
+    let listed: Vec<Value> = serde_json::from_str(&out).unwrap_or_default();
+    if status.success() {
+        listed.len()
+    } else {
+        usize::MAX
+    }
 }

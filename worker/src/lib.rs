@@ -86,8 +86,6 @@
 //! - `stats.rs`: counters and gauges (Prometheus) and the shutdown summary; runs per task and
 //!   outcome (unknown tasks labelled `unknown`), lag and run-time histograms per task. Touches:
 //!   memory.
-//! - `dlq.rs`: `dlq list / replay / purge`. Touches: broker (`{ns}.dead`, via `broker`), Redis
-//!   (clears `dead` on replay).
 
 // Public for worker/tests/acks.rs (the real broker); not part of the API.
 #[doc(hidden)]
@@ -100,7 +98,7 @@ pub mod commands;
 pub(crate) mod consumer;
 pub(crate) mod dead_watch;
 pub(crate) mod decision;
-pub(crate) mod dlq;
+pub(crate) use drumline_shared::dlq;
 pub mod executor;
 pub mod handler;
 pub mod http;

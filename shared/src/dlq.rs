@@ -1,4 +1,4 @@
-//! `drumline-worker dlq list | replay | purge` (docs/design.md–8): the dead letters in `{ns}.dead`,
+//! `drumline dlq list | replay | purge` and the status page's dead-letter buttons (docs/design.md–8): the dead letters in `{ns}.dead`,
 //! both those the worker put there (headers `x-drumline-reason`/`-error`/`-attempts`) and those
 //! the broker dead-lettered because they expired while queued (`x-death`).
 //!
@@ -7,12 +7,12 @@
 //! channel closes. Replay publishes a fresh copy (attempt 0, no deadline) to `{ns}.tasks` with a
 //! confirm, clears the instance's `dead` state in Redis, and only then acks the dead letter.
 
+use crate::broker::{self, BrokerError, Channel, Connection, Delivery};
+use crate::config::Config;
+use crate::envelope::{format_instant, Envelope};
+use crate::names::Names;
+use crate::store::Store;
 use chrono::{DateTime, TimeZone, Utc};
-use drumline_shared::broker::{self, BrokerError, Channel, Connection, Delivery};
-use drumline_shared::config::Config;
-use drumline_shared::envelope::{format_instant, Envelope};
-use drumline_shared::names::Names;
-use drumline_shared::store::Store;
 use serde::Serialize;
 
 /// One dead letter, as `dlq list --json` prints it.
@@ -43,7 +43,7 @@ pub enum DlqError {
     Broker(#[from] BrokerError),
     /// Redis trouble (replay must clear the `dead` state).
     #[error("redis: {0}")]
-    Redis(#[from] drumline_shared::store::StoreError),
+    Redis(#[from] crate::store::StoreError),
     /// The broker did not confirm a replayed copy.
     #[error("the broker did not accept the replayed copy of {0}: {1}")]
     NotConfirmed(String, BrokerError),
@@ -147,7 +147,7 @@ impl DeadQueue {
                 &env.queue,
                 true,
                 &env.encode(),
-                drumline_shared::broker::properties(&env, Utc::now(), 0),
+                broker::properties(&env, Utc::now(), 0),
             )
             .await
             .map_err(|e| DlqError::NotConfirmed(env.key.clone(), e))?;
@@ -187,11 +187,11 @@ pub fn table(letters: &[DeadLetter]) -> String {
                 // One line per letter: `--json` has the whole error.
                 d.error
                     .as_deref()
-                    .map_or("-".into(), |e| drumline_shared::table::one_line(e, 200)),
+                    .map_or("-".into(), |e| crate::table::one_line(e, 200)),
             ]
         })
         .collect();
-    drumline_shared::table::render(
+    crate::table::render(
         &["KEY", "TASK", "REASON", "ATTEMPTS", "DEAD AT", "ERROR"],
         &rows,
     )
