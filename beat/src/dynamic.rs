@@ -30,6 +30,16 @@ const FEED_POLL: Duration = Duration::from_millis(200);
 /// Between tries of a failed feed read.
 const FEED_RETRY: Duration = Duration::from_millis(500);
 
+/// What the jobs a beat runs became.
+pub(crate) enum Change {
+    /// Everything again (SIGHUP, a calendar changed, the feed lost its place): the whole
+    /// config, run as a reload.
+    Whole(Arc<Config>),
+    /// Only these schedules changed: each by name, its checked job, or `None` when deleted (or
+    /// no longer checks). Applied in place ([`Config::put_schedule`]).
+    Schedules(Vec<(String, Option<Job>)>),
+}
+
 /// One object's new state from the feed: its stored JSON, or `None` when deleted.
 #[derive(Debug)]
 enum Update {
@@ -95,36 +105,41 @@ impl Changes {
         Arc::new(config)
     }
 
+    /// The file the schedules are checked against (its jobs win over a schedule's name).
+    pub(crate) fn file(&self) -> &Config {
+        &self.file
+    }
+
     /// The next change: SIGHUP or a change in the feed. `None` when it changed nothing (a
     /// file that does not load, a put of what was stored). Cancel-safe.
-    pub(crate) async fn next(&mut self) -> Option<Arc<Config>> {
-        tokio::select! {
+    pub(crate) async fn next(&mut self) -> Option<Change> {
+        let change = tokio::select! {
             _ = self.hangups.recv() => {
                 self.file = reload(&self.file)?;
                 self.check_all();
+                Change::Whole(self.config())
             }
-            update = self.updates.recv() => {
-                let update = update?;
-                if !self.apply(update) {
-                    return None;
-                }
-                info!(schedules = self.jobs.len(), calendars = self.calendars.len(), "schedules changed");
-            }
-        }
-        Some(self.config())
+            update = self.updates.recv() => self.apply(update?)?,
+        };
+        info!(
+            schedules = self.jobs.len(),
+            calendars = self.calendars.len(),
+            "schedules changed"
+        );
+        Some(change)
     }
 
-    /// Applies `update`; whether any object changed.
-    fn apply(&mut self, update: Update) -> bool {
+    /// Applies `update`: what changed, if anything did.
+    fn apply(&mut self, update: Update) -> Option<Change> {
         let objects = match update {
             Update::All(all) => {
                 self.objects = *all;
                 self.check_all();
-                return true;
+                return Some(Change::Whole(self.config()));
             }
             Update::Objects(objects) => objects,
         };
-        let mut changed = false;
+        let (mut schedules, mut calendars) = (Vec::new(), false);
         for (kind, name, json) in objects {
             let held = match kind {
                 ObjectKind::Schedule => &mut self.objects.schedules,
@@ -135,11 +150,24 @@ impl Changes {
                 None => held.remove(&name),
             };
             if before != json {
-                changed = true;
                 self.check_one(kind, &name);
+                match kind {
+                    ObjectKind::Schedule => schedules.push(name),
+                    ObjectKind::Calendar => calendars = true,
+                }
             }
         }
-        changed
+        if calendars {
+            return Some(Change::Whole(self.config()));
+        }
+        let jobs = schedules
+            .into_iter()
+            .map(|name| {
+                let job = self.jobs.get(&name).cloned();
+                (name, job)
+            })
+            .collect::<Vec<_>>();
+        (!jobs.is_empty()).then_some(Change::Schedules(jobs))
     }
 
     /// Checks every stored object again (at start, after SIGHUP or a gap in the feed).

@@ -23,7 +23,7 @@
 //! confirms of the oldest are read, so the broker's confirms (its disk writes) overlap the
 //! sending; each batch's progress is still written only after its own confirms, oldest first.
 
-use crate::dynamic::Changes;
+use crate::dynamic::{Change, Changes};
 use crate::follower;
 use crate::journal;
 use crate::leader::{Leadership, Term};
@@ -121,8 +121,7 @@ pub async fn run(
     tokio::pin!(shutdown);
     // Listen for SIGHUP from the start: its default action would end the process.
     let hangups = Hangups::new();
-    // Shared, never cloned: the status page reads the same one.
-    let mut config: Arc<Config> = config.into();
+    let config: Arc<Config> = config.into();
     let store = tokio::select! {
         s = connect_redis(&config, &stats) => s,
         _ = &mut shutdown => return Ok(stats),
@@ -131,12 +130,14 @@ pub async fn run(
         c = load_changes(config.clone(), &store, hangups) => c,
         _ = &mut shutdown => return Ok(stats),
     };
-    config = changes.config();
+    // The file's jobs and the schedules: held by the term's machine while leading (one copy,
+    // changed in place by an edit), by `serve` while standing by.
+    let config = changes.config();
     let mut publisher = Publisher::new(&config);
     let (lease, threshold) = (config.beat.leader_lease, config.beat.misfire_threshold);
     let mut leadership = Leadership::start(store.clone(), lease, threshold, stats.clone());
     let served = serve(
-        &mut config,
+        config,
         &store,
         (&mut publisher, &mut leadership, &mut changes),
         &stats,
@@ -160,26 +161,27 @@ pub async fn run(
 /// the progress recorded by whoever led, [`reload::resume`]; a leader's at once,
 /// [`Machine::reload`]).
 async fn serve<F: Future<Output = ()>>(
-    config: &mut Arc<Config>,
+    mut config: Arc<Config>,
     store: &Store,
     (publisher, leadership, changes): (&mut Publisher, &mut Leadership, &mut Changes),
     stats: &BeatStats,
     shutdown: &mut Pin<&mut F>,
 ) -> Result<(), BrokerError> {
-    connect_broker(config, publisher).await?;
+    connect_broker(&config, publisher).await?;
     loop {
         let mut term = loop {
             tokio::select! {
                 term = leadership.next_term() => break term,
-                new = changes.next() => {
-                    if let Some(new) = new {
-                        publisher.reconfigure(&new);
-                        *config = new;
+                change = changes.next() => {
+                    if let Some(change) = change {
+                        standby_apply(&mut config, change, changes.file());
+                        publisher.reconfigure(&config);
                     }
                 }
                 _ = shutdown.as_mut() => return Ok(()),
             }
         };
+        // The term's machine holds the one config (so an edit changes it in place).
         let Some(mut beat) = Beat::start(config, store, &term, stats, shutdown).await else {
             return Ok(());
         };
@@ -190,10 +192,24 @@ async fn serve<F: Future<Output = ()>>(
                 shutdown,
             )
             .await?;
-        *config = beat.machine.config().clone();
+        config = beat.machine.config().clone();
+        drop(beat);
         match ended {
             Ended::Shutdown => return Ok(()),
             Ended::Lost => info!(epoch = term.epoch, "stopped publishing; standing by"),
+        }
+    }
+}
+
+/// What `change` makes of a standby's `config` (taken up at its next term).
+fn standby_apply(config: &mut Arc<Config>, change: Change, file: &Config) {
+    match change {
+        Change::Whole(new) => *config = new,
+        Change::Schedules(edits) => {
+            let config = Arc::make_mut(config);
+            for (name, job) in edits {
+                config.put_schedule(&name, job, file);
+            }
         }
     }
 }
@@ -232,7 +248,7 @@ impl Beat {
     /// ([`reload::resume`](crate::reload::resume)), and reads the paused jobs, for `term`.
     /// The new jobs' starts are written while nothing is due ([`Beat::persist_starts_in_gaps`]).
     async fn start<F: Future<Output = ()>>(
-        config: &Arc<Config>,
+        config: Arc<Config>,
         store: &Store,
         term: &Term,
         stats: &BeatStats,
@@ -259,15 +275,15 @@ impl Beat {
             carried,
             paused,
         };
-        let (machine, resumed) = Machine::gained(config.clone(), gain, now, stats.clone());
         info!(
             jobs = config.jobs.len(),
-            resumed,
             load_ms = loading.elapsed().as_millis() as u64,
             namespace = %config.namespace,
             epoch = term.epoch,
             "beat leading"
         );
+        let (machine, resumed) = Machine::gained(config, gain, now, stats.clone());
+        info!(resumed, "jobs resumed from their recorded progress");
         Some(Beat {
             machine,
             sendings: VecDeque::new(),
@@ -275,10 +291,15 @@ impl Beat {
         })
     }
 
-    /// Runs `config` from now on (SIGHUP while leading, [`Machine::reload`]) and persists the
-    /// new starts.
-    async fn reload(&mut self, config: Arc<Config>, io: &Io<'_>) {
-        self.machine.reload(config, io.term.now());
+    /// Runs what `change` made of the jobs from now on — a whole config as a reload
+    /// ([`Machine::reload`]), schedules in place ([`Machine::edit`]) — and persists the new
+    /// starts.
+    async fn apply(&mut self, change: Change, file: &Config, io: &mut Io<'_>) {
+        match change {
+            Change::Whole(config) => self.machine.reload(config, io.term.now()),
+            Change::Schedules(edits) => self.machine.edit(edits, file, io.term.now()),
+        }
+        io.publisher.reconfigure(self.machine.config());
         while self.persist_starts_in_gaps(io).await {}
     }
 
@@ -315,10 +336,9 @@ impl Beat {
                     if wait >= STARTS_GAP && self.persist_starts_in_gaps(&io).await => {}
                 Next::Wait(wait) | Next::Backoff(wait) => tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
-                    new = changes.next() => {
-                        if let Some(new) = new {
-                            io.publisher.reconfigure(&new);
-                            self.reload(new, &io).await;
+                    change = changes.next() => {
+                        if let Some(change) = change {
+                            self.apply(change, changes.file(), &mut io).await;
                         }
                     }
                     _ = shutdown.as_mut() => return Ok(Ended::Shutdown),

@@ -23,7 +23,7 @@ mod after;
 mod chunks;
 mod dynamic;
 
-pub use dynamic::{Refusal, RefusalKind, ScheduleSpec};
+pub use dynamic::{Placed, Refusal, RefusalKind, ScheduleSpec};
 
 /// `[[jobs]]` parsed per piece when a file is cut ([`chunks`]).
 const JOBS_PER_PIECE: usize = 1000;

@@ -69,6 +69,19 @@ impl Refusal {
     }
 }
 
+/// What [`Config::put_schedule`] did to the jobs.
+#[derive(Debug)]
+pub enum Placed {
+    /// Job `i` replaced; the job it was.
+    Replaced(usize, Job),
+    /// Added as the last job.
+    Added,
+    /// Job `i` removed; the last job (if it was not `i`) moved to `i`.
+    Removed(usize),
+    /// Nothing changed (no such schedule, or a name of the file's).
+    Nothing,
+}
+
 impl Config {
     /// Checks one schedule object against this config's tasks, as `check` checks a job.
     /// `name` is the name the caller addresses (the API's path); the object may then omit
@@ -139,6 +152,29 @@ impl Config {
             Calendar::parse(&dates).map_err(|e| Refusal::invalid(Some("dates"), e.to_string()))?;
         let json = serde_json::json!({"name": name, "dates": calendar.dates()}).to_string();
         Ok((name, calendar, json))
+    }
+
+    /// Puts schedule `name` in place as `job` (replacing the job of that name, or added after
+    /// the others), or removes it (`None`; the last job takes its place), in place: what one
+    /// change to a million schedules costs is a search and a swap, not a copy of every job. A
+    /// name the file uses is left alone (the file wins, as in [`Config::with_schedules`]).
+    pub fn put_schedule(&mut self, name: &str, job: Option<Job>, file: &Config) -> Placed {
+        if file.jobs.iter().any(|j| j.name == name) {
+            return Placed::Nothing;
+        }
+        let at = self.jobs.iter().position(|j| j.name == name);
+        match (at, job) {
+            (Some(i), Some(job)) => Placed::Replaced(i, std::mem::replace(&mut self.jobs[i], job)),
+            (None, Some(job)) => {
+                self.jobs.push(job);
+                Placed::Added
+            }
+            (Some(i), None) => {
+                self.jobs.swap_remove(i);
+                Placed::Removed(i)
+            }
+            (None, None) => Placed::Nothing,
+        }
     }
 
     /// This config with `schedules` (checked jobs, [`Config::check_schedule`]) after the
