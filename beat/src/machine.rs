@@ -519,29 +519,25 @@ impl Machine {
         let start = first_start(now);
         let config = Arc::make_mut(&mut self.config);
         let (mut kept_progress, mut started, mut removed) = (0, 0, 0);
-        for (name, job) in edits {
-            let new = job.as_ref().map(|j| JobState::from(j, None, start));
-            match (config.put_schedule(&name, job, file), new) {
-                (Placed::Replaced(i, old), Some(new)) => {
-                    if old.schedule == config.jobs[i].schedule {
-                        self.states[i] = kept(&self.states[i], &old, &config.jobs[i], now);
-                        kept_progress += 1;
-                    } else {
-                        self.states[i] = new;
-                        started += 1;
-                    }
-                }
-                (Placed::Added, Some(new)) => {
-                    self.states.push(new);
-                    started += 1;
-                }
-                (Placed::Removed(i), _) => {
-                    self.states.swap_remove(i);
-                    removed += 1;
-                }
-                _ => {}
+        let states = &mut self.states;
+        config.put_schedules(edits, file, |placed, jobs| match placed {
+            Placed::Replaced(i, old) if old.schedule == jobs[i].schedule => {
+                states[i] = kept(&states[i], &old, &jobs[i], now);
+                kept_progress += 1;
             }
-        }
+            Placed::Replaced(i, _) => {
+                states[i] = JobState::from(&jobs[i], None, start);
+                started += 1;
+            }
+            Placed::Added => {
+                states.push(JobState::from(&jobs[jobs.len() - 1], None, start));
+                started += 1;
+            }
+            Placed::Removed(i) => {
+                states.swap_remove(i);
+                removed += 1;
+            }
+        });
         self.queue = due_queue(&config.jobs, &self.states);
         self.stuck = self.states.iter().filter(|s| s.failures > 0).count() as i64;
         (self.starts_from, self.starts_persisted) = (0, 0);

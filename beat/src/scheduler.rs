@@ -205,12 +205,7 @@ async fn serve<F: Future<Output = ()>>(
 fn standby_apply(config: &mut Arc<Config>, change: Change, file: &Config) {
     match change {
         Change::Whole(new) => *config = new,
-        Change::Schedules(edits) => {
-            let config = Arc::make_mut(config);
-            for (name, job) in edits {
-                config.put_schedule(&name, job, file);
-            }
-        }
+        Change::Schedules(edits) => Arc::make_mut(config).put_schedules(edits, file, |_, _| {}),
     }
 }
 

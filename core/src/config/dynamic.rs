@@ -7,7 +7,7 @@
 use super::{check_job_keys, Calendar, Config, Interned, Job, RawJob};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 /// Keys a stored schedule is shown with that are not part of it.
 pub const SHOWN_ONLY: [&str; 4] = ["source", "created_at", "updated_at", "next"];
@@ -69,7 +69,43 @@ impl Refusal {
     }
 }
 
-/// What [`Config::put_schedule`] did to the jobs.
+/// Up to this many edits at once, [`Config::put_schedules`] searches the jobs for each name.
+const LINEAR_EDITS: usize = 8;
+
+/// Where each job is, by name, and the file's names: for many edits at once.
+struct Index {
+    at: HashMap<String, usize>,
+    file: HashSet<String>,
+}
+
+impl Index {
+    fn of(jobs: &[Job], file: &Config) -> Self {
+        Index {
+            at: jobs
+                .iter()
+                .enumerate()
+                .map(|(i, j)| (j.name.clone(), i))
+                .collect(),
+            file: file.jobs.iter().map(|j| j.name.clone()).collect(),
+        }
+    }
+
+    /// Keeps the index true after `what` was done to job `name`.
+    fn moved(&mut self, jobs: &[Job], name: &str, what: &Placed) {
+        match what {
+            Placed::Added => drop(self.at.insert(name.to_owned(), jobs.len() - 1)),
+            Placed::Removed(i) => {
+                self.at.remove(name);
+                if let Some(moved) = jobs.get(*i) {
+                    self.at.insert(moved.name.clone(), *i);
+                }
+            }
+            Placed::Replaced(..) => {}
+        }
+    }
+}
+
+/// What [`Config::put_schedules`] did to the jobs.
 #[derive(Debug)]
 pub enum Placed {
     /// Job `i` replaced; the job it was.
@@ -78,8 +114,6 @@ pub enum Placed {
     Added,
     /// Job `i` removed; the last job (if it was not `i`) moved to `i`.
     Removed(usize),
-    /// Nothing changed (no such schedule, or a name of the file's).
-    Nothing,
 }
 
 impl Config {
@@ -154,26 +188,44 @@ impl Config {
         Ok((name, calendar, json))
     }
 
-    /// Puts schedule `name` in place as `job` (replacing the job of that name, or added after
-    /// the others), or removes it (`None`; the last job takes its place), in place: what one
-    /// change to a million schedules costs is a search and a swap, not a copy of every job. A
-    /// name the file uses is left alone (the file wins, as in [`Config::with_schedules`]).
-    pub fn put_schedule(&mut self, name: &str, job: Option<Job>, file: &Config) -> Placed {
-        if file.jobs.iter().any(|j| j.name == name) {
-            return Placed::Nothing;
-        }
-        let at = self.jobs.iter().position(|j| j.name == name);
-        match (at, job) {
-            (Some(i), Some(job)) => Placed::Replaced(i, std::mem::replace(&mut self.jobs[i], job)),
-            (None, Some(job)) => {
-                self.jobs.push(job);
-                Placed::Added
+    /// Puts each schedule of `edits` in place as its job (replacing the job of that name, or
+    /// added after the others), or removes it (`None`; the last job takes its place), in
+    /// order, in place, telling `placed` what each did (with the jobs as they are right after
+    /// it): what a change to a million schedules costs is a search and a swap, not a copy of
+    /// every job. A name the file uses is left alone (the file wins, as in
+    /// [`Config::with_schedules`]). Many edits at once look names up in an index built once.
+    pub fn put_schedules(
+        &mut self,
+        edits: Vec<(String, Option<Job>)>,
+        file: &Config,
+        mut placed: impl FnMut(Placed, &[Job]),
+    ) {
+        let mut index = (edits.len() > LINEAR_EDITS).then(|| Index::of(&self.jobs, file));
+        for (name, job) in edits {
+            let at = match &index {
+                Some(index) if index.file.contains(&name) => continue,
+                Some(index) => index.at.get(&name).copied(),
+                None if file.jobs.iter().any(|j| j.name == name) => continue,
+                None => self.jobs.iter().position(|j| j.name == name),
+            };
+            let what = match (at, job) {
+                (Some(i), Some(job)) => {
+                    Placed::Replaced(i, std::mem::replace(&mut self.jobs[i], job))
+                }
+                (None, Some(job)) => {
+                    self.jobs.push(job);
+                    Placed::Added
+                }
+                (Some(i), None) => {
+                    self.jobs.swap_remove(i);
+                    Placed::Removed(i)
+                }
+                (None, None) => continue,
+            };
+            if let Some(index) = index.as_mut() {
+                index.moved(&self.jobs, &name, &what);
             }
-            (Some(i), None) => {
-                self.jobs.swap_remove(i);
-                Placed::Removed(i)
-            }
-            (None, None) => Placed::Nothing,
+            placed(what, &self.jobs);
         }
     }
 
@@ -421,5 +473,42 @@ cron = "0 3 * * *"
         assert_eq!(refused(Some("a b"), body).field.as_deref(), Some("name"));
         let differs = json!({"name": "a", "task": "report", "every": "1m"});
         assert_eq!(refused(Some("b"), differs).field.as_deref(), Some("name"));
+    }
+
+    /// Many edits at once (through the index) leave the jobs exactly as the same edits one at
+    /// a time (each a search): adds, replaces, removes that move the last job, a file name.
+    #[test]
+    fn edits_at_once_place_the_jobs_as_edits_one_by_one() {
+        let file = config();
+        let job = |n: usize| {
+            let object = json!({"name": format!("s{n}"), "task": "report", "every": format!("{}m", n % 7 + 1)});
+            Some(file.check_schedule(None, object).expect("valid").1)
+        };
+        let mut edits: Vec<(String, Option<Job>)> =
+            (0..20).map(|n| (format!("s{n}"), job(n))).collect();
+        edits.extend([
+            ("s3".into(), None),
+            ("s19".into(), job(5)),
+            ("nightly".into(), None),
+        ]);
+        edits.extend([
+            ("s0".into(), None),
+            ("s21".into(), job(21)),
+            ("s7".into(), None),
+        ]);
+        let names = |c: &Config| c.jobs.iter().map(|j| j.name.clone()).collect::<Vec<_>>();
+        let (mut together, mut alone) = (file.clone(), file.clone());
+        let mut seen = 0;
+        together.put_schedules(edits.clone(), &file, |_, _| seen += 1);
+        for edit in edits {
+            alone.put_schedules(vec![edit], &file, |_, _| {});
+        }
+        assert_eq!(names(&together), names(&alone));
+        assert_eq!(seen, 25, "every edit but the file's name");
+        assert_eq!(
+            together.jobs[0].name, "nightly",
+            "the file's job stays first"
+        );
+        assert_eq!(together.jobs.len(), 1 + 20 - 3 + 1);
     }
 }
