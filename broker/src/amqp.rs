@@ -6,12 +6,14 @@ use drumline_core::envelope::{
     bounded_short, format_instant, Envelope, H_ATTEMPT, H_ATTEMPTS, H_EPOCH, H_ERROR, H_REASON,
     H_SCHEDULED_FOR, H_TASK,
 };
+use drumline_core::trace::{TraceParent, H_TRACEPARENT};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::BasicProperties;
 
 /// `env`'s AMQP properties: persistent, JSON, `message_id` = key, timestamp, expiration and the
 /// drumline headers, `x-drumline-epoch` included: the leader's epoch on what the beat
-/// publishes, 0 on ad-hoc tasks and replays, the original's on retries (docs/design.md).
+/// publishes, 0 on ad-hoc tasks and replays, the original's on retries (docs/design.md); and
+/// `traceparent` when the envelope has a trace.
 pub fn properties(env: &Envelope, now: DateTime<Utc>, epoch: u64) -> BasicProperties {
     let mut headers = FieldTable::default();
     headers.insert(H_TASK.into(), long_string(&env.task));
@@ -21,6 +23,9 @@ pub fn properties(env: &Envelope, now: DateTime<Utc>, epoch: u64) -> BasicProper
         long_string(&format_instant(env.scheduled_for)),
     );
     headers.insert(H_EPOCH.into(), AMQPValue::LongLongInt(epoch as i64));
+    if let Some(trace) = env.trace {
+        headers.insert(H_TRACEPARENT.into(), long_string(&trace.to_string()));
+    }
     let mut props = BasicProperties::default()
         .with_delivery_mode(2)
         .with_content_type(ShortString::from("application/json"))
@@ -88,6 +93,12 @@ pub fn header_str(headers: Option<&FieldTable>, name: &str) -> Option<String> {
     }
 }
 
+/// Reads the `traceparent` header: `None` when absent or not a valid W3C one (a bad one is
+/// ignored, never a reason to refuse the message).
+pub fn header_trace(headers: Option<&FieldTable>) -> Option<TraceParent> {
+    header_str(headers, H_TRACEPARENT)?.parse().ok()
+}
+
 /// Reads an integer header, if present.
 pub fn header_int(headers: Option<&FieldTable>, name: &str) -> Option<i64> {
     match headers?.inner().get(name)? {
@@ -119,7 +130,15 @@ mod tests {
             Some(at(7, 31)),
             at(7, 30),
         );
+        let untraced = Envelope {
+            trace: None,
+            ..env.clone()
+        };
+        let untraced = properties(&untraced, at(7, 30), 3);
+        assert_eq!(header_trace(untraced.headers().as_ref()), None);
         let props = properties(&env, at(7, 30), 3);
+        assert!(env.trace.is_some(), "a scheduled instance starts a trace");
+        assert_eq!(header_trace(props.headers().as_ref()), env.trace);
         assert_eq!(props.message_id().as_ref().unwrap().as_str(), env.key);
         assert_eq!(*props.delivery_mode(), Some(2));
         assert_eq!(props.expiration().as_ref().unwrap().as_str(), "60000");

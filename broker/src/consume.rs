@@ -2,7 +2,7 @@
 //! headers a worker reads, its [`Acker`]), a queue's [`Consumer`] ([`consume`], [`qos`],
 //! [`cancel`]), one message at a time ([`get`]), and [`purge`].
 
-use super::amqp::{header_int, header_str};
+use super::amqp::{header_int, header_str, header_trace};
 use super::publish::settled;
 use super::{BrokerError, Channel};
 use drumline_core::envelope::{H_ATTEMPTS, H_EPOCH, H_ERROR, H_REASON, H_TASK};
@@ -36,6 +36,8 @@ pub struct Delivery {
     pub epoch: u64,
     /// `x-drumline-task`.
     pub task: Option<String>,
+    /// `traceparent`, when valid (docs/envelope.md#trace-context).
+    pub trace: Option<drumline_core::trace::TraceParent>,
     /// `x-drumline-reason`: set on the dead letters a worker writes.
     pub reason: Option<String>,
     /// `x-drumline-error`: a dead letter's last error.
@@ -82,6 +84,7 @@ impl From<lapin::message::Delivery> for Delivery {
             timestamp: *props.timestamp(),
             epoch: header_int(headers, H_EPOCH).map_or(0, |e| e.max(0) as u64),
             task: header_str(headers, H_TASK),
+            trace: header_trace(headers),
             reason: header_str(headers, H_REASON),
             error: header_str(headers, H_ERROR),
             attempts: header_int(headers, H_ATTEMPTS),

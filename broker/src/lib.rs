@@ -48,7 +48,8 @@ mod declare;
 mod publish;
 
 pub use amqp::{
-    dead_letter_properties, header_int, header_str, long_string, properties, DeadHeaders,
+    dead_letter_properties, header_int, header_str, header_trace, long_string, properties,
+    DeadHeaders,
 };
 pub use connect::{close_later, connect_to, failover_order, Nodes};
 /// Opened from a config file's `[broker]` (feature `config`, on by default).

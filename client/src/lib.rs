@@ -56,6 +56,7 @@ use std::time::Duration;
 use tokio::sync::Mutex;
 
 mod schedules;
+pub use drumline_core::trace::TraceParent;
 pub use schedules::{Applied, ScheduleError, Schedules};
 
 /// Why a message was not published. [`ClientError::is_request`] tells a message that can
@@ -161,6 +162,7 @@ pub struct Message {
     queue: String,
     due: Due,
     expires: Option<Deadline>,
+    trace: Option<TraceParent>,
 }
 
 impl Message {
@@ -173,6 +175,7 @@ impl Message {
             queue: "default".to_owned(),
             due: Due::In(Duration::ZERO),
             expires: None,
+            trace: None,
         }
     }
 
@@ -224,6 +227,14 @@ impl Message {
         self
     }
 
+    /// The publish's span (docs/envelope.md#trace-context): its `traceparent` header. Default:
+    /// a child of the `TRACEPARENT` environment variable's context, when it holds a valid
+    /// one, else the root of a new trace, chosen when published.
+    pub fn trace(mut self, trace: TraceParent) -> Self {
+        self.trace = Some(trace);
+        self
+    }
+
     /// The envelope this message is published as at `now` (pure): checked names and key,
     /// `scheduled_for` = `not_before` = now + delay (or the instant given; no `not_before`
     /// without either), `expires_at` counted from it.
@@ -268,6 +279,7 @@ impl Message {
             queue: self.queue.clone(),
             backfill: false,
             overlap: None,
+            trace: self.trace,
         })
     }
 }
@@ -369,7 +381,8 @@ impl Producer {
     /// time left before its `not_before`, if any.
     pub async fn publish(&self, message: &Message) -> Result<Published, ClientError> {
         let now = Utc::now();
-        let envelope = message.envelope(now)?;
+        let mut envelope = message.envelope(now)?;
+        envelope.trace.get_or_insert_with(TraceParent::from_env);
         let delay = envelope.early_by(now).unwrap_or_default();
         self.publish_envelope(&envelope, delay).await?;
         Ok(Published {
@@ -381,7 +394,8 @@ impl Producer {
     /// Publishes a complete envelope (a trigger of a job, a replay) with confirms, through a
     /// delay queue when `delay` > 0. Its epoch header is 0: no beat published it. The delay
     /// queue is the fast path only: a copy meant to wait carries `not_before`, which workers
-    /// keep to whatever way it reaches them.
+    /// keep to whatever way it reaches them. One without a `trace` gets
+    /// [`TraceParent::from_env`]'s.
     pub async fn publish_envelope(
         &self,
         envelope: &Envelope,
@@ -459,6 +473,18 @@ impl Producer {
         } else {
             let delayed = broker::declare_delay_queue(channel, &self.names, queue, delay).await;
             (String::new(), delayed?)
+        };
+        let traced;
+        let envelope = match envelope.trace {
+            Some(_) => envelope,
+            None => {
+                let trace = Some(TraceParent::from_env());
+                traced = Envelope {
+                    trace,
+                    ..envelope.clone()
+                };
+                &traced
+            }
         };
         let props = crate::broker::properties(envelope, Utc::now(), 0);
         let body = envelope.encode();

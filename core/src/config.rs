@@ -395,8 +395,9 @@ pub struct HttpTask {
 
 /// The request headers the HTTP executor sets itself, which `http.headers` may not name
 /// (compared case-insensitively).
-pub const HTTP_RESERVED_HEADERS: [&str; 10] = [
+pub const HTTP_RESERVED_HEADERS: [&str; 11] = [
     "idempotency-key",
+    "traceparent",
     "x-drumline-attempt",
     "x-drumline-fencing-token",
     "x-drumline-scheduled-for",

@@ -105,6 +105,11 @@ pub struct Envelope {
     /// scheduled instances only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overlap: Option<crate::policy::Overlap>,
+    /// The producer's span, carried in the `traceparent` AMQP header, not in the body
+    /// (docs/envelope.md#trace-context): the beat's, the publishing command's or client's, or
+    /// the delivery's as read (a retry keeps it). `None`: the message has no trace context.
+    #[serde(skip)]
+    pub trace: Option<crate::trace::TraceParent>,
 }
 
 /// What a delivery says about a message besides its body: the defaults of the fields a
@@ -116,6 +121,8 @@ pub struct Arrival<'a> {
     /// When it was published (the AMQP `timestamp`, else when it arrived): the default
     /// `published_at`, and through it the default `scheduled_for`.
     pub published_at: DateTime<Utc>,
+    /// Its valid `traceparent` header, if any: the envelope's `trace`.
+    pub trace: Option<crate::trace::TraceParent>,
 }
 
 /// The envelope as a producer may write it: only `key` and `task` required, unknown fields
@@ -174,6 +181,7 @@ impl Wire {
             queue,
             backfill: self.backfill,
             overlap: self.overlap,
+            trace: arrival.and_then(|a| a.trace),
         })
     }
 }
@@ -295,7 +303,8 @@ pub fn instance_key(job: &str, scheduled_for: DateTime<Utc>) -> String {
 }
 
 impl Envelope {
-    /// A scheduled instance of `job`.
+    /// A scheduled instance of `job`, the first span of a trace of its own (the beat's
+    /// publish: docs/envelope.md#trace-context).
     #[allow(clippy::too_many_arguments)]
     pub fn scheduled(
         job: &str,
@@ -321,6 +330,7 @@ impl Envelope {
             not_before: None,
             backfill: false,
             overlap: None,
+            trace: Some(crate::trace::TraceParent::root()),
         }
     }
 
@@ -518,6 +528,8 @@ mod tests {
             text.contains("\"scheduled_for\":\"2026-03-08T07:30:00Z\""),
             "{text}"
         );
+        assert!(!text.contains("trace"), "the trace is a header: {text}");
+        let env = Envelope { trace: None, ..env };
         assert_eq!(Envelope::decode(&body).unwrap(), env);
     }
 
@@ -654,6 +666,7 @@ mod tests {
         Arrival {
             routing_key: "reports",
             published_at: at(9, 15),
+            trace: None,
         }
     }
 
@@ -768,10 +781,15 @@ mod tests {
     #[test]
     fn a_message_drumline_wrote_decodes_alone_and_the_same() {
         let env = scheduled("j");
-        assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);
+        let traced = Arrival {
+            trace: env.trace,
+            ..arrival()
+        };
         assert_eq!(
-            Envelope::decode_delivered(&env.encode(), &arrival()).unwrap(),
+            Envelope::decode_delivered(&env.encode(), &traced).unwrap(),
             env
         );
+        let env = Envelope { trace: None, ..env };
+        assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);
     }
 }

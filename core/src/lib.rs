@@ -46,6 +46,9 @@
 //! - `url.rs`: URL checks at load, `redis+sentinel://` read into its parts; passwords shown as
 //!   `***`. Pure.
 //! - `table.rs`: aligned text tables for human output. Pure.
+//! - `trace.rs`: the W3C `traceparent` a message carries from producer to run: parsed and
+//!   checked, a child span, a new trace, the producer's `TRACEPARENT`. Pure but for random ids
+//!   and that variable.
 
 pub mod backoff;
 #[cfg(feature = "config")]
@@ -64,4 +67,5 @@ pub mod run;
 pub mod schedule;
 pub mod table;
 pub mod tls;
+pub mod trace;
 pub mod url;

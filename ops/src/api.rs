@@ -9,7 +9,7 @@ use crate::adhoc;
 use crate::schedules::{check, has_labels, shown, shown_config_job, shown_of};
 use axum::body::Bytes;
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -19,6 +19,7 @@ use drumline_shared::client::{ClientError, Producer};
 use drumline_shared::config::{Config, RefusalKind};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::store::{Applied, ObjectKind, Store};
+use drumline_shared::trace::{TraceParent, H_TRACEPARENT};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -253,17 +254,20 @@ async fn get_key(State(api): State<Arc<Api>>, Path(key): Path<String>) -> Respon
         (status = 401, description = "No or a wrong bearer token", body = ApiError),
         (status = 503, description = "The broker did not take it", body = ApiError)),
     security(("bearer" = [])))]
-async fn post_task(State(api): State<Arc<Api>>, body: Bytes) -> Response {
+async fn post_task(State(api): State<Arc<Api>>, headers: HeaderMap, body: Bytes) -> Response {
     let body: Value = match serde_json::from_slice(&body) {
         Ok(body) => body,
         Err(e) => return error(StatusCode::BAD_REQUEST, &format!("not JSON: {e}"), None),
     };
     let request = adhoc::from_json(&body);
     let env = request.and_then(|r| adhoc::envelope(&api.config, &r, Utc::now()));
-    let env = match env {
+    let mut env = match env {
         Ok(env) => env,
         Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string(), e.field()),
     };
+    // The request's trace continues (docs/envelope.md#trace-context).
+    let parent = headers.get(H_TRACEPARENT).and_then(|v| v.to_str().ok());
+    env.trace = Some(TraceParent::continuing(parent));
     match api.publish(&env).await {
         Ok(()) => reply(StatusCode::ACCEPTED, &json!({ "key": env.key })),
         Err(e) if e.is_request() => error(StatusCode::BAD_REQUEST, &e.to_string(), e.field()),

@@ -39,6 +39,8 @@ pub fn trigger(job: &Job, args: Option<serde_json::Value>, now: DateTime<Utc>) -
         .and_then(|e| TimeDelta::from_std(e).ok())
         .map(|e| at + e);
     let mut env = Envelope::of_job(job, at, expires_at, now);
+    // Not the beat's trace: the publisher's own (the command's `TRACEPARENT`, the API's).
+    env.trace = None;
     if let Some(args) = args {
         env.args = args;
     }

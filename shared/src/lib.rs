@@ -51,6 +51,6 @@ pub use drumline_broker as broker;
 pub use drumline_client as client;
 pub use drumline_core::{
     backoff, calendar, config, duration, envelope, jitter, limit, names, planted, run, schedule,
-    table, tls, url,
+    table, tls, trace, url,
 };
 pub use drumline_store as store;

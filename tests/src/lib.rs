@@ -878,6 +878,7 @@ pub fn adhoc(key: &str, task: &str) -> drumline_shared::envelope::Envelope {
         queue: "default".to_owned(),
         backfill: false,
         overlap: None,
+        trace: None,
     }
 }
 

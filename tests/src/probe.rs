@@ -484,12 +484,26 @@ pub fn api_request(
     token: Option<&str>,
     body: &str,
 ) -> Option<(u16, String, serde_json::Value)> {
+    api_request_with(port, request, token, &[], body)
+}
+
+/// [`api_request`] with the extra request `headers` (name, value).
+pub fn api_request_with(
+    port: u16,
+    request: &str,
+    token: Option<&str>,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Option<(u16, String, serde_json::Value)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    let mut extra = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    for (name, value) in headers {
+        extra.push_str(&format!("{name}: {value}\r\n"));
+    }
     let head = format!(
-        "{request} HTTP/1.1\r\nHost: localhost\r\n{auth}Content-Length: {}\r\n\
+        "{request} HTTP/1.1\r\nHost: localhost\r\n{extra}Content-Length: {}\r\n\
          Connection: close\r\n\r\n",
         body.len()
     );

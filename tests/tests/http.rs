@@ -228,6 +228,7 @@ fn attempt_of_hook(cancel: &CancellationToken) -> TaskContext {
         args: serde_json::json!({}),
         cancel: cancel.clone(),
         kill_grace: Duration::from_millis(100),
+        trace: drumline_shared::trace::TraceParent::root(),
     }
 }
 

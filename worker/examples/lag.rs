@@ -104,6 +104,7 @@ async fn publish_steady(
             queue: "default".into(),
             backfill: false,
             overlap: None,
+            trace: None,
         };
         env.args = serde_json::json!({"t": now_ns(), "count": i >= warmup});
         let confirm = ch

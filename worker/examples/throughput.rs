@@ -62,6 +62,7 @@ fn envelope(i: usize) -> Envelope {
         queue: "default".into(),
         backfill: false,
         overlap: None,
+        trace: None,
     }
 }
 
@@ -301,6 +302,7 @@ async fn sleepers(m: usize) -> Vec<tokio::task::JoinHandle<Result<(), HandlerErr
                 args: serde_json::json!({}),
                 cancel: tokio_util::sync::CancellationToken::new(),
                 kill_grace: Duration::from_millis(100),
+                trace: drumline_shared::trace::TraceParent::root(),
             };
             tokio::spawn(executor.call(ctx))
         })

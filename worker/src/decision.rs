@@ -407,6 +407,7 @@ mod tests {
         Arrival {
             routing_key: "default",
             published_at: chrono::DateTime::UNIX_EPOCH,
+            trace: None,
         }
     }
 
@@ -427,6 +428,7 @@ mod tests {
             queue: "default".into(),
             backfill: false,
             overlap: None,
+            trace: None,
         };
         env.encode()
     }

@@ -23,6 +23,7 @@ use crate::supervisor::link::{self, Program, Spec, StartError};
 use crate::supervisor::wire::{Deadline, Status};
 use drumline_shared::config::{Task, ENV_AMQP_URL, ENV_REDIS_URL};
 use drumline_shared::envelope::format_instant;
+use drumline_shared::trace::TRACEPARENT_VAR;
 use rustix::fd::OwnedFd;
 use rustix::pipe::PipeFlags;
 use rustix::process::Signal;
@@ -75,13 +76,14 @@ impl std::fmt::Debug for Inherited {
 }
 
 /// The run's context variables, set by every run; the config cannot override them.
-const CONTEXT: [&str; 6] = [
+const CONTEXT: [&str; 7] = [
     "DRUMLINE_TASK",
     "DRUMLINE_KEY",
     "DRUMLINE_JOB",
     "DRUMLINE_SCHEDULED_FOR",
     "DRUMLINE_ATTEMPT",
     "DRUMLINE_FENCING_TOKEN",
+    TRACEPARENT_VAR,
 ];
 
 /// `NAME=value`, or `None` when either holds a NUL: such a variable cannot be passed (nor set
@@ -137,6 +139,7 @@ impl ShellExecutor {
             format_instant(ctx.scheduled_for),
             ctx.attempt.to_string(),
             ctx.fencing_token.to_string(),
+            ctx.trace.to_string(),
         ];
         let mut env = Vec::with_capacity(self.inherited.0.len() + CONTEXT.len());
         env.extend(self.inherited.0.iter().cloned());
@@ -500,6 +503,7 @@ mod tests {
             args: serde_json::json!({}),
             cancel: tokio_util::sync::CancellationToken::new(),
             kill_grace: Duration::from_secs(1),
+            trace: drumline_shared::trace::TraceParent::root(),
         };
         let env = executor.environment(&ctx);
         let pairs: Vec<(String, String)> = env

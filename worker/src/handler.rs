@@ -72,6 +72,10 @@ pub struct TaskContext {
     /// `KILL_GRACE` in `lease.rs`), so the task is dead before anyone else
     /// could claim the instance.
     pub kill_grace: Duration,
+    /// The run's span (docs/envelope.md#trace-context): a child of the message's
+    /// `traceparent`, or the root of a new trace when it had none. Pass it on (`to_string()`
+    /// is a `traceparent`) so the systems the handler calls join the trace.
+    pub trace: drumline_shared::trace::TraceParent,
 }
 
 /// The error a run failure was caused by, shared so a [`HandlerError`] stays `Clone`.
@@ -353,6 +357,7 @@ mod tests {
             args,
             cancel: CancellationToken::new(),
             kill_grace: Duration::from_millis(100),
+            trace: drumline_shared::trace::TraceParent::root(),
         }
     }
 

@@ -253,7 +253,8 @@ async fn body_head(mut response: reqwest::Response) -> Vec<u8> {
 
 /// The headers a run adds to the configured ones (docs/design.md#the-http-executor): the key
 /// twice (`Idempotency-Key`, `webhook-id`), the attempt, the fencing token, the scheduled
-/// instant, `webhook-timestamp` and, with a secret, `webhook-signature`.
+/// instant, the run's `traceparent`, `webhook-timestamp` and, with a secret,
+/// `webhook-signature`.
 pub fn run_headers(
     ctx: &TaskContext,
     body: &[u8],
@@ -268,6 +269,7 @@ pub fn run_headers(
             "x-drumline-scheduled-for",
             format_instant(ctx.scheduled_for),
         ),
+        ("traceparent", ctx.trace.to_string()),
         ("webhook-id", ctx.key.clone()),
         ("webhook-timestamp", timestamp.to_string()),
     ];
@@ -505,6 +507,7 @@ mod tests {
             args: serde_json::Value::Null,
             cancel: Default::default(),
             kill_grace: Duration::ZERO,
+            trace: drumline_shared::trace::TraceParent::root(),
         };
         let unsigned = run_headers(&ctx, b"{}", 1_700_000_000, None);
         let get = |hs: &[(&str, String)], n: &str| {

@@ -865,6 +865,7 @@ pub(crate) fn arrival<'a>(names: &Names, delivery: &'a Delivery) -> Arrival<'a> 
     Arrival {
         routing_key: names.logical_queue(&delivery.routing_key),
         published_at: stamped.unwrap_or_else(Utc::now),
+        trace: delivery.trace,
     }
 }
 

@@ -8,6 +8,7 @@ use crate::handler::{self, Handler, HandlerError, HandlerFuture, TaskContext};
 use crate::lease::{self, LeaseLost};
 use crate::stats::Stats;
 use drumline_shared::envelope::Envelope;
+use drumline_shared::trace::TraceParent;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -151,6 +152,9 @@ fn context(
         args: env.args.clone(),
         cancel,
         kill_grace,
+        trace: env
+            .trace
+            .map_or_else(TraceParent::root, |parent| parent.child()),
     }
 }
 

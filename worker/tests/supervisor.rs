@@ -61,6 +61,7 @@ fn context() -> TaskContext {
         args: serde_json::json!({}),
         cancel: CancellationToken::new(),
         kill_grace: Duration::from_millis(100),
+        trace: drumline_shared::trace::TraceParent::root(),
     }
 }
 

@@ -1,0 +1,166 @@
+//! Trace context end to end (docs/envelope.md#trace-context): a producer's `traceparent`
+//! reaches the run in the same trace — `drumline publish` continues its `TRACEPARENT`, the beat
+//! starts a trace per instance, a retry keeps it, a bad one is ignored; shell tasks get
+//! `TRACEPARENT`, HTTP tasks a `traceparent` header, each the run's own span.
+// See: issues/36
+
+use drumline_e2e::cfg::{every, shell, Cfg};
+use drumline_e2e::hook::{Hook, Reply};
+use drumline_e2e::probe::api_request_with;
+use drumline_e2e::scenario::{run_checked, Scenario, WAIT};
+use drumline_e2e::{adhoc, binary};
+use drumline_shared::broker::long_string;
+use drumline_shared::trace::TraceParent;
+use lapin::types::FieldTable;
+use lapin::BasicProperties;
+
+const GIVEN: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+/// A worker whose task `trace` appends `KEY ATTEMPT TRACEPARENT` to `effects` and fails its
+/// first attempt when the key starts with `retry` (retried 100 ms later).
+async fn tracing_worker(test: &str, jobs: bool) -> Scenario {
+    let mut sc = Scenario::new(test, |env| {
+        let effects = env.path("effects");
+        let script = format!(
+            "echo \"$DRUMLINE_KEY $DRUMLINE_ATTEMPT $TRACEPARENT\" >> {}; \
+             case \"$DRUMLINE_KEY\" in retry*) [ \"$DRUMLINE_ATTEMPT\" -ge 1 ];; esac",
+            effects.display()
+        );
+        let task = shell(&script)
+            .with("max_retries", "2")
+            .with("retry_base", "\"100ms\"");
+        let cfg = Cfg::new().task("trace", task);
+        match jobs {
+            true => cfg.job("trace", every("1s")),
+            false => cfg,
+        }
+    });
+    sc.start_workers(1).await;
+    sc
+}
+
+/// Each line of `effects`: (key, attempt, the run's `TRACEPARENT`, parsed).
+fn runs(sc: &Scenario) -> Vec<(String, u32, TraceParent)> {
+    let line = |l: &String| {
+        let mut words = l.split(' ');
+        let key = words.next()?.to_owned();
+        let attempt = words.next()?.parse().ok()?;
+        let trace = words.next()?.parse().unwrap_or_else(|e| panic!("{l}: {e}"));
+        Some((key, attempt, trace))
+    };
+    sc.lines("effects").iter().filter_map(line).collect()
+}
+
+/// The run of `key`'s attempt `attempt`, once it ran.
+fn run_of(sc: &Scenario, key: &str, attempt: u32) -> TraceParent {
+    let found = || {
+        let runs = runs(sc).into_iter();
+        runs.filter(|(k, a, _)| k == key && *a == attempt)
+            .map(|(_, _, trace)| trace)
+            .next()
+    };
+    sc.wait(WAIT, format!("{key} attempt {attempt} ran"), || {
+        found().is_some()
+    });
+    found().expect("ran")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_continues_the_producers_traceparent_into_the_shell_task() {
+    let sc = tracing_worker("traces_publish", false).await;
+    let mut publish = std::process::Command::new(binary("drumline"));
+    publish
+        .args(["--config", sc.cfg(), "publish", "trace", "--key", "p1"])
+        .env("TRACEPARENT", GIVEN);
+    run_checked(&mut publish, "drumline publish");
+    let given: TraceParent = GIVEN.parse().unwrap();
+    let run = run_of(&sc, "p1", 0);
+    assert_eq!(run.trace_id, given.trace_id, "the producer's trace");
+    assert_ne!(run.span_id, given.span_id, "the run's own span");
+    assert_eq!(run.flags, 1);
+
+    // Without one, each publish starts a trace of its own.
+    let mut fresh = std::process::Command::new(binary("drumline"));
+    fresh
+        .args(["--config", sc.cfg(), "publish", "trace", "--key", "p2"])
+        .env_remove("TRACEPARENT");
+    run_checked(&mut fresh, "drumline publish");
+    assert_ne!(run_of(&sc, "p2", 0).trace_id, given.trace_id);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_task_posted_to_the_api_continues_the_requests_traceparent() {
+    let sc = tracing_worker("traces_api", false).await;
+    let (_beat, port) = sc.beat_with_api(sc.cfg(), "s3cret-token");
+    let body = r#"{"task": "trace", "key": "a1"}"#;
+    let headers = [("traceparent", GIVEN)];
+    let posted = api_request_with(
+        port,
+        "POST /api/v1/tasks",
+        Some("s3cret-token"),
+        &headers,
+        body,
+    );
+    assert_eq!(posted.map(|(status, ..)| status), Some(202));
+    let given: TraceParent = GIVEN.parse().unwrap();
+    let run = run_of(&sc, "a1", 0);
+    assert_eq!(run.trace_id, given.trace_id, "the request's trace");
+    assert_ne!(run.span_id, given.span_id);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retry_keeps_the_trace_and_a_bad_traceparent_is_ignored() {
+    let sc = tracing_worker("traces_retry", false).await;
+    let traced = TraceParent::root();
+    let env = drumline_shared::envelope::Envelope {
+        trace: Some(traced),
+        ..adhoc("retry-1", "trace")
+    };
+    sc.publish(&env).await;
+    let (first, second) = (run_of(&sc, "retry-1", 0), run_of(&sc, "retry-1", 1));
+    assert_eq!(first.trace_id, traced.trace_id);
+    assert_eq!(second.trace_id, traced.trace_id, "the retry's trace");
+    assert_ne!(first.span_id, second.span_id, "each run a span");
+
+    // Bad: uppercase hex. Ignored: the message runs, in a trace of its own.
+    let bad = GIVEN.to_uppercase();
+    let mut headers = FieldTable::default();
+    headers.insert("traceparent".into(), long_string(&bad));
+    let props = BasicProperties::default().with_headers(headers);
+    let body = adhoc("bad-1", "trace").encode();
+    sc.publish_raw("default", &body, props).await;
+    let run = run_of(&sc, "bad-1", 0);
+    assert_ne!(run.trace_id, GIVEN.parse::<TraceParent>().unwrap().trace_id);
+    sc.wait_state("bad-1", "done").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn each_scheduled_instance_is_a_trace_of_its_own() {
+    let mut sc = tracing_worker("traces_beat", true).await;
+    sc.start_beat();
+    sc.wait(WAIT, "two instances ran", || runs(&sc).len() >= 2);
+    let runs = runs(&sc);
+    assert!(runs[0].0.starts_with("trace@"), "{runs:?}");
+    assert_ne!(runs[0].2.trace_id, runs[1].2.trace_id, "{runs:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http_task_gets_a_traceparent_header_in_the_producers_trace() {
+    let hook = Hook::start(|_, _| Reply::status(200)).await;
+    let url = drumline_e2e::toml_string(&hook.url("/traced"));
+    let task = drumline_e2e::cfg::Keys::default().with("http", &format!("{{ url = {url} }}"));
+    let mut sc = Scenario::new("traces_http", |_| Cfg::new().task("hook", task));
+    sc.start_workers(1).await;
+    let traced = TraceParent::root();
+    let env = drumline_shared::envelope::Envelope {
+        trace: Some(traced),
+        ..adhoc("h1", "hook")
+    };
+    sc.publish(&env).await;
+    sc.wait_state("h1", "done").await;
+    let received = hook.on("/traced");
+    assert_eq!(received.len(), 1, "{received:#?}");
+    let header: TraceParent = received[0].header("traceparent").parse().unwrap();
+    assert_eq!(header.trace_id, traced.trace_id);
+    assert_ne!(header.span_id, traced.span_id);
+}
