@@ -383,6 +383,7 @@ fn reload(config: &Config) -> Option<Arc<Config>> {
                 worker: config.worker.clone(),
                 journal: config.journal,
                 api: config.api.clone(),
+                telemetry: config.telemetry.clone(),
             }))
         }
         Err(e) => {

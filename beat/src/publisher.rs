@@ -14,6 +14,7 @@ use drumline_shared::broker::{Channel, Connection};
 use drumline_shared::config::{Config, QueueType};
 use drumline_shared::envelope::Envelope;
 use drumline_shared::names::Names;
+use drumline_shared::spans;
 use std::collections::HashSet;
 use std::time::Duration;
 use tracing::info;
@@ -212,11 +213,21 @@ fn channel_failed(outcomes: &[Result<(), BrokerError>]) -> bool {
 }
 
 /// The messages of `batch`, each made when its turn to be sent comes.
+/// With `[telemetry]`, each one's `publish` span: from its `published_at` to its send (the
+/// first span of its trace: docs/envelope.md#trace-context).
 fn outgoing(batch: &[Envelope], epoch: u64) -> impl ExactSizeIterator<Item = Outgoing> + '_ {
-    batch.iter().map(move |env| Outgoing {
-        routing_key: env.queue.to_string(),
-        body: env.encode(),
-        properties: drumline_shared::broker::properties(env, Utc::now(), epoch),
+    batch.iter().map(move |env| {
+        if spans::enabled() {
+            let start = std::time::SystemTime::from(env.published_at);
+            if let Some(span) = spans::Span::publish(env, None, start) {
+                spans::record(span);
+            }
+        }
+        Outgoing {
+            routing_key: env.queue.to_string(),
+            body: env.encode(),
+            properties: drumline_shared::broker::properties(env, Utc::now(), epoch),
+        }
     })
 }
 

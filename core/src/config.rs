@@ -141,6 +141,8 @@ pub struct Config {
     pub journal: JournalConfig,
     /// `[api]`.
     pub api: ApiConfig,
+    /// `[telemetry]`.
+    pub telemetry: TelemetryConfig,
     /// `[[jobs]]`, in file order.
     pub jobs: Vec<Job>,
     /// `[tasks.*]`, by name.
@@ -188,6 +190,7 @@ impl Config {
             ("[worker]", self.worker != new.worker),
             ("[journal]", self.journal != new.journal),
             ("[api]", self.api != new.api),
+            ("[telemetry]", self.telemetry != new.telemetry),
         ]
         .into_iter()
         .filter_map(|(what, changed)| changed.then_some(what))
@@ -430,6 +433,8 @@ struct RawConfig<J, T> {
     journal: RawJournal,
     #[serde(default)]
     api: RawApi,
+    #[serde(default)]
+    telemetry: RawTelemetry,
     /// `None` when the file has no `[[jobs]]` (and, in the rest of a cut file, must be).
     jobs: Option<Vec<J>>,
     #[serde(default = "BTreeMap::new")]
@@ -523,6 +528,36 @@ fn check_api(fail: &Failer, a: RawApi) -> Result<ApiConfig, ConfigError> {
         .unwrap_or_else(|| DEFAULT_API_TOKEN_ENV.to_owned());
     check_env_name(&token_env).map_err(|m| fail.at(Some("[api]"), "token_env", m))?;
     Ok(ApiConfig { addr, token_env })
+}
+
+/// `[telemetry]` as written.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawTelemetry {
+    otlp_endpoint: Option<String>,
+}
+
+/// `[telemetry]`: where drumline's own spans go (docs/operations.md#traces).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TelemetryConfig {
+    /// `otlp_endpoint`: the base URL of an OTLP/HTTP collector (`http://host:4318`); spans
+    /// are POSTed to its `/v1/traces`. Default none: nothing is exported.
+    pub otlp_endpoint: Option<String>,
+}
+
+/// The `[telemetry]` section: an `http://` or `https://` URL with a host.
+fn check_telemetry(fail: &Failer, t: RawTelemetry) -> Result<TelemetryConfig, ConfigError> {
+    if let Some(text) = &t.otlp_endpoint {
+        let parsed = ::url::Url::parse(text).ok();
+        let web = parsed.filter(|u| matches!(u.scheme(), "http" | "https") && u.has_host());
+        if web.is_none() {
+            let message = format!("{text:?} is not an http:// or https:// URL");
+            return Err(fail.at(Some("[telemetry]"), "otlp_endpoint", message));
+        }
+    }
+    Ok(TelemetryConfig {
+        otlp_endpoint: t.otlp_endpoint,
+    })
 }
 
 /// `[limits.NAME]` as written.
@@ -715,6 +750,7 @@ impl Config {
             worker,
             journal,
             api,
+            telemetry,
             tasks,
             limits,
             calendars,
@@ -748,6 +784,7 @@ impl Config {
             worker,
             journal,
             api,
+            telemetry,
             jobs,
             tasks,
             limits,
@@ -1055,6 +1092,7 @@ struct Prefix {
     worker: WorkerConfig,
     journal: JournalConfig,
     api: ApiConfig,
+    telemetry: TelemetryConfig,
     tasks: BTreeMap<String, Task>,
     limits: BTreeMap<String, Limit>,
     calendars: BTreeMap<String, Calendar>,
@@ -1070,6 +1108,7 @@ fn check_prefix<J>(fail: &Failer, raw: RawConfig<J, RawTask>) -> Result<Prefix, 
     let worker = check_worker(fail, raw.worker)?;
     let journal = check_journal(fail, &raw.journal)?;
     let api = check_api(fail, raw.api)?;
+    let telemetry = check_telemetry(fail, raw.telemetry)?;
     let limits = check_limits(fail, raw.limits)?;
     let tasks = check_tasks(fail, raw.tasks, &limits)?;
     let calendars = check_calendars(fail, raw.calendars)?;
@@ -1079,6 +1118,7 @@ fn check_prefix<J>(fail: &Failer, raw: RawConfig<J, RawTask>) -> Result<Prefix, 
         worker,
         journal,
         api,
+        telemetry,
         tasks,
         limits,
         calendars,
@@ -2285,6 +2325,25 @@ mod tests {
         assert!(e.contains("[api]") && e.contains("`addr`"), "{e}");
         assert!(err("[api]\ntoken_env = \"\"\n").contains("`token_env`"));
         assert!(err("[api]\nport = 1\n").contains("port"));
+    }
+
+    #[test]
+    fn the_telemetry_section_is_checked() {
+        assert_eq!(parse("").unwrap().telemetry.otlp_endpoint, None);
+        let c = parse("[telemetry]\notlp_endpoint = \"http://otel:4318\"\n").unwrap();
+        assert_eq!(
+            c.telemetry.otlp_endpoint.as_deref(),
+            Some("http://otel:4318")
+        );
+        for bad in ["otel:4318", "ftp://otel", "http://"] {
+            let e = err(&format!("[telemetry]\notlp_endpoint = \"{bad}\"\n"));
+            assert!(
+                e.contains("[telemetry]") && e.contains("`otlp_endpoint`"),
+                "{e}"
+            );
+        }
+        let e = err("[telemetry]\notlp_endpiont = \"http://otel:4318\"\n");
+        assert!(e.contains("`otlp_endpiont`") && e.contains("`otlp_endpoint`"), "{e}");
     }
 
     #[test]

@@ -48,10 +48,12 @@ impl TraceParent {
     /// A producer's span: a child of the context in `TRACEPARENT` when it holds a valid one,
     /// else the root of a new trace (docs/envelope.md#trace-context).
     pub fn from_env() -> Self {
-        std::env::var(TRACEPARENT_VAR)
-            .ok()
-            .and_then(|text| text.parse::<TraceParent>().ok())
-            .map_or_else(TraceParent::root, |parent| parent.child())
+        TraceParent::env_parent().map_or_else(TraceParent::root, |parent| parent.child())
+    }
+
+    /// The valid context in `TRACEPARENT`, if any: the parent of [`TraceParent::from_env`].
+    pub fn env_parent() -> Option<Self> {
+        std::env::var(TRACEPARENT_VAR).ok()?.parse().ok()
     }
 
     /// A child of `parent` when it is a valid `traceparent`, else the root of a new trace.

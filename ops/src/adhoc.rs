@@ -8,8 +8,10 @@ use chrono::{DateTime, Utc};
 use drumline_shared::client::{ClientError, Message, Producer};
 use drumline_shared::config::Config;
 use drumline_shared::envelope::{parse_instant, Envelope};
+use drumline_shared::spans::{self, Span};
+use drumline_shared::trace::TraceParent;
 use serde_json::Value;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 /// What the command line or the API asked for.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -200,16 +202,37 @@ pub async fn producer(config: &Config) -> Result<Producer, ClientError> {
 }
 
 /// Publishes `env` with confirms through `producer`: through a delay queue for the time left
-/// before its `not_before`, if any (the fast path: workers keep `not_before` anyway).
-pub async fn publish_with(producer: &Producer, env: &Envelope) -> Result<(), ClientError> {
+/// before its `not_before`, if any (the fast path: workers keep `not_before` anyway). Without
+/// a trace of its own, it is published in a child span of `parent` (the producer's context),
+/// else in a new trace (docs/envelope.md#trace-context); with `[telemetry]`, that span is
+/// exported as `publish`.
+pub async fn publish_with(
+    producer: &Producer,
+    env: &Envelope,
+    parent: Option<TraceParent>,
+) -> Result<(), ClientError> {
+    let start = SystemTime::now();
+    let trace = env.trace.unwrap_or_else(|| match parent {
+        Some(parent) => parent.child(),
+        None => TraceParent::root(),
+    });
+    let env = Envelope {
+        trace: Some(trace),
+        ..env.clone()
+    };
     let delay = env.early_by(Utc::now()).unwrap_or_default();
-    producer.publish_envelope(env, delay).await
+    let sent = producer.publish_envelope(&env, delay).await;
+    if let Some(span) = Span::publish(&env, parent.as_ref(), start) {
+        spans::record(span.failed_if(sent.is_err()));
+    }
+    sent
 }
 
-/// Publishes `env` as [`publish_with`] does, through a producer of its own.
+/// Publishes `env` as [`publish_with`] does, through a producer of its own, continuing the
+/// process's `TRACEPARENT`.
 pub async fn publish(config: &Config, env: &Envelope) -> Result<(), ClientError> {
     let producer = producer(config).await?;
-    let published = publish_with(&producer, env).await;
+    let published = publish_with(&producer, env, TraceParent::env_parent()).await;
     producer.close().await;
     published
 }

@@ -49,12 +49,17 @@ impl Api {
         }
     }
 
-    /// Publishes `env` with confirms, as `drumline publish` does ([`adhoc::publish_with`]).
-    async fn publish(&self, env: &Envelope) -> Result<(), ClientError> {
+    /// Publishes `env` with confirms, as `drumline publish` does ([`adhoc::publish_with`]), in
+    /// the trace of `parent` (the request's `traceparent`) when it has one.
+    async fn publish(
+        &self,
+        env: &Envelope,
+        parent: Option<TraceParent>,
+    ) -> Result<(), ClientError> {
         let producer = (self.producer)
             .get_or_try_init(|| adhoc::producer(&self.config))
             .await?;
-        adhoc::publish_with(producer, env).await
+        adhoc::publish_with(producer, env, parent).await
     }
 }
 
@@ -261,14 +266,15 @@ async fn post_task(State(api): State<Arc<Api>>, headers: HeaderMap, body: Bytes)
     };
     let request = adhoc::from_json(&body);
     let env = request.and_then(|r| adhoc::envelope(&api.config, &r, Utc::now()));
-    let mut env = match env {
+    let env = match env {
         Ok(env) => env,
         Err(e) => return error(StatusCode::BAD_REQUEST, &e.to_string(), e.field()),
     };
     // The request's trace continues (docs/envelope.md#trace-context).
-    let parent = headers.get(H_TRACEPARENT).and_then(|v| v.to_str().ok());
-    env.trace = Some(TraceParent::continuing(parent));
-    match api.publish(&env).await {
+    let parent = headers
+        .get(H_TRACEPARENT)
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    match api.publish(&env, parent).await {
         Ok(()) => reply(StatusCode::ACCEPTED, &json!({ "key": env.key })),
         Err(e) if e.is_request() => error(StatusCode::BAD_REQUEST, &e.to_string(), e.field()),
         Err(e) => error(

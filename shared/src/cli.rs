@@ -23,16 +23,19 @@ pub struct Common {
 
 impl Common {
     /// The config file these flags name (`--config`, else `$DRUMLINE_CONFIG`, else
-    /// `./drumline.toml`) and its path; a file that does not load is a usage failure.
+    /// `./drumline.toml`) and its path; a file that does not load is a usage failure. Its
+    /// `[telemetry] otlp_endpoint`, if any, starts the span exporter ([`run_to_exit`] flushes
+    /// it).
     pub fn load(&self) -> Result<(Config, PathBuf), Failure> {
         let path = config::resolve_path(self.config.clone());
         let config = Config::load(&path).map_err(Failure::usage)?;
+        crate::telemetry::start(&config.telemetry).map_err(Failure::usage)?;
         Ok((config, path))
     }
 }
 
 /// Sets up logging in `format`, runs a binary's `command` on one tokio runtime and makes its
-/// result the exit code. Dropping a runtime waits for its blocking tasks without limit; the
+/// result the exit code, after sending the spans still queued. Dropping a runtime waits for its blocking tasks without limit; the
 /// command has stopped in order by then, so nothing left there may delay the exit by more than
 /// a second.
 pub fn run_to_exit(
@@ -43,5 +46,6 @@ pub fn run_to_exit(
     let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
     let result = runtime.block_on(command);
     runtime.shutdown_timeout(Duration::from_secs(1));
+    crate::spans::shutdown();
     exit::report(result)
 }

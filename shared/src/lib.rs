@@ -28,6 +28,10 @@
 //!   TCP listener.
 //! - `process_metrics.rs`: `drumline_build_info` and the `process_*` metrics from `/proc/self`
 //!   (feature `bin-support`). Touches: reads `/proc/self`.
+//! - `spans.rs`: drumline's own spans (`publish`, `claim`, `run`, `finish`) and the one place
+//!   they go: the exporter installed, else nowhere. Touches: a process-wide exporter.
+//! - `telemetry.rs`: `[telemetry] otlp_endpoint`: the spans by OTLP/HTTP with the
+//!   `opentelemetry` crates, flushed at exit (feature `bin-support`). Touches: the network.
 //! - `exit.rs`: `Failure` (`Usage` → 2, `Other`/`Reported` → 1) and `report`: both binaries map
 //!   a command's outcome to the exit code the same way (feature `bin-support`). Touches:
 //!   stderr.
@@ -44,8 +48,11 @@ pub mod metrics;
 #[cfg(feature = "bin-support")]
 pub mod process_metrics;
 pub mod signals;
+pub mod spans;
 #[cfg(feature = "bin-support")]
 pub mod systemd;
+#[cfg(feature = "bin-support")]
+pub mod telemetry;
 
 pub use drumline_broker as broker;
 pub use drumline_client as client;

@@ -14,6 +14,8 @@
 //! - `hook.rs`: `Hook`: a webhook receiver (axum on a free port) that records every request
 //!   (arrival instant, path, headers, body) and answers per path and per how many times that
 //!   key came before, for the HTTP executor's tests.
+//! - `otlp.rs`: `Collector`: a tiny OTLP/HTTP (JSON) receiver that keeps the spans POSTed to
+//!   `/v1/traces`, for the traces tests.
 //! - `cfg.rs`: `Cfg`: a test's `drumline.toml` written in code
 //!   (`Cfg::new().task("t", shell("…")).job("tick", every("1s"))`), checked against drumline's
 //!   own parser; `TestEnv::write_config` adds the namespace.
@@ -71,6 +73,7 @@
 pub mod cfg;
 pub mod checker;
 pub mod hook;
+pub mod otlp;
 pub mod probe;
 pub mod proxy;
 pub mod scenario;

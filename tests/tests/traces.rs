@@ -1,14 +1,16 @@
 //! Trace context end to end (docs/envelope.md#trace-context): a producer's `traceparent`
 //! reaches the run in the same trace — `drumline publish` continues its `TRACEPARENT`, the beat
 //! starts a trace per instance, a retry keeps it, a bad one is ignored; shell tasks get
-//! `TRACEPARENT`, HTTP tasks a `traceparent` header, each the run's own span.
+//! `TRACEPARENT`, HTTP tasks a `traceparent` header, each the run's own span; with `[telemetry]`
+//! an OTLP collector receives the spans of one trace.
 // See: issues/36
 
 use drumline_e2e::cfg::{every, shell, Cfg};
 use drumline_e2e::hook::{Hook, Reply};
+use drumline_e2e::otlp::Collector;
 use drumline_e2e::probe::api_request_with;
 use drumline_e2e::scenario::{run_checked, Scenario, WAIT};
-use drumline_e2e::{adhoc, binary};
+use drumline_e2e::{adhoc, binary, toml_string};
 use drumline_shared::broker::long_string;
 use drumline_shared::trace::TraceParent;
 use lapin::types::FieldTable;
@@ -17,8 +19,9 @@ use lapin::BasicProperties;
 const GIVEN: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
 /// A worker whose task `trace` appends `KEY ATTEMPT TRACEPARENT` to `effects` and fails its
-/// first attempt when the key starts with `retry` (retried 100 ms later).
-async fn tracing_worker(test: &str, jobs: bool) -> Scenario {
+/// first attempt when the key starts with `retry` (retried 100 ms later); `more` adds to the
+/// config.
+async fn tracing_worker(test: &str, more: impl FnOnce(Cfg) -> Cfg) -> Scenario {
     let mut sc = Scenario::new(test, |env| {
         let effects = env.path("effects");
         let script = format!(
@@ -29,11 +32,7 @@ async fn tracing_worker(test: &str, jobs: bool) -> Scenario {
         let task = shell(&script)
             .with("max_retries", "2")
             .with("retry_base", "\"100ms\"");
-        let cfg = Cfg::new().task("trace", task);
-        match jobs {
-            true => cfg.job("trace", every("1s")),
-            false => cfg,
-        }
+        more(Cfg::new().task("trace", task))
     });
     sc.start_workers(1).await;
     sc
@@ -65,14 +64,26 @@ fn run_of(sc: &Scenario, key: &str, attempt: u32) -> TraceParent {
     found().expect("ran")
 }
 
+/// Adds job `trace`, every second.
+fn every_second(cfg: Cfg) -> Cfg {
+    cfg.job("trace", every("1s"))
+}
+
+/// `drumline publish trace --key KEY` with `TRACEPARENT` = `parent` (none: unset).
+fn publish_cli(sc: &Scenario, key: &str, parent: Option<&str>) {
+    let mut publish = std::process::Command::new(binary("drumline"));
+    publish.args(["--config", sc.cfg(), "publish", "trace", "--key", key]);
+    match parent {
+        Some(parent) => publish.env("TRACEPARENT", parent),
+        None => publish.env_remove("TRACEPARENT"),
+    };
+    run_checked(&mut publish, "drumline publish");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn publish_continues_the_producers_traceparent_into_the_shell_task() {
-    let sc = tracing_worker("traces_publish", false).await;
-    let mut publish = std::process::Command::new(binary("drumline"));
-    publish
-        .args(["--config", sc.cfg(), "publish", "trace", "--key", "p1"])
-        .env("TRACEPARENT", GIVEN);
-    run_checked(&mut publish, "drumline publish");
+    let sc = tracing_worker("traces_publish", |c| c).await;
+    publish_cli(&sc, "p1", Some(GIVEN));
     let given: TraceParent = GIVEN.parse().unwrap();
     let run = run_of(&sc, "p1", 0);
     assert_eq!(run.trace_id, given.trace_id, "the producer's trace");
@@ -80,17 +91,13 @@ async fn publish_continues_the_producers_traceparent_into_the_shell_task() {
     assert_eq!(run.flags, 1);
 
     // Without one, each publish starts a trace of its own.
-    let mut fresh = std::process::Command::new(binary("drumline"));
-    fresh
-        .args(["--config", sc.cfg(), "publish", "trace", "--key", "p2"])
-        .env_remove("TRACEPARENT");
-    run_checked(&mut fresh, "drumline publish");
+    publish_cli(&sc, "p2", None);
     assert_ne!(run_of(&sc, "p2", 0).trace_id, given.trace_id);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_task_posted_to_the_api_continues_the_requests_traceparent() {
-    let sc = tracing_worker("traces_api", false).await;
+    let sc = tracing_worker("traces_api", |c| c).await;
     let (_beat, port) = sc.beat_with_api(sc.cfg(), "s3cret-token");
     let body = r#"{"task": "trace", "key": "a1"}"#;
     let headers = [("traceparent", GIVEN)];
@@ -110,7 +117,7 @@ async fn a_task_posted_to_the_api_continues_the_requests_traceparent() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_retry_keeps_the_trace_and_a_bad_traceparent_is_ignored() {
-    let sc = tracing_worker("traces_retry", false).await;
+    let sc = tracing_worker("traces_retry", |c| c).await;
     let traced = TraceParent::root();
     let env = drumline_shared::envelope::Envelope {
         trace: Some(traced),
@@ -136,7 +143,7 @@ async fn a_retry_keeps_the_trace_and_a_bad_traceparent_is_ignored() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn each_scheduled_instance_is_a_trace_of_its_own() {
-    let mut sc = tracing_worker("traces_beat", true).await;
+    let mut sc = tracing_worker("traces_beat", every_second).await;
     sc.start_beat();
     sc.wait(WAIT, "two instances ran", || runs(&sc).len() >= 2);
     let runs = runs(&sc);
@@ -163,4 +170,65 @@ async fn an_http_task_gets_a_traceparent_header_in_the_producers_trace() {
     let header: TraceParent = received[0].header("traceparent").parse().unwrap();
     assert_eq!(header.trace_id, traced.trace_id);
     assert_ne!(header.span_id, traced.span_id);
+}
+
+/// With `[telemetry] otlp_endpoint`, the spans reach a collector: `drumline publish`'s
+/// `publish` under the producer's span, the worker's `claim`, `run` (the span the task was
+/// given) and `finish` under it, all in the producer's trace; a scheduled instance's `publish`
+/// (the beat's) and `run` share a trace too. Stopped, each process sends what it still held.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_otlp_collector_sees_publish_and_run_spans_of_one_trace() {
+    let collector = Collector::start();
+    let endpoint = toml_string(&collector.endpoint());
+    let mut sc = tracing_worker("traces_otlp", |c| {
+        every_second(c).set("telemetry", "otlp_endpoint", &endpoint)
+    })
+    .await;
+    sc.start_beat();
+    publish_cli(&sc, "o1", Some(GIVEN));
+    let run = run_of(&sc, "o1", 0);
+    let scheduled = || runs(&sc).into_iter().find(|r| r.0.starts_with("trace@"));
+    sc.wait(WAIT, "a scheduled instance ran", || scheduled().is_some());
+    let scheduled = scheduled().expect("ran").2;
+    sc.wait_state("o1", "done").await;
+    sc.stop();
+
+    let given: TraceParent = GIVEN.parse().unwrap();
+    let named = |trace: &TraceParent, name: &str| {
+        let spans = collector.spans().into_iter();
+        spans
+            .filter(|s| s.trace_id == trace.trace_hex() && s.name == name)
+            .collect::<Vec<_>>()
+    };
+    let all_there = || {
+        ["publish", "claim", "run", "finish"]
+            .iter()
+            .all(|n| !named(&given, n).is_empty())
+    };
+    sc.wait(WAIT, "the spans of o1's trace", all_there);
+    let publish = &named(&given, "publish")[0];
+    assert_eq!(
+        publish.parent_span_id,
+        given.span_hex(),
+        "under the producer's span"
+    );
+    assert_eq!(publish.key.as_deref(), Some("o1"));
+    let runs = named(&given, "run");
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert_eq!(
+        runs[0].span_id,
+        run.span_hex(),
+        "the span the task was given"
+    );
+    for name in ["claim", "run", "finish"] {
+        let span = &named(&given, name)[0];
+        assert_eq!(
+            span.parent_span_id, publish.span_id,
+            "{name} under the publish"
+        );
+    }
+    let beat_trace =
+        || !named(&scheduled, "publish").is_empty() && !named(&scheduled, "run").is_empty();
+    sc.wait(WAIT, "the scheduled instance's publish and run", beat_trace);
+    assert_eq!(named(&scheduled, "run")[0].span_id, scheduled.span_hex());
 }

@@ -21,14 +21,16 @@ use drumline_shared::envelope::{self, Arrival, DeadReason, Envelope};
 use drumline_shared::names::Names;
 use drumline_shared::planted::{self, planted, Defect};
 use drumline_shared::run::LimitedBy;
+use drumline_shared::spans::{self, Span};
 use drumline_shared::store::{
     now_text, Claim, ClaimRequest, Ended, Ending, Final, LimitClaim, OverlapMode, RunRecord, Store,
     StoreError, Unclaimed, Waiter,
 };
+use drumline_shared::trace::TraceParent;
 use prometheus_client::metrics::gauge::Gauge;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn, Instrument};
@@ -346,6 +348,9 @@ impl Processor {
             env: &env,
             handler,
             token: &token,
+            trace: env
+                .trace
+                .map_or_else(TraceParent::root, |parent| parent.child()),
             started_at: None,
             ended: None,
             record: None,
@@ -373,6 +378,7 @@ impl Processor {
         if !matches!(effect, Effect::Claim { .. } | Effect::Hold { .. }) {
             step.waiting = None;
         }
+        let timed = spans::enabled().then(|| (span_name(&effect), SystemTime::now()));
         let event = match effect {
             Effect::Claim { reserve_within } => self.claim(step, reserve_within).await,
             Effect::Hold { wait, by, first } => self.hold(step, wait, by, first).await,
@@ -394,6 +400,18 @@ impl Processor {
                 return None;
             }
         };
+        if let Some((Some(name), start)) = timed {
+            let context = match name {
+                "run" => step.trace,
+                _ => step.trace.child(),
+            };
+            let failed = match &event {
+                Event::Failed(_) => true,
+                Event::RunEnded { result, .. } => !matches!(result, RunResult::Succeeded),
+                _ => false,
+            };
+            spans::record(Span::of(name, step.env, context, start).failed_if(failed));
+        }
         Some(event)
     }
 
@@ -491,6 +509,7 @@ impl Processor {
         let one = run::Run {
             handler: step.handler.clone(),
             env,
+            trace: step.trace,
             delivered: &step.delivery.body,
             held,
             fence,
@@ -877,6 +896,8 @@ struct Step<'a> {
     handler: &'a Arc<dyn Handler>,
     /// Our claim's token.
     token: &'a str,
+    /// The run's span (a child of the copy's `traceparent`), which its handler is given.
+    trace: TraceParent,
     /// When the run started; `None` before a run.
     started_at: Option<String>,
     /// When the run ended, for the journal ([`Store::with_ended`]); `None` before a run's end.
@@ -889,6 +910,16 @@ struct Step<'a> {
     in_use: Option<Counted>,
     /// `drumline_limit_waiting` while the delivery is held over its limit.
     waiting: Option<Counted>,
+}
+
+/// The span an effect is exported as (docs/operations.md#traces), if any.
+fn span_name(effect: &Effect) -> Option<&'static str> {
+    match effect {
+        Effect::Claim { .. } => Some("claim"),
+        Effect::Run { .. } => Some("run"),
+        Effect::Finish(_) => Some("finish"),
+        _ => None,
+    }
 }
 
 /// A step's answer as the event the machine waits for: a failure is one too.

@@ -22,6 +22,8 @@ pub(crate) struct Run<'a> {
     pub handler: Arc<dyn Handler>,
     /// The copy.
     pub env: &'a Envelope,
+    /// The run's span, which the handler is given ([`TaskContext::trace`]).
+    pub trace: TraceParent,
     /// The body it was delivered in (the HTTP executor sends it as is).
     pub delivered: &'a [u8],
     /// The claim the watchdog renews.
@@ -45,6 +47,7 @@ pub(crate) async fn run(
     let Run {
         handler,
         env,
+        trace,
         delivered,
         held,
         fence,
@@ -66,7 +69,7 @@ pub(crate) async fn run(
     // Stops the watchdog if this future is dropped or unwinds before the run's end is
     // handed to `Renewing` (a handler that panics): a lease must never outlive its run.
     let stop_on_drop = stop_watchdog.drop_guard();
-    let ctx = context(env, fence, cancel.clone(), budget.kill_grace());
+    let ctx = context(env, (fence, trace), cancel.clone(), budget.kill_grace());
     stats.running.inc();
     // The lease goes along for a shell task's supervisor, which stops the task at the
     // loss's instant even if this worker is frozen then (docs/design.md#the-task-supervisor).
@@ -138,7 +141,7 @@ enum Stopped {
 /// What a handler is told about its run.
 fn context(
     env: &Envelope,
-    fence: u64,
+    (fence, trace): (u64, TraceParent),
     cancel: CancellationToken,
     kill_grace: Duration,
 ) -> TaskContext {
@@ -152,9 +155,7 @@ fn context(
         args: env.args.clone(),
         cancel,
         kill_grace,
-        trace: env
-            .trace
-            .map_or_else(TraceParent::root, |parent| parent.child()),
+        trace,
     }
 }
 

@@ -271,6 +271,7 @@ impl Config {
             worker: self.worker.clone(),
             journal: self.journal,
             api: self.api.clone(),
+            telemetry: self.telemetry.clone(),
             jobs: Vec::new(),
             tasks: self.tasks.clone(),
             limits: self.limits.clone(),
