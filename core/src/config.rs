@@ -2343,7 +2343,10 @@ mod tests {
             );
         }
         let e = err("[telemetry]\notlp_endpiont = \"http://otel:4318\"\n");
-        assert!(e.contains("`otlp_endpiont`") && e.contains("`otlp_endpoint`"), "{e}");
+        assert!(
+            e.contains("`otlp_endpiont`") && e.contains("`otlp_endpoint`"),
+            "{e}"
+        );
     }
 
     #[test]

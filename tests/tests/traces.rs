@@ -232,3 +232,33 @@ async fn an_otlp_collector_sees_publish_and_run_spans_of_one_trace() {
     sc.wait(WAIT, "the scheduled instance's publish and run", beat_trace);
     assert_eq!(named(&scheduled, "run")[0].span_id, scheduled.span_hex());
 }
+
+/// `examples/python/over_http.py`, the standard-library producer of docs/api.md: it delays a
+/// task over the API with its `TRACEPARENT` as `traceparent`, reads the outcome over HTTP, and
+/// the run was in its trace, not before `not_before`.
+// See: issues/36
+#[tokio::test(flavor = "multi_thread")]
+async fn a_python_producer_delays_a_task_reads_its_outcome_and_shares_the_trace() {
+    let sc = tracing_worker("traces_python", |c| c).await;
+    let (_beat, port) = sc.beat_with_api(sc.cfg(), "s3cret-token");
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/python/over_http.py");
+    let url = format!("http://127.0.0.1:{port}");
+    let posted = std::time::Instant::now();
+    let mut python = std::process::Command::new("python3");
+    python
+        .arg(&script)
+        .args([url.as_str(), "trace", "1"])
+        .env("DRUMLINE_API_TOKEN", "s3cret-token")
+        .env("TRACEPARENT", GIVEN);
+    let out = run_checked(&mut python, "over_http.py");
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let words: Vec<&str> = printed.split_whitespace().collect();
+    assert_eq!(words.get(1..), Some(&["done", "success"][..]), "{printed}");
+    assert!(
+        posted.elapsed() >= std::time::Duration::from_secs(1),
+        "not before not_before"
+    );
+    let run = run_of(&sc, words[0], 0);
+    assert_eq!(run.trace_id, GIVEN.parse::<TraceParent>().unwrap().trace_id);
+}
