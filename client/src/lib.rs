@@ -524,6 +524,14 @@ mod tests {
     }
 
     #[test]
+    fn a_trace_given_is_the_envelopes_else_it_is_chosen_when_published() {
+        assert_eq!(Message::new("report").envelope(now()).unwrap().trace, None);
+        let trace = TraceParent::root();
+        let env = Message::new("report").trace(trace).envelope(now()).unwrap();
+        assert_eq!(env.trace, Some(trace));
+    }
+
+    #[test]
     fn due_is_now_plus_delay_and_expiry_counts_from_due() {
         #[derive(Serialize)]
         struct Resize {

@@ -135,7 +135,9 @@ impl DeadQueue {
                 refused.push(info.key.unwrap_or_else(|| "(no key)".into()));
                 continue;
             };
-            // A fresh start: retries from zero, and no deadline (it has typically passed).
+            // A fresh start: retries from zero, and no deadline (it has typically passed); the
+            // same trace (docs/envelope.md#trace-context).
+            env.trace = m.trace;
             env.id = uuid::Uuid::new_v4();
             env.attempt = 0;
             env.expires_at = None;

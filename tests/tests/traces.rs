@@ -18,18 +18,21 @@ use lapin::BasicProperties;
 
 const GIVEN: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
-/// A worker whose task `trace` appends `KEY ATTEMPT TRACEPARENT` to `effects` and fails its
-/// first attempt when the key starts with `retry` (retried 100 ms later); `more` adds to the
-/// config.
+/// A worker whose task `trace` appends `KEY ATTEMPT TRACEPARENT` to `effects`, fails its
+/// first attempt when the key starts with `retry` (retried 100 ms later) and fails for good
+/// one starting with `dead` until the file `fixed` exists; `more` adds to the config.
 async fn tracing_worker(test: &str, more: impl FnOnce(Cfg) -> Cfg) -> Scenario {
     let mut sc = Scenario::new(test, |env| {
-        let effects = env.path("effects");
+        let (effects, fixed) = (env.path("effects"), env.path("fixed"));
         let script = format!(
             "echo \"$DRUMLINE_KEY $DRUMLINE_ATTEMPT $TRACEPARENT\" >> {}; \
-             case \"$DRUMLINE_KEY\" in retry*) [ \"$DRUMLINE_ATTEMPT\" -ge 1 ];; esac",
-            effects.display()
+             case \"$DRUMLINE_KEY\" in retry*) [ \"$DRUMLINE_ATTEMPT\" -ge 1 ];; \
+             dead*) [ -e {} ] || exit 3;; esac",
+            effects.display(),
+            fixed.display()
         );
         let task = shell(&script)
+            .with("permanent_exit_codes", "[3]")
             .with("max_retries", "2")
             .with("retry_base", "\"100ms\"");
         more(Cfg::new().task("trace", task))
@@ -116,7 +119,7 @@ async fn a_task_posted_to_the_api_continues_the_requests_traceparent() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_retry_keeps_the_trace_and_a_bad_traceparent_is_ignored() {
+async fn a_retry_and_a_replay_keep_the_trace_and_a_bad_traceparent_is_ignored() {
     let sc = tracing_worker("traces_retry", |c| c).await;
     let traced = TraceParent::root();
     let env = drumline_shared::envelope::Envelope {
@@ -128,6 +131,23 @@ async fn a_retry_keeps_the_trace_and_a_bad_traceparent_is_ignored() {
     assert_eq!(first.trace_id, traced.trace_id);
     assert_eq!(second.trace_id, traced.trace_id, "the retry's trace");
     assert_ne!(first.span_id, second.span_id, "each run a span");
+
+    // A dead letter replayed: still the same trace.
+    let dead = drumline_shared::envelope::Envelope {
+        trace: Some(traced),
+        ..adhoc("dead-1", "trace")
+    };
+    sc.publish(&dead).await;
+    sc.wait_dead_letters(1).await;
+    std::fs::write(sc.path("fixed"), "").expect("fix");
+    sc.run_ok("drumline-worker", &["dlq", "replay", "dead-1"]);
+    sc.wait_state("dead-1", "done").await;
+    let both: Vec<_> = runs(&sc).into_iter().filter(|r| r.0 == "dead-1").collect();
+    assert_eq!(both.len(), 2, "{both:?}");
+    assert!(
+        both.iter().all(|r| r.2.trace_id == traced.trace_id),
+        "{both:?}"
+    );
 
     // Bad: uppercase hex. Ignored: the message runs, in a trace of its own.
     let bad = GIVEN.to_uppercase();
