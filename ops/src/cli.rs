@@ -29,6 +29,8 @@ pub enum Command {
         json: bool,
     },
     /// Publish one ad-hoc task (same envelope and guarantees as a scheduled instance).
+    ///
+    /// With `TRACEPARENT` set (a W3C trace context), the task runs in that trace.
     Publish {
         /// Task name (a [tasks.NAME] entry).
         task: String,
