@@ -46,10 +46,15 @@ impl Span {
         }
     }
 
-    /// Span `name` of `env`'s instance with id `context`, from `start` to now, under `env`'s
-    /// own span (the publish) when it has one: `drumline.key`, `.task`, `.attempt`.
-    pub fn of(name: &'static str, env: &Envelope, context: TraceParent, start: SystemTime) -> Self {
-        let parent = env.trace.filter(|p| p.trace_id == context.trace_id);
+    /// Span `name` of `env`'s instance with id `context` under `parent` (when of the same
+    /// trace), from `start` to now: `drumline.key`, `.task`, `.attempt`.
+    pub fn of(
+        name: &'static str,
+        env: &Envelope,
+        (context, parent): (TraceParent, Option<TraceParent>),
+        start: SystemTime,
+    ) -> Self {
+        let parent = parent.filter(|p| p.trace_id == context.trace_id);
         Span::ended_now(name, context, parent.as_ref(), start)
             .with("drumline.key", &env.key)
             .with("drumline.task", &env.task)

@@ -31,6 +31,7 @@
 //!   reply or a `WAIT` that fell short) and follows a failover. Touches: Redis, Sentinels.
 
 // The core's modules, under the paths this crate's code names them by.
+use drumline_core::trace::TraceParent;
 use drumline_core::{backoff, config, envelope, limit, names, run, tls, url};
 
 use crate::backoff::Backoff;
@@ -147,30 +148,41 @@ impl Ended {
 }
 
 /// A copy waiting for its job's overlap lock, as `{ns}:waiters:{job}` keeps it: the encoded
-/// envelope and the leadership epoch it was published under.
+/// envelope, the leadership epoch it was published under and its trace context.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Waiter {
     /// `x-drumline-epoch` of the copy.
     pub epoch: u64,
     /// The envelope, encoded.
     pub body: Vec<u8>,
+    /// Its `traceparent`, if any: the woken copy carries it on (docs/envelope.md#trace-context).
+    pub trace: Option<TraceParent>,
 }
 
 impl Waiter {
-    /// `{epoch} {body}`.
+    /// `{epoch} {body}`, or `{epoch}:{traceparent} {body}` with a trace.
     fn encode(&self) -> Vec<u8> {
-        let mut out = format!("{} ", self.epoch).into_bytes();
+        let mut out = match &self.trace {
+            Some(trace) => format!("{}:{trace} ", self.epoch),
+            None => format!("{} ", self.epoch),
+        }
+        .into_bytes();
         out.extend_from_slice(&self.body);
         out
     }
 
-    /// Reads [`encode`](Self::encode)'s form; `None` for anything else.
+    /// Reads [`encode`](Self::encode)'s forms; `None` for anything else.
     fn decode(bytes: &[u8]) -> Option<Self> {
         let space = bytes.iter().position(|b| *b == b' ')?;
-        let epoch = std::str::from_utf8(&bytes[..space]).ok()?.parse().ok()?;
+        let head = std::str::from_utf8(&bytes[..space]).ok()?;
+        let (epoch, trace) = match head.split_once(':') {
+            Some((epoch, trace)) => (epoch, Some(trace.parse().ok()?)),
+            None => (head, None),
+        };
         Some(Waiter {
-            epoch,
+            epoch: epoch.parse().ok()?,
             body: bytes[space + 1..].to_vec(),
+            trace,
         })
     }
 }
@@ -1554,4 +1566,26 @@ pub fn parse_last_instant(text: &str) -> Option<DateTime<Utc>> {
 /// RFC 3339 UTC, milliseconds, for run records.
 pub fn now_text() -> String {
     Utc::now().to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_waiter_reads_back_with_or_without_its_trace() {
+        let trace = TraceParent::root();
+        for trace in [None, Some(trace)] {
+            let waiter = Waiter {
+                epoch: 7,
+                body: br#"{"key": "k 1"}"#.to_vec(),
+                trace,
+            };
+            assert_eq!(Waiter::decode(&waiter.encode()), Some(waiter));
+        }
+        // Written before waiters had a trace.
+        let old = Waiter::decode(b"3 {}").expect("the old form");
+        assert_eq!((old.epoch, old.trace), (3, None));
+        assert_eq!(Waiter::decode(b"3:junk {}"), None);
+    }
 }

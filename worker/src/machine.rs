@@ -747,6 +747,7 @@ mod tests {
         Waiter {
             epoch: 3,
             body: b"{}".to_vec(),
+            trace: None,
         }
     }
 

@@ -401,16 +401,17 @@ impl Processor {
             }
         };
         if let Some((Some(name), start)) = timed {
-            let context = match name {
-                "run" => step.trace,
-                _ => step.trace.child(),
+            // Under the publish; without one, the run is the trace's root and the others its.
+            let ids = match name {
+                "run" => (step.trace, step.env.trace),
+                _ => (step.trace.child(), step.env.trace.or(Some(step.trace))),
             };
             let failed = match &event {
                 Event::Failed(_) => true,
                 Event::RunEnded { result, .. } => !matches!(result, RunResult::Succeeded),
                 _ => false,
             };
-            spans::record(Span::of(name, step.env, context, start).failed_if(failed));
+            spans::record(Span::of(name, step.env, ids, start).failed_if(failed));
         }
         Some(event)
     }
@@ -432,13 +433,7 @@ impl Processor {
                 let delivery = step.delivery;
                 (self.dead_letter(publisher, delivery, Some(env), reason, &error, attempts)).await
             }
-            Effect::PublishWoken => {
-                let waiter = Waiter {
-                    epoch: step.delivery.epoch,
-                    body: env.encode(),
-                };
-                self.publish_woken(publisher, waiter).await
-            }
+            Effect::PublishWoken => self.publish_woken(publisher, waiter_of(step)).await,
             _ => Ok(()),
         }
     }
@@ -560,10 +555,7 @@ impl Processor {
         let (OverlapMode::Queue(job) | OverlapMode::Skip(job)) = self.overlap(step.env) else {
             return Ok(true);
         };
-        let waiter = Waiter {
-            epoch: step.delivery.epoch,
-            body: step.env.encode(),
-        };
+        let waiter = waiter_of(step);
         // Kept until well after the fallback copy: an entry woken later is only a duplicate.
         let keep = delay * 2 + Duration::from_secs(1);
         Ok(self.store.park(job, &waiter, keep).await?)
@@ -753,10 +745,11 @@ impl Processor {
 
     /// Publishes `waiter` to its work queue with confirms.
     async fn publish_woken(&self, publisher: &Channel, waiter: Waiter) -> Result<(), Interrupted> {
-        let Ok(env) = Envelope::decode(&waiter.body) else {
+        let Ok(mut env) = Envelope::decode(&waiter.body) else {
             warn!("an unreadable waiting copy was dropped; its delay queue copy remains");
             return Ok(());
         };
+        env.trace = waiter.trace;
         let props = drumline_shared::broker::properties(&env, Utc::now(), waiter.epoch);
         // Straight to the work queue (the default exchange), as re-check copies go straight
         // to their delay queue: the tasks exchange carries only what producers publish.
@@ -910,6 +903,15 @@ struct Step<'a> {
     in_use: Option<Counted>,
     /// `drumline_limit_waiting` while the delivery is held over its limit.
     waiting: Option<Counted>,
+}
+
+/// `step`'s copy as a waiter of its job's overlap lock: epoch, body and trace kept.
+fn waiter_of(step: &Step<'_>) -> Waiter {
+    Waiter {
+        epoch: step.delivery.epoch,
+        body: step.env.encode(),
+        trace: step.env.trace,
+    }
 }
 
 /// The span an effect is exported as (docs/operations.md#traces), if any.
