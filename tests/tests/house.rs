@@ -420,8 +420,9 @@ fn each_crate_depends_only_on_its_roles_outside_world() {
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
-/// The producer client builds without the config parser, the time zones, an HTTP server or
-/// Redis (docs/design.md#module-map): what `cargo` resolves for it alone.
+/// The producer client builds without the config parser, the time zones, an HTTP server,
+/// Redis or the OpenTelemetry exporter (docs/design.md#module-map): what `cargo` resolves for
+/// it alone.
 #[test]
 fn the_producer_client_pulls_in_no_config_parser_time_zones_server_or_redis() {
     let out = std::process::Command::new("cargo")
@@ -438,7 +439,15 @@ fn the_producer_client_pulls_in_no_config_parser_time_zones_server_or_redis() {
     let tree = String::from_utf8_lossy(&out.stdout);
     let names: BTreeSet<&str> = tree.lines().filter_map(|l| l.split(' ').next()).collect();
     assert!(names.contains("drumline-core"), "{tree}");
-    for unwanted in ["toml", "chrono-tz", "axum", "redis", "clap"] {
+    let unwanted = [
+        "toml",
+        "chrono-tz",
+        "axum",
+        "redis",
+        "clap",
+        "opentelemetry",
+    ];
+    for unwanted in unwanted {
         assert!(!names.contains(unwanted), "the client pulls in {unwanted}");
     }
 }
