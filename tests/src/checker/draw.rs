@@ -1,9 +1,11 @@
 //! What one round of the randomized checker runs, drawn from its seed (docs/soak.md#the-randomized-checker):
 //! jobs (period, overlap mode, task duration against the period, failure and permanent-exit
 //! rates, retries, `expires`, jitter), operator actions (pause and resume, a backfill, a
-//! trigger, a reload that changes a job's period) and faults (kill -9 or a short SIGSTOP of a
-//! worker, kill -9 of a beat).
+//! trigger, a reload that changes a job's period), schedules applied at run time and what is done
+//! to them ([`super::schedules`]) and faults (kill -9 or a short SIGSTOP of a worker, kill -9 of
+//! a beat).
 
+use super::schedules::{self, ScheduleDraw};
 use crate::cfg::{every, shell, Cfg, Keys};
 use crate::soak::rng::Rng;
 use crate::toml_string;
@@ -64,6 +66,22 @@ pub enum Event {
     Trigger { job: usize },
     /// The job's `every` becomes `every_s` in the config file, then SIGHUP to every member.
     Reload { job: usize, every_s: u32 },
+    /// Schedule `s` stored: `drumline schedules apply FILE`, or `PUT /api/v1/schedules/NAME`
+    /// on beat `api`'s API (the CLI when that beat does not answer).
+    Apply { s: usize, api: Option<usize> },
+    /// Schedule `s` stored again with `every` = `every_s`, the same way.
+    Edit {
+        s: usize,
+        every_s: u32,
+        api: Option<usize>,
+    },
+    /// Schedule `s` deleted: `drumline schedules delete NAME` or `DELETE` on the API.
+    Delete { s: usize, api: Option<usize> },
+    /// Schedule `s`'s calendar applied (`drumline calendars apply`) holding today's local date
+    /// in the schedule's zone.
+    Exclude { s: usize },
+    /// Schedule `s`'s calendar no longer holds today: deleted, or applied with another date.
+    Include { s: usize, delete: bool },
 }
 
 /// One round.
@@ -73,6 +91,8 @@ pub struct Round {
     pub seed: u64,
     /// Its jobs.
     pub jobs: Vec<JobDraw>,
+    /// Its schedules applied at run time (`s0`, `s1`, …; their events name them by index).
+    pub schedules: Vec<ScheduleDraw>,
     /// Its actions and faults, in time order.
     pub events: Vec<(Duration, Event)>,
     /// From the members' start to the last event's end.
@@ -110,6 +130,7 @@ pub fn round(seed: u64, length: Duration) -> Round {
         };
         events.push((at, e));
     }
+    let schedules = schedules::draw(seed, length, &mut events);
     events.sort_by_key(|(at, _)| *at);
     let mut jobs = jobs;
     follow(&mut more, &mut jobs, &mut events);
@@ -117,12 +138,14 @@ pub fn round(seed: u64, length: Duration) -> Round {
     Round {
         seed,
         jobs,
+        schedules,
         events,
         length,
     }
 }
 
-fn job(rng: &mut Rng, i: usize) -> JobDraw {
+/// Job `j<i>`, drawn.
+pub(crate) fn job(rng: &mut Rng, i: usize) -> JobDraw {
     let every_s = [1, 2, 3][rng.below(3)];
     let overlap = ["skip", "queue", "allow"][rng.below(3)];
     let period = Duration::from_secs(every_s.into());
@@ -319,6 +342,9 @@ impl Round {
             cfg = cfg
                 .task(&j.name, j.task(log, self.seed))
                 .job(&j.name, now.job());
+        }
+        for s in &self.schedules {
+            cfg = cfg.task(&s.job.name, s.job.task(log, self.seed));
         }
         cfg
     }

@@ -7,6 +7,7 @@
 pub mod draw;
 pub mod oracle;
 mod round;
+pub mod schedules;
 
 pub use round::{run_round, RoundVerdict};
 use std::time::{Duration, Instant};

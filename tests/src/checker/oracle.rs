@@ -3,6 +3,7 @@
 //! tasks' effect log alone — never from drumline's journal, run records or Redis.
 
 use super::draw::{JobDraw, Round, AFTER_TIMEOUT, PERMANENT, RETRY_DELAY};
+use super::schedules::ScheduleTimes;
 use chrono::{DateTime, Utc};
 use drumline_shared::envelope::{instance_key, parse_instant};
 use std::collections::BTreeMap;
@@ -14,7 +15,8 @@ pub struct Finding {
     pub key: String,
     /// Its job.
     pub job: String,
-    /// `doubled`, `over_bound`, `retry_dropped`, `overlap`, `missed`, `order`.
+    /// `doubled`, `over_bound`, `retry_dropped`, `overlap`, `missed`, `order`, and for a
+    /// schedule applied at run time `catch_up`, `after_delete`, `calendar`.
     pub rule: &'static str,
     /// What shows it.
     pub detail: String,
@@ -88,6 +90,8 @@ pub struct Timeline {
     pub triggers: Vec<(usize, String)>,
     /// Per job: when its config changed to a new `every` (whole seconds), SIGHUP sent.
     pub reloads: Vec<(usize, i64, u32)>,
+    /// Per drawn schedule (by index): what was done to it and when.
+    pub schedules: Vec<ScheduleTimes>,
     /// How long a beat's takeover may take: its leader lease, `misfire_threshold` and slack.
     pub takeover_ms: i64,
     /// When the effect log was read: a failure more recent than a retry delay and slack may
@@ -100,30 +104,56 @@ pub fn judge(round: &Round, timeline: &Timeline, lines: &[String]) -> Vec<Findin
     let all = runs(lines);
     let mut out = Vec::new();
     for (j, job) in round.jobs.iter().enumerate() {
-        let prefix = format!("{}@", job.name);
-        let mine: Vec<&Run> = all.iter().filter(|r| r.key.starts_with(&prefix)).collect();
-        let mut by_key: BTreeMap<&str, Vec<&Run>> = BTreeMap::new();
-        for r in &mine {
-            by_key.entry(r.key.as_str()).or_default().push(r);
-        }
-        for (key, runs) in &by_key {
-            // A retry of an instance after the judged window may still be on its way.
-            let judged = instant_ms(key).is_some_and(|t| t <= timeline.judge_end);
-            let now = judged.then_some(timeline.now);
-            out.extend(per_key(job, key, runs, (now, &timeline.worker_kills)));
-        }
-        if job.overlap != "allow" {
-            out.extend(overlaps(job, &mine));
-        }
+        let by_key = of_job(job, timeline, &all, &mut out);
         match job.after {
-            None => out.extend(at_least_once(j, job, timeline, &by_key)),
+            None => {
+                let instants = scheduled(j, job, timeline);
+                out.extend(at_least_once(j, job, timeline, &by_key, instants));
+            }
             Some(up) => out.extend(follows(job, &round.jobs[up], timeline, &all, &by_key)),
         }
+    }
+    let none = ScheduleTimes::default();
+    for (k, s) in round.schedules.iter().enumerate() {
+        let by_key = of_job(&s.job, timeline, &all, &mut out);
+        let times = timeline.schedules.get(k).unwrap_or(&none);
+        let instants = times.expected(s, (timeline.start, timeline.judge_end));
+        // Its index is past the file's jobs: no pause, backfill, trigger or reload names it.
+        let j = round.jobs.len() + k;
+        out.extend(at_least_once(j, &s.job, timeline, &by_key, instants));
+        out.extend(times.forbidden(s, &by_key));
     }
     out
 }
 
-fn finding(job: &JobDraw, key: &str, rule: &'static str, detail: String) -> Finding {
+/// The job's runs by key, after the rules every job keeps (per key, and no overlap but under
+/// `allow`) are held and their findings pushed to `out`.
+fn of_job<'a>(
+    job: &JobDraw,
+    timeline: &Timeline,
+    all: &'a [Run],
+    out: &mut Vec<Finding>,
+) -> BTreeMap<&'a str, Vec<&'a Run>> {
+    let prefix = format!("{}@", job.name);
+    let mine: Vec<&Run> = all.iter().filter(|r| r.key.starts_with(&prefix)).collect();
+    let mut by_key: BTreeMap<&str, Vec<&Run>> = BTreeMap::new();
+    for r in &mine {
+        by_key.entry(r.key.as_str()).or_default().push(r);
+    }
+    for (key, runs) in &by_key {
+        // A retry of an instance after the judged window may still be on its way.
+        let judged = instant_ms(key).is_some_and(|t| t <= timeline.judge_end);
+        let now = judged.then_some(timeline.now);
+        out.extend(per_key(job, key, runs, (now, &timeline.worker_kills)));
+    }
+    if job.overlap != "allow" {
+        out.extend(overlaps(job, &mine));
+    }
+    by_key
+}
+
+/// A finding of `rule` of `job`'s `key`.
+pub(crate) fn finding(job: &JobDraw, key: &str, rule: &'static str, detail: String) -> Finding {
     Finding {
         key: key.to_owned(),
         job: job.name.clone(),
@@ -194,7 +224,8 @@ fn expired_by(job: &JobDraw, key: &str, ms: i64) -> bool {
     ms + 3_000 > t + jitter + i64::from(expires) * 1000
 }
 
-fn instant_ms(key: &str) -> Option<i64> {
+/// The instant `key` names, ms.
+pub(crate) fn instant_ms(key: &str) -> Option<i64> {
     let text = key.split_once('@')?.1;
     Some(parse_instant(text)?.timestamp_millis())
 }
@@ -307,10 +338,11 @@ fn at_least_once(
     job: &JobDraw,
     timeline: &Timeline,
     by_key: &BTreeMap<&str, Vec<&Run>>,
+    instants: Vec<i64>,
 ) -> Vec<Finding> {
     let holds = holds(job, by_key);
     let mut out = Vec::new();
-    for (key, t, origin) in expected(j, job, timeline) {
+    for (key, t, origin) in expected(j, job, timeline, instants) {
         let runs = by_key.get(key.as_str()).map_or(&[][..], Vec::as_slice);
         if finished(job, runs) {
             continue;
@@ -333,13 +365,19 @@ fn at_least_once(
     out
 }
 
-/// The instances of job `j` that must end: (key, instant in ms, origin).
-fn expected(j: usize, job: &JobDraw, timeline: &Timeline) -> Vec<(String, i64, Origin)> {
+/// The instances of job `j` that must end, its scheduled `instants` and what the operator
+/// added: (key, instant in ms, origin).
+fn expected(
+    j: usize,
+    job: &JobDraw,
+    timeline: &Timeline,
+    instants: Vec<i64>,
+) -> Vec<(String, i64, Origin)> {
     let key = |t: i64| {
         let at = DateTime::from_timestamp_millis(t).expect("an instant");
         instance_key(&job.name, at)
     };
-    let mut out: Vec<(String, i64, Origin)> = scheduled(j, job, timeline)
+    let mut out: Vec<(String, i64, Origin)> = instants
         .into_iter()
         .map(|t| (key(t), t, Origin::Scheduled))
         .collect();
@@ -456,6 +494,7 @@ mod tests {
         Round {
             seed: 1,
             jobs: vec![job],
+            schedules: vec![],
             events: vec![],
             length: Duration::from_secs(20),
         }

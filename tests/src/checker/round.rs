@@ -3,6 +3,8 @@
 
 use super::draw::{self, Event, Round, BEATS, WORKERS};
 use super::oracle::{self, Finding, Timeline};
+use super::schedules::{calendar_object, ScheduleTimes};
+use crate::probe::api_request;
 use crate::{binary, Proc, TestEnv};
 use chrono::{DateTime, Utc};
 use drumline_shared::envelope::parse_instant;
@@ -13,6 +15,8 @@ use std::time::{Duration, Instant};
 const LEADER_LEASE_S: i64 = 3;
 /// `verify --overdue` of every round.
 const OVERDUE_S: i64 = 10;
+/// The API token of a round with schedules (`DRUMLINE_API_TOKEN`).
+const TOKEN: &str = "checker-token";
 
 /// What one round found.
 #[derive(Debug)]
@@ -42,9 +46,10 @@ impl RoundVerdict {
     /// One paragraph for the log.
     pub fn summary(&self, elapsed: Duration) -> String {
         let mut out = format!(
-            "checker: seed {} ({} jobs, {} events) {} in {:.0}s (at {:.0}s): {} oracle findings, {} verify violations, {} disagreements; files in {}",
+            "checker: seed {} ({} jobs, {} schedules, {} events) {} in {:.0}s (at {:.0}s): {} oracle findings, {} verify violations, {} disagreements; files in {}",
             self.seed,
             self.round.jobs.len(),
+            self.round.schedules.len(),
             self.round.events.len(),
             if self.holds() { "holds" } else { "FAILS" },
             self.took.as_secs_f64(),
@@ -79,6 +84,8 @@ struct Members<'a> {
     beats: Vec<Option<Proc>>,
     workers: Vec<Option<Proc>>,
     starts: u32,
+    /// Each beat's API port (`--api-addr`), when the round has schedules.
+    api: Vec<u16>,
 }
 
 impl Members<'_> {
@@ -90,7 +97,11 @@ impl Members<'_> {
             self.starts
         );
         let vars: Vec<(&str, &str)> = self.vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let args = ["--config", self.config.as_str()];
+        let addr = self.api.get(i).map(|port| format!("127.0.0.1:{port}"));
+        let mut args = vec!["--config", self.config.as_str()];
+        if let Some(addr) = addr.as_deref().filter(|_| beat) {
+            args.extend(["--api-addr", addr]);
+        }
         if beat {
             self.beats[i] = Some(self.env.beat_with_env(&label, &args, &vars));
         } else {
@@ -122,6 +133,53 @@ impl Members<'_> {
         let both = stdout.clone() + &String::from_utf8_lossy(&out.stderr);
         (out.status.success(), stdout, both)
     }
+
+    /// The API port of beat `api` while it runs.
+    fn api_of(&self, api: Option<usize>) -> Option<u16> {
+        let i = api?;
+        self.beats[i].as_ref().and(self.api.get(i).copied())
+    }
+
+    /// `drumline KIND apply FILE` of `object`, which must succeed.
+    fn apply_file(&self, kind: &str, object: &serde_json::Value) {
+        let file = self.env.path(&format!("{kind}.json"));
+        std::fs::write(&file, object.to_string()).expect("write the object");
+        let file = file.to_str().expect("utf-8 path");
+        let (ok, _, out) = self.cli(&[kind, "apply", file]);
+        assert!(ok, "{kind} apply {object}: {out}");
+    }
+
+    /// Stores schedule `object` through beat `api`'s API (`PUT`), or by the CLI when that beat
+    /// does not answer.
+    fn store(&self, api: Option<usize>, object: &serde_json::Value) {
+        let name = object["name"].as_str().expect("a name");
+        let request = format!("PUT /api/v1/schedules/{name}");
+        let body = object.to_string();
+        let answer = self
+            .api_of(api)
+            .and_then(|port| api_request(port, &request, Some(TOKEN), &body));
+        match answer {
+            Some((status, _, body)) => {
+                assert!(matches!(status, 200 | 201), "{request}: {status} {body}")
+            }
+            None => self.apply_file("schedules", object),
+        }
+    }
+
+    /// Deletes schedule `name` through beat `api`'s API, or by the CLI.
+    fn delete(&self, api: Option<usize>, name: &str) {
+        let request = format!("DELETE /api/v1/schedules/{name}");
+        let answer = self
+            .api_of(api)
+            .and_then(|port| api_request(port, &request, Some(TOKEN), ""));
+        match answer {
+            Some((status, _, body)) => assert_eq!(status, 204, "{request}: {body}"),
+            None => {
+                let (ok, _, out) = self.cli(&["schedules", "delete", name]);
+                assert!(ok, "schedules delete {name}: {out}");
+            }
+        }
+    }
 }
 
 /// A step of the round's schedule: an event, or the undoing of one.
@@ -147,17 +205,24 @@ pub fn run_round(seed: u64, length: Duration, defect: Option<&str>) -> RoundVerd
         .config(&log)
         .set("beat", "leader_lease", &format!("\"{LEADER_LEASE_S}s\""));
     let config = env.write_config("drumline.toml", &cfg);
+    let mut vars: Vec<(&str, String)> = defect
+        .map(|d| vec![("DRUMLINE_PLANTED_DEFECT", d.to_owned())])
+        .unwrap_or_default();
+    let mut api = Vec::new();
+    if !round.schedules.is_empty() {
+        vars.push(("DRUMLINE_API_TOKEN", TOKEN.to_owned()));
+        api = (0..BEATS).map(|_| crate::unused_port()).collect();
+    }
     let mut members = Members {
         env: &env,
         config: config.to_str().expect("utf-8 path").to_owned(),
         log: log.clone(),
         periods: round.jobs.iter().map(|j| j.every_s).collect(),
-        vars: defect
-            .map(|d| vec![("DRUMLINE_PLANTED_DEFECT", d.to_owned())])
-            .unwrap_or_default(),
+        vars,
         beats: (0..BEATS).map(|_| None).collect(),
         workers: (0..WORKERS).map(|_| None).collect(),
         starts: 0,
+        api,
     };
     for i in 0..WORKERS {
         members.start(false, i);
@@ -168,6 +233,7 @@ pub fn run_round(seed: u64, length: Duration, defect: Option<&str>) -> RoundVerd
     let mut timeline = Timeline {
         start: now_ms(),
         takeover_ms: (LEADER_LEASE_S + 5 + 3) * 1000,
+        schedules: vec![ScheduleTimes::default(); round.schedules.len()],
         ..Timeline::default()
     };
     play(&round, &mut members, &mut timeline, began);
@@ -274,6 +340,16 @@ fn apply(
             reload(round, (*job, *every_s), members, timeline);
             None
         }
+        Step::Do(
+            e @ (Event::Apply { .. }
+            | Event::Edit { .. }
+            | Event::Delete { .. }
+            | Event::Exclude { .. }
+            | Event::Include { .. }),
+        ) => {
+            as_data(e, round, members, timeline);
+            None
+        }
         Step::Do(Event::FreezeWorker { i, for_ }) => {
             let proc = members.workers[*i].as_ref()?;
             proc.signal(libc::SIGSTOP);
@@ -321,6 +397,42 @@ fn reload(
     timeline.reloads.push((job, now_ms(), every_s));
     for proc in members.beats.iter().chain(members.workers.iter()).flatten() {
         proc.signal(libc::SIGHUP);
+    }
+}
+
+/// Stores, edits or deletes a schedule, or changes its calendar, as `e` says; the times in
+/// `timeline`.
+fn as_data(e: &Event, round: &Round, members: &Members<'_>, timeline: &mut Timeline) {
+    let sent = now_ms();
+    match *e {
+        Event::Apply { s, api } => {
+            let d = &round.schedules[s];
+            members.store(api, &d.object(d.job.every_s));
+            timeline.schedules[s].applied = Some((sent, now_ms()));
+        }
+        Event::Edit { s, every_s, api } => {
+            members.store(api, &round.schedules[s].object(every_s));
+            timeline.schedules[s].edits.push((sent, now_ms(), every_s));
+        }
+        Event::Delete { s, api } => {
+            members.delete(api, &round.schedules[s].job.name);
+            timeline.schedules[s].deleted = Some((sent, now_ms()));
+        }
+        Event::Include { s, delete: true } => {
+            let name = round.schedules[s].calendar_name();
+            let (ok, _, out) = members.cli(&["calendars", "delete", &name]);
+            assert!(ok, "calendars delete {name}: {out}");
+            timeline.schedules[s]
+                .calendar
+                .push((sent, now_ms(), Vec::new()));
+        }
+        Event::Exclude { s } | Event::Include { s, .. } => {
+            let today = matches!(e, Event::Exclude { .. });
+            let (object, dates) = calendar_object(&round.schedules[s], today);
+            members.apply_file("calendars", &object);
+            timeline.schedules[s].calendar.push((sent, now_ms(), dates));
+        }
+        _ => unreachable!("not a change to a schedule: {e:?}"),
     }
 }
 
@@ -408,7 +520,11 @@ fn cross_check(
         let seen = findings
             .iter()
             .any(|f| f.key == *key || f.job == job_of(key));
-        if judged && !seen && round.jobs.iter().any(|j| j.name == job_of(key)) {
+        let ours = round
+            .jobs
+            .iter()
+            .chain(round.schedules.iter().map(|s| &s.job));
+        if judged && !seen && ours.map(|j| &j.name).any(|n| *n == job_of(key)) {
             out.push(format!(
                 "verify reported {rule} of {key}, the oracle saw nothing"
             ));
