@@ -7,6 +7,7 @@
 use chrono::Utc;
 use drumline_shared::calendar::Calendar;
 use drumline_shared::config::{Config, Job};
+use drumline_shared::planted::{planted, Defect};
 use drumline_shared::signals::Hangups;
 use drumline_shared::store::{FeedRead, ObjectKind, Store, StoreError, Stored};
 use serde_json::Value;
@@ -141,6 +142,9 @@ impl Changes {
         };
         let (mut schedules, mut calendars) = (Vec::new(), false);
         for (kind, name, json) in objects {
+            if json.is_none() && kind == ObjectKind::Schedule && planted(Defect::IgnoreDelete) {
+                continue;
+            }
             let held = match kind {
                 ObjectKind::Schedule => &mut self.objects.schedules,
                 ObjectKind::Calendar => &mut self.objects.calendars,

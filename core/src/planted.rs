@@ -20,6 +20,8 @@ pub enum Defect {
     /// The beat publishes an `after` job's instance once its upstream's instance has any run
     /// state, not only `done`.
     EarlyFollower,
+    /// The beat ignores the delete of a schedule applied at run time and keeps publishing it.
+    IgnoreDelete,
 }
 
 impl Defect {
@@ -32,17 +34,19 @@ impl Defect {
             Defect::IgnoreOverlap => "ignore_overlap",
             Defect::FalseMissed => "false_missed",
             Defect::EarlyFollower => "early_follower",
+            Defect::IgnoreDelete => "ignore_delete",
         }
     }
 
     /// Every planted defect.
-    pub const ALL: [Defect; 6] = [
+    pub const ALL: [Defect; 7] = [
         Defect::SkipRetry,
         Defect::DoubleRun,
         Defect::DropDelivery,
         Defect::IgnoreOverlap,
         Defect::FalseMissed,
         Defect::EarlyFollower,
+        Defect::IgnoreDelete,
     ];
 }
 
