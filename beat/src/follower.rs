@@ -296,6 +296,31 @@ impl Followers {
         }
     }
 
+    /// Hands the instants `old` (the followers before a reload) still carried, and had not
+    /// decided, to the same followers here, by name: a change of the config before a chain
+    /// carried over was decided (another reload, a schedule applied at run time) keeps it.
+    pub fn carry_on(&mut self, old: &Followers, old_jobs: &[Job], jobs: &[Job]) {
+        if old.carried.is_empty() {
+            return;
+        }
+        let by_name: HashMap<&str, usize> = jobs
+            .iter()
+            .enumerate()
+            .filter(|(_, j)| j.after.is_some())
+            .map(|(i, j)| (j.name.as_str(), i))
+            .collect();
+        for (o, instants) in &old.carried {
+            let Some(i) = by_name.get(old_jobs[*o].name.as_str()) else {
+                continue;
+            };
+            let decided = old.decided.get(o);
+            let open = instants
+                .iter()
+                .filter(|t| decided.is_none_or(|d| !d.contains(t)));
+            self.carry(*i, open.copied().collect());
+        }
+    }
+
     /// Forgets the carried instants decided meanwhile.
     fn settle_carried(&mut self) {
         for (job, instants) in &mut self.carried {
@@ -805,6 +830,29 @@ mod tests {
         followers.decided.entry(1).or_default().insert(at(6));
         followers.settle_carried();
         assert_eq!(followers.carried[&1], BTreeSet::from([at(8)]));
+    }
+
+    /// The checker's seed 901: a second change of the config (here the same chain, every
+    /// follower kept) before the carried instants were decided hands them on, those decided
+    /// meanwhile aside.
+    #[test]
+    fn a_second_change_keeps_what_the_reload_carried_over() {
+        let (old, new) = (chain("2s"), chain("3s"));
+        let config = |jobs: Vec<Job>| Config {
+            jobs,
+            ..Config::parse("", std::path::Path::new("d.toml"), |_| None).unwrap()
+        };
+        let mut before = Followers::new(&config(new.clone()));
+        before.carry(1, vec![at(6), at(8)]);
+        before.carry(2, vec![at(4)]);
+        before.decided.entry(1).or_default().insert(at(6));
+        let mut after = Followers::new(&config(new.clone()));
+        after.carry_on(&before, &new, &new);
+        assert_eq!(after.carried[&1], BTreeSet::from([at(8)]));
+        assert_eq!(after.carried[&2], BTreeSet::from([at(4)]));
+        let mut unrelated = Followers::new(&config(old.clone()));
+        unrelated.carry_on(&Followers::new(&config(old.clone())), &old, &old);
+        assert!(unrelated.carried.is_empty());
     }
 
     #[test]

@@ -577,7 +577,9 @@ impl Machine {
             removed = summary.removed,
             "reloaded the jobs (SIGHUP)"
         );
-        self.followers = Followers::new(&config);
+        let before = std::mem::replace(&mut self.followers, Followers::new(&config));
+        self.followers
+            .carry_on(&before, &self.config.jobs, &config.jobs);
         let old_last = |o: usize| old[o].last;
         let carried_over = crate::follower::carried_over(
             (&self.config.jobs, &old_last),

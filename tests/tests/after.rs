@@ -6,7 +6,7 @@
 
 use chrono::{DateTime, Utc};
 use drumline_e2e::cfg::{every, shell, Cfg, Keys};
-use drumline_e2e::scenario::{job_of, row_of, run_field, stop, Scenario, WAIT};
+use drumline_e2e::scenario::{job_of, progress, row_of, run_field, stop, Scenario, WAIT};
 use drumline_e2e::{instant_of, setup, toml_string, wait_until, wait_until_async, TestEnv};
 use drumline_shared::envelope::instance_key as instance;
 use std::collections::BTreeMap;
@@ -547,26 +547,56 @@ fn retried_chain(env: &TestEnv, every_a: &str) -> Cfg {
         .job("c", after("b", "60s"))
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_reload_that_reschedules_the_root_keeps_the_chains_in_flight() {
-    let mut sc = start("e2e_after_reload", |env| retried_chain(env, "5s")).await;
-    // The first instance of `a` failed its attempt 0: its retry comes 4 s later.
-    let failed = |sc: &Scenario| {
+/// The key of `a`'s first instance, once its attempt 0 failed (its retry comes 4 s later).
+fn failed_once(sc: &Scenario) -> String {
+    let failed = || {
         let runs = sc.lines("runs");
         let first = runs
             .iter()
             .find(|l| l.starts_with("a@") && l.ends_with(" 0"));
         first.map(|l| l.trim_end_matches(" 0").to_owned())
     };
-    sc.wait(WAIT, "a failed once", || failed(&sc).is_some());
-    let t = failed(&sc).expect("waited");
-    sc.rewrite(&retried_chain(&sc, "7s"));
-    sc.last_beat().signal(libc::SIGHUP);
+    sc.wait(WAIT, "a failed once", || failed().is_some());
+    failed().expect("waited")
+}
+
+/// `b` and `c` ran for `a`'s instance `t`.
+fn chain_ran(sc: &Scenario, t: &str) {
     for job in ["b", "c"] {
-        let want = format!("{} 0", key(job, &t));
+        let want = format!("{} 0", key(job, t));
         let ran = wait_until(WAIT, || sc.lines("runs").contains(&want));
         sc.check(ran, format!("{want} never ran: {:?}", sc.lines("runs")));
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_that_reschedules_the_root_keeps_the_chains_in_flight() {
+    let mut sc = start("e2e_after_reload", |env| retried_chain(env, "5s")).await;
+    let t = failed_once(&sc);
+    sc.rewrite(&retried_chain(&sc, "7s"));
+    sc.last_beat().signal(libc::SIGHUP);
+    chain_ran(&sc, &t);
+    sc.stop();
+}
+
+/// Found by the randomized checker (seed 901, docs/soak.md#randomized-runs): what a reload
+/// carried over to the restarted followers was dropped by the next change of the config before
+/// the chain was decided — here a schedule applied at run time, which rebuilds the config as a
+/// reload does — and `b` never ran for T.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_change_after_the_reload_keeps_the_chain_it_carried_over() {
+    let mut sc = start("e2e_after_reload_change", |env| retried_chain(env, "5s")).await;
+    let t = failed_once(&sc);
+    sc.rewrite(&retried_chain(&sc, "7s"));
+    sc.last_beat().signal(libc::SIGHUP);
+    // The reload restarted `b` from its moment and persisted that start.
+    let at = drumline_e2e::instant_of(&t);
+    let restarted = || progress(&sc, "b").is_some_and(|p| p > at);
+    sc.wait(WAIT, "the reload restarted b", restarted);
+    let other = r#"{"name": "other", "task": "c", "every": "1h"}"#;
+    let (code, _, err) = sc.apply(sc.cfg(), "schedules", "other.json", other);
+    sc.check(code == 0, err);
+    chain_ran(&sc, &t);
     sc.stop();
 }
 
