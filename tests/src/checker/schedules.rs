@@ -205,9 +205,30 @@ impl ScheduleTimes {
         out
     }
 
+    /// The `every` in force at instant `t` when `t` is not one of its instants (an `every` is
+    /// epoch-anchored) and no apply or edit was under way then (from [`BEFORE_CHANGE_MS`]
+    /// before it was sent to [`CHANGE_MS`] after its success): an edit applies from the first
+    /// instant not yet published, so the old rule publishes none after it.
+    fn off_rule(&self, s: &ScheduleDraw, t: i64) -> Option<u32> {
+        let (sent, done) = self.applied?;
+        let changes = std::iter::once((sent, done, s.job.every_s));
+        let changes = changes.chain(self.edits.iter().copied());
+        let mut every = None;
+        for (sent, done, e) in changes {
+            if (sent - BEFORE_CHANGE_MS..=done + CHANGE_MS).contains(&t) {
+                return None;
+            }
+            if t > done + CHANGE_MS {
+                every = Some(e);
+            }
+        }
+        every.filter(|e| t.rem_euclid(i64::from(*e) * 1000) != 0)
+    }
+
     /// The runs that must not have happened: of an instant before the schedule was applied
-    /// (`catch_up`), of one due more than [`CHANGE_MS`] after its delete succeeded
-    /// (`after_delete`), or of one its calendar excluded (`calendar`).
+    /// (`catch_up`), of one not on the rule in force (`off_rule`), of one due more than
+    /// [`CHANGE_MS`] after its delete succeeded (`after_delete`), or of one its calendar
+    /// excluded (`calendar`).
     pub fn forbidden(&self, s: &ScheduleDraw, by_key: &BTreeMap<&str, Vec<&Run>>) -> Vec<Finding> {
         let jitter = i64::from(s.job.jitter_s.unwrap_or(0)) * 1000;
         let mut out = Vec::new();
@@ -224,6 +245,10 @@ impl ScheduleTimes {
             if let Some((_, done)) = self.deleted.filter(|(_, done)| t > done + CHANGE_MS) {
                 let detail = format!("{ran}; the schedule was deleted at {done}");
                 out.push(finding(&s.job, key, "after_delete", detail));
+            }
+            if let Some(every) = self.off_rule(s, t) {
+                let detail = format!("{ran}; the rule in force is every {every}s");
+                out.push(finding(&s.job, key, "off_rule", detail));
             }
             if self.excluded(s, t, jitter) == Some(true) {
                 let detail = format!("{ran}; its local date {} is excluded", s.local_date(t));
@@ -364,7 +389,8 @@ mod tests {
             rules(&times, &s, &[1, 2, 3, 4, 6, 8, 10, 12]),
             Vec::<&str>::new()
         );
-        assert_eq!(rules(&times, &s, &[-1, 13]), ["catch_up", "after_delete"]);
+        assert_eq!(rules(&times, &s, &[-1, 14]), ["catch_up", "after_delete"]);
+        assert_eq!(rules(&times, &s, &[7]), ["off_rule"]);
     }
 
     /// A calendar holding the instants' local date (UTC+14) from 4 s to 8 s: the instants
