@@ -9,7 +9,7 @@
 3. P more schedules by the HTTP API of that beat, `PUT /api/v1/schedules/{name}` from 8
    connections in parallel: the rate.
 4. E edits, one at a time, each `schedules apply` of one changed object: the time from the
-   command's end to the leader's "schedules changed" log line (p50, p99, max).
+   command's end to the leader's "schedules edited in place" log line (p50, p99, max).
 5. takeover: a standby started beside it (once it has read every schedule), the leader killed
    with SIGKILL: the time from the kill to the standby's "beat leading", its own load time
    (`load_ms`: reading every job's progress, after the lease lapsed) and its resident memory.
@@ -135,16 +135,16 @@ def edits(a, cfg, work, beat):
         path = os.path.join(work, f"edit{i}.json")
         with open(path, "w") as f:
             json.dump({"name": "s0", "task": "report", "every": f"{i % 50 + 2}m"}, f)
-        seen = open(beat.log_path).read().count("schedules changed")
+        seen = open(beat.log_path).read().count("schedules edited in place")
         subprocess.run([a.drumline, "--config", cfg, "schedules", "apply", path],
                        check=True, capture_output=True)
         done = datetime.datetime.now(datetime.timezone.utc)
         deadline = time.monotonic() + 30
-        while open(beat.log_path).read().count("schedules changed") <= seen:
+        while open(beat.log_path).read().count("schedules edited in place") <= seen:
             if time.monotonic() > deadline:
                 sys.exit("the leader never saw an edit")
             time.sleep(0.005)
-        line = [l for l in open(beat.log_path) if "schedules changed" in l][-1]
+        line = [l for l in open(beat.log_path) if "schedules edited in place" in l][-1]
         at = datetime.datetime.fromisoformat(line.split()[0].replace("Z", "+00:00"))
         lags.append(max(0.0, (at - done).total_seconds() * 1000))
     lags.sort()
