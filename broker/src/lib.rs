@@ -35,6 +35,9 @@
 //!   batches in flight, a `may_send` check before each message so a deposed leader stops
 //!   mid-batch). Touches: broker.
 
+// Every public item is documented (docs/design.md#module-map): `cargo doc` is the reference.
+#![warn(missing_docs)]
+
 // The core's modules, under the paths this crate's code names them by.
 #[cfg(feature = "config")]
 use drumline_core::config;

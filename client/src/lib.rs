@@ -39,6 +39,9 @@
 //! - `schedules.rs`: `Schedules`: schedules applied at run time through a beat's HTTP API
 //!   (apply, get, list, delete). Touches: HTTP.
 
+// Every public item is documented (docs/design.md#module-map): `cargo doc` is the reference.
+#![warn(missing_docs)]
+
 // The core's modules and the broker door, under the paths this crate's code names them by.
 use drumline_broker as broker;
 use drumline_core::{envelope, names};

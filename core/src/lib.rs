@@ -50,6 +50,9 @@
 //!   checked, a child span, a new trace, the producer's `TRACEPARENT`. Pure but for random ids
 //!   and that variable.
 
+// Every public item is documented (docs/design.md#module-map): `cargo doc` is the reference.
+#![warn(missing_docs)]
+
 pub mod backoff;
 #[cfg(feature = "config")]
 pub mod calendar;

@@ -209,7 +209,7 @@ impl Store {
     }
 
     /// Every journal entry from `from_ms` on (ms since the epoch), oldest first, whose key
-    /// `keep` accepts, read [`JOURNAL_PAGE`] at a time.
+    /// `keep` accepts, read a page (`JOURNAL_PAGE` entries) at a time.
     pub async fn journal_since(
         &self,
         from_ms: i64,

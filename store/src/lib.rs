@@ -30,6 +30,9 @@
 //!   asks the Sentinels for the primary (at start, and after a connection error, a `READONLY`
 //!   reply or a `WAIT` that fell short) and follows a failover. Touches: Redis, Sentinels.
 
+// Every public item is documented (docs/design.md#module-map): `cargo doc` is the reference.
+#![warn(missing_docs)]
+
 // The core's modules, under the paths this crate's code names them by.
 use drumline_core::trace::TraceParent;
 use drumline_core::{backoff, config, envelope, limit, names, run, tls, url};

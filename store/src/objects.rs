@@ -139,7 +139,7 @@ pub enum FeedRead {
 
 impl Store {
     /// Stores each `(name, canonical JSON)` of `kind`, one feed entry per object that changed;
-    /// `now_ms` is the change time. One round trip per [`PUT_PER_CALL`] objects.
+    /// `now_ms` is the change time. One round trip per `PUT_PER_CALL` objects.
     pub async fn put_objects(
         &self,
         kind: ObjectKind,

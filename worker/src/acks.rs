@@ -24,7 +24,7 @@
 //! for the rest of the session: a [`Ticket`] dropped before its ack or requeue went out (its
 //! settle cut off by the settle timeout, refused, or its run dropped) stalls the channel: the
 //! batcher closes it, so the broker redelivers every delivery not acked on it (dedupe absorbs
-//! the ones whose outcome is recorded), and [`Acks::stalled`] tells the consumer to start a new
+//! the ones whose outcome is recorded), and `Acks::stalled` tells the consumer to start a new
 //! session.
 
 use drumline_shared::broker::{Acker, BrokerError, Channel, Delivery};
@@ -65,7 +65,7 @@ pub struct Acks {
 }
 
 /// A taken delivery's right to be settled once: [`Ticket::ack`] or [`Ticket::requeue`].
-/// Dropped without either having gone out, it stalls the channel ([`Acks::stalled`]).
+/// Dropped without either having gone out, it stalls the channel (`Acks::stalled`).
 pub struct Ticket {
     tag: u64,
     acker: Acker,

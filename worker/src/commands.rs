@@ -11,10 +11,10 @@ use std::net::SocketAddr;
 /// `drumline-worker`.
 #[derive(clap::Args, Debug, Default)]
 pub struct Options {
-    /// Tasks run at once across all queues (overrides [worker] concurrency).
+    /// Tasks run at once across all queues (overrides `[worker] concurrency`).
     #[arg(long)]
     pub concurrency: Option<usize>,
-    /// Comma-separated logical queues to consume (overrides [worker] queues).
+    /// Comma-separated logical queues to consume (overrides `[worker] queues`).
     #[arg(long, value_delimiter = ',')]
     pub queues: Option<Vec<String>>,
     /// Serve Prometheus metrics at /metrics and a health check at /healthz on HOST:PORT.
@@ -26,9 +26,15 @@ pub struct Options {
 #[derive(Debug)]
 pub enum DlqCommand {
     /// List them, as a table or as JSON.
-    List { json: bool },
+    List {
+        /// As JSON, not a table.
+        json: bool,
+    },
     /// Publish fresh copies of these keys (every one with `dlq replay --all`).
-    Replay { keys: Vec<String> },
+    Replay {
+        /// The keys (none: every one).
+        keys: Vec<String>,
+    },
     /// Delete every dead letter.
     Purge,
 }

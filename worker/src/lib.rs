@@ -87,6 +87,9 @@
 //!   outcome (unknown tasks labelled `unknown`), lag and run-time histograms per task. Touches:
 //!   memory.
 
+// Every public item is documented (docs/design.md#module-map): `cargo doc` is the reference.
+#![warn(missing_docs)]
+
 // Public for worker/tests/acks.rs (the real broker); not part of the API.
 #[doc(hidden)]
 pub mod acks;

@@ -81,7 +81,7 @@ impl Tail {
     }
 }
 
-/// Splits a stream into lines of at most [`LINE_MAX`] bytes (without the `\n`).
+/// Splits a stream into lines of at most `LINE_MAX` bytes (without the `\n`).
 #[derive(Debug, Default)]
 pub struct Lines {
     partial: Vec<u8>,

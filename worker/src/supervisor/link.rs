@@ -33,10 +33,15 @@ use tokio::sync::mpsc;
 /// A task to start: its command line and whole environment, and the ends of its standard
 /// streams that it gets (the worker keeps the other ends).
 pub struct Spec {
+    /// The command line, program first.
     pub argv: Vec<CString>,
+    /// Its whole environment, `NAME=value` each.
     pub env: Vec<CString>,
+    /// The task's end of its stdin (the args as JSON come through it).
     pub stdin: OwnedFd,
+    /// The task's end of its stderr.
     pub stderr: OwnedFd,
+    /// The task's end of its stdout, when the worker reads it (else it is the worker's own).
     pub stdout: Option<OwnedFd>,
     /// When the supervisor stops the task on its own (its lease's stop point), unless
     /// [`Task::hold_until`] moves it.

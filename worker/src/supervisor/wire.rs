@@ -16,12 +16,25 @@ pub enum Request {
     Start(Start),
     /// Send `signal` to the process group of task `id`, if it has not been reaped yet (an
     /// unknown id is ignored: the task ended and its `Exited` is on its way).
-    Signal { id: u64, signal: i32 },
+    Signal {
+        /// The task.
+        id: u64,
+        /// The signal's number.
+        signal: i32,
+    },
     /// How many tasks are registered (answered with a `Census` of the same id).
-    Census { id: u64 },
+    Census {
+        /// The request's id, echoed in the answer.
+        id: u64,
+    },
     /// Task `id`'s lease was renewed: its stop moves to `deadline` (an unknown id, or a task
     /// whose stop has begun, is left as it is).
-    Deadline { id: u64, deadline: Deadline },
+    Deadline {
+        /// The task.
+        id: u64,
+        /// Its new stop.
+        deadline: Deadline,
+    },
 }
 
 /// When the supervisor stops a task on its own, whatever the worker does (it may be frozen):
@@ -57,20 +70,42 @@ pub struct Start {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reply {
     /// Task `id` runs as `pid`, the leader of its own process group (its pidfd comes along).
-    Started { id: u64, pid: i32 },
+    Started {
+        /// The task.
+        id: u64,
+        /// Its leader's pid (and process group id).
+        pid: i32,
+    },
     /// Task `id` could not be started (`errno`: `ENOENT` when the program does not exist);
     /// nothing of it runs and nothing is registered.
-    Failed { id: u64, errno: i32 },
+    Failed {
+        /// The task.
+        id: u64,
+        /// Why, as the kernel said.
+        errno: i32,
+    },
     /// Task `id`'s leader ended with `status`, and its process group was killed after it.
-    Exited { id: u64, status: Status },
+    Exited {
+        /// The task.
+        id: u64,
+        /// How its leader ended.
+        status: Status,
+    },
     /// The answer to a `Census`: how many tasks the supervisor holds.
-    Census { id: u64, tasks: usize },
+    Census {
+        /// The `Census` request's id.
+        id: u64,
+        /// Tasks held.
+        tasks: usize,
+    },
 }
 
 /// How a task's leader ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Status {
+    /// It exited with this code.
     Code(i32),
+    /// A signal of this number ended it.
     Signal(i32),
 }
 
@@ -80,6 +115,7 @@ pub enum Status {
 pub struct Malformed(pub &'static str);
 
 impl Request {
+    /// The request as one datagram (fields NUL-separated).
     pub fn encode(&self) -> Vec<u8> {
         match self {
             Request::Start(start) => {
@@ -115,6 +151,7 @@ impl Request {
         }
     }
 
+    /// The message `bytes` hold ([`Self::encode`]'s), or why it is none.
     pub fn decode(bytes: &[u8]) -> Result<Self, Malformed> {
         let mut fields = bytes.split(|&b| b == 0);
         match fields.next() {
@@ -176,6 +213,7 @@ impl Request {
 }
 
 impl Reply {
+    /// The reply as one datagram (fields NUL-separated).
     pub fn encode(&self) -> Vec<u8> {
         match *self {
             Reply::Started { id, pid } => join(&[
@@ -208,6 +246,7 @@ impl Reply {
         }
     }
 
+    /// The message `bytes` hold ([`Self::encode`]'s), or why it is none.
     pub fn decode(bytes: &[u8]) -> Result<Self, Malformed> {
         let mut fields = bytes.split(|&b| b == 0);
         let tag = fields.next();
