@@ -1838,17 +1838,17 @@ mod driven {
         assert!(w.delivered.contains(&key("a", "2026-03-04T00:00:00Z")));
     }
 
-    /// Job `a` stalls on its 12:01; a reload reschedules `b` and keeps `a`: `a`'s 12:01 is
-    /// still published, `b` starts from the reload.
-    #[test]
-    fn a_reload_that_reschedules_keeps_the_pending_instants_of_kept_jobs() {
+    /// Job `a` stalls on its 12:01; `change` (at 12:01:00.100) reschedules `b` to every 2 m
+    /// and keeps `a`: `a`'s 12:01 is still published, `b` starts from the change.
+    fn rescheduling_b_keeps_the_pending_instants_of_a(
+        change: impl FnOnce(&mut Machine, DateTime<Utc>),
+    ) {
         let jobs = [("a", MINUTELY), ("b", MINUTELY)];
         let mut w = World::gained(&jobs, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
         w.refused.insert("a".into());
         w.round("2026-03-02T12:01:00Z");
         w.refused.clear();
-        let new = config(&[("a", MINUTELY), ("b", "every = \"2m\"")]);
-        w.m.reload(new, at("2026-03-02T12:01:00.100Z"));
+        change(&mut w.m, at("2026-03-02T12:01:00.100Z"));
         w.persist_starts();
         assert_eq!(
             w.journaled("start"),
@@ -1872,20 +1872,37 @@ mod driven {
         );
     }
 
-    #[test]
-    fn a_reload_adding_a_job_starts_it_from_the_reload() {
+    /// Job `b` added by `change` at 12:01:30 starts from it: its start journaled, nothing of it
+    /// before.
+    fn adding_b_starts_it_from_the_change(change: impl FnOnce(&mut Machine, DateTime<Utc>)) {
         let jobs = [("a", MINUTELY)];
         let mut w = World::gained(&jobs, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:01:30Z");
-        w.m.reload(config(&ABC[..2]), at("2026-03-02T12:01:30Z"));
+        change(&mut w.m, at("2026-03-02T12:01:30Z"));
         w.persist_starts();
+        assert_eq!(
+            w.journaled("start"),
+            vec![(key("b", "2026-03-02T12:01:30Z"), "")]
+        );
         w.round("2026-03-02T12:01:30Z");
         assert_eq!(
             w.delivered,
             keys("a", 1..=1),
-            "nothing of b before the reload"
+            "nothing of b before the change"
         );
         w.round("2026-03-02T12:02:00Z");
         assert!(w.delivered.contains(&key("b", "2026-03-02T12:02:00Z")));
+    }
+
+    #[test]
+    fn a_reload_that_reschedules_keeps_the_pending_instants_of_kept_jobs() {
+        rescheduling_b_keeps_the_pending_instants_of_a(|m, now| {
+            m.reload(config(&[("a", MINUTELY), ("b", "every = \"2m\"")]), now)
+        });
+    }
+
+    #[test]
+    fn a_reload_adding_a_job_starts_it_from_the_reload() {
+        adding_b_starts_it_from_the_change(|m, now| m.reload(config(&ABC[..2]), now));
     }
 
     /// Schedule `name` checked as the leader checks it (`keys` its `[[jobs]]` keys).
@@ -1898,56 +1915,22 @@ mod driven {
         config(&[])
     }
 
-    /// A schedule created at run time starts from the edit, as a reload starts an added job:
-    /// its start journaled, nothing of it before.
+    /// A schedule created at run time starts from the edit, as a reload starts an added job.
     #[test]
     fn an_edit_adding_a_schedule_starts_it_from_the_edit() {
-        let jobs = [("a", MINUTELY)];
-        let mut w = World::gained(&jobs, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:01:30Z");
-        let edits = vec![("b".to_owned(), schedule("b", MINUTELY))];
-        w.m.edit(edits, &no_file(), at("2026-03-02T12:01:30Z"));
-        w.persist_starts();
-        assert_eq!(
-            w.journaled("start"),
-            vec![(key("b", "2026-03-02T12:01:30Z"), "")]
-        );
-        w.round("2026-03-02T12:01:30Z");
-        assert_eq!(
-            w.delivered,
-            keys("a", 1..=1),
-            "nothing of b before the edit"
-        );
-        w.round("2026-03-02T12:02:00Z");
-        assert!(w.delivered.contains(&key("b", "2026-03-02T12:02:00Z")));
+        adding_b_starts_it_from_the_change(|m, now| {
+            m.edit(vec![("b".into(), schedule("b", MINUTELY))], &no_file(), now)
+        });
     }
 
-    /// Job `a` stalls on its 12:01; an edit reschedules `b`: `a`'s 12:01 is still published,
-    /// `b` starts from the edit (the same as the reload test above, in place).
+    /// An edit rescheduling one schedule leaves the others' pending instants, in place as the
+    /// reload above does.
     #[test]
     fn an_edit_rescheduling_one_schedule_leaves_the_others_pending_instants() {
-        let jobs = [("a", MINUTELY), ("b", MINUTELY)];
-        let mut w = World::gained(&jobs, Some("2026-03-02T12:00:00Z"), "2026-03-02T12:00:30Z");
-        w.refused.insert("a".into());
-        w.round("2026-03-02T12:01:00Z");
-        w.refused.clear();
-        let edits = vec![("b".to_owned(), schedule("b", "every = \"2m\""))];
-        w.m.edit(edits, &no_file(), at("2026-03-02T12:01:00.100Z"));
-        w.persist_starts();
-        assert_eq!(
-            w.journaled("start"),
-            vec![(key("b", "2026-03-02T12:01:00.100Z"), "")]
-        );
-        w.round("2026-03-02T12:01:00.300Z");
-        w.round("2026-03-02T12:02:00Z");
-        assert_eq!(
-            w.delivered,
-            vec![
-                key("b", "2026-03-02T12:01:00Z"),
-                key("a", "2026-03-02T12:01:00Z"),
-                key("a", "2026-03-02T12:02:00Z"),
-                key("b", "2026-03-02T12:02:00Z")
-            ]
-        );
+        rescheduling_b_keeps_the_pending_instants_of_a(|m, now| {
+            let edits = vec![("b".into(), schedule("b", "every = \"2m\""))];
+            m.edit(edits, &no_file(), now)
+        });
     }
 
     /// An edit that keeps the schedule (new args) keeps the progress: no start, no instant

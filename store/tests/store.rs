@@ -74,18 +74,18 @@ impl TestStore {
 
     /// The length of Redis list `key`.
     async fn llen(&self, key: &str) -> i64 {
-        let mut conn = self.connection();
-        redis::cmd("LLEN")
-            .arg(key)
-            .query_async(&mut conn)
-            .await
-            .unwrap()
+        self.integer("LLEN", key).await
     }
 
     /// The time to live of Redis key `key`, in ms.
     async fn pttl(&self, key: &str) -> i64 {
+        self.integer("PTTL", key).await
+    }
+
+    /// Redis command `command` on `key`, answering an integer.
+    async fn integer(&self, command: &str, key: &str) -> i64 {
         let mut conn = self.connection();
-        redis::cmd("PTTL")
+        redis::cmd(command)
             .arg(key)
             .query_async(&mut conn)
             .await

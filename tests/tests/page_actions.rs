@@ -6,7 +6,7 @@
 //! the page wider than the window.
 
 use drumline_e2e::cfg::{every, Cfg};
-use drumline_e2e::probe::{argv, tails};
+use drumline_e2e::probe::{api_request_with, argv, tails};
 use drumline_e2e::{http_get, setup, unused_port, wait_until, Proc, TestEnv};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -179,23 +179,10 @@ fn press(env: &TestEnv, url: &str, token: &str, action: &str, job: &str) -> Stri
         .to_owned()
 }
 
-/// A raw `POST path` to `port` with `headers`: the status code.
-fn post(port: u16, path: &str, headers: &[&str]) -> u16 {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    let mut request = format!("POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n");
-    for h in headers {
-        request.push_str(h);
-        request.push_str("\r\n");
-    }
-    request.push_str("Content-Length: 0\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).expect("write");
-    let mut answer = String::new();
-    let _ = stream.read_to_string(&mut answer);
-    answer
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0)
+/// `POST path` to `port` with the token and `headers`: the status code.
+fn post(port: u16, path: &str, headers: &[(&str, &str)]) -> u16 {
+    let request = format!("POST {path}");
+    api_request_with(port, &request, Some(TOKEN), headers, "").map_or(0, |(code, _, _)| code)
 }
 
 /// `tick`, hourly, appends its key; `broken`, hourly, fails at once with a 3,000-character
@@ -249,14 +236,9 @@ fn chromium_pauses_triggers_and_replays_with_the_token_and_nothing_without() {
     assert!(ran, "{}", tails(&procs));
 
     // Another origin, or none, is refused even with the token.
-    let bearer = format!("Authorization: Bearer {TOKEN}");
-    let evil = post(
-        port,
-        "/actions/resume/tick",
-        &[&bearer, "Origin: http://evil.example"],
-    );
-    assert_eq!(evil, 403);
-    assert_eq!(post(port, "/actions/resume/tick", &[&bearer]), 403);
+    let evil = [("Origin", "http://evil.example")];
+    assert_eq!(post(port, "/actions/resume/tick", &evil), 403);
+    assert_eq!(post(port, "/actions/resume/tick", &[]), 403);
     assert_eq!(job_status(port, "tick").expect("tick")["paused"], true);
 
     // A failure's long error stays inside the window.

@@ -1,7 +1,7 @@
 //! A new user's first steps with the `drumline` command: what its output does when read by a
 //! pipe that closes early.
 
-use drumline_e2e::cfg::{cron, every, shell, Cfg, Keys};
+use drumline_e2e::cfg::{cron, every, shell, Cfg};
 use drumline_e2e::{adhoc, assert_contiguous_exactly_once, binary, setup, wait_until};
 use serde_json::Value;
 use std::process::{Command, Stdio};
@@ -92,12 +92,11 @@ fn an_embedded_worker_without_its_supervisor_refuses_to_start() {
 #[test]
 fn the_one_binary_runs_the_beat_and_a_worker_alone() {
     let env = setup("reach_one_binary");
-    let mark = Keys::default().with("command", &env.append_key_command("effects", 0.0));
     let cfg = Cfg::new()
-        .task("mark", mark)
-        .job("tick", every("1s").with("task", "\"mark\""));
-    let config = env.write_config("drumline.toml", &cfg);
-    let config = config.to_str().expect("utf-8");
+        .task("mark", env.appender("effects", 0.0))
+        .job("tick", every("1s").task("mark"));
+    let config = env.config_file(&cfg);
+    let config = config.as_str();
     let alone = env.path("drumline");
     std::fs::copy(binary("drumline"), &alone).expect("a copy");
     let path = [("PATH", "/usr/bin:/bin")];

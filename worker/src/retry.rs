@@ -51,10 +51,7 @@ pub fn backoff(base: Duration, max: Duration, attempt: u32, jitter: f64) -> Dura
 /// otherwise create a queue per message. Rounding up keeps "never less than d".
 pub fn bucket(delay: Duration) -> Duration {
     let ms = delay.as_nanos().div_ceil(1_000_000) as u64;
-    let mut step = 1u64;
-    while ms / step >= 100 {
-        step *= 10;
-    }
+    let step = step_of(ms);
     Duration::from_millis(ms.div_ceil(step) * step)
 }
 
@@ -63,11 +60,17 @@ pub fn bucket(delay: Duration) -> Duration {
 /// still shares its delay queue with others; what is left after it is waited for again.
 pub fn bucket_down(delay: Duration) -> Duration {
     let ms = (delay.as_millis() as u64).max(1);
+    let step = step_of(ms);
+    Duration::from_millis(ms / step * step)
+}
+
+/// The power of ten that leaves `ms` two significant digits (1 below 100 ms).
+fn step_of(ms: u64) -> u64 {
     let mut step = 1u64;
     while ms / step >= 100 {
         step *= 10;
     }
-    Duration::from_millis(ms / step * step)
+    step
 }
 
 #[cfg(test)]
