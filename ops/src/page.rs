@@ -1,6 +1,8 @@
 //! The status page on the beat's `--metrics-addr` (docs/design.md "Status page"): `/`, the
-//! `status` report as HTML that refreshes itself and needs no JavaScript, and `/api/status`,
-//! the `status --json` document. Read-only: only `GET` (and `HEAD`) routes, nothing written.
+//! `status` report as HTML that refreshes itself, and `/api/status`, the `status --json`
+//! document: `GET` (and `HEAD`) only, nothing written. With the API token set the page also
+//! offers actions (`actions.rs`: their buttons, script and `POST` routes); without it, it is
+//! read-only and has no JavaScript.
 //! Every request builds the report afresh with the code `status` uses
 //! ([`status::read_window`]), within [`PAGE_WAIT`]: a stuck Redis makes a 503 with the reason,
 //! never a hung page. On SIGHUP the page re-reads the config file as the scheduler does and
@@ -312,11 +314,16 @@ fn open(out: &mut String, namespace: &str, now: DateTime<Utc>) {
     );
 }
 
-/// The footer and the end of the document.
-fn close(out: &mut String) {
+/// The footer and the end of the document (`Read-only` unless the page `acts`).
+fn close(out: &mut String, acts: bool) {
+    let lead = if acts {
+        "Refreshes"
+    } else {
+        "Read-only; refreshes"
+    };
     let _ = write!(
         out,
-        "<footer>Read-only; refreshes every {REFRESH_SECONDS} s. \
+        "<footer>{lead} every {REFRESH_SECONDS} s. \
          The same report as JSON: <a href=\"/api/status\">/api/status</a>; \
          metrics: <a href=\"/metrics\">/metrics</a>.</footer>\n</body>\n</html>\n"
     );
@@ -559,7 +566,7 @@ pub fn render(
     shown(&mut out, status, window);
     jobs_table(&mut out, status, now, acts);
     workers_and_queues(&mut out, status);
-    close(&mut out);
+    close(&mut out, acts);
     out
 }
 
@@ -665,7 +672,7 @@ pub fn render_error(reason: &str, namespace: &str, now: DateTime<Utc>) -> String
         "<p id=\"error\" class=\"warn\">No status: {}</p>",
         escape(reason)
     );
-    close(&mut out);
+    close(&mut out, false);
     out
 }
 
@@ -987,5 +994,13 @@ mod tests {
             "{paused}"
         );
         assert!(buttons("j", false).contains("data-action=\"pause\""));
+    }
+
+    /// A page with buttons does not call itself read-only; one without does.
+    #[test]
+    fn only_a_page_without_actions_says_read_only() {
+        let acting = render(&status(), Window::default(), "ns", now(), true);
+        assert!(!acting.contains("Read-only"), "{acting}");
+        assert!(render(&status(), Window::default(), "ns", now(), false).contains("Read-only"));
     }
 }
