@@ -7,10 +7,11 @@
 //! claim script's entry), `to` (the last instant of a dropped range), `ago` (on an outcome, a
 //! retry or a release: how many ms before the write the run ended, when the worker knew).
 
+use super::batch::Args;
 use super::leader::HELD_BY;
 use super::{Store, StoreError};
 use crate::config::JournalConfig;
-use redis::{Script, ScriptInvocation};
+use redis::Script;
 use std::collections::HashMap;
 use std::sync::LazyLock;
 
@@ -161,7 +162,7 @@ impl Store {
     /// first how many ms ago the run ended ('' when unknown: see
     /// [`with_ended`](Self::with_ended)), measured now, so a write repeated after a failover
     /// counts its wait too.
-    pub(super) fn holder_tail(&self, call: &mut ScriptInvocation<'_>, key: &str) {
+    pub(super) fn holder_tail(&self, call: &mut impl Args, key: &str) {
         match self.ended {
             Some(ended) => call.arg(ended.elapsed().as_millis() as u64),
             None => call.arg(""),
@@ -171,7 +172,7 @@ impl Store {
 
     /// Ends a fate-deciding script's call with what [`JOURNAL`] reads: the journal key last
     /// among the KEYS, then the instance's key, the retention and the cap (0 when off).
-    pub(super) fn journal_tail(&self, call: &mut ScriptInvocation<'_>, key: &str) {
+    pub(super) fn journal_tail(&self, call: &mut impl Args, key: &str) {
         let max = if self.journal.enabled {
             self.journal.max_len
         } else {

@@ -26,6 +26,8 @@
 //!   Touches: Redis.
 //! - `rules.rs`: the rule each job's progress was recorded under: read at each gain, written
 //!   with a job's start in one fenced script. Touches: Redis.
+//! - `batch.rs`: a worker's claims, renewals and endings that arrive together sent as one
+//!   script call, each answered alone (docs/design.md#batched-writes). Touches: Redis.
 //! - `conn.rs`: the one connection every store call goes through; with `redis+sentinel://` it
 //!   asks the Sentinels for the primary (at start, and after a connection error, a `READONLY`
 //!   reply or a `WAIT` that fell short) and follows a failover. Touches: Redis, Sentinels.
@@ -50,6 +52,7 @@ use std::path::Path;
 use std::sync::LazyLock;
 use std::time::Duration;
 
+mod batch;
 mod conn;
 mod dead;
 mod follow;
@@ -62,6 +65,8 @@ mod workers;
 
 use crate::limit::Limit;
 pub use crate::run::{Claim, Ending, Final, LimitedBy, RunState, WaitReplicas};
+use batch::{Args, Batcher, Call, Kind};
+pub use batch::{Observe, MOST_CALLS};
 pub use conn::Conn;
 pub use dead::Unclaimed;
 pub use follow::Skipped;
@@ -77,7 +82,7 @@ pub use workers::{WorkerInfo, WORKERS_SHOWN};
 
 /// Why a store call failed. Every kind is connection-level for the caller: the worker fails
 /// closed on it, the beat waits (docs/design.md#redis).
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// No connection to Redis at the start: names the URL (redacted) and the reason.
     #[error("cannot connect to Redis at {url}: {source}")]
@@ -113,6 +118,12 @@ pub enum StoreError {
     /// No Sentinel named a primary for the master name.
     #[error("no primary from the sentinels: {0}")]
     NoPrimary(String),
+    /// Redis raised an error in one call of a batch ([`Store::batching`]); the others ran.
+    #[error("redis: {0}")]
+    Script(String),
+    /// The task sending a batching store's calls is gone (its runtime is shutting down).
+    #[error("the store's batching task stopped")]
+    Stopped,
 }
 
 impl From<redis::ParsingError> for StoreError {
@@ -329,9 +340,9 @@ local function mark_running(set, member, lease_ms)
 end
 "#;
 
-/// A script that starts with [`RUNNING_SET`] and goes on with `body`.
-fn keeping_running_set(body: &str) -> Script {
-    Script::new(&format!("{RUNNING_SET}{body}"))
+/// The text of a script that starts with [`RUNNING_SET`] and goes on with `body`.
+fn keeping_running_set(body: &str) -> String {
+    format!("{RUNNING_SET}{body}")
 }
 
 // The run record `{ns}:run:{key}` outlives its lease (docs/design.md#attempts-outlive-the-lease):
@@ -428,7 +439,7 @@ end
 // it was: waiting is not an attempt. Only an instance never claimed is `skipped` under a lock
 // held by another: one that started (a retry, a released or lapsed claim) waits for the lock,
 // as under `queue`, so a retry is never skipped (docs/guarantees.md#overlap).
-static CLAIM: LazyLock<Script> = LazyLock::new(|| {
+pub(crate) static CLAIM_LUA: LazyLock<String> = LazyLock::new(|| {
     keeping_running_set(&format!(
         "{LEASE}{JOURNAL}{LIMIT}{}",
         r#"
@@ -515,7 +526,7 @@ return {'claimed', tostring(fence)}
 // Output: 1 renewed | 0 not ours, not running, or the lease already lapsed (a lapsed lease may
 // have been taken over; its holder must stop, as it would have had the record expired).
 // The running entry, the job lock and the group slot move with the lease.
-static RENEW: LazyLock<Script> = LazyLock::new(|| {
+pub(crate) static RENEW_LUA: LazyLock<String> = LazyLock::new(|| {
     keeping_running_set(&format!(
         "{LEASE}{}",
         r#"
@@ -585,13 +596,11 @@ local function ended(...)
 end
 "#;
 
-/// A script that starts with [`JOURNAL`], [`ENDED`] and [`END_CLAIM`] and goes on with `body`;
-/// `hold` is the Lua expression for how many ms the job lock is kept instead of released
-/// (`false`: released).
-fn ending_claim(hold: &str, body: &str) -> Script {
-    Script::new(&format!(
-        "local HOLD_MS = {hold}\n{JOURNAL}{ENDED}{END_CLAIM}{body}"
-    ))
+/// The text of a script that starts with [`JOURNAL`], [`ENDED`] and [`END_CLAIM`] and goes on
+/// with `body`; `hold` is the Lua expression for how many ms the job lock is kept instead of
+/// released (`false`: released).
+fn ending_claim(hold: &str, body: &str) -> String {
+    format!("local HOLD_MS = {hold}\n{JOURNAL}{ENDED}{END_CLAIM}{body}")
 }
 
 // FINISH (the shared KEYS[1..4] and ARGV[1..2] above, then:)
@@ -607,7 +616,7 @@ fn ending_claim(hold: &str, body: &str) -> Script {
 // | 0 another claim holds the instance now, nothing written.
 // Written while the claim is ours and running, lapsed or not (nobody took it over), or when
 // the record is gone: the run did finish, and recording it is what stops it running again.
-static FINISH: LazyLock<Script> = LazyLock::new(|| {
+pub(crate) static FINISH_LUA: LazyLock<String> = LazyLock::new(|| {
     ending_claim(
         "false",
         r#"
@@ -643,7 +652,7 @@ return {0, woken}
 // A failed run hands the instance to its retry: the record stays, `retrying` with the attempt
 // that may claim it next (older copies are duplicates, not a second chain) and our token (so
 // a repeat recognises its own hand-over).
-static RETRY: LazyLock<Script> = LazyLock::new(|| {
+pub(crate) static RETRY_LUA: LazyLock<String> = LazyLock::new(|| {
     ending_claim(
         "ARGV[5]",
         r#"
@@ -666,7 +675,7 @@ return {1, woken}
 // Gives the claim up (shutdown abandoned the run; its copy is requeued): the record stays,
 // with its attempt, so older copies are still duplicates; its lease is marked lapsed and the
 // token dropped, so the requeued copy takes it over at once with a new fence.
-static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+pub(crate) static RELEASE_LUA: LazyLock<String> = LazyLock::new(|| {
     ending_claim(
         "false",
         r#"
@@ -719,7 +728,7 @@ return redis.call('LPOP', KEYS[2])
 // Output: per set, how many entries have a lease that has not expired by Redis `TIME`
 // (read-only: expired entries are trimmed by the writers).
 static RUNNING_COUNTS: LazyLock<Script> = LazyLock::new(|| {
-    keeping_running_set(
+    Script::new(&keeping_running_set(
         r#"
 local now = now_ms()
 local counts = {}
@@ -728,7 +737,7 @@ for i, set in ipairs(KEYS) do
 end
 return counts
 "#,
-    )
+    ))
 });
 
 // CLEAR_DEAD (`dlq replay`: the replayed copy may run again)
@@ -761,6 +770,8 @@ pub struct Store {
     limit: Option<String>,
     /// When the holder's run ended, for the journal: see [`with_ended`](Self::with_ended).
     ended: Option<tokio::time::Instant>,
+    /// Where the holder's writes go when they are batched ([`batching`](Self::batching)).
+    batch: Option<Batcher>,
 }
 
 impl Store {
@@ -786,6 +797,7 @@ impl Store {
                 journal: JournalConfig::default(),
                 limit: None,
                 ended: None,
+                batch: None,
             });
         }
         let client = match ca_file {
@@ -814,6 +826,7 @@ impl Store {
             journal: JournalConfig::default(),
             limit: None,
             ended: None,
+            batch: None,
         })
     }
 
@@ -974,7 +987,7 @@ impl Store {
         let (mode, lock_job) = overlap.parts();
         let limit_name = limit.map(|l| l.limit.name.as_str());
         let limit_args = limit.map_or([0; 5], |l| l.args());
-        let mut call = CLAIM.prepare_invoke();
+        let mut call = Call::new(Kind::Claim);
         call.key(self.names.run_key(key))
             .key(self.names.fence())
             .key(self.job_lock(lock_job))
@@ -994,7 +1007,7 @@ impl Store {
             .arg(epoch);
         self.journal_tail(&mut call, key);
         // Waited for like an outcome: a claim only a cut-off primary knows is no claim.
-        let reply: Vec<String> = self.durable(&CLAIM, &call).await?;
+        let reply: Vec<String> = self.hold(call).await?;
         parse_claim(&reply)
             .ok_or_else(|| StoreError::bad_reply(format!("from the claim script: {reply:?}")))
     }
@@ -1020,9 +1033,9 @@ impl Store {
         token: &str,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let mut call = self.holder_call(&RENEW, key, job, token);
+        let mut call = self.holder_call(Kind::Renew, key, job, token);
         call.arg(lease.as_millis() as u64);
-        self.durable(&RENEW, &call).await
+        self.hold(call).await
     }
 
     /// Ends our claim as `ending` says, the record kept for `retention`, job lock released (if
@@ -1046,10 +1059,10 @@ impl Store {
                     .await
             }
             Ending::Retry { next_attempt, hold } => {
-                let mut call = self.holder_call(&RETRY, key, job, token);
+                let mut call = self.holder_call(Kind::Retry, key, job, token);
                 call.arg((next_attempt, retention_ms, hold.as_millis() as u64));
                 self.holder_tail(&mut call, key);
-                Ended::read(self.durable(&RETRY, &call).await?)
+                Ended::read(self.hold(call).await?)
             }
         }
     }
@@ -1068,7 +1081,7 @@ impl Store {
         record: Option<&RunRecord>,
     ) -> Result<Ended, StoreError> {
         let retention_ms = retention.as_millis() as u64;
-        let mut call = self.holder_call(&FINISH, key, job, token);
+        let mut call = self.holder_call(Kind::Finish, key, job, token);
         call.arg((state.as_str(), retention_ms));
         match (job, record) {
             (Some(job), Some(record)) => {
@@ -1092,20 +1105,14 @@ impl Store {
             }
         }
         self.holder_tail(&mut call, key);
-        Ended::read(self.durable(&FINISH, &call).await?)
+        Ended::read(self.hold(call).await?)
     }
 
     /// The call every holder's script (RENEW, FINISH, RETRY, RELEASE) starts with: KEYS run
     /// key, job lock and running set, ARGV token and the running set's member (none for
     /// ad-hoc); the caller adds the script's own.
-    fn holder_call<'s>(
-        &self,
-        script: &'s Script,
-        key: &str,
-        job: Option<&str>,
-        token: &str,
-    ) -> ScriptInvocation<'s> {
-        let mut call = script.prepare_invoke();
+    fn holder_call(&self, kind: Kind, key: &str, job: Option<&str>, token: &str) -> Call {
+        let mut call = Call::new(kind);
         call.key(self.names.run_key(key))
             .key(self.job_lock(job))
             .key(self.running_set(job))
@@ -1124,9 +1131,9 @@ impl Store {
         job: Option<&str>,
         token: &str,
     ) -> Result<Ended, StoreError> {
-        let mut call = self.holder_call(&RELEASE, key, job, token);
+        let mut call = self.holder_call(Kind::Release, key, job, token);
         self.holder_tail(&mut call, key);
-        Ended::read(call.invoke_async(&mut self.conn.clone()).await?)
+        Ended::read(self.hold(call).await?)
     }
 
     /// Registers `waiter`, a copy that found `job`'s overlap lock held, to be published again

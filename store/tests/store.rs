@@ -1269,3 +1269,143 @@ async fn objects_put_get_page_and_delete_with_one_feed_entry_per_change() {
     let none = store.feed_since(last, 100, 0).await.expect("feed");
     assert_eq!(none, FeedRead::Changes(Vec::new()));
 }
+
+/// The calls of [`the_same_calls_batched_answer_as_one_by_one`], in order, each answer as text.
+fn mixed_calls(
+    s: &Store,
+) -> Vec<std::pin::Pin<Box<dyn std::future::Future<Output = String> + '_>>> {
+    let retention = Duration::from_secs(60);
+    let expired = ClaimRequest {
+        expired: true,
+        ..req("expired", "t1", OverlapMode::Allow)
+    };
+    vec![
+        Box::pin(async move {
+            format!(
+                "{:?}",
+                s.claim(&req("done", "t1", OverlapMode::Allow)).await
+            )
+        }),
+        Box::pin(async move {
+            format!(
+                "{:?}",
+                s.claim(&req("busy", "t1", OverlapMode::Allow)).await
+            )
+        }),
+        Box::pin(async move {
+            format!(
+                "{:?}",
+                s.claim(&req("fresh", "t1", OverlapMode::Allow)).await
+            )
+        }),
+        Box::pin(async move {
+            format!(
+                "{:?}",
+                s.claim(&req("skip", "t1", OverlapMode::Skip("j"))).await
+            )
+        }),
+        Box::pin(async move { format!("{:?}", s.claim(&expired).await) }),
+        Box::pin(async move {
+            format!(
+                "{:?}",
+                s.claim(&req("bad", "t1", OverlapMode::Allow))
+                    .await
+                    .is_err()
+            )
+        }),
+        Box::pin(async move {
+            format!(
+                "{:?}",
+                s.renew("busy", None, "t0", Duration::from_secs(5)).await
+            )
+        }),
+        Box::pin(
+            async move { format!("{:?}", s.finish("busy", None, "t0", DONE, retention).await) },
+        ),
+        Box::pin(async move {
+            format!(
+                "{:?}",
+                s.claim(&req("fresh", "t2", OverlapMode::Allow)).await
+            )
+        }),
+        Box::pin(async move {
+            format!(
+                "{:?}",
+                s.finish("fresh", None, "t1", RETRY, retention).await
+            )
+        }),
+        Box::pin(async move { format!("{:?}", s.release("holder", Some("j"), "t0").await) }),
+    ]
+}
+
+/// The state [`mixed_calls`] starts from: `done` finished, `busy` claimed by t0, job j's lock
+/// held by t0's claim of `holder`, and `bad` a key of the wrong type.
+async fn mixed_start(s: &TestStore) {
+    let retention = Duration::from_secs(60);
+    assert!(s.claimed(&req("done", "t0", OverlapMode::Allow)).await);
+    s.finish("done", None, "t0", DONE, retention).await.unwrap();
+    assert!(s.claimed(&req("busy", "t0", OverlapMode::Allow)).await);
+    assert!(
+        s.claimed(&req("holder", "t0", OverlapMode::Skip("j")))
+            .await
+    );
+    let mut conn = s.connection();
+    let bad = s.names().run_key("bad");
+    let _: () = redis::cmd("SET")
+        .arg(&bad)
+        .arg("x")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+}
+
+/// `answer` without its wait (`retry_in`), which depends on when it was asked.
+fn untimed(answer: String) -> String {
+    match answer.split_once("retry_in: ") {
+        Some((head, tail)) => format!("{head}{}", tail.split_once(", ").map_or("", |t| t.1)),
+        None => answer,
+    }
+}
+
+/// The journal of `s` as (event, key, attempt, token, reason, fence).
+async fn journal_of(s: &Store) -> Vec<(String, String, Option<u32>, String, String, Option<u64>)> {
+    let entries = s.journal_since(0, |_| true).await.unwrap();
+    let entry =
+        |e: drumline_store::JournalEntry| (e.event, e.key, e.attempt, e.token, e.reason, e.fence);
+    entries.into_iter().map(entry).collect()
+}
+
+/// Calls that arrive together go as one script call (docs/design.md#batched-writes) and each
+/// answers — and journals — exactly as it does alone, in order: a claim of a key claimed earlier
+/// in the same batch is busy; a call Redis refuses (a key of the wrong type) fails alone.
+#[tokio::test]
+async fn the_same_calls_batched_answer_as_one_by_one() {
+    let alone = store("batch_alone").await;
+    mixed_start(&alone).await;
+    let mut one_by_one = Vec::new();
+    for call in mixed_calls(&alone) {
+        one_by_one.push(untimed(call.await));
+    }
+
+    let together = store("batch_together").await;
+    mixed_start(&together).await;
+    let sizes = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = sizes.clone();
+    let batching = together
+        .store
+        .clone()
+        .batching(std::sync::Arc::new(move |n| seen.lock().unwrap().push(n)));
+    // On this test's one thread every call is queued before the batching task first runs.
+    let batched = futures_util::future::join_all(mixed_calls(&batching)).await;
+    let batched: Vec<String> = batched.into_iter().map(untimed).collect();
+
+    assert_eq!(
+        *sizes.lock().unwrap(),
+        [11],
+        "one script call for all eleven"
+    );
+    assert_eq!(batched, one_by_one);
+    assert!(one_by_one[2].contains("Claimed") && one_by_one[8].contains("Busy"));
+    assert_eq!(one_by_one[5], "true", "the wrong-type key's claim failed");
+    assert_eq!(journal_of(&together).await, journal_of(&alone).await);
+}

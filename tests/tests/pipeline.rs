@@ -318,3 +318,42 @@ async fn when_the_shutdown_grace_runs_out_the_task_is_abandoned_for_redelivery()
     assert!(left.delivery.redelivered, "handed back by the worker");
     let _ = conn.close(200, "bye".into()).await;
 }
+
+/// Deliveries that arrive together are claimed and finished together (docs/design.md#batched-writes):
+/// a queue filled before the worker starts reaches it in bursts of its prefetch, and the
+/// claims and endings of a burst go to Redis in fewer script calls than there are writes —
+/// with every task still run exactly once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_of_deliveries_is_claimed_and_finished_in_batches_each_run_once() {
+    const TASKS: usize = 200;
+    let env = setup("e2e_batches");
+    let cfg = Cfg::new().set("worker", "concurrency", "64");
+    let config = env.config_file(&cfg.task("append", env.appender("effects", 0.0)));
+    // A first worker declares the topology and goes; the queue then fills with nobody taking.
+    let mut first = env.worker("declare", &["--config", &config]);
+    env.wait_for_topology(&first).await;
+    stop(&mut [&mut first]);
+    let keys: Vec<String> = (0..TASKS).map(|i| format!("burst-{i:03}")).collect();
+    for key in &keys {
+        env.publish(&adhoc(key, "append")).await;
+    }
+    let (mut worker, port) = env.worker_serving("worker", &config);
+    expect(WAIT, &[&worker], "every task ran", || {
+        env.lines("effects").len() >= TASKS
+    });
+    let writes = metric(port, "drumline_worker_redis_writes_total").unwrap_or(0.0);
+    let batches = metric(port, "drumline_worker_redis_batches_total").unwrap_or(0.0);
+    stop(&mut [&mut worker]);
+
+    let mut ran = env.lines("effects");
+    ran.sort();
+    assert_eq!(ran, keys, "each task ran exactly once");
+    assert!(
+        writes >= (2 * TASKS) as f64,
+        "a claim and an ending per task went to Redis: {writes} writes"
+    );
+    assert!(
+        batches < writes,
+        "writes that arrived together shared script calls: {writes} writes in {batches} calls"
+    );
+}

@@ -118,7 +118,7 @@ async fn work(
 
     // Fail closed from the very start: no Redis, no consuming.
     let store = tokio::select! {
-        store = connect_redis(&config, &names) => store,
+        store = connect_redis(&config, &names) => store.batching(stats.observe_batches()),
         _ = stop.cancelled() => return Ok(stats),
     };
     stats.redis_up.set(1);

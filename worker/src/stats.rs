@@ -11,7 +11,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// The `task` label of a task this worker does not know (or of a message that did not decode).
@@ -131,6 +131,10 @@ pub struct Stats {
     pub requeued: Counter,
     /// Rust handler runs that panicked (caught, and retried like a retryable failure).
     pub panics: Counter,
+    /// Script calls that carried claims, renewals and endings to Redis (docs/design.md#batched-writes).
+    pub redis_batches: Counter,
+    /// Claims, renewals and endings sent to Redis; over `redis_batches`, the mean batch.
+    pub redis_writes: Counter,
     /// Handlers running now.
     pub running: Gauge,
     /// 1 while consuming from the broker.
@@ -174,6 +178,8 @@ impl Default for Stats {
             malformed: Counter::default(),
             requeued: Counter::default(),
             panics: Counter::default(),
+            redis_batches: Counter::default(),
+            redis_writes: Counter::default(),
             running: Gauge::default(),
             broker_connected: Gauge::default(),
             redis_up: Gauge::default(),
@@ -190,6 +196,15 @@ impl Default for Stats {
 }
 
 impl Stats {
+    /// Counts the store's batches of writes and what they carry (docs/design.md#batched-writes).
+    pub fn observe_batches(self: &Arc<Self>) -> drumline_shared::store::Observe {
+        let stats = self.clone();
+        Arc::new(move |size| {
+            stats.redis_batches.inc();
+            stats.redis_writes.inc_by(size as u64);
+        })
+    }
+
     /// Registers every metric under `drumline_worker_*` (and the `drumline_limit_*` gauges).
     pub fn register(&self, registry: &mut Registry) {
         self.register_counters(registry);
@@ -200,7 +215,7 @@ impl Stats {
 
     /// The totals: `drumline_worker_succeeded` … `drumline_worker_panics`.
     fn register_counters(&self, registry: &mut Registry) {
-        let counters: [(&str, &str, &Counter); 12] = [
+        let counters: [(&str, &str, &Counter); 14] = [
             ("succeeded", "Runs that ended done", &self.succeeded),
             ("duplicates", "Deliveries of already finished instances, acked without running", &self.duplicates),
             ("busy", "Deliveries held by another live lease or waiting for the job's previous instance, re-checked later", &self.busy),
@@ -213,6 +228,8 @@ impl Stats {
             ("malformed", "Deliveries dead-lettered as malformed", &self.malformed),
             ("requeued", "Deliveries handed back to the broker to be decided again", &self.requeued),
             ("panics", "Rust handler runs that panicked (caught and retried)", &self.panics),
+            ("redis_batches", "Script calls that carried claims, renewals and endings to Redis", &self.redis_batches),
+            ("redis_writes", "Claims, renewals and endings sent to Redis, batched into redis_batches", &self.redis_writes),
         ];
         for (name, help, counter) in counters {
             registry.register(format!("drumline_worker_{name}"), help, counter.clone());
