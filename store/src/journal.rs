@@ -243,6 +243,28 @@ impl Store {
         }
     }
 
+    /// The newest `n` journal entries (fewer when the stream holds fewer), oldest first: one
+    /// `XREVRANGE {ns}:journal + - COUNT n`, never a scan: the status page's strips read it
+    /// once per render (docs/design.md#bounded-work).
+    pub async fn journal_newest(&self, n: usize) -> Result<Vec<JournalEntry>, StoreError> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let page: Vec<StreamEntry> = redis::cmd("XREVRANGE")
+            .arg(self.names.journal())
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(n)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(page
+            .iter()
+            .rev()
+            .map(|(id, fields)| JournalEntry::from_fields(id, fields))
+            .collect())
+    }
+
     /// Every run record kept for `job` (newest first, unreadable ones left out).
     pub async fn history_all(&self, job: &str) -> Result<Vec<super::RunRecord>, StoreError> {
         let mut conn = self.conn.clone();

@@ -997,6 +997,36 @@ async fn the_journal_keeps_entries_for_keep_and_no_longer() {
     );
 }
 
+/// The status page's read (docs/design.md#bounded-work): the newest `n` journal entries, oldest
+/// first, in one `XREVRANGE ... COUNT n`, never a scan of the whole stream.
+#[tokio::test]
+async fn the_newest_journal_entries_are_read_capped_oldest_first() {
+    let s = store("journal_newest").await;
+    assert!(
+        s.journal_newest(5).await.unwrap().is_empty(),
+        "no stream yet"
+    );
+    for i in 0..8 {
+        s.claim(&req(&format!("n-{i}"), "a", OverlapMode::Allow))
+            .await
+            .unwrap();
+    }
+    let keys = |entries: Vec<drumline_store::JournalEntry>| -> Vec<String> {
+        entries.into_iter().map(|e| e.key).collect()
+    };
+    assert_eq!(
+        keys(s.journal_newest(3).await.unwrap()),
+        ["n-5", "n-6", "n-7"]
+    );
+    let want: Vec<String> = (0..8).map(|i| format!("n-{i}")).collect();
+    assert_eq!(
+        keys(s.journal_newest(100).await.unwrap()),
+        want,
+        "fewer than asked: the whole stream"
+    );
+    assert!(s.journal_newest(0).await.unwrap().is_empty());
+}
+
 /// A worker's entries name the epoch of the leader that published the copy, so `audit` can
 /// tell which leadership a run came from (0: ad-hoc or unknown).
 #[tokio::test]
