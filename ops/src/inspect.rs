@@ -2,7 +2,7 @@
 //! scheduled or ad hoc, from its run record, its journal entries and, for a job's instance,
 //! the job's run records. What to say is decided here without I/O ([`report`]).
 
-use chrono::{TimeZone, Utc};
+use chrono::{DateTime, TimeZone, Utc};
 use drumline_shared::envelope::parse_instant;
 use drumline_shared::exit::Failure;
 use drumline_shared::store::{JournalEntry, RunRecord, Store, StoreError};
@@ -26,27 +26,45 @@ pub struct Known {
 /// Reads what `store` holds of `key`.
 pub async fn read(store: &Store, key: &str) -> Result<Known, StoreError> {
     let fields = store.run_fields(key).await?;
-    let instance = key
-        .split_once('@')
-        .and_then(|(job, at)| Some((job, parse_instant(at)?)));
-    let from_ms = match instance {
+    let from_ms = match instance(key) {
         Some((_, at)) => at.timestamp_millis() - BEFORE_INSTANT_MS,
         None => 0,
     };
     let journal = store.journal_since(from_ms, |k| k == key).await?;
-    let record = match instance {
-        Some((job, _)) => store
-            .history_all(job)
-            .await?
-            .into_iter()
-            .find(|r| r.key == key),
-        None => None,
-    };
+    let record = record_of(store, key).await?;
     Ok(Known {
         fields,
         journal,
         record,
     })
+}
+
+/// What `store` holds of `key`, bounded for the status page (docs/design.md#bounded-work):
+/// its journal entries only among the `newest` entries of the journal.
+pub async fn read_newest(store: &Store, key: &str, newest: usize) -> Result<Known, StoreError> {
+    let fields = store.run_fields(key).await?;
+    let mut journal = store.journal_newest(newest).await?;
+    journal.retain(|e| e.key == key);
+    Ok(Known {
+        record: record_of(store, key).await?,
+        fields,
+        journal,
+    })
+}
+
+/// The job and instant of `key` when it is a job's instance (`{job}@{instant}`).
+fn instance(key: &str) -> Option<(&str, DateTime<Utc>)> {
+    key.split_once('@')
+        .and_then(|(job, at)| Some((job, parse_instant(at)?)))
+}
+
+/// The newest run record the job keeps for `key`, when it is a job's instance.
+async fn record_of(store: &Store, key: &str) -> Result<Option<RunRecord>, StoreError> {
+    let Some((job, _)) = instance(key) else {
+        return Ok(None);
+    };
+    let records = store.history_all(job).await?;
+    Ok(records.into_iter().find(|r| r.key == key))
 }
 
 /// The report of `key`: `{key, state, attempt, fencing_token, worker, updated_at, error,

@@ -43,7 +43,11 @@
 //!   of N` with links) and `/api/status` (the `status --json` document), built per request
 //!   through `status::read_window` within 4 s, else 503 with the reason; at most 4 at once
 //!   (else 503 `Retry-After: 1`), at most `limit` jobs (docs/design.md#bounded-work); follows
-//!   SIGHUP for the reloaded `[[jobs]]`. Touches: Redis (read only, through `status`), SIGHUP.
+//!   SIGHUP for the reloaded `[[jobs]]`; `/keys/{key}`, a key's `inspect` report as HTML.
+//!   Touches: Redis (read only, through `status`, `inspect` and the store), SIGHUP.
+//! - `strip.rs`: the status page's strip of each job's recent instants, classified by the
+//!   audit's code from one capped journal read, `unknown` where the read may not reach; its
+//!   HTML. Pure.
 //! - `queues.rs`: `drumline_queue_depth` / `drumline_queue_consumers` per queue the config
 //!   names, refreshed every 5 s (docs/design.md#queues-and-workers). Touches: broker (passive
 //!   declares).
@@ -76,6 +80,7 @@ pub(crate) mod queues;
 pub(crate) mod recent;
 pub(crate) mod schedules;
 pub(crate) mod status;
+pub(crate) mod strip;
 pub(crate) mod verify;
 
 /// Fixtures the modules' tests share.

@@ -2,7 +2,8 @@
 //! `status` report as HTML that refreshes itself, and `/api/status`, the `status --json`
 //! document: `GET` (and `HEAD`) only, nothing written. With the API token set the page also
 //! offers actions (`actions.rs`: their buttons, script and `POST` routes); without it, it is
-//! read-only and has no JavaScript.
+//! read-only and has no JavaScript. Each job's row carries its strip of recent instants
+//! (`strip.rs`), each cell a link to `/keys/{key}`, what `inspect KEY` shows, as HTML.
 //! Every request builds the report afresh with the code `status` uses
 //! ([`status::read_window`]), within [`PAGE_WAIT`]: a stuck Redis makes a 503 with the reason,
 //! never a hung page. On SIGHUP the page re-reads the config file as the scheduler does and
@@ -12,12 +13,14 @@
 //! Bounded work for every request (docs/design.md#bounded-work): one Redis connection and one
 //! broker connection ([`DeadLetters`], its count cached for 5 s) shared by all requests; at
 //! most [`MAX_RENDERS`] reports built at once, a request beyond them answered 503 with
-//! `Retry-After: 1` at once; at most `limit` jobs listed ([`Window`]).
+//! `Retry-After: 1` at once; at most `limit` jobs listed ([`Window`]); one journal read of at
+//! most [`strip::JOURNAL_ENTRIES`] entries per page or key page, never a scan.
 
 use crate::actions::{self, Actions};
 use crate::dead_letters::DeadLetters;
 use crate::status::{self, JobStatus, Status};
-use axum::extract::{RawQuery, State};
+use crate::strip::{self, Cell};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -26,8 +29,9 @@ use chrono::{DateTime, Utc};
 use drumline_shared::config::Config;
 use drumline_shared::envelope::parse_instant;
 use drumline_shared::signals::Hangups;
-use drumline_shared::store::Store;
+use drumline_shared::store::{Store, StoreError};
 use std::fmt::Write;
+use std::future::Future;
 use std::ops::Range;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -91,6 +95,7 @@ pub fn routes(config: Arc<Config>, dead_letters: Arc<DeadLetters>) -> Router {
     router
         .route("/", get(html_page))
         .route("/api/status", get(api_status))
+        .route("/keys/{key}", get(key_page))
         .with_state(page)
 }
 
@@ -194,20 +199,69 @@ fn bad_query(reason: String) -> Response {
         .into_response()
 }
 
-/// The report on `window` now, or why not (Redis failed or did not answer within
-/// [`PAGE_WAIT`]).
-async fn report(page: &Page, window: Window, now: DateTime<Utc>) -> Result<Status, String> {
-    let config = &page.config();
-    let read = async {
-        let store = actions::connected(&page.store, config).await?;
-        let dead_letters = page.dead_letters.count();
-        status::read_window(store, config, window.range(), dead_letters, now).await
-    };
+/// An HTML answer.
+fn html(code: StatusCode, body: String) -> Response {
+    (
+        code,
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        body,
+    )
+        .into_response()
+}
+
+/// What `read` found, or why not (Redis failed or did not answer within [`PAGE_WAIT`]).
+async fn within_wait<T>(read: impl Future<Output = Result<T, StoreError>>) -> Result<T, String> {
     match tokio::time::timeout(PAGE_WAIT, read).await {
-        Ok(Ok(status)) => Ok(status),
+        Ok(Ok(found)) => Ok(found),
         Ok(Err(e)) => Err(format!("redis: {e}")),
         Err(_) => Err(format!("redis: no answer within {} s", PAGE_WAIT.as_secs())),
     }
+}
+
+/// The report on `window` now, or why not.
+async fn report(page: &Page, window: Window, now: DateTime<Utc>) -> Result<Status, String> {
+    let config = &page.config();
+    within_wait(async {
+        let store = actions::connected(&page.store, config).await?;
+        let dead_letters = page.dead_letters.count();
+        status::read_window(store, config, window.range(), dead_letters, now).await
+    })
+    .await
+}
+
+/// The report on `window` and its jobs' strips: the report first (its progress read before
+/// the journal, as `audit` reads them), then one capped journal read for all of them.
+async fn report_with_strips(
+    page: &Page,
+    window: Window,
+    now: DateTime<Utc>,
+) -> Result<(Status, Vec<Vec<Cell>>), String> {
+    let config = page.config();
+    let status = report(page, window, now).await?;
+    let entries = within_wait(async {
+        let store = actions::connected(&page.store, &config).await?;
+        store.journal_newest(strip::JOURNAL_ENTRIES).await
+    })
+    .await?;
+    let recent = strip::Recent::new(entries, strip::JOURNAL_ENTRIES, &config.journal, now);
+    let listed = config
+        .jobs
+        .iter()
+        .skip(window.offset)
+        .take(status.jobs.len());
+    let strips = listed
+        .zip(&status.jobs)
+        .map(|(job, shown)| {
+            if job.name != shown.job {
+                return Vec::new(); // a reload between the two reads: drawn at the next render
+            }
+            // Its progress as `status` shows it: none when no longer an instant of the rule
+            // (a reload changed it), so nothing is called missed on the old rule's progress.
+            let progress = shown.last_published.as_deref().and_then(parse_instant);
+            recent.strip(job, progress, now)
+        })
+        .collect();
+    Ok((status, strips))
 }
 
 async fn html_page(State(page): State<Page>, RawQuery(query): RawQuery) -> Response {
@@ -219,10 +273,17 @@ async fn html_page(State(page): State<Page>, RawQuery(query): RawQuery) -> Respo
         return busy(&page, false);
     };
     let now = Utc::now();
-    let (code, body) = match report(&page, window, now).await {
-        Ok(status) => (
+    let (code, body) = match report_with_strips(&page, window, now).await {
+        Ok((status, strips)) => (
             StatusCode::OK,
-            render(&status, window, &page.config().namespace, now, page.acts),
+            render(
+                &status,
+                &strips,
+                window,
+                &page.config().namespace,
+                now,
+                page.acts,
+            ),
         ),
         Err(reason) => {
             tracing::warn!(reason = %reason, "status page: no report");
@@ -232,12 +293,99 @@ async fn html_page(State(page): State<Page>, RawQuery(query): RawQuery) -> Respo
             )
         }
     };
-    (
-        code,
-        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
-        body,
-    )
-        .into_response()
+    html(code, body)
+}
+
+/// `/keys/{key}`: what `inspect KEY` shows, as HTML (404 when drumline has no trace of it),
+/// bounded as the page is: a render slot, [`PAGE_WAIT`], and the journal entries only among
+/// its newest [`strip::JOURNAL_ENTRIES`].
+async fn key_page(State(page): State<Page>, Path(key): Path<String>) -> Response {
+    let Ok(_slot) = page.renders.clone().try_acquire_owned() else {
+        return busy(&page, false);
+    };
+    let (config, now) = (page.config(), Utc::now());
+    let read = within_wait(async {
+        let store = actions::connected(&page.store, &config).await?;
+        crate::inspect::read_newest(store, &key, strip::JOURNAL_ENTRIES).await
+    })
+    .await;
+    let (code, body) = match read {
+        Ok(known) => {
+            let report = crate::inspect::report(&key, &known);
+            let code = match report["state"] == "unknown" {
+                true => StatusCode::NOT_FOUND,
+                false => StatusCode::OK,
+            };
+            (code, render_key(&key, &report, &config.namespace, now))
+        }
+        Err(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            render_error(&reason, &config.namespace, now),
+        ),
+    };
+    html(code, body)
+}
+
+/// A report's value as shown: text as is, null as a dash, anything else as JSON; escaped.
+fn shown_value(value: &serde_json::Value) -> String {
+    match value {
+        serde_json::Value::String(text) => escape(text),
+        serde_json::Value::Null => "–".to_owned(),
+        other => escape(&other.to_string()),
+    }
+}
+
+/// The page of one key: the fields of its `inspect` report, then its journal entries.
+pub fn render_key(
+    key: &str,
+    report: &serde_json::Value,
+    namespace: &str,
+    now: DateTime<Utc>,
+) -> String {
+    let mut out = String::with_capacity(2048);
+    open(&mut out, namespace, now);
+    let _ = writeln!(
+        out,
+        "<p><a href=\"/\">All jobs</a></p>\n<h2>Key <code id=\"key\">{}</code></h2>\n\
+         <table id=\"fields\"><tbody>",
+        escape(key)
+    );
+    let fields = [
+        "state",
+        "attempt",
+        "fencing_token",
+        "worker",
+        "updated_at",
+        "error",
+    ];
+    for name in fields {
+        let _ = writeln!(
+            out,
+            "<tr><th>{name}</th><td class=\"{name}\">{}</td></tr>",
+            shown_value(&report[name])
+        );
+    }
+    let dead = shown_value(&report["dead_letter"]["reason"]);
+    let _ = writeln!(
+        out,
+        "<tr><th>dead letter</th><td class=\"dead_letter\">{dead}</td></tr></tbody></table>\n\
+         <h2>Journal</h2>\n<p class=\"ago\">Its entries among the journal's newest {}; \
+         <code>drumline inspect KEY</code> reads them all.</p>\n<table id=\"journal\">\
+         <thead><tr><th>At</th><th>Event</th><th>Attempt</th><th>Worker</th><th>Reason</th>\
+         </tr></thead><tbody>",
+        strip::JOURNAL_ENTRIES
+    );
+    let entries = report["journal"].as_array().map_or(&[][..], Vec::as_slice);
+    for e in entries {
+        let cells: Vec<String> = ["at", "event", "attempt", "worker", "reason"]
+            .iter()
+            .map(|f| format!("<td class=\"{f}\">{}</td>", shown_value(&e[*f])))
+            .collect();
+        let _ = writeln!(out, "<tr class=\"entry\">{}</tr>", cells.concat());
+    }
+    out.push_str("</tbody></table>\n");
+    close(&mut out, false);
+    out
 }
 
 async fn api_status(State(page): State<Page>, RawQuery(query): RawQuery) -> Response {
@@ -307,10 +455,11 @@ fn open(out: &mut String, namespace: &str, now: DateTime<Utc>) {
         out,
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n\
          <meta http-equiv=\"refresh\" content=\"{REFRESH_SECONDS}\">\n\
-         <title>drumline status · {ns}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n\
+         <title>drumline status · {ns}</title>\n<style>{STYLE}{strip}</style>\n</head>\n<body>\n\
          <h1>drumline status · namespace <code>{ns}</code></h1>\n\
          <p id=\"generated\">As of <time datetime=\"{t}\">{t}</time>; times in UTC.</p>\n",
         t = escape(&drumline_shared::envelope::format_instant(now)),
+        strip = strip::STYLE,
     );
 }
 
@@ -402,8 +551,8 @@ fn next_cell(job: &JobStatus, now: DateTime<Utc>) -> String {
     }
 }
 
-/// One job's row.
-fn row(job: &JobStatus, now: DateTime<Utc>, acts: bool) -> String {
+/// One job's row, with its strip of recent instants.
+fn row(job: &JobStatus, cells: &[Cell], now: DateTime<Utc>, acts: bool) -> String {
     let mut classes = Vec::new();
     if job.paused {
         classes.push("paused");
@@ -424,12 +573,14 @@ fn row(job: &JobStatus, now: DateTime<Utc>, acts: bool) -> String {
          <td class=\"name\">{name}</td>\
          <td class=\"schedule\">{schedule}</td>\
          <td class=\"zone\">{zone}</td>\
+         <td class=\"recent\">{strip}</td>\
          {next}{published}{success}{failure}\
          <td class=\"running num\">{running}</td>\
          {paused}{stale}{buttons}</tr>\n",
         classes = classes.join(" "),
         schedule = escape(&job.schedule),
         zone = escape(&job.timezone),
+        strip = strip::render(cells, escape),
         next = next_cell(job, now),
         published = instant_cell("last-published", &job.last_published, now),
         success = instant_cell("last-success", &job.last_success, now),
@@ -463,7 +614,7 @@ fn runs_row(job: &JobStatus, now: DateTime<Utc>) -> String {
     };
     let failed = matches!(last.outcome.as_str(), "failed" | "dead" | "expired");
     let mut out = format!(
-        "<tr class=\"runs\" data-runs-of=\"{name}\"><td colspan=\"10\"><details{open}>\
+        "<tr class=\"runs\" data-runs-of=\"{name}\"><td colspan=\"11\"><details{open}>\
          <summary>Recent runs ({n}); last: <span class=\"outcome {outcome}\">{outcome}</span>\
          </summary>\n<table class=\"runs\"><thead><tr><th>Key</th><th>Outcome</th>\
          <th>Attempt</th><th>Started</th><th>Duration</th><th>Error</th></tr></thead><tbody>\n",
@@ -530,10 +681,12 @@ fn shown(out: &mut String, status: &Status, window: Window) {
 }
 
 /// The status page for `status` of `namespace`, listing `window` of its jobs, as of `now`:
-/// pure, so the tests can read it.
+/// pure, so the tests can read it. `strips` are the jobs' strips, in `status.jobs` order (a job
+/// without one shows none).
 /// With `acts`, each job has its buttons and the page the token field ([`actions`]).
 pub fn render(
     status: &Status,
+    strips: &[Vec<Cell>],
     window: Window,
     namespace: &str,
     now: DateTime<Utc>,
@@ -564,7 +717,8 @@ pub fn render(
     }
     dead_letters_line(&mut out, status.dead_letters, acts);
     shown(&mut out, status, window);
-    jobs_table(&mut out, status, now, acts);
+    out.push_str(&strip::legend());
+    jobs_table(&mut out, status, strips, now, acts);
     workers_and_queues(&mut out, status);
     close(&mut out, acts);
     out
@@ -593,19 +747,27 @@ fn dead_letters_line(out: &mut String, count: Option<u64>, acts: bool) {
 
 /// The table of the listed jobs, each with its recent runs under it (and its buttons with
 /// `acts`).
-fn jobs_table(out: &mut String, status: &Status, now: DateTime<Utc>, acts: bool) {
+fn jobs_table(
+    out: &mut String,
+    status: &Status,
+    strips: &[Vec<Cell>],
+    now: DateTime<Utc>,
+    acts: bool,
+) {
     out.push_str(
         "<table id=\"jobs\">\n<thead><tr><th>Job</th><th>Schedule</th><th>Zone</th>\
+         <th>Recent</th>\
          <th>Next due</th><th>Last published</th><th>Last success</th><th>Last failure</th>\
          <th>Running</th><th>Paused</th><th>Stale</th>",
     );
     out.push_str(if acts { "<th>Actions</th>" } else { "" });
     out.push_str("</tr></thead>\n<tbody>\n");
     if status.total == 0 {
-        out.push_str("<tr><td colspan=\"10\" class=\"none\">No jobs in the config.</td></tr>\n");
+        out.push_str("<tr><td colspan=\"11\" class=\"none\">No jobs in the config.</td></tr>\n");
     }
-    for job in &status.jobs {
-        out.push_str(&row(job, now, acts));
+    for (i, job) in status.jobs.iter().enumerate() {
+        let cells = strips.get(i).map_or(&[][..], Vec::as_slice);
+        out.push_str(&row(job, cells, now, acts));
         out.push_str(&runs_row(job, now));
     }
     out.push_str("</tbody>\n</table>\n");
@@ -743,7 +905,7 @@ mod tests {
 
     #[test]
     fn the_page_shows_workers_and_queues() {
-        let page = render(&status(), Window::default(), "ns", now(), false);
+        let page = render(&status(), &[], Window::default(), "ns", now(), false);
         assert!(
             page.contains("<span id=\"worker-count\">1</span>"),
             "{page}"
@@ -764,7 +926,7 @@ mod tests {
 
     #[test]
     fn a_row_per_job_with_its_markers() {
-        let page = render(&status(), Window::default(), "prod", now(), false);
+        let page = render(&status(), &[], Window::default(), "prod", now(), false);
         assert!(page.starts_with("<!DOCTYPE html>"));
         assert!(page.contains("<meta http-equiv=\"refresh\" content=\"5\">"));
         assert!(!page.contains("<script"), "no JavaScript needed");
@@ -780,7 +942,7 @@ mod tests {
         assert!(!heartbeat.contains("runs-at"), "not jittered: {heartbeat}");
         let mut jittered = status();
         jittered.jobs[0].next_runs_at = Some("2026-11-30T12:01:37Z".into());
-        let page = render(&jittered, Window::default(), "prod", now(), false);
+        let page = render(&jittered, &[], Window::default(), "prod", now(), false);
         let heartbeat = row_of(&page, "heartbeat");
         assert!(
             heartbeat.contains(
@@ -817,7 +979,7 @@ mod tests {
             run("done", None),
         ];
         s.jobs[1].recent = vec![run("done", None)];
-        let page = render(&s, Window::default(), "ns", now(), false);
+        let page = render(&s, &[], Window::default(), "ns", now(), false);
         let start = page.find("data-runs-of=\"heartbeat\"").unwrap();
         let runs = &page[start..start + page[start..].find("</details>").unwrap()];
         assert!(runs.contains("<details open>"), "{runs}");
@@ -833,14 +995,14 @@ mod tests {
         assert!(start < page.find("data-job=\"reports\"").unwrap());
         let reports = page.find("data-runs-of=\"reports\"").unwrap();
         assert!(
-            page[reports..].starts_with("data-runs-of=\"reports\"><td colspan=\"10\"><details>")
+            page[reports..].starts_with("data-runs-of=\"reports\"><td colspan=\"11\"><details>")
         );
         assert!(!page.contains("data-runs-of=\"sync\""), "no runs, no row");
     }
 
     #[test]
     fn leader_and_dead_letters() {
-        let page = render(&status(), Window::default(), "prod", now(), false);
+        let page = render(&status(), &[], Window::default(), "prod", now(), false);
         assert!(
             page.contains("<span class=\"host\">beat-1</span>"),
             "{page}"
@@ -853,7 +1015,7 @@ mod tests {
         let mut none = status();
         none.leader = None;
         none.dead_letters = None;
-        let page = render(&none, Window::default(), "prod", now(), false);
+        let page = render(&none, &[], Window::default(), "prod", now(), false);
         assert!(page.contains("No leader"));
         assert!(page.contains("Dead letters: unknown"));
     }
@@ -865,7 +1027,7 @@ mod tests {
         hostile.jobs[0].job = "a\"b<c>&'".into();
         hostile.jobs[0].schedule = "<b>".into();
         hostile.jobs[0].last_failure = Some("\"><img src=x>".into());
-        let page = render(&hostile, Window::default(), "ns<&>", now(), false);
+        let page = render(&hostile, &[], Window::default(), "ns<&>", now(), false);
         assert!(!page.contains("<script>") && !page.contains("<img") && !page.contains("<b>"));
         assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
         assert!(page.contains("data-job=\"a&quot;b&lt;c&gt;&amp;&#39;\""));
@@ -880,7 +1042,7 @@ mod tests {
         let mut empty = status();
         empty.jobs.clear();
         empty.total = 0;
-        let page = render(&empty, Window::default(), "prod", now(), false);
+        let page = render(&empty, &[], Window::default(), "prod", now(), false);
         assert!(page.contains("No jobs in the config."));
     }
 
@@ -919,7 +1081,7 @@ mod tests {
             offset: 3,
             limit: 3,
         };
-        let page = render(&many, window, "prod", now(), false);
+        let page = render(&many, &[], window, "prod", now(), false);
         assert!(page.contains("Jobs 4–6 of 10"), "{page}");
         assert!(
             page.contains("href=\"/?offset=0&amp;limit=3\">previous"),
@@ -931,6 +1093,7 @@ mod tests {
         );
         let first = render(
             &many,
+            &[],
             Window {
                 offset: 0,
                 limit: 3,
@@ -942,6 +1105,7 @@ mod tests {
         assert!(first.contains("Jobs 1–3 of 10") && !first.contains("previous"));
         let last = render(
             &many,
+            &[],
             Window {
                 offset: 7,
                 limit: 3,
@@ -957,6 +1121,7 @@ mod tests {
         many.jobs.clear();
         let past = render(
             &many,
+            &[],
             Window {
                 offset: 20,
                 limit: 3,
@@ -996,11 +1161,73 @@ mod tests {
         assert!(buttons("j", false).contains("data-action=\"pause\""));
     }
 
+    /// Each job's strip sits in its row, its cells link to their keys' pages, the legend is
+    /// on the page once, and a key's page shows its report escaped.
+    #[test]
+    fn strips_in_their_rows_with_a_legend_and_key_pages() {
+        use crate::audit::Class;
+        use crate::strip::Mark;
+        let cell = |key: &str, mark| Cell {
+            instant: now() - chrono::TimeDelta::minutes(1),
+            key: key.into(),
+            mark,
+        };
+        let strips = vec![
+            vec![
+                cell("heartbeat@2026-11-30T11:59:00Z", Mark::Unknown),
+                cell("heartbeat@2026-11-30T12:00:00Z", Mark::Known(Class::Ran)),
+            ],
+            vec![cell("reports@<x>", Mark::Known(Class::Missed))],
+        ];
+        let page = render(&status(), &strips, Window::default(), "ns", now(), false);
+        assert_eq!(page.matches("<p id=\"legend\">").count(), 1, "{page}");
+        let heartbeat = row_of(&page, "heartbeat");
+        assert!(
+            heartbeat.contains(
+                "<td class=\"recent\"><span class=\"strip\"><a class=\"cell unknown\" \
+             href=\"/keys/heartbeat@2026-11-30T11:59:00Z\" title=\"2026-11-30T11:59:00Z unknown\">\
+             </a><a class=\"cell ran\" href=\"/keys/heartbeat@2026-11-30T12:00:00Z\""
+            ),
+            "{heartbeat}"
+        );
+        let reports = row_of(&page, "reports");
+        assert!(
+            reports.contains("class=\"cell missed\" href=\"/keys/reports@%3Cx%3E\""),
+            "{reports}"
+        );
+        assert!(row_of(&page, "sync")
+            .contains("<td class=\"recent\"><span class=\"strip\"></span></td>"));
+        assert!(!page.contains("<script"), "no JavaScript needed");
+
+        let report = serde_json::json!({"key": "k<", "state": "dead", "attempt": 2,
+            "worker": "w<1>", "dead_letter": {"reason": "permanent"},
+            "journal": [{"at": "2026-11-30T12:00:00.100Z", "event": "dead", "attempt": 2,
+                         "worker": null, "reason": "<exit 1>"}]});
+        let key = render_key("k<", &report, "ns", now());
+        assert!(key.contains("<code id=\"key\">k&lt;</code>"), "{key}");
+        assert!(key.contains("<td class=\"state\">dead</td>"), "{key}");
+        assert!(
+            key.contains("<td class=\"worker\">w&lt;1&gt;</td>"),
+            "{key}"
+        );
+        assert!(
+            key.contains("<td class=\"dead_letter\">permanent</td>"),
+            "{key}"
+        );
+        assert!(
+            key.contains("<td class=\"reason\">&lt;exit 1&gt;</td>"),
+            "{key}"
+        );
+        assert_eq!(key.matches("<tr class=\"entry\">").count(), 1);
+    }
+
     /// A page with buttons does not call itself read-only; one without does.
     #[test]
     fn only_a_page_without_actions_says_read_only() {
-        let acting = render(&status(), Window::default(), "ns", now(), true);
+        let acting = render(&status(), &[], Window::default(), "ns", now(), true);
         assert!(!acting.contains("Read-only"), "{acting}");
-        assert!(render(&status(), Window::default(), "ns", now(), false).contains("Read-only"));
+        assert!(
+            render(&status(), &[], Window::default(), "ns", now(), false).contains("Read-only")
+        );
     }
 }

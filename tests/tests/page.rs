@@ -367,6 +367,93 @@ async fn chromium_renders_every_job_the_leader_paused_and_stale() {
     stop(&mut [&mut beat, &mut worker]);
 }
 
+/// The (class, href) of each cell of `job`'s strip in a served page.
+fn strip_cells(page: &str, job: &str) -> Vec<(String, String)> {
+    let row = row(page, job);
+    let strip = after(row, "<td class=\"recent\">", "strip");
+    let strip = &strip[..strip.find("</td>").expect("strip end")];
+    strip
+        .split("<a class=\"cell ")
+        .skip(1)
+        .map(|a| {
+            let class = a.split('"').next().unwrap().to_owned();
+            let href = after(a, "href=\"", "href").split('"').next().unwrap();
+            (class, href.to_owned())
+        })
+        .collect()
+}
+
+/// How many cells of `cells` are of `class`.
+fn count(cells: &[(String, String)], class: &str) -> usize {
+    cells.iter().filter(|(c, _)| c == class).count()
+}
+
+/// Each job's recent instants as a strip coloured by their `audit` class, each cell a link to
+/// its key's page (what `inspect` shows): `ok` ran, `broken` (no retries) dead, `daily` (not
+/// due while its journal existed) unknown, and nothing missed.
+// See: issues/36
+#[tokio::test(flavor = "multi_thread")]
+async fn each_job_has_a_strip_of_its_instants_linking_to_their_keys() {
+    let env = setup("e2e_page_strip");
+    let cfg = Cfg::new()
+        .job("ok", every("1s").task("append"))
+        .job("broken", every("1s").task("broken"))
+        .job("daily", cron("0 3 * * *").task("append"))
+        .task("append", env.appender("effects", 0.0))
+        .task("broken", argv(&["/bin/false"]).with("max_retries", "0"));
+    let config = env.config_file(&cfg);
+    let mut worker = env.worker_on("worker", &config);
+    let (mut beat, port) = env.beat_serving("beat", &config);
+    let mut page = String::new();
+    expect(WAIT, &[&beat, &worker], "3 ran and 3 dead cells", || {
+        page = http_get(port, "/")
+            .map(|(_, body)| body)
+            .unwrap_or_default();
+        page.contains("data-job=\"daily\"")
+            && count(&strip_cells(&page, "ok"), "ran") >= 3
+            && count(&strip_cells(&page, "broken"), "dead") >= 3
+    });
+    assert_eq!(page.matches("<p id=\"legend\">").count(), 1, "{page}");
+    let (ok, broken, daily) = (
+        strip_cells(&page, "ok"),
+        strip_cells(&page, "broken"),
+        strip_cells(&page, "daily"),
+    );
+    for cells in [&ok, &broken, &daily] {
+        assert_eq!(cells.len(), 12, "{cells:?}");
+        assert_eq!(count(cells, "missed"), 0, "{cells:?}");
+    }
+    assert_eq!(count(&broken, "ran"), 0, "{broken:?}");
+    assert_eq!(count(&ok, "dead"), 0, "{ok:?}");
+    assert_eq!(count(&daily, "unknown"), 12, "{daily:?}");
+
+    // A cell's link: its key's page, as `inspect` tells it (404 for a key with no trace).
+    let link = |cells: &[(String, String)], class: &str| -> String {
+        let (_, href) = cells.iter().find(|(c, _)| c == class).unwrap();
+        href.clone()
+    };
+    for (href, state) in [(link(&broken, "dead"), "dead"), (link(&ok, "ran"), "done")] {
+        let key = href.strip_prefix("/keys/").unwrap();
+        let (code, body) = http_get(port, &href).unwrap();
+        assert_eq!(code, 200, "{href}: {body}");
+        assert!(
+            body.contains(&format!("<code id=\"key\">{key}</code>")),
+            "{body}"
+        );
+        assert!(
+            body.contains(&format!("<td class=\"state\">{state}</td>")),
+            "{body}"
+        );
+        assert!(body.contains("<tr class=\"entry\">"), "its journal: {body}");
+        let (code, _, _) = http(port, "POST", &href).unwrap();
+        assert_eq!(code, 405, "GET only: {href}");
+    }
+    let (code, body) = http_get(port, &link(&daily, "unknown")).unwrap();
+    assert_eq!(code, 404, "{body}");
+    assert!(body.contains("<td class=\"state\">unknown</td>"), "{body}");
+    stop(&mut [&mut beat, &mut worker]);
+}
+
 /// Redis accepts the connection and never answers (a listener nobody reads): the page and
 /// `/api/status` answer 503 with the reason within the page's wait, and the HTML one still
 /// refreshes itself.
