@@ -166,6 +166,18 @@ fn the_readme_is_short_enough_to_finish() {
     }
 }
 
+/// docs/design.md is the design in our own words, short enough to hold in one's head: at most
+/// 5,000 words.
+#[test]
+fn the_design_stays_within_five_thousand_words() {
+    let text = std::fs::read_to_string(repo().join("docs/design.md")).expect("docs/design.md");
+    let words = text.split_whitespace().count();
+    assert!(
+        words <= 5_000,
+        "docs/design.md has {words} words, more than 5,000"
+    );
+}
+
 /// Every file git would track, outside `target/` and `.git/`.
 fn tracked(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).expect("a directory") {
