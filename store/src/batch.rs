@@ -205,7 +205,7 @@ impl Batcher {
 }
 
 /// The batching task: takes every call waiting (at most [`MOST_CALLS`]) once the batch before
-/// is answered, sends them, answers each.
+/// is answered, drops those whose caller stopped waiting, sends the rest, answers each.
 async fn send_batches(
     store: Store,
     mut rx: mpsc::UnboundedReceiver<(Call, Reply)>,
@@ -218,6 +218,13 @@ async fn send_batches(
                 Ok(next) => batch.push(next),
                 Err(_) => break,
             }
+        }
+        // A caller that stopped waiting (its renewal timed out, its run was dropped) wants
+        // nothing sent any more: a renewal sent after its holder gave the lease up would
+        // only hold the instance from the next claim.
+        batch.retain(|(_, reply)| !reply.is_closed());
+        if batch.is_empty() {
+            continue;
         }
         observe(batch.len());
         let (calls, replies): (Vec<Call>, Vec<Reply>) = batch.into_iter().unzip();

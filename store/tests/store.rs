@@ -1439,3 +1439,28 @@ async fn the_same_calls_batched_answer_as_one_by_one() {
     assert_eq!(one_by_one[5], "true", "the wrong-type key's claim failed");
     assert_eq!(journal_of(&together).await, journal_of(&alone).await);
 }
+
+/// A call whose caller stopped waiting before its batch went (a renewal that timed out behind
+/// a slow batch) is not sent: it would only act for someone who no longer holds the answer.
+#[tokio::test]
+async fn a_call_given_up_before_its_batch_left_is_not_sent() {
+    use futures_util::FutureExt;
+    let s = store("batch_given_up").await;
+    let sizes = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = sizes.clone();
+    let batching = s
+        .store
+        .clone()
+        .batching(std::sync::Arc::new(move |n| seen.lock().unwrap().push(n)));
+    // Queued, then dropped before the batching task first ran (this test has one thread).
+    let request = req("given-up", "t1", OverlapMode::Allow);
+    assert!(batching.claim(&request).now_or_never().is_none());
+    let kept = batching.claim(&req("kept", "t1", OverlapMode::Allow)).await;
+    assert!(matches!(kept.unwrap(), Claim::Claimed { .. }));
+    assert_eq!(
+        *sizes.lock().unwrap(),
+        [1],
+        "only the call still awaited went"
+    );
+    assert_eq!(s.state("given-up").await, None);
+}
