@@ -238,6 +238,11 @@ async fn drumline(
         shell || ran.load(Ordering::Relaxed) >= n,
         "the no-op handler ran for every message"
     );
+    let calls = stats.redis_batches.get().max(1) as f64;
+    eprintln!(
+        "  worker: {:.1} Redis writes per script call (docs/design.md#batched-writes)",
+        stats.redis_writes.get() as f64 / calls
+    );
     let mut redis = redis::Client::open(REDIS)
         .unwrap()
         .get_multiplexed_async_connection()
