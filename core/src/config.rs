@@ -299,7 +299,7 @@ pub struct JobSpec {
     /// Logical queue. Default `default`.
     pub queue: Arc<str>,
     /// Handed to the task.
-    pub args: serde_json::Value,
+    pub args: Args,
     /// Message deadline relative to `scheduled_for`. Default none.
     pub expires: Option<Duration>,
     /// Default `skip`.
@@ -313,6 +313,31 @@ pub struct JobSpec {
     /// `exclude`: the calendars whose dates the job skips (docs/design.md#calendars). Default
     /// none.
     pub exclude: Vec<Arc<str>>,
+}
+
+/// A job's `args`: the JSON object handed to its task, held as its text. A parsed object
+/// holds a tree node of several hundred bytes even for one key, and a million schedules each
+/// have their own (docs/performance.md); the text is parsed once per message. Two are equal
+/// when written alike (JSON equality would take 0.0 for -0.0: a job publishes what it says).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Args(Box<str>);
+
+impl Args {
+    /// The text of `value`.
+    pub fn of(value: &serde_json::Value) -> Self {
+        Args(value.to_string().into_boxed_str())
+    }
+
+    /// The JSON text, as it is published.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The object, parsed again from its text.
+    pub fn value(&self) -> serde_json::Value {
+        // An invariant, not an input: the text is what serde_json wrote of a value.
+        serde_json::from_str(&self.0).expect("serde_json reads back the text it wrote")
+    }
 }
 
 /// A follower's link to its upstream (`after`, `after_timeout`).
@@ -1420,18 +1445,19 @@ fn job_spec(
 }
 
 /// The job's `args` as the JSON handed to its task: a table, `{}` when absent.
-fn job_args(j: &RawJob) -> Result<serde_json::Value, KeyError> {
-    match &j.args {
-        None => Ok(serde_json::json!({})),
-        Some(v) if !v.is_table() => Err((
-            "args",
-            format!(
+fn job_args(j: &RawJob) -> Result<Args, KeyError> {
+    let value = match &j.args {
+        None => serde_json::json!({}),
+        Some(v) if !v.is_table() => {
+            let m = format!(
                 "must be a table (args = {{ k = \"v\" }}), not {}",
                 v.type_str()
-            ),
-        )),
-        Some(v) => serde_json::to_value(v).map_err(|e| ("args", e.to_string())),
-    }
+            );
+            return Err(("args", m));
+        }
+        Some(v) => serde_json::to_value(v).map_err(|e| ("args", e.to_string()))?,
+    };
+    Ok(Args::of(&value))
 }
 
 /// What the jobs checked so far share, one `Arc` each: task and queue names, and
@@ -1466,15 +1492,8 @@ impl Interned {
             .specs
             .entry((spec.task.clone(), spec.queue.clone()))
             .or_default();
-        // Equal `args` written alike (JSON equality takes 0.0 for -0.0; a job publishes what
-        // its file says).
-        let same_text = |a: &serde_json::Value, b: &serde_json::Value| {
-            serde_json::to_string(a).ok() == serde_json::to_string(b).ok()
-        };
-        if let Some(same) = held
-            .iter()
-            .find(|s| ***s == spec && same_text(&s.args, &spec.args))
-        {
+        // `args` compare as written ([`Args`]).
+        if let Some(same) = held.iter().find(|s| ***s == spec) {
             return same.clone();
         }
         let spec = Arc::new(spec);
@@ -1983,11 +2002,11 @@ mod tests {
         assert!(Arc::ptr_eq(&spec("c"), &spec("d")));
         assert!(!Arc::ptr_eq(&spec("a"), &spec("c")));
         assert!(!Arc::ptr_eq(&spec("a"), &spec("e")));
-        assert_eq!(spec("c").args, serde_json::json!({ "n": 1 }));
+        assert_eq!(spec("c").args.value(), serde_json::json!({ "n": 1 }));
         assert_eq!(&*spec("e").queue, "slow");
         // JSON equality takes 0.0 for -0.0; each job keeps what its file says.
         assert!(!Arc::ptr_eq(&spec("f"), &spec("g")));
-        assert_eq!(spec("g").args.to_string(), r#"{"x":0.0}"#);
+        assert_eq!(spec("g").args.as_str(), r#"{"x":0.0}"#);
         // A million jobs: what each holds inline (its name's bytes apart) stays under 100 bytes.
         assert!(
             std::mem::size_of::<Job>() <= 96,
@@ -2010,7 +2029,7 @@ mod tests {
         assert_eq!(format!("{pieces:?}"), format!("{whole:?}"));
         for (i, job) in pieces.iter().enumerate() {
             assert_eq!(job.name, format!("job-{i}"));
-            assert_eq!(job.spec.args["i"], i);
+            assert_eq!(job.spec.args.value()["i"], i);
         }
     }
 

@@ -343,7 +343,7 @@ impl Envelope {
         now: DateTime<Utc>,
     ) -> Self {
         let spec = &job.spec;
-        let args = spec.args.clone();
+        let args = spec.args.value();
         let mut env = Self::scheduled(
             &job.name,
             &spec.task,
