@@ -11,7 +11,7 @@ use drumline_shared::planted::{planted, Defect};
 use drumline_shared::signals::Hangups;
 use drumline_shared::store::{FeedRead, ObjectKind, Store, StoreError, Stored};
 use serde_json::Value;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -58,26 +58,27 @@ struct Objects {
 }
 
 /// The file's config and the objects applied at run time, and where changes to either come
-/// from.
+/// from. Each schedule's job is held once, by the config the beat runs: here only its stored
+/// JSON (to tell a change and to check it again against a reloaded file), never its job.
 pub(crate) struct Changes {
     hangups: Hangups,
     file: Arc<Config>,
     objects: Objects,
-    /// The schedules checked against `file` (those that no longer check left out, logged).
-    jobs: BTreeMap<String, Job>,
+    /// The stored schedules that do not check against `file` (left out, logged).
+    left_out: HashSet<String>,
     calendars: BTreeMap<String, Calendar>,
     updates: mpsc::Receiver<Update>,
 }
 
 impl Changes {
     /// Reads every stored object, then follows the feed from before that read (so no change is
-    /// missed) in a task of its own.
-    /// `Err` gives `hangups` back with the error.
+    /// missed) in a task of its own; with the config to run (the file's jobs and the
+    /// schedules). `Err` gives `hangups` back with the error.
     pub(crate) async fn load(
         file: Arc<Config>,
         store: &Store,
         hangups: Hangups,
-    ) -> Result<Self, (StoreError, Hangups)> {
+    ) -> Result<(Self, Arc<Config>), (StoreError, Hangups)> {
         let read =
             async { Ok::<_, StoreError>((store.feed_head().await?, read_all(store).await?)) };
         let (head, objects) = match read.await {
@@ -90,20 +91,12 @@ impl Changes {
             hangups,
             file,
             objects,
-            jobs: BTreeMap::new(),
+            left_out: HashSet::new(),
             calendars: BTreeMap::new(),
             updates,
         };
-        changes.check_all();
-        Ok(changes)
-    }
-
-    /// The config to run: the file's jobs and the schedules.
-    pub(crate) fn config(&self) -> Arc<Config> {
-        let config = self
-            .file
-            .with_schedules(self.jobs.values(), self.calendars.iter());
-        Arc::new(config)
+        let config = changes.check_all();
+        Ok((changes, config))
     }
 
     /// The file the schedules are checked against (its jobs win over a schedule's name).
@@ -117,13 +110,12 @@ impl Changes {
         let change = tokio::select! {
             _ = self.hangups.recv() => {
                 self.file = reload(&self.file)?;
-                self.check_all();
-                Change::Whole(self.config())
+                Change::Whole(self.check_all())
             }
             update = self.updates.recv() => self.apply(update?)?,
         };
         info!(
-            schedules = self.jobs.len(),
+            schedules = self.checked(),
             calendars = self.calendars.len(),
             "schedules changed"
         );
@@ -135,12 +127,11 @@ impl Changes {
         let objects = match update {
             Update::All(all) => {
                 self.objects = *all;
-                self.check_all();
-                return Some(Change::Whole(self.config()));
+                return Some(Change::Whole(self.check_all()));
             }
             Update::Objects(objects) => objects,
         };
-        let (mut schedules, mut calendars) = (Vec::new(), false);
+        let (mut jobs, mut calendars) = (Vec::new(), false);
         for (kind, name, json) in objects {
             if json.is_none() && kind == ObjectKind::Schedule && planted(Defect::IgnoreDelete) {
                 continue;
@@ -153,76 +144,93 @@ impl Changes {
                 Some(json) => held.insert(name.clone(), json.clone()),
                 None => held.remove(&name),
             };
-            if before != json {
-                self.check_one(kind, &name);
-                match kind {
-                    ObjectKind::Schedule => schedules.push(name),
-                    ObjectKind::Calendar => calendars = true,
+            if before == json {
+                continue;
+            }
+            match kind {
+                ObjectKind::Schedule => {
+                    let job = self.check_schedule(&name);
+                    jobs.push((name, job));
+                }
+                ObjectKind::Calendar => {
+                    self.check_calendar(&name);
+                    calendars = true;
                 }
             }
         }
         if calendars {
-            return Some(Change::Whole(self.config()));
+            // The schedules are checked again with the rest: their jobs are held by the
+            // running config only.
+            return Some(Change::Whole(self.check_all()));
         }
-        let jobs = schedules
-            .into_iter()
-            .map(|name| {
-                let job = self.jobs.get(&name).cloned();
-                (name, job)
-            })
-            .collect::<Vec<_>>();
         (!jobs.is_empty()).then_some(Change::Schedules(jobs))
     }
 
-    /// Checks every stored object again (at start, after SIGHUP or a gap in the feed).
-    fn check_all(&mut self) {
-        self.jobs.clear();
+    /// Checks every stored object again (at start, after SIGHUP, a calendar's change or a gap
+    /// in the feed): the config to run, the file's jobs and the schedules that check.
+    fn check_all(&mut self) -> Arc<Config> {
         self.calendars.clear();
-        let names: Vec<(ObjectKind, String)> = self
+        let names: Vec<String> = self.objects.calendars.keys().cloned().collect();
+        for name in names {
+            self.check_calendar(&name);
+        }
+        let texts: Vec<&str> = self
             .objects
             .schedules
-            .keys()
-            .map(|n| (ObjectKind::Schedule, n.clone()))
-            .chain(
-                self.objects
-                    .calendars
-                    .keys()
-                    .map(|n| (ObjectKind::Calendar, n.clone())),
-            )
+            .values()
+            .map(String::as_str)
             .collect();
-        for (kind, name) in names {
-            self.check_one(kind, &name);
-        }
+        let checked = self.file.check_stored(&texts);
+        let left_out = &mut self.left_out;
+        left_out.clear();
+        let names = self.objects.schedules.keys();
+        let jobs = names
+            .zip(checked)
+            .filter_map(|(name, checked)| match checked {
+                Ok(job) => Some(job),
+                Err(e) => {
+                    warn!(schedule = %name, error = %e, "schedule left out");
+                    left_out.insert(name.clone());
+                    None
+                }
+            });
+        let config = self.file.with_schedules(jobs, self.calendars.iter());
         info!(
-            schedules = self.jobs.len(),
+            schedules = self.checked(),
             calendars = self.calendars.len(),
             "schedules applied at run time"
         );
+        Arc::new(config)
     }
 
-    /// Takes object `name` of `kind` as now stored (or gone).
-    fn check_one(&mut self, kind: ObjectKind, name: &str) {
-        match kind {
-            ObjectKind::Schedule => {
-                self.jobs.remove(name);
-                let Some(json) = self.objects.schedules.get(name) else {
-                    return;
-                };
-                match schedule_job(&self.file, json) {
-                    Ok(job) => drop(self.jobs.insert(name.to_owned(), job)),
-                    Err(e) => warn!(schedule = name, error = %e, "schedule left out"),
-                }
+    /// How many stored schedules check against the file.
+    fn checked(&self) -> usize {
+        self.objects.schedules.len() - self.left_out.len()
+    }
+
+    /// Schedule `name`'s job as now stored: `None` when deleted or left out (logged).
+    fn check_schedule(&mut self, name: &str) -> Option<Job> {
+        self.left_out.remove(name);
+        let json = self.objects.schedules.get(name)?;
+        match schedule_job(&self.file, json) {
+            Ok(job) => Some(job),
+            Err(e) => {
+                warn!(schedule = name, error = %e, "schedule left out");
+                self.left_out.insert(name.to_owned());
+                None
             }
-            ObjectKind::Calendar => {
-                self.calendars.remove(name);
-                let Some(json) = self.objects.calendars.get(name) else {
-                    return;
-                };
-                match calendar_of(json) {
-                    Some(calendar) => drop(self.calendars.insert(name.to_owned(), calendar)),
-                    None => warn!(calendar = name, "calendar left out: not readable"),
-                }
-            }
+        }
+    }
+
+    /// Takes calendar `name` as now stored (or gone).
+    fn check_calendar(&mut self, name: &str) {
+        self.calendars.remove(name);
+        let Some(json) = self.objects.calendars.get(name) else {
+            return;
+        };
+        match calendar_of(json) {
+            Some(calendar) => drop(self.calendars.insert(name.to_owned(), calendar)),
+            None => warn!(calendar = name, "calendar left out: not readable"),
         }
     }
 }
@@ -247,17 +255,14 @@ fn calendar_of(json: &str) -> Option<Calendar> {
 /// that no longer check left out): the jobs the operator's commands see.
 pub async fn with_stored(file: &Config, store: &Store) -> Result<Config, StoreError> {
     let objects = read_all(store).await?;
-    let jobs: Vec<Job> = objects
-        .schedules
-        .values()
-        .filter_map(|json| schedule_job(file, json).ok())
-        .collect();
+    let texts: Vec<&str> = objects.schedules.values().map(String::as_str).collect();
+    let jobs = file.check_stored(&texts).into_iter().filter_map(Result::ok);
     let calendars: BTreeMap<String, Calendar> = objects
         .calendars
         .iter()
         .filter_map(|(name, json)| Some((name.clone(), calendar_of(json)?)))
         .collect();
-    Ok(file.with_schedules(&jobs, &calendars))
+    Ok(file.with_schedules(jobs, &calendars))
 }
 
 /// Every stored schedule and calendar.

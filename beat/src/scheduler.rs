@@ -126,13 +126,12 @@ pub async fn run(
         s = connect_redis(&config, &stats) => s,
         _ = &mut shutdown => return Ok(stats),
     };
-    let mut changes = tokio::select! {
+    // The file's jobs and the schedules: held by the term's machine while leading (one copy,
+    // changed in place by an edit), by `serve` while standing by.
+    let (mut changes, config) = tokio::select! {
         c = load_changes(config.clone(), &store, hangups) => c,
         _ = &mut shutdown => return Ok(stats),
     };
-    // The file's jobs and the schedules: held by the term's machine while leading (one copy,
-    // changed in place by an edit), by `serve` while standing by.
-    let config = changes.config();
     let mut publisher = Publisher::new(&config);
     let (lease, threshold) = (config.beat.leader_lease, config.beat.misfire_threshold);
     let mut leadership = Leadership::start(store.clone(), lease, threshold, stats.clone());
@@ -547,8 +546,12 @@ async fn connect_broker(config: &Config, publisher: &mut Publisher) -> Result<()
 /// Sleeps `d` (at most [`WAKE_EARLY`]) with the OS timer on a blocking thread: it wakes within
 /// tens of microseconds, where tokio's timer rounds up to its next millisecond tick.
 /// The schedules applied at run time, read whole (retrying while Redis fails), and the
-/// changes to come ([`Changes`]).
-async fn load_changes(file: Arc<Config>, store: &Store, hangups: Hangups) -> Changes {
+/// changes to come ([`Changes`]); with the config to run.
+async fn load_changes(
+    file: Arc<Config>,
+    store: &Store,
+    hangups: Hangups,
+) -> (Changes, Arc<Config>) {
     let mut hangups = hangups;
     loop {
         match Changes::load(file.clone(), store, hangups).await {

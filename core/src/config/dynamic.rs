@@ -4,7 +4,7 @@
 //! (`source`, `created_at`, `updated_at`, `next`) are ignored, so what `schedules get --json`
 //! prints can be applied again.
 
-use super::{check_job_keys, Calendar, Config, Interned, Job, RawJob};
+use super::{check_job_keys, Calendar, Config, Interned, Job, RawJob, PARSE_THREADS};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 use std::collections::{HashMap, HashSet};
@@ -125,6 +125,49 @@ impl Config {
         name: Option<&str>,
         object: Value,
     ) -> Result<(ScheduleSpec, Job), Refusal> {
+        self.check_schedule_sharing(name, object, &mut Interned::default())
+    }
+
+    /// Checks stored schedules (each its JSON text) as [`Config::check_schedule`] does: each
+    /// one's job, or why it is refused, in `texts`' order. A million at a beat's start: they
+    /// are cut in as many parts as threads (cores, at most four), and the jobs of a part share
+    /// their task and queue names and equal specs, where checked one at a time each held its
+    /// own (docs/performance.md).
+    pub fn check_stored(&self, texts: &[&str]) -> Vec<Result<Job, Refusal>> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let part = texts.len().div_ceil(threads.clamp(1, PARSE_THREADS)).max(1);
+        std::thread::scope(|scope| {
+            let parts: Vec<_> = texts
+                .chunks(part)
+                .map(|texts| scope.spawn(move || self.check_part(texts)))
+                .collect();
+            let joined = parts.into_iter().map(|p| p.join());
+            // A panic in a part is the checker's bug: raised again here, as if checked here.
+            joined
+                .flat_map(|r| r.unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+                .collect()
+        })
+    }
+
+    /// [`Config::check_stored`] of one part, on one thread.
+    fn check_part(&self, texts: &[&str]) -> Vec<Result<Job, Refusal>> {
+        let mut interned = Interned::default();
+        let mut check = |text: &str| {
+            let object: Value = serde_json::from_str(text)
+                .map_err(|e| Refusal::invalid(None, format!("not JSON: {e}")))?;
+            let (_, job) = self.check_schedule_sharing(None, object, &mut interned)?;
+            Ok(job)
+        };
+        texts.iter().map(|text| check(text)).collect()
+    }
+
+    /// [`Config::check_schedule`], sharing names and specs through `interned`.
+    fn check_schedule_sharing(
+        &self,
+        name: Option<&str>,
+        object: Value,
+        interned: &mut Interned,
+    ) -> Result<(ScheduleSpec, Job), Refusal> {
         let Value::Object(mut keys) = object else {
             return Err(Refusal::invalid(None, "a schedule is a JSON object"));
         };
@@ -144,7 +187,7 @@ impl Config {
             let message = "a schedule cannot follow another job (`after`); use `every` or `cron`";
             return Err(Refusal::invalid(Some("after"), message));
         }
-        let job = self.check_schedule_job(&name, &keys)?;
+        let job = self.check_schedule_job(&name, &keys, interned)?;
         let spec = ScheduleSpec { name, labels, keys };
         Ok((spec, job))
     }
@@ -232,18 +275,17 @@ impl Config {
     /// This config with `schedules` (checked jobs, [`Config::check_schedule`]) after the
     /// file's jobs and `calendars` beside the file's: what the leader runs. A schedule or a
     /// calendar named as one of the file's is left out (the file wins).
-    pub fn with_schedules<'j>(
+    pub fn with_schedules<'c>(
         &self,
-        schedules: impl IntoIterator<Item = &'j Job>,
-        calendars: impl IntoIterator<Item = (&'j String, &'j Calendar)>,
+        schedules: impl IntoIterator<Item = Job>,
+        calendars: impl IntoIterator<Item = (&'c String, &'c Calendar)>,
     ) -> Config {
         let file: HashSet<&str> = self.jobs.iter().map(|j| j.name.as_str()).collect();
         let mut jobs = self.jobs.clone();
         jobs.extend(
             schedules
                 .into_iter()
-                .filter(|j| !file.contains(j.name.as_str()))
-                .cloned(),
+                .filter(|j| !file.contains(j.name.as_str())),
         );
         let mut all = self.calendars.clone();
         for (name, calendar) in calendars {
@@ -280,7 +322,12 @@ impl Config {
     }
 
     /// The job of schedule `name` with `keys`, checked as the file's jobs are.
-    fn check_schedule_job(&self, name: &str, keys: &Map<String, Value>) -> Result<Job, Refusal> {
+    fn check_schedule_job(
+        &self,
+        name: &str,
+        keys: &Map<String, Value>,
+        interned: &mut Interned,
+    ) -> Result<Job, Refusal> {
         let mut object = keys.clone();
         object.insert("name".into(), Value::String(name.to_owned()));
         let raw: RawJob = serde_path_to_error::deserialize(Value::Object(object)).map_err(|e| {
@@ -290,7 +337,7 @@ impl Config {
             Refusal::invalid(field.as_deref(), message)
         })?;
         let tasks = (self.namespace.as_str(), &self.tasks);
-        check_job_keys(raw, tasks, &mut Interned::default())
+        check_job_keys(raw, tasks, interned)
             .map_err(|(_, (key, message))| Refusal::invalid(Some(key), message))
     }
 }
@@ -350,6 +397,7 @@ fn unknown_field(message: &str) -> Option<String> {
 mod tests {
     use super::*;
     use serde_json::json;
+    use std::sync::Arc;
 
     fn config() -> Config {
         let text = r#"
@@ -430,7 +478,7 @@ cron = "0 3 * * *"
         clash.name = "nightly".into();
         let extra = Calendar::parse(&["2026-12-25"]).unwrap();
         let calendars = [("holidays".to_owned(), extra)];
-        let all = config.with_schedules([&a, &clash], calendars.iter().map(|(n, c)| (n, c)));
+        let all = config.with_schedules([a, clash], calendars.iter().map(|(n, c)| (n, c)));
         let names: Vec<&str> = all.jobs.iter().map(|j| j.name.as_str()).collect();
         assert_eq!(names, ["nightly", "a"]);
         assert_eq!(
@@ -474,6 +522,41 @@ cron = "0 3 * * *"
         assert_eq!(refused(Some("a b"), body).field.as_deref(), Some("name"));
         let differs = json!({"name": "a", "task": "report", "every": "1m"});
         assert_eq!(refused(Some("b"), differs).field.as_deref(), Some("name"));
+    }
+
+    /// Stored schedules checked at once (on threads) are what each gives checked alone, in
+    /// order, refusals in their place; jobs with the same task and keys share one spec.
+    #[test]
+    fn stored_schedules_checked_at_once_are_checked_alone_and_share_specs() {
+        let file = config();
+        let texts: Vec<String> = (0..50)
+            .map(|n| match n {
+                7 => "{not json".to_owned(),
+                9 => json!({"name": "s9", "task": "nope", "every": "1m"}).to_string(),
+                n => json!({"name": format!("s{n}"), "task": "report", "every": "1m",
+                    "args": {"n": n % 2}, "labels": {"t": "x"}})
+                .to_string(),
+            })
+            .collect();
+        let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let together = file.check_stored(&texts);
+        assert_eq!(together.len(), texts.len());
+        for (text, got) in texts.iter().zip(&together) {
+            let alone = serde_json::from_str(text)
+                .map_err(|_| ())
+                .and_then(|o| file.check_schedule(None, o).map_err(|_| ()));
+            match (alone, got) {
+                (Ok((_, a)), Ok(b)) => assert_eq!(format!("{a:?}"), format!("{b:?}")),
+                (Err(()), Err(refusal)) => assert_eq!(refusal.kind, RefusalKind::Invalid),
+                (a, b) => panic!("{text}: alone {a:?}, together {b:?}"),
+            }
+        }
+        let (a, b) = (together[0].as_ref().unwrap(), together[2].as_ref().unwrap());
+        assert_eq!(a.spec.args.as_str(), r#"{"n":0}"#);
+        assert!(
+            Arc::ptr_eq(&a.spec, &b.spec),
+            "one spec for the same task and args"
+        );
     }
 
     /// Many edits at once (through the index) leave the jobs exactly as the same edits one at
