@@ -9,7 +9,7 @@ use drumline_shared::calendar::Calendar;
 use drumline_shared::config::{Config, Job};
 use drumline_shared::planted::{planted, Defect};
 use drumline_shared::signals::Hangups;
-use drumline_shared::store::{FeedRead, ObjectKind, Store, StoreError, Stored};
+use drumline_shared::store::{FeedRead, ObjectKind, Store, StoreError};
 use serde_json::Value;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -275,8 +275,8 @@ async fn read_all(store: &Store) -> Result<Objects, StoreError> {
         };
         let mut cursor = 0;
         loop {
-            let (next, page) = store.objects_page(kind, cursor, PAGE).await?;
-            held.extend(page.into_iter().map(|s: Stored| (s.name, s.json)));
+            let (next, page) = store.object_bodies_page(kind, cursor, PAGE).await?;
+            held.extend(page);
             if next == 0 {
                 break;
             }

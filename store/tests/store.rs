@@ -1276,6 +1276,13 @@ async fn objects_put_get_page_and_delete_with_one_feed_entry_per_change() {
     );
     let (next, page) = store.objects_page(Schedule, 0, 100).await.expect("page");
     assert_eq!((next, page.len()), (0, 2));
+    let (next, mut bodies) = store
+        .object_bodies_page(Schedule, 0, 100)
+        .await
+        .expect("page");
+    bodies.sort();
+    let expected = [("a", "{\"v\":2}"), ("b", "{}")].map(|(n, j)| (n.to_owned(), j.to_owned()));
+    assert_eq!((next, bodies), (0, expected.to_vec()));
     assert_eq!(
         store
             .delete_objects(Schedule, &["a", "zz"])
