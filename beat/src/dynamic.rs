@@ -13,7 +13,7 @@ use drumline_shared::store::{FeedRead, ObjectKind, Store, StoreError};
 use serde_json::Value;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
@@ -79,12 +79,18 @@ impl Changes {
         store: &Store,
         hangups: Hangups,
     ) -> Result<(Self, Arc<Config>), (StoreError, Hangups)> {
+        let started = Instant::now();
         let read =
             async { Ok::<_, StoreError>((store.feed_head().await?, read_all(store).await?)) };
         let (head, objects) = match read.await {
             Ok(read) => read,
             Err(e) => return Err((e, hangups)),
         };
+        let read_ms = started.elapsed().as_millis() as u64;
+        info!(
+            schedules = objects.schedules.len(),
+            read_ms, "schedules read"
+        );
         let (tx, updates) = mpsc::channel(16);
         tokio::spawn(follow(store.clone(), head, tx));
         let mut changes = Changes {
@@ -169,6 +175,7 @@ impl Changes {
     /// Checks every stored object again (at start, after SIGHUP, a calendar's change or a gap
     /// in the feed): the config to run, the file's jobs and the schedules that check.
     fn check_all(&mut self) -> Arc<Config> {
+        let started = Instant::now();
         self.calendars.clear();
         let names: Vec<String> = self.objects.calendars.keys().cloned().collect();
         for name in names {
@@ -198,6 +205,7 @@ impl Changes {
         info!(
             schedules = self.checked(),
             calendars = self.calendars.len(),
+            check_ms = started.elapsed().as_millis() as u64,
             "schedules applied at run time"
         );
         Arc::new(config)
