@@ -1,7 +1,9 @@
 //! Publishing many instances due at once, for `scripts/bench`:
-//! `bench_publish [--jobs N] [--runs R] PATH/TO/drumline-beat [PATH/TO/other-drumline-beat …]`
-//! (default 10,000 jobs, 3 runs; each run measures every beat and then the bare broker, and
-//! the report gives the median and min–max of each, and the ratio per run).
+//! `bench_publish [--jobs N] [--runs R] [--json-file PATH] PATH/TO/drumline-beat
+//! [PATH/TO/other-drumline-beat …]` (default 10,000 jobs, 3 runs; each run measures every beat
+//! and then the bare broker, and the report gives the median and min–max of each, and the ratio
+//! per run; `--json-file` also writes the times, in ms, as JSON to PATH, so `scripts/bench` can
+//! set a peer's figure beside them from one run).
 //!
 //! For each beat binary, in a namespace of its own: a config of N `every = "1m"` jobs whose
 //! `anchor` puts one instant of every job at the same instant T, a few seconds after the beat
@@ -55,14 +57,17 @@ struct BeatRun {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<()> {
-    let usage = "usage: bench_publish [--jobs N] [--runs R] PATH/TO/drumline-beat [OTHER-BEAT …]";
+    let usage = "usage: bench_publish [--jobs N] [--runs R] [--json-file PATH] \
+                 PATH/TO/drumline-beat [OTHER-BEAT …]";
     let (mut jobs, mut runs) = (10_000usize, 3usize);
+    let mut json_file: Option<PathBuf> = None;
     let mut beats = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--jobs" => jobs = args.next().context(usage)?.parse().context("--jobs N")?,
             "--runs" => runs = args.next().context(usage)?.parse().context("--runs R")?,
+            "--json-file" => json_file = Some(args.next().context(usage)?.into()),
             _ => beats.push(PathBuf::from(arg)),
         }
     }
@@ -151,7 +156,49 @@ async fn main() -> Result<()> {
         )?;
     }
     print!("{out}");
+    if let Some(path) = json_file {
+        let json = report_json(jobs, &beats, &beat_runs, &bare_runs);
+        std::fs::write(&path, serde_json::to_string_pretty(&json)?)
+            .with_context(|| format!("--json-file {}", path.display()))?;
+    }
     Ok(())
+}
+
+/// The runs' times in ms, each as median, min, max and the runs in order.
+fn report_json(
+    jobs: usize,
+    beats: &[PathBuf],
+    beat_runs: &[Vec<BeatRun>],
+    bare_runs: &[Duration],
+) -> serde_json::Value {
+    let ms = |times: Vec<Duration>| {
+        let runs: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+        let mut sorted = runs.clone();
+        sorted.sort_by(f64::total_cmp);
+        serde_json::json!({
+            "median": sorted[sorted.len() / 2],
+            "min": sorted[0],
+            "max": sorted[sorted.len() - 1],
+            "runs": runs,
+        })
+    };
+    let beats: Vec<_> = beats
+        .iter()
+        .zip(beat_runs)
+        .map(|(beat, runs)| {
+            serde_json::json!({
+                "beat": name(beat),
+                "all_queued_ms": ms(runs.iter().map(|r| r.all_queued).collect()),
+                "first_seen_ms": ms(runs.iter().map(|r| r.first_seen).collect()),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "jobs": jobs,
+        "runs": bare_runs.len(),
+        "beats": beats,
+        "bare_ms": ms(bare_runs.to_vec()),
+    })
 }
 
 /// The binary's file name and its directory's, enough to tell builds apart.

@@ -18,7 +18,10 @@
 //!
 //! `cargo run --release -p drumline-worker --example throughput -- [--messages N]
 //!  [--shell N] [--shell-concurrency 8,32] [--shell-background 1000] [--concurrency 32,256]
-//!  [--runs 3] [--mode drain|together|both] [--json]`
+//!  [--runs 3] [--mode drain|together|both] [--json] [--json-file PATH]`
+//!
+//! `--json` prints the report as JSON instead of the table; `--json-file PATH` writes the same
+//! JSON to PATH as well, so `scripts/bench` can set a peer's figures beside these from one run.
 //!
 //! Uses its own namespaces on 127.0.0.1 and deletes what it declared. Asserts nothing about
 //! speed (a benchmark, not a test); it does check that every message was handled.
@@ -510,6 +513,7 @@ struct Args {
     runs: usize,
     modes: Vec<&'static str>,
     json: bool,
+    json_file: Option<std::path::PathBuf>,
 }
 
 fn args() -> Args {
@@ -522,11 +526,12 @@ fn args() -> Args {
         runs: 3,
         modes: vec!["drain"],
         json: false,
+        json_file: None,
     };
     let mut it = std::env::args().skip(1);
     let usage = "usage: throughput [--messages N] [--shell N] [--shell-concurrency 8,32] \
                  [--shell-background 1000] [--concurrency 32,256] [--runs 3] \
-                 [--mode drain|together|both] [--json]";
+                 [--mode drain|together|both] [--json] [--json-file PATH]";
     let list =
         |v: String| -> Vec<usize> { v.split(',').map(|c| c.parse().expect(usage)).collect() };
     while let Some(flag) = it.next() {
@@ -547,6 +552,7 @@ fn args() -> Args {
                 }
             }
             "--json" => a.json = true,
+            "--json-file" => a.json_file = Some(value().into()),
             _ => panic!("{usage}"),
         }
     }
@@ -688,65 +694,69 @@ async fn main() {
         .map(|p| p.get())
         .unwrap_or(0);
 
-    if args.json {
-        let out = serde_json::json!({
-            "cores": cores,
-            "messages": n,
-            "runs": args.runs,
-            "throughput": rows.iter().map(|r| {
+    let out = serde_json::json!({
+        "cores": cores,
+        "messages": n,
+        "runs": args.runs,
+        "throughput": rows.iter().map(|r| {
+            let ratio = Figure { runs: r.ratios.clone() };
+            serde_json::json!({
+                "mode": r.mode,
+                "concurrency": r.concurrency,
+                "bare_msgs_per_s": r.bare.json(),
+                "worker_msgs_per_s": r.worker.json(),
+                "ratio": {
+                    "of_medians": r.worker.median() / r.bare.median(),
+                    "min": ratio.min(),
+                    "max": ratio.max(),
+                    "runs": r.ratios,
+                },
+                "bare_coalesced_acks_msgs_per_s": r.coalesced.json(),
+                "ratio_to_coalesced": {
+                    "of_medians": r.worker.median() / r.coalesced.median(),
+                    "runs": r.coalesced_ratios,
+                },
+                "journal_off_msgs_per_s": r.unjournaled.json(),
+                "journal_on_over_off": {
+                    "median": Figure { runs: r.journal.clone() }.median(),
+                    "runs": r.journal,
+                },
+                "cpu_us_per_msg": {
+                    "bare": r.cpu_medians(0),
+                    "worker": r.cpu_medians(1),
+                    "worker_journal_off": r.cpu_medians(2),
+                    "bare_coalesced_acks": r.cpu_medians(3),
+                },
+            })
+        }).collect::<Vec<_>>(),
+        "shell": (args.shell > 0).then(|| serde_json::json!({
+            "messages": args.shell,
+            "command": "/bin/true",
+            "by_concurrency": shell_rows.iter().map(|r| {
                 let ratio = Figure { runs: r.ratios.clone() };
                 serde_json::json!({
-                    "mode": r.mode,
                     "concurrency": r.concurrency,
-                    "bare_msgs_per_s": r.bare.json(),
-                    "worker_msgs_per_s": r.worker.json(),
+                    "fork_exec_per_s": r.ceiling.json(),
+                    "executor_per_s": r.executor.json(),
                     "ratio": {
-                        "of_medians": r.worker.median() / r.bare.median(),
+                        "of_medians": r.executor.median() / r.ceiling.median(),
                         "min": ratio.min(),
                         "max": ratio.max(),
                         "runs": r.ratios,
                     },
-                    "bare_coalesced_acks_msgs_per_s": r.coalesced.json(),
-                    "ratio_to_coalesced": {
-                        "of_medians": r.worker.median() / r.coalesced.median(),
-                        "runs": r.coalesced_ratios,
-                    },
-                    "journal_off_msgs_per_s": r.unjournaled.json(),
-                    "journal_on_over_off": {
-                        "median": Figure { runs: r.journal.clone() }.median(),
-                        "runs": r.journal,
-                    },
-                    "cpu_us_per_msg": {
-                        "bare": r.cpu_medians(0),
-                        "worker": r.cpu_medians(1),
-                        "worker_journal_off": r.cpu_medians(2),
-                        "bare_coalesced_acks": r.cpu_medians(3),
-                    },
+                    "background_tasks": args.shell_background,
+                    "executor_with_background_per_s":
+                        (!r.loaded.runs.is_empty()).then(|| r.loaded.json()),
                 })
             }).collect::<Vec<_>>(),
-            "shell": (args.shell > 0).then(|| serde_json::json!({
-                "messages": args.shell,
-                "command": "/bin/true",
-                "by_concurrency": shell_rows.iter().map(|r| {
-                    let ratio = Figure { runs: r.ratios.clone() };
-                    serde_json::json!({
-                        "concurrency": r.concurrency,
-                        "fork_exec_per_s": r.ceiling.json(),
-                        "executor_per_s": r.executor.json(),
-                        "ratio": {
-                            "of_medians": r.executor.median() / r.ceiling.median(),
-                            "min": ratio.min(),
-                            "max": ratio.max(),
-                            "runs": r.ratios,
-                        },
-                        "background_tasks": args.shell_background,
-                        "executor_with_background_per_s":
-                            (!r.loaded.runs.is_empty()).then(|| r.loaded.json()),
-                    })
-                }).collect::<Vec<_>>(),
-            })),
-        });
-        println!("{}", serde_json::to_string_pretty(&out).unwrap());
+        })),
+    });
+    let json = serde_json::to_string_pretty(&out).unwrap();
+    if let Some(path) = &args.json_file {
+        std::fs::write(path, &json).expect("--json-file: cannot write");
+    }
+    if args.json {
+        println!("{json}");
     } else {
         println!(
             "{n} messages per run, {} runs per figure (median, min–max), {cores} cores",
