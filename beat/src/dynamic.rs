@@ -191,7 +191,7 @@ impl Changes {
         let left_out = &mut self.left_out;
         left_out.clear();
         let names = self.objects.schedules.keys();
-        let jobs = names
+        let jobs: Vec<Job> = names
             .zip(checked)
             .filter_map(|(name, checked)| match checked {
                 Ok(job) => Some(job),
@@ -200,15 +200,21 @@ impl Changes {
                     left_out.insert(name.clone());
                     None
                 }
-            });
-        let config = self.file.with_schedules(jobs, self.calendars.iter());
+            })
+            .collect();
+        // Nothing stored to add: the file's config itself, not a copy of its jobs (the first
+        // edit copies it: `Arc::make_mut`).
+        let config = match jobs.is_empty() && self.calendars.is_empty() {
+            true => self.file.clone(),
+            false => Arc::new(self.file.with_schedules(jobs, self.calendars.iter())),
+        };
         info!(
             schedules = self.checked(),
             calendars = self.calendars.len(),
             check_ms = started.elapsed().as_millis() as u64,
             "schedules applied at run time"
         );
-        Arc::new(config)
+        config
     }
 
     /// How many stored schedules check against the file.
@@ -407,5 +413,49 @@ fn reload(config: &Config) -> Option<Arc<Config>> {
             error!(error = %e, "reload refused: the file does not load; the running config stays");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    /// The changes of a beat whose file has jobs `a` and `b` and which found `objects` stored.
+    fn changes(objects: Objects) -> Changes {
+        let mut text = String::new();
+        for name in ["a", "b"] {
+            text += &format!("[[jobs]]\nname = \"{name}\"\ntask = \"t\"\nevery = \"1m\"\n");
+        }
+        text += "[tasks.t]\ncommand = [\"/bin/true\"]\n";
+        let file = Config::parse(&text, Path::new("test.toml"), |_| None).unwrap();
+        let (_, updates) = mpsc::channel(1);
+        Changes {
+            hangups: Hangups::new(),
+            file: Arc::new(file),
+            objects,
+            left_out: HashSet::new(),
+            calendars: BTreeMap::new(),
+            updates,
+        }
+    }
+
+    /// With nothing stored, the beat runs the file's config itself: a second copy of a million
+    /// file jobs was 100 MiB of a beat's memory (docs/performance.md, "A million jobs").
+    #[tokio::test]
+    async fn with_nothing_stored_the_file_is_run_as_it_is_not_copied() {
+        let mut changes = changes(Objects::default());
+        let config = changes.check_all();
+        assert!(Arc::ptr_eq(&config, &changes.file));
+
+        let schedule = r#"{"name": "s", "task": "t", "every": "1h"}"#;
+        changes
+            .objects
+            .schedules
+            .insert("s".into(), schedule.into());
+        let config = changes.check_all();
+        assert!(!Arc::ptr_eq(&config, &changes.file));
+        let names: Vec<&str> = config.jobs.iter().map(|j| j.name.as_str()).collect();
+        assert_eq!(names, ["a", "b", "s"]);
     }
 }
