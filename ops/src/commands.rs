@@ -52,7 +52,8 @@ pub async fn run(config: Config, options: Options) -> Result<(), Failure> {
             .map_err(|e| Failure::usage(format!("--metrics-addr {addr}: {e}")))?;
         tracing::info!(%addr, "serving the status page at / and /api/status");
     }
-    let stopping = drumline_shared::signals::shutdown("finishing the batch in hand");
+    // Listening before READY=1: a stop from then on is orderly (docs/operations.md#systemd).
+    let stopping = drumline_shared::signals::Shutdown::listen().wait("finishing the batch in hand");
     let _watchdog = drumline_shared::systemd::ready();
     match scheduler::run(config, stats, stopping).await {
         Ok(_) => Ok(()),

@@ -272,6 +272,31 @@ fn under_systemd_a_worker_says_ready_and_pings_the_watchdog() {
     worker.terminate(Duration::from_secs(10));
 }
 
+/// READY=1 means the worker can already be stopped in order: a SIGTERM the moment systemd hears
+/// it ends the worker with exit 0, not the signal's default death.
+#[test]
+fn a_sigterm_right_after_ready_stops_the_worker_in_order() {
+    use std::os::unix::net::UnixDatagram;
+    let env = setup("e2e_deploy_ready_term");
+    let cfg = env.write_config("drumline.toml", &Cfg::new().task("t", shell("true")));
+    let socket_path = env.path("notify.sock");
+    let socket = UnixDatagram::bind(&socket_path).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let notify = socket_path.to_str().unwrap();
+    let mut worker = env.worker_with_env(
+        "worker",
+        &["--config", cfg.to_str().unwrap()],
+        &[("NOTIFY_SOCKET", notify)],
+    );
+    let mut buf = [0u8; 256];
+    let n = socket.recv(&mut buf).expect("READY=1");
+    assert_eq!(String::from_utf8_lossy(&buf[..n]).trim(), "READY=1");
+    let status = worker.terminate(Duration::from_secs(20));
+    assert!(status.success(), "stopped in order: {status}");
+}
+
 /// The dashboard picks a namespace and its instances: both are variables, the instances those
 /// whose `drumline_build_info` carries the namespace, and every series a panel reads is of the
 /// instances picked.

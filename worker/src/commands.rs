@@ -83,11 +83,11 @@ pub async fn run(config: Config, options: Options) -> Result<(), Failure> {
         }
         None => None,
     };
+    // Listening before READY=1: a stop from then on is orderly (docs/operations.md#systemd).
+    let stopping = drumline_shared::signals::Shutdown::listen();
     let _watchdog = drumline_shared::systemd::ready();
     worker
-        .run(drumline_shared::signals::shutdown(
-            "finishing in-flight tasks",
-        ))
+        .run(stopping.wait("finishing in-flight tasks"))
         .await?;
     Ok(())
 }
