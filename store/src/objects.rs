@@ -219,15 +219,8 @@ impl Store {
         cursor: u64,
         count: usize,
     ) -> Result<(u64, Vec<Stored>), StoreError> {
-        let mut conn = self.conn.clone();
-        let (next, flat): (u64, Vec<String>) = redis::cmd("HSCAN")
-            .arg(self.names.objects(kind.as_str()))
-            .arg(cursor)
-            .arg("COUNT")
-            .arg(count)
-            .query_async(&mut conn)
-            .await?;
-        let names: Vec<String> = flat.iter().step_by(2).cloned().collect();
+        let (next, pairs) = self.object_bodies_page(kind, cursor, count).await?;
+        let names: Vec<String> = pairs.into_iter().map(|(name, _)| name).collect();
         let found = self.objects_named(kind, &names).await?;
         Ok((next, found.into_iter().flatten().collect()))
     }

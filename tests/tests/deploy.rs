@@ -4,7 +4,7 @@
 
 use drumline_e2e::cfg::{every, shell, Cfg};
 use drumline_e2e::scenario::tails;
-use drumline_e2e::{binary, http_get, setup, wait_until};
+use drumline_e2e::{binary, http_get, setup, wait_until, Proc, TestEnv};
 use serde_yaml::Value;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -244,22 +244,28 @@ fn the_dashboard_queries_only_metrics_drumline_exports() {
     beat.terminate(Duration::from_secs(10));
 }
 
-#[test]
-fn under_systemd_a_worker_says_ready_and_pings_the_watchdog() {
-    use std::os::unix::net::UnixDatagram;
-    let env = setup("e2e_deploy_notify");
+/// A worker started as systemd starts a `Type=notify` unit: `NOTIFY_SOCKET` (the socket it
+/// binds, read with a 30 s timeout) and `vars`.
+fn notifying_worker(
+    env: &TestEnv,
+    vars: &[(&str, &str)],
+) -> (Proc, std::os::unix::net::UnixDatagram) {
     let cfg = env.write_config("drumline.toml", &Cfg::new().task("t", shell("true")));
     let socket_path = env.path("notify.sock");
-    let socket = UnixDatagram::bind(&socket_path).unwrap();
+    let socket = std::os::unix::net::UnixDatagram::bind(&socket_path).unwrap();
     socket
         .set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
-    let notify = socket_path.to_str().unwrap();
-    let mut worker = env.worker_with_env(
-        "worker",
-        &["--config", cfg.to_str().unwrap()],
-        &[("NOTIFY_SOCKET", notify), ("WATCHDOG_USEC", "400000")],
-    );
+    let mut vars = vars.to_vec();
+    vars.push(("NOTIFY_SOCKET", socket_path.to_str().unwrap()));
+    let worker = env.worker_with_env("worker", &["--config", cfg.to_str().unwrap()], &vars);
+    (worker, socket)
+}
+
+#[test]
+fn under_systemd_a_worker_says_ready_and_pings_the_watchdog() {
+    let env = setup("e2e_deploy_notify");
+    let (mut worker, socket) = notifying_worker(&env, &[("WATCHDOG_USEC", "400000")]);
     let mut seen = Vec::new();
     let mut buf = [0u8; 256];
     while !(seen.iter().any(|m| m == "READY=1") && seen.iter().any(|m| m == "WATCHDOG=1")) {
@@ -276,20 +282,8 @@ fn under_systemd_a_worker_says_ready_and_pings_the_watchdog() {
 /// it ends the worker with exit 0, not the signal's default death.
 #[test]
 fn a_sigterm_right_after_ready_stops_the_worker_in_order() {
-    use std::os::unix::net::UnixDatagram;
     let env = setup("e2e_deploy_ready_term");
-    let cfg = env.write_config("drumline.toml", &Cfg::new().task("t", shell("true")));
-    let socket_path = env.path("notify.sock");
-    let socket = UnixDatagram::bind(&socket_path).unwrap();
-    socket
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let notify = socket_path.to_str().unwrap();
-    let mut worker = env.worker_with_env(
-        "worker",
-        &["--config", cfg.to_str().unwrap()],
-        &[("NOTIFY_SOCKET", notify)],
-    );
+    let (mut worker, socket) = notifying_worker(&env, &[]);
     let mut buf = [0u8; 256];
     let n = socket.recv(&mut buf).expect("READY=1");
     assert_eq!(String::from_utf8_lossy(&buf[..n]).trim(), "READY=1");
