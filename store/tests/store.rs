@@ -1307,40 +1307,31 @@ async fn objects_put_get_page_and_delete_with_one_feed_entry_per_change() {
     assert_eq!(none, FeedRead::Changes(Vec::new()));
 }
 
+/// The answer to a claim of `key` by `token` under `overlap`, as text.
+fn claim_text<'s>(
+    s: &'s Store,
+    key: &'static str,
+    token: &'static str,
+    overlap: OverlapMode<'static>,
+) -> Call<'s> {
+    Box::pin(async move { format!("{:?}", s.claim(&req(key, token, overlap)).await) })
+}
+
+/// A call of [`mixed_calls`], its answer as text.
+type Call<'s> = std::pin::Pin<Box<dyn std::future::Future<Output = String> + 's>>;
+
 /// The calls of [`the_same_calls_batched_answer_as_one_by_one`], in order, each answer as text.
-fn mixed_calls(
-    s: &Store,
-) -> Vec<std::pin::Pin<Box<dyn std::future::Future<Output = String> + '_>>> {
+fn mixed_calls(s: &Store) -> Vec<Call<'_>> {
     let retention = Duration::from_secs(60);
     let expired = ClaimRequest {
         expired: true,
         ..req("expired", "t1", OverlapMode::Allow)
     };
     vec![
-        Box::pin(async move {
-            format!(
-                "{:?}",
-                s.claim(&req("done", "t1", OverlapMode::Allow)).await
-            )
-        }),
-        Box::pin(async move {
-            format!(
-                "{:?}",
-                s.claim(&req("busy", "t1", OverlapMode::Allow)).await
-            )
-        }),
-        Box::pin(async move {
-            format!(
-                "{:?}",
-                s.claim(&req("fresh", "t1", OverlapMode::Allow)).await
-            )
-        }),
-        Box::pin(async move {
-            format!(
-                "{:?}",
-                s.claim(&req("skip", "t1", OverlapMode::Skip("j"))).await
-            )
-        }),
+        claim_text(s, "done", "t1", OverlapMode::Allow),
+        claim_text(s, "busy", "t1", OverlapMode::Allow),
+        claim_text(s, "fresh", "t1", OverlapMode::Allow),
+        claim_text(s, "skip", "t1", OverlapMode::Skip("j")),
         Box::pin(async move { format!("{:?}", s.claim(&expired).await) }),
         Box::pin(async move {
             format!(
@@ -1359,12 +1350,7 @@ fn mixed_calls(
         Box::pin(
             async move { format!("{:?}", s.finish("busy", None, "t0", DONE, retention).await) },
         ),
-        Box::pin(async move {
-            format!(
-                "{:?}",
-                s.claim(&req("fresh", "t2", OverlapMode::Allow)).await
-            )
-        }),
+        claim_text(s, "fresh", "t2", OverlapMode::Allow),
         Box::pin(async move {
             format!(
                 "{:?}",
