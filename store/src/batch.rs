@@ -8,7 +8,9 @@
 //! does alone — the same keys, checks, fences and journal entries, in arrival order — and an
 //! error in one (Redis refused a command) is that call's, not its neighbours'.
 
-use super::{Store, StoreError, CLAIM_LUA, FINISH_LUA, RELEASE_LUA, RENEW_LUA, RETRY_LUA};
+use super::{
+    standalone, Store, StoreError, CLAIM_LUA, FINISH_LUA, RELEASE_LUA, RENEW_LUA, RETRY_LUA,
+};
 use redis::{Script, ScriptInvocation, ToRedisArgs, Value};
 use std::sync::{Arc, LazyLock};
 use tokio::sync::{mpsc, oneshot};
@@ -52,8 +54,12 @@ impl Kind {
 
     /// The kind's own script, sent when a call goes alone.
     pub(crate) fn script(self) -> &'static Script {
-        static SCRIPTS: LazyLock<Vec<Script>> =
-            LazyLock::new(|| Kind::ALL.iter().map(|k| Script::new(k.text())).collect());
+        static SCRIPTS: LazyLock<Vec<Script>> = LazyLock::new(|| {
+            Kind::ALL
+                .iter()
+                .map(|k| Script::new(&standalone(k.text())))
+                .collect()
+        });
         &SCRIPTS[self.number() - 1]
     }
 }
@@ -64,9 +70,10 @@ impl Kind {
 //            how many ARGV it has, and its ARGV
 // Output: per call {1, its reply} or {0, the error Redis raised in it}.
 // Each kind's script is the body of a function whose parameters are named KEYS and ARGV, so the
-// script (and the helpers it defines, which see them as upvalues) reads that call's own.
+// script (and the helpers it defines, which see them as upvalues) reads that call's own; `NOW`
+// (the clock, CLOCK in lib.rs) is the batch's, read by the first call that asks.
 static BATCH: LazyLock<Script> = LazyLock::new(|| {
-    let mut text = String::from("local run = {}\n");
+    let mut text = String::from("local NOW = false\nlocal run = {}\n");
     for kind in Kind::ALL {
         text.push_str(&format!(
             "run[{}] = function(KEYS, ARGV)\n{}\nend\n",

@@ -321,15 +321,30 @@ impl RunRecord {
 /// Most run records kept per job.
 pub const HISTORY_LEN: isize = 1000;
 
-// What the scripts that keep `{ns}:running:{job}` share: `now_ms()` is Redis `TIME` in ms (one
-// clock for every worker), and `mark_running(set, member, lease_ms)` scores `member` at now +
+// CLOCK: `now_ms()` is Redis `TIME` in ms (one clock for every worker), read once per script
+// call and kept in `NOW`, which the script declares before it (see [`standalone`]): one batch
+// of calls shares one reading (docs/design.md#batched-writes), as Redis itself judges every key's
+// expiry in a script by the time the script began.
+const CLOCK: &str = r#"
+local function now_ms()
+  if not NOW then
+    local t = redis.call('TIME')
+    NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return NOW
+end
+"#;
+
+/// `text` as a script of its own: `NOW` ([`CLOCK`]) declared, not yet read.
+pub(crate) fn standalone(text: &str) -> String {
+    format!("local NOW = false\n{text}")
+}
+
+// What the scripts that keep `{ns}:running:{job}` share: [`CLOCK`], and
+// `mark_running(set, member, lease_ms)` scores `member` at now +
 // lease, drops the entries whose lease has expired (their workers died) and keeps the set alive
 // at least as long as its newest entry, so an idle job's set expires by itself.
 const RUNNING_SET: &str = r#"
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
 local function mark_running(set, member, lease_ms)
   local now = now_ms()
   redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
@@ -342,7 +357,7 @@ end
 
 /// The text of a script that starts with [`RUNNING_SET`] and goes on with `body`.
 fn keeping_running_set(body: &str) -> String {
-    format!("{RUNNING_SET}{body}")
+    format!("{CLOCK}{RUNNING_SET}{body}")
 }
 
 // The run record `{ns}:run:{key}` outlives its lease (docs/design.md#attempts-outlive-the-lease):
@@ -516,7 +531,7 @@ return {'claimed', tostring(fence)}
 // KEYS[1] -> {ns}:run:{key}          KEYS[2] -> {ns}:job:{job}:running (the job lock)
 // KEYS[3] -> {ns}:running:{job}      (unused for an ad-hoc task)
 // KEYS[4] -> {ns}:waiters:{job}      (unused by RENEW)
-// KEYS[5] -> {ns}:limit:{name}:slots (unused without a concurrency group)
+// KEYS[5] -> {ns}:limit:{name}:slots (KEYS[1] again without a concurrency group: not touched)
 // ARGV[1] -> the claim's token       ARGV[2] -> the key as the running set records it ('' for
 //                                               an ad-hoc task: not counted)
 // then the script's own ARGV.
@@ -542,7 +557,8 @@ if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
     redis.call('PEXPIRE', KEYS[2], ARGV[3])
   end
   if ARGV[2] ~= '' then mark_running(KEYS[3], ARGV[2], ARGV[3]) end
-  if redis.call('ZADD', KEYS[5], 'XX', 'CH', now + tonumber(ARGV[3]), ARGV[1]) == 1
+  if KEYS[5] ~= KEYS[1]
+     and redis.call('ZADD', KEYS[5], 'XX', 'CH', now + tonumber(ARGV[3]), ARGV[1]) == 1
      and redis.call('PTTL', KEYS[5]) < tonumber(ARGV[3]) then
     redis.call('PEXPIRE', KEYS[5], ARGV[3])
   end
@@ -566,7 +582,7 @@ return 0
 // `redis.call` costs Redis about half a microsecond beside the command: docs/performance.md).
 // Each script returns {code, woken or false}.
 const END_CLAIM: &str = r#"
-redis.call('ZREM', KEYS[5], ARGV[1])
+if KEYS[5] ~= KEYS[1] then redis.call('ZREM', KEYS[5], ARGV[1]) end
 local woken = false
 if ARGV[2] ~= '' and redis.call('HGET', KEYS[2], 'token') == ARGV[1] then
   if HOLD_MS then
@@ -600,7 +616,7 @@ end
 /// with `body`; `hold` is the Lua expression for how many ms the job lock is kept instead of
 /// released (`false`: released).
 fn ending_claim(hold: &str, body: &str) -> String {
-    format!("local HOLD_MS = {hold}\n{JOURNAL}{ENDED}{END_CLAIM}{body}")
+    format!("local HOLD_MS = {hold}\n{CLOCK}{JOURNAL}{ENDED}{END_CLAIM}{body}")
 }
 
 // FINISH (the shared KEYS[1..4] and ARGV[1..2] above, then:)
@@ -623,7 +639,7 @@ pub(crate) static FINISH_LUA: LazyLock<String> = LazyLock::new(|| {
 if ours and state == ARGV[3] then return {2, woken} end
 if holds or redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('HSET', KEYS[1], 'state', ARGV[3], 'token', ARGV[1],
-    'at', redis.call('TIME')[1])
+    'at', math.floor(now_ms() / 1000))
   redis.call('HDEL', KEYS[1], 'lease_until')
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
   jot(ARGV[3] == 'done' and 'success' or 'dead', attempt, ARGV[1], worker, ended())
@@ -662,7 +678,7 @@ end
 if not holds then return {0, woken} end
 jot('retry', attempt, ARGV[1], worker, ended('next', ARGV[3]))
 redis.call('HSET', KEYS[1], 'state', 'retrying', 'attempt', ARGV[3],
-  'at', redis.call('TIME')[1])
+  'at', math.floor(now_ms() / 1000))
 redis.call('HDEL', KEYS[1], 'lease_until')
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {1, woken}
@@ -728,7 +744,7 @@ return redis.call('LPOP', KEYS[2])
 // Output: per set, how many entries have a lease that has not expired by Redis `TIME`
 // (read-only: expired entries are trimmed by the writers).
 static RUNNING_COUNTS: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&keeping_running_set(
+    Script::new(&standalone(&keeping_running_set(
         r#"
 local now = now_ms()
 local counts = {}
@@ -737,7 +753,7 @@ for i, set in ipairs(KEYS) do
 end
 return counts
 "#,
-    ))
+    )))
 });
 
 // CLEAR_DEAD (`dlq replay`: the replayed copy may run again)
@@ -1117,7 +1133,10 @@ impl Store {
             .key(self.job_lock(job))
             .key(self.running_set(job))
             .key(self.names.waiters(job.unwrap_or("")))
-            .key(self.names.limit_slots(self.limit.as_deref().unwrap_or("")))
+            .key(match &self.limit {
+                Some(name) => self.names.limit_slots(name),
+                None => self.names.run_key(key),
+            })
             .arg(token)
             .arg(if job.is_some() { key } else { "" });
         call
