@@ -48,6 +48,9 @@ use common::{
 
 type Bodies = [(Vec<u8>, BasicProperties)];
 
+/// How long one drain may take before the bench gives up and says where it stuck.
+const STUCK: Duration = Duration::from_secs(300);
+
 fn envelope(i: usize) -> Envelope {
     let now = Utc::now();
     Envelope {
@@ -134,7 +137,9 @@ async fn bare(
                     let _ = handled.send((d.delivery_tag, d.acker));
                     return;
                 }
-                d.ack(BasicAckOptions::default()).await.unwrap();
+                d.ack(BasicAckOptions::default())
+                    .await
+                    .expect("the bare consumer's ack");
                 if a.fetch_add(1, Ordering::AcqRel) + 1 == n {
                     done.notify_one();
                 }
@@ -144,7 +149,16 @@ async fn bare(
     if together {
         publish_all(&ch, "", &queue, bodies).await;
     }
-    all_acked.notified().await;
+    // A lost delivery or a failed ack would otherwise leave the bench waiting for ever.
+    if tokio::time::timeout(STUCK, all_acked.notified())
+        .await
+        .is_err()
+    {
+        panic!(
+            "the bare consumer acked {} of {n} deliveries in {STUCK:?}",
+            acked.load(Ordering::Acquire)
+        );
+    }
     let elapsed = start.elapsed();
     let used = Cpu::now().per_message(cpu, n);
     consuming.await.unwrap();
@@ -233,6 +247,11 @@ async fn drumline(
         publish_all(&ch, &exchange, "default", bodies).await;
     }
     while (stats.succeeded.get() as usize) < n {
+        assert!(
+            start.elapsed() < STUCK,
+            "the worker finished {} of {n} tasks in {STUCK:?}",
+            stats.succeeded.get()
+        );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let elapsed = start.elapsed();
