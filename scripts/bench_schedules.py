@@ -2,6 +2,7 @@
 """Schedules applied at run time, at scale (scripts/bench step 8; docs/performance.md).
 
   bench_schedules.py DRUMLINE DRUMLINE_BEAT [--schedules N] [--edits E] [--puts P]
+                     [--json-file PATH]
 
 1. `drumline schedules apply FILE` of N schedule objects (one JSON array): wall time and rate;
    applying the same file again (every object `unchanged`) too.
@@ -13,13 +14,16 @@
 5. takeover: a standby started beside it (once it has read every schedule), the leader killed
    with SIGKILL: the time from the kill to the standby's "beat leading", its own load time
    (`load_ms`: reading every job's progress, after the lease lapsed) and its resident memory.
-Works in a namespace of its own and deletes its Redis keys at the end. Numbers to report,
-never asserted.
+With --json-file, the figures are also written there as JSON (for the targets table at the end
+of scripts/bench). Works in a namespace of its own and deletes its Redis keys at the end.
+Numbers to report, never asserted.
 """
 import argparse, datetime, http.client, json, os, re, signal, socket, statistics, subprocess
 import sys, tempfile, threading, time
 
 TOKEN = "bench-token"
+# What --json-file writes: each step adds its figures.
+FIGURES = {}
 
 def main():
     ap = argparse.ArgumentParser()
@@ -28,7 +32,9 @@ def main():
     ap.add_argument("--schedules", type=int, default=100000)
     ap.add_argument("--edits", type=int, default=20)
     ap.add_argument("--puts", type=int, default=20000)
+    ap.add_argument("--json-file")
     a = ap.parse_args()
+    FIGURES["schedules"] = a.schedules
     ns = f"bench_sched_{os.getpid()}"
     work = tempfile.mkdtemp(prefix="drumline-bench-sched-")
     cfg = os.path.join(work, "drumline.toml")
@@ -41,7 +47,7 @@ def main():
         apply_many(a, cfg, work)
         port = free_port()
         beats.append(start_beat(a, cfg, work, "leader", ["--api-addr", f"127.0.0.1:{port}"]))
-        wait_for(beats[0], "beat leading", "leading after")
+        wait_for(beats[0], "beat leading", "leading after", key="start")
         puts(a, port)
         edits(a, cfg, work, beats[0])
         takeover(a, cfg, work, beats)
@@ -50,6 +56,9 @@ def main():
             beat.terminate()
             beat.wait(timeout=30)
         cleanup(ns)
+    if a.json_file:
+        with open(a.json_file, "w") as f:
+            json.dump(FIGURES, f, indent=2)
 
 def objects(n, every="1h"):
     return [{"name": f"s{i}", "task": "report", "every": every,
@@ -66,6 +75,7 @@ def apply_many(a, cfg, work):
         took = time.monotonic() - start
         n = out.count(what + " ")
         print(f"apply {a.schedules} by CLI ({what}): {took:.2f} s, {n / took:,.0f} schedules/s")
+        FIGURES[f"apply_cli_{what}_per_s"] = n / took
 
 def start_beat(a, cfg, work, label, extra=()):
     log = open(os.path.join(work, f"{label}.log"), "w")
@@ -74,9 +84,9 @@ def start_beat(a, cfg, work, label, extra=()):
     beat.log_path, beat.started, beat.schedules = log.name, time.monotonic(), a.schedules
     return beat
 
-def wait_for(beat, line, what, since=None):
+def wait_for(beat, line, what, since=None, key=None):
     """Waits until `beat` logs `line`; prints the time since `since` (default: its start) and
-    its resident memory then. Returns the line."""
+    its resident memory then, kept in FIGURES[key] too when given. Returns the line."""
     since = beat.started if since is None else since
     while True:
         found = [l for l in open(beat.log_path) if line in l]
@@ -89,6 +99,8 @@ def wait_for(beat, line, what, since=None):
     rss = next(l for l in open(f"/proc/{beat.pid}/status") if l.startswith("VmRSS")).split()[1]
     print(f"beat with {beat.schedules} schedules: {what} {took:.2f} s, "
           f"resident {int(rss) / 1024:.0f} MiB")
+    if key:
+        FIGURES[key] = {"s": took, "rss_mib": int(rss) / 1024}
     return found[-1]
 
 def free_port():
@@ -118,6 +130,7 @@ def puts(a, port, connections=8):
     took = time.monotonic() - start
     print(f"apply {a.puts} by API ({connections} connections, {a.schedules} present): "
           f"{took:.2f} s, {a.puts / took:,.0f} schedules/s")
+    FIGURES["apply_api_per_s"] = a.puts / took
 
 def takeover(a, cfg, work, beats):
     standby = start_beat(a, cfg, work, "standby")
@@ -125,9 +138,11 @@ def takeover(a, cfg, work, beats):
     wait_for(standby, "schedules applied at run time", "standby ready after")
     killed = time.monotonic()
     beats[0].send_signal(signal.SIGKILL)
-    line = wait_for(standby, "beat leading", "takeover (lease 3 s) after", since=killed)
+    line = wait_for(standby, "beat leading", "takeover (lease 3 s) after", since=killed,
+                    key="takeover")
     load = re.search(r"load_ms=(\d+)", line)
     print(f"takeover: the standby's own load {load.group(1) if load else '?'} ms")
+    FIGURES["takeover_load_ms"] = int(load.group(1)) if load else None
 
 def edits(a, cfg, work, beat):
     lags = []
@@ -149,6 +164,7 @@ def edits(a, cfg, work, beat):
         lags.append(max(0.0, (at - done).total_seconds() * 1000))
     lags.sort()
     p99 = lags[min(len(lags) - 1, int(len(lags) * 0.99))]
+    FIGURES["edit_p99_ms"] = p99
     print(f"edit → leader with {a.schedules} present ({a.edits} edits): "
           f"p50 {statistics.median(lags):.0f} ms, p99 {p99:.0f} ms, max {lags[-1]:.0f} ms")
 

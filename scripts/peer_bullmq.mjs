@@ -16,8 +16,8 @@
 //
 // Each figure is --runs runs, median (min–max). --beside FILE reads drumline's figures of the
 // same `scripts/bench` run (throughput's --json-file for drain, bench_publish's for scheduler)
-// and prints drumline / BullMQ. --json prints one JSON line. Everything is under its own key
-// prefix and deleted at the end. Asserts nothing about speed.
+// and prints drumline / BullMQ. --json prints one JSON line; --json-file PATH writes it there.
+// Everything is under its own key prefix and deleted at the end. Asserts nothing about speed.
 //
 //   node scripts/peer_bullmq.mjs --mode drain --messages 50000 --concurrency 32 --runs 3
 //
@@ -25,7 +25,7 @@
 // in scripts/services); --modules names that directory.
 import { createRequire } from 'node:module';
 import { join, resolve } from 'node:path';
-import { readFileSync } from 'node:fs';
+import { readFileSync, writeFileSync } from 'node:fs';
 import { parseArgs } from 'node:util';
 
 const REDIS = { host: '127.0.0.1', port: 6379, maxRetriesPerRequest: null };
@@ -44,6 +44,7 @@ const { values: args } = parseArgs({
     beside: { type: 'string' },
     cron: { type: 'boolean', default: false },
     json: { type: 'boolean', default: false },
+    'json-file': { type: 'string' },
   },
 });
 const n = Number(args.messages);
@@ -199,19 +200,23 @@ function reportDrain(runs, drumline) {
   const whole = figure(runs.map((r) => r.whole));
   const steady = figure(runs.map((r) => r.steady));
   const ratio = drumline && drumline.median / whole.median;
-  if (args.json) return { jobs_per_s: whole, steady_jobs_per_s: steady, drumline_msgs_per_s: drumline, drumline_over_bullmq: ratio };
+  const report = { jobs_per_s: whole, steady_jobs_per_s: steady, drumline_msgs_per_s: drumline, drumline_over_bullmq: ratio };
+  if (args.json) return report;
   console.log(`bullmq ${version} drain c=${concurrency} ${n} no-op jobs: ${spread(whole)} jobs/s from the worker's start, ${spread(steady)} from its first job`);
   if (drumline) console.log(`  drumline worker c=${concurrency}, same run: ${spread(drumline)} msg/s; drumline / BullMQ ${ratio.toFixed(2)}`);
+  return report;
 }
 
 function reportScheduler(runs, drumline) {
   const [first, ready, started] = ['first', 'ready', 'started'].map((k) => figure(runs.map((r) => r[k])));
   const ratio = drumline && started.median / drumline.median;
-  if (args.json) return { first_ready_ms: first, all_ready_ms: ready, all_started_ms: started, drumline_all_queued_ms: drumline, bullmq_started_over_drumline: ratio };
+  const report = { first_ready_ms: first, all_ready_ms: ready, all_started_ms: started, drumline_all_queued_ms: drumline, bullmq_started_over_drumline: ratio };
+  if (args.json) return report;
   console.log(`bullmq ${version} ${n} job schedulers (${args.cron ? 'cron' : 'every'}) due at T (worker c=${concurrency}), ms from T: first ready ${spread(first)}, all ready ${spread(ready)}, all started ${spread(started)}`);
   if (drumline) {
     console.log(`  drumline beat, same run, T -> all ${n} queued: ${spread(drumline)} ms; BullMQ all started / drumline ${ratio.toFixed(2)}, all ready / drumline ${(ready.median / drumline.median).toFixed(2)}`);
   }
+  return report;
 }
 
 async function main() {
@@ -224,7 +229,9 @@ async function main() {
     await clean();
   }
   const report = (args.mode === 'scheduler' ? reportScheduler : reportDrain)(runs, drumlineFigure());
-  if (args.json) console.log(JSON.stringify({ peer: 'bullmq', version, mode: args.mode, cron: args.cron, concurrency, jobs: n, ...report }));
+  const line = JSON.stringify({ peer: 'bullmq', version, mode: args.mode, cron: args.cron, concurrency, jobs: n, ...report });
+  if (args.json) console.log(line);
+  if (args['json-file']) writeFileSync(args['json-file'], line);
   await store.quit();
 }
 

@@ -22,6 +22,9 @@
 //!   persisted (once per run, the first binary): time to its first job row and to its end,
 //!   the bytes written and the peak memory seen while it wrote them.
 //!
+//! - with `--json-file PATH`, the first binary's medians written there as JSON too (for the
+//!   targets table at the end of `scripts/bench`).
+//!
 //! Above 200,000 jobs the one-`GET`-per-job comparison is skipped (it takes minutes).
 //!
 //! Nothing comes due while it runs (daily jobs whose next instant is 12 h away). Its Redis keys,
@@ -69,9 +72,10 @@ struct Starts {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<()> {
-    let usage =
-        "usage: bench_startup [--jobs N] [--runs R] [--status] PATH/TO/drumline-beat [OTHER-BEAT …]";
+    let usage = "usage: bench_startup [--jobs N] [--runs R] [--status] [--json-file PATH] \
+         PATH/TO/drumline-beat [OTHER-BEAT …]";
     let (mut jobs, mut runs, mut status) = (100_000usize, 3usize, false);
+    let mut json_file: Option<PathBuf> = None;
     let mut beats = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -79,6 +83,7 @@ async fn main() -> Result<()> {
             "--jobs" => jobs = args.next().context(usage)?.parse().context("--jobs N")?,
             "--runs" => runs = args.next().context(usage)?.parse().context("--runs R")?,
             "--status" => status = true,
+            "--json-file" => json_file = Some(args.next().context(usage)?.into()),
             _ => beats.push(PathBuf::from(arg)),
         }
     }
@@ -93,9 +98,13 @@ async fn main() -> Result<()> {
     let result = bench(&beats, (jobs, runs, status), &ns, &dir).await;
     let cleaned = cleanup(&ns).await;
     let _ = std::fs::remove_dir_all(&dir);
-    let report = result?;
+    let (report, figures) = result?;
     cleaned.context("cleanup")?;
     print!("{report}");
+    if let Some(path) = json_file {
+        std::fs::write(&path, serde_json::to_string_pretty(&figures)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(())
 }
 
@@ -104,7 +113,7 @@ async fn bench(
     (jobs, runs, status): (usize, usize, bool),
     ns: &str,
     dir: &Path,
-) -> Result<String> {
+) -> Result<(String, serde_json::Value)> {
     let config_path = dir.join("drumline.toml");
     write_config(&config_path, ns, jobs)?;
     let size_mib = std::fs::metadata(&config_path)?.len() as f64 / (1 << 20) as f64;
@@ -164,6 +173,7 @@ async fn bench(
         }
     }
 
+    let figures = figures(jobs, &starts[0], &statuses);
     let mut out = String::new();
     writeln!(
         out,
@@ -254,7 +264,39 @@ async fn bench(
     for (step, result) in rows {
         writeln!(out, "{step:<56} {result:>24}")?;
     }
-    Ok(out)
+    Ok((out, figures))
+}
+
+/// The first binary's medians, as `--json-file` writes them.
+fn figures(jobs: usize, starts: &Starts, statuses: &[StatusRun]) -> serde_json::Value {
+    let starts_json = |runs: &[Startup]| {
+        let of = |f: fn(&Startup) -> u64| median_u64(runs.iter().map(f).collect());
+        serde_json::json!({
+            "leading_ms": median_u64(runs.iter().map(|s| s.until_started.as_millis() as u64).collect()),
+            "rss_kib": of(|s| s.rss_kib),
+            "settled_rss_kib": of(|s| s.settled_rss_kib),
+            "hwm_kib": of(|s| s.hwm_kib),
+        })
+    };
+    let status = (!statuses.is_empty()).then(|| {
+        let of = |f: fn(&StatusRun) -> u64| median_u64(statuses.iter().map(f).collect());
+        serde_json::json!({
+            "first_row_ms": of(|s| s.first_row_ms),
+            "end_ms": of(|s| s.end_ms),
+        })
+    });
+    serde_json::json!({
+        "jobs": jobs,
+        "first_start": starts_json(&starts.first),
+        "resumed": starts_json(&starts.resumed),
+        "status": status,
+    })
+}
+
+/// The middle value (the upper one of an even count).
+fn median_u64(mut values: Vec<u64>) -> u64 {
+    values.sort_unstable();
+    values.get(values.len() / 2).copied().unwrap_or(0)
 }
 
 /// One `status --json`.

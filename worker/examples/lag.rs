@@ -13,7 +13,8 @@
 //! shows p50/p99/max per run and the median of each over the runs.
 //!
 //! `cargo run --release -p drumline-worker --example lag -- [--rate 500] [--seconds 30]
-//!  [--warmup 1] [--runs 3] [--concurrency 32] [--json]`
+//!  [--warmup 1] [--runs 3] [--concurrency 32] [--json] [--json-file PATH]` (`--json-file`: the
+//!  JSON also written there, whatever is printed)
 //!
 //! Uses its own namespaces on 127.0.0.1 and deletes what it declared. Asserts nothing about
 //! speed (a benchmark, not a test); it does check that every message was handled.
@@ -281,6 +282,7 @@ struct Args {
     runs: usize,
     concurrency: usize,
     json: bool,
+    json_file: Option<std::path::PathBuf>,
 }
 
 impl Args {
@@ -300,9 +302,10 @@ fn args() -> Args {
         runs: 3,
         concurrency: 32,
         json: false,
+        json_file: None,
     };
     let usage = "usage: lag [--rate 500] [--seconds 30] [--warmup 1] [--runs 3] \
-                 [--concurrency 32] [--json]";
+                 [--concurrency 32] [--json] [--json-file PATH]";
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().expect(usage);
@@ -313,6 +316,7 @@ fn args() -> Args {
             "--runs" => a.runs = value().parse().expect(usage),
             "--concurrency" => a.concurrency = value().parse().expect(usage),
             "--json" => a.json = true,
+            "--json-file" => a.json_file = Some(value().into()),
             _ => panic!("{usage}"),
         }
     }
@@ -347,17 +351,20 @@ async fn main() {
         worker_runs.push(w);
     }
     let counted = args.messages() - args.warmup();
+    let out = serde_json::json!({
+        "rate_per_s": args.rate,
+        "seconds": args.seconds,
+        "warmup_seconds": args.warmup_seconds,
+        "messages_counted_per_run": counted,
+        "concurrency": args.concurrency,
+        "runs": args.runs,
+        "bare_publish_to_delivery": summary(&bare_runs),
+        "worker_publish_to_handler": summary(&worker_runs),
+    });
+    if let Some(path) = &args.json_file {
+        std::fs::write(path, serde_json::to_string_pretty(&out).unwrap()).expect("--json-file");
+    }
     if args.json {
-        let out = serde_json::json!({
-            "rate_per_s": args.rate,
-            "seconds": args.seconds,
-            "warmup_seconds": args.warmup_seconds,
-            "messages_counted_per_run": counted,
-            "concurrency": args.concurrency,
-            "runs": args.runs,
-            "bare_publish_to_delivery": summary(&bare_runs),
-            "worker_publish_to_handler": summary(&worker_runs),
-        });
         println!("{}", serde_json::to_string_pretty(&out).unwrap());
     } else {
         println!(
