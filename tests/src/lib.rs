@@ -169,6 +169,19 @@ pub fn setup(test: &str) -> TestEnv {
     TestEnv { ns, dir, namespace }
 }
 
+/// Copies the workspace binary `name` to `to`, to be run from there. The copy is written by `cp`,
+/// not by this process: a file this process holds open for writing may be inherited by a child
+/// another test thread forks meanwhile, and running the copy then fails with "Text file busy"
+/// (ETXTBSY) until that child has exec'd — as a CI run saw.
+pub fn copy_binary(name: &str, to: &Path) {
+    let status = Command::new("cp")
+        .arg(binary(name))
+        .arg(to)
+        .status()
+        .expect("cp runs");
+    assert!(status.success(), "cp {name} {}: {status}", to.display());
+}
+
 /// Path of a workspace binary (built by `cargo build --bins`, which `scripts/test` runs first).
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
@@ -273,7 +286,7 @@ impl TestEnv {
         let bin = self.path("bin");
         fs::create_dir_all(&bin).expect("mkdir bin");
         for name in ["drumline-worker", "drumline-supervisor"] {
-            fs::copy(binary(name), bin.join(name)).expect("copy a binary for nobody");
+            copy_binary(name, &bin.join(name));
         }
         let mut cmd = Command::new("setpriv");
         cmd.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"])

@@ -2,7 +2,7 @@
 //! pipe that closes early.
 
 use drumline_e2e::cfg::{cron, every, shell, Cfg};
-use drumline_e2e::{adhoc, assert_contiguous_exactly_once, binary, setup, wait_until};
+use drumline_e2e::{adhoc, assert_contiguous_exactly_once, binary, copy_binary, setup, wait_until};
 use serde_json::Value;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -73,7 +73,7 @@ fn an_embedded_worker_without_its_supervisor_refuses_to_start() {
     let cfg = ["greet", "deposit"].into_iter().fold(Cfg::new(), timeout);
     let config = env.config_file(&cfg.task("sh", shell("true")));
     let alone = env.path("typed-worker");
-    std::fs::copy(binary("typed-worker"), &alone).expect("a copy");
+    copy_binary("typed-worker", &alone);
     let out = Command::new(&alone)
         .arg(config)
         .arg(env.path("effects"))
@@ -98,7 +98,7 @@ fn the_one_binary_runs_the_beat_and_a_worker_alone() {
     let config = env.config_file(&cfg);
     let config = config.as_str();
     let alone = env.path("drumline");
-    std::fs::copy(binary("drumline"), &alone).expect("a copy");
+    copy_binary("drumline", &alone);
     let path = [("PATH", "/usr/bin:/bin")];
     let beat = env.program_at(&alone, "beat", &["--config", config, "beat"], &path);
     let worker = env.program_at(&alone, "worker", &["--config", config, "worker"], &path);
