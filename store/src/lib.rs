@@ -1128,15 +1128,18 @@ impl Store {
     /// key, job lock and running set, ARGV token and the running set's member (none for
     /// ad-hoc); the caller adds the script's own.
     fn holder_call(&self, kind: Kind, key: &str, job: Option<&str>, token: &str) -> Call {
+        let run = self.names.run_key(key);
+        // Without a concurrency group the run key stands in for the slots: the scripts skip it.
+        let slots = match &self.limit {
+            Some(name) => self.names.limit_slots(name),
+            None => run.clone(),
+        };
         let mut call = Call::new(kind);
-        call.key(self.names.run_key(key))
+        call.key(run)
             .key(self.job_lock(job))
             .key(self.running_set(job))
             .key(self.names.waiters(job.unwrap_or("")))
-            .key(match &self.limit {
-                Some(name) => self.names.limit_slots(name),
-                None => self.names.run_key(key),
-            })
+            .key(slots)
             .arg(token)
             .arg(if job.is_some() { key } else { "" });
         call
